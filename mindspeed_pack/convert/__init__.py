@@ -1,0 +1,1 @@
+"""convert stage of mindspeed-pack."""

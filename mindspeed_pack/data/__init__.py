@@ -1,0 +1,1 @@
+"""data stage of mindspeed-pack."""

@@ -1,0 +1,1 @@
+"""model stage of mindspeed-pack."""

@@ -1,0 +1,97 @@
+"""Build megatron-core ``GPTModel`` (Qwen2/Llama family) from Megatron-LM style arguments.
+
+``args`` is any object with Megatron-LM's argument names (``num_layers``, ``hidden_size``,
+``group_query_attention``, ``swiglu``, ...): the training parser's namespace, or a
+converter's. The same function builds every pipeline stage; the layer spec decides the
+attention backend (see :mod:`mindspeed_pack.model.spec`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from mindspeed_pack.model.spec import layer_spec, resolve_backend
+from mindspeed_pack.training.cpu_platform import cuda_usable
+
+
+def params_dtype(args) -> torch.dtype:
+    if getattr(args, "bf16", False):
+        return torch.bfloat16
+    if getattr(args, "fp16", False):
+        return torch.float16
+    return torch.float32
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
+    """Megatron's rule: pad the vocabulary to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def transformer_config(args) -> TransformerConfig:
+    on_gpu = cuda_usable()
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
+    swiglu = getattr(args, "swiglu", False)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
+        add_qkv_bias=getattr(args, "add_qkv_bias", False),
+        add_bias_linear=not getattr(args, "disable_bias_linear", False),
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        normalization=getattr(args, "normalization", "RMSNorm"),
+        layernorm_epsilon=getattr(args, "norm_epsilon", 1e-5),
+        hidden_dropout=getattr(args, "hidden_dropout", 0.0),
+        attention_dropout=getattr(args, "attention_dropout", 0.0),
+        init_method_std=getattr(args, "init_method_std", 0.02),
+        params_dtype=params_dtype(args),
+        bf16=getattr(args, "bf16", False),
+        fp16=getattr(args, "fp16", False),
+        tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+        sequence_parallel=getattr(args, "sequence_parallel", False),
+        pipeline_dtype=params_dtype(args),
+        # the same seed gives the same full weights at every TP size
+        use_cpu_initialization=getattr(args, "use_cpu_initialization", True),
+        perform_initialization=True,
+        # fused CUDA kernels exist only on GPU
+        bias_activation_fusion=on_gpu and swiglu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=on_gpu,
+        attention_softmax_in_fp32=True,
+        deterministic_mode=getattr(args, "deterministic_mode", False),
+        # per-token loss summed here, averaged over the global batch's tokens by the trainer
+        calculate_per_token_loss=True,
+    )
+
+
+def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
+    config = transformer_config(args)
+    backend = resolve_backend(getattr(args, "attention_backend", "auto"))
+    spec = layer_spec(backend, normalization=config.normalization)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=getattr(args, "max_position_embeddings", None) or args.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+        position_embedding_type=getattr(args, "position_embedding_type", "rope"),
+        rotary_base=int(getattr(args, "rotary_base", 10000)),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        vp_stage=vp_stage,
+    )
+    model.attention_backend = backend
+    return model

@@ -1,0 +1,25 @@
+"""Transformer Engine layer spec: the only module that touches Transformer Engine.
+
+TE's ``TEDotProductAttention`` runs packed (THD) fused attention from ``PackedSeqParams``
+(cu_seqlens with a leading 0). It is used when TE imports and CUDA is present.
+"""
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+try:  # decided once, at import
+    import transformer_engine  # noqa: F401
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    HAVE_TE = True
+except Exception:  # ImportError, or a TE build that does not match torch/CUDA
+    HAVE_TE = False
+
+
+def te_layer_spec(qk_layernorm: bool = False):
+    """megatron-core's TE spec (fused layernorm-linear, TE fused attention)."""
+    if not HAVE_TE:
+        raise RuntimeError("Transformer Engine is not importable; install the [gpu] extra on a CUDA machine")
+    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)

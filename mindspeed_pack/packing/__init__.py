@@ -1,0 +1,1 @@
+"""Packing core: bin packing of sample lengths and the packed-batch contract."""

@@ -1,0 +1,152 @@
+"""The batch contract of packed training: segment ids in, everything a step needs out.
+
+A pack is one row of ``seq_length`` tokens holding several samples back to back, then
+padding. Preprocessing stores three aligned arrays per pack (labels are *not* shifted)::
+
+    position        0   1   2   3   4   5   6   7   8   9
+    input_ids       a0  a1  a2  a3  b0  b1  b2  P   P   P      (P = pad)
+    labels          -   -   a2  a3  -   b1  b2  -   -   -      (- = -100: prompt, pad,
+    segment_ids     1   1   1   1   2   2   2   0   0   0       first token of a sample)
+
+:func:`build_packed_batch` turns a micro-batch of such rows into the step's inputs::
+
+    target          -   a2  a3  -   b1  b2  -   -   -   -      (labels shifted *within*
+    loss_mask       0   1   1   0   1   1   0   0   0   0       a segment: a3 never
+    position_ids    0   1   2   3   0   1   2   0   1   2       predicts b0)
+    cu_seqlens      [0, 4, 7, 10]                               (padding = one segment)
+
+Rows of a micro-batch are flattened into one THD sequence ``[1, b*s]`` and their
+``cu_seqlens`` concatenated, so micro-batch size > 1 needs nothing special downstream.
+The first token of each sample has label -100 in storage, so even data packed without
+segment ids (``attention_mask`` all ones) cannot train a sample's last token to predict
+the next sample's first one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class PackedBatch:
+    """Inputs of one micro-batch in THD layout (batch dimension 1, ``b*s`` tokens)."""
+
+    tokens: torch.Tensor  # [1, T] int64
+    target: torch.Tensor  # [1, T] int64, IGNORE_INDEX replaced by 0 (see loss_mask)
+    loss_mask: torch.Tensor  # [1, T] float32, 1 where the target is trained
+    position_ids: torch.Tensor  # [1, T] int64
+    cu_seqlens: torch.Tensor  # [num_segments + 1] int32, leading 0, last == T
+    max_seqlen: int
+    num_samples: int  # segments that are samples (padding segments excluded)
+    num_pad_tokens: int  # tokens whose segment id is 0
+    loss_weights: Optional[torch.Tensor] = None  # [1, T] per-token weights (per-sample mean)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.numel()
+
+    def to(self, device) -> "PackedBatch":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return PackedBatch(**moved)
+
+
+def segment_ids_from_eod(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """Segment ids 1..k for rows of concatenated documents, each ending at its EOD token.
+
+    The EOD belongs to the document it closes; a new segment starts right after it.
+    """
+    is_eod = (tokens == eod_id).long()
+    # a token starts a new document if the previous token was an EOD
+    prev_eod = torch.zeros_like(is_eod)
+    prev_eod[..., 1:] = is_eod[..., :-1]
+    return torch.cumsum(prev_eod, dim=-1) + 1
+
+
+def shift_labels_within_segments(labels: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
+    """Target of position i = labels[i+1] if i+1 is in the same, non-padding segment."""
+    target = torch.full_like(labels, IGNORE_INDEX)
+    same = (segment_ids[..., 1:] == segment_ids[..., :-1]) & (segment_ids[..., :-1] != 0)
+    target[..., :-1] = torch.where(same, labels[..., 1:], torch.full_like(labels[..., 1:], IGNORE_INDEX))
+    return target
+
+
+def segment_boundaries(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Bool [b, s]: True where a segment starts (row starts and every id change)."""
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return starts
+
+
+def build_packed_batch(
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    segment_ids: Optional[torch.Tensor],
+    *,
+    reset_position_ids: bool = True,
+    per_sample_loss: bool = False,
+) -> PackedBatch:
+    """Derive target, loss mask, positions and cu_seqlens from stored pack rows.
+
+    ``input_ids``, ``labels``: [b, s] with aligned labels (-100 = not trained).
+    ``segment_ids``: [b, s], 1..k per sample and 0 for padding; None means "no isolation":
+    each row is a single causal sequence (plain ``--pack`` data, or unpacked rows).
+    ``reset_position_ids``: positions restart at 0 in each segment (else run 0..s-1).
+    ``per_sample_loss``: add per-token weights so the loss is a mean over samples of each
+    sample's token mean, instead of the packing-invariant per-token mean.
+    """
+    if input_ids.dim() == 1:
+        input_ids, labels = input_ids[None], labels[None]
+        segment_ids = None if segment_ids is None else segment_ids[None]
+    if input_ids.shape != labels.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} differ in shape")
+    b, s = input_ids.shape
+    isolated = segment_ids is not None
+    if not isolated:
+        segment_ids = torch.ones_like(input_ids)
+    elif segment_ids.shape != input_ids.shape:
+        raise ValueError(f"segment_ids {tuple(segment_ids.shape)} and input_ids {tuple(input_ids.shape)} differ in shape")
+    segment_ids = segment_ids.long()
+
+    target = shift_labels_within_segments(labels.long(), segment_ids)
+    loss_mask = (target != IGNORE_INDEX).float()
+
+    starts = segment_boundaries(segment_ids)
+    flat_starts = starts.reshape(-1)
+    total = b * s
+    idx = torch.arange(total, device=input_ids.device)
+    start_pos = torch.nonzero(flat_starts, as_tuple=False).squeeze(1)
+    cu_seqlens = torch.cat([start_pos, torch.tensor([total], device=input_ids.device)]).to(torch.int32)
+    seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+
+    if reset_position_ids and isolated:
+        seg_start = torch.cummax(torch.where(flat_starts, idx, torch.zeros_like(idx)), dim=0).values
+        position_ids = (idx - seg_start).view(1, total)
+    else:
+        position_ids = torch.arange(s, device=input_ids.device).repeat(b).view(1, total)
+
+    seg_first_ids = segment_ids.reshape(-1)[start_pos]
+    num_samples = int((seg_first_ids != 0).sum()) if isolated else b
+    num_pad = int((segment_ids == 0).sum()) if isolated else 0
+
+    loss_weights = None
+    if per_sample_loss:
+        seg_index = torch.cumsum(flat_starts.long(), 0) - 1  # which segment each token is in
+        counts = torch.zeros(len(seqlens), device=input_ids.device).index_add_(0, seg_index, loss_mask.reshape(-1))
+        weights = loss_mask.reshape(-1) / counts.clamp(min=1)[seg_index]
+        loss_weights = weights.view(1, total)
+
+    return PackedBatch(
+        tokens=input_ids.reshape(1, total).long(),
+        target=target.clamp(min=0).reshape(1, total),
+        loss_mask=loss_mask.reshape(1, total),
+        position_ids=position_ids.long(),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(seqlens.max()),
+        num_samples=num_samples,
+        num_pad_tokens=num_pad,
+        loss_weights=loss_weights,
+    )

@@ -1,0 +1,1 @@
+"""tools stage of mindspeed-pack."""

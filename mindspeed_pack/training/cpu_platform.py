@@ -1,0 +1,166 @@
+"""Run megatron-core on a machine without CUDA (gloo backend), for tests and demos.
+
+megatron-core assumes CUDA throughout: it allocates with ``device='cuda'`` or
+``torch.cuda.current_device()``, syncs streams, forks the CUDA RNG for tensor-parallel
+initialisation and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` when clipping.
+:func:`enable` redirects exactly those touch points to the CPU, once per process:
+
+- ``torch.cuda`` device, stream, event, sync, memory and RNG helpers become CPU
+  equivalents or no-ops (the CPU generator stands in for the CUDA one);
+- a :class:`torch.overrides.TorchFunctionMode` rewrites any CUDA ``device`` argument of
+  tensor factories and ``.to()``/``.cuda()`` calls to the CPU;
+- ``Tensor.type()`` reports ``torch.cuda.*`` names so megatron's dtype checks pass.
+
+Everything CPU-specific lives here; nothing else in the project checks for it.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ENABLED = False
+_MODE = None
+
+
+def cuda_usable() -> bool:
+    return torch.cuda.is_available() and os.environ.get("MINDSPEED_PACK_FORCE_CPU", "0") != "1"
+
+
+def is_enabled() -> bool:
+    return _ENABLED
+
+
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
+    """Rewrites CUDA device arguments of torch calls to the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu") + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullEvent()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _NullEvent:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def wait(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+def enable() -> None:
+    """Install the CPU redirections (idempotent). Call before building any model."""
+    global _ENABLED, _MODE
+    if _ENABLED:
+        return
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda *a, **k: None
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+    cuda.current_stream = lambda *a, **k: _NullStream()
+    cuda.default_stream = lambda *a, **k: _NullStream()
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.memory_reserved = lambda *a, **k: 0
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # torch.manual_seed itself calls cuda.manual_seed_all: seed the CPU generator directly
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+    original_type = torch.Tensor.type
+
+    def _type(self, dtype=None, *args, **kwargs):
+        if dtype is None and not args and not kwargs and self.device.type == "cpu":
+            name = _CUDA_TYPE_NAMES.get(self.dtype)
+            if name is not None:
+                return name
+        return original_type(self, dtype, *args, **kwargs)
+
+    torch.Tensor.type = _type
+
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()  # stays active for the life of the process
+    _ENABLED = True
+    log.info("CUDA not available: megatron-core runs on the CPU (gloo backend)")
+
+
+def default_backend() -> str:
+    return "nccl" if cuda_usable() else "gloo"

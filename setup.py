@@ -1,0 +1,56 @@
+"""Build and install mindspeed-pack.
+
+The pybind11 extension ``mindspeed_pack._helpers`` (packing and the training sample index)
+is compiled here, at install time, so nothing is ever built at run time.
+"""
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import find_packages, setup
+
+ext_modules = [
+    Pybind11Extension(
+        "mindspeed_pack._helpers",
+        ["mindspeed_pack/csrc/helpers.cpp"],
+        cxx_std=17,
+        extra_compile_args=["-O3"],
+    )
+]
+
+install_requires = [
+    # torch is pinned by the installer (scripts/setup_env.sh) so that pip never swaps the
+    # CPU build for a CUDA one; any torch >= 2.4 with SDPA GQA support works.
+    "torch>=2.4",
+    "megatron-core==0.16.1",
+    "numpy",
+    "pybind11>=2.11",
+    "sentencepiece",
+    "transformers>=4.45",
+    "tokenizers",
+    "pyarrow",
+    "safetensors",
+    "tensorboard",
+    "tqdm",
+    "matplotlib",
+]
+
+setup(
+    name="mindspeed-pack",
+    version="0.1.0",
+    description="Exact multi-sample packing for Megatron-Core fine-tuning",
+    packages=find_packages(include=["mindspeed_pack", "mindspeed_pack.*"]),
+    package_data={"mindspeed_pack": ["csrc/*.cpp", "csrc/*.h"]},
+    ext_modules=ext_modules,
+    cmdclass={"build_ext": build_ext},
+    python_requires=">=3.10",
+    install_requires=install_requires,
+    extras_require={
+        "gpu": ["transformer-engine[pytorch]"],
+        "dev": ["pytest>=7", "pytest-timeout"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mindspeed-preprocess=mindspeed_pack.data.preprocess:main",
+            "mindspeed-compare-runs=mindspeed_pack.tools.compare_runs:main",
+            "mindspeed-inspect-pack=mindspeed_pack.tools.inspect_pack:main",
+        ]
+    },
+)
