@@ -1,0 +1,21 @@
+# The two commands of the README: `make quickstart` (the main job on an embedded default)
+# and `make test` (the test suite). Both set up .venv first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup test quickstart bench clean
+
+setup:
+	bash scripts/setup_env.sh $(VENV)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+quickstart: setup
+	bash examples/quickstart/run.sh
+
+bench: setup
+	$(PY) bench/bench_packing.py --quick
+
+clean:
+	rm -rf build *.egg-info runs

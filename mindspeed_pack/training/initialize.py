@@ -1,0 +1,73 @@
+"""Process-group and seed initialisation for torchrun jobs, on CUDA (nccl) or CPU (gloo)."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+from mindspeed_pack.training import cpu_platform
+
+
+def initialize_distributed(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    seed: int = 1234,
+    timeout_minutes: int = 10,
+) -> None:
+    """Initialise torch.distributed from torchrun's environment and megatron's groups.
+
+    A plain ``python script.py`` (no torchrun) runs as a world of one process.
+    """
+    if not cpu_platform.cuda_usable():
+        cpu_platform.enable()
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + (os.getpid() % 1000)))
+        if cpu_platform.cuda_usable():
+            torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend=cpu_platform.default_backend(),
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor ({tensor_model_parallel_size}) x "
+            f"pipeline ({pipeline_model_parallel_size}) parallel size"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+    set_seed(seed)
+
+
+def set_seed(seed: int) -> None:
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker.
+
+    Pipeline stages get different seeds (as in Megatron-LM) so their dropout masks differ.
+    """
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random.get_cuda_rng_tracker().reset()
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,32 @@
+"""Tiny models and single-process megatron initialisation shared by the tests."""
+import os
+import types
+
+import torch
+
+TINY = dict(
+    num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, group_query_attention=True,
+    num_query_groups=2, add_qkv_bias=True, disable_bias_linear=True, swiglu=True, normalization="RMSNorm",
+    norm_epsilon=1e-6, padded_vocab_size=256, seq_length=128, untie_embeddings_and_output_weights=True,
+    rotary_base=1000000, attention_backend="local",
+)
+
+TINY_FLAGS = (
+    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
+    "--num-query-groups 2 --add-qkv-bias --disable-bias-linear --swiglu --normalization RMSNorm "
+    "--norm-epsilon 1e-6 --rotary-base 1000000 --untie-embeddings-and-output-weights --padded-vocab-size 256"
+).split()
+
+
+def tiny_args(**overrides):
+    return types.SimpleNamespace(**{**TINY, **overrides})
+
+
+def init_single_process(seed=1234):
+    """World of one gloo process with megatron's groups (idempotent)."""
+    from tests.dist_harness import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    from mindspeed_pack.training.initialize import initialize_distributed
+
+    initialize_distributed(1, 1, seed)

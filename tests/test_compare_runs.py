@@ -1,0 +1,405 @@
+"""Guarantees of the run-comparison tool: what users rely on to validate a new setup."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from mindspeed_pack.tools.compare_runs import compact_steps, compare, main
+from mindspeed_pack.tools.run_metrics import RunMetricsError, load_all_splits, load_run
+
+# --------------------------------------------------------------------------- helpers
+
+
+def loss_at(step: int) -> float:
+    return 6.0 * math.exp(-step / 40.0) + 2.0 + 0.01 * math.sin(step)
+
+
+def make_records(steps, scale_from=None, factor=1.0, valid_every=0):
+    """Train records (and valid records every ``valid_every`` steps) of a synthetic run."""
+    records = []
+    for step in steps:
+        loss = loss_at(step) * (factor if scale_from is not None and step >= scale_from else 1.0)
+        records.append({
+            "iteration": step, "split": "train", "lm loss": loss, "lr": 1e-4 * min(1.0, step / 10),
+            "grad norm": 1.0 + 1.0 / step, "tokens": 4096, "tokens/s": 1234.5,
+            "padding ratio": 0.02, "samples per pack": 3.1,
+        })
+        if valid_every and step % valid_every == 0:
+            records.append({"iteration": step, "split": "valid", "lm loss": loss_at(step) - 0.1})
+    return records
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def train_line(record, total=300):
+    return (
+        f" [2026-11-21 14:00:01] iteration {record['iteration']:8d}/{total:8d} |"
+        f" consumed samples: {record['iteration'] * 8:12d} | elapsed time per iteration (ms): 512.3 |"
+        f" learning rate: {record['lr']:.6E} | global batch size:     8 | lm loss: {record['lm loss']:.6E} |"
+        f" loss scale: 1.0 | grad norm: {record['grad norm']:.3f} | number of skipped iterations:   0 |"
+        f" number of nan iterations:   0 |\n"
+    )
+
+
+def valid_line(record):
+    loss = record["lm loss"]
+    return (
+        "-" * 60 + "\n"
+        f" validation loss at iteration {record['iteration']} | lm loss value: {loss:.6E} |"
+        f" lm loss PPL: {math.exp(loss):.6E} | \n" + "-" * 60 + "\n"
+    )
+
+
+def write_log(path, records):
+    lines = ["using world size: 1\n", "------------------------ arguments ------------------------\n",
+             "  seq_length ...................................... 4096\n"]
+    for r in records:
+        lines.append(valid_line(r) if r["split"] == "valid" else train_line(r))
+    path.write_text("".join(lines))
+    return path
+
+
+def run_cli(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def last_line(text):
+    return text.strip().splitlines()[-1]
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def test_identical_runs_have_zero_difference_and_exit_0(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 51)))
+    b = write_jsonl(tmp_path / "b.jsonl", make_records(range(1, 51)))
+    report = compare(load_run(a), load_run(b), ["lm loss", "grad norm"])
+    assert report.passed
+    for metric in report.metrics:
+        assert len(metric.steps) == 50
+        assert metric.max_rel_err == 0.0 and metric.mean_rel_err == 0.0
+        assert all(s.abs_err == 0.0 for s in metric.steps)
+    code, out, _ = run_cli(capsys, a, b, "--metrics", "lm loss,grad norm")
+    assert code == 0
+    assert last_line(out).startswith("PASS")
+
+
+def test_divergence_from_step_k_exits_1_and_names_step_k(tmp_path, capsys):
+    k = 37
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 101)))
+    b = write_jsonl(tmp_path / "b.jsonl", make_records(range(1, 101), scale_from=k, factor=1.05))
+    report = compare(load_run(a), load_run(b), ["lm loss"], tolerance=0.02)
+    assert not report.passed
+    metric = report.metrics[0]
+    assert metric.first_over_step == k
+    assert metric.over_steps == list(range(k, 101))
+    assert metric.max_rel_err == pytest.approx(0.05 / 1.05)
+
+    code, out, _ = run_cli(capsys, a, b, "--tolerance", "0.02")
+    assert code == 1
+    assert "'lm loss'" in last_line(out) and f"iteration {k}" in last_line(out)
+    assert re.search(rf"^\s+{k}\s.*> tol$", out, re.MULTILINE), "the diverging row is marked"
+    assert not re.search(rf"^\s+{k - 1}\s.*> tol$", out, re.MULTILINE)
+    # the same runs pass under a looser tolerance: the tolerance is what decides
+    code, _, _ = run_cli(capsys, a, b, "--tolerance", "0.06")
+    assert code == 0
+
+
+def test_only_the_failing_metric_is_named(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 21)))
+    records = make_records(range(1, 21))
+    records[11]["grad norm"] *= 2  # iteration 12
+    b = write_jsonl(tmp_path / "b.jsonl", records)
+    code, out, _ = run_cli(capsys, a, b, "--metrics", "lm loss,grad norm")
+    assert code == 1
+    assert "'grad norm' first over tolerance at iteration 12" in last_line(out)
+    assert "'lm loss'" not in last_line(out)
+
+
+def test_atol_absorbs_differences_near_zero(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"iteration": 1, "lr": 0.0}, {"iteration": 2, "lr": 1e-5}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"iteration": 1, "lr": 1e-12}, {"iteration": 2, "lr": 1e-5}])
+    assert run_cli(capsys, a, b, "--metrics", "lr")[0] == 1  # relative error at 0 is 1.0
+    assert run_cli(capsys, a, b, "--metrics", "lr", "--atol", "1e-10")[0] == 0
+
+
+def test_nan_in_one_run_fails_nan_in_both_agrees(tmp_path, capsys):
+    base = [{"iteration": i, "lm loss": 3.0} for i in range(1, 6)]
+    a = write_jsonl(tmp_path / "a.jsonl", base)
+    b_records = [dict(r) for r in base]
+    b_records[2]["lm loss"] = math.nan  # iteration 3; json writes NaN
+    b = write_jsonl(tmp_path / "b.jsonl", b_records)
+    code, out, _ = run_cli(capsys, a, b)
+    assert code == 1 and "iteration 3" in last_line(out)
+
+    both = write_jsonl(tmp_path / "both.jsonl", b_records)
+    code, out, _ = run_cli(capsys, b, both)
+    assert code == 0
+    assert "NaN/inf in both runs (counted as agreement) at: 3" in out
+
+
+# --------------------------------------------------------------------------- alignment
+
+
+def test_missing_steps_are_aligned_and_reported(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 61)))
+    b_steps = [s for s in range(1, 66) if s not in (10, 11, 12, 40)]
+    b = write_jsonl(tmp_path / "b.jsonl", make_records(b_steps))
+    report = compare(load_run(a), load_run(b))
+    metric = report.metrics[0]
+    assert [s.iteration for s in metric.steps] == [s for s in range(1, 61) if s not in (10, 11, 12, 40)]
+    assert metric.missing_in_b == [10, 11, 12, 40]
+    assert metric.missing_in_a == [61, 62, 63, 64, 65]
+    assert report.passed  # missing steps are reported, not failed
+    code, out, _ = run_cli(capsys, a, b)
+    assert code == 0
+    assert "missing in B, only in A (4 steps): 10-12, 40" in out
+    assert "missing in A, only in B (5 steps): 61-65" in out
+
+
+def test_out_of_order_and_repeated_steps_last_record_wins(tmp_path):
+    records = make_records([3, 1, 2, 5, 4])
+    # a resumed run re-logs iterations 4 and 5; the re-logged record replaces the old one whole
+    records.append({"iteration": 5, "split": "train", "lm loss": 9.5})
+    records.append({"iteration": 4, "split": "train", "lm loss": 8.5, "grad norm": 0.5})
+    run = load_run(write_jsonl(tmp_path / "run.jsonl", records))
+    assert list(run["lm loss"]) == [1, 2, 3, 4, 5]
+    assert run["lm loss"][5] == 9.5 and run["lm loss"][4] == 8.5
+    assert run["grad norm"][4] == 0.5
+    assert 5 not in run["grad norm"], "fields of the replaced record must not leak into the new one"
+    assert run["lm loss"][3] == loss_at(3)
+
+    log_records = make_records([1, 2, 3])
+    relogged = dict(log_records[1], **{"lm loss": 7.25})
+    log = write_log(tmp_path / "run.log", log_records + [relogged])
+    assert load_run(log)["lm loss"] == {1: pytest.approx(loss_at(1)), 2: 7.25, 3: pytest.approx(loss_at(3))}
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def test_megatron_style_log_lines_are_parsed_generically(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text(
+        "> building train, validation, and test datasets ...\n"
+        " [2026-11-21 14:00:01] iteration       10/     300 | consumed samples:           80 |"
+        " elapsed time per iteration (ms): 512.3 | learning rate: 9.999999E-05 | global batch size:     8 |"
+        " lm loss: 5.123456E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped iterations:   0 |"
+        " number of nan iterations:   0 |\n"
+        "[rank0]:  [2026-11-21 14:00:02] iteration       20/     300 | throughput per GPU (TFLOP/s/GPU): 12.5 |"
+        " lm loss: nan | my custom metric: -3 | note: warm |\n"
+        "-----------------------------------------------------------------\n"
+        " validation loss at iteration 20 | lm loss value: 4.123456E+00 | lm loss PPL: 6.18E+01 | \n"
+        " validation loss at iteration 30 on validation set | lm loss value: 4.0E+00 | \n"
+        " validation loss at the end of training for test data | lm loss value: 3.9E+00 |\n"
+    )
+    splits = load_all_splits(log)
+    train, valid = splits["train"], splits["valid"]
+    assert train["lm loss"][10] == 5.123456
+    assert math.isnan(train["lm loss"][20])
+    assert train["lr"] == {10: 9.999999e-05}  # "learning rate" -> "lr"
+    assert train["consumed samples"] == {10: 80.0}
+    assert train["elapsed time per iteration (ms)"] == {10: 512.3}
+    assert train["grad norm"] == {10: 1.234}
+    assert train["number of nan iterations"] == {10: 0.0}
+    assert train["throughput per GPU (TFLOP/s/GPU)"] == {20: 12.5}
+    assert train["my custom metric"] == {20: -3.0}
+    assert "note" not in train  # non-numeric fields are not metrics
+    assert valid["lm loss"] == {20: 4.123456, 30: 4.0}  # "lm loss value" -> valid "lm loss"
+    assert valid["lm loss PPL"] == {20: 61.8}
+    assert set(splits) == {"train", "valid"}
+    assert load_run(log, split="valid") == valid
+
+
+def test_jsonl_and_log_of_the_same_run_give_the_same_values(tmp_path, capsys):
+    records = make_records(range(1, 41), valid_every=10)
+    jsonl = write_jsonl(tmp_path / "metrics.jsonl", records)
+    log = write_log(tmp_path / "train.log", records)
+    for split in ("train", "valid"):
+        from_jsonl, from_log = load_run(jsonl, split), load_run(log, split)
+        for metric in from_log.keys() & from_jsonl.keys():
+            assert from_log[metric].keys() == from_jsonl[metric].keys()
+            for step, value in from_jsonl[metric].items():
+                # the log prints 7 significant digits (grad norm: 3 decimals)
+                assert from_log[metric][step] == pytest.approx(value, rel=1e-6, abs=5e-4)
+    assert {"lm loss", "lr", "grad norm"} <= load_run(log).keys()
+    code, _, _ = run_cli(capsys, jsonl, log, "--metrics", "lm loss,lr", "--tolerance", "1e-6")
+    assert code == 0
+    code, _, _ = run_cli(capsys, jsonl, log, "--split", "valid", "--tolerance", "1e-6")
+    assert code == 0
+
+
+def test_format_is_detected_by_content_not_extension(tmp_path):
+    records = make_records(range(1, 6))
+    jsonl_named_log = write_jsonl(tmp_path / "metrics.log", records)
+    log_named_txt = write_log(tmp_path / "console.txt", records)
+    assert load_run(jsonl_named_log)["lm loss"] == {r["iteration"]: r["lm loss"] for r in records}
+    assert load_run(log_named_txt)["lm loss"][5] == pytest.approx(loss_at(5), rel=1e-6)
+
+
+def test_run_directory_prefers_jsonl_over_log(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    write_jsonl(run / "metrics.jsonl", make_records(range(1, 11)))
+    write_log(run / "train.log", make_records(range(1, 3)))
+    assert list(load_run(run)["lm loss"]) == list(range(1, 11))
+    two_logs = tmp_path / "two"
+    two_logs.mkdir()
+    write_log(two_logs / "a.log", make_records([1]))
+    write_log(two_logs / "b.log", make_records([1]))
+    code, _, err = run_cli(capsys, run, two_logs)
+    assert code == 2 and str(two_logs) in err and "a.log" in err and "b.log" in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run_cli(capsys, run, empty)
+    assert code == 2 and str(empty) in err
+
+
+# --------------------------------------------------------------------------- input errors
+
+
+def test_malformed_json_line_exits_2_naming_file_and_line(tmp_path, capsys):
+    good = write_jsonl(tmp_path / "good.jsonl", make_records(range(1, 4)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"iteration": 1, "lm loss": 3.0}) + "\n\n"
+                   + '{"iteration": 2, "lm loss": 3.0\n')
+    code, _, err = run_cli(capsys, good, bad)
+    assert code == 2 and f"{bad}:3" in err and "malformed JSON" in err
+    with pytest.raises(RunMetricsError, match=re.escape(f"{bad}:3")):
+        load_run(bad)
+
+    no_iteration = tmp_path / "no_iteration.jsonl"
+    no_iteration.write_text('{"iteration": 1, "lm loss": 3.0}\n{"iteration": "2", "lm loss": 3.0}\n')
+    code, _, err = run_cli(capsys, good, no_iteration)
+    assert code == 2 and f"{no_iteration}:2" in err and "'iteration'" in err
+
+
+@pytest.mark.parametrize("content", ["", "hello\nno metrics here | at all\n"])
+def test_file_without_records_exits_2(tmp_path, capsys, content):
+    good = write_jsonl(tmp_path / "good.jsonl", make_records(range(1, 4)))
+    empty = tmp_path / "empty.log"
+    empty.write_text(content)
+    code, _, err = run_cli(capsys, good, empty)
+    assert code == 2 and str(empty) in err
+
+
+def test_missing_file_exits_2(tmp_path, capsys):
+    good = write_jsonl(tmp_path / "good.jsonl", make_records(range(1, 4)))
+    code, _, err = run_cli(capsys, good, tmp_path / "nope.jsonl")
+    assert code == 2 and "nope.jsonl" in err
+
+
+def test_absent_metric_exits_2_naming_the_run(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 4)))
+    b = write_jsonl(tmp_path / "b.jsonl", [{"iteration": i, "lm loss": 1.0} for i in range(1, 4)])
+    code, _, err = run_cli(capsys, a, b, "--metrics", "lm loss,grad norm")
+    assert code == 2 and str(b) in err and "'grad norm'" in err
+    code, _, err = run_cli(capsys, a, b, "--split", "valid")
+    assert code == 2 and str(a) in err and "'valid'" in err
+
+
+def test_no_common_steps_exits_2_naming_both_files(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 11)))
+    b = write_jsonl(tmp_path / "b.jsonl", make_records(range(11, 21)))
+    code, _, err = run_cli(capsys, a, b)
+    assert code == 2 and str(a) in err and str(b) in err and "no common iteration" in err
+    assert "1-10" in err and "11-20" in err
+
+
+@pytest.mark.parametrize("argv", [["--tolerance", "-1"], ["--tolerance", "nan"], ["--metrics", " , "],
+                                  ["--max-rows", "-3"], []])
+def test_usage_errors_exit_2(tmp_path, capsys, argv):
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 4)))
+    runs = [a, a] if argv else [a]  # [] = a missing positional argument
+    assert run_cli(capsys, *runs, *argv)[0] == 2
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def test_long_table_keeps_first_last_and_over_tolerance_rows(tmp_path, capsys):
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 1001)))
+    records = make_records(range(1, 1001))
+    records[499]["lm loss"] *= 1.5  # a single spike at iteration 500
+    b = write_jsonl(tmp_path / "b.jsonl", records)
+    code, out, _ = run_cli(capsys, a, b, "--max-rows", "10")
+    assert code == 1 and "iteration 500" in last_line(out)
+    table = out[out.index("== lm loss =="):out.index("\nsummary")]
+    rows = [int(m) for m in re.findall(r"^\s+(\d+)\s", table, re.MULTILINE)]
+    assert rows == [1, 2, 3, 4, 5, 500, 996, 997, 998, 999, 1000]
+    assert "(494 rows not shown)" in out
+    assert run_cli(capsys, a, b, "--max-rows", "0")[1].count("\n") > 1000
+
+
+def test_plot_is_a_valid_png_and_json_round_trips(tmp_path, capsys):
+    import matplotlib.image
+
+    a = write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 31)))
+    records = make_records(range(1, 31), scale_from=20, factor=1.1)
+    records[3]["lm loss"] = math.nan
+    b = write_jsonl(tmp_path / "b.jsonl", records)
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    png, report_json = out_dir / "diff.png", out_dir / "diff.json"
+    code, _, _ = run_cli(capsys, a, b, "--metrics", "lm loss,grad norm", "--plot", png, "--json", report_json)
+    assert code == 1
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    data = json.loads(report_json.read_text())
+    assert data["passed"] is False
+    loss = data["metrics"][0]
+    assert loss["metric"] == "lm loss" and loss["first_over_step"] == 4 and loss["over_steps"][1] == 20
+    assert loss["steps"][3]["b"] == "NaN" and loss["steps"][3]["rel_err"] == "Infinity"
+    assert sorted(p.name for p in out_dir.iterdir()) == ["diff.json", "diff.png"]  # no temp files left
+
+    code, _, err = run_cli(capsys, a, b, "--plot", tmp_path / "no_such_dir" / "x.png")
+    assert code == 2 and "x.png" in err
+
+
+def test_compact_steps_lists_ranges_and_strides():
+    assert compact_steps([1, 2, 3, 4, 7, 10, 20, 30]) == "1-4, 7, 10-30 every 10"
+    assert compact_steps([5]) == "5" and compact_steps([]) == "none"
+    assert compact_steps(list(range(0, 100, 2)) + list(range(200, 220))) == "0-98 every 2, 200-219"
+
+
+def test_reads_what_the_trainer_writes(tmp_path, capsys):
+    """The trainer's MetricsLogger output (console and --metrics-file) reads back identically."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.metrics import MetricsLogger
+
+    metrics_file = tmp_path / "run" / "metrics.jsonl"
+    args = SimpleNamespace(train_iters=12, log_interval=1, metrics_file=str(metrics_file), tensorboard_dir=None)
+    logger = MetricsLogger(args, enabled=True)
+    capsys.readouterr()
+    for step in range(1, 13):
+        logger.step({
+            "iteration": step, "split": "train", "lm loss": loss_at(step), "lr": 1e-4 * step / 12,
+            "grad norm": 1.0 + 1.0 / step, "tokens": 4000 + step, "tokens/s": 1234.5, "padding ratio": 0.02,
+            "samples per pack": 3.1, "step time (ms)": 512.3, "consumed samples": 8 * step,
+            "global batch size": 8, "skipped": 0,
+        })
+        if step % 4 == 0:
+            logger.validation(step, loss_at(step) - 0.1, tokens=1000)
+    logger.close()
+    log = tmp_path / "console.log"
+    log.write_text(capsys.readouterr().out)
+
+    from_jsonl, from_log = load_all_splits(metrics_file), load_all_splits(log)
+    assert from_jsonl["train"]["lm loss"] == {s: loss_at(s) for s in range(1, 13)}
+    assert from_jsonl["valid"]["lm loss"] == {s: loss_at(s) - 0.1 for s in (4, 8, 12)}
+    # the console prints lm loss and lr with 7 significant digits, grad norm with 4 decimals
+    for split, metric, digits in [("train", "lm loss", 1e-6), ("train", "lr", 1e-6), ("train", "grad norm", 1e-4),
+                                  ("valid", "lm loss", 1e-6)]:
+        assert from_log[split][metric] == pytest.approx(from_jsonl[split][metric], rel=digits), metric
+    code, _, _ = run_cli(capsys, metrics_file.parent, log, "--metrics", "lm loss,lr", "--tolerance", "1e-6")
+    assert code == 0
