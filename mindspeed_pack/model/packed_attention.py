@@ -4,9 +4,9 @@ Fills the ``core_attention`` slot of megatron-core's local layer spec. Under
 ``PackedSeqParams(qkv_format="thd")`` megatron-core hands this module query
 ``[t, heads, dim]`` and key/value ``[t, groups, dim]`` for the whole flattened micro-batch
 (RoPE already applied per segment from ``cu_seqlens``). Attention is causal *within each
-segment* and zero across segments; segments of equal length are batched into one SDPA
-call, so the cost follows the sum of squared segment lengths, never the square of the
-pack length, and the Python loop runs once per distinct length, not once per sample.
+segment* and zero across segments; segments of similar length are batched into one SDPA
+call, so the cost follows the sum of squared segment lengths (each at most 1/8 longer),
+never the square of the pack length, and the Python loop runs once per length bucket.
 
 Without packed parameters (``[s, b, heads, dim]``) every row is one causal sequence.
 """
@@ -23,6 +23,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 
+def bucket_width(length: int) -> int:
+    """Round a segment length up to its bucket: at most 1/8 longer (16 below 128 tokens)."""
+    step = 1 << max(4, length.bit_length() - 4)  # the largest power of two <= length / 8, at least 16
+    return -(-length // step) * step
+
+
 def segment_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -34,29 +40,50 @@ def segment_causal_attention(
 ) -> torch.Tensor:
     """Causal attention restricted to segments. q ``[t, h, d]``, k/v ``[t, g, d]`` -> ``[t, h, d]``.
 
-    Query head ``i`` reads key/value group ``i // (h // g)`` (megatron's GQA grouping).
+    Segments are grouped into buckets of similar length (:func:`bucket_width`) and each
+    bucket is one batched causal SDPA call, its shorter segments padded at the end. The
+    padding is exact: under a causal mask a real query never sees keys after it, so only
+    the padded queries (whose outputs are dropped) read padded keys. Query head ``i``
+    reads key/value group ``i // (h // g)`` (megatron's GQA grouping).
     """
     t, heads, dim = query.shape
     groups = key.shape[1]
     bounds = cu_seqlens.tolist()
-    starts, lengths = bounds[:-1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    out = query.new_empty(t, heads, dim)
-    by_length: dict[int, list[int]] = {}
-    for start, length in zip(starts, lengths):
-        if length > 0:
-            by_length.setdefault(length, []).append(start)
-    for length, seg_starts in by_length.items():
-        index = (torch.tensor(seg_starts, device=query.device)[:, None]
-                 + torch.arange(length, device=query.device)[None, :])  # [n, length]
-        # [n, length, h, d] -> [n, h, length, d]
-        q = query[index].transpose(1, 2)
-        k = key[index].transpose(1, 2)
-        v = value[index].transpose(1, 2)
+    buckets: dict[int, list[tuple[int, int]]] = {}
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            buckets.setdefault(bucket_width(end - start), []).append((start, end - start))
+    if len(buckets) == 1 and len(next(iter(buckets.values()))) == 1 and bounds[-1] - bounds[0] == t:
+        # one segment covering everything: plain causal attention, no gathering
+        o = F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                           value.transpose(0, 1)[None], is_causal=True, scale=scale,
+                                           dropout_p=dropout_p, enable_gqa=groups != heads)
+        return o[0].transpose(0, 1)
+    device = query.device
+    pad_row = t  # index of an all-zero row appended below
+    q_ext = torch.cat([query, query.new_zeros(1, heads, dim)])
+    k_ext = torch.cat([key, key.new_zeros(1, groups, dim)])
+    v_ext = torch.cat([value, value.new_zeros(1, groups, dim)])
+    outputs, positions = [], []
+    for width, segs in buckets.items():
+        starts = torch.tensor([s for s, _ in segs], device=device)
+        lengths = torch.tensor([n for _, n in segs], device=device)
+        offsets = torch.arange(width, device=device)
+        valid = offsets[None, :] < lengths[:, None]  # [n, width]
+        index = torch.where(valid, starts[:, None] + offsets[None, :], pad_row)
+        # [n, width, h, d] -> [n, h, width, d]
+        q = q_ext[index].transpose(1, 2)
+        k = k_ext[index].transpose(1, 2)
+        v = v_ext[index].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=groups != heads
-        )
-        out[index] = o.transpose(1, 2)
-    return out
+        ).transpose(1, 2)
+        outputs.append(o[valid])
+        positions.append(index[valid])
+    order = torch.cat(positions)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(len(order), device=device)
+    return torch.cat(outputs)[inverse]
 
 
 class PackedDotProductAttention(MegatronModule):
