@@ -1,1 +1,9 @@
-"""convert stage of mindspeed-pack."""
+"""Checkpoint conversion between Hugging Face and Megatron layouts (see :mod:`.convert`)."""
+from mindspeed_pack.convert.convert import hf_to_megatron, megatron_to_hf, megatron_to_megatron
+from mindspeed_pack.convert.model_specs import ConversionError, args_from_hf_config
+from mindspeed_pack.convert.sharding import layer_offset, merge_state_dicts, shard_state_dict
+
+__all__ = [
+    "ConversionError", "args_from_hf_config", "hf_to_megatron", "layer_offset", "megatron_to_hf",
+    "megatron_to_megatron", "merge_state_dicts", "shard_state_dict",
+]

@@ -51,6 +51,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--no-parallel-invariant-init", action="store_true",
+                   help="use megatron's per-rank initialisation (faster for huge from-scratch models) instead "
+                        "of drawing the same full weights at every TP/PP layout")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "te", "local"],
                    help="te = Transformer Engine fused THD attention (CUDA); local = exact segment-causal "
                         "SDPA (any device); auto picks te when available")

@@ -33,6 +33,7 @@ from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
 from mindspeed_pack.training import checkpointing
 from mindspeed_pack.training.cpu_platform import cuda_usable
+from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
 
@@ -121,6 +122,8 @@ class Trainer:
         pre = ps.is_pipeline_first_stage()
         post = ps.is_pipeline_last_stage()
         model = build_gpt_model(args, pre_process=pre, post_process=post)
+        if not args.load and not args.no_parallel_invariant_init:
+            parallel_invariant_init(model, args, args.seed)
         if cuda_usable():
             model.cuda(torch.cuda.current_device())
         config = get_model_config(model)
@@ -244,6 +247,8 @@ class Trainer:
     def train(self) -> None:
         args = self.args
         if args.skip_train:
+            if not self.source.has_split("valid"):
+                raise ValueError(f"--skip-train: the validation split is empty (--split {args.split})")
             self.evaluate()
             return
         if self.iteration >= args.train_iters:

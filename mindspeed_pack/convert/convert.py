@@ -1,0 +1,380 @@
+"""Checkpoint conversion: Hugging Face -> Megatron, Megatron -> Hugging Face, Megatron resharding.
+
+Every direction follows the same plan:
+
+1. read and validate everything that can be checked without the weights (config, the
+   name and shape of every tensor, parallel sizes, vocabulary sizes, the output dir);
+   bad input fails here, before anything is written;
+2. stream the model one *unit* (embedding, one layer, final norm + output layer) at a
+   time: read it, map it to the other naming, shard or merge it; a pipeline stage's files
+   are written as soon as the stage is complete and then freed, so memory stays near one
+   stage of the model (one model at PP=1), not two;
+3. everything goes into a temporary directory next to ``save_dir`` that is renamed onto
+   it at the very end: the output is complete or absent.
+
+Converted Megatron checkpoints are ``release`` checkpoints (iteration 0) in Megatron's
+layout (:mod:`mindspeed_pack.training.checkpoint_layout`), each file holding ``model``
+(canonical local-spec names, no ``_extra_state`` entries), ``args`` (the model-shape
+arguments, :data:`~.model_specs.MODEL_ARG_NAMES`), ``iteration``, ``checkpoint_version``
+and ``hf_config`` (the source config.json, for the way back). Padded vocabulary rows are
+zero.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import logging
+import os
+import pickle
+import sys
+import tempfile
+from typing import Dict, List, Optional
+
+import torch
+from tqdm import tqdm
+
+from mindspeed_pack.convert import hf_io
+from mindspeed_pack.convert.model_specs import (
+    MODEL_SPECS,
+    ConversionError,
+    args_from_dict,
+    args_from_hf_config,
+    args_to_dict,
+    check_parallel_sizes,
+    get_spec,
+    hf_config_from_args,
+    resolve_padded_vocab,
+)
+from mindspeed_pack.convert.sharding import merge_state_dicts, shard_state_dict, stage_of_layer, stage_units
+from mindspeed_pack.convert.weight_map import (
+    EMBEDDING,
+    FINAL,
+    MG_EMBEDDING,
+    MG_OUTPUT,
+    expected_hf_shapes,
+    hf_to_mg_unit,
+    is_ignorable_hf_tensor,
+    mg_layer_prefix,
+    mg_to_hf_unit,
+    mg_unit_names,
+    units,
+)
+from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
+from mindspeed_pack.training import checkpoint_layout as layout
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConversionError(f"--params-dtype {name!r}: choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+# --------------------------------------------------------------------------- output dir
+def check_save_dir(save_dir: str, load_dir: Optional[str] = None) -> None:
+    if load_dir is not None and os.path.abspath(save_dir) == os.path.abspath(load_dir):
+        raise ConversionError(f"--save-dir {save_dir} is the same as --load-dir")
+    if os.path.exists(save_dir):
+        if not os.path.isdir(save_dir):
+            raise ConversionError(f"--save-dir {save_dir} exists and is not a directory")
+        if os.listdir(save_dir):
+            raise ConversionError(f"--save-dir {save_dir} exists and is not empty; choose a new directory")
+
+
+@contextlib.contextmanager
+def staged_output(save_dir: str):
+    """A temporary directory next to ``save_dir``, renamed onto it when the block succeeds."""
+    save_dir = os.path.abspath(save_dir)
+    parent = os.path.dirname(save_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save_dir)}.tmp-", dir=parent)
+    try:
+        yield tmp
+        check_save_dir(save_dir)  # still free?
+        if os.path.isdir(save_dir):
+            os.rmdir(save_dir)
+        os.rename(tmp, save_dir)
+    except BaseException:
+        layout.remove_tree(tmp)
+        raise
+
+
+def _progress(total: int, desc: str):
+    return tqdm(total=total, desc=desc, unit="unit", dynamic_ncols=True, leave=False)
+
+
+# --------------------------------------------------------------------------- megatron reading
+def _load_rank_file(path: str) -> dict:
+    """A rank file, memory-mapped (tensors are read from disk when touched)."""
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError:
+        # trainer checkpoints may hold optimizer/RNG objects beyond plain tensors
+        log.info("%s: not loadable with weights_only=True; loading it as a trusted local file", path)
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except RuntimeError as e:
+        raise ConversionError(f"{path}: unreadable checkpoint file ({e})") from None
+
+
+class MegatronCheckpoint:
+    """A Megatron checkpoint directory: its args, parallel layout, and merged units."""
+
+    def __init__(self, load_dir: str):
+        if not os.path.isdir(load_dir):
+            raise ConversionError(f"--load-dir {load_dir}: not a directory")
+        iteration = layout.read_tracker(load_dir)
+        if iteration is None:
+            raise ConversionError(f"{load_dir}: no {layout.TRACKER}; not a Megatron checkpoint directory")
+        it_dir = layout.iteration_dir(load_dir, iteration)
+        if not os.path.isdir(it_dir):
+            raise ConversionError(f"{os.path.join(load_dir, layout.TRACKER)} names {iteration!r}, but {it_dir} does not exist")
+        self.tp, self.pp = layout.saved_parallel_sizes(load_dir, iteration)
+        self.iteration = iteration
+        self.files = {}
+        for pp_rank in range(self.pp):
+            for tp_rank in range(self.tp):
+                path = layout.checkpoint_file(load_dir, iteration, tp_rank, pp_rank, self.pp)
+                if not os.path.isfile(path):
+                    raise ConversionError(f"{path}: missing (checkpoint has TP={self.tp}, PP={self.pp})")
+                self.files[(tp_rank, pp_rank)] = path
+        self._loaded: Dict[tuple, dict] = {}
+        first = self._file(0, 0)
+        stored = first.get("args")
+        if stored is None:
+            raise ConversionError(f"{self.files[(0, 0)]}: no 'args' entry")
+        if isinstance(stored, argparse.Namespace):
+            stored = vars(stored)
+        self.args = args_from_dict(stored, self.files[(0, 0)])
+        if (self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size) != (self.tp, self.pp):
+            raise ConversionError(
+                f"{self.files[(0, 0)]}: args say TP={self.args.tensor_model_parallel_size}, "
+                f"PP={self.args.pipeline_model_parallel_size}, but the directory holds TP={self.tp}, PP={self.pp} ranks"
+            )
+        self.hf_config = first.get("hf_config")
+
+    def _file(self, tp_rank: int, pp_rank: int) -> dict:
+        key = (tp_rank, pp_rank)
+        if key not in self._loaded:
+            record = _load_rank_file(self.files[key])
+            if "model" not in record:
+                raise ConversionError(f"{self.files[key]}: no 'model' entry")
+            self._loaded[key] = record
+        return self._loaded[key]
+
+    def release_stage(self, pp_rank: int) -> None:
+        for tp_rank in range(self.tp):
+            self._loaded.pop((tp_rank, pp_rank), None)
+
+    def unit(self, unit) -> Dict[str, torch.Tensor]:
+        """The canonical full tensors of ``unit`` (vocabulary still padded)."""
+        if unit == EMBEDDING:
+            stage, pick = 0, set(mg_unit_names(EMBEDDING, self.args)).__contains__
+        elif unit == FINAL:
+            stage, pick = self.pp - 1, set(mg_unit_names(FINAL, self.args)).__contains__
+        else:
+            stage, local = stage_of_layer(unit, self.args.num_layers, self.pp)
+            prefix = mg_layer_prefix(local)
+            pick = lambda name: name.startswith(prefix)  # noqa: E731
+        shards = {}
+        for tp_rank in range(self.tp):
+            model = self._file(tp_rank, stage)["model"]
+            shards[(tp_rank, stage)] = {k: v for k, v in model.items() if pick(k) and v is not None}
+        return merge_state_dicts(shards, self.args, self.tp, self.pp)
+
+
+def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict]) -> dict:
+    return {
+        "model": model,
+        "args": args_to_dict(args),
+        "iteration": 0,
+        "checkpoint_version": layout.CHECKPOINT_VERSION,
+        "hf_config": hf_config,
+    }
+
+
+def _write_stage(root: str, rank_dicts: List[Dict[str, torch.Tensor]], args, hf_config, pp_rank: int) -> None:
+    for tp_rank, model in enumerate(rank_dicts):
+        path = layout.checkpoint_file(root, layout.RELEASE, tp_rank, pp_rank, args.pipeline_model_parallel_size)
+        layout.save_file_atomic(_rank_record(model, args, hf_config), path)
+
+
+def _write_sharded(root: str, args, hf_config, full_unit, desc: str) -> None:
+    """Shard the units produced by ``full_unit(unit)`` stage by stage and write them."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    stages = [stage_units(args, p, pp) for p in range(pp)]
+    with _progress(sum(len(s) for s in stages), desc) as bar:
+        for pp_rank, stage in enumerate(stages):
+            rank_dicts: List[Dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+            for unit in stage:
+                full = full_unit(unit)
+                for tp_rank in range(tp):
+                    rank_dicts[tp_rank].update(shard_state_dict(full, args, tp_rank, tp, pp_rank, pp))
+                del full
+                bar.update()
+            _write_stage(root, rank_dicts, args, hf_config, pp_rank)
+            del rank_dicts
+    layout.write_tracker(root, layout.RELEASE)
+
+
+# --------------------------------------------------------------------------- public API
+def hf_to_megatron(
+    load_dir: str,
+    save_dir: str,
+    tp: int,
+    pp: int,
+    params_dtype: str = "fp32",
+    model_type_hf: Optional[str] = None,
+    make_vocab_size_divisible_by: int = 128,
+    padded_vocab_size: Optional[int] = None,
+) -> None:
+    """Convert a HF model directory into a Megatron ``release`` checkpoint at TP=``tp``, PP=``pp``."""
+    dtype = _dtype(params_dtype)
+    check_save_dir(save_dir, load_dir)
+    with hf_io.HFCheckpointReader(load_dir) as reader:
+        config_path = os.path.join(load_dir, hf_io.CONFIG)
+        args = args_from_hf_config(reader.config, model_type_hf, tp, pp, make_vocab_size_divisible_by,
+                                   padded_vocab_size, where=config_path)
+        spec = get_spec(args.model_type_hf)
+        reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
+
+        def full_unit(unit):
+            return {k: v.to(dtype) for k, v in hf_to_mg_unit(unit, reader.get, args, spec).items()}
+
+        with staged_output(save_dir) as tmp:
+            _write_sharded(tmp, args, reader.config, full_unit, f"hf->mg TP{tp} PP{pp}")
+    log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, padded vocab %d)", save_dir, tp, pp, args.padded_vocab_size)
+
+
+def megatron_to_hf(
+    load_dir: str,
+    save_dir: str,
+    params_dtype: str = "fp32",
+    model_type_hf: Optional[str] = None,
+    tokenizer_dir: Optional[str] = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> None:
+    """Merge a Megatron checkpoint into a HF model directory (``from_pretrained``-loadable).
+
+    ``model_type_hf`` defaults to the one stored in the checkpoint args. Token ids
+    (bos/eos/pad) come from ``tokenizer_dir``'s config.json if present, else from the
+    HF config stored at conversion; ``tokenizer_dir``'s tokenizer files and
+    generation_config.json are copied.
+    """
+    dtype = _dtype(params_dtype)
+    check_save_dir(save_dir, load_dir)
+    source = MegatronCheckpoint(load_dir)
+    args = source.args
+    spec = get_spec(model_type_hf or args.model_type_hf)
+    if spec.name != args.model_type_hf:
+        log.warning("checkpoint was converted as %s, writing it as %s", args.model_type_hf, spec.name)
+    tok_files = hf_io.tokenizer_files(tokenizer_dir) if tokenizer_dir else []
+    extra = dict(source.hf_config or {})
+    if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, hf_io.CONFIG)):
+        extra.update(hf_io.read_config(tokenizer_dir))
+    config = hf_config_from_args(args, spec, _HF_DTYPE_NAMES[dtype], extra)
+    has_generation_config = bool(tokenizer_dir) and os.path.isfile(os.path.join(tokenizer_dir, hf_io.GENERATION_CONFIG))
+
+    with staged_output(save_dir) as tmp:
+        writer = hf_io.ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        all_units = units(args)
+        with _progress(len(all_units), f"mg->hf from TP{source.tp} PP{source.pp}") as bar:
+            for unit in all_units:
+                hf = mg_to_hf_unit(unit, source.unit(unit), args, spec)
+                writer.add_all({k: v.to(dtype) for k, v in hf.items()})
+                if unit != EMBEDDING and unit != FINAL:
+                    stage, local = stage_of_layer(unit, args.num_layers, source.pp)
+                    if local == args.num_layers // source.pp - 1 and stage != source.pp - 1:
+                        source.release_stage(stage)  # done with it (the last stage still has FINAL)
+                bar.update()
+        writer.close()
+        config.save_pretrained(tmp)
+        if has_generation_config:
+            hf_io.copy_files(tokenizer_dir, [hf_io.GENERATION_CONFIG], tmp)
+        else:
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        if tok_files:
+            hf_io.copy_files(tokenizer_dir, tok_files, tmp)
+    log.info("wrote HF model %s (%s, %s)", save_dir, spec.hf_architecture, _HF_DTYPE_NAMES[dtype])
+
+
+def megatron_to_megatron(
+    load_dir: str, save_dir: str, tp: int, pp: int, padded_vocab_size: Optional[int] = None
+) -> None:
+    """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp`` (dtype kept).
+
+    The padded vocabulary follows Megatron's rule for the new TP size
+    (``make_vocab_size_divisible_by * tp``) when the source used that rule, else the
+    source's explicit size is kept (or ``padded_vocab_size`` when given).
+    """
+    check_save_dir(save_dir, load_dir)
+    source = MegatronCheckpoint(load_dir)
+    args = copy.copy(source.args)
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    divisible = args.make_vocab_size_divisible_by
+    source_rule = megatron_padded_vocab_size(args.vocab_size, divisible, source.tp)
+    if padded_vocab_size is None and source.args.padded_vocab_size != source_rule:
+        padded_vocab_size = source.args.padded_vocab_size  # explicit at conversion: keep it
+    args.padded_vocab_size = resolve_padded_vocab(args.vocab_size, tp, divisible, padded_vocab_size)
+    check_parallel_sizes(args, tp, pp)
+
+    def full_unit(unit):
+        full = source.unit(unit)
+        for name in (MG_EMBEDDING, MG_OUTPUT):
+            if name in full:  # re-pad for the new size
+                full[name] = full[name][: args.vocab_size]
+        return full
+
+    with staged_output(save_dir) as tmp:
+        _write_sharded(tmp, args, source.hf_config, full_unit, f"mg TP{source.tp} PP{source.pp} -> TP{tp} PP{pp}")
+    log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d)", save_dir, tp, pp)
+
+
+# --------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Convert checkpoints between Hugging Face and Megatron (and reshard Megatron ones).")
+    p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
+    p.add_argument("--save-model-type", choices=["mg", "hf"], required=True)
+    p.add_argument("--model-type-hf", choices=sorted(MODEL_SPECS), default=None,
+        help="architecture; default: detected from config.json (hf) or the checkpoint args (mg)")
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True, help="must not exist or be empty")
+    p.add_argument("--target-tensor-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--params-dtype", choices=sorted(DTYPES), default="fp32",
+                   help="dtype of the written weights (hf->mg, mg->hf)")
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="explicit padded vocabulary (>= the HF vocab, divisible by TP)")
+    p.add_argument("--tokenizer-dir", default=None, help="tokenizer files copied into the HF output")
+    p.add_argument("--max-shard-size-mb", type=int, default=5120, help="HF output shard size")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.load_model_type == "hf" and args.save_model_type == "mg":
+            hf_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
+                           args.target_pipeline_parallel_size, args.params_dtype, args.model_type_hf,
+                           args.make_vocab_size_divisible_by, args.padded_vocab_size)
+        elif args.load_model_type == "mg" and args.save_model_type == "hf":
+            megatron_to_hf(args.load_dir, args.save_dir, args.params_dtype, args.model_type_hf,
+                           args.tokenizer_dir, args.max_shard_size_mb * 1024**2)
+        elif args.load_model_type == "mg" and args.save_model_type == "mg":
+            megatron_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
+                                 args.target_pipeline_parallel_size, args.padded_vocab_size)
+        else:
+            raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
+    except ConversionError as e:
+        print(f"convert_ckpt: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,214 @@
+"""Reading and writing Hugging Face checkpoint directories, one tensor at a time.
+
+Reading opens every ``*.safetensors`` file with ``safe_open`` (memory-mapped) and loads a
+tensor only when asked, so a 7B model never sits in memory whole. Writing streams tensors
+into shards of at most ``max_shard_bytes`` and names them like ``save_pretrained`` does
+(``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` + index).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mindspeed_pack.convert.model_specs import ConversionError
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+)
+
+
+def read_config(model_dir: str) -> dict:
+    if not os.path.isdir(model_dir):
+        raise ConversionError(f"{model_dir}: not a directory")
+    path = os.path.join(model_dir, CONFIG)
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path}: missing; a Hugging Face model directory needs config.json next to its weights")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: expected a JSON object, found {type(config).__name__}")
+    return config
+
+
+def _weight_files(model_dir: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
+    """The safetensors files to read and, when sharded, the index's name -> file map."""
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConversionError(f"{index_path}: unreadable index ({e!r}); expected {{'weight_map': {{name: file}}}}") from None
+        files = sorted(set(weight_map.values()))
+        absent = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+        if absent:
+            raise ConversionError(f"{index_path}: lists shard files that do not exist: {absent}")
+        return files, weight_map
+    if os.path.isfile(os.path.join(model_dir, SINGLE_FILE)):
+        return [SINGLE_FILE], None
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if files:
+        return files, None
+    bins = sorted(f for f in os.listdir(model_dir) if f.endswith(".bin") or f.endswith(".pt"))
+    hint = (f" (found {bins[:3]}: only safetensors are read; re-save with "
+            "save_pretrained(..., safe_serialization=True))") if bins else ""
+    raise ConversionError(f"{model_dir}: no *.safetensors weights{hint}")
+
+
+class HFCheckpointReader:
+    """Lazy access to the tensors of a HF model directory (single file or sharded)."""
+
+    def __init__(self, model_dir: str):
+        self.model_dir = model_dir
+        self.config = read_config(model_dir)
+        files, index = _weight_files(model_dir)
+        self._handles = {}
+        self._where: Dict[str, str] = {}
+        for name in files:
+            path = os.path.join(model_dir, name)
+            try:
+                handle = safe_open(path, framework="pt")
+            except Exception as e:  # safetensors raises its own error types
+                raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
+            self._handles[name] = handle
+            for key in handle.keys():
+                if key in self._where:
+                    raise ConversionError(f"tensor {key!r} is stored twice: in {self._where[key]} and {name}")
+                self._where[key] = name
+        if index is not None:
+            for key, fname in index.items():
+                if self._where.get(key) != fname:
+                    raise ConversionError(
+                        f"{os.path.join(model_dir, INDEX_FILE)}: maps {key!r} to {fname}, "
+                        f"but that tensor is {'in ' + self._where[key] if key in self._where else 'absent'}"
+                    )
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def close(self):
+        self._handles.clear()
+
+    def keys(self) -> List[str]:
+        return list(self._where)
+
+    def file_of(self, name: str) -> str:
+        return os.path.join(self.model_dir, self._where[name])
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._where:
+            raise ConversionError(f"{self.model_dir}: tensor {name!r} not found in the safetensors files")
+        return self._handles[self._where[name]].get_tensor(name)
+
+    def check_shapes(self, expected: Dict[str, Tuple[int, ...]], ignorable) -> None:
+        """Every expected tensor present with its shape, and no unexplained extra tensor."""
+        missing = [n for n in expected if n not in self._where]
+        if missing:
+            raise ConversionError(
+                f"{self.model_dir}: {len(missing)} tensors the config implies are missing, e.g. {missing[:4]}"
+            )
+        for name, shape in expected.items():
+            found = self.shape(name)
+            if found != tuple(shape):
+                raise ConversionError(
+                    f"{self.file_of(name)}: tensor {name!r} has shape {list(found)}, but config.json implies "
+                    f"{list(shape)}"
+                )
+        extra = [n for n in self._where if n not in expected and not ignorable(n)]
+        if extra:
+            raise ConversionError(
+                f"{self.model_dir}: {len(extra)} tensors are not used by the conversion, e.g. {extra[:4]}; "
+                "the weights do not match the architecture in config.json"
+            )
+
+
+class ShardedSafetensorsWriter:
+    """Append tensors; they are written in shards of at most ``max_shard_bytes``."""
+
+    def __init__(self, out_dir: str, max_shard_bytes: int = 5 * 1024**3):
+        self.out_dir = out_dir
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: Dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: List[List[str]] = []  # names per written shard
+        self.total_bytes = 0
+        os.makedirs(out_dir, exist_ok=True)
+
+    def _part(self, i: int) -> str:
+        return os.path.join(self.out_dir, f".part-{i:05d}.safetensors")
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().contiguous()
+        self._pending_bytes += size
+        self.total_bytes += size
+
+    def add_all(self, tensors: Dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        save_file(self._pending, self._part(len(self._shards)), metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> List[str]:
+        """Write the last shard, give the shards their final names, write the index."""
+        self._flush()
+        n = len(self._shards)
+        if n == 0:
+            raise ConversionError("no tensors were written")
+        if n == 1:
+            os.replace(self._part(0), os.path.join(self.out_dir, SINGLE_FILE))
+            return [SINGLE_FILE]
+        names, weight_map = [], {}
+        for i, tensor_names in enumerate(self._shards):
+            fname = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self._part(i), os.path.join(self.out_dir, fname))
+            names.append(fname)
+            weight_map.update({t: fname for t in tensor_names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        with open(os.path.join(self.out_dir, INDEX_FILE), "w") as f:
+            json.dump(index, f, indent=2)
+        return names
+
+
+def tokenizer_files(tokenizer_dir: str) -> List[str]:
+    """Tokenizer files present in ``tokenizer_dir``; an error if there are none."""
+    if not os.path.isdir(tokenizer_dir):
+        raise ConversionError(f"--tokenizer-dir {tokenizer_dir}: not a directory")
+    found = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(tokenizer_dir, f))]
+    if not found:
+        raise ConversionError(f"--tokenizer-dir {tokenizer_dir}: none of {list(TOKENIZER_FILES)} found")
+    return found
+
+
+def copy_files(src_dir: str, names: Iterable[str], dst_dir: str) -> None:
+    for name in names:
+        shutil.copy2(os.path.join(src_dir, name), os.path.join(dst_dir, name))

@@ -1,0 +1,215 @@
+"""Hugging Face tensors <-> canonical Megatron tensors (full, unsharded, global layer ids).
+
+Canonical names are megatron-core's local-spec parameter names of a TP1/PP1 model::
+
+    embedding.word_embeddings.weight            <- model.embed_tokens.weight (vocab padded)
+    decoder.layers.{i}.input_layernorm.weight   <- model.layers.{i}.input_layernorm.weight
+    decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}
+                                                <- q_proj, k_proj, v_proj, fused per group
+    decoder.layers.{i}.self_attention.linear_proj.weight   <- o_proj
+    decoder.layers.{i}.pre_mlp_layernorm.weight <- post_attention_layernorm
+    decoder.layers.{i}.mlp.linear_fc1.weight    <- [gate_proj; up_proj]
+    decoder.layers.{i}.mlp.linear_fc2.weight    <- down_proj
+    decoder.final_layernorm.weight              <- model.norm.weight
+    output_layer.weight                         <- lm_head.weight (untied only; vocab padded)
+
+Fused QKV rows are grouped per query group, ``[q heads of group 0, k0, v0, q heads of
+group 1, k1, v1, ...]``, so that a contiguous split of the rows hands every tensor-parallel
+rank whole groups. The model is converted in *units* (the embedding, one layer, the final
+norm + output layer) so that only one unit's tensors are in memory at a time.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Tuple, Union
+
+import torch
+
+from mindspeed_pack.convert.model_specs import ConversionError, ModelSpec
+
+Unit = Union[str, int]  # "embedding", a global layer index, or "final"
+EMBEDDING, FINAL = "embedding", "final"
+
+MG_EMBEDDING = "embedding.word_embeddings.weight"
+MG_OUTPUT = "output_layer.weight"
+MG_FINAL_NORM = "decoder.final_layernorm.weight"
+HF_EMBEDDING = "model.embed_tokens.weight"
+HF_OUTPUT = "lm_head.weight"
+HF_FINAL_NORM = "model.norm.weight"
+
+# HF tensors that carry nothing the Megatron model needs
+IGNORABLE_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def units(args) -> List[Unit]:
+    return [EMBEDDING, *range(args.num_layers), FINAL]
+
+
+def _hf_layer(i: int) -> str:
+    return f"model.layers.{i}."
+
+
+def _mg_layer(i: int) -> str:
+    return f"decoder.layers.{i}."
+
+
+def hf_unit_shapes(unit: Unit, args, spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
+    """HF tensor names of a unit and the shapes the config implies."""
+    h, d = args.hidden_size, args.kv_channels
+    if unit == EMBEDDING:
+        return {HF_EMBEDDING: (args.vocab_size, h)}
+    if unit == FINAL:
+        shapes = {HF_FINAL_NORM: (h,)}
+        if args.untie_embeddings_and_output_weights:
+            shapes[HF_OUTPUT] = (args.vocab_size, h)
+        return shapes
+    p = _hf_layer(unit)
+    q_rows, kv_rows = args.num_attention_heads * d, args.num_query_groups * d
+    shapes = {
+        p + "input_layernorm.weight": (h,),
+        p + "self_attn.q_proj.weight": (q_rows, h),
+        p + "self_attn.k_proj.weight": (kv_rows, h),
+        p + "self_attn.v_proj.weight": (kv_rows, h),
+        p + "self_attn.o_proj.weight": (h, q_rows),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "mlp.gate_proj.weight": (args.ffn_hidden_size, h),
+        p + "mlp.up_proj.weight": (args.ffn_hidden_size, h),
+        p + "mlp.down_proj.weight": (h, args.ffn_hidden_size),
+    }
+    if spec.qkv_bias:
+        shapes.update({
+            p + "self_attn.q_proj.bias": (q_rows,),
+            p + "self_attn.k_proj.bias": (kv_rows,),
+            p + "self_attn.v_proj.bias": (kv_rows,),
+        })
+    return shapes
+
+
+def expected_hf_shapes(args, spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
+    shapes: Dict[str, Tuple[int, ...]] = {}
+    for unit in units(args):
+        shapes.update(hf_unit_shapes(unit, args, spec))
+    return shapes
+
+
+def is_ignorable_hf_tensor(name: str, args) -> bool:
+    if name.endswith(IGNORABLE_HF_SUFFIXES):
+        return True
+    # tied models sometimes still store lm_head; the embedding is the weight in use
+    return name == HF_OUTPUT and not args.untie_embeddings_and_output_weights
+
+
+# --------------------------------------------------------------------------- fused layouts
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args) -> torch.Tensor:
+    """q ``[heads*d, ...]``, k/v ``[groups*d, ...]`` -> megatron's grouped ``[(heads+2g)*d, ...]``."""
+    g, d = args.num_query_groups, args.kv_channels
+    per_group = args.num_attention_heads // g
+    rest = q.shape[1:]
+    fused = torch.cat([q.reshape(g, per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+    return fused.reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, args) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, d = args.num_query_groups, args.kv_channels
+    per_group = args.num_attention_heads // g
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(g, (per_group + 2) * d, *rest)
+    q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
+    return q.reshape(-1, *rest).clone(), k.reshape(-1, *rest).clone(), v.reshape(-1, *rest).clone()
+
+
+def pad_vocab(weight: torch.Tensor, padded_vocab_size: int, name: str = "") -> torch.Tensor:
+    """Append zero rows up to ``padded_vocab_size`` (zero: they are never a target or an input)."""
+    rows = weight.shape[0]
+    if rows > padded_vocab_size:
+        raise ConversionError(f"{name}: {rows} vocabulary rows do not fit padded_vocab_size={padded_vocab_size}")
+    if rows == padded_vocab_size:
+        return weight
+    return torch.cat([weight, weight.new_zeros(padded_vocab_size - rows, *weight.shape[1:])], dim=0)
+
+
+def unpad_vocab(weight: torch.Tensor, vocab_size: int, name: str = "") -> torch.Tensor:
+    if weight.shape[0] < vocab_size:
+        raise ConversionError(f"{name}: {weight.shape[0]} rows, fewer than the true vocabulary size {vocab_size}")
+    return weight[:vocab_size].clone()
+
+
+# --------------------------------------------------------------------------- HF -> megatron
+def hf_to_mg_unit(unit: Unit, get: Callable[[str], torch.Tensor], args, spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    """Canonical megatron tensors of ``unit``, reading HF tensors with ``get(name)``."""
+    if unit == EMBEDDING:
+        return {MG_EMBEDDING: pad_vocab(get(HF_EMBEDDING), args.padded_vocab_size, HF_EMBEDDING)}
+    if unit == FINAL:
+        out = {MG_FINAL_NORM: get(HF_FINAL_NORM)}
+        if args.untie_embeddings_and_output_weights:
+            out[MG_OUTPUT] = pad_vocab(get(HF_OUTPUT), args.padded_vocab_size, HF_OUTPUT)
+        return out
+    hp, mp = _hf_layer(unit), _mg_layer(unit)
+    attn = hp + "self_attn."
+    out = {
+        mp + "input_layernorm.weight": get(hp + "input_layernorm.weight"),
+        mp + "self_attention.linear_qkv.weight": fuse_qkv(
+            get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), args),
+        mp + "self_attention.linear_proj.weight": get(attn + "o_proj.weight"),
+        mp + "pre_mlp_layernorm.weight": get(hp + "post_attention_layernorm.weight"),
+        mp + "mlp.linear_fc1.weight": torch.cat([get(hp + "mlp.gate_proj.weight"), get(hp + "mlp.up_proj.weight")], 0),
+        mp + "mlp.linear_fc2.weight": get(hp + "mlp.down_proj.weight"),
+    }
+    if spec.qkv_bias:
+        out[mp + "self_attention.linear_qkv.bias"] = fuse_qkv(
+            get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), args)
+    return out
+
+
+# --------------------------------------------------------------------------- megatron -> HF
+def mg_to_hf_unit(unit: Unit, full: Dict[str, torch.Tensor], args, spec: ModelSpec) -> Dict[str, torch.Tensor]:
+    """HF tensors of ``unit`` from its canonical megatron tensors (vocab un-padded)."""
+
+    def take(name):
+        if name not in full:
+            raise ConversionError(f"megatron checkpoint lacks {name!r} (unit {unit!r}); found {sorted(full)[:8]}")
+        return full[name]
+
+    if unit == EMBEDDING:
+        return {HF_EMBEDDING: unpad_vocab(take(MG_EMBEDDING), args.vocab_size, MG_EMBEDDING)}
+    if unit == FINAL:
+        out = {HF_FINAL_NORM: take(MG_FINAL_NORM)}
+        if args.untie_embeddings_and_output_weights:
+            out[HF_OUTPUT] = unpad_vocab(take(MG_OUTPUT), args.vocab_size, MG_OUTPUT)
+        return out
+    hp, mp = _hf_layer(unit), _mg_layer(unit)
+    attn = hp + "self_attn."
+    q, k, v = split_qkv(take(mp + "self_attention.linear_qkv.weight"), args)
+    gate, up = torch.chunk(take(mp + "mlp.linear_fc1.weight"), 2, dim=0)
+    out = {
+        hp + "input_layernorm.weight": take(mp + "input_layernorm.weight"),
+        attn + "q_proj.weight": q,
+        attn + "k_proj.weight": k,
+        attn + "v_proj.weight": v,
+        attn + "o_proj.weight": take(mp + "self_attention.linear_proj.weight"),
+        hp + "post_attention_layernorm.weight": take(mp + "pre_mlp_layernorm.weight"),
+        hp + "mlp.gate_proj.weight": gate.clone(),
+        hp + "mlp.up_proj.weight": up.clone(),
+        hp + "mlp.down_proj.weight": take(mp + "mlp.linear_fc2.weight"),
+    }
+    if spec.qkv_bias:
+        qb, kb, vb = split_qkv(take(mp + "self_attention.linear_qkv.bias"), args)
+        out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb, attn + "v_proj.bias": vb})
+    return out
+
+
+def mg_unit_names(unit: Unit, args) -> List[str]:
+    """Canonical megatron names belonging to ``unit`` (for picking them out of a shard)."""
+    if unit == EMBEDDING:
+        return [MG_EMBEDDING]
+    if unit == FINAL:
+        names = [MG_FINAL_NORM]
+        if args.normalization == "LayerNorm":
+            names.append("decoder.final_layernorm.bias")
+        if args.untie_embeddings_and_output_weights:
+            names.append(MG_OUTPUT)
+        return names
+    raise ValueError("layer units are selected by prefix, see mg_layer_prefix")
+
+
+def mg_layer_prefix(layer: int) -> str:
+    return _mg_layer(layer)

@@ -1,0 +1,196 @@
+"""Bad converter input fails with a message naming the problem, and writes nothing.
+
+Every case asserts that the save directory was not created (or, if it existed, was left
+as it was) and that no temporary directory is left next to it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from mindspeed_pack.convert import ConversionError, hf_to_megatron, megatron_to_hf, megatron_to_megatron
+from mindspeed_pack.convert import convert as convert_module
+from mindspeed_pack.convert.convert import main
+from mindspeed_pack.training.checkpoint_layout import RELEASE, checkpoint_file
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny Qwen2 model: 4 layers, 4 heads, 2 query groups, vocab 300."""
+    import transformers
+
+    config = transformers.Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("errors") / "qwen2_hf"
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def mg_dir(hf_dir, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("errors_mg") / "mg")
+    hf_to_megatron(hf_dir, path, 2, 2)
+    return path
+
+
+@pytest.fixture
+def out(tmp_path):
+    """A save dir path in an otherwise empty parent; checks afterwards that nothing was written."""
+    parent = tmp_path / "outputs"
+    parent.mkdir()
+    target = parent / "converted"
+    yield str(target)
+    assert not target.exists(), f"{target} was written"
+    assert os.listdir(parent) == [], f"leftovers in {parent}: {os.listdir(parent)}"
+
+
+def _copy_with_config(src: str, dst, **changes) -> str:
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "config.json")
+    config = json.load(open(path))
+    config.update(changes)
+    json.dump(config, open(path, "w"))
+    return str(dst)
+
+
+def test_directory_without_config(hf_dir, tmp_path, out):
+    no_config = tmp_path / "no_config"
+    shutil.copytree(hf_dir, no_config)
+    os.remove(no_config / "config.json")
+    with pytest.raises(ConversionError, match="config.json: missing"):
+        hf_to_megatron(str(no_config), out, 1, 1)
+
+
+def test_directory_without_weights(hf_dir, tmp_path, out):
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(os.path.join(hf_dir, "config.json"), no_weights)
+    with pytest.raises(ConversionError, match=r"no \*\.safetensors weights"):
+        hf_to_megatron(str(no_weights), out, 1, 1)
+    torch.save({}, no_weights / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match="only safetensors are read"):
+        hf_to_megatron(str(no_weights), out, 1, 1)
+
+
+def test_unknown_architecture(hf_dir, tmp_path, out):
+    gpt2 = _copy_with_config(hf_dir, tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ConversionError, match="unknown architecture.*gpt2.*supported model types: llama, qwen2"):
+        hf_to_megatron(gpt2, out, 1, 1)
+
+
+def test_unsupported_features_are_refused(hf_dir, tmp_path, out):
+    scaled = _copy_with_config(hf_dir, tmp_path / "scaled",
+                               rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
+    with pytest.raises(ConversionError, match="rope_scaling.*plain RoPE only"):
+        hf_to_megatron(scaled, out, 1, 1)
+
+
+def test_tp_must_divide_heads_and_query_groups(hf_dir, out):
+    with pytest.raises(ConversionError, match="tensor parallel size 3 does not divide num_attention_heads=4"):
+        hf_to_megatron(hf_dir, out, 3, 1)
+    with pytest.raises(ConversionError, match=r"tensor parallel size 4 does not divide the number of query groups"):
+        hf_to_megatron(hf_dir, out, 4, 1)
+
+
+def test_pp_must_fit_and_divide_layers(hf_dir, out):
+    with pytest.raises(ConversionError, match="pipeline parallel size 8 is larger than the layer count 4"):
+        hf_to_megatron(hf_dir, out, 1, 8)
+    with pytest.raises(ConversionError, match="pipeline parallel size 3 does not divide the layer count 4"):
+        hf_to_megatron(hf_dir, out, 1, 3)
+
+
+def test_vocabulary_size_mismatches(hf_dir, tmp_path, out):
+    with pytest.raises(ConversionError, match="--padded-vocab-size 200 is smaller than the model's vocabulary"):
+        hf_to_megatron(hf_dir, out, 1, 1, padded_vocab_size=200)
+    with pytest.raises(ConversionError, match="--padded-vocab-size 301 is not divisible by the tensor parallel size 2"):
+        hf_to_megatron(hf_dir, out, 2, 1, padded_vocab_size=301)
+    wrong = _copy_with_config(hf_dir, tmp_path / "wrong_vocab", vocab_size=320)
+    with pytest.raises(ConversionError, match=r"model\.safetensors: tensor 'model\.embed_tokens\.weight' has shape "
+                                              r"\[300, 32\], but config.json implies \[320, 32\]"):
+        hf_to_megatron(wrong, out, 1, 1)
+
+
+def test_weights_of_another_architecture_are_refused(hf_dir, tmp_path, out):
+    """A Qwen3-like checkpoint (q_norm tensors) labelled qwen2 must not lose tensors silently."""
+    from safetensors.torch import load_file, save_file
+
+    extra = tmp_path / "extra"
+    shutil.copytree(hf_dir, extra)
+    tensors = load_file(extra / "model.safetensors")
+    tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)
+    save_file(tensors, extra / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="not used by the conversion.*q_norm"):
+        hf_to_megatron(str(extra), out, 1, 1)
+
+
+def test_existing_non_empty_save_dir_is_left_alone(hf_dir, tmp_path):
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="exists and is not empty"):
+        hf_to_megatron(hf_dir, str(existing), 1, 1)
+    assert os.listdir(existing) == ["keep.txt"] and os.listdir(tmp_path) == ["existing"]
+
+
+def test_empty_existing_save_dir_is_filled(hf_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    hf_to_megatron(hf_dir, str(empty), 1, 1)
+    assert os.path.isfile(checkpoint_file(str(empty), RELEASE, 0, 0, 1))
+    assert os.listdir(tmp_path) == ["empty"]
+
+
+def test_failure_while_writing_leaves_no_output(hf_dir, out, monkeypatch):
+    calls = []
+    original = convert_module.layout.save_file_atomic
+
+    def fail_on_second(obj, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        original(obj, path)
+
+    monkeypatch.setattr(convert_module.layout, "save_file_atomic", fail_on_second)
+    with pytest.raises(OSError, match="simulated"):
+        hf_to_megatron(hf_dir, out, 2, 1)
+    assert len(calls) == 2
+
+
+def test_megatron_input_errors(hf_dir, mg_dir, tmp_path, out):
+    with pytest.raises(ConversionError, match="no latest_checkpointed_iteration.txt"):
+        megatron_to_hf(hf_dir, out)
+    broken = tmp_path / "broken"
+    shutil.copytree(mg_dir, broken)
+    os.remove(checkpoint_file(str(broken), RELEASE, 1, 1, 2))
+    with pytest.raises(ConversionError, match=r"mp_rank_01_001/model_optim_rng.pt: missing \(checkpoint has TP=2, PP=2\)"):
+        megatron_to_hf(str(broken), out)
+    with pytest.raises(ConversionError, match="tensor parallel size 3 does not divide num_attention_heads=4"):
+        megatron_to_megatron(mg_dir, out, 3, 1)
+    with pytest.raises(ConversionError, match="--tokenizer-dir .*: none of"):
+        megatron_to_hf(mg_dir, out, tokenizer_dir=str(tmp_path))
+
+
+def test_cli_reports_errors_with_exit_code(hf_dir, out, capsys):
+    code = main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf_dir, "--save-dir", out,
+                 "--target-tensor-parallel-size", "3"])
+    assert code == 2
+    assert "does not divide num_attention_heads=4" in capsys.readouterr().err
+    assert main(["--load-model-type", "hf", "--save-model-type", "hf", "--load-dir", hf_dir,
+                 "--save-dir", out]) == 2
+
+
+def test_cli_converts_both_ways(hf_dir, tmp_path):
+    mg, back = str(tmp_path / "mg"), str(tmp_path / "hf")
+    assert main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf_dir, "--save-dir", mg,
+                 "--target-pipeline-parallel-size", "2", "--params-dtype", "bf16"]) == 0
+    assert main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", back,
+                 "--params-dtype", "bf16"]) == 0
+    from safetensors.torch import load_file
+
+    a, b = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
+    assert all(torch.equal(t.to(torch.bfloat16), b[k]) for k, t in a.items())

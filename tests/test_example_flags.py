@@ -1,0 +1,290 @@
+"""Every flag of every example script parses with the project's real command-line parsers.
+
+A flag renamed in a parser, or misspelled in a script, fails here instead of on a cluster.
+
+Protocol (every ``examples/**/*.sh`` follows it): run with ``PRINT_ARGS=1``, a script runs
+nothing and prints, for each Python command it would run, a header line
+``#@ <entry script> [world_size=N]`` followed by that command's arguments, one per line.
+Each command is then checked with the parser of its entry script:
+
+- ``posttrain.py`` / ``pretrain_gpt.py``: :func:`mindspeed_pack.training.arguments.parse_args`
+  with ``--dry-run`` and the script's world size, so TP/PP/batch-size divisibility and the
+  other cross-flag rules are checked for real;
+- ``preprocess_data.py``: ``build_parser`` + ``validate_args`` of ``mindspeed_pack.data.preprocess``;
+- ``convert_ckpt.py``: ``build_parser`` of ``mindspeed_pack.convert.convert``.
+
+Beyond what the parsers accept, every ``--flag`` must be spelled exactly as the parser defines
+it: argparse would otherwise take ``--seq-len`` as an abbreviation of a renamed ``--seq-length-x``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.sh"))
+QWEN25 = REPO / "examples" / "qwen25"
+HEADER = "#@ "
+
+
+@dataclass
+class Command:
+    entry: str
+    argv: List[str]
+    world_size: int = 1
+
+
+class FlagError(AssertionError):
+    """An example's arguments do not parse."""
+
+
+def _clean_env(**extra: str) -> Dict[str, str]:
+    """The scripts' defaults, not whatever the CI environment happens to export (NNODES, DATA_PATH, ...)."""
+    env = {k: os.environ[k] for k in ("HOME", "LANG", "TMPDIR") if k in os.environ}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
+    env.update(extra)
+    return env
+
+
+def extract_commands(script: Path, **env: str) -> List[Command]:
+    """The Python commands ``script`` would run, from its ``PRINT_ARGS=1`` output."""
+    text = script.read_text()
+    if "PRINT_ARGS" not in text:  # never run a script that would start real work
+        raise FlagError(f"{script}: does not support PRINT_ARGS=1 (see the protocol in {__file__})")
+    proc = subprocess.run(["bash", str(script)], env=_clean_env(PRINT_ARGS="1", **env), cwd=script.parent,
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise FlagError(f"{script}: PRINT_ARGS=1 exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    commands: List[Command] = []
+    for lineno, line in enumerate(proc.stdout.splitlines(), 1):
+        if line.startswith(HEADER):
+            entry, *fields = line[len(HEADER):].split()
+            meta = dict(f.split("=", 1) for f in fields)
+            commands.append(Command(entry, [], int(meta.get("world_size", 1))))
+        elif commands:
+            commands[-1].argv.append(line)
+        else:
+            raise FlagError(f"{script}: PRINT_ARGS output line {lineno} comes before any '{HEADER}<entry>' header: "
+                            f"{line!r}")
+    if not commands:
+        raise FlagError(f"{script}: PRINT_ARGS=1 printed no '{HEADER}<entry>' header")
+    return commands
+
+
+# ---------------------------------------------------------------------------- parsers
+def _load_entry_module(entry: str):
+    spec = importlib.util.spec_from_file_location(f"_example_entry_{Path(entry).stem}", REPO / entry)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # entry scripts only run main() under __main__
+    return module
+
+
+def _training_parser(entry: str) -> tuple[argparse.ArgumentParser, Optional[Callable]]:
+    from mindspeed_pack.training.arguments import build_parser
+
+    provider = getattr(_load_entry_module(entry), "pretrain_args", None) if entry == "pretrain_gpt.py" else None
+    parser = build_parser()
+    if provider is not None:
+        provider(parser)
+    return parser, provider
+
+
+def _check_training(cmd: Command) -> argparse.Namespace:
+    from mindspeed_pack.training.arguments import parse_args
+
+    parser, provider = _training_parser(cmd.entry)
+    _check_spelling(cmd, parser)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no CUDA device: ignoring --bf16 ..." on CPU machines
+        try:
+            parse_args(cmd.argv + ["--dry-run"], world_size=cmd.world_size, extra_args_provider=provider)
+        except SystemExit as exc:
+            if exc.code != 0:
+                raise FlagError(f"{cmd.entry} (world size {cmd.world_size}) rejects the arguments:\n"
+                                f"{err.getvalue()[-2000:]}") from None
+        else:
+            raise FlagError(f"{cmd.entry}: --dry-run did not exit")
+    return argparse.Namespace(**json.loads(out.getvalue()))
+
+
+def _check_preprocess(cmd: Command) -> argparse.Namespace:
+    from mindspeed_pack.data.errors import PreprocessError
+    from mindspeed_pack.data.preprocess import build_parser, validate_args
+
+    parser = build_parser()
+    _check_spelling(cmd, parser)
+    args = _parse(parser, cmd)
+    try:
+        validate_args(args)
+    except PreprocessError as exc:
+        raise FlagError(f"{cmd.entry} rejects the arguments: {exc}") from None
+    return args
+
+
+def _check_convert(cmd: Command) -> argparse.Namespace:
+    from mindspeed_pack.convert.convert import build_parser
+
+    parser = build_parser()
+    _check_spelling(cmd, parser)
+    args = _parse(parser, cmd)
+    if args.load_model_type == "hf" and args.save_model_type == "hf":
+        raise FlagError(f"{cmd.entry}: hf -> hf converts nothing")
+    return args
+
+
+PARSERS: Dict[str, Callable[[Command], argparse.Namespace]] = {
+    "posttrain.py": _check_training,
+    "pretrain_gpt.py": _check_training,
+    "preprocess_data.py": _check_preprocess,
+    "convert_ckpt.py": _check_convert,
+}
+
+
+def _parse(parser: argparse.ArgumentParser, cmd: Command) -> argparse.Namespace:
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            return parser.parse_args(cmd.argv)
+        except SystemExit:
+            raise FlagError(f"{cmd.entry} rejects the arguments:\n{err.getvalue()[-2000:]}") from None
+
+
+def _check_spelling(cmd: Command, parser: argparse.ArgumentParser) -> None:
+    """Every ``--flag`` is one the parser defines, letter for letter (no argparse abbreviations)."""
+    known = set(parser._option_string_actions)
+    unknown = [a for a in cmd.argv if a.startswith("--") and a.split("=", 1)[0] not in known]
+    if unknown:
+        raise FlagError(f"{cmd.entry}: unknown or abbreviated flags {unknown}")
+
+
+def check_command(cmd: Command) -> argparse.Namespace:
+    if cmd.entry not in PARSERS:
+        raise FlagError(f"no parser known for entry script {cmd.entry!r}: add it to PARSERS in {__file__}")
+    return PARSERS[cmd.entry](cmd)
+
+
+def check_script(script: Path, **env: str) -> List[argparse.Namespace]:
+    return [check_command(cmd) for cmd in extract_commands(script, **env)]
+
+
+# ---------------------------------------------------------------------------- tests
+def test_examples_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {"tune_qwen25_7b_4k_full_pack.sh", "data_convert_qwen25_instruction_pack.sh",
+            "ckpt_convert_qwen25_hf2mcore.sh", "ckpt_convert_qwen25_mcore2hf.sh"} <= names
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "examples")))
+def test_example_flags_parse(script):
+    assert check_script(script)
+
+
+def _qwen25(name: str, **env: str) -> argparse.Namespace:
+    (args,) = check_script(QWEN25 / name, **env)
+    return args
+
+
+def test_qwen25_training_is_the_published_recipe():
+    a = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    assert (a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads, a.num_query_groups) == \
+        (28, 3584, 18944, 28, 4)
+    assert a.add_qkv_bias and a.disable_bias_linear and a.swiglu and a.untie_embeddings_and_output_weights
+    assert (a.normalization, a.norm_epsilon, a.rotary_base, a.padded_vocab_size, a.seq_length) == \
+        ("RMSNorm", 1e-6, 1e6, 152064, 4096)
+    assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.data_parallel_size) == (4, 1, 2)
+    assert (a.micro_batch_size, a.global_batch_size, a.num_micro_batches) == (1, 8, 4)
+    assert (a.lr, a.min_lr, a.lr_decay_style, a.lr_warmup_fraction, a.lr_warmup_iters) == \
+        (7.75e-7, 7.75e-8, "cosine", 0.01, 20)
+    assert (a.weight_decay, a.clip_grad, a.adam_beta1, a.adam_beta2, a.train_iters) == (0.1, 1.0, 0.9, 0.95, 2000)
+    assert a.neat_pack and a.reset_position_ids and a.isolate_segments and a.is_instruction_dataset
+    assert a.finetune and a.prompt_type == "qwen" and not a.no_shuffle
+
+
+def test_qwen25_scripts_agree_with_each_other():
+    data = _qwen25("data_convert_qwen25_instruction_pack.sh")
+    hf2mg = _qwen25("ckpt_convert_qwen25_hf2mcore.sh")
+    tune = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    mg2hf = _qwen25("ckpt_convert_qwen25_mcore2hf.sh")
+    # the packs the data script writes are the training samples
+    assert data.pack and data.neat_pack and tune.neat_pack
+    assert (data.output_prefix, data.seq_length, data.prompt_type) == \
+        (tune.data_path[0], tune.seq_length, tune.prompt_type)
+    # training loads the converted weights at the sharding they were written with
+    assert (hf2mg.load_model_type, hf2mg.save_model_type, hf2mg.save_dir) == ("hf", "mg", tune.load)
+    assert (hf2mg.target_tensor_parallel_size, hf2mg.target_pipeline_parallel_size) == \
+        (tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size)
+    # and the trained weights go back to HF with the tokenizer everyone used
+    assert (mg2hf.load_model_type, mg2hf.save_model_type, mg2hf.load_dir) == ("mg", "hf", tune.save)
+    assert data.tokenizer_name_or_path == tune.tokenizer_name_or_path == mg2hf.tokenizer_dir == hf2mg.load_dir
+
+
+def test_qwen25_training_validates_the_world_size():
+    # 6 GPUs cannot hold TP 4: the world size the script computes reaches the real validation
+    with pytest.raises(FlagError, match="world size 6 is not divisible by TP 4"):
+        _qwen25("tune_qwen25_7b_4k_full_pack.sh", GPUS_PER_NODE="6")
+    # two nodes double data parallelism; GBS 8 still divides MBS 1 x DP 4
+    a = _qwen25("tune_qwen25_7b_4k_full_pack.sh", NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1")
+    assert (a.data_parallel_size, a.num_micro_batches) == (4, 2)
+
+
+def _mutated_copy(script: Path, tmp_path: Path, flag: str, replacement: str) -> Path:
+    """A copy of ``script`` in which the argument-array element ``flag`` is renamed."""
+    text = script.read_text()
+    pattern = re.compile(rf"^(\s+){re.escape(flag)}(?=\s|$)", re.M)
+    mutated, n = pattern.subn(lambda m: m.group(1) + replacement, text, count=1)
+    assert n == 1, f"{script} has no argument line starting with {flag}"
+    copy = tmp_path / script.name
+    copy.write_text(mutated)
+    return copy
+
+
+@pytest.mark.parametrize("name, flag", [
+    ("tune_qwen25_7b_4k_full_pack.sh", "--num-query-groups"),
+    ("data_convert_qwen25_instruction_pack.sh", "--neat-pack"),
+    ("ckpt_convert_qwen25_hf2mcore.sh", "--target-tensor-parallel-size"),
+    ("ckpt_convert_qwen25_mcore2hf.sh", "--tokenizer-dir"),
+])
+def test_misspelled_flag_fails(tmp_path, name, flag):
+    check_script(QWEN25 / name)  # the original parses ...
+    copy = _mutated_copy(QWEN25 / name, tmp_path, flag, flag + "s")
+    with pytest.raises(FlagError, match=re.escape(flag + "s")):  # ... the misspelled copy does not
+        check_script(copy)
+
+
+@pytest.mark.parametrize("name, flag, abbreviation", [
+    ("tune_qwen25_7b_4k_full_pack.sh", "--seq-length", "--seq-len"),
+    ("data_convert_qwen25_instruction_pack.sh", "--seq-length", "--seq-len"),  # argparse would accept this one
+    ("ckpt_convert_qwen25_hf2mcore.sh", "--params-dtype", "--params-dt"),
+])
+def test_abbreviated_flag_fails(tmp_path, name, flag, abbreviation):
+    copy = _mutated_copy(QWEN25 / name, tmp_path, flag, abbreviation)
+    with pytest.raises(FlagError, match=re.escape(abbreviation)):
+        check_script(copy)
+
+
+@pytest.mark.parametrize("name, ok", [
+    ("tune_qwen25_7b_4k_full_pack.sh", "\"tensor_model_parallel_size\": 4"),
+    ("data_convert_qwen25_instruction_pack.sh", "preprocess_data.py arguments OK"),
+    # the converters' DRY_RUN is the same parse as above in a fresh interpreter (one megatron import, ~5 s): skipped
+])
+def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):
+    """``DRY_RUN=1`` checks the flags with the real entry point on a machine without GPU, data or weights."""
+    proc = subprocess.run(["bash", str(QWEN25 / name)], env=_clean_env(DRY_RUN="1", LOG_DIR=str(tmp_path / "logs")),
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ok in proc.stdout
+    assert not any(tmp_path.iterdir()), "a dry run must not write anything"

@@ -1,0 +1,117 @@
+"""A real two-node launch of the Qwen2.5 tune script, on one CPU machine.
+
+Two copies of ``examples/qwen25/tune_qwen25_7b_4k_full_pack.sh`` run side by side as
+"nodes" 0 and 1 (``NNODES=2``, ``NODE_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``,
+``GPUS_PER_NODE=2``): the script's own torchrun rendezvous, argument arrays, data and
+output flags and log tee are used; its ``OVERRIDES`` hook swaps in a tiny model, TP 2 and a
+short schedule. World 4 = TP 2 inside each node x DP 2 across the nodes, the layout of a
+real multi-node job, on gloo.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.data_utils import write_packed_instruction_dataset
+from tests.dist_harness import free_port
+from tests.model_utils import TINY_FLAGS
+
+REPO = Path(__file__).resolve().parents[1]
+TUNE = REPO / "examples" / "qwen25" / "tune_qwen25_7b_4k_full_pack.sh"
+SEQ_LENGTH = 128
+TRAIN_ITERS = 3
+TIMEOUT_S = 300
+ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.* lm loss: (\S+) \|")
+
+
+def _tiny_overrides(path: Path, save_dir: Path) -> Path:
+    """Bash sourced by the tune script after its arrays: tiny model, TP 2, three steps, fresh start."""
+    def array(name, items):
+        return f"{name}=(" + " ".join(f"'{x}'" for x in items) + ")\n"
+
+    path.write_text(
+        array("MODEL_ARGS", TINY_FLAGS + ["--seq-length", str(SEQ_LENGTH)])
+        + array("PARALLEL_ARGS", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                                  "--distributed-backend", "gloo"])
+        + array("TRAIN_ARGS", ["--micro-batch-size", "1", "--global-batch-size", "4",
+                               "--train-iters", str(TRAIN_ITERS), "--lr", "1e-3", "--min-lr", "1e-4",
+                               "--lr-warmup-iters", "1", "--seed", "1234"])
+        # no --finetune/--load: there are no converted weights to start from
+        + array("CKPT_ARGS", ["--stage", "sft", "--save", str(save_dir)])
+    )
+    return path
+
+
+def _launch_node(rank: int, env: dict, log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        # own session: on a timeout the whole node (launcher, torchrun, workers) is stopped together
+        return subprocess.Popen(["bash", str(TUNE)], env={**env, "NODE_RANK": str(rank)}, stdout=out,
+                                stderr=subprocess.STDOUT, cwd=log.parent, start_new_session=True)
+
+
+def _wait(nodes, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in nodes):
+        failed = any(p.poll() not in (None, 0) for p in nodes)
+        if failed or time.monotonic() > deadline:
+            time.sleep(5 if failed else 0)  # a failed node's peer would wait for it until its own timeout
+            for p in nodes:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGTERM)
+            for p in nodes:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            break
+        time.sleep(0.2)
+    return [p.returncode for p in nodes]
+
+
+def test_two_node_launch_trains_tp2_dp2(tmp_path):
+    data = write_packed_instruction_dataset(str(tmp_path / "data" / "toy"), num_packs=32, seq_length=SEQ_LENGTH)
+    logs = tmp_path / "logs"
+    env = {k: os.environ[k] for k in ("HOME", "LANG", "TMPDIR") if k in os.environ}
+    env.update(
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin"),
+        OMP_NUM_THREADS="1",
+        NNODES="2", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        DATA_PATH=data,
+        TOKENIZER_PATH=str(tmp_path / "unused-tokenizer"),  # --padded-vocab-size is given: never loaded
+        LOG_DIR=str(logs),
+        TENSORBOARD_DIR=str(logs / "tb"),
+        OVERRIDES=str(_tiny_overrides(tmp_path / "tiny.sh", tmp_path / "ckpt")),
+    )
+    outputs = [tmp_path / f"node{r}.out" for r in (0, 1)]
+    nodes = [_launch_node(r, env, outputs[r]) for r in (0, 1)]
+    codes = _wait(nodes, TIMEOUT_S)
+    tails = "\n".join(f"--- node {r} (exit {codes[r]}):\n{outputs[r].read_text()[-3000:]}" for r in (0, 1))
+    assert codes == [0, 0], tails
+
+    # the script tees each node's output into its own log
+    node_logs = [(logs / f"tune_qwen25_7b_4k_full_pack_node{r}.log").read_text() for r in (0, 1)]
+    # only the logging rank (last pipeline stage, first TP and DP rank = global rank 0, on node 0) prints steps
+    steps = [m.groups() for m in ITERATION_LINE.finditer(node_logs[0])]
+    assert [int(it) for it, _, _ in steps] == list(range(1, TRAIN_ITERS + 1)), tails
+    assert all(math.isfinite(float(loss)) and float(loss) > 0 for _, _, loss in steps), steps
+    assert not ITERATION_LINE.search(node_logs[1]), "node 1 holds no logging rank but printed steps"
+
+    records = [json.loads(line) for line in (logs / "tune_qwen25_7b_4k_full_pack.metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == list(range(1, TRAIN_ITERS + 1))
+    assert all(math.isfinite(r["lm loss"]) and math.isfinite(r["grad norm"]) for r in records), records
+    assert all(math.isclose(r["lm loss"], float(loss), rel_tol=1e-5) for r, (_, _, loss) in zip(records, steps))
+    assert records[-1]["consumed samples"] == 4 * TRAIN_ITERS
+
+    # both tensor-parallel shards of the final checkpoint were written (by ranks on node 0; DP copies skip)
+    ckpt = tmp_path / "ckpt"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
+    for tp_rank in (0, 1):
+        assert (ckpt / f"iter_{TRAIN_ITERS:07d}" / f"mp_rank_{tp_rank:02d}" / "model_optim_rng.pt").is_file()
