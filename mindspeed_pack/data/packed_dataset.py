@@ -113,7 +113,7 @@ def build_split_datasets(args, num_samples: dict) -> dict:
         index = get_sample_index(
             cache, end - start, n, seed=args.seed, shuffle=not args.no_shuffle and name == "train",
             padded_samples=args.padded_samples and name == "train", global_batch_size=args.global_batch_size,
-            tag=f"{os.path.basename(args.data_path[0])}-{name}-{start}-{end}",
+            tag=f"{os.path.abspath(args.data_path[0])}-{name}-{start}-{end}",
         )
         out[name] = SplitDataset(docs, start, end, index)
     return out
