@@ -12,6 +12,7 @@ from mindspeed_pack.training.trainer import run
 
 def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # keep the console for our step lines
     args = parse_args(argv, description="mindspeed-pack supervised fine-tuning on packed data")
     resolve_vocab_size(args)
     run(args, PackedBatchSource())

@@ -44,7 +44,7 @@ def write_copy_task(prefix, num_packs=48, seq_length=128, seed=0, neat_pack=True
         b.finalize(f"{prefix}_packed_{key}_document.idx")
     if meta:
         with open(f"{prefix}_packed_meta.json", "w") as f:
-            json.dump({"args": {"pack": True, "neat_pack": neat_pack, "seq_length": seq_length}}, f)
+            json.dump({"layout": {"kind": "packed", "neat_pack": neat_pack, "seq_length": seq_length}}, f)
     return prefix
 
 

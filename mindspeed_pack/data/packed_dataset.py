@@ -120,13 +120,13 @@ def build_split_datasets(args, num_samples: dict) -> dict:
 
 
 def _check_against_meta(docs: PackedDocuments, args) -> None:
-    meta = docs.meta or {}
-    margs = meta.get("args", meta)
-    if args.neat_pack and margs.get("pack") is not None and not margs.get("neat_pack", False):
+    """Refuse flag/data mismatches that would silently train the wrong thing."""
+    layout = (docs.meta or {}).get("layout", {})
+    if args.neat_pack and layout.get("kind") == "packed" and not layout.get("neat_pack", False):
         raise DataError(f"--neat-pack: {docs.prefix!r} was preprocessed without --neat-pack, so its "
                         "attention_mask holds no segment ids; re-run preprocess_data.py --pack --neat-pack")
-    seq = margs.get("seq_length")
-    if margs.get("pack") and seq and int(seq) != args.seq_length:
+    seq = layout.get("seq_length")
+    if layout.get("kind") == "packed" and seq and int(seq) != args.seq_length:
         raise DataError(f"--seq-length {args.seq_length} differs from the packs' length {seq} in {docs.prefix!r}")
 
 
@@ -190,8 +190,7 @@ def resolve_vocab_size(args) -> None:
     vocab = args.vocab_size
     meta = read_meta(args.data_path[0]) if args.data_path else None
     if vocab is None and meta:
-        tok = meta.get("tokenizer", {})
-        vocab = tok.get("vocab_size") or tok.get("len")
+        vocab = meta.get("cache_key", {}).get("tokenizer", {}).get("vocab_size")
     if vocab is None and args.tokenizer_name_or_path:
         from transformers import AutoTokenizer
 
