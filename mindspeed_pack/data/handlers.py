@@ -1,0 +1,276 @@
+"""Turn one input row into one tokenized sample: token ids + a trained mask.
+
+Handlers (names as in MindSpeed-LLM's ``--handler-name``):
+
+* ``AlpacaStyleInstructionHandler``: ``instruction`` (+ ``"\\n"`` + ``input`` when non-empty)
+  is the prompt, ``output`` the answer; optional ``system`` and ``history`` (a list of
+  ``[prompt, answer]`` pairs placed before the row's own turn).
+* ``SharegptStyleInstructionHandler``: a list of messages ``{"from", "value"}`` with roles
+  human/gpt/observation/function_call and an optional leading system message (or a
+  ``system`` column). OpenAI-style ``{"role", "content"}`` with user/assistant works with
+  ``--map-keys '{"role_tag": "role", "content_tag": "content", "user_tag": "user",
+  "assistant_tag": "assistant"}'`` (or the short keys ``role/content/user/assistant``).
+* ``GeneralPretrainHandler``: the ``text`` column, tokenized whole (EOS appended with
+  ``--append-eod``); every token is "trained".
+
+Instruction samples are truncated to ``seq_length`` turn by turn: each turn gets the budget
+the previous turns left; when a turn does not fit, its answer keeps all of its tokens if
+they take less than half the budget, else its prompt does, else the two split the budget in
+proportion to their lengths; later turns are dropped. The first token of a sample is never
+trained (so no label can cross a pack boundary), and a sample left with no trained token is
+skipped. Rows that are structurally fine but unusable (roles out of order, no answer) are
+skipped and counted by reason; rows of the wrong *shape* (missing field, wrong type,
+unknown role) are errors naming file, row and field.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, USER,
+                                           Template, render_turns, special_token_text)
+from mindspeed_pack.data.tokenizer import TextTokenizer
+
+ALPACA = "AlpacaStyleInstructionHandler"
+SHAREGPT = "SharegptStyleInstructionHandler"
+PRETRAIN = "GeneralPretrainHandler"
+HANDLERS = (ALPACA, SHAREGPT, PRETRAIN)
+
+DEFAULT_MAP_KEYS = {
+    ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"},
+    SHAREGPT: {"messages": "conversations", "system": "system", "role_tag": "from", "content_tag": "value",
+               "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system", "observation_tag": "observation",
+               "function_tag": "function_call"},
+    PRETRAIN: {"text": "text"},
+}
+REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",)}
+# which map-keys name columns (the others name fields inside a message or role values)
+COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history"), SHAREGPT: ("messages", "system"), PRETRAIN: ("text",)}
+_OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
+                   "tool": "observation_tag"}
+
+SKIP_NO_TRAINABLE = "no trainable token"
+SKIP_EMPTY = "empty text or conversation"
+SKIP_ROLE_ORDER = "roles out of order"
+SKIP_NO_ANSWER = "conversation does not end with an answer"
+
+
+def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]:
+    """Defaults overridden by ``--map-keys``; returns (mapping, keys the user named explicitly)."""
+    if handler not in DEFAULT_MAP_KEYS:
+        raise PreprocessError(f"unknown --handler-name {handler!r}; choose one of {', '.join(HANDLERS)}")
+    mapping = dict(DEFAULT_MAP_KEYS[handler])
+    explicit = set()
+    for key, value in (map_keys or {}).items():
+        key = _OPENAI_ALIASES.get(key, key) if handler == SHAREGPT else key
+        if key not in mapping:
+            raise PreprocessError(f"--map-keys: unknown key {key!r} for {handler}; known keys: {', '.join(mapping)}")
+        if not isinstance(value, str):
+            raise PreprocessError(f"--map-keys: value of {key!r} must be a string, got {value!r}")
+        mapping[key] = value
+        explicit.add(key)
+    return mapping, explicit
+
+
+@dataclass
+class EncodedChunk:
+    """Samples of one input chunk, flattened: ``input_ids``/``trained`` concatenated, one length per sample."""
+
+    input_ids: np.ndarray  # int32
+    trained: np.ndarray  # uint8, 1 where the label is the token itself
+    lengths: np.ndarray  # int32
+    rows: int = 0
+    truncated: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+
+class SampleEncoder:
+    """Row -> (ids, trained mask). Built once per worker process."""
+
+    def __init__(self, handler: str, tokenizer: TextTokenizer, template: Optional[Template], map_keys: dict,
+                 seq_length: Optional[int], append_eod: bool):
+        self.handler, self.tokenizer, self.template = handler, tokenizer, template
+        self.keys, self.seq_length, self.append_eod = map_keys, seq_length, append_eod
+        self.eos_id = tokenizer.eos_id
+        if template is not None:
+            eos_text = special_token_text(template, {"token": "eos_token"}, tokenizer.eos_token, tokenizer.bos_token)
+            eos_id = tokenizer.token_to_id(eos_text) if eos_text is not None else None
+            if eos_id is None:
+                raise PreprocessError(f"template {template.name!r} ends answers with {eos_text!r}, "
+                                      f"which is not a single token of tokenizer {tokenizer.name}")
+            self.eos_id = eos_id
+            self._special_ids = {"eos_token": [eos_id],
+                                 "bos_token": [tokenizer.bos_id] if tokenizer.bos_id is not None else []}
+            self._role_of = {map_keys["user_tag"]: USER, map_keys["assistant_tag"]: ASSISTANT,
+                             map_keys["observation_tag"]: OBSERVATION, map_keys["function_tag"]: FUNCTION} if handler == SHAREGPT else {}
+
+    # ---------------------------------------------------------------- field access
+    def _field(self, row: dict, key: str, where: str, *, required: bool, kind=str):
+        column = self.keys[key]
+        if column not in row or row[column] is None:
+            if required:
+                raise PreprocessError(f"{where}: missing field {column!r} (--map-keys {key}); "
+                                      f"the row has: {', '.join(map(str, row)) or 'no fields'}")
+            return kind()
+        value = row[column]
+        if kind is list and isinstance(value, str) and value.lstrip().startswith("["):
+            try:  # nested lists stored as JSON text (CSV)
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise PreprocessError(f"{where}: field {column!r} is not valid JSON ({exc.msg})") from exc
+        if kind is list and isinstance(value, tuple):
+            value = list(value)
+        if kind is list and hasattr(value, "tolist"):
+            value = value.tolist()
+        if not isinstance(value, kind):
+            raise PreprocessError(f"{where}: field {column!r} (--map-keys {key}) must be "
+                                  f"{'a string' if kind is str else 'a list'}, got {type(value).__name__}")
+        return value
+
+    # ---------------------------------------------------------------- row -> messages
+    def _alpaca_messages(self, row, where):
+        prompt = self._field(row, "prompt", where, required=True)
+        query = self._field(row, "query", where, required=False)
+        response = self._field(row, "response", where, required=True)
+        system = self._field(row, "system", where, required=False)
+        messages = []
+        for n, pair in enumerate(self._field(row, "history", where, required=False, kind=list)):
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
+                raise PreprocessError(f"{where}: field {self.keys['history']!r} item {n} must be a "
+                                      f"[prompt, answer] pair of strings, got {pair!r}")
+            messages += [(USER, pair[0]), (ASSISTANT, pair[1])]
+        messages += [(USER, f"{prompt}\n{query}" if query else prompt), (ASSISTANT, response)]
+        return messages, system
+
+    def _sharegpt_messages(self, row, where):
+        raw = self._field(row, "messages", where, required=True, kind=list)
+        system = self._field(row, "system", where, required=False)
+        role_tag, content_tag = self.keys["role_tag"], self.keys["content_tag"]
+        messages = []
+        for n, message in enumerate(raw):
+            if not isinstance(message, dict) or role_tag not in message or content_tag not in message:
+                got = list(message) if isinstance(message, dict) else type(message).__name__
+                raise PreprocessError(f"{where}: field {self.keys['messages']!r} message {n} must have "
+                                      f"{role_tag!r} and {content_tag!r} (--map-keys role_tag/content_tag), got {got}")
+            tag, content = message[role_tag], message[content_tag]
+            if not isinstance(content, str):
+                raise PreprocessError(f"{where}: message {n} field {content_tag!r} must be a string, got {type(content).__name__}")
+            if n == 0 and tag == self.keys["system_tag"]:
+                system = content
+                continue
+            if tag not in self._role_of:
+                known = ", ".join(repr(t) for t in list(self._role_of) + [self.keys["system_tag"]])
+                raise PreprocessError(f"{where}: message {n} has unknown {role_tag!r} {tag!r}; known: {known} "
+                                      "(set them with --map-keys user_tag/assistant_tag/...)")
+            messages.append((self._role_of[tag], content))
+        return messages, system
+
+    # ---------------------------------------------------------------- messages -> ids
+    def _encode_slots(self, slots) -> list[int]:
+        ids, text = [], []
+        for slot in slots + [None]:
+            if isinstance(slot, str):
+                text.append(slot)
+                continue
+            if text:
+                ids += self.tokenizer.encode("".join(text))
+                text = []
+            if slot is not None:
+                ids += self._special_ids[slot["token"]]
+        return ids
+
+    def encode_messages(self, messages, system) -> tuple[Optional[tuple[np.ndarray, np.ndarray]], Optional[str], bool]:
+        """(ids, trained) or None with a skip reason; plus whether the sample was truncated."""
+        if not messages:
+            return None, SKIP_EMPTY, False
+        if len(messages) % 2:
+            return None, SKIP_NO_ANSWER, False
+        for i, (role, _) in enumerate(messages):
+            if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
+                return None, SKIP_ROLE_ORDER, False
+        turns = [(self._encode_slots(p), self._encode_slots(a)) for p, a in render_turns(self.template, messages, system)]
+        if self.append_eod and (not turns[-1][1] or turns[-1][1][-1] != self.eos_id):
+            turns[-1] = (turns[-1][0], turns[-1][1] + [self.eos_id])
+        turns, truncated = truncate_turns(turns, self.seq_length)
+        flat, mask = [], []
+        for prompt, answer in turns:
+            flat += prompt
+            flat += answer
+            mask += [0] * len(prompt)
+            mask += [1] * len(answer)
+        ids, trained = np.array(flat, dtype=np.int32), np.array(mask, dtype=np.uint8)
+        if len(ids):
+            trained[0] = 0
+        if not trained.any():
+            return None, SKIP_NO_TRAINABLE, truncated
+        return (ids, trained), None, truncated
+
+    def encode_row(self, row: dict, where: str):
+        if self.handler == PRETRAIN:
+            text = self._field(row, "text", where, required=True)
+            ids = self.tokenizer.encode(text)
+            if self.append_eod:
+                ids.append(self.eos_id)
+            if not ids:
+                return None, SKIP_EMPTY, False
+            arr = np.asarray(ids, dtype=np.int32)
+            return (arr, np.ones(len(arr), dtype=np.uint8)), None, False
+        messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
+        return self.encode_messages(messages, system)
+
+    def encode_rows(self, rows) -> EncodedChunk:
+        """Encode ``(where, row)`` pairs into one flat chunk."""
+        ids, trained, lengths = [], [], []
+        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
+        for where, row in rows:
+            chunk.rows += 1
+            if not isinstance(row, dict):
+                raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
+            sample, skip, truncated = self.encode_row(row, where)
+            chunk.truncated += int(truncated)
+            if sample is None:
+                chunk.skipped[skip] += 1
+                continue
+            ids.append(sample[0])
+            trained.append(sample[1])
+            lengths.append(len(sample[0]))
+        if lengths:
+            chunk.input_ids = np.concatenate(ids)
+            chunk.trained = np.concatenate(trained)
+            chunk.lengths = np.asarray(lengths, dtype=np.int32)
+        return chunk
+
+
+def split_budget(prompt_len: int, answer_len: int, room: int) -> tuple[int, int]:
+    """Tokens kept of a turn's (prompt, answer) when they do not both fit in ``room``."""
+    if 2 * answer_len < room:
+        keep_answer = answer_len
+    elif 2 * prompt_len < room:
+        keep_answer = room - prompt_len
+    else:
+        keep_answer = int(room * answer_len / (prompt_len + answer_len))
+    keep_answer = min(keep_answer, answer_len)
+    return min(prompt_len, room - keep_answer), keep_answer
+
+
+def truncate_turns(turns: list[tuple[list, list]], budget: Optional[int]) -> tuple[list, bool]:
+    """Cut turns to ``budget`` tokens in total (see the module docstring); returns (turns, truncated?)."""
+    if budget is None:
+        return turns, False
+    kept, used = [], 0
+    for n, (prompt, answer) in enumerate(turns):
+        room = budget - used
+        if room <= 0:
+            return kept, True
+        if len(prompt) + len(answer) > room:
+            keep_prompt, keep_answer = split_budget(len(prompt), len(answer), room)
+            kept.append((prompt[:keep_prompt], answer[:keep_answer]))
+            return kept, True
+        kept.append((prompt, answer))
+        used += len(prompt) + len(answer)
+    return kept, False

@@ -1,0 +1,202 @@
+"""Assemble packs from tokenized samples and write them as Megatron indexed datasets.
+
+Pack layout (the contract the training side reads, see ``mindspeed_pack.packing.segments``)
+---------------------------------------------------------------------------------------
+Three int32 indexed datasets, written with megatron-core's ``IndexedDatasetBuilder`` and read
+with its ``IndexedDataset``::
+
+    P_packed_input_ids_document       P_packed_labels_document       P_packed_attention_mask_document
+
+One pack is one document of exactly ``seq_length`` tokens. Two samples ``a`` (prompt a0 a1,
+answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack``::
+
+    position        0    1    2    3    4    5    6    7    8    9
+    input_ids       a0   a1   a2   a3   b0   b1   b2   P    P    P     P = pad id (else EOS)
+    labels          -    -    a2   a3   -    b1   b2   -    -    -     - = -100, labels ALIGNED
+    attention_mask  1    1    1    1    2    2    2    0    0    0     segment ids, 0 = padding
+
+* labels are not shifted: ``labels[i]`` is ``input_ids[i]`` where trained, else -100
+  (prompt, padding). The FIRST token of every sample is always -100, so no label can cross a
+  sample boundary even when the mask does not isolate samples.
+* ``--neat-pack``: ``attention_mask`` holds segment ids 1..k in pack order, then 0 for padding.
+* plain ``--pack``: ``attention_mask`` is all 1s. Samples are NOT isolated: a model that
+  honours only causality attends across samples of a pack (MindSpeed-LLM's behaviour; use
+  ``--neat-pack`` for exact packing).
+* no ``--pack``: one sample per document, of its own length, attention_mask all 1s; the same
+  three names, so unpacked training and packed-vs-unpacked comparisons read one format.
+
+Packs come from the C++ packer (:func:`mindspeed_pack.packing.binpack.pack_lengths`) run over
+the lengths of the WHOLE dataset at once: bins in the order they were opened, samples in a bin
+in ascending input order. Deterministic: the same input gives byte-identical files.
+
+Memory stays bounded: samples are streamed to an on-disk :class:`TokenStore` (token ids int32
++ trained mask uint8), packing needs only the lengths, and packs are assembled in batches from
+the memory-mapped store.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from mindspeed_pack.data.errors import PreprocessError
+
+IGNORE_INDEX = -100
+PACKED_KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def packed_prefixes(output_prefix: str) -> dict[str, str]:
+    """Output path prefix (no .bin/.idx) of each packed dataset."""
+    return {key: f"{output_prefix}_packed_{key}_document" for key in PACKED_KEYS}
+
+
+def text_prefix(output_prefix: str) -> str:
+    return f"{output_prefix}_text_document"
+
+
+class TokenStore:
+    """Append-only on-disk store of samples: flat ids/trained files plus per-sample lengths."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._ids = open(self.directory / "ids.int32", "wb")
+        self._trained = open(self.directory / "trained.uint8", "wb")
+        self._lengths: list[np.ndarray] = []
+        self.num_tokens = 0
+
+    def append(self, input_ids: np.ndarray, trained: np.ndarray, lengths: np.ndarray) -> None:
+        self._ids.write(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes())
+        self._trained.write(np.ascontiguousarray(trained, dtype=np.uint8).tobytes())
+        self._lengths.append(np.asarray(lengths, dtype=np.int32))
+        self.num_tokens += int(len(input_ids))
+
+    def close(self) -> "TokenStore":
+        """Finish writing and map the tokens for reading."""
+        self._ids.close()
+        self._trained.close()
+        self.lengths = np.concatenate(self._lengths).astype(np.int64) if self._lengths else np.zeros(0, np.int64)
+        self._lengths = []
+        self.offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=self.offsets[1:])
+        if self.num_tokens:
+            self.ids = np.memmap(self.directory / "ids.int32", dtype=np.int32, mode="r")
+            self.trained = np.memmap(self.directory / "trained.uint8", dtype=np.uint8, mode="r")
+        else:
+            self.ids, self.trained = np.zeros(0, np.int32), np.zeros(0, np.uint8)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        s, e = self.offsets[i], self.offsets[i + 1]
+        return np.asarray(self.ids[s:e]), np.asarray(self.trained[s:e])
+
+
+def _builder(prefix: str, dtype=np.int32):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    return IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+
+
+def _finalize(builders: dict, prefixes: dict) -> None:
+    for key, builder in builders.items():
+        builder.finalize(prefixes[key] + ".idx")
+
+
+def assemble_packs(store: TokenStore, item_order: np.ndarray, bin_offsets: np.ndarray, bins: slice,
+                   seq_length: int, pad_id: int, neat_pack: bool) -> dict[str, np.ndarray]:
+    """Rows ``bins`` of the pack arrays, ``{key: int32[num_bins, seq_length]}``, vectorised."""
+    b0, b1 = bins.start, bins.stop
+    first, last = int(bin_offsets[b0]), int(bin_offsets[b1])
+    items = item_order[first:last]
+    lens = store.lengths[items]
+    counts = np.diff(bin_offsets[b0:b1 + 1])
+    bin_of_item = np.repeat(np.arange(b1 - b0), counts)
+    first_item_of_bin = bin_offsets[b0:b1] - first
+    exclusive = np.cumsum(lens) - lens
+    pos_in_bin = exclusive - exclusive[first_item_of_bin][bin_of_item]
+    rank_in_bin = np.arange(len(items)) - first_item_of_bin[bin_of_item] + 1
+    if np.any(pos_in_bin + lens > seq_length):
+        raise PreprocessError("internal error: a pack overflows seq_length (packer contract broken)")
+
+    token_item = np.repeat(np.arange(len(items)), lens)
+    within = np.arange(int(lens.sum())) - np.repeat(exclusive, lens)
+    src = store.offsets[items][token_item] + within
+    row = bin_of_item[token_item]
+    col = pos_in_bin[token_item] + within
+
+    ids = np.asarray(store.ids[src])
+    trained = np.asarray(store.trained[src]).astype(bool)
+    shape = (b1 - b0, seq_length)
+    out_ids = np.full(shape, pad_id, dtype=np.int32)
+    out_ids[row, col] = ids
+    labels = np.full(shape, IGNORE_INDEX, dtype=np.int32)
+    labels[row[trained], col[trained]] = ids[trained]
+    if neat_pack:
+        mask = np.zeros(shape, dtype=np.int32)
+        mask[row, col] = rank_in_bin[token_item]
+    else:
+        mask = np.ones(shape, dtype=np.int32)
+    return {"input_ids": out_ids, "labels": labels, "attention_mask": mask}
+
+
+def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pack: bool, prefixes: dict,
+                 *, batch_bins: int = 1024, progress=None) -> None:
+    """Write every pack of ``plan`` (a ``PackPlan``) as one document per dataset."""
+    builders = {key: _builder(prefixes[key]) for key in PACKED_KEYS}
+    item_order = np.asarray(plan.item_order, dtype=np.int64)
+    bin_offsets = np.asarray(plan.bin_offsets, dtype=np.int64)
+    for b0 in range(0, plan.num_bins, batch_bins):
+        b1 = min(plan.num_bins, b0 + batch_bins)
+        rows = assemble_packs(store, item_order, bin_offsets, slice(b0, b1), seq_length, pad_id, neat_pack)
+        for key in PACKED_KEYS:
+            builder, arr = builders[key], rows[key]
+            for r in range(arr.shape[0]):
+                builder.add_document(arr[r], [seq_length])
+        if progress is not None:
+            progress.update(b1 - b0)
+    _finalize(builders, prefixes)
+
+
+def write_unpacked(store: TokenStore, prefixes: dict, *, progress=None) -> None:
+    """One sample per document, in input order, same three datasets as packs."""
+    builders = {key: _builder(prefixes[key]) for key in PACKED_KEYS}
+    for i in range(len(store)):
+        ids, trained = store.sample(i)
+        labels = np.where(trained.astype(bool), ids, IGNORE_INDEX).astype(np.int32)
+        n = len(ids)
+        builders["input_ids"].add_document(ids, [n])
+        builders["labels"].add_document(labels, [n])
+        builders["attention_mask"].add_document(np.ones(n, dtype=np.int32), [n])
+        if progress is not None:
+            progress.update(1)
+    _finalize(builders, prefixes)
+
+
+def write_text_documents(store: TokenStore, prefix: str, vocab_size: int, *, progress=None) -> None:
+    """Pretraining output: one document per row, in the smallest dtype that holds the vocab."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    builder = _builder(prefix, dtype=DType.optimal_dtype(vocab_size))
+    for i in range(len(store)):
+        ids, _ = store.sample(i)
+        builder.add_document(ids, [len(ids)])
+        if progress is not None:
+            progress.update(1)
+    builder.finalize(prefix + ".idx")
+
+
+def output_files(prefixes) -> list[str]:
+    prefixes = prefixes.values() if isinstance(prefixes, dict) else [prefixes]
+    return [p + ext for p in prefixes for ext in (".bin", ".idx")]
+
+
+def remove_quietly(paths) -> None:
+    for p in paths:
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,379 @@
+"""``preprocess_data.py``: instruction or pretraining data -> Megatron indexed datasets.
+
+Pipeline (memory bounded by the chunk window, not by the dataset)::
+
+    input files --chunks--> --workers processes: parse rows, apply template, tokenize, truncate
+                --ordered--> TokenStore on disk (ids int32 + trained mask uint8) + lengths
+                --lengths--> C++ packer over the whole dataset (--pack) -> PackPlan
+                --mmap-----> packs assembled in batches -> IndexedDatasetBuilder (temporary names)
+                --rename---> P_packed_{input_ids,attention_mask,labels}_document.{bin,idx}
+                             + P_packed_meta.json (arguments, tokenizer, template, statistics)
+
+Chunks are encoded in input order whatever ``--workers`` is, so the output is byte-identical
+for any number of workers. Outputs appear only complete; the sidecar is written last and is
+what the cache checks: inputs (size + mtime), tokenizer files hash, template and arguments
+must match for a rebuild to be skipped (``--overwrite-cache`` forces it).
+Errors in the input raise :class:`PreprocessError`; ``main`` prints ``error: ...`` and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+from mindspeed_pack.data import pack_writer, readers
+from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
+                                          resolve_map_keys)
+from mindspeed_pack.data.templates import get_template
+from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, load_tokenizer
+
+FORMAT_VERSION = 1
+CHUNK_ROWS = 1000
+# arguments that change the output bytes (the cache compares these; --workers does not)
+_OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n\n")[0])
+    g = p.add_argument_group("input / output")
+    g.add_argument("--input", required=True, help="file or directory (parquet, arrow, csv, json, jsonl, txt)")
+    g.add_argument("--output-prefix", required=True, help="path prefix P of the outputs P_packed_*_document.{bin,idx}")
+    g.add_argument("--cache-dir", default=None, help="where the temporary token store goes (default: next to the output)")
+    g.add_argument("--overwrite-cache", action="store_true", help="rebuild even if matching outputs exist")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", default="PretrainedFromHF", choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-name-or-path", default=None, help="HF tokenizer directory")
+    g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    g = p.add_argument_group("handler")
+    g.add_argument("--handler-name", default="AlpacaStyleInstructionHandler", choices=HANDLERS)
+    g.add_argument("--prompt-type", default=None, help="chat template name in templates.json (instruction handlers)")
+    g.add_argument("--prompt-type-path", default=None, help="templates.json to use (default: configs/finetune/templates.json)")
+    g.add_argument("--map-keys", default=None, help='JSON column/role renames, e.g. \'{"prompt": "question"}\'')
+    g = p.add_argument_group("packing")
+    g.add_argument("--seq-length", type=int, default=None, help="pack length; also the truncation budget of a sample")
+    g.add_argument("--pack", action="store_true", help="pack samples into documents of exactly --seq-length tokens")
+    g.add_argument("--neat-pack", action="store_true", help="isolate samples: attention_mask holds segment ids (needs --pack)")
+    g.add_argument("--append-eod", action="store_true", help="end every sample with EOS (trained) unless it already does")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--log-interval", type=int, default=10000, help="rows between progress lines when stderr is not a TTY")
+    g.add_argument("--n-subs", type=int, default=None,
+                   help="accepted for MindSpeed-LLM compatibility and ignored: packing always sees the whole dataset")
+    return p
+
+
+def validate_args(args) -> None:
+    if args.neat_pack and not args.pack:
+        raise PreprocessError("--neat-pack requires --pack")
+    if args.seq_length is not None and args.seq_length < 2:
+        raise PreprocessError(f"--seq-length must be >= 2, got {args.seq_length}")
+    if args.n_subs not in (None, 1):
+        print(f"note: --n-subs {args.n_subs} ignored; the whole dataset is packed at once (better fill)", file=sys.stderr)
+    if args.workers < 1:
+        raise PreprocessError(f"--workers must be >= 1, got {args.workers}")
+    if args.handler_name == PRETRAIN:
+        if args.pack:
+            raise PreprocessError("--pack applies to instruction handlers; GeneralPretrainHandler writes plain documents")
+    else:
+        if args.pack and args.seq_length is None:
+            raise PreprocessError("--pack needs --seq-length")
+        if args.prompt_type is None:
+            raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json)")
+    if args.map_keys is not None and not isinstance(args.map_keys, dict):
+        try:
+            args.map_keys = json.loads(args.map_keys)
+        except json.JSONDecodeError as exc:
+            raise PreprocessError(f"--map-keys is not valid JSON ({exc.msg} at column {exc.colno}): {args.map_keys}") from None
+        if not isinstance(args.map_keys, dict):
+            raise PreprocessError(f"--map-keys must be a JSON object, got {args.map_keys!r}")
+    path = args.tokenizer_model if args.tokenizer_type == "SentencePiece" and args.tokenizer_model else args.tokenizer_name_or_path
+    if path is None:
+        raise PreprocessError("give the tokenizer with --tokenizer-name-or-path (or --tokenizer-model for SentencePiece)")
+    args.tokenizer_path = path
+
+
+# ------------------------------------------------------------------ worker side
+@dataclass(frozen=True)
+class EncoderConfig:
+    handler: str
+    tokenizer: TokenizerSpec
+    prompt_type: Optional[str]
+    templates_path: Optional[str]
+    map_keys: dict
+    seq_length: Optional[int]
+    append_eod: bool
+
+    def build(self) -> SampleEncoder:
+        template = get_template(self.prompt_type, self.templates_path) if self.handler != PRETRAIN else None
+        return SampleEncoder(self.handler, load_tokenizer(self.tokenizer), template, self.map_keys,
+                             self.seq_length, self.append_eod)
+
+
+_ENCODER: Optional[SampleEncoder] = None
+
+
+def _init_worker(config: EncoderConfig) -> None:
+    global _ENCODER
+    _ENCODER = config.build()
+
+
+def _encode_chunk(chunk: readers.Chunk):
+    return _ENCODER.encode_rows(readers.chunk_rows(chunk))
+
+
+def encode_in_order(chunks, config: EncoderConfig, workers: int):
+    """Encoded chunks in input order; at most ``2 * workers + 1`` chunks in flight (bounded memory)."""
+    if workers == 1:
+        _init_worker(config)
+        for chunk in chunks:
+            yield _encode_chunk(chunk)
+        return
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(config,)) as pool:
+        pending = deque()
+        for chunk in chunks:
+            pending.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(pending) > 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+# ------------------------------------------------------------------ main side
+def check_columns(files, handler: str, keys: dict, explicit: set) -> None:
+    """Every required column, and every column named in --map-keys, exists in every file."""
+    wanted = [k for k in COLUMN_KEYS[handler] if k in REQUIRED_COLUMNS[handler] or k in explicit]
+    for f in files:
+        columns = readers.columns_of(f)
+        if columns is None:
+            continue  # no rows (an empty file); the empty-input check reports it if all are empty
+        for key in wanted:
+            if keys[key] not in columns:
+                raise PreprocessError(f"{f}: column {keys[key]!r} (--map-keys {key}) not found; "
+                                      f"columns: {', '.join(map(str, columns))}")
+
+
+def _meta_path(args) -> str:
+    suffix = "text_meta.json" if args.handler_name == PRETRAIN else "packed_meta.json"
+    return f"{args.output_prefix}_{suffix}"
+
+
+def _final_prefixes(args):
+    if args.handler_name == PRETRAIN:
+        return {"text": pack_writer.text_prefix(args.output_prefix)}
+    return pack_writer.packed_prefixes(args.output_prefix)
+
+
+def _cached(args, cache_key: dict) -> Optional[dict]:
+    meta_path = _meta_path(args)
+    if args.overwrite_cache or not os.path.exists(meta_path):
+        return None
+    if not all(os.path.exists(f) for f in pack_writer.output_files(_final_prefixes(args))):
+        return None
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+    return meta if meta.get("cache_key") == cache_key else None
+
+
+class _Progress:
+    """tqdm bar on a TTY, a log line every --log-interval rows otherwise."""
+
+    def __init__(self, desc: str, unit: str, log_interval: int, total=None):
+        from tqdm import tqdm
+
+        self.tty = sys.stderr.isatty()
+        self.bar = tqdm(desc=desc, unit=unit, total=total, disable=not self.tty, dynamic_ncols=True)
+        self.desc, self.unit, self.every, self.count, self.next_log, self.t0 = desc, unit, log_interval, 0, log_interval, time.time()
+
+    def update(self, n: int) -> None:
+        self.bar.update(n)
+        self.count += n
+        if not self.tty and self.every and self.count >= self.next_log:
+            rate = self.count / max(time.time() - self.t0, 1e-9)
+            print(f"{self.desc}: {self.count} {self.unit} ({rate:.0f}/s)", file=sys.stderr, flush=True)
+            self.next_log += self.every
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run(args) -> dict:
+    """Preprocess as ``args`` say; returns the sidecar metadata (statistics included)."""
+    t0 = time.time()
+    validate_args(args)
+    files = readers.resolve_input_files(args.input)
+    tokenizer_spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_spec)
+    template = None if args.handler_name == PRETRAIN else get_template(args.prompt_type, args.prompt_type_path)
+    keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
+    check_columns(files, args.handler_name, keys, explicit)
+    config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
+                           args.seq_length, args.append_eod)
+    encoder = config.build()  # fail here, in the main process, on template/tokenizer mismatches
+
+    cache_key = {
+        "format_version": FORMAT_VERSION,
+        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys},
+        "inputs": readers.fingerprint(files),
+        "tokenizer": tokenizer.identity(),
+        "template": None if template is None else {"name": template.name, "definition": template.definition},
+    }
+    cache_key = json.loads(json.dumps(cache_key))  # compare in the form the sidecar stores
+    cached = _cached(args, cache_key)
+    if cached is not None:
+        print(f"reusing cached output {args.output_prefix} (inputs, tokenizer, template and arguments match "
+              f"{_meta_path(args)}; pass --overwrite-cache to rebuild)")
+        return cached
+
+    out_dir = Path(args.output_prefix).resolve().parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp_out = out_dir / f".{Path(args.output_prefix).name}.tmp-{os.getpid()}"
+    tmp_store = Path(args.cache_dir or out_dir) / f".{Path(args.output_prefix).name}.tokens-{os.getpid()}"
+    try:
+        shutil.rmtree(tmp_out, ignore_errors=True)
+        tmp_out.mkdir(parents=True)
+        stats = _encode_all(args, files, config, tmp_store)
+        t_encoded = time.time()
+        tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
+        stats.update(_write_outputs(args, stats.pop("_store"), tokenizer, tmp_prefixes))
+        elapsed = time.time() - t0
+        stats.update(encode_seconds=round(t_encoded - t0, 3), elapsed_seconds=round(elapsed, 3),
+                     samples_per_second=round(stats["samples_read"] / max(elapsed, 1e-9), 1),
+                     tokens_per_second=round(stats["tokens"] / max(elapsed, 1e-9), 1))
+        meta = {
+            "format": "mindspeed-pack preprocessed data",
+            "cache_key": cache_key,
+            "outputs": [Path(f).name for f in pack_writer.output_files(_final_prefixes(args))],
+            "layout": _layout(args, tokenizer, encoder),
+            "tokenizer_path": str(args.tokenizer_path),
+            "arguments": {k: v for k, v in vars(args).items() if k != "tokenizer_path"},
+            "statistics": stats,
+        }
+        _publish(args, tmp_prefixes, meta)
+    finally:
+        shutil.rmtree(tmp_out, ignore_errors=True)
+        shutil.rmtree(tmp_store, ignore_errors=True)
+    print_summary(meta)
+    return meta
+
+
+def _layout(args, tokenizer, encoder) -> dict:
+    if args.handler_name == PRETRAIN:
+        return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod}
+    return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": args.neat_pack,
+            "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
+            "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned"}
+
+
+def _encode_all(args, files, config: EncoderConfig, tmp_store: Path) -> dict:
+    store = pack_writer.TokenStore(tmp_store)
+    rows = truncated = trained = max_len = 0
+    skipped = Counter()
+    progress = _Progress("tokenize", "rows", args.log_interval)
+    try:
+        for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers):
+            store.append(chunk.input_ids, chunk.trained, chunk.lengths)
+            rows += chunk.rows
+            truncated += chunk.truncated
+            skipped.update(chunk.skipped)
+            trained += int(chunk.trained.sum())
+            if len(chunk.lengths):
+                max_len = max(max_len, int(chunk.lengths.max()))
+            progress.update(chunk.rows)
+    finally:
+        progress.close()
+        store.close()
+    where = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
+    if rows == 0:
+        raise PreprocessError(f"empty input: no rows in {where}")
+    if len(store) == 0:
+        raise PreprocessError(f"no usable sample in {where}: all {rows} rows were skipped ({dict(skipped)})")
+    return {"samples_read": rows, "samples_written": len(store), "skipped": dict(sorted(skipped.items())),
+            "truncated": truncated, "tokens": store.num_tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
+            "max_sample_length": max_len, "mean_sample_length": round(store.num_tokens / len(store), 2), "_store": store}
+
+
+def _write_outputs(args, store, tokenizer, prefixes) -> dict:
+    if args.handler_name == PRETRAIN:
+        progress = _Progress("write", "documents", args.log_interval, total=len(store))
+        pack_writer.write_text_documents(store, prefixes["text"], tokenizer.vocab_size, progress=progress)
+        progress.close()
+        return {"documents": len(store)}
+    if not args.pack:
+        progress = _Progress("write", "samples", args.log_interval, total=len(store))
+        pack_writer.write_unpacked(store, prefixes, progress=progress)
+        progress.close()
+        return {"documents": len(store)}
+    from mindspeed_pack.packing.binpack import lower_bound, pack_lengths
+
+    t = time.time()
+    try:
+        plan = pack_lengths(store.lengths, args.seq_length)
+    except ValueError as exc:  # lengths are truncated to seq_length, so this is a bug, not bad input
+        raise PreprocessError(f"internal error: packer refused the sample lengths: {exc}") from exc
+    pack_seconds = time.time() - t
+    progress = _Progress("write", "packs", args.log_interval, total=plan.num_bins)
+    pack_writer.write_packed(store, plan, args.seq_length, tokenizer.pad_or_eos_id, args.neat_pack, prefixes, progress=progress)
+    progress.close()
+    return {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
+            "fill_rate": round(plan.fill_rate(store.lengths), 6), "pack_seconds": round(pack_seconds, 3)}
+
+
+def _publish(args, tmp_prefixes: dict, meta: dict) -> None:
+    """Move complete outputs into place; the sidecar goes last, so it vouches only for whole files."""
+    meta_path = _meta_path(args)
+    pack_writer.remove_quietly([meta_path])
+    for key, tmp in tmp_prefixes.items():
+        final = _final_prefixes(args)[key]
+        for ext in (".bin", ".idx"):
+            os.replace(tmp + ext, final + ext)
+    tmp_meta = f"{meta_path}.tmp-{os.getpid()}"
+    with open(tmp_meta, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, default=str)
+    os.replace(tmp_meta, meta_path)
+
+
+def print_summary(meta: dict) -> None:
+    s = meta["statistics"]
+    skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
+    lines = [f"samples read {s['samples_read']}, written {s['samples_written']}, skipped {skipped}, truncated {s['truncated']}"]
+    if "packs" in s:
+        lines.append(f"packs {s['packs']} (lower bound {s['lower_bound']}), fill rate {s['fill_rate']:.4f}")
+    else:
+        lines.append(f"documents {s['documents']}")
+    lines.append(f"tokens {s['tokens']}, {s['tokens_per_second']:.0f} tokens/s, {s['samples_per_second']:.0f} samples/s, "
+                 f"elapsed {s['elapsed_seconds']:.2f}s")
+    outputs = ", ".join(meta["outputs"])
+    print("\n".join(lines) + f"\nwrote {outputs} and {Path(_meta_path_from(meta)).name}")
+
+
+def _meta_path_from(meta: dict) -> str:
+    a = meta["arguments"]
+    return f"{a['output_prefix']}_{'text_meta.json' if a['handler_name'] == PRETRAIN else 'packed_meta.json'}"
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except PreprocessError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

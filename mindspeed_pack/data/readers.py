@@ -1,0 +1,213 @@
+"""Read input files as a stream of bounded chunks of rows, without loading a dataset whole.
+
+Formats by extension: ``.parquet`` (record batches), ``.arrow`` (Arrow IPC file or stream,
+as HF ``datasets`` writes), ``.csv`` (all columns read as strings), ``.jsonl`` (one object
+a line), ``.json`` (an array of objects, or JSON lines), ``.txt`` (one ``text`` row a line).
+A directory holds files of exactly one of these formats (the metadata JSON files of an HF
+``datasets.save_to_disk`` directory are ignored next to its ``.arrow`` shards).
+
+The main process only cuts the input into chunks; rows are materialised (JSON parsed, Arrow
+batches converted) by the worker that encodes them, so parsing scales with ``--workers``.
+Every row carries its location, ``"FILE: line N"`` for line formats and ``"FILE: row N"``
+otherwise (1-based), for error messages.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from mindspeed_pack.data.errors import PreprocessError
+
+FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".txt": "txt"}
+# metadata HF datasets' save_to_disk writes next to its .arrow shards: not data
+_HF_DATASETS_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
+
+
+@dataclass
+class Chunk:
+    """Up to ``chunk_rows`` raw rows of one file. ``kind``: lines | rows | arrow."""
+
+    file: str
+    first: int  # line or row number of the first element (1-based)
+    kind: str
+    payload: Any
+
+
+def resolve_input_files(path) -> list[Path]:
+    """The input file, or the files of the one supported format in a directory (sorted)."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix.lower() not in FORMATS:
+            raise PreprocessError(f"{p}: unsupported file extension {p.suffix or '(none)'!r}; "
+                                  f"supported: {', '.join(FORMATS)}")
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+        by_format: dict[str, list[Path]] = {}
+        for f in files:
+            if f.name in _HF_DATASETS_METADATA and any(g.suffix == ".arrow" for g in files):
+                continue
+            if f.suffix.lower() in FORMATS:
+                by_format.setdefault(FORMATS[f.suffix.lower()], []).append(f)
+        if not by_format:
+            raise PreprocessError(f"{p}: no input files; supported extensions: {', '.join(FORMATS)} "
+                                  f"(found: {', '.join(f.name for f in files[:10]) or 'nothing'})")
+        if len(by_format) > 1:
+            detail = "; ".join(f"{fmt}: {len(fs)} file(s)" for fmt, fs in sorted(by_format.items()))
+            raise PreprocessError(f"{p}: mixed input formats ({detail}); put one format per directory")
+        return next(iter(by_format.values()))
+    raise PreprocessError(f"--input {str(path)!r} does not exist")
+
+
+def fingerprint(files) -> list[dict]:
+    """Identity of the inputs for the cache: path, size, modification time."""
+    out = []
+    for f in files:
+        st = Path(f).stat()
+        out.append({"path": str(Path(f).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+    return out
+
+
+def _parse_json_line(line: str, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise PreprocessError(f"{where}: malformed JSON at column {exc.colno}: {exc.msg}") from None
+
+
+def _looks_like_json_array(path: Path) -> bool:
+    with open(path, encoding="utf-8") as f:
+        while True:
+            ch = f.read(1)
+            if not ch or not ch.isspace():
+                return ch == "["
+
+
+def _csv_header(path: Path) -> list[str]:
+    with open(path, encoding="utf-8", newline="") as f:
+        return next(csv.reader(f), [])
+
+
+def columns_of(path) -> Optional[list[str]]:
+    """Column names of a file (the first record's keys for JSON formats; None if no record)."""
+    p = Path(path)
+    fmt = FORMATS[p.suffix.lower()]
+    if fmt == "txt":
+        return ["text"]
+    if fmt == "csv":
+        return _csv_header(p)
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(p).names)
+    if fmt == "arrow":
+        return list(_open_arrow(p).schema.names)
+    for chunk in iter_chunks([p], 1):
+        for where, row in chunk_rows(chunk):
+            return list(row) if isinstance(row, dict) else None
+    return None
+
+
+def _open_arrow(path: Path):
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_file(path)
+    except pa.ArrowInvalid:
+        try:
+            return pa.ipc.open_stream(path)
+        except pa.ArrowInvalid as exc:
+            raise PreprocessError(f"{path}: not an Arrow IPC file or stream ({exc})") from None
+
+
+def _arrow_batches(path: Path):
+    reader = _open_arrow(path)
+    if hasattr(reader, "num_record_batches"):
+        for i in range(reader.num_record_batches):
+            yield reader.get_batch(i)
+    else:
+        yield from reader
+
+
+def iter_chunks(files, chunk_rows: int) -> Iterator[Chunk]:
+    """Stream every file as chunks of at most ``chunk_rows`` rows, in file and row order."""
+    for path in files:
+        path = Path(path)
+        name = str(path)
+        fmt = FORMATS[path.suffix.lower()]
+        if fmt in ("jsonl", "txt") or (fmt == "json" and not _looks_like_json_array(path)):
+            kind = "text" if fmt == "txt" else "lines"
+            with open(path, encoding="utf-8") as f:
+                lines, first = [], 1
+                for n, line in enumerate(f, 1):
+                    if not lines:
+                        first = n
+                    lines.append(line)
+                    if len(lines) == chunk_rows:
+                        yield Chunk(name, first, kind, lines)
+                        lines = []
+                if lines:
+                    yield Chunk(name, first, kind, lines)
+        elif fmt == "json":  # one JSON array: parsed whole (use .jsonl for data that does not fit in memory)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    records = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise PreprocessError(f"{name}: line {exc.lineno} column {exc.colno}: malformed JSON ({exc.msg})") from None
+            if not isinstance(records, list):
+                raise PreprocessError(f"{name}: expected a JSON array of objects, got {type(records).__name__}")
+            for start in range(0, len(records), chunk_rows):
+                yield Chunk(name, start + 1, "rows", records[start:start + chunk_rows])
+        else:
+            batches = _record_batches(path, fmt, chunk_rows)
+            row = 1
+            for batch in batches:
+                for start in range(0, batch.num_rows, chunk_rows):
+                    piece = batch.slice(start, chunk_rows)
+                    yield Chunk(name, row, "arrow", piece)
+                    row += piece.num_rows
+
+
+def _record_batches(path: Path, fmt: str, chunk_rows: int):
+    import pyarrow as pa
+
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.ParquetFile(path).iter_batches(batch_size=chunk_rows)
+    elif fmt == "arrow":
+        yield from _arrow_batches(path)
+    else:  # csv: stream, every column a string so types cannot change between blocks
+        import pyarrow.csv as pacsv
+
+        header = _csv_header(path)
+        try:
+            reader = pacsv.open_csv(
+                path,
+                convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in header},
+                                                     strings_can_be_null=False),
+            )
+            yield from reader
+        except pa.ArrowInvalid as exc:
+            raise PreprocessError(f"{path}: malformed CSV: {exc}") from None
+
+
+def chunk_rows(chunk: Chunk) -> Iterator[tuple[str, Any]]:
+    """``(where, row)`` for every row of a chunk; blank JSON lines are skipped."""
+    if chunk.kind == "lines":
+        for n, line in enumerate(chunk.payload, chunk.first):
+            if line.strip():
+                where = f"{chunk.file}: line {n}"
+                yield where, _parse_json_line(line, where)
+    elif chunk.kind == "text":
+        for n, line in enumerate(chunk.payload, chunk.first):
+            yield f"{chunk.file}: line {n}", {"text": line.rstrip("\r\n")}
+    elif chunk.kind == "rows":
+        for n, row in enumerate(chunk.payload, chunk.first):
+            yield f"{chunk.file}: row {n}", row
+    else:
+        for n, row in enumerate(chunk.payload.to_pylist(), chunk.first):
+            yield f"{chunk.file}: row {n}", row

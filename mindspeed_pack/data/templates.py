@@ -1,0 +1,175 @@
+"""Chat templates as data (``configs/finetune/templates.json``), rendered turn by turn.
+
+A template is a set of *slot lists*. A slot is a string, where ``{{content}}`` stands for
+the message text, or ``{"token": "eos_token" | "bos_token"}``, a tokenizer special token.
+A conversation of turns (prompt, answer) renders as::
+
+    prefix  system  user(q1)  assistant(a1)  separator  user(q2)  assistant(a2) ...
+    '--------- prompt 1 ---'  '- answer 1 -'  '------ prompt 2 ---'  '-answer 2-'
+
+Every answer is trained; everything else (prefix, system, user turns, separators,
+observations) is a prompt and gets label -100. ``function`` messages (tool calls) are
+answers; ``observation`` messages (tool results) are prompts.
+
+``qwen`` renders exactly what Qwen2.5's ``apply_chat_template`` renders for the same
+messages and system prompt, except that the newline after the *last* ``<|im_end|>`` is not
+emitted: the newline after an answer belongs to the separator in front of the next user
+turn (untrained), so a sample ends on its EOS ``<|im_end|>`` (trained). A 2-turn sample::
+
+    <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\nq1<|im_end|>\\n
+    <|im_start|>assistant\\n[a1<|im_end|>]\\n<|im_start|>user\\nq2<|im_end|>\\n<|im_start|>assistant\\n[a2<|im_end|>]
+
+(``[...]`` trained). ``qwen`` keeps MindSpeed-LLM's default system prompt "You are a helpful
+assistant."; ``qwen2_5`` uses the one Qwen2.5's own template inserts.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from mindspeed_pack.data.errors import PreprocessError
+
+DEFAULT_TEMPLATES_PATH = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "templates.json"
+
+Slot = Union[str, dict]
+USER, ASSISTANT, OBSERVATION, FUNCTION = "user", "assistant", "observation", "function"
+PROMPT_ROLES = (USER, OBSERVATION)
+ANSWER_ROLES = (ASSISTANT, FUNCTION)
+_SPECIAL_SLOTS = ("eos_token", "bos_token")
+_FIELDS = ("format_prefix", "format_system", "format_user", "format_assistant", "format_observation",
+           "format_function", "format_separator")
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    format_user: tuple
+    format_assistant: tuple
+    format_system: tuple = ("{{content}}",)
+    format_prefix: tuple = ()
+    format_observation: tuple = ()  # empty: same as format_user
+    format_function: tuple = ()  # empty: same as format_assistant
+    format_separator: tuple = ()
+    default_system: str = ""
+    stop_words: tuple = ()
+    replace_eos: bool = False
+    system_in_first_user: bool = False  # llama2: the system block sits inside the first [INST]
+    definition: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def eos_replacement(self) -> Optional[str]:
+        """The token the template ends answers with instead of the tokenizer's EOS, if any."""
+        return self.stop_words[0] if self.replace_eos and self.stop_words else None
+
+
+def load_template_definitions(path=None) -> dict:
+    path = Path(path) if path else DEFAULT_TEMPLATES_PATH
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError as exc:
+        raise PreprocessError(f"template file {str(path)!r} not found") from exc
+    except json.JSONDecodeError as exc:
+        raise PreprocessError(f"{path}: line {exc.lineno} column {exc.colno}: invalid JSON ({exc.msg})") from exc
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def template_names(path=None) -> list[str]:
+    return sorted(load_template_definitions(path))
+
+
+def _resolve(name: str, defs: dict, seen=()) -> dict:
+    """A definition with its ``base`` chain merged in (child keys win)."""
+    if name in seen:
+        raise PreprocessError(f"template {name!r}: circular 'base' chain {' -> '.join(seen + (name,))}")
+    spec = defs[name]
+    base = spec.get("base")
+    merged = dict(_resolve(base, defs, seen + (name,))) if base else {}
+    merged.update({k: v for k, v in spec.items() if k not in ("base", "_doc")})
+    return merged
+
+
+def _slots(name: str, key: str, value) -> tuple:
+    value = [value] if isinstance(value, (str, dict)) else value
+    if not isinstance(value, list):
+        raise PreprocessError(f"template {name!r}: {key} must be a list of slots, got {type(value).__name__}")
+    for slot in value:
+        ok = isinstance(slot, str) or (isinstance(slot, dict) and slot.get("token") in _SPECIAL_SLOTS and len(slot) == 1)
+        if not ok:
+            raise PreprocessError(f"template {name!r}: bad slot {slot!r} in {key}; use a string or "
+                                  '{"token": "eos_token"} / {"token": "bos_token"}')
+    return tuple(value)
+
+
+def get_template(name: str, path=None) -> Template:
+    """The template ``name``; PreprocessError lists the known ones when it does not exist."""
+    defs = load_template_definitions(path)
+    if name not in defs:
+        raise PreprocessError(f"unknown --prompt-type {name!r}; known templates: {', '.join(sorted(defs))}")
+    spec = _resolve(name, defs)
+    unknown = set(spec) - set(_FIELDS) - {"default_system", "stop_words", "replace_eos", "system_in_first_user"}
+    if unknown:
+        raise PreprocessError(f"template {name!r}: unknown keys {sorted(unknown)}")
+    for required in ("format_user", "format_assistant"):
+        if required not in spec:
+            raise PreprocessError(f"template {name!r} has no {required}")
+    kwargs = {k: _slots(name, k, spec[k]) for k in _FIELDS if k in spec}
+    return Template(
+        name=name,
+        default_system=spec.get("default_system", ""),
+        stop_words=tuple(spec.get("stop_words", ())),
+        replace_eos=bool(spec.get("replace_eos", False)),
+        system_in_first_user=bool(spec.get("system_in_first_user", False)),
+        definition=spec,
+        **kwargs,
+    )
+
+
+def _fill(slots: tuple, content: str) -> list[Slot]:
+    return [s.replace("{{content}}", content) if isinstance(s, str) else s for s in slots]
+
+
+def render_turns(template: Template, messages: list[tuple[str, str]], system: Optional[str]) -> list[tuple[list, list]]:
+    """Slot lists ``(prompt, answer)`` per turn, for messages alternating prompt/answer roles.
+
+    ``messages``: ``[(role, content), ...]`` with roles user/observation at even positions
+    and assistant/function at odd positions (callers check this). ``system``: None or ""
+    means the template's default.
+    """
+    system = system or template.default_system
+    turns = []
+    for i in range(0, len(messages) - 1, 2):
+        (q_role, query), (a_role, answer) = messages[i], messages[i + 1]
+        prompt: list[Slot] = []
+        if i == 0:
+            prompt += list(template.format_prefix)
+            if system and not template.system_in_first_user:
+                prompt += _fill(template.format_system, system)
+        else:
+            prompt += list(template.format_separator)
+        user_slots = template.format_observation if (q_role == OBSERVATION and template.format_observation) else template.format_user
+        if i == 0 and system and template.system_in_first_user:
+            system_text = "".join(s for s in _fill(template.format_system, system) if isinstance(s, str))
+            query = system_text + query
+        prompt += _fill(user_slots, query)
+        answer_slots = template.format_function if (a_role == FUNCTION and template.format_function) else template.format_assistant
+        turns.append((prompt, _fill(answer_slots, answer)))
+    return turns
+
+
+def special_token_text(template: Template, slot: dict, eos_token: Optional[str], bos_token: Optional[str]) -> Optional[str]:
+    """The text of a special slot (None: the tokenizer has no such token, the slot is skipped)."""
+    if slot["token"] == "eos_token":
+        return template.eos_replacement or eos_token
+    return bos_token
+
+
+def render_text(template: Template, messages, system=None, *, eos_token: str = "<eos>", bos_token: Optional[str] = None) -> str:
+    """The whole conversation as one string (trained or not), for inspection and tests."""
+    out = []
+    for prompt, answer in render_turns(template, messages, system):
+        for slot in prompt + answer:
+            out.append(slot if isinstance(slot, str) else (special_token_text(template, slot, eos_token, bos_token) or ""))
+    return "".join(out)

@@ -1,0 +1,177 @@
+"""Load the tokenizer preprocessing encodes with, behind one small interface.
+
+``PretrainedFromHF`` wraps ``transformers.AutoTokenizer`` (encoding through the Rust
+``tokenizers`` backend when there is one: same ids, several times faster);
+``SentencePiece`` wraps a ``.model`` file. Both expose exactly what the handlers need:
+``encode(text)`` without added specials, ``token_to_id``, the EOS/pad/BOS ids and an
+``identity()`` recorded in the output's sidecar so a cache is never reused with another
+tokenizer.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from mindspeed_pack.data.errors import PreprocessError
+
+TOKENIZER_TYPES = ("PretrainedFromHF", "SentencePiece")
+# files that define a tokenizer (a model dir also holds weights, which must not be hashed)
+_TOKENIZER_FILE_HINTS = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", ".model", ".tiktoken")
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Picklable recipe to load a tokenizer in each worker process."""
+
+    tokenizer_type: str
+    path: str
+
+
+class TextTokenizer:
+    """What preprocessing needs from a tokenizer."""
+
+    name: str
+    vocab_size: int
+    eos_id: Optional[int]
+    pad_id: Optional[int]
+    bos_id: Optional[int]
+    eos_token: Optional[str]
+    bos_token: Optional[str]
+
+    def encode(self, text: str) -> list[int]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def token_to_id(self, token: str) -> Optional[int]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def id_to_token(self, token_id: int) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    @property
+    def pad_or_eos_id(self) -> int:
+        """Padding id of packs: the pad token, else EOS."""
+        return self.pad_id if self.pad_id is not None else self.eos_id
+
+    def identity(self) -> dict:
+        return {
+            "class": self.name,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+            "bos_id": self.bos_id,
+            "files_sha256": self.files_hash,
+        }
+
+
+class HFTokenizer(TextTokenizer):
+    def __init__(self, path: str):
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # parallelism comes from --workers
+        from transformers import AutoTokenizer
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        except Exception as exc:  # transformers raises many kinds; name the path and the cause
+            raise PreprocessError(f"cannot load tokenizer from {path!r}: {type(exc).__name__}: {exc}") from exc
+        self.name = type(self.hf).__name__
+        self.vocab_size = len(self.hf)
+        self.eos_id, self.pad_id, self.bos_id = self.hf.eos_token_id, self.hf.pad_token_id, self.hf.bos_token_id
+        self.eos_token, self.bos_token = self.hf.eos_token, self.hf.bos_token
+        self._backend = getattr(self.hf, "backend_tokenizer", None)
+        self.files_hash = hash_tokenizer_files(path)
+
+    def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        tid = self.hf.convert_tokens_to_ids(token)
+        if tid is None or (tid == self.hf.unk_token_id and token != self.hf.unk_token):
+            return None
+        return int(tid)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.hf.convert_ids_to_tokens(int(token_id))
+
+
+class SentencePieceTokenizer(TextTokenizer):
+    def __init__(self, path: str):
+        import sentencepiece
+
+        model = Path(path)
+        if model.is_dir():
+            model = model / "tokenizer.model"
+        if not model.is_file():
+            raise PreprocessError(f"SentencePiece model {str(model)!r} not found (pass --tokenizer-model FILE.model)")
+        self.sp = sentencepiece.SentencePieceProcessor(model_file=str(model))
+        self.name = "SentencePieceProcessor"
+        self.vocab_size = self.sp.get_piece_size()
+
+        def opt(i):
+            return None if i < 0 else int(i)
+
+        self.eos_id, self.pad_id, self.bos_id = opt(self.sp.eos_id()), opt(self.sp.pad_id()), opt(self.sp.bos_id())
+        self.eos_token = None if self.eos_id is None else self.sp.id_to_piece(self.eos_id)
+        self.bos_token = None if self.bos_id is None else self.sp.id_to_piece(self.bos_id)
+        self.files_hash = _sha256_files([model])
+
+    def encode(self, text: str) -> list[int]:
+        return self.sp.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.sp.decode([int(i) for i in ids])
+
+    def token_to_id(self, token: str) -> Optional[int]:
+        tid = self.sp.piece_to_id(token)
+        if tid == self.sp.unk_id() and token != self.sp.id_to_piece(tid):
+            return None
+        return int(tid)
+
+    def id_to_token(self, token_id: int) -> str:
+        return self.sp.id_to_piece(int(token_id))
+
+
+def load_tokenizer(spec: TokenizerSpec, *, require_eos: bool = True) -> TextTokenizer:
+    """Load ``spec``; every tokenizer used for packing needs an EOS (it pads when there is no pad)."""
+    if spec.tokenizer_type == "PretrainedFromHF":
+        tokenizer = HFTokenizer(spec.path)
+    elif spec.tokenizer_type == "SentencePiece":
+        tokenizer = SentencePieceTokenizer(spec.path)
+    else:
+        raise PreprocessError(f"unknown --tokenizer-type {spec.tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
+    if require_eos and tokenizer.eos_id is None:
+        raise PreprocessError(
+            f"tokenizer {spec.path!r} ({tokenizer.name}) has no EOS token (pad id: {tokenizer.pad_id}); "
+            "preprocessing needs one to end answers and to pad packs. Set eos_token in tokenizer_config.json"
+        )
+    return tokenizer
+
+
+def _sha256_files(files) -> str:
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(Path(f).name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def hash_tokenizer_files(path: str) -> str:
+    """sha256 over the tokenizer-defining files of a directory (weights excluded)."""
+    p = Path(path)
+    if p.is_file():
+        return _sha256_files([p])
+    if not p.is_dir():
+        return hashlib.sha256(str(path).encode()).hexdigest()
+    files = sorted(f for f in p.iterdir() if f.is_file() and any(h in f.name for h in _TOKENIZER_FILE_HINTS))
+    return _sha256_files(files)

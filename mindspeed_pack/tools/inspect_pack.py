@@ -1,0 +1,114 @@
+"""Look inside one pack (or unpacked sample) of preprocessed data.
+
+    python -m mindspeed_pack.tools.inspect_pack out/alpaca --index 3 [--png mask.png]
+
+Prints the pack's segments (id, start, length, trained tokens), each segment decoded with its
+trained spans in ``[[...]]``, and optionally draws the block-diagonal causal attention mask
+the segment ids imply (white = may attend).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+IGNORE_INDEX = -100
+
+
+def load_pack(prefix: str, index: int) -> dict:
+    """``input_ids``, ``labels``, ``attention_mask`` of pack ``index`` (copies) and the sidecar, if any."""
+    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    pack = {}
+    for key in ("input_ids", "labels", "attention_mask"):
+        ds = IndexedDataset(f"{prefix}_packed_{key}_document")
+        if not 0 <= index < len(ds):
+            raise IndexError(f"--index {index} out of range: {prefix} has {len(ds)} packs")
+        pack[key] = np.array(ds[index], dtype=np.int64)
+    meta_path = Path(f"{prefix}_packed_meta.json")
+    pack["meta"] = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    return pack
+
+
+def segments(attention_mask: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(segment_id, start, length)`` of every run of equal ids (padding has id 0)."""
+    change = np.flatnonzero(np.diff(attention_mask)) + 1
+    starts = np.concatenate([[0], change])
+    ends = np.concatenate([change, [len(attention_mask)]])
+    return [(int(attention_mask[s]), int(s), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def block_causal_mask(attention_mask: np.ndarray) -> np.ndarray:
+    """Bool [s, s]: query i may attend key j (same non-zero segment, j <= i)."""
+    seg = attention_mask
+    same = (seg[:, None] == seg[None, :]) & (seg[:, None] != 0)
+    return same & np.tril(np.ones((len(seg), len(seg)), dtype=bool))
+
+
+def _decode_with_spans(tokenizer, ids: np.ndarray, labels: np.ndarray) -> str:
+    out, start = [], 0
+    trained = labels != IGNORE_INDEX
+    while start < len(ids):
+        end = start
+        while end < len(ids) and trained[end] == trained[start]:
+            end += 1
+        text = tokenizer.decode(ids[start:end].tolist())
+        out.append(f"[[{text}]]" if trained[start] else text)
+        start = end
+    return "".join(out)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("prefix", help="--output-prefix used at preprocessing")
+    parser.add_argument("--index", type=int, default=0, help="pack (document) index")
+    parser.add_argument("--png", default=None, help="write the attention mask as an image")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer dir to decode with (default: the one in the sidecar)")
+    args = parser.parse_args(argv)
+    try:
+        pack = load_pack(args.prefix, args.index)
+    except (IndexError, FileNotFoundError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    ids, labels, mask = pack["input_ids"], pack["labels"], pack["attention_mask"]
+    meta = pack["meta"] or {}
+    tokenizer_path = args.tokenizer or meta.get("tokenizer_path")
+    tokenizer = None
+    if tokenizer_path and meta.get("cache_key", {}).get("arguments", {}).get("tokenizer_type") == "PretrainedFromHF":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    layout = meta.get("layout", {})
+    print(f"pack {args.index} of {args.prefix}: {len(ids)} tokens, layout {layout.get('kind', '?')}, "
+          f"attention_mask {layout.get('attention_mask', '?')}")
+    for seg_id, start, length in segments(mask):
+        sl = slice(start, start + length)
+        n_trained = int((labels[sl] != IGNORE_INDEX).sum())
+        kind = "padding" if seg_id == 0 else f"segment {seg_id}"
+        print(f"  {kind:<12} start {start:>6} length {length:>6} trained {n_trained:>6}")
+        if seg_id != 0 and tokenizer is not None:
+            print("    " + _decode_with_spans(tokenizer, ids[sl], labels[sl]).replace("\n", "\n    "))
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 6), dpi=100)
+        ax.imshow(block_causal_mask(mask), cmap="gray", interpolation="nearest")
+        ax.set_title(f"pack {args.index}: block-diagonal causal mask")
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position")
+        fig.savefig(args.png, bbox_inches="tight")
+        plt.close(fig)
+        print(f"wrote {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""Bad input: a clear ``error: ...`` naming file, row and field, exit code 2, and no files left behind."""
+import json
+import shutil
+
+import pytest
+
+from mindspeed_pack.data import toy
+
+
+def _assert_failed_cleanly(result, out_dir, *needles):
+    code, _, err = result
+    assert code == 2, err
+    assert err.startswith("error: "), err
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+    assert not out_dir.exists() or not any(out_dir.iterdir()), sorted(p.name for p in out_dir.iterdir())
+
+
+@pytest.fixture
+def alpaca_file(tmp_path, toy_alpaca_rows):
+    return toy.write_dataset(tmp_path / "in" / "a.jsonl", toy_alpaca_rows[:20])
+
+
+def _flags(data, out_dir, **extra):
+    flags = dict(input=data, output_prefix=out_dir / "p", prompt_type="qwen", seq_length=128, pack=True, neat_pack=True)
+    flags.update(extra)
+    return flags
+
+
+def test_malformed_json_line_names_file_and_line(tmp_path, run_preprocess, toy_alpaca_rows):
+    data = tmp_path / "bad.jsonl"
+    lines = [json.dumps(r) for r in toy_alpaca_rows[:5]]
+    lines[2] = lines[2][:-3]  # cut the closing quote and brace
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(data, out)), out, "bad.jsonl: line 3", "malformed JSON")
+
+
+def test_malformed_json_array_names_line(tmp_path, run_preprocess):
+    data = tmp_path / "bad.json"
+    data.write_text('[\n{"instruction": "a", "output": "b"},\n{"instruction": "a" "output": "b"}\n]\n')
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(data, out)), out, "bad.json: line 3", "malformed JSON")
+
+
+def test_missing_mapped_column_lists_existing_columns(tmp_path, run_preprocess, alpaca_file):
+    out = tmp_path / "out"
+    result = run_preprocess(**_flags(alpaca_file, out, map_keys='{"prompt": "question"}'))
+    _assert_failed_cleanly(result, out, "a.jsonl", "'question'", "--map-keys prompt", "instruction, input, output, system")
+
+
+def test_missing_column_in_parquet(tmp_path, run_preprocess, toy_alpaca_rows):
+    data = toy.write_dataset(tmp_path / "a.parquet", [{"instruction": r["instruction"]} for r in toy_alpaca_rows[:5]])
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(data, out)), out, "a.parquet", "'output'", "columns: instruction")
+
+
+def test_missing_field_in_one_row_names_the_line(tmp_path, run_preprocess, toy_alpaca_rows):
+    rows = [dict(r) for r in toy_alpaca_rows[:6]]
+    del rows[4]["output"]
+    data = toy.write_dataset(tmp_path / "a.jsonl", rows)
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(data, out)), out, "a.jsonl: line 5", "missing field 'output'")
+
+
+def test_unknown_sharegpt_role_names_row_and_message(tmp_path, run_preprocess):
+    rows = toy.generate_sharegpt(4, seed=0, turns=(1, 1))
+    rows[1]["conversations"][1]["from"] = "bot"
+    data = toy.write_dataset(tmp_path / "s.jsonl", rows)
+    out = tmp_path / "out"
+    result = run_preprocess(**_flags(data, out, handler_name="SharegptStyleInstructionHandler"))
+    _assert_failed_cleanly(result, out, "s.jsonl: line 2", "message 1", "'bot'", "'gpt'")
+
+
+def test_unknown_template_lists_known(tmp_path, run_preprocess, alpaca_file):
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(alpaca_file, out, prompt_type="nope")), out,
+                           "unknown --prompt-type 'nope'", "qwen", "llama3")
+
+
+def test_tokenizer_without_eos_or_pad(tmp_path, run_preprocess, alpaca_file, toy_tokenizer_dir):
+    tok = tmp_path / "tok"
+    shutil.copytree(toy_tokenizer_dir, tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    config.pop("pad_token", None)
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(alpaca_file, out, tokenizer_name_or_path=tok)), out,
+                           "has no EOS token", str(tok))
+
+
+def test_neat_pack_without_pack(tmp_path, run_preprocess, alpaca_file):
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(alpaca_file, out, pack=False)), out, "--neat-pack requires --pack")
+
+
+@pytest.mark.parametrize("seq_length", [1, 0, -5])
+def test_seq_length_below_two(tmp_path, run_preprocess, alpaca_file, seq_length):
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(alpaca_file, out, seq_length=seq_length)), out,
+                           "--seq-length must be >= 2")
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_empty_input(tmp_path, run_preprocess, content):
+    data = tmp_path / "empty.jsonl"
+    data.write_text(content)
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(data, out)), out, "empty input", "empty.jsonl")
+
+
+def test_unsupported_extension(tmp_path, run_preprocess):
+    data = tmp_path / "data.xml"
+    data.write_text("<rows/>")
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(data, out)), out, "data.xml", "unsupported file extension '.xml'", "jsonl")
+
+
+def test_mixed_directory(tmp_path, run_preprocess, toy_alpaca_rows):
+    toy.write_dataset(tmp_path / "d" / "a.jsonl", toy_alpaca_rows[:3])
+    toy.write_dataset(tmp_path / "d" / "b.parquet", toy_alpaca_rows[:3])
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(tmp_path / "d", out)), out, "mixed input formats", "jsonl", "parquet")
+
+
+def test_missing_input(tmp_path, run_preprocess):
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(tmp_path / "nothing.jsonl", out)), out, "does not exist")
+
+
+def test_bad_map_keys_json(tmp_path, run_preprocess, alpaca_file):
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(alpaca_file, out, map_keys="{prompt: x}")), out, "--map-keys is not valid JSON")
+
+
+def test_error_in_a_worker_reaches_the_user_and_cleans_up(tmp_path, run_preprocess, toy_alpaca_rows, monkeypatch):
+    from mindspeed_pack.data import preprocess
+
+    monkeypatch.setattr(preprocess, "CHUNK_ROWS", 10)
+    lines = [json.dumps(r) for r in toy_alpaca_rows[:60]]
+    lines[47] = "{not json"
+    data = tmp_path / "late.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(data, out, workers=2)), out, "late.jsonl: line 48")
+
+
+def test_failed_rebuild_keeps_previous_complete_output(tmp_path, run_preprocess, alpaca_file):
+    out = tmp_path / "out"
+    assert run_preprocess(**_flags(alpaca_file, out))[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with open(alpaca_file, "a") as f:
+        f.write("{broken\n")
+    code, _, err = run_preprocess(**_flags(alpaca_file, out))
+    assert code == 2 and "a.jsonl: line 21" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
