@@ -83,7 +83,7 @@ def test_neat_pack_on_data_without_segment_ids_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--tensor-model-parallel-size", "3"], "world size"),
+    (["--tensor-model-parallel-size", "3"], "must divide the query groups"),
     (["--global-batch-size", "3", "--micro-batch-size", "2"], "--global-batch-size"),
     (["--seq-length", "1"], "--seq-length"),
 ])

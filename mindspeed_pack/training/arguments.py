@@ -109,7 +109,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--nan-policy", default="stop", choices=["stop", "skip"],
                    help="on a NaN/inf loss or grad norm: stop with the iteration, or skip the update")
     g.add_argument("--deterministic-mode", action="store_true",
-                   help="deterministic algorithms and fixed data order (bitwise-reproducible CPU runs)")
+                   help="deterministic algorithms (bitwise-reproducible CPU runs); the data order is always fixed by "
+                        "--seed, or sequential with --no-shuffle")
     g.add_argument("--skip-train", action="store_true", help="evaluation only")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
@@ -249,8 +250,6 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError("--train-iters is required (or --skip-train for evaluation only)")
     if args.skip_train and not args.eval_iters:
         raise ArgumentError("--skip-train needs --eval-iters > 0")
-    if args.deterministic_mode:
-        args.no_shuffle = True if args.no_shuffle is None else args.no_shuffle
     if args.finetune and not args.load:
         raise ArgumentError("--finetune needs --load")
     if not args.data_path:

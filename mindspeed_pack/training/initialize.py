@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import os
 import random
+import socket
 
 import numpy as np
 import torch
@@ -30,8 +31,10 @@ def initialize_distributed(
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + (os.getpid() % 1000)))
+        if "RANK" not in os.environ:
+            # a plain `python script.py`: a world of one on a port nobody else holds
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+            os.environ["MASTER_PORT"] = str(_free_port())
         if cpu_platform.cuda_usable():
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
         dist.init_process_group(
@@ -49,6 +52,12 @@ def initialize_distributed(
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
     set_seed(seed)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def set_seed(seed: int) -> None:
