@@ -123,14 +123,16 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=192)
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--padded-batch", type=int, default=4)
-    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4, help="head dim = hidden / heads (CPU SDPA is slow below 32)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     init_single_process()
     model_args = tiny_args(seq_length=args.seq_length, hidden_size=args.hidden_size, ffn_hidden_size=4 * args.hidden_size,
-                           num_layers=args.layers, num_attention_heads=8, num_query_groups=2, padded_vocab_size=2048)
+                           num_layers=args.layers, num_attention_heads=args.heads, num_query_groups=2,
+                           padded_vocab_size=2048)
     lengths = heavy_tailed_lengths(args.samples, args.seq_length)
     samples = make_samples(lengths, 2048)
     real = int(lengths.sum())
@@ -164,7 +166,7 @@ def main(argv=None):
           f"packed reaches {ratio:.2f} of ideal (target >= 0.85): {'PASS' if ratio >= 0.85 else 'FAIL'}")
     print(f"get_batch share of the packed step: {100 * packed['batch_share']:.2f}% (target < 2%): "
           f"{'PASS' if packed['batch_share'] < 0.02 else 'FAIL'}")
-    attention_scaling(args.seq_length)
+    attention_scaling(args.seq_length, heads=args.heads, dim=args.hidden_size // args.heads)
 
 
 if __name__ == "__main__":

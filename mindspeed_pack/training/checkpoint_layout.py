@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 
@@ -73,7 +73,11 @@ def save_file_atomic(obj, path: str) -> None:
 
 def saved_parallel_sizes(root: str, iteration) -> tuple[int, int]:
     """(tp, pp) of a saved checkpoint, read from its rank directory names."""
-    it_dir = iteration_dir(root, iteration)
+    return parallel_sizes_in(iteration_dir(root, iteration))
+
+
+def parallel_sizes_in(it_dir: str) -> tuple[int, int]:
+    """(tp, pp) from the ``mp_rank_TT[_PPP]`` directories of one iteration directory."""
     tp_ranks, pp_ranks = set(), set()
     for name in os.listdir(it_dir):
         m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", name)

@@ -2,15 +2,25 @@
 
 A save writes every rank's file under ``iter_N.tmp/``; after a barrier rank 0 renames the
 directory to ``iter_N`` and only then moves the tracker file, so a crash at any moment
-leaves the previous checkpoint complete and pointed to. A checkpoint holds the model
-(canonical names), optimizer, scheduler, RNG states and ``consumed_samples`` (the position
-in the sample index), so a resumed run continues exactly as the uninterrupted one.
+leaves the previous checkpoint complete and pointed to (re-saving an existing ``iter_N``
+parks the old one as ``iter_N.old`` for the two renames; a load falls back to it). A
+checkpoint holds the model (canonical names), optimizer, scheduler, RNG states and
+``consumed_samples`` (the position in the sample index), so a resumed run continues
+exactly as the uninterrupted one.
+
+Test hook: with ``MINDSPEED_PACK_KILL_DURING_SAVE=N`` in the environment, the save of
+iteration ``N`` writes half of its first rank file and then SIGKILLs its own process, a
+deterministic "crash in the middle of a save" (see tests/test_checkpoint_resume.py).
 """
 from __future__ import annotations
 
+import glob
+import io
 import logging
 import os
 import random
+import re
+import signal
 
 import numpy as np
 import torch
@@ -22,6 +32,8 @@ from mindspeed_pack.training import checkpoint_layout as layout
 from mindspeed_pack.training.cpu_platform import cuda_usable
 
 log = logging.getLogger(__name__)
+
+KILL_HOOK_ENV = "MINDSPEED_PACK_KILL_DURING_SAVE"
 
 # model-shape arguments that must match between a checkpoint and the flags
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -47,6 +59,28 @@ def _rng_state() -> dict:
     }
 
 
+def _rng_states_by_dp_rank() -> list:
+    """Every data-parallel rank's RNG state (dropout draws differ with each rank's data)."""
+    local = _rng_state()
+    dp = ps.get_data_parallel_world_size()
+    if dp == 1:
+        return [local]
+    states = [None] * dp
+    dist.all_gather_object(states, local, group=ps.get_data_parallel_group())
+    return states
+
+
+def _restore_rng(states, path: str) -> None:
+    if isinstance(states, dict):  # one state for every rank
+        states = [states]
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if len(states) != dp:
+        log.warning("%s holds RNG states of %d data-parallel ranks, this run has %d: every rank takes rank "
+                    "0's, so dropout will not continue exactly", path, len(states), dp)
+        dp_rank = 0
+    _set_rng_state(states[dp_rank])
+
+
 def _set_rng_state(state: dict) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["np"])
@@ -57,11 +91,44 @@ def _set_rng_state(state: dict) -> None:
 
 
 def _model_args(args) -> dict:
-    keys = SHAPE_ARGS + ("group_query_attention", "kv_channels", "disable_bias_linear", "normalization",
-                         "norm_epsilon", "position_embedding_type", "rotary_base", "max_position_embeddings",
-                         "seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                         "make_vocab_size_divisible_by", "vocab_size")
-    return {k: getattr(args, k, None) for k in keys}
+    """The model-shape arguments convert_ckpt.py reads back (its MODEL_ARG_NAMES, all of them)."""
+    from mindspeed_pack.convert.model_specs import MODEL_ARG_NAMES
+
+    out = {k: getattr(args, k, None) for k in MODEL_ARG_NAMES}
+    if out.get("model_type_hf") is None:
+        # kept from a converted checkpoint when there was one; else the family the flags describe
+        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None) or (
+            "qwen2" if getattr(args, "add_qkv_bias", False) else "llama")
+    return out
+
+
+def _fsync_dir(path: str) -> None:
+    """Make renames inside ``path`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_rank_file(state: dict, path: str, iteration: int) -> None:
+    if os.environ.get(KILL_HOOK_ENV) == str(iteration):
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        data = buf.getvalue()
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:  # a half-written file where the finished one would land
+            f.write(data[: len(data) // 2])
+            f.flush()
+            os.fsync(f.fileno())
+        log.warning("%s=%d: killing this process in the middle of the save", KILL_HOOK_ENV, iteration)
+        os.kill(os.getpid(), signal.SIGKILL)
+    layout.save_file_atomic(state, path)
 
 
 def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler) -> None:
@@ -70,7 +137,8 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
     tmp_dir = final_dir + ".tmp"
     if dist.get_rank() == 0:
         os.makedirs(root, exist_ok=True)
-        layout.remove_tree(tmp_dir)
+        for stale in glob.glob(os.path.join(root, "iter_*.tmp")):  # left by a crashed save
+            layout.remove_tree(stale)
     dist.barrier()
     tp_rank, pp_rank, pp_size = _ranks()
     state = {
@@ -84,80 +152,127 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         state["optimizer"] = optimizer.state_dict()
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
-        state["rng_state"] = _rng_state()
+        state["rng_state"] = _rng_states_by_dp_rank()  # a collective: every rank takes part
+    rank_dir = os.path.join(tmp_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size))
     if ps.get_data_parallel_rank() == 0:
-        path = os.path.join(tmp_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size), "model_optim_rng.pt")
-        layout.save_file_atomic(state, path)
+        _write_rank_file(state, os.path.join(rank_dir, "model_optim_rng.pt"), iteration)
     if args.use_distributed_optimizer and not args.no_save_optim:
         # the distributed optimizer's parameter state is sharded over data-parallel ranks
-        optimizer.save_parameter_state(os.path.join(tmp_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size),
-                                                    "distrib_optim.pt"))
+        optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
         old = final_dir + ".old"
         if os.path.isdir(final_dir):  # re-saving the same iteration: keep the old one until the new is in place
+            layout.remove_tree(old)
             os.replace(final_dir, old)
         os.replace(tmp_dir, final_dir)
+        _fsync_dir(root)
         layout.write_tracker(root, iteration)
+        _fsync_dir(root)
         layout.remove_tree(old)
         log.info("saved checkpoint at iteration %d to %s", iteration, root)
     dist.barrier()
 
 
-def _read_rank_file(args, iteration) -> dict:
-    tp_rank, pp_rank, pp_size = _ranks()
-    path = layout.checkpoint_file(args.load, iteration, tp_rank, pp_rank, pp_size)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path} is missing: the checkpoint in {args.load} is incomplete")
+def _iteration_dir_for_load(root: str, iteration) -> str:
+    """``iter_N``, or ``iter_N.old`` when a crash hit between the two renames of a re-save."""
+    it_dir = layout.iteration_dir(root, iteration)
+    if not os.path.isdir(it_dir) and os.path.isdir(it_dir + ".old"):
+        log.warning("%s is missing but %s.old is complete (a re-save was interrupted): loading it", it_dir, it_dir)
+        return it_dir + ".old"
+    if not os.path.isdir(it_dir):
+        raise CheckpointError(f"--load {root}: {layout.TRACKER} names iteration {iteration} but {it_dir} "
+                              "does not exist")
+    return it_dir
+
+
+def _saved_parallel_sizes(it_dir: str) -> tuple:
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return layout.parallel_sizes_in(it_dir)
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{it_dir}: no mp_rank_* directories; not a Megatron checkpoint") from e
+
+
+def _read_rank_file(root: str, it_dir: str) -> tuple:
+    tp_rank, pp_rank, pp_size = _ranks()
+    path = os.path.join(it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size), "model_optim_rng.pt")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} is missing: the checkpoint in {root} is incomplete")
+    try:
+        return path, torch.load(path, map_location="cpu", weights_only=False)
     except Exception as e:  # truncated or corrupt
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
-                              "corrupt, load an earlier iteration") from e
+                              "corrupt: load an earlier iteration (edit the number in "
+                              f"{os.path.join(root, layout.TRACKER)})") from e
 
 
-def _check_shapes(path_hint: str, module, state: dict) -> None:
+def _check_shapes(path: str, module, state: dict, saved_args: dict, args) -> None:
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
                 and not k.endswith("_extra_state")}
+    differing = [k for k in SHAPE_ARGS if saved_args.get(k) is not None and getattr(args, k, None) is not None
+                 and saved_args[k] != getattr(args, k)]
+    flags = ", ".join(f"{k}: checkpoint {saved_args[k]}, flags {getattr(args, k)}" for k in differing)
     for name, tensor in state.items():
         if name in expected and tuple(tensor.shape) != tuple(expected[name]):
-            raise CheckpointError(f"{path_hint}: tensor {name} has shape {tuple(tensor.shape)} but the model "
-                                  f"built from the flags expects {tuple(expected[name])}: check the model-shape "
-                                  "flags (--hidden-size, --num-layers, --ffn-hidden-size, heads, vocab)")
+            raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but "
+                                  f"{tuple(expected[name])} in the model built from the flags"
+                                  + (f" ({flags})" if flags else "")
+                                  + ": pass the model-shape flags the checkpoint was trained with")
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(f"{path_hint}: parameter names differ from the model: missing {missing[:5]}, "
-                              f"unexpected {unexpected[:5]}")
+        raise CheckpointError(f"{path}: parameter names differ from the model built from the flags: missing "
+                              f"{missing[:5]}, unexpected {unexpected[:5]}" + (f" ({flags})" if flags else ""))
+    if differing:
+        raise CheckpointError(f"{path}: model flags differ from the checkpoint's ({flags})")
+
+
+def _saved_iterations(root: str) -> list:
+    """Names of complete-looking iteration directories (not a crashed save's ``.tmp``)."""
+    names = [os.path.basename(p) for p in glob.glob(os.path.join(root, "iter_*")) if os.path.isdir(p)]
+    return sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n))
+
+
+def _has_checkpoints(root: str) -> bool:
+    return bool(_saved_iterations(root)) or os.path.isdir(os.path.join(root, layout.RELEASE))
 
 
 def load_checkpoint(args, model, optimizer, scheduler):
-    """Restore from ``--load``; returns (iteration, consumed_samples)."""
+    """Restore from ``--load``; returns (iteration, consumed_samples).
+
+    ``--load D --save D`` on a first launch (D empty or absent) starts from scratch, so a job
+    script can always pass both; any other ``--load`` without a checkpoint is an error.
+    """
     root = args.load
+    same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
+    if same_as_save and not args.finetune and (not os.path.isdir(root) or not _has_checkpoints(root)) \
+            and not os.path.exists(os.path.join(root, layout.TRACKER)):
+        log.warning("--load %s (= --save) holds no checkpoint yet: starting from scratch", root)
+        return 0, 0
     if not os.path.isdir(root):
         raise CheckpointError(f"--load {root}: no such directory")
-    iteration = layout.read_tracker(root)
+    try:
+        iteration = layout.read_tracker(root)
+    except ValueError as e:
+        raise CheckpointError(f"--load {root}: {e}") from None
     if iteration is None:
-        raise CheckpointError(f"--load {root}: no checkpoint found ({layout.TRACKER} is missing)")
-    saved_tp, saved_pp = layout.saved_parallel_sizes(root, iteration)
+        found = _saved_iterations(root)
+        hint = (f"; it holds {', '.join(found[-3:])}: write the iteration to load into {layout.TRACKER}"
+                if found else "")
+        raise CheckpointError(f"--load {root}: no checkpoint found ({layout.TRACKER} is missing){hint}")
+    it_dir = _iteration_dir_for_load(root, iteration)
+    saved_tp, saved_pp = _saved_parallel_sizes(it_dir)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if (saved_tp, saved_pp) != (tp, pp):
         raise CheckpointError(
             f"--load {root}: checkpoint saved at TP={saved_tp}, PP={saved_pp} but this run uses TP={tp}, PP={pp}; "
             f"reshard it first: python convert_ckpt.py --load-model-type mg --save-model-type mg --load-dir {root} "
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")
-    state = _read_rank_file(args, iteration)
-    saved_args = state.get("args") or {}
-    for key in SHAPE_ARGS:
-        if saved_args.get(key) is not None and getattr(args, key, None) is not None \
-                and saved_args[key] != getattr(args, key):
-            raise CheckpointError(f"--load {root}: checkpoint has {key}={saved_args[key]} but the flags say "
-                                  f"{getattr(args, key)}")
+    path, state = _read_rank_file(root, it_dir)
+    args.loaded_model_type_hf = (state.get("args") or {}).get("model_type_hf")
     module = model[0].module
-    from mindspeed_pack.training.checkpoint_layout import to_backend_names
-
-    weights = to_backend_names(state["model"], module.attention_backend)
-    _check_shapes(f"--load {root}", module, weights)
+    weights = layout.to_backend_names(state["model"], module.attention_backend)
+    _check_shapes(path, module, weights, state.get("args") or {}, args)
     module.load_state_dict(weights, strict=False)
     release = iteration == layout.RELEASE
     if args.finetune or release:
@@ -165,15 +280,18 @@ def load_checkpoint(args, model, optimizer, scheduler):
         return 0, 0
     if not args.no_load_optim:
         if "optimizer" not in state:
-            raise CheckpointError(f"--load {root}: no optimizer state saved; use --no-load-optim or --finetune")
+            raise CheckpointError(f"{path}: no optimizer state saved (--no-save-optim); pass --no-load-optim "
+                                  "or --finetune")
         optimizer.load_state_dict(state["optimizer"])
         if args.use_distributed_optimizer:
             tp_rank, pp_rank, pp_size = _ranks()
-            optimizer.load_parameter_state(os.path.join(layout.iteration_dir(root, iteration),
-                                                        layout.rank_dir_name(tp_rank, pp_rank, pp_size),
+            optimizer.load_parameter_state(os.path.join(it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size),
                                                         "distrib_optim.pt"))
         scheduler.load_state_dict(state["opt_param_scheduler"])
-    if not args.no_load_rng and "rng_state" in state:
-        _set_rng_state(state["rng_state"])
+    if not args.no_load_rng:
+        if "rng_state" in state:
+            _restore_rng(state["rng_state"], path)
+        else:
+            log.warning("%s holds no RNG state (--no-save-rng): dropout will not continue exactly", path)
     log.info("resumed from %s at iteration %d", root, iteration)
     return int(state["iteration"]), int(state.get("consumed_samples", iteration * args.global_batch_size))

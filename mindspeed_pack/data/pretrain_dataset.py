@@ -1,0 +1,239 @@
+"""pretrain_gpt.py's data: plain documents through megatron-core's ``GPTDataset``.
+
+``P_text_document.{bin,idx}`` holds one document per row (int32 tokens, each ending with
+EOD). megatron-core's ``BlendedMegatronDatasetBuilder`` splits (``--split``), blends
+(``--data-path 0.3 A 0.7 B``), shuffles and cuts the token stream into samples of
+``seq_length + 1`` tokens; those indices are cached and identical to Megatron-LM's.
+
+Each sample becomes one row of the trainer's micro-batch contract, labels *aligned*::
+
+    sample (s+1)    a0  a1  E   b0  b1  b2  E   c0  c1  | c2       (E = EOD; the extra
+    input_ids       a0  a1  E   b0  b1  b2  E   c0  c1             token is not used)
+    labels          a0  a1  E   b0  b1  b2  E   c0  c1
+    segment_ids     1   1   1   2   2   2   2   3   3              (--reset-attention-mask)
+    loss_mask       1   1   0   1   1   1   0   1   1              (--eod-mask-loss)
+
+The trainer shifts labels within segments, so with isolation ``E`` (a document's last
+token) never predicts the next document's first token, and positions and attention
+restart per document through ``cu_seqlens``: never a dense s x s mask. Without
+``--reset-attention-mask`` a row is one causal sequence (segment_ids None).
+``--eod-mask-loss`` is Megatron's: the loss at positions whose *input* is EOD (the
+prediction made from EOD, i.e. of the next document's start) is dropped; predicting EOD
+itself stays trained, so the model still learns to stop. The row's last position has no
+target (its target would be the extra token): a row trains at most s-1 targets, where
+Megatron-LM trains s.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional
+
+import torch
+
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.packing.segments import IGNORE_INDEX, segment_ids_from_eod
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EodTokenizer:
+    """The part of a tokenizer GPTDataset uses: the EOD id, the vocabulary size and an identity.
+
+    No ``pad``: GPTDataset then pads short samples with -1, which cannot be a real token.
+    """
+
+    eod: int
+    vocab_size: Optional[int]
+    name: str = "eod-only"
+    unique_identifiers: dict = field(init=False)
+
+    def __post_init__(self):
+        # part of GPTDataset's cache key: a cache is never reused with another EOD or vocabulary
+        self.unique_identifiers = {"class": type(self).__name__, "name": self.name, "eod": self.eod,
+                                   "vocab_size": self.vocab_size}
+
+
+def sidecar_info(prefix: str) -> dict:
+    """What preprocess_data.py recorded for ``P_text_document`` in ``P_text_meta.json``:
+    ``eod_id``, ``append_eod`` and the tokenizer's ``vocab_size`` (those present)."""
+    base = prefix[: -len("_document")] if prefix.endswith("_text_document") else prefix
+    for path in (f"{base}_meta.json", f"{prefix}_meta.json"):
+        if os.path.isfile(path):
+            with open(path) as f:
+                meta = json.load(f)
+            tok = meta.get("tokenizer") or (meta.get("cache_key") or {}).get("tokenizer") or {}
+            layout = meta.get("layout") or {}
+            info = {"eod_id": layout.get("eod_id", tok.get("eos_id")), "vocab_size": tok.get("vocab_size"),
+                    "append_eod": layout.get("append_eod"), "path": path}
+            return {k: v for k, v in info.items() if v is not None}
+    return {}
+
+
+def _from_sidecars(data_path: List[str], key: str) -> Optional[int]:
+    """``key`` of the blend's sidecars; the prefixes must agree on it."""
+    values = {}
+    for prefix in data_prefixes(data_path)[0]:
+        value = sidecar_info(prefix).get(key)
+        if value is not None:
+            values[prefix] = int(value)
+    if len(set(values.values())) > 1:
+        raise DataError(f"--data-path: the datasets were tokenized differently ({key}: {values})")
+    return next(iter(values.values()), None)
+
+
+def _check_documents_end_with_eod(args) -> None:
+    if not (args.isolate_segments or args.eod_mask_loss):
+        return
+    for prefix in data_prefixes(args.data_path)[0]:
+        info = sidecar_info(prefix)
+        if info.get("append_eod") is False:
+            raise DataError(f"{prefix}: written without --append-eod ({info['path']}), so documents carry no EOD "
+                            "for --reset-attention-mask/--eod-mask-loss to find; re-run preprocess_data.py "
+                            "with --append-eod")
+
+
+def build_tokenizer(args) -> EodTokenizer:
+    """EOD id from ``--eod-id``, else the preprocessing sidecar's EOS, else ``--tokenizer-name-or-path``'s EOS
+    (MindSpeed's convention: documents end with the tokenizer's EOS)."""
+    eod = getattr(args, "eod_id", None)
+    _check_documents_end_with_eod(args)
+    recorded = _from_sidecars(args.data_path, "eod_id")
+    if eod is not None and recorded is not None and eod != recorded:
+        raise DataError(f"--eod-id {eod}, but preprocessing ended the documents with {recorded} (its "
+                        "_text_meta.json): drop --eod-id or pass the recorded id")
+    eod = recorded if eod is None else eod
+    vocab = args.vocab_size or _from_sidecars(args.data_path, "vocab_size")
+    name = "eod-only"
+    if args.tokenizer_name_or_path:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
+        name = os.path.basename(os.path.normpath(args.tokenizer_name_or_path))
+        vocab = vocab or len(tok)
+        if eod is None:
+            eod = tok.eos_token_id
+            if eod is None:
+                raise DataError(f"--tokenizer-name-or-path {args.tokenizer_name_or_path}: the tokenizer has no "
+                                "EOS token to end documents with; pass --eod-id")
+    if eod is None:
+        raise DataError("pretraining needs the end-of-document id: pass --eod-id or --tokenizer-name-or-path")
+    if args.padded_vocab_size is not None and not 0 <= eod < args.padded_vocab_size:
+        raise DataError(f"--eod-id {eod} is outside the vocabulary [0, {args.padded_vocab_size})")
+    return EodTokenizer(eod=int(eod), vocab_size=vocab, name=name)
+
+
+def resolve_pretrain_vocab_size(args) -> None:
+    """``--padded-vocab-size`` from the flags, the preprocessing sidecars or the tokenizer."""
+    from mindspeed_pack.data.packed_dataset import resolve_vocab_size
+
+    if args.padded_vocab_size is None and args.vocab_size is None:
+        args.vocab_size = _from_sidecars(args.data_path, "vocab_size")
+    resolve_vocab_size(args)
+
+
+def data_prefixes(data_path: List[str]) -> tuple:
+    """(prefixes, weights or None) of ``--data-path`` (``P`` or ``w1 P1 w2 P2 ...``)."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    try:
+        return get_blend_from_list(data_path)
+    except AssertionError:
+        raise DataError(f"--data-path {' '.join(data_path)}: give prefixes, or weight-prefix pairs "
+                        "'0.3 A 0.7 B' (all weighted or none)") from None
+
+
+def check_prefix_files(prefixes: List[str]) -> None:
+    for prefix in prefixes:
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            hint = "" if prefix.endswith("_document") else " (prefixes usually end with _text_document)"
+            raise DataError(f"data prefix {prefix!r}: missing {', '.join(missing)}{hint}")
+
+
+def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict:
+    """{'train'|'valid'|'test': GPTDataset/BlendedDataset or None}, built on every rank."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    blend = data_prefixes(args.data_path)
+    check_prefix_files(blend[0])
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        # masks and positions are derived per batch from segment ids (below), not by GPTDataset
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    sizes = [num_samples.get(name, 0) for name in ("train", "valid", "test")]
+    datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    return {name: (ds if n else None) for name, ds, n in zip(("train", "valid", "test"), datasets, sizes)}
+
+
+def row_from_sample(sample: dict, eod: int, isolate: bool, eod_mask_loss: bool) -> dict:
+    """One GPTDataset sample (built with all mask flags off) -> one aligned row of the contract."""
+    tokens = sample["tokens"].long()  # text[:s], padding already replaced by 0
+    s = tokens.numel()
+    # GPTDataset zeroes loss_mask where the shifted label is padding; padding is a suffix
+    pad_label = sample["loss_mask"] == 0
+    real = s if not bool(pad_label.any()) else int(torch.nonzero(pad_label)[0]) + 1
+    labels = tokens.clone()
+    labels[real:] = IGNORE_INDEX
+    row = {"input_ids": tokens, "labels": labels}
+    if isolate:
+        seg = segment_ids_from_eod(tokens, eod)
+        seg[real:] = 0
+        row["segment_ids"] = seg
+    if eod_mask_loss:
+        row["loss_mask"] = (tokens != eod).float()
+    return row
+
+
+def collate_rows(rows: List[dict]) -> dict:
+    batch = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+    batch.setdefault("segment_ids", None)
+    return batch
+
+
+class GPTBatchSource:
+    """Micro-batches of GPTDataset samples in Megatron's sampler order (resumable by position)."""
+
+    def setup(self, args, num_samples: dict) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.args = args
+        self.tokenizer = build_tokenizer(args)
+        self.splits = build_gpt_datasets(args, num_samples, self.tokenizer)
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+
+    def has_split(self, split: str) -> bool:
+        return self.splits.get(split) is not None
+
+    def micro_batches(self, split: str, consumed_samples: int) -> Iterator[dict]:
+        dataset = self.splits.get(split)
+        if dataset is None:
+            raise DataError(f"the {split} split is empty: check --split {self.args.split}")
+        args = self.args
+        mbs = args.micro_batch_size
+        pos = consumed_samples
+        while pos + mbs * self.dp_size <= len(dataset):
+            first = pos + self.dp_rank * mbs
+            rows = [row_from_sample(dataset[i], self.tokenizer.eod, args.isolate_segments, args.eod_mask_loss)
+                    for i in range(first, first + mbs)]
+            batch = collate_rows(rows)
+            top = int(batch["input_ids"].max())
+            if top >= args.padded_vocab_size:
+                raise DataError(f"{split} sample {first}: token id {top} >= padded vocabulary size "
+                                f"{args.padded_vocab_size}; the data was tokenized with a larger vocabulary")
+            yield batch
+            pos += mbs * self.dp_size

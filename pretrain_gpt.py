@@ -1,0 +1,46 @@
+"""Pretraining on plain documents (Megatron-LM's pretrain_gpt.py), same loop as posttrain.py.
+
+    torchrun --nproc-per-node N pretrain_gpt.py --data-path [W1] P1_text_document [W2 P2 ...] \
+        [--tokenizer-name-or-path TOK | --eod-id ID --vocab-size V] \
+        --reset-attention-mask --reset-position-ids [--eod-mask-loss] ... (Megatron-LM flags)
+
+The EOD id and vocabulary size default to what preprocess_data.py recorded in
+``P_text_meta.json`` next to the documents.
+"""
+import logging
+import sys
+import warnings
+
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.data.pretrain_dataset import GPTBatchSource, resolve_pretrain_vocab_size
+from mindspeed_pack.training.arguments import parse_args
+from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.training.trainer import run
+
+
+def pretrain_args(parser):
+    g = parser.add_argument_group("pretraining data")
+    g.add_argument("--eod-id", type=int, default=None,
+                   help="end-of-document token id (default: the tokenizer's EOS)")
+    return parser
+
+
+def main(argv=None):
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv, extra_args_provider=pretrain_args,
+                      description="mindspeed-pack pretraining on indexed documents")
+    if args.reset_position_ids and not args.isolate_segments:
+        warnings.warn("--reset-position-ids without --reset-attention-mask: a row stays one sequence, so "
+                      "positions run 0..s-1; add --reset-attention-mask to isolate documents", stacklevel=1)
+    if args.no_shuffle:
+        warnings.warn("--no-shuffle is ignored: GPTDataset draws Megatron-LM's seeded order", stacklevel=1)
+    resolve_pretrain_vocab_size(args)
+    return run(args, GPTBatchSource())
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (CheckpointError, DataError) as e:  # bad input: the message says what and where
+        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,137 @@
+"""Bad checkpoints and data get errors that say what and where, and nothing is overwritten."""
+import hashlib
+import os
+import shutil
+
+import pytest
+
+import posttrain
+import pretrain_gpt
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.training import checkpoint_layout as layout
+from mindspeed_pack.training.checkpointing import CheckpointError
+from tests.data_utils import read_metrics, write_packed_instruction_dataset
+from tests.model_utils import TINY_FLAGS
+
+
+def argv(data, *extra):
+    return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--neat-pack", "--train-iters", "1", "--data-path", data, *extra]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(data prefix, a checkpoint of iteration 1, one saved with --no-save-optim)."""
+    d = tmp_path_factory.mktemp("ckpt_errors")
+    data = write_packed_instruction_dataset(str(d / "toy"), num_packs=8, seed=5)
+    posttrain.main(argv(data, "--save", str(d / "ckpt")))
+    posttrain.main(argv(data, "--save", str(d / "no_optim"), "--no-save-optim"))
+    return data, str(d / "ckpt"), str(d / "no_optim")
+
+
+def fingerprint(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            out[os.path.relpath(path, root)] = hashlib.sha1(open(path, "rb").read()).hexdigest()
+    return out
+
+
+def copy(src, tmp_path):
+    dst = str(tmp_path / "ckpt")
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_load_dir_without_checkpoint(saved, tmp_path):
+    data = saved[0]
+    with pytest.raises(CheckpointError, match="no such directory"):
+        posttrain.main(argv(data, "--load", str(tmp_path / "absent")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no checkpoint found"):
+        posttrain.main(argv(data, "--load", str(tmp_path / "empty")))
+    ckpt = copy(saved[1], tmp_path)
+    os.remove(os.path.join(ckpt, layout.TRACKER))
+    with pytest.raises(CheckpointError, match=r"it holds iter_0000001: write the iteration to load"):
+        posttrain.main(argv(data, "--load", ckpt))
+
+
+def test_tracker_naming_a_missing_iteration(saved, tmp_path):
+    ckpt = copy(saved[1], tmp_path)
+    layout.write_tracker(ckpt, 7)
+    with pytest.raises(CheckpointError, match="names iteration 7 but .*iter_0000007 does not exist"):
+        posttrain.main(argv(saved[0], "--load", ckpt))
+
+
+def test_load_equal_to_save_on_a_first_launch_starts_from_scratch(saved, tmp_path):
+    fresh = str(tmp_path / "run")
+    os.makedirs(os.path.join(fresh, "iter_0000001.tmp", "mp_rank_00"))  # the first save had crashed
+    posttrain.main(argv(saved[0], "--load", fresh, "--save", fresh, "--metrics-file", str(tmp_path / "m.jsonl")))
+    assert sorted(read_metrics(str(tmp_path / "m.jsonl"))) == [1]
+    assert layout.read_tracker(fresh) == 1
+    assert sorted(os.listdir(fresh)) == ["iter_0000001", layout.TRACKER]
+
+
+def test_trainer_checkpoints_carry_what_the_converter_reads(saved):
+    import torch
+
+    from mindspeed_pack.convert.model_specs import args_from_dict
+
+    path = layout.checkpoint_file(saved[1], 1, 0, 0, 1)
+    args = args_from_dict(torch.load(path, weights_only=False)["args"], where=path)
+    assert (args.hidden_size, args.padded_vocab_size, args.model_type_hf) == (64, 256, "qwen2")
+
+
+def test_truncated_checkpoint_file_is_reported_and_kept(saved, tmp_path):
+    ckpt = copy(saved[1], tmp_path)
+    path = layout.checkpoint_file(ckpt, 1, 0, 0, 1)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    before = fingerprint(ckpt)
+    with pytest.raises(CheckpointError, match=r"model_optim_rng.pt cannot be read .* truncated or corrupt"):
+        posttrain.main(argv(saved[0], "--load", ckpt, "--save", ckpt, "--train-iters", "2"))
+    assert fingerprint(ckpt) == before  # the failed run wrote nothing into it
+
+
+def test_model_shape_mismatch_names_the_tensor_and_shapes(saved, tmp_path):
+    with pytest.raises(CheckpointError) as e:
+        posttrain.main(argv(saved[0], "--load", saved[1], "--ffn-hidden-size", "96"))
+    msg = str(e.value)
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in msg
+    assert "(256, 64) in the checkpoint but (192, 64) in the model" in msg
+    assert "ffn_hidden_size: checkpoint 128, flags 96" in msg
+
+
+def test_other_parallel_layout_points_to_the_converter(saved, tmp_path):
+    ckpt = copy(saved[1], tmp_path)
+    it_dir = layout.iteration_dir(ckpt, 1)
+    os.rename(os.path.join(it_dir, "mp_rank_00"), os.path.join(it_dir, "mp_rank_00_000"))
+    shutil.copytree(os.path.join(it_dir, "mp_rank_00_000"), os.path.join(it_dir, "mp_rank_00_001"))
+    with pytest.raises(CheckpointError, match=r"saved at TP=1, PP=2 but this run uses TP=1, PP=1.*convert_ckpt.py "
+                                              r"--load-model-type mg --save-model-type mg"):
+        posttrain.main(argv(saved[0], "--load", ckpt))
+
+
+def test_checkpoint_without_optimizer_state(saved, tmp_path):
+    with pytest.raises(CheckpointError, match="no optimizer state saved .*--no-load-optim"):
+        posttrain.main(argv(saved[0], "--load", saved[2], "--train-iters", "2"))
+    posttrain.main(argv(saved[0], "--load", saved[2], "--train-iters", "2", "--no-load-optim"))
+
+
+def test_interrupted_resave_falls_back_to_the_parked_copy(saved, tmp_path):
+    """A crash between the two renames of a re-save leaves only iter_N.old: it still loads."""
+    ckpt = copy(saved[1], tmp_path)
+    os.rename(layout.iteration_dir(ckpt, 1), layout.iteration_dir(ckpt, 1) + ".old")
+    metrics = str(tmp_path / "m.jsonl")
+    posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2", "--metrics-file", metrics))
+    assert sorted(read_metrics(metrics)) == [2]
+
+
+def test_data_prefix_without_files(tmp_path):
+    missing = str(tmp_path / "nothing")
+    with pytest.raises(DataError, match=r"nothing_packed_input_ids_document.bin"):
+        posttrain.main(argv(missing))
+    with pytest.raises(DataError, match=r"data prefix .*nothing_text_document.*missing .*nothing_text_document.bin"):
+        pretrain_gpt.main([*TINY_FLAGS, "--seq-length", "32", "--train-iters", "1", "--eod-id", "2",
+                           "--data-path", missing + "_text_document"])

@@ -1,0 +1,176 @@
+"""Resuming is exact, and a crash in the middle of a save loses nothing but that save.
+
+The reference run trains 10 steps (dropout on, so the RNG state matters) saving at 5 and
+10; a run stopped at 5 (``--exit-interval``) and resumed in a fresh process must log the
+same steps 6-10. TP1 runs call ``posttrain.main`` in this process where a fresh one is not
+the point (each Trainer.setup re-seeds every RNG, as a new process would).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import posttrain
+from mindspeed_pack.training import checkpoint_layout as layout
+from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
+from tests.dist_harness import free_port, run_distributed
+from tests.model_utils import TINY_FLAGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERS = 10
+
+
+def base_argv(data: str, metrics: str, *extra: str) -> list:
+    return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--neat-pack",
+            "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+            "--train-iters", str(ITERS), "--split", "90,10,0", "--eval-interval", "5", "--eval-iters", "1",
+            "--data-path", data, "--metrics-file", metrics, *extra]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_packed_instruction_dataset(str(tmp_path_factory.mktemp("packed") / "toy"), num_packs=64)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """The uninterrupted run: (train records, valid records, checkpoint dir)."""
+    d = tmp_path_factory.mktemp("reference")
+    posttrain.main(base_argv(data, str(d / "m.jsonl"), "--save", str(d / "ckpt"), "--save-interval", "5"))
+    return read_metrics(str(d / "m.jsonl")), read_metrics(str(d / "m.jsonl"), "valid"), str(d / "ckpt")
+
+
+def assert_steps_match(got: dict, want: dict, steps, keys=("lm loss", "grad norm", "lr")) -> None:
+    assert sorted(got) == list(steps), f"logged iterations {sorted(got)}"
+    for it in steps:
+        for key in keys:
+            assert rel_err(got[it][key], want[it][key]) <= 1e-6, (it, key, got[it][key], want[it][key])
+        assert got[it]["consumed samples"] == want[it]["consumed samples"]
+
+
+@pytest.fixture(scope="module")
+def stopped_at_5(tmp_path_factory, reference) -> str:
+    """The reference's iteration-5 checkpoint alone, as a run stopped at 5 leaves it (resumes never
+    --save into it). Stopping itself (--exit-interval) is exercised by the PP2 and kill tests."""
+    ckpt = str(tmp_path_factory.mktemp("stopped") / "ckpt")
+    shutil.copytree(os.path.join(reference[2], "iter_0000005"), os.path.join(ckpt, "iter_0000005"))
+    layout.write_tracker(ckpt, 5)
+    return ckpt
+
+
+def fresh_process_env(**extra) -> dict:
+    """This process may hold a gloo store on MASTER_PORT: give the child its own."""
+    return dict(os.environ, MASTER_PORT=str(free_port()), **extra)
+
+
+def test_resume_in_fresh_process_is_exact(tmp_path, data, reference, stopped_at_5):
+    ref_train, ref_valid, _ = reference
+    ckpt = stopped_at_5
+    metrics = str(tmp_path / "resumed.jsonl")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "posttrain.py"),
+                           *base_argv(data, metrics, "--load", ckpt)],
+                          capture_output=True, text=True, cwd=ROOT, env=fresh_process_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "resumed from" in proc.stderr
+    assert_steps_match(read_metrics(metrics), ref_train, range(6, ITERS + 1))
+    valid = read_metrics(metrics, "valid")
+    assert rel_err(valid[10]["lm loss"], ref_valid[10]["lm loss"]) <= 1e-6
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data, reference, stopped_at_5):
+    """SIGKILL half-way through writing iteration 7: iteration 5 stays loadable and resumes exactly."""
+    ref_train, _, _ = reference
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(stopped_at_5, ckpt)
+    env = fresh_process_env(MINDSPEED_PACK_KILL_DURING_SAVE="7")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "posttrain.py"),
+                           *base_argv(data, str(tmp_path / "killed.jsonl"), "--load", ckpt, "--save", ckpt,
+                                      "--exit-interval", "7")],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == -9, (proc.returncode, proc.stderr[-3000:])
+    assert sorted(read_metrics(str(tmp_path / "killed.jsonl"))) == [6, 7]  # killed while saving 7
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "5"
+    assert not os.path.exists(os.path.join(ckpt, "iter_0000007"))
+    partial = os.path.join(ckpt, "iter_0000007.tmp", "mp_rank_00", "model_optim_rng.pt")
+    assert 0 < os.path.getsize(partial) < os.path.getsize(os.path.join(ckpt, "iter_0000005", "mp_rank_00",
+                                                                         "model_optim_rng.pt"))
+
+    metrics = str(tmp_path / "resumed.jsonl")
+    posttrain.main(base_argv(data, metrics, "--load", ckpt, "--save", ckpt, "--save-interval", "5"))
+    assert_steps_match(read_metrics(metrics), ref_train, range(6, ITERS + 1))
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "10"
+    # the crashed save's leftovers are gone
+    assert sorted(os.listdir(ckpt)) == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
+
+
+def test_no_load_rng_and_no_load_optim_change_the_run(tmp_path, data, reference, stopped_at_5):
+    """Negative controls: RNG and optimizer state really are what makes the resume exact."""
+    ref_train, _, _ = reference
+    no_rng = str(tmp_path / "no_rng.jsonl")
+    posttrain.main(base_argv(data, no_rng, "--load", stopped_at_5, "--no-load-rng", "--exit-interval", "6"))
+    assert rel_err(read_metrics(no_rng)[6]["lm loss"], ref_train[6]["lm loss"]) > 1e-6  # other dropout masks
+
+    no_optim = str(tmp_path / "no_optim.jsonl")
+    posttrain.main(base_argv(data, no_optim, "--load", stopped_at_5, "--no-load-optim", "--exit-interval", "7"))
+    got = read_metrics(no_optim)
+    assert rel_err(got[6]["lm loss"], ref_train[6]["lm loss"]) <= 1e-6  # same weights, data and masks ...
+    assert rel_err(got[7]["lm loss"], ref_train[7]["lm loss"]) > 1e-6  # ... but a fresh Adam and schedule
+
+
+def test_finetune_loads_weights_and_resets_iteration(tmp_path, data, reference):
+    _, ref_valid, ref_ckpt = reference
+    metrics = str(tmp_path / "ft.jsonl")
+    posttrain.main(base_argv(data, metrics, "--load", ref_ckpt, "--finetune", "--skip-train"))
+    valid = read_metrics(metrics, "valid")
+    assert list(valid) == [0]  # iteration reset
+    assert rel_err(valid[0]["lm loss"], ref_valid[10]["lm loss"]) <= 1e-6  # the weights of iteration 10
+
+
+def test_signal_handler_saves_and_exits(tmp_path, data):
+    import signal
+
+    from mindspeed_pack.data.packed_dataset import PackedBatchSource, resolve_vocab_size
+    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.training.trainer import run
+
+    ckpt = str(tmp_path / "ckpt")
+    args = parse_args(base_argv(data, str(tmp_path / "m.jsonl"), "--save", ckpt, "--exit-signal-handler"))
+    resolve_vocab_size(args)
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        trainer = run(args, PackedBatchSource(), before_train=lambda t: os.kill(os.getpid(), signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])
+    assert trainer.iteration == 1  # the step in flight finishes, then save and exit
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "1"
+
+
+# ------------------------------------------------------------- two processes: PP=2, DP=2
+def _reference_and_stop(data: str, out: str, flags: list) -> None:
+    posttrain.main(base_argv(data, os.path.join(out, "full.jsonl"), *flags))
+    posttrain.main(base_argv(data, os.path.join(out, "first.jsonl"), *flags, "--save", os.path.join(out, "ckpt"),
+                             "--exit-interval", "5"))
+
+
+def _resume(data: str, out: str, flags: list) -> None:
+    posttrain.main(base_argv(data, os.path.join(out, "resumed.jsonl"), *flags, "--load", os.path.join(out, "ckpt")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,rank_dirs", [
+    (["--pipeline-model-parallel-size", "2"], ["mp_rank_00_000", "mp_rank_00_001"]),
+    ([], ["mp_rank_00"]),  # data parallel: each rank's dropout RNG differs and is restored per rank
+], ids=["pp2", "dp2"])
+def test_two_process_resume_is_exact(tmp_path, data, flags, rank_dirs):
+    out = str(tmp_path)
+    run_distributed(_reference_and_stop, 2, data, out, flags, timeout=300)
+    assert sorted(os.listdir(os.path.join(out, "ckpt", "iter_0000005"))) == rank_dirs
+    run_distributed(_resume, 2, data, out, flags, timeout=300)  # fresh processes
+    full = read_metrics(os.path.join(out, "full.jsonl"))
+    assert_steps_match(read_metrics(os.path.join(out, "resumed.jsonl")), full, range(6, ITERS + 1))
+    assert rel_err(read_metrics(os.path.join(out, "resumed.jsonl"), "valid")[10]["lm loss"],
+                   read_metrics(os.path.join(out, "full.jsonl"), "valid")[10]["lm loss"]) <= 1e-6

@@ -1,0 +1,174 @@
+"""pretrain_gpt.py: GPTDataset samples become packed rows whose documents are isolated exactly."""
+import numpy as np
+import pytest
+import torch
+
+import pretrain_gpt
+from mindspeed_pack.data.pretrain_dataset import GPTBatchSource, build_tokenizer, row_from_sample
+from mindspeed_pack.model.gpt import build_gpt_model
+from mindspeed_pack.training.arguments import parse_args
+from mindspeed_pack.training.trainer import loss_func, packed_seq_params, to_packed_batch
+from tests.data_utils import random_documents, read_metrics, rel_err, write_pretrain_documents
+from tests.model_utils import TINY_FLAGS, init_single_process
+
+EOD = 2
+S = 64
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pretrain")
+    a = write_pretrain_documents(str(d / "A_text_document"), random_documents(120, EOD, seed=1, max_len=40))
+    b = write_pretrain_documents(str(d / "B_text_document"), random_documents(60, EOD, seed=2, max_len=40))
+    return a, b
+
+
+def argv(*extra):
+    return [*TINY_FLAGS, "--seq-length", str(S), "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--eod-id", str(EOD), "--lr", "1e-3", *extra]
+
+
+def pretrain_args(*extra):
+    return parse_args(argv(*extra), world_size=1, extra_args_provider=pretrain_gpt.pretrain_args)
+
+
+def first_batch(corpus, *flags):
+    init_single_process()
+    args = pretrain_args("--data-path", corpus[0], "--train-iters", "2", *flags)
+    source = GPTBatchSource()
+    source.setup(args, {"train": 8, "valid": 0})
+    return args, next(source.micro_batches("train", 0))
+
+
+def summed_loss(model, mb, args):
+    batch = to_packed_batch(mb, args)
+    with torch.no_grad():
+        out = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+                    packed_seq_params=packed_seq_params(batch))
+    loss, count, _ = loss_func(batch, False, out)
+    return float(loss), int(count)
+
+
+def test_row_of_documents_equals_documents_alone(corpus):
+    args, mb = first_batch(corpus, "--reset-attention-mask", "--reset-position-ids")
+    assert mb["segment_ids"] is not None and int(mb["segment_ids"].max()) >= 3  # several documents per row
+    torch.manual_seed(0)
+    model = build_gpt_model(args)
+    model.eval()
+    packed_sum, packed_count = summed_loss(model, mb, args)
+
+    alone_sum, alone_count = 0.0, 0
+    for ids, seg in zip(mb["input_ids"], mb["segment_ids"]):
+        for k in seg.unique().tolist():
+            doc = ids[seg == k]
+            one = {"input_ids": doc[None], "labels": doc[None].clone(), "segment_ids": torch.ones_like(doc)[None]}
+            s, c = summed_loss(model, one, args)
+            alone_sum, alone_count = alone_sum + s, alone_count + c
+    assert packed_count == alone_count
+    assert rel_err(packed_sum / packed_count, alone_sum / alone_count) <= 1e-5
+
+    leaky = dict(mb, segment_ids=None)  # negative control: the same row without isolation
+    leaky_sum, leaky_count = summed_loss(model, leaky, args)
+    assert rel_err(leaky_sum / leaky_count, alone_sum / alone_count) > 1e-4
+
+
+def test_document_end_never_predicts_next_document(corpus):
+    args, mb = first_batch(corpus, "--reset-attention-mask")
+    batch = to_packed_batch(mb, args)
+    tokens, mask = batch.tokens[0], batch.loss_mask[0]
+    eod_pos = torch.nonzero(tokens == EOD).squeeze(1)
+    assert len(eod_pos) > 2
+    assert mask[eod_pos].sum() == 0  # an EOD closes its segment: no target after it
+    # predicting EOD itself is trained (a content token followed by EOD in the same document)
+    before_eod = eod_pos[eod_pos % S > 0] - 1
+    assert mask[before_eod].sum() == len(before_eod)
+    assert bool((batch.target[0][before_eod] == EOD).all())
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+def test_eod_mask_loss_removes_exactly_the_targets_after_eod(corpus, isolate):
+    flags = ["--reset-attention-mask"] if isolate else []
+    args, mb = first_batch(corpus, *flags)
+    args_masked, mb_masked = first_batch(corpus, *flags, "--eod-mask-loss")
+    assert torch.equal(mb["input_ids"], mb_masked["input_ids"])
+    plain = to_packed_batch(mb, args).loss_mask[0]
+    masked = to_packed_batch(mb_masked, args_masked).loss_mask[0]
+    tokens = mb["input_ids"].reshape(-1)
+    last_of_row = torch.arange(tokens.numel()) % S == S - 1
+    removed = (plain == 1) & (masked == 0)
+    assert not bool(((masked == 1) & (plain == 0)).any())
+    if isolate:  # the segment shift already dropped them
+        assert not bool(removed.any())
+    else:
+        expected = (tokens == EOD) & ~last_of_row
+        assert int(expected.sum()) > 2
+        assert torch.equal(removed, expected)
+
+
+def test_row_from_sample_handles_padding():
+    # a short validation sample as GPTDataset returns it: padding -> token 0, loss_mask 0 on padded labels
+    sample = {"tokens": torch.tensor([5, 6, EOD, 7, 0, 0]), "loss_mask": torch.tensor([1., 1., 1., 0., 0., 0.])}
+    row = row_from_sample(sample, EOD, isolate=True, eod_mask_loss=True)
+    assert row["segment_ids"].tolist() == [1, 1, 1, 2, 0, 0]
+    assert row["labels"].tolist() == [5, 6, EOD, 7, -100, -100]
+    assert row["loss_mask"].tolist() == [1, 1, 0, 1, 1, 1]
+
+
+def test_tokenizer_eos_is_the_eod(toy_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer_dir)
+    args = parse_args([*TINY_FLAGS, "--seq-length", "32", "--train-iters", "1", "--data-path", "x",
+                       "--tokenizer-name-or-path", str(toy_tokenizer_dir)], world_size=1,
+                      extra_args_provider=pretrain_gpt.pretrain_args)
+    t = build_tokenizer(args)
+    assert t.eod == tok.eos_token_id and t.vocab_size == len(tok)
+
+
+def test_eod_and_vocabulary_come_from_the_preprocessing_sidecar(tmp_path, corpus):
+    import json
+    import shutil
+
+    from mindspeed_pack.data.packed_dataset import DataError
+    from mindspeed_pack.data.pretrain_dataset import resolve_pretrain_vocab_size
+
+    prefix = str(tmp_path / "P_text_document")
+    for ext in (".bin", ".idx"):
+        shutil.copy(corpus[0] + ext, prefix + ext)
+    with open(str(tmp_path / "P_text_meta.json"), "w") as f:
+        json.dump({"cache_key": {"tokenizer": {"vocab_size": 200, "eos_id": EOD}},  # as preprocess_data.py writes
+                   "layout": {"kind": "text_documents", "eod_id": EOD, "append_eod": True}}, f)
+    flags = [f for f in TINY_FLAGS if f not in ("--padded-vocab-size", "256")]
+    base = [*flags, "--seq-length", "32", "--train-iters", "1", "--data-path", prefix]
+    args = parse_args(base, world_size=1, extra_args_provider=pretrain_gpt.pretrain_args)
+    resolve_pretrain_vocab_size(args)
+    assert (args.vocab_size, args.padded_vocab_size) == (200, 256)
+    assert build_tokenizer(args).eod == EOD
+    args = parse_args(base + ["--eod-id", "5"], world_size=1, extra_args_provider=pretrain_gpt.pretrain_args)
+    with pytest.raises(DataError, match="--eod-id 5, but preprocessing ended the documents with 2"):
+        build_tokenizer(args)
+
+
+def test_pretrain_gpt_blend_eval_and_exact_resume(tmp_path, corpus):
+    """The whole script: a 0.3/0.7 blend, a validation split, and a resume from iteration 2."""
+    a, b = corpus
+    common = ["--data-path", "0.3", a, "0.7", b, "--split", "90,10,0", "--train-iters", "4",
+              "--eval-interval", "2", "--eval-iters", "1", "--reset-attention-mask", "--reset-position-ids",
+              "--eod-mask-loss", "--data-cache-path", str(tmp_path / "cache")]
+    full = str(tmp_path / "full.jsonl")
+    trainer = pretrain_gpt.main(argv(*common, "--metrics-file", full))
+    ref, ref_valid = read_metrics(full), read_metrics(full, "valid")
+    assert sorted(ref) == [1, 2, 3, 4] and sorted(ref_valid) == [2, 4]
+    assert all(np.isfinite(r["lm loss"]) for r in ref.values())
+    assert trainer.source.splits["train"].weights == pytest.approx([0.3, 0.7])
+
+    ckpt = str(tmp_path / "ckpt")
+    pretrain_gpt.main(argv(*common, "--metrics-file", str(tmp_path / "first.jsonl"), "--save", ckpt,
+                           "--exit-interval", "2"))
+    resumed = str(tmp_path / "resumed.jsonl")
+    pretrain_gpt.main(argv(*common, "--metrics-file", resumed, "--load", ckpt))
+    got = read_metrics(resumed)
+    assert sorted(got) == [3, 4]
+    for it in (3, 4):
+        assert rel_err(got[it]["lm loss"], ref[it]["lm loss"]) <= 1e-6
+    assert rel_err(read_metrics(resumed, "valid")[4]["lm loss"], ref_valid[4]["lm loss"]) <= 1e-6
