@@ -7,14 +7,11 @@
 The EOD id and vocabulary size default to what preprocess_data.py recorded in
 ``P_text_meta.json`` next to the documents.
 """
-import logging
-import sys
 import warnings
 
-from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.data.pretrain_dataset import GPTBatchSource, resolve_pretrain_vocab_size
 from mindspeed_pack.training.arguments import parse_args
-from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.training.cli import run_cli, setup_logging
 from mindspeed_pack.training.trainer import run
 
 
@@ -26,7 +23,7 @@ def pretrain_args(parser):
 
 
 def main(argv=None):
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     args = parse_args(argv, extra_args_provider=pretrain_args,
                       description="mindspeed-pack pretraining on indexed documents")
     if args.reset_position_ids and not args.isolate_segments:
@@ -39,8 +36,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (CheckpointError, DataError) as e:  # bad input: the message says what and where
-        print(f"pretrain_gpt.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("pretrain_gpt.py", main)

@@ -95,7 +95,8 @@ def test_invalid_flags_fail_clearly(tmp_path, data, flags, message):
 def test_missing_data_prefix_names_the_files(tmp_path):
     proc, _ = run_posttrain(BASE + ["--data-path", str(tmp_path / "nope"), "--train-iters", "1",
                                     "--padded-vocab-size", "256"], check=False)
-    assert proc.returncode != 0 and "nope_packed_input_ids_document.bin" in proc.stderr
+    assert proc.returncode == 2 and "nope_packed_input_ids_document.bin" in proc.stderr
+    assert "posttrain.py: error:" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_no_shuffle_reads_packs_in_order_and_padded_samples_complete_the_batch(data):
@@ -110,3 +111,25 @@ def test_no_shuffle_reads_packs_in_order_and_padded_samples_complete_the_batch(d
     shuffled = build_sample_index(end - start, 43, seed=1, shuffle=True)
     assert sorted(shuffled.tolist()) == list(range(43)) and shuffled.tolist() != list(range(43))
     assert build_sample_index(end - start, 43, seed=2, shuffle=True).tolist() != shuffled.tolist()
+
+
+def test_trained_checkpoint_resharded_to_tp2_gives_the_same_validation_loss(tmp_path, data):
+    """train (TP1, --save) -> convert_ckpt.py mg->mg TP2 -> --skip-train at TP2: same valid loss."""
+    import subprocess
+    import sys
+
+    from tests.train_utils import ROOT
+
+    common = BASE + ["--data-path", data, "--split", "80,20,0", "--eval-iters", "1", "--global-batch-size", "2"]
+    _, trained = run_posttrain(common + ["--train-iters", "2", "--eval-interval", "2", "--save", str(tmp_path / "tp1")],
+                               metrics=str(tmp_path / "train.jsonl"))
+    subprocess.run([sys.executable, os.path.join(ROOT, "convert_ckpt.py"), "--load-model-type", "mg",
+                    "--save-model-type", "mg", "--load-dir", str(tmp_path / "tp1"), "--save-dir", str(tmp_path / "tp2"),
+                    "--target-tensor-parallel-size", "2"], check=True, capture_output=True, cwd=ROOT)
+    _, evaluated = run_posttrain(common + ["--skip-train", "--load", str(tmp_path / "tp2"),
+                                           "--tensor-model-parallel-size", "2"], nproc=2,
+                                 metrics=str(tmp_path / "eval.jsonl"))
+    before = [r["lm loss"] for r in trained if r["split"] == "valid"]
+    after = [r["lm loss"] for r in evaluated if r["split"] == "valid"]
+    assert len(before) == 1 and len(after) == 1
+    assert abs(before[0] - after[0]) <= 1e-5 * abs(before[0])

@@ -317,6 +317,8 @@ def megatron_to_megatron(
     source = MegatronCheckpoint(load_dir)
     args = copy.copy(source.args)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    if args.vocab_size is None:  # a run given only --padded-vocab-size: every row is a real row
+        args.vocab_size = source.args.padded_vocab_size
     divisible = args.make_vocab_size_divisible_by
     source_rule = megatron_padded_vocab_size(args.vocab_size, divisible, source.tp)
     if padded_vocab_size is None and source.args.padded_vocab_size != source_rule:
@@ -324,12 +326,14 @@ def megatron_to_megatron(
     args.padded_vocab_size = resolve_padded_vocab(args.vocab_size, tp, divisible, padded_vocab_size)
     check_parallel_sizes(args, tp, pp)
 
+    same_padding = args.padded_vocab_size == source.args.padded_vocab_size
+
     def full_unit(unit):
         full = source.unit(unit)
         for name in (MG_EMBEDDING, MG_OUTPUT):
-            if name in full:  # re-pad for the new size
+            if name in full and not same_padding:  # re-pad for the new size
                 full[name] = full[name][: args.vocab_size]
-        return full
+        return full  # same size: padded rows kept as trained, so resharding is exact
 
     with staged_output(save_dir) as tmp:
         _write_sharded(tmp, args, source.hf_config, full_unit, f"mg TP{source.tp} PP{source.pp} -> TP{tp} PP{pp}")

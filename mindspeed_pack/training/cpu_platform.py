@@ -156,6 +156,10 @@ def enable() -> None:
 
     torch.Tensor.type = _type
 
+    # the "CUDA" RNG *is* the CPU one here, so megatron's fork() always sees the CPU state move
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
+
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # stays active for the life of the process
     _ENABLED = True

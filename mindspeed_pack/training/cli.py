@@ -1,0 +1,22 @@
+"""What the training scripts share around their ``main``: logging and bad-input exits."""
+from __future__ import annotations
+
+import logging
+import sys
+
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.training.checkpointing import CheckpointError
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)  # keep the console for our step lines
+
+
+def run_cli(script: str, main) -> None:
+    """Run ``main()``; bad input (data, checkpoint) ends with one ``error:`` line and exit 2."""
+    try:
+        main()
+    except (CheckpointError, DataError) as e:  # the message says what and where
+        print(f"{script}: error: {e}", file=sys.stderr)
+        sys.exit(2)
