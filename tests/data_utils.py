@@ -25,8 +25,12 @@ def _builder(path_bin: str):
 
 
 def write_packed_instruction_dataset(prefix: str, num_packs: int = 64, seq_length: int = 128, seed: int = 0,
-                                     vocab: int = 200) -> str:
-    """Write ``num_packs`` packs of samples 8..39 tokens long; returns ``prefix``."""
+                                     vocab: int = 200, neat_pack: bool = True, meta: bool = False) -> str:
+    """Write ``num_packs`` packs of samples 8..39 tokens long; returns ``prefix``.
+
+    ``neat_pack=False`` writes an all-ones attention mask (plain ``--pack``); ``meta`` adds the
+    sidecar's ``layout`` entry so training can check the flags against the data.
+    """
     rng = np.random.default_rng(seed)
     keys = ("input_ids", "attention_mask", "labels")
     builders = {k: _builder(f"{prefix}_packed_{k}_document.bin") for k in keys}
@@ -45,10 +49,16 @@ def write_packed_instruction_dataset(prefix: str, num_packs: int = 64, seq_lengt
             ids[pos:pos + n], seg[pos:pos + n] = x, k
             labels[pos + n // 2:pos + n] = x[n // 2:]
             pos += n
-        for key, arr in zip(keys, (ids, seg, labels)):
+        mask = seg if neat_pack else np.ones(seq_length, np.int32)
+        for key, arr in zip(keys, (ids, mask, labels)):
             builders[key].add_document(arr, [seq_length])
     for key, b in builders.items():
         b.finalize(f"{prefix}_packed_{key}_document.idx")
+    if meta:
+        import json
+
+        with open(f"{prefix}_packed_meta.json", "w") as f:
+            json.dump({"layout": {"kind": "packed", "neat_pack": neat_pack, "seq_length": seq_length}}, f)
     return prefix
 
 

@@ -4,48 +4,17 @@ import os
 import subprocess
 import sys
 
-import numpy as np
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
+from tests.data_utils import write_packed_instruction_dataset
 from tests.dist_harness import free_port
 from tests.model_utils import TINY_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IGNORE = -100
 
 
 def write_copy_task(prefix, num_packs=48, seq_length=128, seed=0, neat_pack=True, meta=True):
-    """Packs of samples whose second half repeats the first (learnable); labels on the copy.
-
-    Written like preprocess_data.py's output: aligned labels, first token of a sample -100,
-    segment ids 1..k then 0 (or all ones without ``neat_pack``).
-    """
-    rng = np.random.default_rng(seed)
-    builders = {k: IndexedDatasetBuilder(f"{prefix}_packed_{k}_document.bin", dtype=np.int32)
-                for k in ("input_ids", "attention_mask", "labels")}
-    for _ in range(num_packs):
-        ids = np.zeros(seq_length, np.int32)
-        labels = np.full(seq_length, IGNORE, np.int32)
-        seg = np.zeros(seq_length, np.int32)
-        pos, k = 0, 0
-        while True:
-            n = int(rng.integers(8, 40))
-            if pos + n > seq_length:
-                break
-            x = rng.integers(3, 200, n)
-            x[n // 2:] = x[: n - n // 2]
-            k += 1
-            ids[pos:pos + n], labels[pos + n // 2:pos + n], seg[pos:pos + n] = x, x[n // 2:], k
-            pos += n
-        mask = seg if neat_pack else np.ones(seq_length, np.int32)
-        for key, arr in (("input_ids", ids), ("attention_mask", mask), ("labels", labels)):
-            builders[key].add_document(arr, [seq_length])
-    for key, b in builders.items():
-        b.finalize(f"{prefix}_packed_{key}_document.idx")
-    if meta:
-        with open(f"{prefix}_packed_meta.json", "w") as f:
-            json.dump({"layout": {"kind": "packed", "neat_pack": neat_pack, "seq_length": seq_length}}, f)
-    return prefix
+    """Packs of samples whose second half repeats the first (learnable), with the sidecar."""
+    return write_packed_instruction_dataset(prefix, num_packs=num_packs, seq_length=seq_length, seed=seed,
+                                            neat_pack=neat_pack, meta=meta)
 
 
 def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=None):
