@@ -10,7 +10,6 @@ import json
 import math
 import os
 import time
-from typing import Optional
 
 
 class MetricsLogger:
@@ -76,6 +75,3 @@ class MetricsLogger:
         if self.tb:
             self.tb.close()
 
-
-def fmt_optional(v: Optional[float]) -> float:
-    return float("nan") if v is None else float(v)
