@@ -133,3 +133,23 @@ def test_trained_checkpoint_resharded_to_tp2_gives_the_same_validation_loss(tmp_
     after = [r["lm loss"] for r in evaluated if r["split"] == "valid"]
     assert len(before) == 1 and len(after) == 1
     assert abs(before[0] - after[0]) <= 1e-5 * abs(before[0])
+
+
+def test_neat_pack_without_sidecar_still_detects_missing_segment_ids(tmp_path):
+    plain = write_copy_task(str(tmp_path / "plain"), num_packs=4, neat_pack=False, meta=False)
+    proc, _ = run_posttrain(BASE + ["--data-path", plain, "--train-iters", "1"], check=False)
+    assert proc.returncode == 2 and "holds no segment ids" in proc.stderr
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_non_finite_loss_is_skipped_or_stops_naming_the_iteration(tmp_path, data, policy):
+    # an absurd learning rate blows the weights up after the first update
+    flags = BASE + ["--data-path", data, "--train-iters", "3", "--global-batch-size", "2", "--lr", "1e30", "--lr-warmup-iters", "0",
+                    "--clip-grad", "0", "--nan-policy", policy]
+    proc, records = run_posttrain(flags, metrics=str(tmp_path / "m.jsonl"), check=False)
+    if policy == "skip":
+        assert proc.returncode == 0
+        assert [r["skipped"] for r in records] == [0, 1, 2]
+    else:
+        assert proc.returncode == 1
+        assert "non-finite loss" in proc.stderr and "iteration 2" in proc.stderr and "Traceback" not in proc.stderr

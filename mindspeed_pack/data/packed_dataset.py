@@ -122,6 +122,12 @@ def build_split_datasets(args, num_samples: dict) -> dict:
 def _check_against_meta(docs: PackedDocuments, args) -> None:
     """Refuse flag/data mismatches that would silently train the wrong thing."""
     layout = (docs.meta or {}).get("layout", {})
+    if args.neat_pack and not layout:
+        # no sidecar (data from elsewhere): segment-id masks have padding (0) or several ids
+        masks = docs.datasets["attention_mask"]
+        if all(np.all(np.asarray(masks[i]) == 1) for i in range(min(len(docs), 16))):
+            raise DataError(f"--neat-pack: the attention_mask of {docs.prefix!r} is all ones in its first packs, "
+                            "so it holds no segment ids; re-run preprocess_data.py --pack --neat-pack")
     if args.neat_pack and layout.get("kind") == "packed" and not layout.get("neat_pack", False):
         raise DataError(f"--neat-pack: {docs.prefix!r} was preprocessed without --neat-pack, so its "
                         "attention_mask holds no segment ids; re-run preprocess_data.py --pack --neat-pack")

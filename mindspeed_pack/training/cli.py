@@ -6,6 +6,7 @@ import sys
 
 from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.training.trainer import NonFiniteLossError
 
 
 def setup_logging() -> None:
@@ -14,9 +15,13 @@ def setup_logging() -> None:
 
 
 def run_cli(script: str, main) -> None:
-    """Run ``main()``; bad input (data, checkpoint) ends with one ``error:`` line and exit 2."""
+    """Run ``main()``; bad input (data, checkpoint) ends with one ``error:`` line and exit 2,
+    a diverged run (``--nan-policy stop``) with one line naming the iteration and exit 1."""
     try:
         main()
     except (CheckpointError, DataError) as e:  # the message says what and where
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteLossError as e:
+        print(f"{script}: error: {e}", file=sys.stderr)
+        sys.exit(1)
