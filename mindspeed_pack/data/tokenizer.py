@@ -9,6 +9,7 @@ tokenizer.
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import os
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ class TokenizerSpec:
     path: str
 
 
-class TextTokenizer:
-    """What preprocessing needs from a tokenizer."""
+class TextTokenizer(abc.ABC):
+    """What preprocessing needs from a tokenizer (HF or SentencePiece below)."""
 
     name: str
     vocab_size: int
@@ -41,17 +42,21 @@ class TextTokenizer:
     eos_token: Optional[str]
     bos_token: Optional[str]
 
-    def encode(self, text: str) -> list[int]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """Implemented by each tokenizer kind."""
 
-    def decode(self, ids) -> str:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def decode(self, ids) -> str:
+        """Implemented by each tokenizer kind."""
 
-    def token_to_id(self, token: str) -> Optional[int]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def token_to_id(self, token: str) -> Optional[int]:
+        """Implemented by each tokenizer kind."""
 
-    def id_to_token(self, token_id: int) -> str:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abc.abstractmethod
+    def id_to_token(self, token_id: int) -> str:
+        """Implemented by each tokenizer kind."""
 
     @property
     def pad_or_eos_id(self) -> int:
