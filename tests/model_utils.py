@@ -2,7 +2,6 @@
 import os
 import types
 
-import torch
 
 TINY = dict(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, group_query_attention=True,
