@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 from functools import partial
@@ -100,6 +101,10 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         args = self.args
+        if args.deterministic_mode:
+            # cuBLAS needs a fixed workspace for deterministic GEMMs; NCCL must not pick algorithms per run
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            os.environ.setdefault("NCCL_ALGO", "Ring")
         initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
                                args.distributed_timeout_minutes)
         if args.deterministic_mode:
