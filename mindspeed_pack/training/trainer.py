@@ -105,6 +105,7 @@ class Trainer:
             # cuBLAS needs a fixed workspace for deterministic GEMMs; NCCL must not pick algorithms per run
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             os.environ.setdefault("NCCL_ALGO", "Ring")
+            os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # TE fused attention backward
         initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
                                args.distributed_timeout_minutes)
         if args.deterministic_mode:
