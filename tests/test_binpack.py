@@ -219,22 +219,9 @@ def test_unknown_algorithm():
         pack_lengths([1, 2], 4, algorithm="first_fit")
 
 
-def longest_main_thread_stall(work) -> tuple[float, float]:
-    """Run work() in a thread; return (longest gap between main-thread steps, work duration)."""
-    import threading
-    import time
-
-    thread = threading.Thread(target=work)
-    start = last = time.perf_counter()
-    thread.start()
-    longest = 0.0
-    while thread.is_alive():
-        now = time.perf_counter()
-        longest, last = max(longest, now - last), now
-    return longest, time.perf_counter() - start
-
-
 def test_packing_releases_the_gil():
+    from tests.gil_utils import longest_main_thread_stall
+
     lengths = np.random.default_rng(0).integers(1, 4096, 4_000_000).astype(np.int64)
     stall, duration = longest_main_thread_stall(lambda: _helpers.pack_best_fit_decreasing(lengths, 4096))
     assert stall < 0.5 * duration, (stall, duration)

@@ -195,18 +195,7 @@ def test_changed_input_writes_a_new_file_and_a_corrupt_file_is_rebuilt(tmp_path)
 
 
 def test_building_releases_the_gil():
-    import threading
-    import time
-
-    def longest_main_thread_stall(work):
-        thread = threading.Thread(target=work)
-        start = last = time.perf_counter()
-        thread.start()
-        longest = 0.0
-        while thread.is_alive():
-            now = time.perf_counter()
-            longest, last = max(longest, now - last), now
-        return longest, time.perf_counter() - start
+    from tests.gil_utils import longest_main_thread_stall
 
     stall, duration = longest_main_thread_stall(lambda: si._helpers.build_sample_index(3_000_000, 6_000_000, 1, True,
                                                                                         False, 1))
