@@ -8,7 +8,7 @@ import pytest
 import posttrain
 import pretrain_gpt
 from mindspeed_pack.data.packed_dataset import DataError
-from mindspeed_pack.training import checkpoint_layout as layout
+from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack.training.checkpointing import CheckpointError
 from tests.data_utils import read_metrics, write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS

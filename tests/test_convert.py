@@ -27,7 +27,7 @@ from mindspeed_pack.convert import (
     shard_state_dict,
 )
 from mindspeed_pack.convert.model_specs import ConversionError
-from mindspeed_pack.training.checkpoint_layout import RELEASE, checkpoint_file, read_tracker
+from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file, read_tracker
 
 VOCAB = 300
 LOGITS_ATOL = 1e-4

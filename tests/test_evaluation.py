@@ -5,7 +5,7 @@ import shutil
 import pytest
 
 import posttrain
-from mindspeed_pack.training import checkpoint_layout as layout
+from mindspeed_pack import checkpoint_layout as layout
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
 

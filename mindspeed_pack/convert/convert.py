@@ -13,7 +13,7 @@ Every direction follows the same plan:
    it at the very end: the output is complete or absent.
 
 Converted Megatron checkpoints are ``release`` checkpoints (iteration 0) in Megatron's
-layout (:mod:`mindspeed_pack.training.checkpoint_layout`), each file holding ``model``
+layout (:mod:`mindspeed_pack.checkpoint_layout`), each file holding ``model``
 (canonical local-spec names, no ``_extra_state`` entries), ``args`` (the model-shape
 arguments, :data:`~.model_specs.MODEL_ARG_NAMES`), ``iteration``, ``checkpoint_version``
 and ``hf_config`` (the source config.json, for the way back). Padded vocabulary rows are
@@ -61,7 +61,7 @@ from mindspeed_pack.convert.weight_map import (
     units,
 )
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
-from mindspeed_pack.training import checkpoint_layout as layout
+from mindspeed_pack import checkpoint_layout as layout
 
 log = logging.getLogger(__name__)
 

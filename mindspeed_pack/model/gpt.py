@@ -13,7 +13,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mindspeed_pack.model.spec import layer_spec, resolve_backend
-from mindspeed_pack.training.cpu_platform import cuda_usable
+from mindspeed_pack.platform import cuda_usable
 
 
 def params_dtype(args) -> torch.dtype:

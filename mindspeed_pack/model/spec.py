@@ -13,7 +13,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from mindspeed_pack.model.packed_attention import PackedDotProductAttention
 from mindspeed_pack.model.te_spec import HAVE_TE, te_layer_spec
-from mindspeed_pack.training.cpu_platform import cuda_usable
+from mindspeed_pack.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import os
 import warnings
 
 from mindspeed_pack.model.gpt import padded_vocab_size
-from mindspeed_pack.training.cpu_platform import cuda_usable
+from mindspeed_pack.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 

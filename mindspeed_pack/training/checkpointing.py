@@ -28,8 +28,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from mindspeed_pack.training import checkpoint_layout as layout
-from mindspeed_pack.training.cpu_platform import cuda_usable
+from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from mindspeed_pack.training import cpu_platform
+from mindspeed_pack import platform
 
 
 def initialize_distributed(
@@ -25,8 +25,8 @@ def initialize_distributed(
 
     A plain ``python script.py`` (no torchrun) runs as a world of one process.
     """
-    if not cpu_platform.cuda_usable():
-        cpu_platform.enable()
+    if not platform.cuda_usable():
+        platform.enable()
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -35,10 +35,10 @@ def initialize_distributed(
             # a plain `python script.py`: a world of one on a port nobody else holds
             os.environ["MASTER_ADDR"] = "127.0.0.1"
             os.environ["MASTER_PORT"] = str(_free_port())
-        if cpu_platform.cuda_usable():
+        if platform.cuda_usable():
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
         dist.init_process_group(
-            backend=cpu_platform.default_backend(),
+            backend=platform.default_backend(),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),

@@ -33,7 +33,7 @@ from megatron.core.utils import get_model_config
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
 from mindspeed_pack.training import checkpointing
-from mindspeed_pack.training.cpu_platform import cuda_usable
+from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
