@@ -171,29 +171,63 @@ class SampleEncoder:
         return messages, system
 
     # ---------------------------------------------------------------- messages -> ids
-    def _encode_slots(self, slots) -> list[int]:
-        ids, text = [], []
+    # A row becomes a *plan*: per turn, (prompt parts, answer parts), where a part is either an
+    # int (index of a text run in the chunk's batch of texts) or a tuple of special-token ids.
+    # The whole chunk's texts are then encoded in one ``encode_batch`` call (the backend's fast
+    # path) and the plans resolved into ids.
+    def _slot_parts(self, slots, texts: list) -> list:
+        parts, run = [], []
         for slot in slots + [None]:
             if isinstance(slot, str):
-                text.append(slot)
+                run.append(slot)
                 continue
-            if text:
-                ids += self.tokenizer.encode("".join(text))
-                text = []
+            if run:
+                parts.append(len(texts))
+                texts.append("".join(run))
+                run = []
             if slot is not None:
-                ids += self._special_ids[slot["token"]]
-        return ids
+                parts.append(tuple(self._special_ids[slot["token"]]))
+        return parts
 
-    def encode_messages(self, messages, system) -> tuple[Optional[tuple[np.ndarray, np.ndarray]], Optional[str], bool]:
-        """(ids, trained) or None with a skip reason; plus whether the sample was truncated."""
+    def plan_messages(self, messages, system, texts: list):
+        """(plan, None) or (None, skip reason); text runs are appended to ``texts``."""
         if not messages:
-            return None, SKIP_EMPTY, False
+            return None, SKIP_EMPTY
         if len(messages) % 2:
-            return None, SKIP_NO_ANSWER, False
+            return None, SKIP_NO_ANSWER
         for i, (role, _) in enumerate(messages):
             if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
-                return None, SKIP_ROLE_ORDER, False
-        turns = [(self._encode_slots(p), self._encode_slots(a)) for p, a in render_turns(self.template, messages, system)]
+                return None, SKIP_ROLE_ORDER
+        return [(self._slot_parts(p, texts), self._slot_parts(a, texts))
+                for p, a in render_turns(self.template, messages, system)], None
+
+    def plan_row(self, row: dict, where: str, texts: list):
+        if not isinstance(row, dict):
+            raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
+        if self.handler == PRETRAIN:
+            text = self._field(row, "text", where, required=True)
+            texts.append(text)
+            return [len(texts) - 1], None
+        messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
+        return self.plan_messages(messages, system, texts)
+
+    def finish(self, plan, encoded: list) -> tuple[Optional[tuple[np.ndarray, np.ndarray]], Optional[str], bool]:
+        """(ids, trained) or None with a skip reason; plus whether the sample was truncated."""
+        def resolve(parts):
+            ids = []
+            for part in parts:
+                ids += encoded[part] if isinstance(part, int) else part
+            return ids
+
+        if self.handler == PRETRAIN:
+            ids = resolve(plan)
+            if self.append_eod:
+                ids.append(self.eos_id)
+            if not ids:
+                return None, SKIP_EMPTY, False
+            arr = np.asarray(ids, dtype=np.int32)
+            return (arr, np.ones(len(arr), dtype=np.uint8)), None, False
+        turns = [(resolve(p), resolve(a)) for p, a in plan]
         if self.append_eod and (not turns[-1][1] or turns[-1][1][-1] != self.eos_id):
             turns[-1] = (turns[-1][0], turns[-1][1] + [self.eos_id])
         turns, truncated = truncate_turns(turns, self.seq_length)
@@ -210,28 +244,35 @@ class SampleEncoder:
             return None, SKIP_NO_TRAINABLE, truncated
         return (ids, trained), None, truncated
 
+    def encode_messages(self, messages, system):
+        """One conversation (tests, inspection); chunks go through :meth:`encode_rows`."""
+        texts: list = []
+        plan, skip = self.plan_messages(messages, system, texts)
+        if plan is None:
+            return None, skip, False
+        return self.finish(plan, self.tokenizer.encode_batch(texts))
+
     def encode_row(self, row: dict, where: str):
-        if self.handler == PRETRAIN:
-            text = self._field(row, "text", where, required=True)
-            ids = self.tokenizer.encode(text)
-            if self.append_eod:
-                ids.append(self.eos_id)
-            if not ids:
-                return None, SKIP_EMPTY, False
-            arr = np.asarray(ids, dtype=np.int32)
-            return (arr, np.ones(len(arr), dtype=np.uint8)), None, False
-        messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
-        return self.encode_messages(messages, system)
+        texts: list = []
+        plan, skip = self.plan_row(row, where, texts)
+        if plan is None:
+            return None, skip, False
+        return self.finish(plan, self.tokenizer.encode_batch(texts))
 
     def encode_rows(self, rows) -> EncodedChunk:
-        """Encode ``(where, row)`` pairs into one flat chunk."""
-        ids, trained, lengths = [], [], []
+        """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch."""
+        texts: list = []
+        plans = []
         chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
         for where, row in rows:
             chunk.rows += 1
-            if not isinstance(row, dict):
-                raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
-            sample, skip, truncated = self.encode_row(row, where)
+            plans.append(self.plan_row(row, where, texts))
+        encoded = self.tokenizer.encode_batch(texts)
+        ids, trained, lengths = [], [], []
+        for plan, skip in plans:
+            sample, truncated = None, False
+            if plan is not None:
+                sample, skip, truncated = self.finish(plan, encoded)
             chunk.truncated += int(truncated)
             if sample is None:
                 chunk.skipped[skip] += 1

@@ -26,8 +26,12 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
   three names, so unpacked training and packed-vs-unpacked comparisons read one format.
 
 Packs come from the C++ packer (:func:`mindspeed_pack.packing.binpack.pack_lengths`) run over
-the lengths of the WHOLE dataset at once: bins in the order they were opened, samples in a bin
-in ascending input order. Deterministic: the same input gives byte-identical files.
+the lengths of the WHOLE dataset at once, samples in a pack in ascending input order. Packs are
+written in a random order drawn from ``--seed`` (:func:`shuffle_bins`): the packer opens its
+bins from the longest samples to the shortest, so in opening order Megatron's contiguous
+``--split 98,2,0`` would hand validation the packer's tail (short samples, many per pack).
+Shuffled, any contiguous range of packs is a fair sample. Deterministic: the same input and
+seed give byte-identical files.
 
 Memory stays bounded: samples are streamed to an on-disk :class:`TokenStore` (token ids int32
 + trained mask uint8), packing needs only the lengths, and packs are assembled in batches from
@@ -143,12 +147,24 @@ def assemble_packs(store: TokenStore, item_order: np.ndarray, bin_offsets: np.nd
     return {"input_ids": out_ids, "labels": labels, "attention_mask": mask}
 
 
+def shuffle_bins(item_order: np.ndarray, bin_offsets: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same bins (CSR: items of bin b are ``item_order[bin_offsets[b]:bin_offsets[b+1]]``) in a seeded random order."""
+    counts = np.diff(bin_offsets)
+    perm = np.random.default_rng(seed).permutation(len(counts))
+    new_counts = counts[perm]
+    new_offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(new_counts, out=new_offsets[1:])
+    starts = np.repeat(bin_offsets[:-1][perm], new_counts)
+    within = np.arange(new_offsets[-1]) - np.repeat(new_offsets[:-1], new_counts)
+    return item_order[starts + within], new_offsets
+
+
 def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pack: bool, prefixes: dict,
-                 *, batch_bins: int = 1024, progress=None) -> None:
-    """Write every pack of ``plan`` (a ``PackPlan``) as one document per dataset."""
+                 *, seed: int, batch_bins: int = 1024, progress=None) -> None:
+    """Write every pack of ``plan`` (a ``PackPlan``), in the order :func:`shuffle_bins` draws from ``seed``."""
     builders = {key: _builder(prefixes[key]) for key in PACKED_KEYS}
-    item_order = np.asarray(plan.item_order, dtype=np.int64)
-    bin_offsets = np.asarray(plan.bin_offsets, dtype=np.int64)
+    item_order, bin_offsets = shuffle_bins(np.asarray(plan.item_order, dtype=np.int64),
+                                           np.asarray(plan.bin_offsets, dtype=np.int64), seed)
     for b0 in range(0, plan.num_bins, batch_bins):
         b1 = min(plan.num_bins, b0 + batch_bins)
         rows = assemble_packs(store, item_order, bin_offsets, slice(b0, b1), seq_length, pad_id, neat_pack)

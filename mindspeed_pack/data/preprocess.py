@@ -5,9 +5,15 @@ Pipeline (memory bounded by the chunk window, not by the dataset)::
     input files --chunks--> --workers processes: parse rows, apply template, tokenize, truncate
                 --ordered--> TokenStore on disk (ids int32 + trained mask uint8) + lengths
                 --lengths--> C++ packer over the whole dataset (--pack) -> PackPlan
-                --mmap-----> packs assembled in batches -> IndexedDatasetBuilder (temporary names)
+                --mmap-----> packs in a --seed shuffled order, assembled in batches
+                             -> IndexedDatasetBuilder (temporary names)
                 --rename---> P_packed_{input_ids,attention_mask,labels}_document.{bin,idx}
+                             [+ P_tokenizer/ when the template's tokens had to be added]
                              + P_packed_meta.json (arguments, tokenizer, template, statistics)
+
+Each worker encodes a chunk's texts in one batch through the Rust backend, with the
+tokenizer files' saved truncation/padding switched off (see ``tokenizer.py``): ids are those
+of transformers' ``tokenizer(text, add_special_tokens=False)``; only ``--seq-length`` cuts.
 
 Chunks are encoded in input order whatever ``--workers`` is, so the output is byte-identical
 for any number of workers. Outputs appear only complete; the sidecar is written last and is
@@ -18,6 +24,7 @@ Errors in the input raise :class:`PreprocessError`; ``main`` prints ``error: ...
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -34,13 +41,14 @@ from mindspeed_pack.data import pack_writer, readers
 from mindspeed_pack.data.errors import PreprocessError
 from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
                                           resolve_map_keys)
-from mindspeed_pack.data.templates import get_template
+from mindspeed_pack.data.templates import get_template, marker_tokens
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, load_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added when missing
 CHUNK_ROWS = 1000
 # arguments that change the output bytes (the cache compares these; --workers does not)
-_OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type")
+_OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed")
+TOKENIZER_SUFFIX = "tokenizer"  # P_tokenizer/: the tokenizer extended with a template's tokens
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack", action="store_true", help="pack samples into documents of exactly --seq-length tokens")
     g.add_argument("--neat-pack", action="store_true", help="isolate samples: attention_mask holds segment ids (needs --pack)")
     g.add_argument("--append-eod", action="store_true", help="end every sample with EOS (trained) unless it already does")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="seed of the pack order (packs are written shuffled so a contiguous --split is a fair sample)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--log-interval", type=int, default=10000, help="rows between progress lines when stderr is not a TTY")
@@ -113,9 +123,9 @@ class EncoderConfig:
     seq_length: Optional[int]
     append_eod: bool
 
-    def build(self) -> SampleEncoder:
+    def build(self, tokenizer=None) -> SampleEncoder:
         template = get_template(self.prompt_type, self.templates_path) if self.handler != PRETRAIN else None
-        return SampleEncoder(self.handler, load_tokenizer(self.tokenizer), template, self.map_keys,
+        return SampleEncoder(self.handler, tokenizer or load_tokenizer(self.tokenizer), template, self.map_keys,
                              self.seq_length, self.append_eod)
 
 
@@ -163,6 +173,30 @@ def check_columns(files, handler: str, keys: dict, explicit: set) -> None:
                                       f"columns: {', '.join(map(str, columns))}")
 
 
+def add_missing_template_tokens(tokenizer, template) -> list[str]:
+    """Add the template's stop words / role markers that are not single tokens; returns those added."""
+    if template is None:
+        return []
+    missing = [t for t in marker_tokens(template) if len(tokenizer.encode(t)) != 1]
+    if not missing:
+        return []
+    if not hasattr(tokenizer, "add_special_tokens"):
+        raise PreprocessError(f"template {template.name!r} needs {', '.join(missing)} as single tokens, which "
+                              f"{tokenizer.name} lacks and cannot add; use --tokenizer-type PretrainedFromHF with a "
+                              "tokenizer that has them, or another --prompt-type")
+    before = tokenizer.vocab_size
+    tokenizer.add_special_tokens(missing)
+    print(f"warning: template {template.name!r} needs {', '.join(missing)}, not single tokens of the tokenizer: added "
+          f"them as special tokens, vocabulary {before} -> {tokenizer.vocab_size}. The extended tokenizer is saved "
+          f"as P_{TOKENIZER_SUFFIX}/ beside the outputs: use it for inference, and a model vocabulary of at least "
+          f"{tokenizer.vocab_size} (--padded-vocab-size) for training", file=sys.stderr)
+    return missing
+
+
+def _tokenizer_dir(args) -> str:
+    return f"{args.output_prefix}_{TOKENIZER_SUFFIX}"
+
+
 def _meta_path(args) -> str:
     suffix = "text_meta.json" if args.handler_name == PRETRAIN else "packed_meta.json"
     return f"{args.output_prefix}_{suffix}"
@@ -179,6 +213,8 @@ def _cached(args, cache_key: dict) -> Optional[dict]:
     if args.overwrite_cache or not os.path.exists(meta_path):
         return None
     if not all(os.path.exists(f) for f in pack_writer.output_files(_final_prefixes(args))):
+        return None
+    if cache_key["tokenizer"].get("added_tokens") and not os.path.isdir(_tokenizer_dir(args)):
         return None
     try:
         with open(meta_path, encoding="utf-8") as f:
@@ -220,15 +256,17 @@ def run(args) -> dict:
     template = None if args.handler_name == PRETRAIN else get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
     check_columns(files, args.handler_name, keys, explicit)
+    added_tokens = add_missing_template_tokens(tokenizer, template)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
                            args.seq_length, args.append_eod)
-    encoder = config.build()  # fail here, in the main process, on template/tokenizer mismatches
+    encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
 
     cache_key = {
         "format_version": FORMAT_VERSION,
         "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys},
         "inputs": readers.fingerprint(files),
-        "tokenizer": tokenizer.identity(),
+        # vocab_size: of the tokenizer the ids come from (extended, when tokens were added)
+        "tokenizer": tokenizer.identity() | ({"added_tokens": added_tokens} if added_tokens else {}),
         "template": None if template is None else {"name": template.name, "definition": template.definition},
     }
     cache_key = json.loads(json.dumps(cache_key))  # compare in the form the sidecar stores
@@ -245,6 +283,9 @@ def run(args) -> dict:
     try:
         shutil.rmtree(tmp_out, ignore_errors=True)
         tmp_out.mkdir(parents=True)
+        if added_tokens:  # workers load the extended tokenizer from its (temporary) directory
+            tokenizer.save(tmp_out / TOKENIZER_SUFFIX)
+            config = dataclasses.replace(config, tokenizer=TokenizerSpec("PretrainedFromHF", str(tmp_out / TOKENIZER_SUFFIX)))
         stats = _encode_all(args, files, config, tmp_store)
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
@@ -259,10 +300,12 @@ def run(args) -> dict:
             "outputs": [Path(f).name for f in pack_writer.output_files(_final_prefixes(args))],
             "layout": _layout(args, tokenizer, encoder),
             "tokenizer_path": str(args.tokenizer_path),
+            "extended_tokenizer": None if not added_tokens else {
+                "path": Path(_tokenizer_dir(args)).name, "added_tokens": added_tokens, "vocab_size": tokenizer.vocab_size},
             "arguments": {k: v for k, v in vars(args).items() if k != "tokenizer_path"},
             "statistics": stats,
         }
-        _publish(args, tmp_prefixes, meta)
+        _publish(args, tmp_prefixes, meta, tmp_out / TOKENIZER_SUFFIX if added_tokens else None)
     finally:
         shutil.rmtree(tmp_out, ignore_errors=True)
         shutil.rmtree(tmp_store, ignore_errors=True)
@@ -326,13 +369,14 @@ def _write_outputs(args, store, tokenizer, prefixes) -> dict:
         raise PreprocessError(f"internal error: packer refused the sample lengths: {exc}") from exc
     pack_seconds = time.time() - t
     progress = _Progress("write", "packs", args.log_interval, total=plan.num_bins)
-    pack_writer.write_packed(store, plan, args.seq_length, tokenizer.pad_or_eos_id, args.neat_pack, prefixes, progress=progress)
+    pack_writer.write_packed(store, plan, args.seq_length, tokenizer.pad_or_eos_id, args.neat_pack, prefixes,
+                             seed=args.seed, progress=progress)
     progress.close()
     return {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
             "fill_rate": round(plan.fill_rate(store.lengths), 6), "pack_seconds": round(pack_seconds, 3)}
 
 
-def _publish(args, tmp_prefixes: dict, meta: dict) -> None:
+def _publish(args, tmp_prefixes: dict, meta: dict, tmp_tokenizer: Optional[Path] = None) -> None:
     """Move complete outputs into place; the sidecar goes last, so it vouches only for whole files."""
     meta_path = _meta_path(args)
     pack_writer.remove_quietly([meta_path])
@@ -340,6 +384,9 @@ def _publish(args, tmp_prefixes: dict, meta: dict) -> None:
         final = _final_prefixes(args)[key]
         for ext in (".bin", ".idx"):
             os.replace(tmp + ext, final + ext)
+    if tmp_tokenizer is not None:
+        shutil.rmtree(_tokenizer_dir(args), ignore_errors=True)
+        os.replace(tmp_tokenizer, _tokenizer_dir(args))
     tmp_meta = f"{meta_path}.tmp-{os.getpid()}"
     with open(tmp_meta, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, default=str)
@@ -357,6 +404,8 @@ def print_summary(meta: dict) -> None:
     lines.append(f"tokens {s['tokens']}, {s['tokens_per_second']:.0f} tokens/s, {s['samples_per_second']:.0f} samples/s, "
                  f"elapsed {s['elapsed_seconds']:.2f}s")
     outputs = ", ".join(meta["outputs"])
+    if meta.get("extended_tokenizer"):
+        outputs += f", {meta['extended_tokenizer']['path']}/"
     print("\n".join(lines) + f"\nwrote {outputs} and {Path(_meta_path_from(meta)).name}")
 
 

@@ -25,6 +25,7 @@ assistant."; ``qwen2_5`` uses the one Qwen2.5's own template inserts.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -125,6 +126,23 @@ def get_template(name: str, path=None) -> Template:
         definition=spec,
         **kwargs,
     )
+
+
+_ROLE_MARKER = re.compile(r"<\|[^<>|\s]+\|>")
+
+
+def marker_tokens(template: Template) -> list[str]:
+    """Strings the template needs as single tokens: its stop words and ``<|...|>`` role markers.
+
+    Preprocessing adds those a tokenizer lacks as special tokens (LLaMA-Factory and
+    MindSpeed-LLM do the same), so ``<|im_end|>`` is one id, never split into pieces.
+    """
+    found = list(template.stop_words)
+    for key in _FIELDS:
+        for slot in getattr(template, key):
+            if isinstance(slot, str):
+                found += _ROLE_MARKER.findall(slot)
+    return list(dict.fromkeys(found))
 
 
 def _fill(slots: tuple, content: str) -> list[Slot]:

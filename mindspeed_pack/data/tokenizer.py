@@ -1,15 +1,22 @@
 """Load the tokenizer preprocessing encodes with, behind one small interface.
 
-``PretrainedFromHF`` wraps ``transformers.AutoTokenizer`` (encoding through the Rust
-``tokenizers`` backend when there is one: same ids, several times faster);
-``SentencePiece`` wraps a ``.model`` file. Both expose exactly what the handlers need:
-``encode(text)`` without added specials, ``token_to_id``, the EOS/pad/BOS ids and an
-``identity()`` recorded in the output's sidecar so a cache is never reused with another
-tokenizer.
+``PretrainedFromHF`` wraps ``transformers.AutoTokenizer``; ``SentencePiece`` wraps a
+``.model`` file. Both expose exactly what the handlers need: ``encode_batch(texts)`` without
+added specials, ``token_to_id``, the EOS/pad/BOS ids and an ``identity()`` recorded in the
+output's sidecar so a cache is never reused with another tokenizer.
+
+Exactness: ids are those of transformers' ``tokenizer(text, add_special_tokens=False)``
+whatever the tokenizer files hold. A ``tokenizer.json`` saved after a padded/truncated call
+carries ``truncation``/``padding`` settings that the Rust backend applies on every
+``encode``; transformers switches them off per call. We encode through a private copy of the
+backend with ``no_truncation()``/``no_padding()`` (and transformers' special-token splitting
+setting), in batches (``encode_batch``, the backend's fast path). Truncation is the
+project's decision alone (the ``--seq-length`` budget, counted in the summary).
 """
 from __future__ import annotations
 
 import abc
+import copy
 import hashlib
 import os
 from dataclasses import dataclass
@@ -43,8 +50,11 @@ class TextTokenizer(abc.ABC):
     bos_token: Optional[str]
 
     @abc.abstractmethod
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Ids of each text, no special tokens added, never truncated or padded."""
+
     def encode(self, text: str) -> list[int]:
-        """Implemented by each tokenizer kind."""
+        return self.encode_batch([text])[0]
 
     @abc.abstractmethod
     def decode(self, ids) -> str:
@@ -87,13 +97,37 @@ class HFTokenizer(TextTokenizer):
         self.vocab_size = len(self.hf)
         self.eos_id, self.pad_id, self.bos_id = self.hf.eos_token_id, self.hf.pad_token_id, self.hf.bos_token_id
         self.eos_token, self.bos_token = self.hf.eos_token, self.hf.bos_token
-        self._backend = getattr(self.hf, "backend_tokenizer", None)
+        self._backend = self._plain_backend()
         self.files_hash = hash_tokenizer_files(path)
 
-    def encode(self, text: str) -> list[int]:
+    def _plain_backend(self):
+        """A copy of the Rust backend with the saved truncation/padding switched off (None: slow tokenizer)."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            return None
+        backend = copy.deepcopy(backend)  # the transformers object keeps its own settings
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = bool(getattr(self.hf, "split_special_tokens", False))
+        return backend
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        if not texts:
+            return []
         if self._backend is not None:
-            return self._backend.encode(text, add_special_tokens=False).ids
-        return self.hf.encode(text, add_special_tokens=False)
+            return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        return self.hf(list(texts), add_special_tokens=False, truncation=False, padding=False)["input_ids"]
+
+    def add_special_tokens(self, tokens: list[str]) -> None:
+        """Add ``tokens`` as special tokens (kept whole, never split), as LLaMA-Factory does for templates."""
+        from tokenizers import AddedToken
+
+        self.hf.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens], special_tokens=True)
+        self.vocab_size = len(self.hf)
+        self._backend = self._plain_backend()
+
+    def save(self, directory) -> None:
+        self.hf.save_pretrained(str(directory))
 
     def decode(self, ids) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
@@ -129,8 +163,8 @@ class SentencePieceTokenizer(TextTokenizer):
         self.bos_token = None if self.bos_id is None else self.sp.id_to_piece(self.bos_id)
         self.files_hash = _sha256_files([model])
 
-    def encode(self, text: str) -> list[int]:
-        return self.sp.encode(text)
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.sp.encode(list(texts), num_threads=1)  # no BOS/EOS; parallelism comes from --workers
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])
