@@ -1,7 +1,8 @@
 """Training-side view of packed indexed datasets, and the micro-batch iterator.
 
 ``P_packed_{input_ids,attention_mask,labels}_document`` hold one pack (or, unpacked, one
-sample) per document. A split (``--split 98,2,0``) is a contiguous range of documents;
+sample) per document. A split (``--split 98,2,0``) is a contiguous range of documents (with
+Megatron's ``--train-data-path``/``--valid-data-path``, a whole prefix of its own);
 within it the C++ sample index (seeded shuffle or ``--no-shuffle``, ``--padded-samples``)
 says which document each training sample is. Global batch ``g`` is samples
 ``[g*GBS, (g+1)*GBS)`` of the index, so the position in the data is one integer
@@ -96,24 +97,45 @@ class SplitDataset:
         return self.docs.get(self.start + int(self.index[i]))
 
 
-def build_split_datasets(args, num_samples: dict) -> dict:
-    """{'train'|'valid'|'test': SplitDataset or None} for ``args.data_path`` (one prefix)."""
-    if len(args.data_path) != 1:
-        raise DataError("posttrain takes one --data-path prefix (blends are for pretrain_gpt.py)")
-    docs = PackedDocuments(args.data_path[0])
-    _check_against_meta(docs, args)
-    ranges = split_ranges(len(docs), args.split)
-    cache = args.data_cache_path or os.path.dirname(os.path.abspath(args.data_path[0]))
+def _split_sources(args) -> dict:
+    """{'train'|'valid'|'test': (PackedDocuments, start, end) or None}: --split ranges of one
+    --data-path prefix, or Megatron's --train/--valid/--test-data-path prefixes used whole."""
+    per_split = {name: getattr(args, f"{name}_data_path", None) for name in ("train", "valid", "test")}
+    if not any(per_split.values()):
+        if len(args.data_path) != 1:
+            raise DataError("posttrain takes one --data-path prefix (blends are for pretrain_gpt.py)")
+        docs = PackedDocuments(args.data_path[0])
+        _check_against_meta(docs, args)
+        return {name: (docs, start, end)
+                for name, (start, end) in zip(("train", "valid", "test"), split_ranges(len(docs), args.split))}
     out = {}
-    for name, (start, end) in zip(("train", "valid", "test"), ranges):
-        n = num_samples.get(name, 0)
-        if end <= start or n <= 0:
+    for name, paths in per_split.items():
+        if not paths:
             out[name] = None
             continue
+        if len(paths) != 1:
+            raise DataError(f"--{name}-data-path takes one prefix, got {len(paths)}: {' '.join(paths)}")
+        docs = PackedDocuments(paths[0])
+        _check_against_meta(docs, args)
+        out[name] = (docs, 0, len(docs))
+    return out
+
+
+def build_split_datasets(args, num_samples: dict) -> dict:
+    """{'train'|'valid'|'test': SplitDataset or None} (see :func:`_split_sources`)."""
+    out = {}
+    for name, source in _split_sources(args).items():
+        n = num_samples.get(name, 0)
+        if source is None or source[2] <= source[1] or n <= 0:
+            out[name] = None
+            continue
+        docs, start, end = source
+        prefix = os.path.abspath(docs.prefix)
+        cache = args.data_cache_path or os.path.dirname(prefix)
         index = get_sample_index(
             cache, end - start, n, seed=args.seed, shuffle=not args.no_shuffle and name == "train",
             padded_samples=args.padded_samples and name == "train", global_batch_size=args.global_batch_size,
-            tag=f"{os.path.abspath(args.data_path[0])}-{name}-{start}-{end}",
+            tag=f"{prefix}-{name}-{start}-{end}",
         )
         out[name] = SplitDataset(docs, start, end, index)
     return out
@@ -183,7 +205,8 @@ class PackedBatchSource:
     def micro_batches(self, split: str, consumed_samples: int):
         dataset = self.splits.get(split)
         if dataset is None:
-            raise DataError(f"the {split} split is empty: check --split {self.args.split}")
+            where = f"--{split}-data-path" if getattr(self.args, "train_data_path", None) else f"--split {self.args.split}"
+            raise DataError(f"the {split} split is empty: check {where}")
         return micro_batches(dataset, consumed_samples, self.args, self.dp_rank, self.dp_size)
 
 
@@ -194,7 +217,8 @@ def resolve_vocab_size(args) -> None:
     if args.padded_vocab_size is not None:
         return
     vocab = args.vocab_size
-    meta = read_meta(args.data_path[0]) if args.data_path else None
+    prefix = (args.data_path or getattr(args, "train_data_path", None) or [None])[0]
+    meta = read_meta(prefix) if prefix else None
     if vocab is None and meta:
         vocab = meta.get("cache_key", {}).get("tokenizer", {}).get("vocab_size")
     if vocab is None and args.tokenizer_name_or_path:

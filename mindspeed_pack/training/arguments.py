@@ -116,6 +116,15 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-signal-handler", action="store_true")
 
 
+def per_split_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's separately preprocessed splits (posttrain.py): each prefix is used whole."""
+    g = p.add_argument_group("per-split data (instead of --data-path and --split)")
+    for name in ("train", "valid", "test"):
+        g.add_argument(f"--{name}-data-path", nargs="*", default=None,
+                       help=f"prefix P of the {name} split's P_packed_*_document, used whole")
+    return p
+
+
 def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help="prefix P of P_packed_*_document (or a blend)")
@@ -252,8 +261,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError("--skip-train needs --eval-iters > 0")
     if args.finetune and not args.load:
         raise ArgumentError("--finetune needs --load")
-    if not args.data_path:
-        raise ArgumentError("--data-path is required")
+    per_split = [getattr(args, f"{name}_data_path", None) for name in ("train", "valid", "test")]
+    if args.data_path and any(per_split):
+        raise ArgumentError("give --data-path (divided by --split) or --train-data-path/--valid-data-path/"
+                            "--test-data-path, not both")
+    if not args.data_path and not any(per_split):
+        raise ArgumentError("--data-path is required" + (" (or --train-data-path)" if hasattr(args, "train_data_path") else ""))
     return args
 
 
