@@ -188,8 +188,9 @@ def test_chatml_on_a_tokenizer_without_im_end_adds_the_tokens_once_and_trains(tm
 
 def test_per_split_paths_and_data_path_are_exclusive(capsys):
     from mindspeed_pack.training.arguments import parse_args, per_split_data_args
+    from tests.model_utils import TINY_FLAGS
 
     with pytest.raises(SystemExit):
-        parse_args(["--data-path", "x", "--train-data-path", "y", "--seq-length", "128", "--train-iters", "1"],
+        parse_args([*TINY_FLAGS, "--data-path", "x", "--train-data-path", "y", "--seq-length", "128", "--train-iters", "1"],
                    world_size=1, extra_args_provider=per_split_data_args)
     assert "not both" in capsys.readouterr().err
