@@ -86,8 +86,9 @@ def test_tokenizer_without_eos_or_pad(tmp_path, run_preprocess, alpaca_file, toy
     config.pop("pad_token", None)
     (tok / "tokenizer_config.json").write_text(json.dumps(config))
     out = tmp_path / "out"
-    _assert_failed_cleanly(run_preprocess(**_flags(alpaca_file, out, tokenizer_name_or_path=tok)), out,
-                           "has no EOS token", str(tok))
+    # alpaca ends answers with the tokenizer's EOS (qwen/chatml would make their stop word the EOS)
+    _assert_failed_cleanly(run_preprocess(**_flags(alpaca_file, out, tokenizer_name_or_path=tok, prompt_type="alpaca")),
+                           out, "has no EOS token", str(tok))
 
 
 def test_neat_pack_without_pack(tmp_path, run_preprocess, alpaca_file):

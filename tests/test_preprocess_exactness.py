@@ -194,3 +194,20 @@ def test_per_split_paths_and_data_path_are_exclusive(capsys):
         parse_args([*TINY_FLAGS, "--data-path", "x", "--train-data-path", "y", "--seq-length", "128", "--train-iters", "1"],
                    world_size=1, extra_args_provider=per_split_data_args)
     assert "not both" in capsys.readouterr().err
+
+
+def test_a_tokenizer_without_eos_takes_the_templates_stop_word(tmp_path, run_preprocess, toy_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = tmp_path / "tok"
+    shutil.copytree(toy_tokenizer_dir, tok)
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    config.pop("eos_token", None)
+    (tok / "tokenizer_config.json").write_text(json.dumps(config))
+    data = toy.write_dataset(tmp_path / "a.jsonl", toy.generate_alpaca(20, seed=3))
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "p", tokenizer_name_or_path=tok,
+                                    prompt_type="qwen", seq_length=256, pack=True, neat_pack=True)
+    assert code == 0, err
+    assert "made <|im_end|> the EOS" in err
+    extended = AutoTokenizer.from_pretrained(str(tmp_path / "p_tokenizer"))
+    assert extended.eos_token == toy.IM_END and len(extended) == len(AutoTokenizer.from_pretrained(str(tok)))

@@ -42,7 +42,7 @@ from mindspeed_pack.data.errors import PreprocessError
 from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
                                           resolve_map_keys)
 from mindspeed_pack.data.templates import get_template, marker_tokens
-from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, load_tokenizer
+from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
 
 FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added when missing
 CHUNK_ROWS = 1000
@@ -173,24 +173,39 @@ def check_columns(files, handler: str, keys: dict, explicit: set) -> None:
                                       f"columns: {', '.join(map(str, columns))}")
 
 
-def add_missing_template_tokens(tokenizer, template) -> list[str]:
-    """Add the template's stop words / role markers that are not single tokens; returns those added."""
+def extend_tokenizer_for_template(tokenizer, template) -> dict:
+    """Give the tokenizer what the template needs, as LLaMA-Factory and MindSpeed-LLM do.
+
+    Stop words and ``<|...|>`` role markers that are not single tokens are added as special
+    tokens; a tokenizer without EOS gets the template's stop word as EOS (``replace_eos``
+    templates). Returns the changes (empty: the tokenizer is used as it is); warns once.
+    """
     if template is None:
-        return []
+        return {}
+    changes = {}
     missing = [t for t in marker_tokens(template) if len(tokenizer.encode(t)) != 1]
-    if not missing:
-        return []
-    if not hasattr(tokenizer, "add_special_tokens"):
+    if missing and not hasattr(tokenizer, "add_special_tokens"):
         raise PreprocessError(f"template {template.name!r} needs {', '.join(missing)} as single tokens, which "
                               f"{tokenizer.name} lacks and cannot add; use --tokenizer-type PretrainedFromHF with a "
                               "tokenizer that has them, or another --prompt-type")
     before = tokenizer.vocab_size
-    tokenizer.add_special_tokens(missing)
-    print(f"warning: template {template.name!r} needs {', '.join(missing)}, not single tokens of the tokenizer: added "
-          f"them as special tokens, vocabulary {before} -> {tokenizer.vocab_size}. The extended tokenizer is saved "
-          f"as P_{TOKENIZER_SUFFIX}/ beside the outputs: use it for inference, and a model vocabulary of at least "
-          f"{tokenizer.vocab_size} (--padded-vocab-size) for training", file=sys.stderr)
-    return missing
+    if missing:
+        tokenizer.add_special_tokens(missing)
+        changes["added_tokens"] = missing
+    if tokenizer.eos_id is None and template.eos_replacement and hasattr(tokenizer, "set_eos_token"):
+        tokenizer.set_eos_token(template.eos_replacement)
+        changes["eos_token"] = template.eos_replacement
+    if changes:
+        what = []
+        if missing:
+            what.append(f"added {', '.join(missing)} (not single tokens of the tokenizer) as special tokens, "
+                        f"vocabulary {before} -> {tokenizer.vocab_size}")
+        if "eos_token" in changes:
+            what.append(f"made {changes['eos_token']} the EOS (the tokenizer has none)")
+        print(f"warning: template {template.name!r}: {'; '.join(what)}. The extended tokenizer is saved as "
+              f"P_{TOKENIZER_SUFFIX}/ beside the outputs: use it for inference, and a model vocabulary of at least "
+              f"{tokenizer.vocab_size} (--padded-vocab-size) for training", file=sys.stderr)
+    return changes
 
 
 def _tokenizer_dir(args) -> str:
@@ -214,12 +229,12 @@ def _cached(args, cache_key: dict) -> Optional[dict]:
         return None
     if not all(os.path.exists(f) for f in pack_writer.output_files(_final_prefixes(args))):
         return None
-    if cache_key["tokenizer"].get("added_tokens") and not os.path.isdir(_tokenizer_dir(args)):
-        return None
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, json.JSONDecodeError):
+        return None
+    if meta.get("extended_tokenizer") and not os.path.isdir(_tokenizer_dir(args)):
         return None
     return meta if meta.get("cache_key") == cache_key else None
 
@@ -252,11 +267,12 @@ def run(args) -> dict:
     validate_args(args)
     files = readers.resolve_input_files(args.input)
     tokenizer_spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_path)
-    tokenizer = load_tokenizer(tokenizer_spec)
+    tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
     template = None if args.handler_name == PRETRAIN else get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
     check_columns(files, args.handler_name, keys, explicit)
-    added_tokens = add_missing_template_tokens(tokenizer, template)
+    changes = extend_tokenizer_for_template(tokenizer, template)
+    check_eos(tokenizer, args.tokenizer_path)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
                            args.seq_length, args.append_eod)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
@@ -266,7 +282,7 @@ def run(args) -> dict:
         "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys},
         "inputs": readers.fingerprint(files),
         # vocab_size: of the tokenizer the ids come from (extended, when tokens were added)
-        "tokenizer": tokenizer.identity() | ({"added_tokens": added_tokens} if added_tokens else {}),
+        "tokenizer": tokenizer.identity() | changes,
         "template": None if template is None else {"name": template.name, "definition": template.definition},
     }
     cache_key = json.loads(json.dumps(cache_key))  # compare in the form the sidecar stores
@@ -283,7 +299,7 @@ def run(args) -> dict:
     try:
         shutil.rmtree(tmp_out, ignore_errors=True)
         tmp_out.mkdir(parents=True)
-        if added_tokens:  # workers load the extended tokenizer from its (temporary) directory
+        if changes:  # workers load the extended tokenizer from its (temporary) directory
             tokenizer.save(tmp_out / TOKENIZER_SUFFIX)
             config = dataclasses.replace(config, tokenizer=TokenizerSpec("PretrainedFromHF", str(tmp_out / TOKENIZER_SUFFIX)))
         stats = _encode_all(args, files, config, tmp_store)
@@ -300,12 +316,12 @@ def run(args) -> dict:
             "outputs": [Path(f).name for f in pack_writer.output_files(_final_prefixes(args))],
             "layout": _layout(args, tokenizer, encoder),
             "tokenizer_path": str(args.tokenizer_path),
-            "extended_tokenizer": None if not added_tokens else {
-                "path": Path(_tokenizer_dir(args)).name, "added_tokens": added_tokens, "vocab_size": tokenizer.vocab_size},
+            "extended_tokenizer": None if not changes else {
+                "path": Path(_tokenizer_dir(args)).name, "vocab_size": tokenizer.vocab_size} | changes,
             "arguments": {k: v for k, v in vars(args).items() if k != "tokenizer_path"},
             "statistics": stats,
         }
-        _publish(args, tmp_prefixes, meta, tmp_out / TOKENIZER_SUFFIX if added_tokens else None)
+        _publish(args, tmp_prefixes, meta, tmp_out / TOKENIZER_SUFFIX if changes else None)
     finally:
         shutil.rmtree(tmp_out, ignore_errors=True)
         shutil.rmtree(tmp_store, ignore_errors=True)

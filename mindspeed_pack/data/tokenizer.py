@@ -126,6 +126,11 @@ class HFTokenizer(TextTokenizer):
         self.vocab_size = len(self.hf)
         self._backend = self._plain_backend()
 
+    def set_eos_token(self, token: str) -> None:
+        """Make ``token`` (already a token) the EOS, as LLaMA-Factory does for a template's stop word."""
+        self.hf.eos_token = token
+        self.eos_id, self.eos_token = self.hf.eos_token_id, self.hf.eos_token
+
     def save(self, directory) -> None:
         self.hf.save_pretrained(str(directory))
 
@@ -187,12 +192,18 @@ def load_tokenizer(spec: TokenizerSpec, *, require_eos: bool = True) -> TextToke
         tokenizer = SentencePieceTokenizer(spec.path)
     else:
         raise PreprocessError(f"unknown --tokenizer-type {spec.tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}")
-    if require_eos and tokenizer.eos_id is None:
-        raise PreprocessError(
-            f"tokenizer {spec.path!r} ({tokenizer.name}) has no EOS token (pad id: {tokenizer.pad_id}); "
-            "preprocessing needs one to end answers and to pad packs. Set eos_token in tokenizer_config.json"
-        )
+    if require_eos:
+        check_eos(tokenizer, spec.path)
     return tokenizer
+
+
+def check_eos(tokenizer: TextTokenizer, path) -> None:
+    if tokenizer.eos_id is None:
+        raise PreprocessError(
+            f"tokenizer {str(path)!r} ({tokenizer.name}) has no EOS token (pad id: {tokenizer.pad_id}); "
+            "preprocessing needs one to end answers and to pad packs. Set eos_token in tokenizer_config.json, "
+            "or use a template whose stop word replaces the EOS (e.g. --prompt-type qwen or chatml)"
+        )
 
 
 def _sha256_files(files) -> str:

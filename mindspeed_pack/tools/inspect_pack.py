@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -78,6 +79,8 @@ def main(argv=None) -> int:
     ids, labels, mask = pack["input_ids"], pack["labels"], pack["attention_mask"]
     meta = pack["meta"] or {}
     tokenizer_path = args.tokenizer or meta.get("tokenizer_path")
+    if not args.tokenizer and meta.get("extended_tokenizer"):  # the template's tokens were added: P_tokenizer/
+        tokenizer_path = os.path.join(os.path.dirname(os.path.abspath(args.prefix)), meta["extended_tokenizer"]["path"])
     tokenizer = None
     if tokenizer_path and meta.get("cache_key", {}).get("arguments", {}).get("tokenizer_type") == "PretrainedFromHF":
         from transformers import AutoTokenizer
