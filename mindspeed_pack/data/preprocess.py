@@ -141,15 +141,24 @@ def _encode_chunk(chunk: readers.Chunk):
     return _ENCODER.encode_rows(readers.chunk_rows(chunk))
 
 
-def encode_in_order(chunks, config: EncoderConfig, workers: int):
-    """Encoded chunks in input order; at most ``2 * workers + 1`` chunks in flight (bounded memory)."""
+def encode_in_order(chunks, config: EncoderConfig, workers: int, encoder: Optional[SampleEncoder] = None):
+    """Encoded chunks in input order; at most ``2 * workers + 1`` chunks in flight (bounded memory).
+
+    ``encoder`` (built by the caller from ``config``) is reused in this process and, under
+    fork, inherited by the workers instead of loading the tokenizer once more in each.
+    """
+    global _ENCODER
+    fork = "fork" in mp.get_all_start_methods()
+    _ENCODER = encoder  # never a previous run's (tests call main() repeatedly in one process)
     if workers == 1:
-        _init_worker(config)
+        if _ENCODER is None:
+            _init_worker(config)
         for chunk in chunks:
             yield _encode_chunk(chunk)
         return
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(config,)) as pool:
+    ctx = mp.get_context("fork" if fork else "spawn")
+    inherited = fork and encoder is not None
+    with ctx.Pool(workers, initializer=None if inherited else _init_worker, initargs=() if inherited else (config,)) as pool:
         pending = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
@@ -302,7 +311,7 @@ def run(args) -> dict:
         if changes:  # workers load the extended tokenizer from its (temporary) directory
             tokenizer.save(tmp_out / TOKENIZER_SUFFIX)
             config = dataclasses.replace(config, tokenizer=TokenizerSpec("PretrainedFromHF", str(tmp_out / TOKENIZER_SUFFIX)))
-        stats = _encode_all(args, files, config, tmp_store)
+        stats = _encode_all(args, files, config, tmp_store, encoder)
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
         stats.update(_write_outputs(args, stats.pop("_store"), tokenizer, tmp_prefixes))
@@ -337,13 +346,13 @@ def _layout(args, tokenizer, encoder) -> dict:
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned"}
 
 
-def _encode_all(args, files, config: EncoderConfig, tmp_store: Path) -> dict:
+def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, encoder: Optional[SampleEncoder] = None) -> dict:
     store = pack_writer.TokenStore(tmp_store)
     rows = truncated = trained = max_len = 0
     skipped = Counter()
     progress = _Progress("tokenize", "rows", args.log_interval)
     try:
-        for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers):
+        for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers, encoder):
             store.append(chunk.input_ids, chunk.trained, chunk.lengths)
             rows += chunk.rows
             truncated += chunk.truncated
