@@ -5,8 +5,9 @@
 All in one run, on the same generated data (English prose from the Python standard library's
 docstrings, answer lengths Pareto-distributed: most short, a heavy tail of long ones):
 
-1. **raw**: the Rust backend's ``encode_batch`` over the same texts (prompt and answer of each
-   row), truncation/padding off, batches of 1000 rows, its own threads on all cores;
+1. **raw**: the Rust backend's ``encode_batch``, truncation/padding off, batches of 1000 rows,
+   its own threads on all cores, over (a) exactly the text runs preprocessing tokenizes (the
+   template applied: the pipeline's overhead) and (b) each row's prompt and answer fields;
 2. **ours**: ``preprocess_data.py --pack --neat-pack --workers 2`` end to end (read, template,
    tokenize, pack, write, publish), ``elapsed_seconds`` of its sidecar;
 3. **trl**: what a user would otherwise run: HF ``datasets`` ``load_dataset`` + ``map``
@@ -43,11 +44,25 @@ ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a helpful assistant."
 
 _RAW = r"""
-import json, os, resource, sys, time
+import io, json, os, resource, sys, time, contextlib
 from tokenizers import Tokenizer
-rows = [json.loads(line) for line in open(sys.argv[2], encoding="utf-8")]
-texts = [[f"{r['instruction']}\n{r['input']}" if r["input"] else r["instruction"], r["output"]] for r in rows]
-tok = Tokenizer.from_file(os.path.join(sys.argv[1], "tokenizer.json"))
+tokenizer_dir, data, which = sys.argv[1], sys.argv[2], sys.argv[3]
+rows = [json.loads(line) for line in open(data, encoding="utf-8")]
+if which == "fields":  # each row's prompt and answer text
+    batches = [[t for r in rows[i:i + 1000] for t in (f"{r['instruction']}\n{r['input']}" if r["input"] else r["instruction"],
+                                                       r["output"])] for i in range(0, len(rows), 1000)]
+else:  # exactly the text runs preprocessing hands the tokenizer (template applied), chunk by chunk
+    from mindspeed_pack.data.handlers import ALPACA, SampleEncoder, resolve_map_keys
+    from mindspeed_pack.data.templates import get_template
+    from mindspeed_pack.data.tokenizer import HFTokenizer
+    enc = SampleEncoder(ALPACA, HFTokenizer(tokenizer_dir), get_template("qwen"), resolve_map_keys(ALPACA, None)[0], None, False)
+    batches = []
+    for i in range(0, len(rows), 1000):
+        texts = []
+        for r in rows[i:i + 1000]:
+            enc.plan_row(r, "row", texts)
+        batches.append(texts)
+tok = Tokenizer.from_file(os.path.join(tokenizer_dir, "tokenizer.json"))
 tok.no_truncation(); tok.no_padding()
 tok.encode_batch(["warm up"], add_special_tokens=False)
 def cpu():
@@ -55,8 +70,7 @@ def cpu():
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 c0, t0 = cpu(), time.perf_counter()
 tokens = 0
-for i in range(0, len(texts), 1000):
-    batch = [t for pair in texts[i:i + 1000] for t in pair]
+for batch in batches:
     tokens += sum(len(e.ids) for e in tok.encode_batch(batch, add_special_tokens=False))
 print("RESULT " + json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": cpu() - c0, "tokens": tokens}))
 """
@@ -200,24 +214,30 @@ def main(argv=None) -> int:
               f"in {time.time() - t:.1f}s; tokenizer {tokenizer_name}; {os.cpu_count()} CPUs, "
               f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
-        raw = _child(_RAW, tokenizer, data, threads=True)
         ours = run_ours(tokenizer, data, work / "ours", args.seq_length)
+        extended = work / "ours_tokenizer"  # the tokenizer with the template's tokens, when they were added
+        rendered = _child(_RAW, extended if extended.is_dir() else tokenizer, data, "rendered", threads=True)
+        raw = _child(_RAW, tokenizer, data, "fields", threads=True)
         s = ours["stats"]
-        print(f"raw encode_batch : {raw['seconds']:7.2f}s wall {raw['cpu_s']:7.2f}s CPU  ({raw['tokens']} tokens)")
-        print(f"ours (workers 2) : {ours['seconds']:7.2f}s wall {ours['cpu_s']:7.2f}s CPU  ({s['tokens']} tokens in "
-              f"{s['packs']} packs, fill {s['fill_rate']:.4f}, truncated {s['truncated']})", flush=True)
+        print(f"raw encode_batch, template texts : {rendered['seconds']:7.2f}s wall {rendered['cpu_s']:7.2f}s CPU  "
+              f"({rendered['tokens']} tokens)")
+        print(f"raw encode_batch, row fields     : {raw['seconds']:7.2f}s wall {raw['cpu_s']:7.2f}s CPU  ({raw['tokens']} tokens)")
+        print(f"ours (workers 2)                 : {ours['seconds']:7.2f}s wall {ours['cpu_s']:7.2f}s CPU  ({s['tokens']} "
+              f"tokens in {s['packs']} packs, fill {s['fill_rate']:.4f}, truncated {s['truncated']})", flush=True)
         trl = None
         if has_trl():
             trl = _child(_TRL, tokenizer, data, args.seq_length, work / "hf_cache")
-            print(f"trl pipeline     : {trl['seconds']:7.2f}s wall {trl['cpu_s']:7.2f}s CPU  ({trl['packs']} packs)")
+            print(f"trl pipeline (num_proc 2)        : {trl['seconds']:7.2f}s wall {trl['cpu_s']:7.2f}s CPU  "
+                  f"({trl['packs']} packs)")
         else:
-            print("trl pipeline     : skipped (trl/datasets not installed: pip install trl)")
-        print(f"ours / raw tokenizer: {ours['seconds'] / raw['seconds']:.2f}x wall, {ours['cpu_s'] / raw['cpu_s']:.2f}x CPU "
-              "(target <= 1.5x)")
+            print("trl pipeline: skipped (trl/datasets not installed: pip install trl)")
+        for name, base in (("template texts", rendered), ("row fields", raw)):
+            print(f"ours / raw tokenizer on {name}: {ours['seconds'] / base['seconds']:.2f}x wall, "
+                  f"{ours['cpu_s'] / base['cpu_s']:.2f}x CPU (target <= 1.5x)")
         if trl:
-            print(f"trl / ours          : {trl['seconds'] / ours['seconds']:.2f}x wall, {trl['cpu_s'] / ours['cpu_s']:.2f}x CPU "
+            print(f"trl / ours: {trl['seconds'] / ours['seconds']:.2f}x wall, {trl['cpu_s'] / ours['cpu_s']:.2f}x CPU "
                   "(target >= 2x)")
-        results = {"tokenizer": tokenizer_name, "samples": args.samples, "raw": raw,
+        results = {"tokenizer": tokenizer_name, "samples": args.samples, "raw_fields": raw, "raw_template_texts": rendered,
                    "ours": {k: v for k, v in ours.items() if k != "stats"}, "trl": trl, "memory": []}
 
         if args.memory_samples:
