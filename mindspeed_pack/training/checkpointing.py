@@ -237,6 +237,17 @@ def _has_checkpoints(root: str) -> bool:
     return bool(_saved_iterations(root)) or os.path.isdir(os.path.join(root, layout.RELEASE))
 
 
+def refresh_master_weights(optimizer) -> None:
+    """Copy freshly loaded model weights into the optimizer's fp32 master copy (Megatron-LM does this too).
+
+    Under --bf16/--fp16 the optimizer, built before the load, holds fp32 copies of the *initial*
+    weights; its first step would write them back over the loaded ones. (A full resume loads the
+    master copy from the checkpoint instead.) Every megatron optimizer kind has this method; for the
+    fp32 optimizer it is a no-op.
+    """
+    optimizer.reload_model_params()
+
+
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore from ``--load``; returns (iteration, consumed_samples).
 
@@ -275,6 +286,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
     _check_shapes(path, module, weights, state.get("args") or {}, args)
     module.load_state_dict(weights, strict=False)
     release = iteration == layout.RELEASE
+    if args.finetune or release or args.no_load_optim:
+        refresh_master_weights(optimizer)
     if args.finetune or release:
         log.info("loaded weights from %s (%s): iteration reset to 0", root, "release" if release else "finetune")
         return 0, 0
