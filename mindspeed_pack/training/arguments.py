@@ -197,6 +197,9 @@ def _check_precision_and_parallel(args) -> None:
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         log.warning("--sequence-parallel with --tensor-model-parallel-size 1 has nothing to shard: disabled")
         args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
+        raise ArgumentError(f"--sequence-parallel splits the sequence over TP: --seq-length {args.seq_length} must be "
+                            f"a multiple of --tensor-model-parallel-size {args.tensor_model_parallel_size}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
 

@@ -38,6 +38,7 @@ from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
+from mindspeed_pack.training.precision import precision_record
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class Trainer:
                        "valid": args.eval_iters * args.global_batch_size}
         self.source.setup(args, num_samples)
         self.metrics = MetricsLogger(args, enabled=self._is_logging_rank())
+        self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
         if args.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
