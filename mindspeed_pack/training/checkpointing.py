@@ -248,6 +248,30 @@ def refresh_master_weights(optimizer) -> None:
     optimizer.reload_model_params()
 
 
+def load_distributed_parameter_state(optimizer, path: str) -> None:
+    """The distributed optimizer's sharded fp32 masters and Adam moments, back from ``path``.
+
+    Works around gaps of megatron-core 0.16.1 when torch's Adam stands in for TE/Apex
+    FusedAdam (always on a CPU): torch's Adam keeps a per-parameter ``step`` that the saved
+    file does not hold, yet the loader copies into every per-parameter state (the step comes
+    back with ``load_state_dict``: it is set aside here and restored); ``load_state_dict``
+    gives every parameter the *same* step tensor, which torch's Adam then increments once
+    per parameter (each gets its own copy here); and in fp32 the main params are views of
+    the model's leaf parameters, so the copies need ``no_grad``.
+    """
+    set_aside = []
+    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for state in leaf.optimizer.state.values():
+            if "step" in state:
+                set_aside.append((state, state.pop("step")))
+    try:
+        with torch.no_grad():
+            optimizer.load_parameter_state(path)
+    finally:
+        for state, step in set_aside:
+            state["step"] = step.clone()
+
+
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore from ``--load``; returns (iteration, consumed_samples).
 
@@ -298,8 +322,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
         optimizer.load_state_dict(state["optimizer"])
         if args.use_distributed_optimizer:
             tp_rank, pp_rank, pp_size = _ranks()
-            optimizer.load_parameter_state(os.path.join(it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size),
-                                                        "distrib_optim.pt"))
+            load_distributed_parameter_state(optimizer, os.path.join(
+                it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size), "distrib_optim.pt"))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if not args.no_load_rng:
         if "rng_state" in state:
