@@ -15,7 +15,7 @@ import torch
 
 from mindspeed_pack.checkpoint_layout import RELEASE
 from tests.dist_harness import run_distributed
-from tests.model_utils import TINY_FLAGS
+from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
 from tests.train_utils import run_posttrain, train_losses, write_copy_task
 
 BF16_REL = 1e-2
@@ -42,23 +42,7 @@ def _weights(ckpt: str, iteration) -> dict:
 # ------------------------------------------------------------------ weights-only loads under bf16
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """A random Qwen2 of the TINY shape, saved by transformers and converted to a release checkpoint."""
-    import transformers
-
-    from mindspeed_pack.convert import hf_to_megatron
-
-    root = tmp_path_factory.mktemp("converted")
-    config = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                      rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # far from megatron's init, norms and biases included
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
-    model.save_pretrained(root / "hf")
-    hf_to_megatron(str(root / "hf"), str(root / "mg"), 1, 1, padded_vocab_size=256)
-    return str(root / "mg")
+    return write_converted_tiny_qwen2(tmp_path_factory.mktemp("converted"))
 
 
 def _assert_equal_weights(saved: dict, reference: dict) -> None:
@@ -78,6 +62,8 @@ def test_bf16_weights_only_loads_keep_the_checkpoint(tmp_path, data, converted, 
     run_posttrain(common + ["--train-iters", "1", "--finetune", "--load", converted, "--save", str(tmp_path / "ft")],
                   nproc=nproc)
     _assert_equal_weights(_weights(str(tmp_path / "ft"), 1), _weights(converted, RELEASE))
+    if optimizer == "distributed":
+        return  # the --no-load-optim path is the same call for every optimizer kind; spare CI a launch
     run_posttrain(common + ["--train-iters", "2", "--no-load-optim", "--load", str(tmp_path / "ft"),
                             "--save", str(tmp_path / "nlo")], nproc=nproc)
     _assert_equal_weights(_weights(str(tmp_path / "nlo"), 2), _weights(converted, RELEASE))
