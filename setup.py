@@ -43,7 +43,8 @@ setup(
     python_requires=">=3.10",
     install_requires=install_requires,
     extras_require={
-        "gpu": ["transformer-engine[pytorch]"],
+        # the range megatron-core 0.16.1 itself is tested with (its "dev" extra)
+        "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
         "dev": ["pytest>=7", "pytest-timeout"],
     },
     entry_points={

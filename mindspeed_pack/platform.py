@@ -9,6 +9,7 @@ initialisation and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` whe
   equivalents or no-ops (the CPU generator stands in for the CUDA one);
 - a :class:`torch.overrides.TorchFunctionMode` rewrites any CUDA ``device`` argument of
   tensor factories and ``.to()``/``.cuda()`` calls to the CPU;
+- the same rewrite applies inside custom autograd ``backward`` methods;
 - ``Tensor.type()`` reports ``torch.cuda.*`` names so megatron's dtype checks pass.
 
 Everything CPU-specific lives here; nothing else in the project checks for it.
@@ -162,8 +163,27 @@ def enable() -> None:
 
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # stays active for the life of the process
+    _redirect_in_backward()
     _ENABLED = True
     log.info("CUDA not available: megatron-core runs on the CPU (gloo backend)")
+
+
+def _redirect_in_backward() -> None:
+    """Apply the device rewrite inside custom autograd backwards too.
+
+    The autograd engine runs ``Function.backward`` without the caller's torch-function modes,
+    so megatron's backwards (e.g. the sequence-parallel reduce-scatter buffer allocated with
+    ``device=torch.cuda.current_device()``) would otherwise ask for a CUDA device.
+    """
+    from torch.autograd.function import BackwardCFunction
+
+    original_apply = BackwardCFunction.apply
+
+    def apply(self, *args):
+        with _CudaToCpuMode():
+            return original_apply(self, *args)
+
+    BackwardCFunction.apply = apply
 
 
 def default_backend() -> str:

@@ -29,3 +29,28 @@ def init_single_process(seed=1234):
     from mindspeed_pack.training.initialize import initialize_distributed
 
     initialize_distributed(1, 1, seed)
+
+
+def write_converted_tiny_qwen2(root, tp=1, seed=0):
+    """A random transformers Qwen2 of the TINY shape, saved, then converted to a Megatron release
+    checkpoint at TP=``tp``; returns the checkpoint directory. Weights (norms and biases too) are
+    drawn far from megatron's initialisation, so a load that does not stick shows."""
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from mindspeed_pack.convert import hf_to_megatron
+
+    root = Path(root)
+    config = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=128)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(root / "hf")
+    hf_to_megatron(str(root / "hf"), str(root / "mg"), tp, 1, padded_vocab_size=256)
+    return str(root / "mg")

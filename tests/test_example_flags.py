@@ -109,7 +109,7 @@ def _check_training(cmd: Command) -> argparse.Namespace:
     _check_spelling(cmd, parser)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "no CUDA device: ignoring --bf16 ..." on CPU machines
+        warnings.simplefilter("ignore")  # e.g. "no CUDA device: --use-flash-attn ... skipped" on CPU machines
         try:
             parse_args(cmd.argv + ["--dry-run"], world_size=cmd.world_size, extra_args_provider=provider)
         except SystemExit as exc:
@@ -212,6 +212,8 @@ def test_qwen25_training_is_the_published_recipe():
     assert (a.weight_decay, a.clip_grad, a.adam_beta1, a.adam_beta2, a.train_iters) == (0.1, 1.0, 0.9, 0.95, 2000)
     assert a.neat_pack and a.reset_position_ids and a.isolate_segments and a.is_instruction_dataset
     assert a.finetune and a.prompt_type == "qwen" and not a.no_shuffle
+    # the precision and parallel flags survive validation on any machine (they run on the CPU too)
+    assert a.bf16 and not a.fp16 and a.sequence_parallel and a.use_distributed_optimizer
 
 
 def test_qwen25_scripts_agree_with_each_other():

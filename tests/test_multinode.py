@@ -2,10 +2,12 @@
 
 Two copies of ``examples/qwen25/tune_qwen25_7b_4k_full_pack.sh`` run side by side as
 "nodes" 0 and 1 (``NNODES=2``, ``NODE_RANK``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``,
-``GPUS_PER_NODE=2``): the script's own torchrun rendezvous, argument arrays, data and
-output flags and log tee are used; its ``OVERRIDES`` hook swaps in a tiny model, TP 2 and a
-short schedule. World 4 = TP 2 inside each node x DP 2 across the nodes, the layout of a
-real multi-node job, on gloo.
+``GPUS_PER_NODE=2``, ``TP=2``): the script's own torchrun rendezvous and log tee, and its real
+``PARALLEL_ARGS`` (sequence parallel, distributed optimizer), ``TRAIN_ARGS`` (bf16, the 7B
+recipe's batch sizes and schedule), ``DATA_ARGS``, ``CKPT_ARGS`` (``--finetune`` from a
+converted checkpoint) and ``OUTPUT_ARGS`` run. Only the model shape (its ``OVERRIDES`` hook),
+the data, the checkpoint paths and the iteration count are swapped. World 4 = TP 2 inside each
+node x DP 2 across the nodes, the layout of a real multi-node job, on gloo.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from pathlib import Path
 
 from tests.data_utils import write_packed_instruction_dataset
 from tests.dist_harness import free_port
-from tests.model_utils import TINY_FLAGS
+from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
 
 REPO = Path(__file__).resolve().parents[1]
 TUNE = REPO / "examples" / "qwen25" / "tune_qwen25_7b_4k_full_pack.sh"
@@ -31,20 +33,15 @@ TIMEOUT_S = 300
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.* lm loss: (\S+) \|")
 
 
-def _tiny_overrides(path: Path, save_dir: Path) -> Path:
-    """Bash sourced by the tune script after its arrays: tiny model, TP 2, three steps, fresh start."""
-    def array(name, items):
-        return f"{name}=(" + " ".join(f"'{x}'" for x in items) + ")\n"
-
+def _tiny_overrides(path: Path) -> Path:
+    """Bash sourced by the tune script after its arrays: a tiny model shape and three iterations."""
+    model = " ".join(f"'{x}'" for x in TINY_FLAGS + ["--seq-length", str(SEQ_LENGTH)])
     path.write_text(
-        array("MODEL_ARGS", TINY_FLAGS + ["--seq-length", str(SEQ_LENGTH)])
-        + array("PARALLEL_ARGS", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
-                                  "--distributed-backend", "gloo"])
-        + array("TRAIN_ARGS", ["--micro-batch-size", "1", "--global-batch-size", "4",
-                               "--train-iters", str(TRAIN_ITERS), "--lr", "1e-3", "--min-lr", "1e-4",
-                               "--lr-warmup-iters", "1", "--seed", "1234"])
-        # no --finetune/--load: there are no converted weights to start from
-        + array("CKPT_ARGS", ["--stage", "sft", "--save", str(save_dir)])
+        f"MODEL_ARGS=({model})\n"
+        # the real TRAIN_ARGS, only the iteration count replaced
+        "for i in \"${!TRAIN_ARGS[@]}\"; do\n"
+        f"  if [[ ${{TRAIN_ARGS[$i]}} == --train-iters ]]; then TRAIN_ARGS[$((i + 1))]={TRAIN_ITERS}; fi\n"
+        "done\n"
     )
     return path
 
@@ -83,12 +80,14 @@ def test_two_node_launch_trains_tp2_dp2(tmp_path):
     env.update(
         PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin"),
         OMP_NUM_THREADS="1",
-        NNODES="2", GPUS_PER_NODE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        NNODES="2", GPUS_PER_NODE="2", TP="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
         DATA_PATH=data,
+        CKPT_LOAD_DIR=write_converted_tiny_qwen2(tmp_path / "converted", tp=2),
+        CKPT_SAVE_DIR=str(tmp_path / "ckpt"),
         TOKENIZER_PATH=str(tmp_path / "unused-tokenizer"),  # --padded-vocab-size is given: never loaded
         LOG_DIR=str(logs),
         TENSORBOARD_DIR=str(logs / "tb"),
-        OVERRIDES=str(_tiny_overrides(tmp_path / "tiny.sh", tmp_path / "ckpt")),
+        OVERRIDES=str(_tiny_overrides(tmp_path / "tiny.sh")),
     )
     outputs = [tmp_path / f"node{r}.out" for r in (0, 1)]
     nodes = [_launch_node(r, env, outputs[r]) for r in (0, 1)]
@@ -104,11 +103,19 @@ def test_two_node_launch_trains_tp2_dp2(tmp_path):
     assert all(math.isfinite(float(loss)) and float(loss) > 0 for _, _, loss in steps), steps
     assert not ITERATION_LINE.search(node_logs[1]), "node 1 holds no logging rank but printed steps"
 
-    records = [json.loads(line) for line in (logs / "tune_qwen25_7b_4k_full_pack.metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (logs / "tune_qwen25_7b_4k_full_pack.metrics.jsonl").read_text().splitlines()]
+    # first line: what the run really used, the 7B recipe's precision and parallel flags included
+    assert lines[0]["split"] == "setup", lines[0]
+    precision = lines[0]["precision"]
+    assert (precision["params"], precision["grads (main_grad buffers)"], precision["master weights"]) == \
+        ("bfloat16", "float32", "float32"), precision
+    assert precision["optimizer"] == "DistributedOptimizer" and precision["distributed optimizer"], precision
+    assert precision["sequence parallel"], precision
+    records = lines[1:]
     assert [r["iteration"] for r in records] == list(range(1, TRAIN_ITERS + 1))
     assert all(math.isfinite(r["lm loss"]) and math.isfinite(r["grad norm"]) for r in records), records
     assert all(math.isclose(r["lm loss"], float(loss), rel_tol=1e-5) for r, (_, _, loss) in zip(records, steps))
-    assert records[-1]["consumed samples"] == 4 * TRAIN_ITERS
+    assert records[-1]["consumed samples"] == 8 * TRAIN_ITERS  # the recipe's --global-batch-size 8
 
     # both tensor-parallel shards of the final checkpoint were written (by ranks on node 0; DP copies skip)
     ckpt = tmp_path / "ckpt"

@@ -32,7 +32,8 @@ def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=Non
     records = []
     if metrics and os.path.exists(metrics):
         with open(metrics) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            # the run's precision record (split "setup") comes first: callers here want the steps
+            records = [r for r in (json.loads(line) for line in f if line.strip()) if r.get("split") != "setup"]
     return proc, records
 
 

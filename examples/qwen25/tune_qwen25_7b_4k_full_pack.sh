@@ -37,11 +37,11 @@ MASTER_PORT=${MASTER_PORT:-6000}
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 
 # Must equal --target-tensor/pipeline-parallel-size of ckpt_convert_qwen25_hf2mcore.sh.
-TP=4
-PP=1
-SEQ_LEN=4096   # must equal --seq-length of the data script: one pack is one training sample
-MBS=1
-GBS=8          # a multiple of MBS x data-parallel size (WORLD_SIZE / (TP x PP))
+TP=${TP:-4}
+PP=${PP:-1}
+SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of the data script: one pack is one training sample
+MBS=${MBS:-1}
+GBS=${GBS:-8}          # a multiple of MBS x data-parallel size (WORLD_SIZE / (TP x PP))
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE"

@@ -7,13 +7,19 @@ attention backend (see :mod:`mindspeed_pack.model.spec`).
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mindspeed_pack.model.spec import layer_spec, resolve_backend
+from mindspeed_pack.model.te_spec import HAVE_TE
 from mindspeed_pack.platform import cuda_usable
+
+log = logging.getLogger(__name__)
+_SKIPPED_LOGGED = False
 
 
 def params_dtype(args) -> torch.dtype:
@@ -30,7 +36,35 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> 
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def transformer_config(args) -> TransformerConfig:
+def fusion_settings(args, on_gpu: bool, backend: str) -> dict:
+    """Megatron-LM's fused-kernel switches: on unless ``--no-*-fusion``, where the kernel exists.
+
+    Gradient-accumulation fusion needs TE's linear layers (the local ones would need Apex);
+    fused RoPE (THD) is TE's kernel. On a CPU none of these kernels exists: the unfused
+    path computes the same thing, and :func:`_log_cpu_skips` names each skipped kernel once.
+    """
+    swiglu = getattr(args, "swiglu", False)
+    wanted = {
+        "masked_softmax_fusion": not getattr(args, "no_masked_softmax_fusion", False),
+        "bias_dropout_fusion": not getattr(args, "no_bias_dropout_fusion", False),
+        "bias_activation_fusion": swiglu and not getattr(args, "no_bias_swiglu_fusion", False),
+        "apply_rope_fusion": HAVE_TE and not getattr(args, "no_rope_fusion", False),
+        "gradient_accumulation_fusion": backend == "te" and not getattr(args, "no_gradient_accumulation_fusion", False),
+    }
+    if on_gpu:
+        return wanted
+    _log_cpu_skips([k for k, v in wanted.items() if v])
+    return {k: False for k in wanted}
+
+
+def _log_cpu_skips(names) -> None:
+    global _SKIPPED_LOGGED
+    if names and not _SKIPPED_LOGGED:
+        log.info("no CUDA device: fused GPU kernels skipped (unfused equivalents run): %s", ", ".join(names))
+        _SKIPPED_LOGGED = True
+
+
+def transformer_config(args, backend: str = "local") -> TransformerConfig:
     on_gpu = cuda_usable()
     heads = args.num_attention_heads
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else heads
@@ -61,14 +95,9 @@ def transformer_config(args) -> TransformerConfig:
         # the same seed gives the same full weights at every TP size
         use_cpu_initialization=getattr(args, "use_cpu_initialization", True),
         perform_initialization=True,
-        # fused CUDA kernels exist only on GPU
-        bias_activation_fusion=on_gpu and swiglu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=on_gpu,
-        attention_softmax_in_fp32=True,
+        **fusion_settings(args, on_gpu, backend),
+        persist_layer_norm=on_gpu and backend == "te",
+        attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
         deterministic_mode=getattr(args, "deterministic_mode", False),
         # per-token loss summed here, averaged over the global batch's tokens by the trainer
         calculate_per_token_loss=True,
@@ -76,9 +105,9 @@ def transformer_config(args) -> TransformerConfig:
 
 
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
-    config = transformer_config(args)
     backend = resolve_backend(getattr(args, "attention_backend", "auto"))
-    spec = layer_spec(backend, normalization=config.normalization)
+    config = transformer_config(args, backend)
+    spec = layer_spec(backend, config, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -127,6 +127,11 @@ class PackedDotProductAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by PackedDotProductAttention")
         dropout_p = self.dropout if self.training else 0.0
+        out_dtype = query.dtype
+        if self.config.attention_softmax_in_fp32 and out_dtype != torch.float32:
+            # --attention-softmax-in-fp32: scores, softmax and the weighted sum in fp32 (SDPA has no fp32-softmax
+            # option for half inputs), the result back in the model precision
+            query, key, value = query.float(), key.float(), value.float()
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed attention expects qkv_format='thd', got {packed_seq_params.qkv_format!r}")
@@ -134,11 +139,11 @@ class PackedDotProductAttention(MegatronModule):
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
             out = segment_causal_attention(query, key, value, cu, scale=self.scale, dropout_p=dropout_p)
-            return out  # [t, h, d]; megatron reshapes to [t, 1, h*d]
+            return out.to(out_dtype)  # [t, h, d]; megatron reshapes to [t, 1, h*d]
         # [s, b, h, d] -> [b, h, s, d]
         s, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
         o = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout_p, enable_gqa=self.groups != self.heads
         )
-        return o.permute(2, 0, 1, 3).reshape(s, b, -1)
+        return o.permute(2, 0, 1, 3).reshape(s, b, -1).to(out_dtype)

@@ -10,7 +10,9 @@ import copy
 import logging
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from mindspeed_pack.model.norm import SequenceParallelTorchNorm
 from mindspeed_pack.model.packed_attention import PackedDotProductAttention
 from mindspeed_pack.model.te_spec import HAVE_TE, te_layer_spec
 from mindspeed_pack.platform import cuda_usable
@@ -23,22 +25,43 @@ BACKENDS = ("auto", "te", "local")
 def local_packed_layer_spec(normalization: str = "RMSNorm", qk_layernorm: bool = False):
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm))
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    if qk_layernorm:
+        spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelTorchNorm
+        spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelTorchNorm
     return spec
 
 
+def local_packed_block_spec(config, qk_layernorm: bool = False, vp_stage=None) -> TransformerBlockSubmodules:
+    """This pipeline stage's layers plus the final norm, all with the sequence-parallel-capable norm."""
+    layer = local_packed_layer_spec(config.normalization, qk_layernorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=SequenceParallelTorchNorm)
+
+
 def resolve_backend(requested: str = "auto") -> str:
+    """The attention backend to build; logs the choice and the reason."""
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; choose one of {BACKENDS}")
-    if requested == "auto":
-        return "te" if (HAVE_TE and cuda_usable()) else "local"
-    if requested == "te" and not (HAVE_TE and cuda_usable()):
+    on_gpu = cuda_usable()
+    if requested == "te" and not (HAVE_TE and on_gpu):
         raise RuntimeError("--attention-backend te needs Transformer Engine and a CUDA device")
+    if requested != "auto":
+        why = "requested with --attention-backend"
+    elif HAVE_TE and on_gpu:
+        requested, why = "te", "auto: Transformer Engine imports and a CUDA device is present"
+    else:
+        requested, why = "local", "auto: " + ("no CUDA device" if not on_gpu else
+                                              "Transformer Engine is not importable (pip install -e .[gpu])")
+    desc = {"te": "Transformer Engine fused attention (THD)",
+            "local": "local spec with exact segment-causal SDPA (THD)"}[requested]
+    log.info("attention backend %s: %s (%s)", requested, desc, why)
     return requested
 
 
-def layer_spec(backend: str, normalization: str = "RMSNorm", qk_layernorm: bool = False):
+def layer_spec(backend: str, config, qk_layernorm: bool = False, vp_stage=None):
+    """The decoder spec for ``backend``: TE's layer spec, or the local block spec."""
     if backend == "te":
-        log.info("attention: Transformer Engine fused attention (THD)")
         return te_layer_spec(qk_layernorm=qk_layernorm)
-    log.info("attention: local spec with exact segment-causal SDPA (THD)")
-    return local_packed_layer_spec(normalization, qk_layernorm)
+    return local_packed_block_spec(config, qk_layernorm, vp_stage)

@@ -17,11 +17,10 @@ from mindspeed_pack.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 
-# flags that pick fused GPU kernels; on CUDA the TE spec uses its fused kernels anyway
-GPU_KERNEL_FLAGS = (
-    "use_flash_attn", "use_fused_rmsnorm", "use_fused_swiglu", "use_fused_rotary_pos_emb",
-    "overlap_grad_reduce", "overlap_param_gather", "use_distributed_optimizer", "sequence_parallel",
-)
+# flags that only pick fused GPU kernels (the TE spec uses its fused kernels anyway): no-ops on a CPU.
+# Precision (--bf16/--fp16), --sequence-parallel, --use-distributed-optimizer and the overlap flags
+# run on the CPU too (see mindspeed_pack.model.gpt and the trainer).
+GPU_KERNEL_FLAGS = ("use_flash_attn", "use_fused_rmsnorm", "use_fused_swiglu", "use_fused_rotary_pos_emb")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -63,8 +62,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     for name in ("--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"):
         g.add_argument(name, action="store_true", help="fused kernel (GPU); the TE spec uses it anyway")
     for name in ("--no-masked-softmax-fusion", "--no-gradient-accumulation-fusion", "--no-bias-dropout-fusion",
-                 "--no-bias-swiglu-fusion", "--no-rope-fusion", "--attention-softmax-in-fp32", "--use-cpu-initialization"):
-        g.add_argument(name, action="store_true", help="accepted for compatibility")
+                 "--no-bias-swiglu-fusion", "--no-rope-fusion"):
+        g.add_argument(name, action="store_true", help="turn this fused GPU kernel off (Megatron-LM)")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true",
+                   help="attention scores and softmax in fp32 under --bf16/--fp16")
+    g.add_argument("--use-cpu-initialization", action="store_true", help="accepted for compatibility")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -193,13 +195,22 @@ def _warn_unavailable(args) -> None:
     if cuda_usable():
         return
     used = [f"--{n.replace('_', '-')}" for n in GPU_KERNEL_FLAGS if getattr(args, n, False)]
-    if args.bf16 or args.fp16:
-        used.append("--bf16" if args.bf16 else "--fp16")
-        args.bf16 = args.fp16 = False
-    for name in ("sequence_parallel", "use_distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather"):
-        setattr(args, name, False)
     if used:
-        warnings.warn(f"no CUDA device: ignoring {', '.join(used)} (fp32 and local kernels on CPU)", stacklevel=3)
+        warnings.warn(f"no CUDA device: {', '.join(used)} select fused GPU kernels; skipped on the CPU", stacklevel=3)
+
+
+def _check_precision_and_parallel(args) -> None:
+    """Megatron-LM's rules for the precision, sequence-parallel and distributed-optimizer flags."""
+    if args.bf16 and args.fp16:
+        raise ArgumentError("--bf16 and --fp16 cannot be used together")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        log.warning("--sequence-parallel with --tensor-model-parallel-size 1 has nothing to shard: disabled")
+        args.sequence_parallel = False
+    if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
+        raise ArgumentError(f"--sequence-parallel splits the sequence over TP: --seq-length {args.seq_length} must be "
+                            f"a multiple of --tensor-model-parallel-size {args.tensor_model_parallel_size}")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
 
 
 def validate_args(args, world_size: int = 1) -> argparse.Namespace:
@@ -209,6 +220,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if missing:
         raise ArgumentError(f"missing required arguments: {', '.join(missing)}")
     _warn_unavailable(args)
+    _check_precision_and_parallel(args)
     if args.transformer_impl:
         args.attention_backend = "te" if args.transformer_impl == "transformer_engine" else "local"
     if args.use_rotary_position_embeddings:

@@ -237,6 +237,41 @@ def _has_checkpoints(root: str) -> bool:
     return bool(_saved_iterations(root)) or os.path.isdir(os.path.join(root, layout.RELEASE))
 
 
+def refresh_master_weights(optimizer) -> None:
+    """Copy freshly loaded model weights into the optimizer's fp32 master copy (Megatron-LM does this too).
+
+    Under --bf16/--fp16 the optimizer, built before the load, holds fp32 copies of the *initial*
+    weights; its first step would write them back over the loaded ones. (A full resume loads the
+    master copy from the checkpoint instead.) Every megatron optimizer kind has this method; for the
+    fp32 optimizer it is a no-op.
+    """
+    optimizer.reload_model_params()
+
+
+def load_distributed_parameter_state(optimizer, path: str) -> None:
+    """The distributed optimizer's sharded fp32 masters and Adam moments, back from ``path``.
+
+    Works around gaps of megatron-core 0.16.1 when torch's Adam stands in for TE/Apex
+    FusedAdam (always on a CPU): torch's Adam keeps a per-parameter ``step`` that the saved
+    file does not hold, yet the loader copies into every per-parameter state (the step comes
+    back with ``load_state_dict``: it is set aside here and restored); ``load_state_dict``
+    gives every parameter the *same* step tensor, which torch's Adam then increments once
+    per parameter (each gets its own copy here); and in fp32 the main params are views of
+    the model's leaf parameters, so the copies need ``no_grad``.
+    """
+    set_aside = []
+    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for state in leaf.optimizer.state.values():
+            if "step" in state:
+                set_aside.append((state, state.pop("step")))
+    try:
+        with torch.no_grad():
+            optimizer.load_parameter_state(path)
+    finally:
+        for state, step in set_aside:
+            state["step"] = step.clone()
+
+
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore from ``--load``; returns (iteration, consumed_samples).
 
@@ -275,6 +310,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
     _check_shapes(path, module, weights, state.get("args") or {}, args)
     module.load_state_dict(weights, strict=False)
     release = iteration == layout.RELEASE
+    if args.finetune or release or args.no_load_optim:
+        refresh_master_weights(optimizer)
     if args.finetune or release:
         log.info("loaded weights from %s (%s): iteration reset to 0", root, "release" if release else "finetune")
         return 0, 0
@@ -285,8 +322,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
         optimizer.load_state_dict(state["optimizer"])
         if args.use_distributed_optimizer:
             tp_rank, pp_rank, pp_size = _ranks()
-            optimizer.load_parameter_state(os.path.join(it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size),
-                                                        "distrib_optim.pt"))
+            load_distributed_parameter_state(optimizer, os.path.join(
+                it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size), "distrib_optim.pt"))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if not args.no_load_rng:
         if "rng_state" in state:

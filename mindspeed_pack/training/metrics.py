@@ -29,6 +29,14 @@ class MetricsLogger:
 
             self.tb = SummaryWriter(log_dir=args.tensorboard_dir)
 
+    def precision(self, iteration: int, record: dict) -> None:
+        """The run's numerics, once at start: printed, and the metrics file's first line of this run."""
+        if not self.enabled:
+            return
+        print(" precision: " + json.dumps(record), flush=True)
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"iteration": iteration, "split": "setup", "precision": record}) + "\n")
+
     def step(self, record: dict) -> None:
         """Record one training step; print it every ``--log-interval`` iterations."""
         if not self.enabled:

@@ -28,6 +28,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from mindspeed_pack.model.gpt import build_gpt_model
@@ -37,6 +38,7 @@ from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
+from mindspeed_pack.training.precision import precision_record
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +121,13 @@ class Trainer:
                        "valid": args.eval_iters * args.global_batch_size}
         self.source.setup(args, num_samples)
         self.metrics = MetricsLogger(args, enabled=self._is_logging_rank())
+        self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
         if args.exit_signal_handler:
             signal.signal(signal.SIGTERM, self._on_signal)
             signal.signal(signal.SIGINT, self._on_signal)
 
     def _build_model(self) -> List[torch.nn.Module]:
+        """GPTModel -> Float16Module (bf16/fp16) -> megatron DDP, as Megatron-LM's ``get_model``."""
         args = self.args
         pre = ps.is_pipeline_first_stage()
         post = ps.is_pipeline_last_stage()
@@ -133,17 +137,22 @@ class Trainer:
         if cuda_usable():
             model.cuda(torch.cuda.current_device())
         config = get_model_config(model)
+        backend = model.attention_backend
+        if args.bf16 or args.fp16:
+            # every parameter in the half dtype (no fp32 stragglers), fp32 logits out of the last stage
+            model = Float16Module(config, model)
+            model.attention_backend = backend
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
+            grad_reduce_in_fp32=True,  # Megatron-LM's default under --bf16 (accumulate_allreduce_grads_in_fp32)
             overlap_grad_reduce=args.overlap_grad_reduce,
+            overlap_param_gather=args.overlap_param_gather,
             use_distributed_optimizer=args.use_distributed_optimizer,
             check_for_nan_in_grad=False,
         )
         model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         if dist.get_rank() == 0:
             n = sum(p.numel() for p in model.parameters())
-            log.info("model chunk on rank 0: %.2fM parameters, attention backend %s", n / 1e6,
-                     model.module.attention_backend)
+            log.info("model chunk on rank 0: %.2fM parameters, attention backend %s", n / 1e6, backend)
         return [model]
 
     def _build_optimizer(self):
@@ -154,6 +163,7 @@ class Trainer:
             clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
             params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32),
             use_distributed_optimizer=args.use_distributed_optimizer,
+            overlap_param_gather=args.overlap_param_gather,
             initial_loss_scale=args.initial_loss_scale, loss_scale=args.loss_scale,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
@@ -167,9 +177,19 @@ class Trainer:
         config = get_model_config(self.model[0])
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = self.model[0].no_sync
+        if args.overlap_grad_reduce:
+            # start each bucket's reduction as soon as its gradients are ready (Megatron-LM's train())
+            config.grad_sync_func = self.model[0].start_grad_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.timers = None
         return optimizer, scheduler
+
+    def sync_params(self) -> None:
+        """With --overlap-param-gather the optimizer's all-gather of updated weights is finished lazily
+        by the next forward: complete it before anything reads the weights directly (a save)."""
+        if self.args.overlap_param_gather:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
 
     def _is_logging_rank(self) -> bool:
         return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
@@ -331,6 +351,7 @@ class Trainer:
         return loss
 
     def save(self) -> None:
+        self.sync_params()
         checkpointing.save_checkpoint(self.args, self.iteration, self.consumed_samples, self.model,
                                       self.optimizer, self.scheduler)
 

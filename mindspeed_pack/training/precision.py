@@ -1,0 +1,60 @@
+"""What precision and overlap a run actually uses, read from the built model and optimizer.
+
+Flags say what was asked; this record says what was built (parameter, gradient and master
+dtypes, the optimizer class, loss scaling, attention backend, fused kernels, overlap), so a
+log or metrics file shows, e.g., that a run said ``--bf16`` and really kept fp32 masters.
+"""
+from __future__ import annotations
+
+import torch
+from megatron.core.utils import get_model_config
+
+
+def _dtype_names(tensors) -> str:
+    names = sorted({str(t.dtype).replace("torch.", "") for t in tensors if t is not None})
+    return "/".join(names) if names else "none"
+
+
+def _leaf_optimizers(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _master_dtype(opt) -> str:
+    groups = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", None)
+    if groups:
+        return _dtype_names(p for g in groups for p in g)
+    return "none (the optimizer updates the parameters themselves)"
+
+
+def precision_record(args, model_chunks, optimizer) -> dict:
+    """One JSON-able dict describing the run's numerics (for the log and the metrics file)."""
+    chunk = model_chunks[0]
+    config = get_model_config(chunk)
+    params = [p for c in model_chunks for p in c.parameters()]
+    leaves = _leaf_optimizers(optimizer)
+    scaler = getattr(leaves[0], "grad_scaler", None) if leaves else None
+    if scaler is None:
+        loss_scaling = "none"
+    elif hasattr(scaler, "hysteresis"):
+        loss_scaling = f"dynamic (initial {float(scaler.scale.item()):g})"
+    else:
+        loss_scaling = f"constant {float(scaler.scale.item()):g}"
+    ddp_config = chunk.ddp_config
+    return {
+        "params": _dtype_names(params),
+        "grads (main_grad buffers)": _dtype_names(getattr(p, "main_grad", None) for p in params),
+        "master weights": _master_dtype(leaves[0]) if leaves else "none",
+        "optimizer": "+".join(sorted({type(o).__name__ for o in leaves})),
+        "loss scaling": loss_scaling,
+        "attention backend": getattr(chunk.module, "attention_backend", None),
+        "attention softmax in fp32": bool(config.attention_softmax_in_fp32),
+        "fused kernels": {name: bool(getattr(config, name)) for name in (
+            "masked_softmax_fusion", "bias_dropout_fusion", "bias_activation_fusion", "apply_rope_fusion",
+            "gradient_accumulation_fusion", "persist_layer_norm")},
+        "sequence parallel": bool(config.sequence_parallel),
+        "distributed optimizer": bool(ddp_config.use_distributed_optimizer),
+        "overlap grad reduce": bool(ddp_config.overlap_grad_reduce),
+        "overlap param gather": bool(ddp_config.overlap_param_gather),
+        "grad reduce in fp32": bool(ddp_config.grad_reduce_in_fp32),
+        "device": "cuda" if torch.cuda.is_available() and params and params[0].is_cuda else "cpu",
+    }
