@@ -30,6 +30,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
 from mindspeed_pack.training import checkpointing
@@ -243,6 +244,7 @@ class Trainer:
             self.skipped += 1
             return loss, float("nan"), stats, False
         ok, grad_norm, _ = self.optimizer.step()
+        faults.fire("step", self.iteration + 1)  # crash tests: die after the update, before log and save
         if ok:
             self.scheduler.step(increment=1)  # schedule counted in iterations
         else:
