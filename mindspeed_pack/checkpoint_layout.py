@@ -97,7 +97,13 @@ def save_file_atomic(obj, path: str, iteration: Optional[int] = None) -> None:
                 f.flush()
                 os.fsync(f.fileno())
                 faults.trigger(fault, "write", iteration, tmp)
-            torch.save(obj, f)
+            writer = _WriteErrorKeeper(f)
+            try:
+                torch.save(obj, writer)
+            except RuntimeError:
+                if writer.error is not None:  # torch turns a failed write into "unexpected pos ..."
+                    raise writer.error from None
+                raise
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -105,6 +111,26 @@ def save_file_atomic(obj, path: str, iteration: Optional[int] = None) -> None:
             os.remove(tmp)
         raise
     os.replace(tmp, path)
+
+
+class _WriteErrorKeeper:
+    """A file wrapper that remembers the OSError of a failed write (disk full, file too large)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = self._f.name
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
