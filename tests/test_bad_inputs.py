@@ -28,7 +28,6 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_pack import checkpoint_layout as layout
 from tests.data_utils import random_documents, write_packed_instruction_dataset, write_pretrain_documents
 from tests.model_utils import TINY_FLAGS
 

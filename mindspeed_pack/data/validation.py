@@ -61,57 +61,81 @@ def check_index_matches_bin(prefix: str, dataset) -> None:
                         f"belongs to another dataset: {PREPROCESS_HINT}")
 
 
-def _first_bad_segment_position(row: np.ndarray) -> tuple:
-    prev = 0
-    for p, v in enumerate(row.tolist()):
-        ok = v == 0 if prev == 0 and p > 0 else (v == 1 if p == 0 else v in (0, prev, prev + 1))
-        if not ok:
-            return p, v, prev
-        prev = v
-    return -1, 0, 0
+class _Chunk:
+    """Documents ``first..first+len(starts)`` of a file as one flat token array, read in one go."""
+
+    def __init__(self, dataset, first: int, last: int, ends: np.ndarray):
+        base = int(ends[first - 1]) if first else 0
+        self.first = first
+        self.ends = ends[first:last] - base  # end offset of each document inside the chunk
+        item = dataset.index.dtype_size
+        self.tokens = np.asarray(dataset.bin_reader.read(dtype=dataset.index.dtype, count=int(self.ends[-1]),
+                                                         offset=base * item), dtype=np.int64)
+        starts = np.concatenate([[0], self.ends[:-1]])
+        self.is_start = np.zeros(len(self.tokens), bool)
+        self.is_start[starts[starts < len(self.tokens)]] = True  # (empty documents start nowhere)
+
+    def locate(self, pos: int) -> tuple:
+        """(document, position in it) of flat position ``pos``."""
+        d = int(np.searchsorted(self.ends, pos, side="right"))
+        return self.first + d, pos - (int(self.ends[d - 1]) if d else 0)
 
 
-def _check_segments(path: str, start: int, mask: np.ndarray) -> None:
-    """Rows of ``mask`` are 1..k (each id one more than the last) and then only 0."""
-    nxt, cur = mask[:, 1:], mask[:, :-1]
+def _chunks(dataset, lengths: np.ndarray):
+    """:class:`_Chunk` s of whole documents, about CHUNK_TOKENS tokens each."""
+    ends = np.cumsum(lengths.astype(np.int64))
+    first = 0
+    while first < len(lengths):
+        budget = (int(ends[first - 1]) if first else 0) + CHUNK_TOKENS
+        last = max(first + 1, int(np.searchsorted(ends, budget, side="right")))
+        yield _Chunk(dataset, first, last, ends)
+        first = last
+
+
+def _check_segments(path: str, chunk: _Chunk, unit: str) -> None:
+    """Each document's ids are 1..k (each one more than the last, or equal) and then only 0."""
+    m = chunk.tokens
+    cur, nxt, inner = m[:-1], m[1:], ~chunk.is_start[1:]
     step = nxt - cur
-    bad = (mask[:, 0] != 1) | (mask < 0).any(1) | ((nxt > 0) & ((step < 0) | (step > 1))).any(1) | \
-        ((cur == 0) & (nxt != 0)).any(1)
-    rows = np.flatnonzero(bad)
-    if len(rows):
-        r = int(rows[0])
-        p, v, prev = _first_bad_segment_position(mask[r])
-        what = (f"starts with {v} instead of 1" if p == 0 else
-                f"has segment id {v} at position {p} after {prev}")
-        raise DataError(f"{path}: pack {start + r} {what}; the attention_mask of a --neat-pack pack must hold segment "
+    bad_inner = inner & (((nxt > 0) & ((step < 0) | (step > 1))) | ((cur == 0) & (nxt != 0)) | (nxt < 0))
+    bad = np.concatenate([[False], bad_inner]) | (chunk.is_start & (m != 1))
+    where = np.flatnonzero(bad)
+    if len(where):
+        pos = int(where[0])
+        doc, p = chunk.locate(pos)
+        what = f"starts with {m[pos]} instead of 1" if p == 0 else \
+            f"has segment id {m[pos]} at position {p} after {m[pos - 1]}"
+        raise DataError(f"{path}: {unit} {doc} {what}; the attention_mask of a --neat-pack pack must hold segment "
                         "ids 1..k in order, then 0 for padding: the file is corrupt or not a neat-pack mask; "
                         "re-run preprocess_data.py --pack --neat-pack")
 
 
-def _check_vocab(path: str, ids: np.ndarray, vocab: Optional[int], where) -> None:
-    """Token ids in [0, vocab); ``where(row)`` names the pack/document of a row of ``ids``."""
+def _check_vocab(path: str, chunk: _Chunk, vocab: Optional[int], unit: str) -> None:
+    """Token ids in [0, vocab)."""
+    ids = chunk.tokens
+    if not ids.size:
+        return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0:
-        r = int(np.flatnonzero((ids < 0).any(1))[0])
-        raise DataError(f"{path}: {where(r)} holds the negative token id {lo}; the file is corrupt: "
+        doc, p = chunk.locate(int(np.flatnonzero(ids < 0)[0]))
+        raise DataError(f"{path}: {unit} {doc} position {p} holds the negative token id {lo}; the file is corrupt: "
                         f"{PREPROCESS_HINT}")
     if vocab is not None and hi >= vocab:
-        r = int(np.flatnonzero((ids >= vocab).any(1))[0])
-        raise DataError(f"{path}: token id {hi} (first in {where(r)}) is outside the model's vocabulary: the "
+        doc, p = chunk.locate(int(np.flatnonzero(ids >= vocab)[0]))
+        raise DataError(f"{path}: token id {hi} (first in {unit} {doc}) is outside the model's vocabulary: the "
                         f"largest id in the data is {hi}, the model's vocab size (--padded-vocab-size) is {vocab}; "
                         f"the data was tokenized with another tokenizer: preprocess it with the model's tokenizer, "
                         f"or train a model with --padded-vocab-size > {hi}")
 
 
-def _check_labels(path: str, start: int, labels: np.ndarray, ids: np.ndarray) -> None:
-    bad = (labels != IGNORE_INDEX) & (labels != ids)
-    rows = np.flatnonzero(bad.any(1))
-    if len(rows):
-        r = int(rows[0])
-        p = int(np.flatnonzero(bad[r])[0])
-        raise DataError(f"{path}: pack {start + r} position {p} has label {int(labels[r, p])} where input_ids has "
-                        f"{int(ids[r, p])}; labels are stored aligned ({IGNORE_INDEX} or the token itself), so this "
-                        f"labels file belongs to another dataset: {PREPROCESS_HINT}")
+def _check_labels(path: str, labels: _Chunk, ids: _Chunk, unit: str) -> None:
+    bad = np.flatnonzero((labels.tokens != IGNORE_INDEX) & (labels.tokens != ids.tokens))
+    if len(bad):
+        pos = int(bad[0])
+        doc, p = ids.locate(pos)
+        raise DataError(f"{path}: {unit} {doc} position {p} has label {int(labels.tokens[pos])} where input_ids has "
+                        f"{int(ids.tokens[pos])}; labels are stored aligned ({IGNORE_INDEX} or the token itself), so "
+                        f"this labels file belongs to another dataset: {PREPROCESS_HINT}")
 
 
 def validate_packed_documents(docs: PackedDocuments, args) -> None:
@@ -146,46 +170,14 @@ def validate_packed_documents(docs: PackedDocuments, args) -> None:
         raise DataError(f"{paths['input_ids']}: {'pack' if packed else 'document'} {d} has {int(lengths[d])} tokens "
                         f"({len(wrong)} of {len(lengths)} differ); {rule}: the data was prepared for another length, "
                         f"re-run preprocess_data.py --seq-length {seq} (or train with the data's length)")
-    if len(lengths) and np.all(lengths == lengths[0]):
-        _scan_rows(docs, paths, int(lengths[0]), args)
-    else:
-        for d in range(len(lengths)):  # unpacked samples of varying length: one at a time
-            _scan_rows_of(docs, paths, d, args)
+    unit = "pack" if packed else "document"
+    chunks = {k: _chunks(ds, lengths) for k, ds in docs.datasets.items()}
+    for ids, labels, mask in zip(chunks["input_ids"], chunks["labels"], chunks["attention_mask"]):
+        _check_vocab(paths["input_ids"] + ".bin", ids, args.padded_vocab_size, unit)
+        _check_labels(paths["labels"] + ".bin", labels, ids, unit)
+        if args.isolate_segments:
+            _check_segments(paths["attention_mask"] + ".bin", mask, unit)
     log.info("validated %s: %d documents in %.2fs", docs.prefix, len(docs), time.perf_counter() - t0)
-
-
-def _scan_rows(docs, paths, doc_len: int, args) -> None:
-    step = max(1, CHUNK_TOKENS // max(doc_len, 1))
-    n = len(docs)
-    for start in range(0, n, step):
-        count = min(step, n - start)
-        rows = {k: _rows(ds, start, count, doc_len) for k, ds in docs.datasets.items()}
-        _check_rows(paths, start, rows, args)
-
-
-def _scan_rows_of(docs, paths, d: int, args) -> None:
-    rows = {k: np.asarray(ds[d], dtype=np.int64)[None, :] for k, ds in docs.datasets.items()}
-    _check_rows(paths, d, rows, args)
-
-
-def _check_rows(paths, start, rows, args) -> None:
-    if rows["input_ids"].size == 0:
-        return
-    _check_vocab(paths["input_ids"] + ".bin", rows["input_ids"], args.padded_vocab_size,
-                 lambda r: f"pack {start + r}")
-    _check_labels(paths["labels"] + ".bin", start, rows["labels"], rows["input_ids"])
-    if args.isolate_segments:
-        _check_segments(paths["attention_mask"] + ".bin", start, rows["attention_mask"])
-
-
-def _rows(dataset, start: int, count: int, doc_len: int) -> np.ndarray:
-    """Documents ``start..start+count`` (all ``doc_len`` long, stored back to back) as one array."""
-    first = np.asarray(dataset.get(start, 0, None))  # dtype from the index
-    if count == 1:
-        return first.astype(np.int64)[None, :]
-    flat = dataset.bin_reader.read(dtype=dataset.index.dtype, count=count * doc_len,
-                                   offset=int(dataset.index.sequence_pointers[start]))
-    return np.asarray(flat, dtype=np.int64).reshape(count, doc_len)
 
 
 def validate_text_documents(prefixes, padded_vocab_size: Optional[int]) -> None:
@@ -196,17 +188,5 @@ def validate_text_documents(prefixes, padded_vocab_size: Optional[int]) -> None:
         check_index_header(prefix)
         ds = IndexedDataset(prefix, mmap=True)
         check_index_matches_bin(prefix, ds)
-        ends = np.cumsum(np.asarray(ds.index.sequence_lengths, dtype=np.int64))
-        total = int(ends[-1]) if len(ends) else 0
-        for offset in range(0, total, CHUNK_TOKENS):
-            count = min(CHUNK_TOKENS, total - offset)
-            flat = np.asarray(ds.bin_reader.read(dtype=ds.index.dtype, count=count,
-                                                 offset=offset * ds.index.dtype_size), dtype=np.int64)
-            _check_vocab(prefix + ".bin", flat[None, :], padded_vocab_size,
-                         lambda r: _document_at(ends, offset, flat, padded_vocab_size))
-
-
-def _document_at(ends: np.ndarray, offset: int, flat: np.ndarray, vocab: Optional[int]) -> str:
-    bad = (flat < 0) | (flat >= vocab) if vocab is not None else flat < 0
-    token = offset + int(np.flatnonzero(bad)[0])
-    return f"document {int(np.searchsorted(ends, token, side='right'))}"
+        for chunk in _chunks(ds, np.asarray(ds.index.sequence_lengths)):
+            _check_vocab(prefix + ".bin", chunk, padded_vocab_size, "document")
