@@ -3,7 +3,8 @@
 The soak test runs a tiny packed fine-tune with a save every 2 iterations, kills it (seeded)
 again and again, some kills armed at a phase of a save through ``MINDSPEED_PACK_FAULT``, some
 by a timer from outside, resumes each time with ``--load D --save D``, and ends with the
-weights and every step's loss of an uninterrupted run. Runs are forked from a server that
+weights and every step's loss of an uninterrupted run. Timer kills strike a random moment
+(0-0.3 s) after a run's first logged step. Runs are forked from a server that
 has already imported torch and megatron, so a run starts in about a second.
 """
 import json
@@ -24,7 +25,7 @@ from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dat
 from tests.dist_harness import free_port
 from tests.model_utils import TINY_FLAGS
 
-ITERS = 40
+ITERS = 32
 SEQ = 64
 SEED = 17
 SAVE_PHASES = ("write", "written", "renamed", "tracker")
@@ -62,18 +63,25 @@ def launcher():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "megatron.core", "posttrain", "tests.test_faults"])
 
-    def launch(args, fault=None, log_path=os.devnull, kill_after=None, fsize_limit=None, timeout=300):
-        """Run; returns the exit code (-9 when killed). ``kill_after``: SIGKILL it after that many seconds."""
+    def launch(args, fault=None, log_path=os.devnull, kill_after_step=None, fsize_limit=None, timeout=300):
+        """Run; returns the exit code (-9 when killed). ``kill_after_step``: SIGKILL it that many seconds
+        after its first step is logged (a moment in the middle of training, whatever the machine's speed)."""
         p = ctx.Process(target=_child, args=(args, fault, log_path, fsize_limit))
         p.start()
-        p.join(kill_after if kill_after is not None else timeout)
+        deadline = time.monotonic() + timeout
+        if kill_after_step is not None:
+            metrics = args[args.index("--metrics-file") + 1]
+            while p.is_alive() and time.monotonic() < deadline:
+                if os.path.exists(metrics) and os.path.getsize(metrics) > 0:
+                    time.sleep(kill_after_step)
+                    p.kill()
+                    break
+                time.sleep(0.01)
+        p.join(max(0.0, deadline - time.monotonic()))
         if p.is_alive():
-            if kill_after is None:
-                p.kill()
-                p.join()
-                raise AssertionError(f"run timed out after {timeout}s: {open(log_path).read()[-3000:]}")
             p.kill()
             p.join()
+            raise AssertionError(f"run timed out after {timeout}s: {open(log_path).read()[-3000:]}")
         return p.exitcode
 
     return launch
@@ -127,27 +135,23 @@ def test_random_sigkills_resume_to_the_uninterrupted_run(tmp_path, data, referen
     ckpt = str(tmp_path / "ckpt")
     metrics, kills, history = [], 0, []
     for run, kind in enumerate([*fault_plan(rng), None]):
-        done = layout.read_tracker(ckpt) if os.path.exists(ckpt) else None
-        done = done or 0
-        fault, kill_after = None, None
+        done = (layout.read_tracker(ckpt) if os.path.exists(ckpt) else None) or 0
+        fault, kill_after_step = None, None
         if kind in SAVE_PHASES:  # a save iteration (even) ahead of the last checkpoint
             fault = f"{kind}@{min(ITERS, done + 2 * rng.randint(1, 2))}:kill"
         elif kind == "step":
             fault = f"step@{min(ITERS, done + rng.randint(1, 3))}:kill"
         elif kind == "timer":
-            kill_after = rng.uniform(0.8, 2.0)  # a run starts in about 0.7 s
+            kill_after_step = rng.uniform(0.0, 0.3)
         metrics.append(str(tmp_path / f"m{run}.jsonl"))
         log = str(tmp_path / f"log{run}")
         start = time.perf_counter()
-        code = launcher(argv(data, ckpt, metrics[-1]), fault=fault, log_path=log, kill_after=kill_after)
-        history.append((kind, fault or (kill_after and round(kill_after, 2)), done, code, round(time.perf_counter() - start, 1)))
-        if kind is None:
-            assert code == 0, (history, open(log).read()[-3000:])
-        elif code == -signal.SIGKILL:
-            kills += 1
-        else:  # a timer that fired after the run had finished: nothing to resume
-            assert code == 0 and kind == "timer", (history, open(log).read()[-3000:])
-            break
+        code = launcher(argv(data, ckpt, metrics[-1]), fault=fault, log_path=log, kill_after_step=kill_after_step)
+        history.append((kind, fault or (kill_after_step and round(kill_after_step, 2)), done, code,
+                        round(time.perf_counter() - start, 1)))
+        expected = 0 if kind is None else -signal.SIGKILL
+        assert code == expected, (history, open(log).read()[-3000:])
+        kills += code == -signal.SIGKILL
     print(f"\nsoak: {kills} SIGKILLs over {len(history)} runs: {history}")
     assert kills >= 10, history
     assert sum(1 for kind, _, _, code, _ in history if kind in SAVE_PHASES and code == -9) >= 5
