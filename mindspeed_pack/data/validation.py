@@ -69,8 +69,8 @@ class _Chunk:
         self.first = first
         self.ends = ends[first:last] - base  # end offset of each document inside the chunk
         item = dataset.index.dtype_size
-        self.tokens = np.asarray(dataset.bin_reader.read(dtype=dataset.index.dtype, count=int(self.ends[-1]),
-                                                         offset=base * item), dtype=np.int64)
+        self.tokens = dataset.bin_reader.read(dtype=dataset.index.dtype, count=int(self.ends[-1]),
+                                              offset=base * item)  # the file's dtype: no copy from the mmap
         starts = np.concatenate([[0], self.ends[:-1]])
         self.is_start = np.zeros(len(self.tokens), bool)
         self.is_start[starts[starts < len(self.tokens)]] = True  # (empty documents start nowhere)
@@ -95,9 +95,9 @@ def _chunks(dataset, lengths: np.ndarray):
 def _check_segments(path: str, chunk: _Chunk, unit: str) -> None:
     """Each document's ids are 1..k (each one more than the last, or equal) and then only 0."""
     m = chunk.tokens
-    cur, nxt, inner = m[:-1], m[1:], ~chunk.is_start[1:]
-    step = nxt - cur
-    bad_inner = inner & (((nxt > 0) & ((step < 0) | (step > 1))) | ((cur == 0) & (nxt != 0)) | (nxt < 0))
+    cur, nxt = m[:-1], m[1:]
+    # inside a document the id stays, goes up by one (not from padding), or drops to padding for good
+    bad_inner = (nxt != 0) & (nxt != cur) & ((nxt != cur + 1) | (cur == 0)) & ~chunk.is_start[1:]
     bad = np.concatenate([[False], bad_inner]) | (chunk.is_start & (m != 1))
     where = np.flatnonzero(bad)
     if len(where):
