@@ -9,15 +9,29 @@
 Each file holds ``{"model": state_dict, "iteration", "args", "checkpoint_version", ...}``
 with parameter names of megatron-core's *local* layer spec (the canonical names); the TE
 spec's fused layer-norm names are mapped on load (:func:`to_backend_names`).
+
+Checkpoints are data, not code: every file is read by :func:`load_file`, a
+``weights_only`` load that accepts tensors, plain containers and numbers, plus the short
+allow-list of :func:`safe_globals`. A file asking for anything else (a pickle that would
+run a command when read) is refused before any of it runs, unless the user vouches for it
+with ``--allow-unsafe-checkpoint-load``.
 """
 from __future__ import annotations
 
+import io
+import logging
 import os
+import pickle
 import re
 import shutil
-from typing import Dict
+import zipfile
+from typing import Dict, Optional
 
 import torch
+
+from mindspeed_pack import faults
+
+log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
@@ -53,22 +67,132 @@ def read_tracker(root: str):
 def write_tracker(root: str, iteration) -> None:
     """Point the tracker at a complete checkpoint, atomically."""
     tmp = os.path.join(root, f".{TRACKER}.tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, os.path.join(root, TRACKER))
 
 
-def save_file_atomic(obj, path: str) -> None:
-    """torch.save to a temporary name in the same directory, fsync, then rename."""
+def save_file_atomic(obj, path: str, iteration: Optional[int] = None) -> None:
+    """torch.save to a temporary name in the same directory, fsync, then rename.
+
+    On any error (a full disk) the temporary file is removed and ``path`` is untouched.
+    ``iteration`` lets a ``write@N`` fault (:mod:`mindspeed_pack.faults`) strike half-way.
+    """
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+    fault = faults.action_at("write", iteration)
+    try:
+        with open(tmp, "wb") as f:
+            if fault:
+                buf = io.BytesIO()
+                torch.save(obj, buf)
+                f.write(buf.getbuffer()[: buf.tell() // 2])  # a half-written file, as a crash leaves it
+                f.flush()
+                os.fsync(f.fileno())
+                faults.trigger(fault, "write", iteration, tmp)
+            writer = _WriteErrorKeeper(f)
+            try:
+                torch.save(obj, writer)
+            except RuntimeError:
+                if writer.error is not None:  # torch turns a failed write into "unexpected pos ..."
+                    raise writer.error from None
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
+
+
+class _WriteErrorKeeper:
+    """A file wrapper that remembers the OSError of a failed write (disk full, file too large)."""
+
+    def __init__(self, f):
+        self._f = f
+        self.error: Optional[OSError] = None
+
+    def write(self, data) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = self._f.name
+            self.error = self.error or e
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file that asks the unpickler for code, not data."""
+
+
+UNSAFE_FLAG = "--allow-unsafe-checkpoint-load"
+
+
+def safe_globals() -> list:
+    """The non-tensor types a checkpoint may hold beyond torch's ``weights_only`` defaults.
+
+    This project saves only tensors, numbers, strings and plain containers, so it needs
+    none of them; they are here for files written elsewhere: Megatron-LM / MindSpeed-LLM
+    checkpoints (``args`` as an ``argparse.Namespace``, megatron-core enums, numpy RNG
+    arrays: megatron-core's own list) and this project's older checkpoints (numpy RNG
+    state as an array; now a list).
+    """
+    import argparse
+
+    from megatron.core.safe_globals import SAFE_GLOBALS as MEGATRON_CORE_SAFE_GLOBALS
+
+    return [argparse.Namespace, *MEGATRON_CORE_SAFE_GLOBALS]
+
+
+def _refused_global(path: str, error: Exception) -> str:
+    m = re.search(r"GLOBAL ([\w.]+)", str(error))
+    if m:
+        return m.group(1)
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:
+        found = []
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in safe_globals() if hasattr(g, "__qualname__")}
+    found = [g for g in found if g not in allowed]
+    return ", ".join(found) if found else "an unsupported pickle instruction"
+
+
+def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
+    """Read one checkpoint file as data (``weights_only``); nothing in it can run.
+
+    A file that needs another global raises :class:`UnsafeCheckpointError` naming the file
+    and the global; with ``allow_unsafe`` (the user vouches for the file) it is loaded with
+    full pickle instead, logged loudly. Other errors (a truncated file) propagate.
+    """
+    mmap = mmap and zipfile.is_zipfile(path)  # older (non-zip) torch files cannot be memory-mapped
+    try:
+        with torch.serialization.safe_globals(safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        needed = _refused_global(path, e)
+        if not allow_unsafe:
+            raise UnsafeCheckpointError(
+                f"{path}: refused to load: the file asks for the global {needed}, which is code, not checkpoint data, and "
+                "would run while the file is read (a crafted or foreign pickle). Nothing was loaded or executed. "
+                f"If you trust where this file comes from, re-run with {UNSAFE_FLAG}, or re-save its tensors as "
+                "safetensors") from None
+        log.warning("!" * 80)
+        log.warning("%s: %s: loading with full pickle although it asks for %s; this can run arbitrary code",
+                    UNSAFE_FLAG, path, needed)
+        log.warning("!" * 80)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
 def saved_parallel_sizes(root: str, iteration) -> tuple[int, int]:

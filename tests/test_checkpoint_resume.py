@@ -94,7 +94,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data, reference, s
     assert sorted(read_metrics(str(tmp_path / "killed.jsonl"))) == [6, 7]  # killed while saving 7
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "5"
     assert not os.path.exists(os.path.join(ckpt, "iter_0000007"))
-    partial = os.path.join(ckpt, "iter_0000007.tmp", "mp_rank_00", "model_optim_rng.pt")
+    partial = os.path.join(ckpt, "iter_0000007.tmp", "mp_rank_00", "model_optim_rng.pt.tmp")
     assert 0 < os.path.getsize(partial) < os.path.getsize(os.path.join(ckpt, "iter_0000005", "mp_rank_00",
                                                                          "model_optim_rng.pt"))
 

@@ -70,10 +70,10 @@ def test_directory_without_weights(hf_dir, tmp_path, out):
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     shutil.copy(os.path.join(hf_dir, "config.json"), no_weights)
-    with pytest.raises(ConversionError, match=r"no \*\.safetensors weights"):
+    with pytest.raises(ConversionError, match=r"no \*\.safetensors or pytorch_model\*\.bin weights"):
         hf_to_megatron(str(no_weights), out, 1, 1)
-    torch.save({}, no_weights / "pytorch_model.bin")
-    with pytest.raises(ConversionError, match="only safetensors are read"):
+    torch.save({}, no_weights / "weights.pt")
+    with pytest.raises(ConversionError, match=r"found \['weights.pt'\].*safe_serialization=True"):
         hf_to_megatron(str(no_weights), out, 1, 1)
 
 

@@ -109,22 +109,25 @@ def _progress(total: int, desc: str):
 
 
 # --------------------------------------------------------------------------- megatron reading
-def _load_rank_file(path: str) -> dict:
-    """A rank file, memory-mapped (tensors are read from disk when touched)."""
+def _load_rank_file(path: str, allow_unsafe: bool = False) -> dict:
+    """A rank file, memory-mapped (tensors are read from disk when touched), read as data only."""
     try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError:
-        # trainer checkpoints may hold optimizer/RNG objects beyond plain tensors
-        log.info("%s: not loadable with weights_only=True; loading it as a trusted local file", path)
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except RuntimeError as e:
-        raise ConversionError(f"{path}: unreadable checkpoint file ({e})") from None
+        record = layout.load_file(path, allow_unsafe=allow_unsafe, mmap=True)
+    except layout.UnsafeCheckpointError as e:
+        raise ConversionError(str(e)) from None
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise ConversionError(f"{path}: unreadable checkpoint file ({e}); it is truncated or not a torch "
+                              "checkpoint") from None
+    if not isinstance(record, dict):
+        raise ConversionError(f"{path}: holds a {type(record).__name__}, not a checkpoint dictionary")
+    return record
 
 
 class MegatronCheckpoint:
     """A Megatron checkpoint directory: its args, parallel layout, and merged units."""
 
-    def __init__(self, load_dir: str):
+    def __init__(self, load_dir: str, allow_unsafe: bool = False):
+        self.allow_unsafe = allow_unsafe
         if not os.path.isdir(load_dir):
             raise ConversionError(f"--load-dir {load_dir}: not a directory")
         iteration = layout.read_tracker(load_dir)
@@ -160,7 +163,7 @@ class MegatronCheckpoint:
     def _file(self, tp_rank: int, pp_rank: int) -> dict:
         key = (tp_rank, pp_rank)
         if key not in self._loaded:
-            record = _load_rank_file(self.files[key])
+            record = _load_rank_file(self.files[key], self.allow_unsafe)
             if "model" not in record:
                 raise ConversionError(f"{self.files[key]}: no 'model' entry")
             self._loaded[key] = record
@@ -231,11 +234,12 @@ def hf_to_megatron(
     model_type_hf: Optional[str] = None,
     make_vocab_size_divisible_by: int = 128,
     padded_vocab_size: Optional[int] = None,
+    allow_unsafe: bool = False,
 ) -> None:
     """Convert a HF model directory into a Megatron ``release`` checkpoint at TP=``tp``, PP=``pp``."""
     dtype = _dtype(params_dtype)
     check_save_dir(save_dir, load_dir)
-    with hf_io.HFCheckpointReader(load_dir) as reader:
+    with hf_io.HFCheckpointReader(load_dir, allow_unsafe) as reader:
         config_path = os.path.join(load_dir, hf_io.CONFIG)
         args = args_from_hf_config(reader.config, model_type_hf, tp, pp, make_vocab_size_divisible_by,
                                    padded_vocab_size, where=config_path)
@@ -257,6 +261,7 @@ def megatron_to_hf(
     model_type_hf: Optional[str] = None,
     tokenizer_dir: Optional[str] = None,
     max_shard_bytes: int = 5 * 1024**3,
+    allow_unsafe: bool = False,
 ) -> None:
     """Merge a Megatron checkpoint into a HF model directory (``from_pretrained``-loadable).
 
@@ -267,7 +272,7 @@ def megatron_to_hf(
     """
     dtype = _dtype(params_dtype)
     check_save_dir(save_dir, load_dir)
-    source = MegatronCheckpoint(load_dir)
+    source = MegatronCheckpoint(load_dir, allow_unsafe)
     args = source.args
     spec = get_spec(model_type_hf or args.model_type_hf)
     if spec.name != args.model_type_hf:
@@ -305,7 +310,8 @@ def megatron_to_hf(
 
 
 def megatron_to_megatron(
-    load_dir: str, save_dir: str, tp: int, pp: int, padded_vocab_size: Optional[int] = None
+    load_dir: str, save_dir: str, tp: int, pp: int, padded_vocab_size: Optional[int] = None,
+    allow_unsafe: bool = False,
 ) -> None:
     """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp`` (dtype kept).
 
@@ -314,7 +320,7 @@ def megatron_to_megatron(
     source's explicit size is kept (or ``padded_vocab_size`` when given).
     """
     check_save_dir(save_dir, load_dir)
-    source = MegatronCheckpoint(load_dir)
+    source = MegatronCheckpoint(load_dir, allow_unsafe)
     args = copy.copy(source.args)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
     if args.vocab_size is None:  # a run given only --padded-vocab-size: every row is a real row
@@ -359,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="explicit padded vocabulary (>= the HF vocab, divisible by TP)")
     p.add_argument("--tokenizer-dir", default=None, help="tokenizer files copied into the HF output")
     p.add_argument("--max-shard-size-mb", type=int, default=5120, help="HF output shard size")
+    p.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
+                   help="read input files that need full pickle (they can run code): only for a legacy checkpoint "
+                        "you trust; refused by default")
     return p
 
 
@@ -369,13 +378,15 @@ def main(argv=None) -> int:
         if args.load_model_type == "hf" and args.save_model_type == "mg":
             hf_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                            args.target_pipeline_parallel_size, args.params_dtype, args.model_type_hf,
-                           args.make_vocab_size_divisible_by, args.padded_vocab_size)
+                           args.make_vocab_size_divisible_by, args.padded_vocab_size,
+                           args.allow_unsafe_checkpoint_load)
         elif args.load_model_type == "mg" and args.save_model_type == "hf":
             megatron_to_hf(args.load_dir, args.save_dir, args.params_dtype, args.model_type_hf,
-                           args.tokenizer_dir, args.max_shard_size_mb * 1024**2)
+                           args.tokenizer_dir, args.max_shard_size_mb * 1024**2, args.allow_unsafe_checkpoint_load)
         elif args.load_model_type == "mg" and args.save_model_type == "mg":
             megatron_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
-                                 args.target_pipeline_parallel_size, args.padded_vocab_size)
+                                 args.target_pipeline_parallel_size, args.padded_vocab_size,
+                                 args.allow_unsafe_checkpoint_load)
         else:
             raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
     except ConversionError as e:

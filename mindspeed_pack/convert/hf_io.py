@@ -1,7 +1,10 @@
 """Reading and writing Hugging Face checkpoint directories, one tensor at a time.
 
 Reading opens every ``*.safetensors`` file with ``safe_open`` (memory-mapped) and loads a
-tensor only when asked, so a 7B model never sits in memory whole. Writing streams tensors
+tensor only when asked, so a 7B model never sits in memory whole. Safetensors come first;
+a directory with only ``pytorch_model*.bin`` weights is read through the safe
+(``weights_only``, memory-mapped) load of :func:`~mindspeed_pack.checkpoint_layout.load_file`,
+so a crafted ``.bin`` runs nothing. Writing streams tensors
 into shards of at most ``max_shard_bytes`` and names them like ``save_pretrained`` does
 (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` + index).
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -22,6 +26,8 @@ CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+BIN_SINGLE_FILE = "pytorch_model.bin"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -45,46 +51,88 @@ def read_config(model_dir: str) -> dict:
     return config
 
 
-def _weight_files(model_dir: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
-    """The safetensors files to read and, when sharded, the index's name -> file map."""
-    index_path = os.path.join(model_dir, INDEX_FILE)
-    if os.path.isfile(index_path):
-        try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ConversionError(f"{index_path}: unreadable index ({e!r}); expected {{'weight_map': {{name: file}}}}") from None
-        files = sorted(set(weight_map.values()))
-        absent = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
-        if absent:
-            raise ConversionError(f"{index_path}: lists shard files that do not exist: {absent}")
-        return files, weight_map
+def _read_index(model_dir: str, index_name: str) -> Tuple[List[str], Dict[str, str]]:
+    index_path = os.path.join(model_dir, index_name)
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConversionError(f"{index_path}: unreadable index ({e!r}); expected {{'weight_map': {{name: file}}}}") from None
+    files = sorted(set(weight_map.values()))
+    absent = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+    if absent:
+        raise ConversionError(f"{index_path}: lists shard files that do not exist: {absent}")
+    return files, weight_map
+
+
+def _weight_files(model_dir: str) -> Tuple[List[str], Optional[Dict[str, str]], Optional[str]]:
+    """The weight files to read, the index's name -> file map when sharded, and that index's name.
+
+    ``*.safetensors`` when there are any; else ``pytorch_model*.bin`` (read safely).
+    """
+    if os.path.isfile(os.path.join(model_dir, INDEX_FILE)):
+        return (*_read_index(model_dir, INDEX_FILE), INDEX_FILE)
     if os.path.isfile(os.path.join(model_dir, SINGLE_FILE)):
-        return [SINGLE_FILE], None
+        return [SINGLE_FILE], None, None
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if files:
-        return files, None
-    bins = sorted(f for f in os.listdir(model_dir) if f.endswith(".bin") or f.endswith(".pt"))
-    hint = (f" (found {bins[:3]}: only safetensors are read; re-save with "
-            "save_pretrained(..., safe_serialization=True))") if bins else ""
-    raise ConversionError(f"{model_dir}: no *.safetensors weights{hint}")
+        return files, None, None
+    if os.path.isfile(os.path.join(model_dir, BIN_INDEX_FILE)):
+        return (*_read_index(model_dir, BIN_INDEX_FILE), BIN_INDEX_FILE)
+    bins = sorted(f for f in os.listdir(model_dir) if f.startswith("pytorch_model") and f.endswith(".bin"))
+    if bins:
+        return bins, None, None
+    others = sorted(f for f in os.listdir(model_dir) if f.endswith(".bin") or f.endswith(".pt"))
+    hint = (f" (found {others[:3]}: weights are read from *.safetensors or pytorch_model*.bin; re-save with "
+            "save_pretrained(..., safe_serialization=True))") if others else ""
+    raise ConversionError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights{hint}")
+
+
+class _TorchBinFile:
+    """A ``pytorch_model*.bin`` behind the part of safetensors' ``safe_open`` API the reader uses."""
+
+    def __init__(self, path: str, allow_unsafe: bool):
+        from mindspeed_pack import checkpoint_layout as layout
+
+        try:
+            state = layout.load_file(path, allow_unsafe=allow_unsafe, mmap=True)
+        except layout.UnsafeCheckpointError as e:
+            raise ConversionError(str(e)) from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ConversionError(f"{path}: expected a dictionary of tensors (a state_dict)")
+        self._state = state
+
+    def keys(self):
+        return list(self._state)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._state[name]
+
+    def shape(self, name: str) -> Tuple[int, ...]:
+        return tuple(self._state[name].shape)
 
 
 class HFCheckpointReader:
     """Lazy access to the tensors of a HF model directory (single file or sharded)."""
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, allow_unsafe: bool = False):
         self.model_dir = model_dir
         self.config = read_config(model_dir)
-        files, index = _weight_files(model_dir)
+        files, index, index_name = _weight_files(model_dir)
         self._handles = {}
         self._where: Dict[str, str] = {}
         for name in files:
             path = os.path.join(model_dir, name)
-            try:
-                handle = safe_open(path, framework="pt")
-            except Exception as e:  # safetensors raises its own error types
-                raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
+            if name.endswith(".bin"):
+                try:
+                    handle = _TorchBinFile(path, allow_unsafe)
+                except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+                    raise ConversionError(f"{path}: not a readable torch file ({e})") from None
+            else:
+                try:
+                    handle = safe_open(path, framework="pt")
+                except Exception as e:  # safetensors raises its own error types
+                    raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
             self._handles[name] = handle
             for key in handle.keys():
                 if key in self._where:
@@ -94,7 +142,7 @@ class HFCheckpointReader:
             for key, fname in index.items():
                 if self._where.get(key) != fname:
                     raise ConversionError(
-                        f"{os.path.join(model_dir, INDEX_FILE)}: maps {key!r} to {fname}, "
+                        f"{os.path.join(model_dir, index_name)}: maps {key!r} to {fname}, "
                         f"but that tensor is {'in ' + self._where[key] if key in self._where else 'absent'}"
                     )
 
@@ -115,11 +163,14 @@ class HFCheckpointReader:
         return os.path.join(self.model_dir, self._where[name])
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+        handle = self._handles[self._where[name]]
+        if isinstance(handle, _TorchBinFile):
+            return handle.shape(name)
+        return tuple(handle.get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
-            raise ConversionError(f"{self.model_dir}: tensor {name!r} not found in the safetensors files")
+            raise ConversionError(f"{self.model_dir}: tensor {name!r} not found in the weight files")
         return self._handles[self._where[name]].get_tensor(name)
 
     def check_shapes(self, expected: Dict[str, Tuple[int, ...]], ignorable) -> None:

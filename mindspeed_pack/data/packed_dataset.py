@@ -42,6 +42,16 @@ class DataError(ValueError):
     """Missing or inconsistent training data."""
 
 
+def check_index_header(path: str) -> None:
+    """``path.idx`` starts like a Megatron index (megatron-core would only assert, mid-construction)."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+    with open(path + ".idx", "rb") as f:
+        if f.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
+            raise DataError(f"{path}.idx: not a readable Megatron index (it does not start with "
+                            f"{_INDEX_HEADER!r}); re-run preprocess_data.py")
+
+
 class PackedDocuments:
     """The three aligned indexed datasets of one prefix."""
 
@@ -53,10 +63,14 @@ class PackedDocuments:
             if missing:
                 raise DataError(f"data prefix {prefix!r}: missing {', '.join(missing)} "
                                 f"(run preprocess_data.py with --output-prefix {prefix})")
+            check_index_header(path)
             self.datasets[key] = IndexedDataset(path, mmap=True)
         sizes = {k: len(d) for k, d in self.datasets.items()}
         if len(set(sizes.values())) != 1:
-            raise DataError(f"data prefix {prefix!r}: datasets differ in document count {sizes}")
+            odd = next(k for k, n in sizes.items() if n != sizes["input_ids"])
+            raise DataError(f"{dataset_paths(prefix)[odd]}.idx holds {sizes[odd]} documents but "
+                            f"{dataset_paths(prefix)['input_ids']}.idx {sizes['input_ids']}: the files come from "
+                            "different preprocessing runs (an .idx of another dataset?); re-run preprocess_data.py")
         self.meta = read_meta(prefix)
 
     def __len__(self) -> int:
@@ -100,12 +114,15 @@ class SplitDataset:
 def _split_sources(args) -> dict:
     """{'train'|'valid'|'test': (PackedDocuments, start, end) or None}: --split ranges of one
     --data-path prefix, or Megatron's --train/--valid/--test-data-path prefixes used whole."""
+    from mindspeed_pack.data.validation import validate_packed_documents  # imports this module
+
     per_split = {name: getattr(args, f"{name}_data_path", None) for name in ("train", "valid", "test")}
     if not any(per_split.values()):
         if len(args.data_path) != 1:
             raise DataError("posttrain takes one --data-path prefix (blends are for pretrain_gpt.py)")
         docs = PackedDocuments(args.data_path[0])
         _check_against_meta(docs, args)
+        validate_packed_documents(docs, args)  # corrupt or mismatched files stop here, before the first step
         return {name: (docs, start, end)
                 for name, (start, end) in zip(("train", "valid", "test"), split_ranges(len(docs), args.split))}
     out = {}
@@ -117,6 +134,7 @@ def _split_sources(args) -> dict:
             raise DataError(f"--{name}-data-path takes one prefix, got {len(paths)}: {' '.join(paths)}")
         docs = PackedDocuments(paths[0])
         _check_against_meta(docs, args)
+        validate_packed_documents(docs, args)
         out[name] = (docs, 0, len(docs))
     return out
 

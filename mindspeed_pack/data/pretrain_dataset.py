@@ -159,8 +159,11 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+    from mindspeed_pack.data.validation import validate_text_documents
+
     blend = data_prefixes(args.data_path)
     check_prefix_files(blend[0])
+    validate_text_documents(blend[0], args.padded_vocab_size)  # before the first step, not in it
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,

@@ -167,6 +167,9 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--ckpt-format", default="torch", choices=["torch"])
+    g.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
+                   help="load a --load checkpoint that needs full pickle (it can run code): only for a legacy file "
+                        "you trust; refused by default")
 
 
 def _logging_args(p: argparse.ArgumentParser) -> None:

@@ -8,19 +8,23 @@ checkpoint holds the model (canonical names), optimizer, scheduler, RNG states a
 ``consumed_samples`` (the position in the sample index), so a resumed run continues
 exactly as the uninterrupted one.
 
-Test hook: with ``MINDSPEED_PACK_KILL_DURING_SAVE=N`` in the environment, the save of
-iteration ``N`` writes half of its first rank file and then SIGKILLs its own process, a
-deterministic "crash in the middle of a save" (see tests/test_checkpoint_resume.py).
+Files hold only tensors, numbers, strings and plain containers (RNG states included), so
+they load back with ``weights_only`` and no allow-list; every read goes through
+:func:`~mindspeed_pack.checkpoint_layout.load_file`, which refuses a file that asks for code.
+A save that fails (a full disk) removes its partial files on every rank and raises a
+:class:`CheckpointError` saying the previous checkpoint is intact.
+
+Crash tests arm :mod:`mindspeed_pack.faults` (``MINDSPEED_PACK_FAULT=write@N:kill``, ...) to
+die or fail at each phase of a save.
 """
 from __future__ import annotations
 
+import errno
 import glob
-import io
 import logging
 import os
 import random
 import re
-import signal
 
 import numpy as np
 import torch
@@ -29,11 +33,10 @@ from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack import faults
 from mindspeed_pack.platform import cuda_usable
 
 log = logging.getLogger(__name__)
-
-KILL_HOOK_ENV = "MINDSPEED_PACK_KILL_DURING_SAVE"
 
 # model-shape arguments that must match between a checkpoint and the flags
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -50,9 +53,10 @@ def _ranks():
 
 
 def _rng_state() -> dict:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
-        "random": random.getstate(),
-        "np": np.random.get_state(),
+        "random": random.getstate(),  # a tuple of ints
+        "np": [name, keys.tolist(), pos, has_gauss, gauss],  # plain, so no numpy type in the file
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if cuda_usable() else None,
         "tracker": get_cuda_rng_tracker().get_states(),
@@ -82,8 +86,10 @@ def _restore_rng(states, path: str) -> None:
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["np"])
+    version, internal, gauss = state["random"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, gauss = state["np"]  # a list (or an array in older checkpoints)
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and cuda_usable():
         torch.cuda.set_rng_state(state["cuda"])
@@ -116,19 +122,31 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_rank_file(state: dict, path: str, iteration: int) -> None:
-    if os.environ.get(KILL_HOOK_ENV) == str(iteration):
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        data = buf.getvalue()
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:  # a half-written file where the finished one would land
-            f.write(data[: len(data) // 2])
-            f.flush()
-            os.fsync(f.fileno())
-        log.warning("%s=%d: killing this process in the middle of the save", KILL_HOOK_ENV, iteration)
-        os.kill(os.getpid(), signal.SIGKILL)
-    layout.save_file_atomic(state, path)
+def _all_ok(error) -> bool:
+    """True when no rank failed (every rank must agree, or the others would hang in a barrier)."""
+    failed = torch.tensor([int(error is not None)], device=torch.cuda.current_device() if cuda_usable() else "cpu")
+    dist.all_reduce(failed)
+    return not failed.item()
+
+
+def _save_failed(root: str, iteration: int, error, tmp_dir: str) -> CheckpointError:
+    if dist.get_rank() == 0:
+        layout.remove_tree(tmp_dir)
+    dist.barrier()
+    try:
+        previous = layout.read_tracker(root)
+    except ValueError:
+        previous = None
+    kept = (f"{root} still holds iteration {previous}, which --load {root} resumes from" if previous is not None
+            else f"{root} holds no earlier checkpoint")
+    if error is None:
+        error_text = "another rank failed to write its files"
+    else:
+        error_text = f"{error.strerror or error}" + (f" writing {error.filename}" if error.filename else "")
+    hint = "free disk space (or --save elsewhere)" if getattr(error, "errno", None) == errno.ENOSPC else \
+        "fix the cause"
+    return CheckpointError(f"saving iteration {iteration} to {root} failed: {error_text}; this save's partial files "
+                           f"were removed and {kept}: {hint} and resume from there")
 
 
 def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler) -> None:
@@ -154,24 +172,43 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
     if not args.no_save_rng:
         state["rng_state"] = _rng_states_by_dp_rank()  # a collective: every rank takes part
     rank_dir = os.path.join(tmp_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size))
-    if ps.get_data_parallel_rank() == 0:
-        _write_rank_file(state, os.path.join(rank_dir, "model_optim_rng.pt"), iteration)
-    if args.use_distributed_optimizer and not args.no_save_optim:
-        # the distributed optimizer's parameter state is sharded over data-parallel ranks
-        optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
-    dist.barrier()
+    error = None
+    try:
+        if ps.get_data_parallel_rank() == 0:
+            layout.save_file_atomic(state, os.path.join(rank_dir, "model_optim_rng.pt"), iteration)
+        if args.use_distributed_optimizer and not args.no_save_optim:
+            # the distributed optimizer's parameter state is sharded over data-parallel ranks
+            optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
+        faults.fire("written", iteration, tmp_dir)
+    except OSError as e:  # a full disk, a quota, a lost mount
+        error = e
+    if not _all_ok(error):
+        raise _save_failed(root, iteration, error, tmp_dir)
+    error = None
     if dist.get_rank() == 0:
-        old = final_dir + ".old"
-        if os.path.isdir(final_dir):  # re-saving the same iteration: keep the old one until the new is in place
-            layout.remove_tree(old)
-            os.replace(final_dir, old)
-        os.replace(tmp_dir, final_dir)
-        _fsync_dir(root)
-        layout.write_tracker(root, iteration)
-        _fsync_dir(root)
-        layout.remove_tree(old)
+        try:
+            _publish(root, iteration, final_dir, tmp_dir)
+        except OSError as e:
+            error = e
+    if not _all_ok(error):
+        raise _save_failed(root, iteration, error, tmp_dir)
+    if dist.get_rank() == 0:
         log.info("saved checkpoint at iteration %d to %s", iteration, root)
-    dist.barrier()
+
+
+def _publish(root: str, iteration: int, final_dir: str, tmp_dir: str) -> None:
+    """Rename the complete ``iter_N.tmp`` into place, then point the tracker at it (rank 0)."""
+    old = final_dir + ".old"
+    if os.path.isdir(final_dir):  # re-saving the same iteration: keep the old one until the new is in place
+        layout.remove_tree(old)
+        os.replace(final_dir, old)
+    os.replace(tmp_dir, final_dir)
+    _fsync_dir(root)
+    faults.fire("renamed", iteration, final_dir)
+    layout.write_tracker(root, iteration)
+    _fsync_dir(root)
+    faults.fire("tracker", iteration, root)
+    layout.remove_tree(old)
 
 
 def _iteration_dir_for_load(root: str, iteration) -> str:
@@ -193,13 +230,15 @@ def _saved_parallel_sizes(it_dir: str) -> tuple:
         raise CheckpointError(f"{it_dir}: no mp_rank_* directories; not a Megatron checkpoint") from e
 
 
-def _read_rank_file(root: str, it_dir: str) -> tuple:
+def _read_rank_file(args, root: str, it_dir: str) -> tuple:
     tp_rank, pp_rank, pp_size = _ranks()
     path = os.path.join(it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size), "model_optim_rng.pt")
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: the checkpoint in {root} is incomplete")
     try:
-        return path, torch.load(path, map_location="cpu", weights_only=False)
+        return path, layout.load_file(path, allow_unsafe=getattr(args, "allow_unsafe_checkpoint_load", False))
+    except layout.UnsafeCheckpointError as e:
+        raise CheckpointError(str(e)) from None
     except Exception as e:  # truncated or corrupt
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
                               "corrupt: load an earlier iteration (edit the number in "
@@ -303,7 +342,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
             f"--load {root}: checkpoint saved at TP={saved_tp}, PP={saved_pp} but this run uses TP={tp}, PP={pp}; "
             f"reshard it first: python convert_ckpt.py --load-model-type mg --save-model-type mg --load-dir {root} "
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")
-    path, state = _read_rank_file(root, it_dir)
+    path, state = _read_rank_file(args, root, it_dir)
     args.loaded_model_type_hf = (state.get("args") or {}).get("model_type_hf")
     module = model[0].module
     weights = layout.to_backend_names(state["model"], module.attention_backend)

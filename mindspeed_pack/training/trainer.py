@@ -31,6 +31,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
 from mindspeed_pack.training import checkpointing
@@ -263,6 +264,7 @@ class Trainer:
             self.skipped += 1
             return loss, float("nan"), stats, False
         ok, grad_norm, _ = self.optimizer.step()
+        faults.fire("step", self.iteration + 1)  # crash tests: die after the update, before log and save
         if ok:
             self.scheduler.step(increment=1)  # schedule counted in iterations
         else:

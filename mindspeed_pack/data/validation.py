@@ -1,0 +1,192 @@
+"""Integrity checks of the training data, run once before the first step.
+
+A bad file must stop the run at setup with the file and what is wrong, not crash a step
+hours in (a truncated ``.bin``) or train silently on garbage (an ``.idx`` from another
+dataset, packs of another length, segment ids that are not ``1..k`` then ``0``, token ids
+the embedding does not have). What is checked, cheapest first:
+
+* every ``.bin`` is exactly as long as its ``.idx`` says (sizes and pointers agree);
+* the three files of a packed prefix describe the same documents (lengths), and agree with
+  the document count the preprocessing sidecar recorded;
+* packs are ``--seq-length`` tokens (packed data) or at most that (unpacked samples);
+* with isolation (``--neat-pack``), every pack's ``attention_mask`` is ``1..k`` then ``0``::
+
+      good   1 1 1 2 2 3 3 3 0 0      bad  1 1 3 3 0 0   (skips 2)
+                                           1 1 0 2 2 0   (a sample after padding)
+* token ids lie in ``[0, --padded-vocab-size)``; labels are ``-100`` or the token itself
+  (labels are stored aligned; the trainer shifts them).
+
+The scans are vectorised over chunks of packs, so they read the data once at disk speed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Optional
+
+import numpy as np
+
+from mindspeed_pack.data.packed_dataset import DataError, PackedDocuments, check_index_header
+from mindspeed_pack.packing.segments import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+CHUNK_TOKENS = 1 << 22  # tokens per vectorised chunk (16 MiB of int32 per file)
+PREPROCESS_HINT = "re-run preprocess_data.py (or copy the .bin and .idx of one run together)"
+
+
+def check_index_matches_bin(prefix: str, dataset) -> None:
+    """``prefix.bin`` holds exactly the bytes ``prefix.idx`` describes."""
+    index = dataset.index
+    sizes = np.asarray(index.sequence_lengths, dtype=np.int64)
+    pointers = np.asarray(index.sequence_pointers, dtype=np.int64)
+    item = index.dtype_size
+    bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+    if len(sizes):
+        expected_pointers = np.concatenate([[0], np.cumsum(sizes[:-1] * item)])
+        bad = np.flatnonzero(pointers != expected_pointers)
+        if len(bad):
+            raise DataError(f"{idx_path}: corrupt index: document {int(bad[0])} starts at byte {int(pointers[bad[0]])}"
+                            f", but the lengths before it put it at {int(expected_pointers[bad[0]])}; {PREPROCESS_HINT}")
+    expected = int(pointers[-1] + sizes[-1] * item) if len(sizes) else 0
+    actual = os.path.getsize(bin_path)
+    if actual < expected:
+        raise DataError(f"{bin_path}: truncated: {actual} bytes, but {idx_path} describes {len(sizes)} documents "
+                        f"ending at byte {expected} ({expected - actual} bytes missing): an interrupted copy or write, "
+                        f"or an .idx of another dataset; {PREPROCESS_HINT}")
+    if actual > expected:
+        raise DataError(f"{idx_path} does not describe {bin_path}: the index covers {expected} bytes "
+                        f"({len(sizes)} documents of {index.dtype.__name__}), the data file has {actual}; the .idx "
+                        f"belongs to another dataset: {PREPROCESS_HINT}")
+
+
+class _Chunk:
+    """Documents ``first..first+len(starts)`` of a file as one flat token array, read in one go."""
+
+    def __init__(self, dataset, first: int, last: int, ends: np.ndarray):
+        base = int(ends[first - 1]) if first else 0
+        self.first = first
+        self.ends = ends[first:last] - base  # end offset of each document inside the chunk
+        item = dataset.index.dtype_size
+        self.tokens = dataset.bin_reader.read(dtype=dataset.index.dtype, count=int(self.ends[-1]),
+                                              offset=base * item)  # the file's dtype: no copy from the mmap
+        starts = np.concatenate([[0], self.ends[:-1]])
+        self.is_start = np.zeros(len(self.tokens), bool)
+        self.is_start[starts[starts < len(self.tokens)]] = True  # (empty documents start nowhere)
+
+    def locate(self, pos: int) -> tuple:
+        """(document, position in it) of flat position ``pos``."""
+        d = int(np.searchsorted(self.ends, pos, side="right"))
+        return self.first + d, pos - (int(self.ends[d - 1]) if d else 0)
+
+
+def _chunks(dataset, lengths: np.ndarray):
+    """:class:`_Chunk` s of whole documents, about CHUNK_TOKENS tokens each."""
+    ends = np.cumsum(lengths.astype(np.int64))
+    first = 0
+    while first < len(lengths):
+        budget = (int(ends[first - 1]) if first else 0) + CHUNK_TOKENS
+        last = max(first + 1, int(np.searchsorted(ends, budget, side="right")))
+        yield _Chunk(dataset, first, last, ends)
+        first = last
+
+
+def _check_segments(path: str, chunk: _Chunk, unit: str) -> None:
+    """Each document's ids are 1..k (each one more than the last, or equal) and then only 0."""
+    m = chunk.tokens
+    cur, nxt = m[:-1], m[1:]
+    # inside a document the id stays, goes up by one (not from padding), or drops to padding for good
+    bad_inner = (nxt != 0) & (nxt != cur) & ((nxt != cur + 1) | (cur == 0)) & ~chunk.is_start[1:]
+    bad = np.concatenate([[False], bad_inner]) | (chunk.is_start & (m != 1))
+    where = np.flatnonzero(bad)
+    if len(where):
+        pos = int(where[0])
+        doc, p = chunk.locate(pos)
+        what = f"starts with {m[pos]} instead of 1" if p == 0 else \
+            f"has segment id {m[pos]} at position {p} after {m[pos - 1]}"
+        raise DataError(f"{path}: {unit} {doc} {what}; the attention_mask of a --neat-pack pack must hold segment "
+                        "ids 1..k in order, then 0 for padding: the file is corrupt or not a neat-pack mask; "
+                        "re-run preprocess_data.py --pack --neat-pack")
+
+
+def _check_vocab(path: str, chunk: _Chunk, vocab: Optional[int], unit: str) -> None:
+    """Token ids in [0, vocab)."""
+    ids = chunk.tokens
+    if not ids.size:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0:
+        doc, p = chunk.locate(int(np.flatnonzero(ids < 0)[0]))
+        raise DataError(f"{path}: {unit} {doc} position {p} holds the negative token id {lo}; the file is corrupt: "
+                        f"{PREPROCESS_HINT}")
+    if vocab is not None and hi >= vocab:
+        doc, p = chunk.locate(int(np.flatnonzero(ids >= vocab)[0]))
+        raise DataError(f"{path}: token id {hi} (first in {unit} {doc}) is outside the model's vocabulary: the "
+                        f"largest id in the data is {hi}, the model's vocab size (--padded-vocab-size) is {vocab}; "
+                        f"the data was tokenized with another tokenizer: preprocess it with the model's tokenizer, "
+                        f"or train a model with --padded-vocab-size > {hi}")
+
+
+def _check_labels(path: str, labels: _Chunk, ids: _Chunk, unit: str) -> None:
+    bad = np.flatnonzero((labels.tokens != IGNORE_INDEX) & (labels.tokens != ids.tokens))
+    if len(bad):
+        pos = int(bad[0])
+        doc, p = ids.locate(pos)
+        raise DataError(f"{path}: {unit} {doc} position {p} has label {int(labels.tokens[pos])} where input_ids has "
+                        f"{int(ids.tokens[pos])}; labels are stored aligned ({IGNORE_INDEX} or the token itself), so "
+                        f"this labels file belongs to another dataset: {PREPROCESS_HINT}")
+
+
+def validate_packed_documents(docs: PackedDocuments, args) -> None:
+    """All checks of the module for one ``P_packed_*`` prefix; raises :class:`DataError`."""
+    t0 = time.perf_counter()
+    paths = {k: f"{docs.prefix}_packed_{k}_document" for k in docs.datasets}
+    for key, ds in docs.datasets.items():
+        check_index_matches_bin(paths[key], ds)
+    sizes = {k: np.asarray(ds.index.sequence_lengths) for k, ds in docs.datasets.items()}
+    for key in ("attention_mask", "labels"):
+        if not np.array_equal(sizes[key], sizes["input_ids"]):
+            d = int(np.flatnonzero(sizes[key] != sizes["input_ids"])[0])
+            raise DataError(f"{paths[key]}.idx: document {d} has {int(sizes[key][d])} tokens but "
+                            f"{int(sizes['input_ids'][d])} in {paths['input_ids']}.idx: the files come from different "
+                            f"preprocessing runs; {PREPROCESS_HINT}")
+    meta = docs.meta or {}
+    layout = meta.get("layout") or {}
+    stats = meta.get("statistics") or {}
+    recorded = stats.get("packs") if layout.get("kind") == "packed" else stats.get("documents")
+    if recorded is not None and int(recorded) != len(docs):
+        raise DataError(f"{paths['input_ids']}.idx holds {len(docs)} documents but the sidecar "
+                        f"{docs.prefix}_packed_meta.json recorded {recorded}: the files and the sidecar come from "
+                        f"different preprocessing runs; {PREPROCESS_HINT}")
+    lengths = sizes["input_ids"]
+    seq = args.seq_length
+    packed = layout.get("kind") == "packed" or (not layout and args.neat_pack)
+    wrong = np.flatnonzero(lengths != seq) if packed else np.flatnonzero(lengths > seq)
+    if len(wrong):
+        d = int(wrong[0])
+        rule = f"every pack is exactly --seq-length {seq} tokens" if packed else \
+            f"a sample longer than --seq-length {seq} would be cut"
+        raise DataError(f"{paths['input_ids']}: {'pack' if packed else 'document'} {d} has {int(lengths[d])} tokens "
+                        f"({len(wrong)} of {len(lengths)} differ); {rule}: the data was prepared for another length, "
+                        f"re-run preprocess_data.py --seq-length {seq} (or train with the data's length)")
+    unit = "pack" if packed else "document"
+    chunks = {k: _chunks(ds, lengths) for k, ds in docs.datasets.items()}
+    for ids, labels, mask in zip(chunks["input_ids"], chunks["labels"], chunks["attention_mask"]):
+        _check_vocab(paths["input_ids"] + ".bin", ids, args.padded_vocab_size, unit)
+        _check_labels(paths["labels"] + ".bin", labels, ids, unit)
+        if args.isolate_segments:
+            _check_segments(paths["attention_mask"] + ".bin", mask, unit)
+    log.info("validated %s: %d documents in %.2fs", docs.prefix, len(docs), time.perf_counter() - t0)
+
+
+def validate_text_documents(prefixes, padded_vocab_size: Optional[int]) -> None:
+    """pretrain_gpt.py's ``P_text_document`` files: index matches data, ids inside the vocabulary."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in prefixes:
+        check_index_header(prefix)
+        ds = IndexedDataset(prefix, mmap=True)
+        check_index_matches_bin(prefix, ds)
+        for chunk in _chunks(ds, np.asarray(ds.index.sequence_lengths)):
+            _check_vocab(prefix + ".bin", chunk, padded_vocab_size, "document")
