@@ -78,6 +78,11 @@ def guard_scheduler_resume(args, scheduler) -> None:
         if args.skip_train:
             scheduler.use_checkpoint_opt_param_scheduler = True
         restore(state_dict)
+        # the optimizer's param groups carry their own max/min lr, restored from the checkpoint
+        # just before: make them follow the schedule chosen above, then recompute the lr
+        for group in scheduler.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+        scheduler.step(increment=0)
         if args.override_opt_param_scheduler:
             log.info("--override-opt_param-scheduler: following the flags' schedule from iteration %d",
                      scheduler.num_steps)
