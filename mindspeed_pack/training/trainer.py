@@ -171,8 +171,6 @@ class Trainer:
             lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
             lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
             wd_incr_steps=decay_iters, wd_incr_style="constant",
-            override_opt_param_scheduler=args.override_opt_param_scheduler,
-            use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         )
         config = get_model_config(self.model[0])
         config.grad_scale_func = optimizer.scale_loss
