@@ -124,7 +124,8 @@ def test_interrupted_resave_falls_back_to_the_parked_copy(saved, tmp_path):
     ckpt = copy(saved[1], tmp_path)
     os.rename(layout.iteration_dir(ckpt, 1), layout.iteration_dir(ckpt, 1) + ".old")
     metrics = str(tmp_path / "m.jsonl")
-    posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2", "--metrics-file", metrics))
+    posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2", "--override-opt_param-scheduler",
+                        "--metrics-file", metrics))
     assert sorted(read_metrics(metrics)) == [2]
 
 

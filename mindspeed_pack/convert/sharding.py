@@ -12,7 +12,8 @@ linear_qkv weight/bias, fc1 (non-gated)         rows (column-parallel), dim 0; t
 linear_fc1 weight/bias (SwiGLU)                 gate and up halves split separately:
                                                 rank r holds ``[gate_r; up_r]``
 linear_proj / linear_fc2 weight                 columns (row-parallel), dim 1
-norms, row-parallel biases                      replicated
+norms, row-parallel biases, learned_absolute     replicated
+position embeddings (first stage only)
 ==============================================  ======================================
 
 With tied embeddings and PP > 1, the last stage holds its own copy of the word
@@ -35,6 +36,7 @@ from mindspeed_pack.convert.weight_map import EMBEDDING, FINAL, MG_EMBEDDING, MG
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+POSITION_EMBEDDING = "embedding.position_embeddings.weight"
 
 VOCAB, COLUMN, ROW, GLU, REPLICATED = "vocab", "column", "row", "glu", "replicated"
 
@@ -42,6 +44,7 @@ VOCAB, COLUMN, ROW, GLU, REPLICATED = "vocab", "column", "row", "glu", "replicat
 _RULES = (
     (MG_EMBEDDING, VOCAB),
     (MG_OUTPUT, VOCAB),
+    (POSITION_EMBEDDING, REPLICATED),  # learned_absolute: a plain nn.Embedding on every TP rank
     ("self_attention.linear_qkv.weight", COLUMN),
     ("self_attention.linear_qkv.bias", COLUMN),
     ("self_attention.linear_proj.weight", ROW),
@@ -148,6 +151,10 @@ def shard_state_dict(
             target = name
         elif name.startswith("decoder.final_layernorm."):
             if not last:
+                continue
+            target = name
+        elif name == POSITION_EMBEDDING:
+            if not first:
                 continue
             target = name
         else:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from mindspeed_pack.data.sample_index import get_sample_index
-from mindspeed_pack.packing.segments import IGNORE_INDEX
+from mindspeed_pack.data.sample_index import get_sample_index, whole_epochs
+from mindspeed_pack.packing.segments import IGNORE_INDEX, segment_ids_at_eos
 
 KEYS = ("input_ids", "attention_mask", "labels")
 
@@ -81,18 +81,30 @@ class PackedDocuments:
 
 
 def split_ranges(num_docs: int, split: str) -> List[tuple]:
-    """Megatron's ``--split a,b,c``: contiguous [start, end) document ranges per split."""
-    weights = [float(x) for x in split.replace("/", ",").split(",")]
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    if total <= 0:
-        raise DataError(f"--split {split!r}: weights must sum to a positive number")
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * num_docs)))
-    bounds[-1] = num_docs
-    bounds = [min(b, num_docs) for b in bounds]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+    """Megatron's ``--split a,b,c``: contiguous [start, end) document ranges per split.
+
+    megatron-core's rule (``convert_split_vector_to_split_matrix``): each split ends at the
+    rounded *cumulative* fraction, so rounding never hands documents to a later split
+    (25 packs at ``98,2,0`` give 24/1/0, as ``GPTDataset`` splits them).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+
+    try:
+        weights = [float(x) for x in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise DataError(f"--split {split!r}: give comma-separated weights, e.g. 98,2,0") from None
+    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise DataError(f"--split {split!r}: up to three non-negative weights with a positive sum")
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(",".join(map(str, weights))))
+    out = []
+    for bookends in matrix:
+        if bookends is None:
+            prev = out[-1][1] if out else 0
+            out.append((prev, prev))
+        else:
+            out.append((int(round(bookends[0] * num_docs)), int(round(bookends[1] * num_docs))))
+    return out
 
 
 @dataclass
@@ -121,7 +133,6 @@ def _split_sources(args) -> dict:
         if len(args.data_path) != 1:
             raise DataError("posttrain takes one --data-path prefix (blends are for pretrain_gpt.py)")
         docs = PackedDocuments(args.data_path[0])
-        _check_against_meta(docs, args)
         validate_packed_documents(docs, args)  # corrupt or mismatched files stop here, before the first step
         return {name: (docs, start, end)
                 for name, (start, end) in zip(("train", "valid", "test"), split_ranges(len(docs), args.split))}
@@ -133,16 +144,22 @@ def _split_sources(args) -> dict:
         if len(paths) != 1:
             raise DataError(f"--{name}-data-path takes one prefix, got {len(paths)}: {' '.join(paths)}")
         docs = PackedDocuments(paths[0])
-        _check_against_meta(docs, args)
         validate_packed_documents(docs, args)
         out[name] = (docs, 0, len(docs))
     return out
 
 
-def build_split_datasets(args, num_samples: dict) -> dict:
-    """{'train'|'valid'|'test': SplitDataset or None} (see :func:`_split_sources`)."""
+def build_split_datasets(args, num_samples: dict) -> tuple:
+    """({'train'|'valid'|'test': SplitDataset or None}, [PackedDocuments read]) (see :func:`_split_sources`).
+
+    The flags are checked against each prefix's data by ``mindspeed_pack.training.preflight``."""
     out = {}
-    for name, source in _split_sources(args).items():
+    sources = _split_sources(args)
+    docs_read = []
+    for source in sources.values():
+        if source is not None and all(source[0] is not d for d in docs_read):
+            docs_read.append(source[0])
+    for name, source in sources.items():
         n = num_samples.get(name, 0)
         if source is None or source[2] <= source[1] or n <= 0:
             out[name] = None
@@ -150,34 +167,26 @@ def build_split_datasets(args, num_samples: dict) -> dict:
         docs, start, end = source
         prefix = os.path.abspath(docs.prefix)
         cache = args.data_cache_path or os.path.dirname(prefix)
+        # whole epochs, as megatron-core builds its indices: a resume with a smaller global
+        # batch size (more steps from the same consumed samples) still finds its samples
+        n = whole_epochs(end - start, n, padded_samples=args.padded_samples and name == "train",
+                         global_batch_size=args.global_batch_size)
         index = get_sample_index(
             cache, end - start, n, seed=args.seed, shuffle=not args.no_shuffle and name == "train",
             padded_samples=args.padded_samples and name == "train", global_batch_size=args.global_batch_size,
             tag=f"{prefix}-{name}-{start}-{end}",
         )
         out[name] = SplitDataset(docs, start, end, index)
-    return out
+    return out, docs_read
 
 
-def _check_against_meta(docs: PackedDocuments, args) -> None:
-    """Refuse flag/data mismatches that would silently train the wrong thing."""
-    layout = (docs.meta or {}).get("layout", {})
-    if args.neat_pack and not layout:
-        # no sidecar (data from elsewhere): segment-id masks have padding (0) or several ids
-        masks = docs.datasets["attention_mask"]
-        if all(np.all(np.asarray(masks[i]) == 1) for i in range(min(len(docs), 16))):
-            raise DataError(f"--neat-pack: the attention_mask of {docs.prefix!r} is all ones in its first packs, "
-                            "so it holds no segment ids; re-run preprocess_data.py --pack --neat-pack")
-    if args.neat_pack and layout.get("kind") == "packed" and not layout.get("neat_pack", False):
-        raise DataError(f"--neat-pack: {docs.prefix!r} was preprocessed without --neat-pack, so its "
-                        "attention_mask holds no segment ids; re-run preprocess_data.py --pack --neat-pack")
-    seq = layout.get("seq_length")
-    if layout.get("kind") == "packed" and seq and int(seq) != args.seq_length:
-        raise DataError(f"--seq-length {args.seq_length} differs from the packs' length {seq} in {docs.prefix!r}")
+def collate(samples: List[dict], seq_length: int, isolate: bool, eos_id: Optional[int] = None,
+            pad_id: Optional[int] = None) -> dict:
+    """Stack documents into [b, seq_length]; shorter (unpacked) ones get a padding segment.
 
-
-def collate(samples: List[dict], seq_length: int, isolate: bool) -> dict:
-    """Stack documents into [b, seq_length]; shorter (unpacked) ones get a padding segment."""
+    ``eos_id`` (plain ``--pack`` data): samples are found at EOS (``sample_ids``); they become
+    the isolated segments when ``isolate``, else only the groups of ``--per-sample-loss``.
+    """
     b = len(samples)
     input_ids = np.zeros((b, seq_length), np.int64)
     labels = np.full((b, seq_length), IGNORE_INDEX, np.int64)
@@ -187,13 +196,18 @@ def collate(samples: List[dict], seq_length: int, isolate: bool) -> dict:
         input_ids[r, :n] = s["input_ids"][:n]
         labels[r, :n] = s["labels"][:n]
         segments[r, :n] = s["attention_mask"][:n]
+    ids_t, labels_t = torch.from_numpy(input_ids), torch.from_numpy(labels)
+    sample_ids = None
+    if eos_id is not None:
+        sample_ids = segment_ids_at_eos(ids_t, labels_t, eos_id, eos_id if pad_id is None else pad_id)
     if not isolate:
         # no isolation: each row is one causal sequence; padding stays untrained
         segments_t = None
+    elif sample_ids is not None:
+        segments_t, sample_ids = sample_ids, None
     else:
         segments_t = torch.from_numpy(segments)
-    return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-            "segment_ids": segments_t}
+    return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids}
 
 
 def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: int, dp_size: int) -> Iterator[dict]:
@@ -202,7 +216,8 @@ def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: i
     pos = consumed_samples
     while pos + mbs * dp_size <= len(dataset):
         first = pos + dp_rank * mbs
-        yield collate([dataset[i] for i in range(first, first + mbs)], args.seq_length, args.isolate_segments)
+        yield collate([dataset[i] for i in range(first, first + mbs)], args.seq_length, args.isolate_segments,
+                      getattr(args, "pack_eos_id", None), getattr(args, "pack_pad_id", None))
         pos += mbs * dp_size
 
 
@@ -213,7 +228,7 @@ class PackedBatchSource:
         from megatron.core import parallel_state as ps
 
         self.args = args
-        self.splits = build_split_datasets(args, num_samples)
+        self.splits, self.docs = build_split_datasets(args, num_samples)
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
 
@@ -242,7 +257,8 @@ def resolve_vocab_size(args) -> None:
     if vocab is None and args.tokenizer_name_or_path:
         from transformers import AutoTokenizer
 
-        vocab = len(AutoTokenizer.from_pretrained(args.tokenizer_name_or_path))
+        vocab = len(AutoTokenizer.from_pretrained(args.tokenizer_name_or_path,
+                                                  use_fast=not args.tokenizer_not_use_fast))
     if vocab is None:
         raise DataError("cannot tell the vocabulary size: pass --padded-vocab-size, --vocab-size or "
                         "--tokenizer-name-or-path")

@@ -111,7 +111,7 @@ def build_tokenizer(args) -> EodTokenizer:
     if args.tokenizer_name_or_path:
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path)
+        tok = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path, use_fast=not args.tokenizer_not_use_fast)
         name = os.path.basename(os.path.normpath(args.tokenizer_name_or_path))
         vocab = vocab or len(tok)
         if eod is None:

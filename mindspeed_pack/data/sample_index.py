@@ -64,6 +64,21 @@ def build_sample_index(num_docs: int, num_samples: int, *, seed: int, shuffle: b
                                        global_batch_size)
 
 
+def whole_epochs(num_docs: int, num_samples: int, *, padded_samples: bool = False, global_batch_size: int = 1) -> int:
+    """``num_samples`` rounded up to whole epochs, as megatron-core sizes its sample indices.
+
+    An epoch is ``num_docs`` entries, or the next multiple of ``global_batch_size`` with
+    ``padded_samples``. Since an index is a prefix of any longer one, rounding up changes no
+    sample that was asked for; it leaves slack for a resume that reads further (e.g. with a
+    smaller global batch size, so more steps from the same ``consumed_samples``).
+    """
+    num_docs = _check_int("num_docs", num_docs, 1)
+    num_samples = _check_int("num_samples", num_samples, 0)
+    gbs = _check_int("global_batch_size", global_batch_size, 1)
+    epoch = -(-num_docs // gbs) * gbs if padded_samples else num_docs
+    return -(-num_samples // epoch) * epoch
+
+
 def sample_index_key(num_docs: int, num_samples: int, *, seed: int, shuffle: bool, padded_samples: bool,
                      global_batch_size: int, tag: str = "") -> str:
     """Cache key: a hash of every input that changes the index, plus ``tag``."""

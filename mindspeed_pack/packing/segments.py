@@ -66,6 +66,22 @@ def segment_ids_from_eod(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     return torch.cumsum(prev_eod, dim=-1) + 1
 
 
+def segment_ids_at_eos(input_ids: torch.Tensor, labels: torch.Tensor, eos_id: int, pad_id: int) -> torch.Tensor:
+    """Sample ids 1..k of plain ``--pack`` rows (attention_mask all ones), 0 for padding.
+
+    A sample ends with its EOS, where MindSpeed-LLM resets positions. The row's tail of
+    untrained pad tokens is padding (pad may equal EOS: then it is the run of untrained EOS
+    after the last sample, not a row of length-1 samples)::
+
+        input_ids   a0 a1 E  b0 b1 b2 E  P  P        (E = EOS, P = pad)
+        sample ids  1  1  1  2  2  2  2  0  0
+    """
+    seg = segment_ids_from_eod(input_ids, eos_id)
+    is_pad = (input_ids == pad_id) & (labels == IGNORE_INDEX)
+    tail = torch.flip(torch.cumprod(torch.flip(is_pad.long(), dims=[-1]), dim=-1), dims=[-1]).bool()
+    return seg.masked_fill(tail, 0)
+
+
 def shift_labels_within_segments(labels: torch.Tensor, segment_ids: torch.Tensor) -> torch.Tensor:
     """Target of position i = labels[i+1] if i+1 is in the same, non-padding segment."""
     target = torch.full_like(labels, IGNORE_INDEX)
@@ -88,6 +104,7 @@ def build_packed_batch(
     *,
     reset_position_ids: bool = True,
     per_sample_loss: bool = False,
+    sample_ids: Optional[torch.Tensor] = None,
 ) -> PackedBatch:
     """Derive target, loss mask, positions and cu_seqlens from stored pack rows.
 
@@ -97,6 +114,8 @@ def build_packed_batch(
     ``reset_position_ids``: positions restart at 0 in each segment (else run 0..s-1).
     ``per_sample_loss``: add per-token weights so the loss is a mean over samples of each
     sample's token mean, instead of the packing-invariant per-token mean.
+    ``sample_ids``: [b, s] samples of rows that are not isolated (plain packs, found at EOS),
+    for the per-sample mean and the sample count; without them a row counts as one sample.
     """
     if input_ids.dim() == 1:
         input_ids, labels = input_ids[None], labels[None]
@@ -128,14 +147,19 @@ def build_packed_batch(
     else:
         position_ids = torch.arange(s, device=input_ids.device).repeat(b).view(1, total)
 
-    seg_first_ids = segment_ids.reshape(-1)[start_pos]
-    num_samples = int((seg_first_ids != 0).sum()) if isolated else b
-    num_pad = int((segment_ids == 0).sum()) if isolated else 0
+    # samples: the isolated segments, else the given sample ids, else one per row
+    groups = segment_ids if isolated or sample_ids is None else sample_ids.long().reshape(b, s)
+    group_starts = starts if groups is segment_ids else segment_boundaries(groups)
+    flat_group_starts = group_starts.reshape(-1)
+    group_first_ids = groups.reshape(-1)[flat_group_starts]
+    num_samples = int((group_first_ids != 0).sum()) if groups is not segment_ids or isolated else b
+    num_pad = int((groups == 0).sum()) if isolated or sample_ids is not None else 0
 
     loss_weights = None
     if per_sample_loss:
-        seg_index = torch.cumsum(flat_starts.long(), 0) - 1  # which segment each token is in
-        counts = torch.zeros(len(seqlens), device=input_ids.device).index_add_(0, seg_index, loss_mask.reshape(-1))
+        seg_index = torch.cumsum(flat_group_starts.long(), 0) - 1  # which sample each token is in
+        counts = torch.zeros(int(flat_group_starts.sum()), device=input_ids.device).index_add_(
+            0, seg_index, loss_mask.reshape(-1))
         weights = loss_mask.reshape(-1) / counts.clamp(min=1)[seg_index]
         loss_weights = weights.view(1, total)
 

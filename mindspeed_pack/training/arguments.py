@@ -56,7 +56,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default="auto", choices=["auto", "te", "local"],
                    help="te = Transformer Engine fused THD attention (CUDA); local = exact segment-causal "
                         "SDPA (any device); auto picks te when available")
-    g.add_argument("--use-mcore-models", action="store_true", help="accepted for compatibility (always on)")
+    g.add_argument("--use-mcore-models", action="store_true",
+                   help="accepted no-op: megatron-core models are the only models (always on)")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
                    help="Megatron-LM alias of --attention-backend")
     for name in ("--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"):
@@ -78,7 +79,8 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--overlap-param-gather", action="store_true")
-    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"])
+    g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
+                   help="torch.distributed backend (default: nccl with CUDA, gloo without)")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
 
@@ -96,7 +98,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root"])
-    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of --lr-decay-iters (not together with --lr-warmup-iters)")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -113,6 +116,11 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic algorithms (bitwise-reproducible CPU runs); the data order is always fixed by "
                         "--seed, or sequential with --no-shuffle")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on resume, follow the schedule of these flags (lr, min-lr, warmup, decay) from the "
+                        "checkpoint's iteration instead of refusing a schedule that differs from the checkpoint's")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on resume, keep the checkpoint's schedule and ignore the schedule flags")
     g.add_argument("--skip-train", action="store_true", help="evaluation only")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
@@ -131,29 +139,39 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None, help="prefix P of P_packed_*_document (or a blend)")
     g.add_argument("--split", default="100,0,0")
-    g.add_argument("--num-workers", type=int, default=0)
+    g.add_argument("--num-workers", type=int, default=0,
+                   help="only 0: packs are memory-mapped and read in the training process")
     g.add_argument("--data-cache-path", default=None, help="where sample indices are cached (default: next to data)")
-    g.add_argument("--is-instruction-dataset", action="store_true")
+    g.add_argument("--is-instruction-dataset", action="store_true",
+                   help="accepted no-op: posttrain.py always reads instruction (packed) data")
     g.add_argument("--neat-pack", action="store_true",
                    help="attention_mask holds segment ids: attention, labels and positions are isolated per "
                         "sample (positions restart per sample unless --no-reset-position-ids)")
     g.add_argument("--reset-position-ids", action="store_true",
-                   help="restart position ids at every sample/document (default on with --neat-pack)")
+                   help="restart position ids at every sample/document (default on with --neat-pack); on plain "
+                        "--pack data, samples end at the EOS recorded in the sidecar (as in MindSpeed-LLM) and are "
+                        "isolated like --reset-attention-mask, since megatron-core's THD RoPE takes positions "
+                        "from cu_seqlens")
     g.add_argument("--no-reset-position-ids", action="store_true",
                    help="keep positions 0..s-1 across a pack (not recommended; MindSpeed's example did this)")
     g.add_argument("--reset-attention-mask", action="store_true",
-                   help="isolate attention per sample/document (cu_seqlens; never a dense s x s mask)")
+                   help="isolate attention per sample/document (cu_seqlens; never a dense s x s mask); on plain "
+                        "--pack data, samples end at the EOS recorded in the sidecar")
     g.add_argument("--eod-mask-loss", action="store_true", help="pretraining: do not train EOD targets")
     g.add_argument("--padded-samples", action="store_true",
                    help="repeat the first packs of each epoch to complete its last global batch")
     g.add_argument("--no-shuffle", action="store_true", help="sequential data order (for loss comparison runs)")
-    g.add_argument("--prompt-type", default=None, help="chat template used at preprocessing (recorded, checked)")
+    g.add_argument("--prompt-type", default=None,
+                   help="chat template used at preprocessing: checked against the data's sidecar")
     g.add_argument("--stage", default="sft", choices=["sft"], help="post-training stage")
-    g.add_argument("--variable-seq-lengths", action="store_true", help="accepted for compatibility")
-    g.add_argument("--tokenizer-type", default=None)
+    g.add_argument("--variable-seq-lengths", action="store_true",
+                   help="accepted no-op: packs have a fixed length and unpacked rows are padded to --seq-length")
+    g.add_argument("--tokenizer-type", default=None, help="only PretrainedFromHF (with --tokenizer-name-or-path)")
     g.add_argument("--tokenizer-name-or-path", default=None)
-    g.add_argument("--tokenizer-model", default=None)
-    g.add_argument("--tokenizer-not-use-fast", action="store_true")
+    g.add_argument("--tokenizer-model", default=None,
+                   help="refused: sentencepiece model files are not read; pass --tokenizer-name-or-path")
+    g.add_argument("--tokenizer-not-use-fast", action="store_true",
+                   help="load the slow (Python) HF tokenizer instead of the fast one")
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -175,11 +193,14 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
 def _logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--eval-interval", type=int, default=None)
+    g.add_argument("--eval-interval", type=int, default=1000,
+                   help="validate every N iterations (with --eval-iters); also at the end of training, and the "
+                        "test split at the end, as Megatron-LM does")
     g.add_argument("--eval-iters", type=int, default=0)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-file", default=None, help="every step's metrics as JSON lines")
-    g.add_argument("--log-throughput", action="store_true", help="accepted; tokens/s is always logged")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="also log the model TFLOP/s per GPU (tokens/s is always logged)")
     g.add_argument("--dry-run", action="store_true", help="parse and validate the arguments, print them, exit")
 
 
@@ -214,6 +235,35 @@ def _check_precision_and_parallel(args) -> None:
                             f"a multiple of --tensor-model-parallel-size {args.tensor_model_parallel_size}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _check_schedule_flags(args) -> None:
+    """Megatron-LM's rules for the warmup and the resume schedule flags."""
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters:
+            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters both given: pass only one of them")
+        if args.train_iters:
+            args.lr_warmup_iters = int(args.lr_warmup_fraction * (args.lr_decay_iters or args.train_iters))
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given: "
+                            "pass only one of them")
+
+
+def _check_data_flags(args) -> None:
+    """Refuse data and tokenizer flags this project cannot honour (none is silently ignored)."""
+    if args.num_workers:
+        raise ArgumentError(f"--num-workers {args.num_workers}: packs are memory-mapped and read in the training "
+                            "process; only 0 is supported (drop the flag)")
+    if args.tokenizer_type not in (None, "PretrainedFromHF"):
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: only PretrainedFromHF is supported "
+                            "(with --tokenizer-name-or-path DIR)")
+    if args.tokenizer_model:
+        raise ArgumentError("--tokenizer-model: sentencepiece model files are not read; pass "
+                            "--tokenizer-name-or-path with a Hugging Face tokenizer directory")
+    if args.distributed_backend == "nccl" and not cuda_usable():
+        raise ArgumentError("--distributed-backend nccl needs CUDA: drop the flag (gloo is used without CUDA)")
+    if args.eval_interval is not None and args.eval_interval < 1:
+        raise ArgumentError(f"--eval-interval {args.eval_interval} must be >= 1")
 
 
 def validate_args(args, world_size: int = 1) -> argparse.Namespace:
@@ -268,8 +318,8 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None and args.train_iters:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * (args.lr_decay_iters or args.train_iters))
+    _check_schedule_flags(args)
+    _check_data_flags(args)
     if not args.skip_train and not args.train_iters:
         raise ArgumentError("--train-iters is required (or --skip-train for evaluation only)")
     if args.skip_train and not args.eval_iters:

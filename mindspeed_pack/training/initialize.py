@@ -20,10 +20,12 @@ def initialize_distributed(
     pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     timeout_minutes: int = 10,
+    backend: str | None = None,
 ) -> None:
     """Initialise torch.distributed from torchrun's environment and megatron's groups.
 
-    A plain ``python script.py`` (no torchrun) runs as a world of one process.
+    A plain ``python script.py`` (no torchrun) runs as a world of one process. ``backend``
+    (``--distributed-backend``) defaults to nccl with CUDA, gloo without.
     """
     if not platform.cuda_usable():
         platform.enable()
@@ -38,7 +40,7 @@ def initialize_distributed(
         if platform.cuda_usable():
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
         dist.init_process_group(
-            backend=platform.default_backend(),
+            backend=backend or platform.default_backend(),
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),

@@ -1,8 +1,12 @@
 """Training metrics to the console (Megatron-LM format), TensorBoard and a JSON-lines file.
 
 Console lines keep Megatron-LM's ``key: value |`` layout so existing log parsers (and
-``mindspeed_pack.tools.compare_runs``) read them. Only the last pipeline stage's first
-tensor/data-parallel rank writes.
+``mindspeed_pack.tools.compare_runs``) read them, and its ``--log-interval`` meaning: a line
+every N iterations with the interval's means (loss over the iterations not skipped, time
+per iteration, tokens/s, padding ratio, samples per pack) and its skipped count; learning
+rate and grad norm are the last iteration's. The JSON-lines file keeps every step. Counts
+are the whole job's (summed over data-parallel ranks by the trainer). Only the last
+pipeline stage's first tensor/data-parallel rank writes.
 """
 from __future__ import annotations
 
@@ -12,9 +16,31 @@ import os
 import time
 
 
+def flops_per_step(args, tokens: float, attention: float) -> float:
+    """Model FLOPs of one training step (forward + backward = 3 x forward, 2 per multiply-add).
+
+    Matrix multiplies: 6 per weight per token (attention QKV/proj, MLP, output layer).
+    Attention scores and values: 4 x hidden per key a query sees in the forward pass, about
+    half of each segment's length^2 keys under the causal mask, so 6 x hidden x sum(len^2)
+    per layer (``attention`` = sum of segment lengths squared over the step).
+    """
+    h, layers = args.hidden_size, args.num_layers
+    head = args.kv_channels or h // args.num_attention_heads
+    qkv = h * (args.num_attention_heads + 2 * args.num_query_groups) * head
+    proj = args.num_attention_heads * head * h
+    mlp = (3 if args.swiglu else 2) * h * args.ffn_hidden_size
+    weights = layers * (qkv + proj + mlp) + h * (args.padded_vocab_size or 0)
+    return 6.0 * weights * tokens + 6.0 * layers * h * attention
+
+
 class MetricsLogger:
     def __init__(self, args, enabled: bool):
+        self.args = args
         self.enabled = enabled
+        self.log_throughput = bool(getattr(args, "log_throughput", False))
+        self.world_size = max(1, int(os.environ.get("WORLD_SIZE", "1")))
+        self._interval = []
+        self._skipped_printed = 0
         self.train_iters = args.train_iters or 0
         self.log_interval = max(1, args.log_interval)
         self.jsonl = None
@@ -37,10 +63,16 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write(json.dumps({"iteration": iteration, "split": "setup", "precision": record}) + "\n")
 
-    def step(self, record: dict) -> None:
-        """Record one training step; print it every ``--log-interval`` iterations."""
+    def step(self, record: dict, total_tokens: float = 0.0, samples: float = 0.0, rows: float = 0.0,
+             attention: float = 0.0) -> None:
+        """Record one training step; print the interval's means every ``--log-interval`` iterations."""
         if not self.enabled:
             return
+        elapsed = record["step time (ms)"] / 1000.0
+        if self.log_throughput:
+            flops = flops_per_step(self.args, total_tokens, attention)
+            record["TFLOP/s/GPU"] = flops / max(elapsed, 1e-12) / self.world_size / 1e12
+        self._interval.append((record, total_tokens, samples, rows, flops if self.log_throughput else 0.0))
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
         it = record["iteration"]
@@ -49,37 +81,56 @@ class MetricsLogger:
                 if k not in ("iteration", "split") and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(f"train/{k}", v, it)
         if it % self.log_interval == 0 or it == self.train_iters:
-            stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-            print(
-                f" [{stamp}] iteration {it:8d}/{self.train_iters:8d} |"
-                f" consumed samples: {record['consumed samples']:12d} |"
-                f" elapsed time per iteration (ms): {record['step time (ms)']:.1f} |"
-                f" learning rate: {record['lr']:.6E} |"
-                f" global batch size: {record['global batch size']:5d} |"
-                f" lm loss: {record['lm loss']:.6E} |"
-                f" grad norm: {record['grad norm']:.4f} |"
-                f" tokens/s: {record['tokens/s']:.1f} |"
-                f" samples per pack: {record['samples per pack']:.2f} |"
-                f" padding ratio: {record['padding ratio']:.4f} |"
-                f" number of skipped iterations: {record['skipped']:3d} |",
-                flush=True,
-            )
+            self._print_interval(record)
 
-    def validation(self, iteration: int, loss: float, tokens: int) -> None:
+    def _print_interval(self, last: dict) -> None:
+        steps, self._interval = self._interval, []
+        seconds = sum(r["step time (ms)"] for r, *_ in steps) / 1000.0
+        real = sum(r["tokens"] for r, *_ in steps)
+        total = sum(t for _, t, *_ in steps)
+        losses = [r["lm loss"] for r, *_ in steps if math.isfinite(r["lm loss"])]
+        skipped, self._skipped_printed = last["skipped"] - self._skipped_printed, last["skipped"]
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        throughput = ""
+        if self.log_throughput:
+            tflops = sum(f for *_, f in steps) / max(seconds, 1e-12) / self.world_size / 1e12
+            throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        print(
+            f" [{stamp}] iteration {last['iteration']:8d}/{self.train_iters:8d} |"
+            f" consumed samples: {last['consumed samples']:12d} |"
+            f" elapsed time per iteration (ms): {seconds * 1000.0 / len(steps):.1f} |"
+            f"{throughput}"
+            f" learning rate: {last['lr']:.6E} |"
+            f" global batch size: {last['global batch size']:5d} |"
+            f" lm loss: {loss:.6E} |"
+            f" grad norm: {last['grad norm']:.4f} |"
+            f" tokens/s: {real / seconds if seconds > 0 else 0.0:.1f} |"
+            f" samples per pack: {sum(s for _, _, s, _, _ in steps) / max(1.0, sum(r for *_, r, _ in steps)):.2f} |"
+            f" padding ratio: {(total - real) / total if total else 0.0:.4f} |"
+            f" number of skipped iterations: {skipped:3d} |",
+            flush=True,
+        )
+
+    def validation(self, iteration: int, loss: float, tokens: int, split: str = "valid",
+                   label: str | None = None) -> None:
+        """One evaluation (``split`` valid or test); ``label`` as Megatron-LM prints it, e.g.
+        "the end of training for test data" (default "iteration N")."""
         if not self.enabled:
             return
         ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
-        print(f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |",
-              flush=True)
+        label = label or f"iteration {iteration}"
+        print(f" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |", flush=True)
         if self.jsonl:
-            self.jsonl.write(json.dumps({"iteration": iteration, "split": "valid", "lm loss": loss,
+            self.jsonl.write(json.dumps({"iteration": iteration, "split": split, "lm loss": loss,
                                          "tokens": tokens}) + "\n")
         if self.tb:
-            self.tb.add_scalar("valid/lm loss", loss, iteration)
+            self.tb.add_scalar(f"{split}/lm loss", loss, iteration)
 
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+
 

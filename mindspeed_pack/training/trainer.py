@@ -34,7 +34,7 @@ from megatron.core.utils import get_model_config
 from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
-from mindspeed_pack.training import checkpointing
+from mindspeed_pack.training import checkpointing, preflight
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
@@ -65,6 +65,7 @@ def to_packed_batch(mb: dict, args) -> PackedBatch:
     batch = build_packed_batch(
         mb["input_ids"], mb["labels"], mb["segment_ids"],
         reset_position_ids=args.reset_position_ids, per_sample_loss=args.per_sample_loss,
+        sample_ids=mb.get("sample_ids"),
     )
     if "loss_mask" in mb:  # e.g. --eod-mask-loss: extra untrained targets from the data side
         batch.loss_mask = batch.loss_mask * mb["loss_mask"].reshape(batch.loss_mask.shape).float()
@@ -110,17 +111,24 @@ class Trainer:
             os.environ.setdefault("NCCL_ALGO", "Ring")
             os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # TE fused attention backward
         initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
-                               args.distributed_timeout_minutes)
+                               args.distributed_timeout_minutes, backend=args.distributed_backend)
         if args.deterministic_mode:
             torch.use_deterministic_algorithms(True, warn_only=not cuda_usable())
         self.model = self._build_model()
         self.optimizer, self.scheduler = self._build_optimizer()
+        preflight.guard_scheduler_resume(args, self.scheduler)
         if args.load:
             self.iteration, self.consumed_samples = checkpointing.load_checkpoint(
                 args, self.model, self.optimizer, self.scheduler)
-        num_samples = {"train": (args.train_iters or 0) * args.global_batch_size,
-                       "valid": args.eval_iters * args.global_batch_size}
+        # what this run reads from here on: a resume with another global batch size continues
+        # from the checkpoint's consumed samples
+        remaining = max(0, (args.train_iters or 0) - self.iteration)
+        num_samples = {"train": self.consumed_samples + remaining * args.global_batch_size if remaining else 0,
+                       "valid": args.eval_iters * args.global_batch_size,
+                       "test": args.eval_iters * args.global_batch_size}
         self.source.setup(args, num_samples)
+        for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
+            preflight.check_data(docs, args)
         self.metrics = MetricsLogger(args, enabled=self._is_logging_rank())
         self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
         if args.exit_signal_handler:
@@ -205,7 +213,7 @@ class Trainer:
         """Forward (and backward) over one global batch; returns (loss sum, count, stats)."""
         args = self.args
         source = self.source.micro_batches(split, consumed)
-        stats = {"rows": 0, "samples": 0, "pad": 0, "tokens": 0}
+        stats = {"rows": 0, "samples": 0, "pad": 0, "tokens": 0, "attn": 0}
         batches = []
         for _ in range(args.num_micro_batches):
             try:
@@ -218,6 +226,8 @@ class Trainer:
             stats["samples"] += b.num_samples
             stats["pad"] += b.num_pad_tokens
             stats["tokens"] += b.num_tokens
+            seqlens = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double()
+            stats["attn"] += float((seqlens * seqlens).sum())  # attention work, for --log-throughput
             batches.append(b)
         data = iter(batches)
 
@@ -263,6 +273,15 @@ class Trainer:
             log.warning("non-finite loss at iteration %d: update skipped", self.iteration + 1)
             self.skipped += 1
             return loss, float("nan"), stats, False
+        bad = self._first_non_finite_grad()
+        if bad is not None:
+            where = f"iteration {self.iteration + 1} (first non-finite gradient: {bad})"
+            if args.nan_policy == "stop":
+                raise NonFiniteLossError(f"non-finite gradient at {where}; use --nan-policy skip to skip such "
+                                         "updates")
+            log.warning("non-finite gradient at %s: update skipped, weights unchanged", where)
+            self.skipped += 1
+            return loss, float("inf"), stats, False
         ok, grad_norm, _ = self.optimizer.step()
         faults.fire("step", self.iteration + 1)  # crash tests: die after the update, before log and save
         if ok:
@@ -271,6 +290,34 @@ class Trainer:
             self.skipped += 1
         return loss, (float(grad_norm) if grad_norm is not None else float("nan")), stats, ok
 
+    def _first_non_finite_grad(self) -> Optional[str]:
+        """Name of a parameter whose gradient holds inf/NaN (None if every one is finite).
+
+        One pass over the contiguous grad buffers; names are looked up only when one is bad.
+        Every rank agrees (a MAX all-reduce), so all skip or all stop together.
+        """
+        device = torch.cuda.current_device() if cuda_usable() else "cpu"
+        local = any(not bool(torch.isfinite(buf.grad_data).all())
+                    for chunk in self.model for buf in [*chunk.buffers, *chunk.expert_parallel_buffers])
+        flag = torch.tensor([int(local)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if not flag.item():
+            return None
+        name = None
+        if local:
+            for chunk in self.model:
+                for n, p in chunk.module.named_parameters():
+                    g = getattr(p, "main_grad", None)
+                    g = p.grad if g is None else g
+                    if g is not None and not bool(torch.isfinite(g).all()):
+                        name = f"{n} on rank {dist.get_rank()}"
+                        break
+                if name:
+                    break
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, name)
+        return next((n for n in names if n), "unknown parameter")
+
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
         args = self.args
@@ -278,6 +325,8 @@ class Trainer:
             if not self.source.has_split("valid"):
                 raise ValueError(f"--skip-train: the validation split is empty (--split {args.split})")
             self.evaluate()
+            if self.source.has_split("test"):
+                self.evaluate("test", "the end of training for test data")
             return
         if self.iteration >= args.train_iters:
             log.info("checkpoint iteration %d >= --train-iters %d: nothing to train", self.iteration, args.train_iters)
@@ -301,6 +350,17 @@ class Trainer:
                 return
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
             self.save()
+        self._evaluate_at_end()
+
+    def _evaluate_at_end(self) -> None:
+        """Megatron-LM's end of training: validation (unless this iteration was just
+        validated: same weights, same samples) and the test split, with ``--eval-iters``."""
+        if not self.args.eval_iters:
+            return
+        if self.source.has_split("valid") and getattr(self, "last_valid_iteration", None) != self.iteration:
+            self.evaluate("valid", "the end of training for val data")
+        if self.source.has_split("test"):
+            self.evaluate("test", "the end of training for test data")
 
     def _should_exit(self) -> bool:
         flag = self.exit_requested or bool(self.args.exit_interval and self.iteration % self.args.exit_interval == 0)
@@ -308,12 +368,19 @@ class Trainer:
         dist.all_reduce(t)  # every rank must agree
         return bool(t.item())
 
+    def _dp_sum(self, stats: dict) -> dict:
+        """``stats`` summed over the data-parallel group: the whole job's step, not one rank's."""
+        keys = sorted(stats)
+        device = torch.cuda.current_device() if cuda_usable() else "cpu"
+        t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        return {k: float(v) for k, v in zip(keys, t.cpu().tolist())}
+
     def _log_step(self, loss, grad_norm, stats, elapsed) -> None:
         args = self.args
-        # tokens seen by the whole job this step: this rank's rows x data-parallel size
-        dp = ps.get_data_parallel_world_size()
-        total = stats["tokens"] * dp
-        real = (stats["tokens"] - stats["pad"]) * dp
+        stats = self._dp_sum(stats)
+        total = int(stats["tokens"])
+        real = int(stats["tokens"] - stats["pad"])
         self.metrics.step({
             "iteration": self.iteration,
             "split": "train",
@@ -328,13 +395,13 @@ class Trainer:
             "consumed samples": self.consumed_samples,
             "global batch size": args.global_batch_size,
             "skipped": self.skipped,
-        })
+        }, total_tokens=total, samples=stats["samples"], rows=stats["rows"], attention=stats["attn"])
 
-    def evaluate(self) -> Optional[float]:
-        """Validation loss over ``--eval-iters`` global batches from the start of the valid split."""
+    def evaluate(self, split: str = "valid", label: Optional[str] = None) -> Optional[float]:
+        """Loss over ``--eval-iters`` global batches from the start of ``split`` (valid or test)."""
         args = self.args
-        if not self.source.has_split("valid"):
-            log.warning("no validation split (--split gives it no documents): skipping evaluation")
+        if not self.source.has_split(split):
+            log.warning("no %s split (--split gives it no documents): skipping evaluation", split)
             return None
         for chunk in self.model:
             chunk.eval()
@@ -342,14 +409,16 @@ class Trainer:
         tokens = 0
         with torch.no_grad():
             for i in range(args.eval_iters):
-                loss_sum, stats = self._run_batches("valid", i * args.global_batch_size, forward_only=True)
+                loss_sum, stats = self._run_batches(split, i * args.global_batch_size, forward_only=True)
                 total += loss_sum
                 tokens += stats["tokens"] - stats["pad"]
         loss = self._global_mean(total)
-        self.metrics.validation(self.iteration, loss, tokens * ps.get_data_parallel_world_size())
+        tokens = int(self._dp_sum({"tokens": tokens})["tokens"])
+        self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
         for chunk in self.model:
             chunk.train()
-        self.last_valid_loss = loss
+        if split == "valid":
+            self.last_valid_loss, self.last_valid_iteration = loss, self.iteration
         return loss
 
     def save(self) -> None:

@@ -1,0 +1,161 @@
+"""Before the first step: the run's flags against what the checkpoint and the data recorded.
+
+One place for every check that compares a flag with what an earlier step of the workflow
+wrote down, so a mismatch stops the run with a message naming the flag, the file and what
+to do, instead of silently training something else:
+
+* the checkpoint's learning-rate schedule (Megatron-LM's rule: a resume whose ``--lr``,
+  ``--min-lr``, warmup, decay iterations or decay style differ from the checkpoint's is
+  refused unless ``--override-opt_param-scheduler`` (follow the flags from the checkpoint's
+  iteration) or ``--use-checkpoint-opt_param-scheduler`` (keep the checkpoint's schedule));
+* the data's sidecar (``P_packed_meta.json``): ``--neat-pack`` against the kind of
+  ``attention_mask`` (segment ids or all ones), ``--seq-length``, ``--prompt-type``, and
+  the EOS id that marks sample ends in plain ``--pack`` data for ``--reset-position-ids``,
+  ``--reset-attention-mask`` and ``--per-sample-loss``.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import numpy as np
+
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.training.checkpointing import CheckpointError
+
+log = logging.getLogger(__name__)
+
+# scheduler state key -> (what it is, the flags that set it)
+SCHEDULE_FIELDS = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction",
+    "lr_decay_steps": "--lr-decay-iters (default --train-iters)",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--weight-decay",
+    "end_wd": "--weight-decay",
+}
+
+
+# ---------------------------------------------------------------------------- checkpoint
+def schedule_mismatches(saved: dict, scheduler) -> list:
+    """``[(flag, checkpoint value, value of these flags)]`` where the schedules differ."""
+    out = []
+    for key, flag in SCHEDULE_FIELDS.items():
+        if key not in saved:
+            continue
+        mine = getattr(scheduler, key)
+        if saved[key] != mine and not (isinstance(mine, float) and np.isclose(saved[key], mine, rtol=1e-12, atol=0)):
+            out.append((flag, saved[key], mine))
+    return out
+
+
+def check_resume_schedule(args, scheduler, saved: dict) -> None:
+    """Refuse a resume whose schedule flags differ from the checkpoint's (Megatron-LM's rule)."""
+    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler or args.skip_train:
+        return  # --skip-train: no update, so no schedule
+    differing = schedule_mismatches(saved, scheduler)
+    if differing:
+        what = "; ".join(f"{flag}: checkpoint {a}, flags {b}" for flag, a, b in differing)
+        raise CheckpointError(
+            f"--load {args.load}: the learning-rate schedule differs from the checkpoint's ({what}). Pass "
+            "--override-opt_param-scheduler to follow these flags from the checkpoint's iteration, or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
+
+
+def guard_scheduler_resume(args, scheduler) -> None:
+    """Check the checkpoint's schedule when (and only when) the checkpoint loader restores it.
+
+    megatron-core's ``OptimizerParamScheduler.load_state_dict`` then keeps the flags' values
+    (``--override-opt_param-scheduler``) or the checkpoint's (``--use-checkpoint-...``).
+    """
+    scheduler.override_opt_param_scheduler = bool(args.override_opt_param_scheduler)
+    scheduler.use_checkpoint_opt_param_scheduler = bool(args.use_checkpoint_opt_param_scheduler)
+    restore = scheduler.load_state_dict
+
+    def load_state_dict(state_dict: dict) -> None:
+        check_resume_schedule(args, scheduler, state_dict)
+        if args.skip_train:
+            scheduler.use_checkpoint_opt_param_scheduler = True
+        restore(state_dict)
+        # the optimizer's param groups carry their own max/min lr, restored from the checkpoint
+        # just before: make them follow the schedule chosen above, then recompute the lr
+        for group in scheduler.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
+        scheduler.step(increment=0)
+        if args.override_opt_param_scheduler:
+            log.info("--override-opt_param-scheduler: following the flags' schedule from iteration %d",
+                     scheduler.num_steps)
+
+    scheduler.load_state_dict = load_state_dict
+
+
+# ---------------------------------------------------------------------------- data
+def _masks_hold_segment_ids(docs, limit: int = 16) -> bool:
+    """True if the first packs' attention_mask is not all ones (segment ids 1..k, 0 = padding)."""
+    masks = docs.datasets["attention_mask"]
+    return any(np.any(np.asarray(masks[i]) != 1) for i in range(min(len(docs), limit)))
+
+
+def _recorded_prompt_type(meta: dict):
+    for section in ((meta.get("cache_key") or {}).get("arguments") or {}, meta.get("arguments") or {}):
+        if "prompt_type" in section:
+            return section["prompt_type"], True
+    return None, False
+
+
+def check_data(docs, args) -> None:
+    """Refuse flag/data mismatches that would silently train the wrong thing; fill
+    ``args.pack_eos_id`` (sample ends of plain packs) and ``args.isolate_segments``."""
+    meta = docs.meta or {}
+    layout = meta.get("layout") or {}
+    sidecar = f"{docs.prefix}_packed_meta.json"
+    has_segment_ids = layout["neat_pack"] if "neat_pack" in layout else _masks_hold_segment_ids(docs)
+    if args.neat_pack and not has_segment_ids:
+        raise DataError(f"--neat-pack: the attention_mask of {docs.prefix!r} holds no segment ids (written without "
+                        "--neat-pack, all ones); re-run preprocess_data.py --pack --neat-pack, or drop --neat-pack")
+    if has_segment_ids and not args.neat_pack:
+        raise DataError(f"{docs.prefix!r} was written with --neat-pack (its attention_mask holds segment ids"
+                        + (f", {sidecar}" if layout else "") + "): pass --neat-pack, or samples attend to each other")
+    seq = layout.get("seq_length")
+    if layout.get("kind") == "packed" and seq and int(seq) != args.seq_length:
+        raise DataError(f"--seq-length {args.seq_length} differs from the packs' length {seq} in {sidecar}")
+    _check_prompt_type(meta, args, sidecar)
+    args.pack_eos_id = args.pack_pad_id = None
+    plain_pack = layout.get("kind") == "packed" and not has_segment_ids
+    if plain_pack and (args.reset_position_ids or args.reset_attention_mask or args.per_sample_loss):
+        args.pack_eos_id, args.pack_pad_id = _sample_end_ids(layout, args, sidecar)
+        if args.reset_position_ids or args.reset_attention_mask:
+            args.isolate_segments = True
+            log.info("plain --pack data: samples end at EOS id %d; attention, labels and positions are "
+                     "isolated per sample", args.pack_eos_id)
+    elif not layout and not has_segment_ids and (args.reset_position_ids or args.reset_attention_mask
+                                                  or args.per_sample_loss):
+        warnings.warn(f"{docs.prefix!r} has no sidecar ({sidecar}): each document is taken as one sample "
+                      "(plain packs cannot be split at EOS without it)", stacklevel=2)
+
+
+def _check_prompt_type(meta: dict, args, sidecar: str) -> None:
+    if args.prompt_type is None:
+        return
+    recorded, known = _recorded_prompt_type(meta)
+    if not known:
+        warnings.warn(f"--prompt-type {args.prompt_type}: {sidecar} does not record the template, so it "
+                      "cannot be checked", stacklevel=3)
+    elif recorded != args.prompt_type:
+        raise DataError(f"--prompt-type {args.prompt_type}, but the data was preprocessed with --prompt-type "
+                        f"{recorded} ({sidecar}): pass --prompt-type {recorded}, or re-run preprocess_data.py")
+
+
+def _sample_end_ids(layout: dict, args, sidecar: str) -> tuple:
+    """(EOS id, pad id) of plain packs: the sidecar's, else the tokenizer's."""
+    eos, pad = layout.get("eos_id"), layout.get("pad_id")
+    if eos is None and args.tokenizer_name_or_path:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer_name_or_path, use_fast=not args.tokenizer_not_use_fast)
+        eos, pad = tok.eos_token_id, tok.pad_token_id
+    if eos is None:
+        raise DataError(f"plain --pack data with --reset-position-ids/--reset-attention-mask/--per-sample-loss: "
+                        f"samples end at EOS, but {sidecar} records no eos_id; pass --tokenizer-name-or-path")
+    return int(eos), (int(pad) if pad is not None else int(eos))

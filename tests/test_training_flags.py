@@ -1,0 +1,312 @@
+"""Training flags mean what they mean in Megatron-LM / MindSpeed-LLM (issue 18, one test per point).
+
+Most runs call ``posttrain.main`` or the ``Trainer`` in this process (tiny model, few steps);
+only the data-parallel and tensor-parallel comparisons start ``torchrun``.
+"""
+import glob
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import posttrain
+from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource, split_ranges
+from mindspeed_pack.training.arguments import build_parser, parse_args
+from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.training.trainer import NonFiniteLossError, Trainer, to_packed_batch
+from tests.data_utils import _builder, read_metrics, rel_err, write_packed_instruction_dataset
+from tests.model_utils import TINY_FLAGS
+from tests.train_utils import ROOT, run_posttrain
+
+EOS, PAD = 2, 0
+
+
+def argv(data, *extra, metrics=None):
+    out = [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+           "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--no-shuffle", "--data-path", data]
+    if metrics:
+        out += ["--metrics-file", metrics]
+    return out + list(extra)
+
+
+def nargv(data, *extra, metrics=None):
+    return argv(data, "--neat-pack", *extra, metrics=metrics)
+
+
+@pytest.fixture(scope="module")
+def neat(tmp_path_factory):
+    return write_packed_instruction_dataset(str(tmp_path_factory.mktemp("neat") / "copy"), num_packs=24, meta=True)
+
+
+def write_eos_packs(prefix, neat_pack, num_packs=8, seq_length=128, seed=5, prompt_type="qwen"):
+    """Packs whose samples end with EOS (trained), padded with PAD, as preprocess_data.py writes them
+    (``neat_pack``: segment ids in attention_mask, else all ones), with the sidecar's layout."""
+    rng = np.random.default_rng(seed)
+    keys = ("input_ids", "attention_mask", "labels")
+    builders = {k: _builder(f"{prefix}_packed_{k}_document.bin") for k in keys}
+    for _ in range(num_packs):
+        ids = np.full(seq_length, PAD, np.int32)
+        labels = np.full(seq_length, -100, np.int32)
+        seg = np.zeros(seq_length, np.int32)
+        pos = k = 0
+        while True:
+            n = int(rng.integers(8, 40))
+            if pos + n > seq_length - 1:
+                break
+            x = rng.integers(3, 200, n)
+            x[n // 2:-1] = x[: n - 1 - n // 2]
+            x[-1] = EOS
+            k += 1
+            ids[pos:pos + n], seg[pos:pos + n] = x, k
+            labels[pos + n // 2:pos + n] = x[n // 2:]
+            pos += n
+        mask = seg if neat_pack else np.ones(seq_length, np.int32)
+        for key, arr in zip(keys, (ids, mask, labels)):
+            builders[key].add_document(arr, [seq_length])
+    for key, b in builders.items():
+        b.finalize(f"{prefix}_packed_{key}_document.idx")
+    with open(f"{prefix}_packed_meta.json", "w") as f:
+        json.dump({"layout": {"kind": "packed", "neat_pack": neat_pack, "seq_length": seq_length, "eos_id": EOS,
+                              "pad_id": PAD}, "cache_key": {"arguments": {"prompt_type": prompt_type}}}, f)
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def eos_packs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eos")
+    return write_eos_packs(str(d / "neat"), True), write_eos_packs(str(d / "plain"), False)
+
+
+def first_batch(args_list, split="train"):
+    """The first micro-batch's PackedBatch as the trainer builds it (after its preflight)."""
+    trainer = Trainer(parse_args(args_list), PackedBatchSource())
+    trainer.setup()
+    try:
+        return to_packed_batch(next(trainer.source.micro_batches(split, 0)), trainer.args)
+    finally:
+        trainer.cleanup()
+
+
+# 1 ------------------------------------------------------------------------------------------
+def test_resume_with_changed_schedule_is_refused_or_follows_the_new_schedule(tmp_path, neat):
+    ckpt = str(tmp_path / "ckpt")
+    posttrain.main(nargv(neat, "--train-iters", "4", "--save", ckpt, "--exit-interval", "2"))
+    new = ["--lr", "5e-3", "--train-iters", "8"]
+    with pytest.raises(CheckpointError) as err:
+        posttrain.main(nargv(neat, *new, "--load", ckpt, metrics=str(tmp_path / "refused.jsonl")))
+    msg = str(err.value)
+    assert "--override-opt_param-scheduler" in msg and "--use-checkpoint-opt_param-scheduler" in msg
+    assert "--lr: checkpoint 0.001, flags 0.005" in msg
+    posttrain.main(nargv(neat, *new, "--load", ckpt, "--override-opt_param-scheduler",
+                        metrics=str(tmp_path / "override.jsonl")))
+    posttrain.main(nargv(neat, *new, metrics=str(tmp_path / "scratch.jsonl")))
+    got, want = read_metrics(str(tmp_path / "override.jsonl")), read_metrics(str(tmp_path / "scratch.jsonl"))
+    assert sorted(got) == list(range(3, 9))
+    for it in got:
+        assert rel_err(got[it]["lr"], want[it]["lr"]) <= 1e-12, (it, got[it]["lr"], want[it]["lr"])
+    assert got[5]["lr"] > 1e-3  # the new, higher schedule (the old one had ended at 1e-4)
+    posttrain.main(nargv(neat, *new, "--load", ckpt, "--use-checkpoint-opt_param-scheduler",
+                        metrics=str(tmp_path / "keep.jsonl")))
+    assert read_metrics(str(tmp_path / "keep.jsonl"))[4]["lr"] == pytest.approx(1e-4)  # old schedule's end
+
+
+# 2 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_inf_gradient_is_skipped_or_stops_naming_the_iteration(neat, policy):
+    trainer = Trainer(parse_args(nargv(neat, "--train-iters", "4", "--nan-policy", policy)), PackedBatchSource())
+    trainer.setup()
+    try:
+        trainer.train_step()
+        trainer.iteration = 1
+        name, param = next((n, p) for n, p in trainer.model[0].module.named_parameters() if "linear_fc2" in n)
+        handle = param.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
+        before = {n: p.detach().clone() for n, p in trainer.model[0].module.named_parameters()}
+        if policy == "stop":
+            with pytest.raises(NonFiniteLossError, match=rf"iteration 2 .*{re.escape(name)}"):
+                trainer.train_step()
+            return
+        loss, grad_norm, _, ok = trainer.train_step()
+        handle.remove()
+        assert np.isfinite(loss) and not ok and trainer.skipped == 1 and not np.isfinite(grad_norm)
+        for n, p in trainer.model[0].module.named_parameters():
+            assert torch.equal(p.detach(), before[n]), n  # the update was not applied
+        loss, grad_norm, _, ok = trainer.train_step()  # and the next step trains again
+        assert ok and np.isfinite(grad_norm) and trainer.skipped == 1
+    finally:
+        trainer.cleanup()
+
+
+# 3 ------------------------------------------------------------------------------------------
+def test_plain_pack_resets_positions_and_isolates_samples_at_eos(tmp_path, eos_packs):
+    neat_data, plain_data = eos_packs
+    isolated = first_batch(argv(neat_data, "--train-iters", "1", "--neat-pack"))
+    plain = first_batch(argv(plain_data, "--train-iters", "1", "--reset-position-ids"))
+    assert torch.equal(plain.position_ids, isolated.position_ids)
+    assert torch.equal(plain.cu_seqlens, isolated.cu_seqlens)  # megatron-core's THD RoPE reads these
+    plain = first_batch(argv(plain_data, "--train-iters", "1", "--reset-attention-mask"))
+    assert torch.equal(plain.cu_seqlens, isolated.cu_seqlens) and torch.equal(plain.target, isolated.target)
+    assert int(isolated.position_ids.max()) < 40  # positions restart per sample
+    posttrain.main(argv(neat_data, "--train-iters", "2", "--neat-pack", metrics=str(tmp_path / "neat.jsonl")))
+    posttrain.main(argv(plain_data, "--train-iters", "2", "--reset-attention-mask",
+                        metrics=str(tmp_path / "plain.jsonl")))
+    a, b = read_metrics(str(tmp_path / "neat.jsonl")), read_metrics(str(tmp_path / "plain.jsonl"))
+    for it in (1, 2):
+        assert rel_err(b[it]["lm loss"], a[it]["lm loss"]) <= 1e-5
+
+
+# 4 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sidecar", [True, False], ids=["sidecar", "no-sidecar"])
+def test_neat_pack_data_without_neat_pack_is_refused(tmp_path, eos_packs, sidecar):
+    data = write_eos_packs(str(tmp_path / "neat"), True, num_packs=4)
+    if not sidecar:
+        os.remove(f"{data}_packed_meta.json")
+    with pytest.raises(DataError, match="pass --neat-pack"):
+        posttrain.main(argv(data, "--train-iters", "1"))
+
+
+# 5 ------------------------------------------------------------------------------------------
+def test_split_rounds_as_megatron_core():
+    assert split_ranges(25, "98,2,0") == [(0, 24), (24, 25), (25, 25)]
+    assert split_ranges(125, "98,2,0") == [(0, 122), (122, 125), (125, 125)]
+    assert split_ranges(10, "0,100,0") == [(0, 0), (0, 10), (10, 10)]
+
+
+# 6 ------------------------------------------------------------------------------------------
+def test_warmup_fraction_and_warmup_iters_are_exclusive(neat, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(nargv(neat, "--train-iters", "4", "--lr-warmup-fraction", "0.5"))  # argv has --lr-warmup-iters 1
+    assert "--lr-warmup-fraction and --lr-warmup-iters" in capsys.readouterr().err
+
+
+# 7 ------------------------------------------------------------------------------------------
+def test_prompt_type_is_checked_against_the_sidecar(eos_packs):
+    _, plain = eos_packs
+    with pytest.raises(DataError, match="--prompt-type llama3.*--prompt-type qwen"):
+        posttrain.main(argv(plain, "--train-iters", "1", "--prompt-type", "llama3"))
+
+
+# 8 ------------------------------------------------------------------------------------------
+def test_per_sample_loss_on_plain_packs_weights_each_sample(eos_packs):
+    neat_data, plain_data = eos_packs
+    isolated = first_batch(argv(neat_data, "--train-iters", "1", "--neat-pack", "--per-sample-loss"))
+    plain = first_batch(argv(plain_data, "--train-iters", "1", "--per-sample-loss"))
+    assert plain.num_samples == isolated.num_samples > 1
+    assert torch.allclose(plain.loss_weights, isolated.loss_weights)
+    assert float(plain.loss_weights.sum()) == pytest.approx(plain.num_samples)
+
+
+# 9 ------------------------------------------------------------------------------------------
+def test_data_parallel_2_logs_the_same_tokens_and_padding_as_one_process(tmp_path, neat):
+    flags = nargv(neat, "--train-iters", "2", "--global-batch-size", "4")
+    posttrain.main(flags + ["--metrics-file", str(tmp_path / "dp1.jsonl")])
+    _, dp2 = run_posttrain(flags[len(TINY_FLAGS):], nproc=2, metrics=str(tmp_path / "dp2.jsonl"))
+    dp1 = read_metrics(str(tmp_path / "dp1.jsonl"))
+    for r in dp2:
+        for key in ("tokens", "padding ratio", "samples per pack"):
+            assert r[key] == pytest.approx(dp1[r["iteration"]][key], rel=1e-12), key
+
+
+def test_log_interval_prints_the_interval_mean_loss(tmp_path, neat, capsys):
+    metrics = str(tmp_path / "m.jsonl")
+    capsys.readouterr()
+    posttrain.main(nargv(neat, "--train-iters", "4", "--log-interval", "2", metrics=metrics))
+    out = capsys.readouterr().out
+    printed = [float(x) for x in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
+    steps = read_metrics(metrics)
+    assert len(printed) == 2
+    for line, its in zip(printed, ((1, 2), (3, 4))):
+        assert rel_err(line, np.mean([steps[i]["lm loss"] for i in its])) <= 1e-6
+
+
+# 10 -----------------------------------------------------------------------------------------
+def test_resume_after_halving_the_global_batch_size_continues(tmp_path, neat):
+    ckpt = str(tmp_path / "ckpt")
+    posttrain.main(nargv(neat, "--train-iters", "6", "--global-batch-size", "4", "--save", ckpt,
+                        "--exit-interval", "2"))
+    posttrain.main(nargv(neat, "--train-iters", "6", "--global-batch-size", "2", "--load", ckpt,
+                        metrics=str(tmp_path / "m.jsonl")))
+    got = read_metrics(str(tmp_path / "m.jsonl"))
+    assert sorted(got) == [3, 4, 5, 6]
+    assert [got[i]["consumed samples"] for i in (3, 6)] == [10, 16]
+
+
+# 11 -----------------------------------------------------------------------------------------
+def test_learned_absolute_trains_from_scratch_at_tp2_as_at_tp1(tmp_path, neat):
+    flags = nargv(neat, "--train-iters", "3", "--position-embedding-type", "learned_absolute")[len(TINY_FLAGS):]
+    posttrain.main(TINY_FLAGS + flags + ["--metrics-file", str(tmp_path / "tp1.jsonl")])
+    tp1 = list(read_metrics(str(tmp_path / "tp1.jsonl")).values())
+    _, tp2 = run_posttrain(flags + ["--tensor-model-parallel-size", "2"], nproc=2, metrics=str(tmp_path / "tp2.jsonl"))
+    a, b = [r["lm loss"] for r in tp1], [r["lm loss"] for r in tp2]
+    assert len(a) == len(b) == 3
+    assert max(rel_err(x, y) for x, y in zip(b, a)) <= 1e-4, (a, b)
+
+
+# 12 -----------------------------------------------------------------------------------------
+def test_eval_iters_alone_validates_and_tests_at_the_end(tmp_path, neat, capsys):
+    metrics = str(tmp_path / "m.jsonl")
+    capsys.readouterr()
+    posttrain.main(nargv(neat, "--train-iters", "2", "--eval-iters", "1", "--split", "80,10,10", metrics=metrics))
+    out = capsys.readouterr().out
+    assert list(read_metrics(metrics, "valid")) == [2] and list(read_metrics(metrics, "test")) == [2]
+    assert "validation loss at the end of training for val data" in out
+    assert "validation loss at the end of training for test data" in out
+
+
+# 13 -----------------------------------------------------------------------------------------
+ACCEPTED_NO_OPS = {"is_instruction_dataset", "variable_seq_lengths", "use_mcore_models"}
+# wired on branch issue13
+WIRED_ON_ISSUE13 = {"overlap_param_gather", "no_masked_softmax_fusion", "no_bias_dropout_fusion",
+                    "no_bias_swiglu_fusion", "no_rope_fusion", "no_gradient_accumulation_fusion",
+                    "attention_softmax_in_fp32"}
+
+
+def _training_code() -> str:
+    files = [f for f in glob.glob(os.path.join(ROOT, "mindspeed_pack", "**", "*.py"), recursive=True)
+             if not f.endswith(("preprocess.py", os.path.join("data", "tokenizer.py")))
+             and os.sep + "tools" + os.sep not in f and os.sep + "convert" + os.sep not in f]
+    files += [os.path.join(ROOT, f) for f in ("posttrain.py", "pretrain_gpt.py")]
+    return "\n".join(open(f).read() for f in files)
+
+
+def test_help_lists_no_flag_the_code_ignores():
+    code = _training_code()
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    unread = []
+    for action in build_parser()._actions:
+        dest = action.dest
+        if dest == "help" or dest in WIRED_ON_ISSUE13:
+            continue
+        if dest in ACCEPTED_NO_OPS:
+            assert "no-op" in (action.help or ""), f"{action.option_strings[0]}: help must say it is a no-op"
+            assert action.option_strings[0] in readme, f"{action.option_strings[0]}: document the no-op in README"
+            continue
+        if action.choices is not None and len(action.choices) == 1:
+            continue  # any other value is refused by the parser
+        if not re.search(rf"args\.{dest}\b|[\"']{dest}[\"']", code):
+            unread.append(action.option_strings[0])
+    assert not unread, f"parsed but never read: {unread}"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-workers", "2"], "--num-workers 2"),
+    (["--tokenizer-model", "tok.model"], "--tokenizer-model"),
+    (["--tokenizer-type", "Llama2Tokenizer"], "--tokenizer-type Llama2Tokenizer"),
+    (["--distributed-backend", "nccl"], "--distributed-backend nccl"),
+])
+def test_flags_this_project_cannot_honour_are_refused(neat, capsys, flags, message):
+    if "nccl" in flags and torch.cuda.is_available():
+        pytest.skip("nccl is valid with CUDA")
+    with pytest.raises(SystemExit):
+        parse_args(nargv(neat, "--train-iters", "1", *flags))
+    assert message in capsys.readouterr().err
+
+
+def test_log_throughput_logs_tflops(tmp_path, neat, capsys):
+    capsys.readouterr()
+    posttrain.main(nargv(neat, "--train-iters", "1", "--log-throughput", "--distributed-backend", "gloo",
+                        metrics=str(tmp_path / "m.jsonl")))
+    assert "throughput per GPU (TFLOP/s/GPU):" in capsys.readouterr().out
+    assert read_metrics(str(tmp_path / "m.jsonl"))[1]["TFLOP/s/GPU"] > 0
