@@ -257,10 +257,6 @@ def test_eval_iters_alone_validates_and_tests_at_the_end(tmp_path, neat, capsys)
 
 # 13 -----------------------------------------------------------------------------------------
 ACCEPTED_NO_OPS = {"is_instruction_dataset", "variable_seq_lengths", "use_mcore_models"}
-# wired on branch issue13
-WIRED_ON_ISSUE13 = {"overlap_param_gather", "no_masked_softmax_fusion", "no_bias_dropout_fusion",
-                    "no_bias_swiglu_fusion", "no_rope_fusion", "no_gradient_accumulation_fusion",
-                    "attention_softmax_in_fp32"}
 
 
 def _training_code() -> str:
@@ -277,7 +273,7 @@ def test_help_lists_no_flag_the_code_ignores():
     unread = []
     for action in build_parser()._actions:
         dest = action.dest
-        if dest == "help" or dest in WIRED_ON_ISSUE13:
+        if dest == "help":
             continue
         if dest in ACCEPTED_NO_OPS:
             assert "no-op" in (action.help or ""), f"{action.option_strings[0]}: help must say it is a no-op"
