@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N posttrain.py --data-path P --neat-pack ... (Megatron-LM flags)
 """
-from mindspeed_pack.data.packed_dataset import PackedBatchSource, resolve_vocab_size
+from mindspeed_pack.data.online_packing import batch_source
+from mindspeed_pack.data.packed_dataset import resolve_vocab_size
 from mindspeed_pack.training.arguments import parse_args
 from mindspeed_pack.training.cli import run_cli, setup_logging
 from mindspeed_pack.training.trainer import run
@@ -12,7 +13,7 @@ def main(argv=None):
     setup_logging()
     args = parse_args(argv, description="mindspeed-pack supervised fine-tuning on packed data")
     resolve_vocab_size(args)
-    return run(args, PackedBatchSource())
+    return run(args, batch_source(args))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from mindspeed_pack.data.sample_index import get_sample_index
+from mindspeed_pack.packing.balance import segment_lengths
 from mindspeed_pack.packing.segments import IGNORE_INDEX
 
 KEYS = ("input_ids", "attention_mask", "labels")
@@ -153,7 +154,9 @@ def collate(samples: List[dict], seq_length: int, isolate: bool) -> dict:
     else:
         segments_t = torch.from_numpy(segments)
     return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-            "segment_ids": segments_t}
+            "segment_ids": segments_t,
+            # the samples' real lengths (padding excluded) for throughput metrics
+            "segment_lengths": np.concatenate([segment_lengths(row) for row in segments])}
 
 
 def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: int, dp_size: int) -> Iterator[dict]:
