@@ -84,3 +84,39 @@ def test_cost_model_counts_linear_weights_and_causal_attention():
 def test_segment_lengths_skip_padding():
     assert segment_lengths(np.array([1, 1, 2, 2, 2, 0, 0])).tolist() == [2, 3]
     assert segment_lengths(np.array([0, 0])).tolist() == []
+
+
+def _offline_source(prefix, dp_rank, dp_size, monkeypatch, gbs=8):
+    """A dp_balanced source over offline packs as rank ``dp_rank`` of ``dp_size`` sees it."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.data.online_packing import BalancedBatchSource
+    from mindspeed_pack.training.arguments import parse_args
+    from tests.model_utils import TINY_FLAGS
+
+    monkeypatch.setattr(ps, "get_data_parallel_rank", lambda: dp_rank)
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda: dp_size)
+    args = parse_args([*TINY_FLAGS, "--seq-length", "128", "--neat-pack", "--data-path", prefix, "--train-iters", "3",
+                       "--global-batch-size", str(gbs), "--micro-batch-size", "2", "--sequence-packing-scheduler",
+                       "dp_balanced"], world_size=dp_size)
+    source = BalancedBatchSource()
+    source.setup(args, {"train": 3 * gbs})
+    return source
+
+
+def test_offline_packs_are_balanced_over_ranks_each_exactly_once(tmp_path, monkeypatch):
+    from tests.data_utils import write_packed_instruction_dataset
+
+    prefix = write_packed_instruction_dataset(str(tmp_path / "packs"), num_packs=20, meta=True)
+    sources = [_offline_source(prefix, r, 2, monkeypatch) for r in range(2)]
+    assert not sources[0].online
+    for consumed in (0, 8, 16):
+        plans = [s._plan("train", consumed) for s in sources]
+        docs = np.concatenate([p["docs"] for p in plans])
+        index = sources[0].splits["train"].index
+        assert sorted(docs.tolist()) == sorted(int(d) for d in index[consumed:consumed + 8])
+        assert [len(p["docs"]) for p in plans] == [4, 4]
+        assert plans[0]["imbalance"] == plans[1]["imbalance"] <= 1.05
+        mbs = list(sources[0].micro_batches("train", consumed))
+        assert len(mbs) == 2 and mbs[0]["input_ids"].shape == (2, 128)
+        assert sources[0].step_shape("train", consumed)[:2] == (2, 256)
