@@ -69,6 +69,12 @@ class BalancedBatchSource(PackedBatchSource):
         self._pack_costs: dict = {}
         if self.online:
             self._check_online(args, docs)
+        elif args.max_seqlen_per_dp_cp_rank != args.seq_length:
+            raise DataError(f"--max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank}: {docs.prefix!r} holds "
+                            f"offline packs of --seq-length {args.seq_length} tokens, which dp_balanced only assigns "
+                            "to ranks; to pack at load time to another length, preprocess without --pack")
+        log.info("dp_balanced: %s", f"online packing into rows of {self.capacity} tokens" if self.online
+                 else "offline packs assigned to data-parallel ranks by cost")
 
     def _check_online(self, args, docs) -> None:
         if args.micro_batch_size != 1:
