@@ -120,3 +120,23 @@ def test_offline_packs_are_balanced_over_ranks_each_exactly_once(tmp_path, monke
         mbs = list(sources[0].micro_batches("train", consumed))
         assert len(mbs) == 2 and mbs[0]["input_ids"].shape == (2, 128)
         assert sources[0].step_shape("train", consumed)[:2] == (2, 256)
+
+
+def test_step_metrics_count_attention_by_segment_lengths_and_give_mfu():
+    from mindspeed_pack.training.throughput import add_micro_batch, step_fields
+
+    args = types.SimpleNamespace(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                                 ffn_hidden_size=128, swiglu=True, padded_vocab_size=256, kv_channels=None,
+                                 peak_tflops=1e-6)
+    seg = np.array([[1] * 30 + [2] * 50 + [0] * 48])  # two samples and padding in a 128-token row
+    stats = {}
+    add_micro_batch(stats, {"input_ids": np.zeros((1, 128)), "segment_ids": seg})
+    assert (stats["real tokens"], stats["sum sq lengths"]) == (80, 30**2 + 50**2)
+    fields = step_fields(args, stats, elapsed=2.0, dp=1, world_size=2)
+    assert fields["model TFLOPs"] * 1e12 == pytest.approx(cost_model(args).flops(80, 30**2 + 50**2))
+    assert fields["MFU"] == pytest.approx(fields["model TFLOPs"] / 2.0 / 2 / 1e-6)
+    # a plan's exact whole-job figures win over this rank's x dp
+    stats.update({"job real tokens": 100, "job sum sq lengths": 100**2, "rank imbalance": 1.02})
+    fields = step_fields(args, stats, elapsed=2.0, dp=2, world_size=2)
+    assert fields["model TFLOPs"] * 1e12 == pytest.approx(cost_model(args).flops(100, 100**2))
+    assert fields["rank imbalance"] == 1.02

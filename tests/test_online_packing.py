@@ -95,6 +95,7 @@ def test_online_packing_in_parallel_equals_one_sample_per_row(tmp_path, data, on
     run_posttrain([*COMMON, *ONLINE, "--data-path", data, *layout], nproc=2, metrics=metrics)
     got = _records(metrics)
     _assert_same_losses(got, one_per_row)
+    assert all(got["train"][it]["tokens"] == rec["tokens"] for it, rec in one_per_row["train"].items())
     if not layout:
         assert all(1.0 <= r["rank imbalance"] < 1.5 for r in got["train"].values())
 

@@ -66,7 +66,7 @@ class BalancedBatchSource(PackedBatchSource):
         self.sizes = np.asarray(docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
         self.capacity = args.max_seqlen_per_dp_cp_rank if self.online else args.seq_length
         self._plans: OrderedDict = OrderedDict()
-        self._pack_costs: dict = {}
+        self._pack_lengths: dict = {}  # offline pack -> its sample lengths
         if self.online:
             self._check_online(args, docs)
         elif args.max_seqlen_per_dp_cp_rank != args.seq_length:
@@ -110,35 +110,37 @@ class BalancedBatchSource(PackedBatchSource):
         if self.online:
             lengths = np.minimum(self.sizes[docs], self.capacity)
             ranks = plan_online_packing(lengths, self.dp_size, self.capacity, self.cost)
-            plan = {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks])}
+            plan = {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks]),
+                    "job": _job_stats(lengths)}
         else:
-            costs = np.array([self._pack_cost(dataset, int(d)) for d in docs])
+            segments = [self._pack_segments(dataset, int(d)) for d in docs]
+            costs = np.array([self.cost.sample_costs(lengths).sum() for lengths in segments])
             parts = balance_partition(costs, self.dp_size, equal_counts=True)
             plan = {"docs": docs[parts[self.dp_rank]],
-                    "imbalance": imbalance([costs[p].sum() for p in parts])}
+                    "imbalance": imbalance([costs[p].sum() for p in parts]), "job": _job_stats(np.concatenate(segments))}
         self._plans[key] = plan
         while len(self._plans) > self._CACHE:
             self._plans.popitem(last=False)
         return plan
 
-    def _pack_cost(self, dataset: SplitDataset, doc: int) -> float:
-        """Estimated cost of an offline pack: its samples' costs (the whole pack if not isolated)."""
-        if doc not in self._pack_costs:
+    def _pack_segments(self, dataset: SplitDataset, doc: int) -> np.ndarray:
+        """Sample lengths of an offline pack (the whole pack if samples are not isolated)."""
+        if doc not in self._pack_lengths:
             if self.args.isolate_segments:
                 lengths = segment_lengths(dataset.docs.datasets["attention_mask"][doc])
             else:
-                lengths = [self.args.seq_length]
-            self._pack_costs[doc] = float(self.cost.sample_costs(lengths).sum())
-        return self._pack_costs[doc]
+                lengths = np.array([self.args.seq_length])
+            self._pack_lengths[doc] = lengths.astype(np.int64)
+        return self._pack_lengths[doc]
 
     # ---------------------------------------------------------------- the trainer's interface
     def step_shape(self, split: str, consumed: int):
         """(micro-batches this step, tokens per micro-batch, extra step statistics)."""
         plan = self._plan(split, consumed)
         if self.online:
-            return len(plan["rows"]), self.capacity, {"rank imbalance": plan["imbalance"]}
+            return len(plan["rows"]), self.capacity, {"rank imbalance": plan["imbalance"], **plan["job"]}
         return self.args.num_micro_batches, self.args.seq_length * self.args.micro_batch_size, \
-            {"rank imbalance": plan["imbalance"]}
+            {"rank imbalance": plan["imbalance"], **plan["job"]}
 
     def micro_batches(self, split: str, consumed: int) -> Iterator[dict]:
         plan = self._plan(split, consumed)
@@ -170,6 +172,12 @@ class BalancedBatchSource(PackedBatchSource):
             pos += n
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
                 "segment_ids": torch.from_numpy(segments), "segment_lengths": np.asarray(lengths, np.int64)}
+
+
+def _job_stats(lengths) -> dict:
+    """The whole job's real tokens and squared sample lengths this step (ranks differ under balancing)."""
+    lengths = np.asarray(lengths, np.int64)
+    return {"job real tokens": int(lengths.sum()), "job sum sq lengths": int((lengths * lengths).sum())}
 
 
 def batch_source(args) -> PackedBatchSource:

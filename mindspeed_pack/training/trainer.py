@@ -188,7 +188,7 @@ class Trainer:
         args = self.args
         num_micro_batches, tokens_per_micro_batch, plan_stats = self._step_shape(split, consumed)
         source = self.source.micro_batches(split, consumed)
-        stats = {"rows": 0, "samples": 0, "pad": 0, "tokens": 0, **plan_stats}
+        stats = {"rows": 0, "samples": 0, "tokens": 0, **plan_stats}
         batches = []
         for _ in range(num_micro_batches):
             try:
@@ -201,8 +201,8 @@ class Trainer:
             stats["samples"] += b.num_samples
             stats["tokens"] += b.num_tokens
             throughput.add_micro_batch(stats, mb)
-            stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
             batches.append(b)
+        stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
         data = iter(batches)
 
         def forward_step(data_iterator, model):
@@ -300,10 +300,11 @@ class Trainer:
 
     def _log_step(self, loss, grad_norm, stats, elapsed) -> None:
         args = self.args
-        # tokens seen by the whole job this step: this rank's rows x data-parallel size
+        # tokens seen by the whole job this step: this rank's rows x data-parallel size (real tokens:
+        # exact from the data plan when the source gives it, as under dp_balanced)
         dp = ps.get_data_parallel_world_size()
         total = stats["tokens"] * dp
-        real = (stats["tokens"] - stats["pad"]) * dp
+        real = throughput.job_figures(stats, dp)[0]
         self.metrics.step({
             "iteration": self.iteration,
             "split": "train",
