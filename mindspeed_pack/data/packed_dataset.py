@@ -20,6 +20,7 @@ import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from mindspeed_pack.data.sample_index import get_sample_index, whole_epochs
+from mindspeed_pack.packing.balance import segment_lengths
 from mindspeed_pack.packing.segments import IGNORE_INDEX, segment_ids_at_eos
 
 KEYS = ("input_ids", "attention_mask", "labels")
@@ -207,7 +208,10 @@ def collate(samples: List[dict], seq_length: int, isolate: bool, eos_id: Optiona
         segments_t, sample_ids = sample_ids, None
     else:
         segments_t = torch.from_numpy(segments)
-    return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids}
+    return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids,
+            # the samples' real lengths (padding excluded) for throughput metrics
+            "segment_lengths": np.concatenate([segment_lengths(row) for row in
+                                               (segments if segments_t is None else segments_t.numpy())])}
 
 
 def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: int, dp_size: int) -> Iterator[dict]:

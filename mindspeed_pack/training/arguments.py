@@ -161,6 +161,11 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--padded-samples", action="store_true",
                    help="repeat the first packs of each epoch to complete its last global batch")
     g.add_argument("--no-shuffle", action="store_true", help="sequential data order (for loss comparison runs)")
+    g.add_argument("--sequence-packing-scheduler", default="none", choices=["none", "dp_balanced"],
+                   help="dp_balanced: pack unpacked data at load time into rows of --max-seqlen-per-dp-cp-rank "
+                        "tokens and balance data-parallel ranks by estimated cost (offline packs: balance the packs)")
+    g.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None,
+                   help="tokens per packed row under --sequence-packing-scheduler dp_balanced (default --seq-length)")
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
     g.add_argument("--stage", default="sft", choices=["sft"], help="post-training stage")
@@ -201,6 +206,8 @@ def _logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metrics-file", default=None, help="every step's metrics as JSON lines")
     g.add_argument("--log-throughput", action="store_true",
                    help="also log the model TFLOP/s per GPU (tokens/s is always logged)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak dense TFLOP/s of one device (e.g. 989 for H100 bf16): logs MFU next to model TFLOP/s")
     g.add_argument("--dry-run", action="store_true", help="parse and validate the arguments, print them, exit")
 
 
@@ -314,6 +321,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
                       "THD RoPE restarts them per segment anyway", stacklevel=2)
     args.reset_position_ids = (args.reset_position_ids or args.neat_pack) and not args.no_reset_position_ids
     args.isolate_segments = args.neat_pack or args.reset_attention_mask
+    if args.max_seqlen_per_dp_cp_rank is None:
+        args.max_seqlen_per_dp_cp_rank = args.seq_length
+    if args.max_seqlen_per_dp_cp_rank < 2:
+        raise ArgumentError("--max-seqlen-per-dp-cp-rank must be at least 2")
+    if args.sequence_packing_scheduler == "dp_balanced" and not args.no_reset_position_ids:
+        args.reset_position_ids = True  # online packing isolates samples: positions restart per sample
     if args.padded_vocab_size is None and args.vocab_size is not None:
         args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     if args.lr_decay_iters is None:

@@ -16,23 +16,6 @@ import os
 import time
 
 
-def flops_per_step(args, tokens: float, attention: float) -> float:
-    """Model FLOPs of one training step (forward + backward = 3 x forward, 2 per multiply-add).
-
-    Matrix multiplies: 6 per weight per token (attention QKV/proj, MLP, output layer).
-    Attention scores and values: 4 x hidden per key a query sees in the forward pass, about
-    half of each segment's length^2 keys under the causal mask, so 6 x hidden x sum(len^2)
-    per layer (``attention`` = sum of segment lengths squared over the step).
-    """
-    h, layers = args.hidden_size, args.num_layers
-    head = args.kv_channels or h // args.num_attention_heads
-    qkv = h * (args.num_attention_heads + 2 * args.num_query_groups) * head
-    proj = args.num_attention_heads * head * h
-    mlp = (3 if args.swiglu else 2) * h * args.ffn_hidden_size
-    weights = layers * (qkv + proj + mlp) + h * (args.padded_vocab_size or 0)
-    return 6.0 * weights * tokens + 6.0 * layers * h * attention
-
-
 class MetricsLogger:
     def __init__(self, args, enabled: bool):
         self.args = args
@@ -63,16 +46,17 @@ class MetricsLogger:
         if self.jsonl:
             self.jsonl.write(json.dumps({"iteration": iteration, "split": "setup", "precision": record}) + "\n")
 
-    def step(self, record: dict, total_tokens: float = 0.0, samples: float = 0.0, rows: float = 0.0,
-             attention: float = 0.0) -> None:
-        """Record one training step; print the interval's means every ``--log-interval`` iterations."""
+    def step(self, record: dict, total_tokens: float = 0.0, samples: float = 0.0, rows: float = 0.0) -> None:
+        """Record one training step; print the interval's means every ``--log-interval`` iterations.
+
+        Model FLOPs come from the record (``mindspeed_pack.training.throughput``: attention
+        counted by real sample lengths); ``--log-throughput`` adds Megatron-LM's TFLOP/s/GPU."""
         if not self.enabled:
             return
-        elapsed = record["step time (ms)"] / 1000.0
+        flops = record.get("model TFLOPs", 0.0) * 1e12
         if self.log_throughput:
-            flops = flops_per_step(self.args, total_tokens, attention)
-            record["TFLOP/s/GPU"] = flops / max(elapsed, 1e-12) / self.world_size / 1e12
-        self._interval.append((record, total_tokens, samples, rows, flops if self.log_throughput else 0.0))
+            record["TFLOP/s/GPU"] = record.get("model TFLOP/s per device", 0.0)
+        self._interval.append((record, total_tokens, samples, rows, flops))
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
         it = record["iteration"]

@@ -34,7 +34,7 @@ from megatron.core.utils import get_model_config
 from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
-from mindspeed_pack.training import checkpointing, preflight
+from mindspeed_pack.training import checkpointing, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
@@ -55,6 +55,9 @@ class BatchSource(Protocol):
 
     def has_split(self, split: str) -> bool:
         ...
+
+    # optional: step_shape(split, consumed) -> (micro-batches, tokens per micro-batch, stats) for
+    # sources whose step shape varies (online packing); default args.num_micro_batches x seq_length
 
 
 class NonFiniteLossError(RuntimeError):
@@ -212,10 +215,11 @@ class Trainer:
     def _run_batches(self, split: str, consumed: int, forward_only: bool):
         """Forward (and backward) over one global batch; returns (loss sum, count, stats)."""
         args = self.args
+        num_micro_batches, tokens_per_micro_batch, plan_stats = self._step_shape(split, consumed)
         source = self.source.micro_batches(split, consumed)
-        stats = {"rows": 0, "samples": 0, "pad": 0, "tokens": 0, "attn": 0}
+        stats = {"rows": 0, "samples": 0, "tokens": 0, **plan_stats}
         batches = []
-        for _ in range(args.num_micro_batches):
+        for _ in range(num_micro_batches):
             try:
                 mb = next(source)
             except StopIteration:
@@ -224,11 +228,10 @@ class Trainer:
             b = to_packed_batch(mb, args)
             stats["rows"] += mb["input_ids"].shape[0]
             stats["samples"] += b.num_samples
-            stats["pad"] += b.num_pad_tokens
             stats["tokens"] += b.num_tokens
-            seqlens = (b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double()
-            stats["attn"] += float((seqlens * seqlens).sum())  # attention work, for --log-throughput
+            throughput.add_micro_batch(stats, mb)
             batches.append(b)
+        stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
         data = iter(batches)
 
         def forward_step(data_iterator, model):
@@ -239,7 +242,7 @@ class Trainer:
 
         results = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=self.model,
-            num_microbatches=args.num_micro_batches, seq_length=args.seq_length * args.micro_batch_size,
+            num_microbatches=num_micro_batches, seq_length=tokens_per_micro_batch,
             micro_batch_size=1, forward_only=forward_only,
         )
         loss_sum = torch.zeros(2, dtype=torch.float64)
@@ -247,6 +250,13 @@ class Trainer:
             for r in results:
                 loss_sum += r["lm loss"].detach().double().cpu()
         return loss_sum, stats
+
+    def _step_shape(self, split: str, consumed: int):
+        """(micro-batches, tokens per micro-batch, plan statistics) of a step; online packing varies them."""
+        step_shape = getattr(self.source, "step_shape", None)
+        if step_shape is not None:
+            return step_shape(split, consumed)
+        return self.args.num_micro_batches, self.args.seq_length * self.args.micro_batch_size, {}
 
     def _global_mean(self, loss_sum: torch.Tensor) -> float:
         """Per-token mean over the global batch, known on every rank."""
@@ -378,9 +388,12 @@ class Trainer:
 
     def _log_step(self, loss, grad_norm, stats, elapsed) -> None:
         args = self.args
+        # the balanced plan's figures are the whole job's already: keep them out of the DP sum
+        plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance" or k.startswith("job ")}
         stats = self._dp_sum(stats)
         total = int(stats["tokens"])
-        real = int(stats["tokens"] - stats["pad"])
+        real = int(stats["real tokens"])
+        stats.update(plan)
         self.metrics.step({
             "iteration": self.iteration,
             "split": "train",
@@ -395,7 +408,8 @@ class Trainer:
             "consumed samples": self.consumed_samples,
             "global batch size": args.global_batch_size,
             "skipped": self.skipped,
-        }, total_tokens=total, samples=stats["samples"], rows=stats["rows"], attention=stats["attn"])
+            **throughput.step_fields(args, stats, elapsed, 1, dist.get_world_size()),
+        }, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
 
     def evaluate(self, split: str = "valid", label: Optional[str] = None) -> Optional[float]:
         """Loss over ``--eval-iters`` global batches from the start of ``split`` (valid or test)."""

@@ -1,0 +1,187 @@
+"""``--sequence-packing-scheduler dp_balanced``: pack at load time and balance DP ranks by cost.
+
+Global batch ``g`` is still samples ``[g*GBS, (g+1)*GBS)`` of the split's sample index (same
+seed, ``--no-shuffle``, ``--padded-samples``, ``consumed_samples``), so resuming stays exact;
+only *how* those samples are laid out over ranks and rows changes. Every rank derives the same
+plan from the samples' lengths (document sizes from the ``.idx``: no token reads, no
+communication), see :mod:`mindspeed_pack.packing.balance`.
+
+* Unpacked data (``preprocess_data.py`` without ``--pack``: one sample per document): the
+  batch's samples are spread over DP ranks by estimated cost, each rank's share is packed
+  with the C++ best-fit-decreasing packer into rows of ``--max-seqlen-per-dp-cp-rank`` tokens
+  (``C``, default ``--seq-length``), and every rank runs the same number of rows. A micro-batch
+  is one row of ``C`` tokens (fixed shape for pipelines), samples isolated as segments::
+
+      rank 0:  row 0 = [s3 s3 s3 s3 s0 s0 s7 . ]   row 1 = [s5 s5 s5 s5 s5 s1 s1 . ]
+      rank 1:  row 0 = [s2 s2 s2 s2 s2 s2 s2 s2]   row 1 = [s4 s4 s6 s6 s6 . . . ]
+
+  Samples longer than ``C`` are truncated to ``C`` (a warning at start counts them).
+  Changing ``C`` needs no new preprocessing.
+* Offline packs (``--pack``): each global batch's packs are assigned to ranks, ``GBS/DP``
+  each, balancing the packs' costs (from their segment ids); the micro-batch count is unchanged.
+
+The loss is the per-token mean over the global batch, so neither layout changes it.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Iterator, List
+
+import numpy as np
+import torch
+
+from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource, SplitDataset, collate
+from mindspeed_pack.packing.balance import (
+    balance_partition, cost_model, imbalance, plan_online_packing, segment_lengths,
+)
+from mindspeed_pack.packing.segments import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+SCHEDULERS = ("none", "dp_balanced")
+
+
+def data_kind(docs) -> str:
+    """'packed' or 'unpacked', from the sidecar's layout, else from the documents themselves."""
+    kind = ((docs.meta or {}).get("layout") or {}).get("kind")
+    if kind in ("packed", "unpacked"):
+        return kind
+    sizes = docs.datasets["input_ids"].sequence_lengths
+    masks = docs.datasets["attention_mask"]
+    ones = all(np.all(np.asarray(masks[i]) == 1) for i in range(min(len(docs), 16)))
+    return "unpacked" if ones and len(np.unique(sizes)) > 1 else "packed"
+
+
+class BalancedBatchSource(PackedBatchSource):
+    """posttrain's data under ``--sequence-packing-scheduler dp_balanced``."""
+
+    _CACHE = 4  # plans kept (a step asks for its plan twice: shape, then micro-batches)
+
+    def setup(self, args, num_samples: dict) -> None:
+        super().setup(args, num_samples)
+        docs = next(d.docs for d in self.splits.values() if d is not None)
+        self.online = data_kind(docs) == "unpacked"
+        self.cost = cost_model(args)
+        # document sizes per prefix (--train/--valid-data-path may name different ones)
+        self._sizes = {id(d.docs): np.asarray(d.docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
+                       for d in self.splits.values() if d is not None}
+        self.capacity = args.max_seqlen_per_dp_cp_rank if self.online else args.seq_length
+        self._plans: OrderedDict = OrderedDict()
+        self._pack_lengths: dict = {}  # offline pack -> its sample lengths
+        if self.online:
+            self._check_online(args, docs)
+        elif args.max_seqlen_per_dp_cp_rank != args.seq_length:
+            raise DataError(f"--max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank}: {docs.prefix!r} holds "
+                            f"offline packs of --seq-length {args.seq_length} tokens, which dp_balanced only assigns "
+                            "to ranks; to pack at load time to another length, preprocess without --pack")
+        log.info("dp_balanced: %s", f"online packing into rows of {self.capacity} tokens" if self.online
+                 else "offline packs assigned to data-parallel ranks by cost")
+
+    def _check_online(self, args, docs) -> None:
+        if args.micro_batch_size != 1:
+            raise DataError(f"--sequence-packing-scheduler dp_balanced on unpacked data {docs.prefix!r}: a "
+                            "micro-batch is one packed row of --max-seqlen-per-dp-cp-rank tokens; use "
+                            "--micro-batch-size 1 (and raise --max-seqlen-per-dp-cp-rank for bigger ones)")
+        tp = args.tensor_model_parallel_size
+        if args.sequence_parallel and self.capacity % tp:
+            raise DataError(f"--max-seqlen-per-dp-cp-rank {self.capacity} must be a multiple of "
+                            f"--tensor-model-parallel-size {tp} under --sequence-parallel")
+        for name, split in self.splits.items():
+            if split is None:
+                continue
+            too_long = int((self._sizes[id(split.docs)][split.start:split.end] > self.capacity).sum())
+            if too_long:
+                log.warning("%d of the %d %s documents of %r are longer than --max-seqlen-per-dp-cp-rank %d "
+                            "and will be truncated to it", too_long, split.end - split.start, name, docs.prefix,
+                            self.capacity)
+
+    # ---------------------------------------------------------------- plans
+    def _plan(self, split: str, consumed: int):
+        key = (split, consumed)
+        if key in self._plans:
+            return self._plans[key]
+        dataset = self.splits.get(split)
+        if dataset is None:
+            raise DataError(f"the {split} split is empty: check --split {self.args.split}")
+        gbs = self.args.global_batch_size
+        if consumed + gbs > len(dataset):
+            raise RuntimeError(f"{split} data exhausted at consumed samples {consumed}: the sample index "
+                               "is shorter than train-iters x global-batch-size")
+        docs = dataset.start + np.asarray(dataset.index[consumed:consumed + gbs], dtype=np.int64)
+        if self.online:
+            lengths = np.minimum(self._sizes[id(dataset.docs)][docs], self.capacity)
+            ranks = plan_online_packing(lengths, self.dp_size, self.capacity, self.cost)
+            plan = {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks]),
+                    "job": _job_stats(lengths)}
+        else:
+            segments = [self._pack_segments(dataset, int(d)) for d in docs]
+            costs = np.array([self.cost.sample_costs(lengths).sum() for lengths in segments])
+            parts = balance_partition(costs, self.dp_size, equal_counts=True)
+            plan = {"docs": docs[parts[self.dp_rank]],
+                    "imbalance": imbalance([costs[p].sum() for p in parts]), "job": _job_stats(np.concatenate(segments))}
+        self._plans[key] = plan
+        while len(self._plans) > self._CACHE:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _pack_segments(self, dataset: SplitDataset, doc: int) -> np.ndarray:
+        """Sample lengths of an offline pack (the whole pack if samples are not isolated)."""
+        if doc not in self._pack_lengths:
+            if self.args.isolate_segments:
+                lengths = segment_lengths(dataset.docs.datasets["attention_mask"][doc])
+            else:
+                lengths = np.array([self.args.seq_length])
+            self._pack_lengths[doc] = lengths.astype(np.int64)
+        return self._pack_lengths[doc]
+
+    # ---------------------------------------------------------------- the trainer's interface
+    def step_shape(self, split: str, consumed: int):
+        """(micro-batches this step, tokens per micro-batch, extra step statistics)."""
+        plan = self._plan(split, consumed)
+        if self.online:
+            return len(plan["rows"]), self.capacity, {"rank imbalance": plan["imbalance"], **plan["job"]}
+        return self.args.num_micro_batches, self.args.seq_length * self.args.micro_batch_size, \
+            {"rank imbalance": plan["imbalance"], **plan["job"]}
+
+    def micro_batches(self, split: str, consumed: int) -> Iterator[dict]:
+        plan = self._plan(split, consumed)
+        docs = self.splits[split].docs
+        if self.online:
+            for row in plan["rows"]:
+                yield self._pack_row([docs.get(int(d)) for d in plan["docs"][row]])
+            return
+        mbs = self.args.micro_batch_size
+        mine = plan["docs"]
+        for i in range(0, len(mine), mbs):
+            yield collate([docs.get(int(d)) for d in mine[i:i + mbs]], self.args.seq_length,
+                          self.args.isolate_segments)
+
+    def _pack_row(self, samples: List[dict]) -> dict:
+        """One row of ``capacity`` tokens: samples back to back as segments 1..k, then padding."""
+        c = self.capacity
+        input_ids = np.zeros((1, c), np.int64)
+        labels = np.full((1, c), IGNORE_INDEX, np.int64)
+        segments = np.zeros((1, c), np.int64)
+        pos = 0
+        lengths = []
+        for k, s in enumerate(samples, start=1):
+            n = min(len(s["input_ids"]), c - pos)
+            input_ids[0, pos:pos + n] = s["input_ids"][:n]
+            labels[0, pos:pos + n] = s["labels"][:n]
+            segments[0, pos:pos + n] = k
+            lengths.append(n)
+            pos += n
+        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+                "segment_ids": torch.from_numpy(segments), "segment_lengths": np.asarray(lengths, np.int64)}
+
+
+def _job_stats(lengths) -> dict:
+    """The whole job's real tokens and squared sample lengths this step (ranks differ under balancing)."""
+    lengths = np.asarray(lengths, np.int64)
+    return {"job real tokens": int(lengths.sum()), "job sum sq lengths": int((lengths * lengths).sum())}
+
+
+def batch_source(args) -> PackedBatchSource:
+    """The posttrain data source for ``--sequence-packing-scheduler``."""
+    return BalancedBatchSource() if args.sequence_packing_scheduler == "dp_balanced" else PackedBatchSource()
