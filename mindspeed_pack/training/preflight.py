@@ -77,6 +77,10 @@ def guard_scheduler_resume(args, scheduler) -> None:
         check_resume_schedule(args, scheduler, state_dict)
         if args.skip_train:
             scheduler.use_checkpoint_opt_param_scheduler = True
+        if scheduler.wd_incr_style == "constant" and state_dict.get("wd_incr_style", "constant") == "constant":
+            # weight decay is constant here, so its increment length (tied to --train-iters) means
+            # nothing: take the checkpoint's so megatron's equality check does not refuse a longer run
+            scheduler.wd_incr_steps = state_dict.get("wd_incr_steps", scheduler.wd_incr_steps)
         restore(state_dict)
         # the optimizer's param groups carry their own max/min lr, restored from the checkpoint
         # just before: make them follow the schedule chosen above, then recompute the lr
