@@ -187,7 +187,7 @@ def test_older_checkpoint_with_numpy_rng_state_still_resumes(saved, tmp_path):
 
     _rewrite(path, as_before)
     metrics = str(tmp_path / "m.jsonl")
-    posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2", "--metrics-file", metrics))
+    posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2", "--override-opt_param-scheduler", "--metrics-file", metrics))
     assert sorted(read_metrics(metrics)) == [2]
 
 
@@ -198,10 +198,10 @@ def test_opt_in_loads_a_trusted_legacy_file_loudly(saved, tmp_path, caplog):
     _rewrite(path, lambda record: record.update(legacy_note=fractions.Fraction(1, 3)))
     with pytest.raises(CheckpointError, match=r"model_optim_rng.pt: refused to load: the file asks for the global "
                                               r"fractions.Fraction.*--allow-unsafe-checkpoint-load"):
-        posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2"))
+        posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2", "--override-opt_param-scheduler"))
     metrics = str(tmp_path / "m.jsonl")
     with caplog.at_level(logging.WARNING):
-        posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2", "--metrics-file", metrics,
+        posttrain.main(argv(saved[0], "--load", ckpt, "--train-iters", "2", "--override-opt_param-scheduler", "--metrics-file", metrics,
                             "--allow-unsafe-checkpoint-load"))
     assert sorted(read_metrics(metrics)) == [2]
     assert any("--allow-unsafe-checkpoint-load" in r.message and "arbitrary code" in r.message
