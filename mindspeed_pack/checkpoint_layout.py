@@ -18,6 +18,7 @@ with ``--allow-unsafe-checkpoint-load``.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -64,19 +65,25 @@ def read_tracker(root: str):
     return int(text)
 
 
-def write_tracker(root: str, iteration) -> None:
-    """Point the tracker at a complete checkpoint, atomically."""
-    tmp = os.path.join(root, f".{TRACKER}.tmp")
+@contextlib.contextmanager
+def _atomic_file(path: str, tmp: str, mode: str):
+    """Write ``tmp``, fsync, then rename it to ``path``; on any error ``tmp`` goes and ``path`` is untouched."""
     try:
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
+        with open(tmp, mode) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    os.replace(tmp, os.path.join(root, TRACKER))
+    os.replace(tmp, path)
+
+
+def write_tracker(root: str, iteration) -> None:
+    """Point the tracker at a complete checkpoint, atomically."""
+    with _atomic_file(os.path.join(root, TRACKER), os.path.join(root, f".{TRACKER}.tmp"), "w") as f:
+        f.write(str(iteration))
 
 
 def save_file_atomic(obj, path: str, iteration: Optional[int] = None) -> None:
@@ -88,29 +95,21 @@ def save_file_atomic(obj, path: str, iteration: Optional[int] = None) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     fault = faults.action_at("write", iteration)
-    try:
-        with open(tmp, "wb") as f:
-            if fault:
-                buf = io.BytesIO()
-                torch.save(obj, buf)
-                f.write(buf.getbuffer()[: buf.tell() // 2])  # a half-written file, as a crash leaves it
-                f.flush()
-                os.fsync(f.fileno())
-                faults.trigger(fault, "write", iteration, tmp)
-            writer = _WriteErrorKeeper(f)
-            try:
-                torch.save(obj, writer)
-            except RuntimeError:
-                if writer.error is not None:  # torch turns a failed write into "unexpected pos ..."
-                    raise writer.error from None
-                raise
+    with _atomic_file(path, tmp, "wb") as f:
+        if fault:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            f.write(buf.getbuffer()[: buf.tell() // 2])  # a half-written file, as a crash leaves it
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
+            faults.trigger(fault, "write", iteration, tmp)
+        writer = _WriteErrorKeeper(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:  # torch turns a failed write into "unexpected pos ..."
+                raise writer.error from None
+            raise
 
 
 class _WriteErrorKeeper:
