@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 import os
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -25,26 +25,36 @@ def _builder(path_bin: str):
 
 
 def write_packed_instruction_dataset(prefix: str, num_packs: int = 64, seq_length: int = 128, seed: int = 0,
-                                     vocab: int = 200, neat_pack: bool = True, meta: bool = False) -> str:
+                                     vocab: int = 200, neat_pack: bool = True, meta: bool = False,
+                                     eos_id: Optional[int] = None, pad_id: int = 0,
+                                     prompt_type: Optional[str] = None) -> str:
     """Write ``num_packs`` packs of samples 8..39 tokens long; returns ``prefix``.
 
     ``neat_pack=False`` writes an all-ones attention mask (plain ``--pack``); ``meta`` adds the
-    sidecar's ``layout`` entry so training can check the flags against the data.
+    sidecar's ``layout`` entry so training can check the flags against the data. ``eos_id``:
+    every sample ends with that (trained) token and each pack keeps at least one ``pad_id``,
+    as preprocess_data.py writes them; the sidecar then records both ids and ``prompt_type``.
     """
+    meta = meta or eos_id is not None
+    room = seq_length - (1 if eos_id is not None else 0)
     rng = np.random.default_rng(seed)
     keys = ("input_ids", "attention_mask", "labels")
     builders = {k: _builder(f"{prefix}_packed_{k}_document.bin") for k in keys}
     for _ in range(num_packs):
-        ids = np.zeros(seq_length, np.int32)
+        ids = np.full(seq_length, pad_id, np.int32)
         labels = np.full(seq_length, IGNORE_INDEX, np.int32)
         seg = np.zeros(seq_length, np.int32)
         pos, k = 0, 0
         while True:
             n = int(rng.integers(8, 40))
-            if pos + n > seq_length:
+            if pos + n > room:
                 break
             x = rng.integers(3, vocab, n)
-            x[n // 2:] = x[: n - n // 2]  # the answer copies the prompt
+            if eos_id is None:
+                x[n // 2:] = x[: n - n // 2]  # the answer copies the prompt
+            else:
+                x[n // 2:-1] = x[: n - 1 - n // 2]
+                x[-1] = eos_id
             k += 1
             ids[pos:pos + n], seg[pos:pos + n] = x, k
             labels[pos + n // 2:pos + n] = x[n // 2:]
@@ -57,8 +67,12 @@ def write_packed_instruction_dataset(prefix: str, num_packs: int = 64, seq_lengt
     if meta:
         import json
 
+        sidecar = {"layout": {"kind": "packed", "neat_pack": neat_pack, "seq_length": seq_length}}
+        if eos_id is not None:
+            sidecar["layout"].update(eos_id=eos_id, pad_id=pad_id)
+            sidecar["cache_key"] = {"arguments": {"prompt_type": prompt_type}}
         with open(f"{prefix}_packed_meta.json", "w") as f:
-            json.dump({"layout": {"kind": "packed", "neat_pack": neat_pack, "seq_length": seq_length}}, f)
+            json.dump(sidecar, f)
     return prefix
 
 

@@ -12,11 +12,7 @@ from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack.training.checkpointing import CheckpointError
 from tests.data_utils import read_metrics, write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
-
-
-def argv(data, *extra):
-    return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
-            "--neat-pack", "--train-iters", "1", "--data-path", data, *extra]
+from tests.train_utils import tiny_argv as argv
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from mindspeed_pack.convert.convert import hf_to_megatron, main as convert_main
 from mindspeed_pack.training.checkpointing import CheckpointError
 from mindspeed_pack.training.cli import run_cli
 from tests.data_utils import read_metrics, write_packed_instruction_dataset
-from tests.model_utils import TINY_FLAGS
+from tests.train_utils import tiny_argv as argv
 
 
 class _RunsCommand:
@@ -64,11 +64,6 @@ def fingerprint(root):
             path = os.path.join(dirpath, name)
             out[os.path.relpath(path, root)] = hashlib.sha1(open(path, "rb").read()).hexdigest()
     return out
-
-
-def argv(data, *extra):
-    return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
-            "--neat-pack", "--train-iters", "1", "--data-path", data, *extra]
 
 
 @pytest.fixture(scope="module")

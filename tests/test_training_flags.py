@@ -4,7 +4,6 @@ Most runs call ``posttrain.main`` or the ``Trainer`` in this process (tiny model
 only the data-parallel and tensor-parallel comparisons start ``torchrun``.
 """
 import glob
-import json
 import os
 import re
 
@@ -17,7 +16,7 @@ from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource, spl
 from mindspeed_pack.training.arguments import build_parser, parse_args
 from mindspeed_pack.training.checkpointing import CheckpointError
 from mindspeed_pack.training.trainer import NonFiniteLossError, Trainer, to_packed_batch
-from tests.data_utils import _builder, read_metrics, rel_err, write_packed_instruction_dataset
+from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
 from tests.train_utils import ROOT, run_posttrain
 
@@ -44,34 +43,8 @@ def neat(tmp_path_factory):
 def write_eos_packs(prefix, neat_pack, num_packs=8, seq_length=128, seed=5, prompt_type="qwen"):
     """Packs whose samples end with EOS (trained), padded with PAD, as preprocess_data.py writes them
     (``neat_pack``: segment ids in attention_mask, else all ones), with the sidecar's layout."""
-    rng = np.random.default_rng(seed)
-    keys = ("input_ids", "attention_mask", "labels")
-    builders = {k: _builder(f"{prefix}_packed_{k}_document.bin") for k in keys}
-    for _ in range(num_packs):
-        ids = np.full(seq_length, PAD, np.int32)
-        labels = np.full(seq_length, -100, np.int32)
-        seg = np.zeros(seq_length, np.int32)
-        pos = k = 0
-        while True:
-            n = int(rng.integers(8, 40))
-            if pos + n > seq_length - 1:
-                break
-            x = rng.integers(3, 200, n)
-            x[n // 2:-1] = x[: n - 1 - n // 2]
-            x[-1] = EOS
-            k += 1
-            ids[pos:pos + n], seg[pos:pos + n] = x, k
-            labels[pos + n // 2:pos + n] = x[n // 2:]
-            pos += n
-        mask = seg if neat_pack else np.ones(seq_length, np.int32)
-        for key, arr in zip(keys, (ids, mask, labels)):
-            builders[key].add_document(arr, [seq_length])
-    for key, b in builders.items():
-        b.finalize(f"{prefix}_packed_{key}_document.idx")
-    with open(f"{prefix}_packed_meta.json", "w") as f:
-        json.dump({"layout": {"kind": "packed", "neat_pack": neat_pack, "seq_length": seq_length, "eos_id": EOS,
-                              "pad_id": PAD}, "cache_key": {"arguments": {"prompt_type": prompt_type}}}, f)
-    return prefix
+    return write_packed_instruction_dataset(prefix, num_packs=num_packs, seq_length=seq_length, seed=seed,
+                                            neat_pack=neat_pack, eos_id=EOS, pad_id=PAD, prompt_type=prompt_type)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,12 @@ def write_copy_task(prefix, num_packs=48, seq_length=128, seed=0, neat_pack=True
                                             neat_pack=neat_pack, meta=meta)
 
 
+def tiny_argv(data, *extra):
+    """posttrain flags of a one-step tiny --neat-pack run on ``data`` (in-process tests)."""
+    return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
+            "--neat-pack", "--train-iters", "1", "--data-path", data, *extra]
+
+
 def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=None):
     """Run posttrain.py (torchrun for nproc > 1); returns (completed process, metrics records)."""
     cmd = [sys.executable]
