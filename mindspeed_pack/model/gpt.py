@@ -91,6 +91,8 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
         tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
         pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
         sequence_parallel=getattr(args, "sequence_parallel", False),
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        cp_comm_type=getattr(args, "cp_comm_type", None) if getattr(args, "context_parallel_size", 1) > 1 else None,
         pipeline_dtype=params_dtype(args),
         # the same seed gives the same full weights at every TP size
         use_cpu_initialization=getattr(args, "use_cpu_initialization", True),

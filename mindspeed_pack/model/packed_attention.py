@@ -9,6 +9,7 @@ call, so the cost follows the sum of squared segment lengths (each at most 1/8 l
 never the square of the pack length, and the Python loop runs once per length bucket.
 
 Without packed parameters (``[s, b, heads, dim]``) every row is one causal sequence.
+Under context parallelism the CP variant (:mod:`.context_parallel_attention`) takes over.
 """
 from __future__ import annotations
 
@@ -101,13 +102,16 @@ class PackedDotProductAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("context parallelism needs Transformer Engine (TEDotProductAttention)")
         if pg_collection is None:
             from megatron.core.process_groups_config import ProcessGroupCollection
 
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
+        self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
+        if self.cp_group is not None:
+            from mindspeed_pack.model.context_parallel_attention import context_parallel_attention  # imports us
+
+            self._cp_attention = context_parallel_attention
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
         head_dim = config.kv_channels
@@ -138,8 +142,13 @@ class PackedDotProductAttention(MegatronModule):
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
-            out = segment_causal_attention(query, key, value, cu, scale=self.scale, dropout_p=dropout_p)
+            if self.cp_group is not None:
+                out = self._cp_attention(query, key, value, cu, self.cp_group, scale=self.scale, dropout_p=dropout_p)
+            else:
+                out = segment_causal_attention(query, key, value, cu, scale=self.scale, dropout_p=dropout_p)
             return out.to(out_dtype)  # [t, h, d]; megatron reshapes to [t, 1, h*d]
+        if self.cp_group is not None:
+            raise ValueError("context parallelism needs packed (THD) batches: PackedSeqParams with cu_seqlens_padded")
         # [s, b, h, d] -> [b, h, s, d]
         s, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))

@@ -44,6 +44,9 @@ class PackedBatch:
     num_samples: int  # segments that are samples (padding segments excluded)
     num_pad_tokens: int  # tokens whose segment id is 0
     loss_weights: Optional[torch.Tensor] = None  # [1, T] per-token weights (per-sample mean)
+    # context parallelism (see :mod:`.context_parallel`): segments padded to a multiple of 2 x CP;
+    # then ``cu_seqlens`` holds the real lengths' offsets and this the physical ones (TE's THD convention)
+    cu_seqlens_padded: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:

@@ -74,7 +74,17 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split every sequence over N ranks (zigzag per sample: rank r holds chunks r and 2N-1-r); "
+                        "samples are padded to a multiple of 2N (x TP under --sequence-parallel) at batch build, "
+                        "or at preprocessing with --pad-to-multiple-of")
+    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a", "a2a+p2p"],
+                   help="Transformer Engine's CP attention communication (GPU); the CPU attention all-gathers "
+                        "keys/values whatever this says")
+    g.add_argument("--context-parallel-algo", default="megatron_cp_algo",
+                   choices=["megatron_cp_algo", "ulysses_cp_algo"],
+                   help="MindSpeed-LLM name: megatron_cp_algo = --cp-comm-type as given (ring, p2p by default); "
+                        "ulysses_cp_algo = --cp-comm-type a2a")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -300,11 +310,17 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError(f"--tensor-model-parallel-size {tp} must divide the query groups ({args.num_query_groups})")
     if args.num_layers % pp:
         raise ArgumentError(f"--pipeline-model-parallel-size {pp} must divide --num-layers {args.num_layers}")
-    if args.context_parallel_size != 1:
-        raise ArgumentError("--context-parallel-size > 1 is not supported yet")
-    if world_size % (tp * pp):
-        raise ArgumentError(f"world size {world_size} is not divisible by TP {tp} x PP {pp}")
-    args.data_parallel_size = world_size // (tp * pp)
+    cp = args.context_parallel_size
+    if cp < 1:
+        raise ArgumentError(f"--context-parallel-size {cp} must be >= 1")
+    if args.context_parallel_algo == "ulysses_cp_algo":
+        args.cp_comm_type = "a2a"
+    if cp > 1 and args.cp_comm_type in ("a2a", "a2a+p2p") and args.num_attention_heads // tp % cp:
+        raise ArgumentError(f"--cp-comm-type {args.cp_comm_type} splits heads over CP: heads per TP rank "
+                            f"({args.num_attention_heads // tp}) must be a multiple of --context-parallel-size {cp}")
+    if world_size % (tp * pp * cp):
+        raise ArgumentError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} x CP {cp}")
+    args.data_parallel_size = world_size // (tp * pp * cp)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -64,22 +64,23 @@ def _rng_state() -> dict:
 
 
 def _rng_states_by_dp_rank() -> list:
-    """Every data-parallel rank's RNG state (dropout draws differ with each rank's data)."""
+    """Every data- (and context-) parallel rank's RNG state (dropout draws differ with each rank's tokens)."""
     local = _rng_state()
-    dp = ps.get_data_parallel_world_size()
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
     if dp == 1:
         return [local]
     states = [None] * dp
-    dist.all_gather_object(states, local, group=ps.get_data_parallel_group())
+    dist.all_gather_object(states, local, group=ps.get_data_parallel_group(with_context_parallel=True))
     return states
 
 
 def _restore_rng(states, path: str) -> None:
     if isinstance(states, dict):  # one state for every rank
         states = [states]
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
     if len(states) != dp:
-        log.warning("%s holds RNG states of %d data-parallel ranks, this run has %d: every rank takes rank "
+        log.warning("%s holds RNG states of %d data(xcontext)-parallel ranks, this run has %d: every rank takes rank "
                     "0's, so dropout will not continue exactly", path, len(states), dp)
         dp_rank = 0
     _set_rng_state(states[dp_rank])
@@ -174,7 +175,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
     rank_dir = os.path.join(tmp_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size))
     error = None
     try:
-        if ps.get_data_parallel_rank() == 0:
+        if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # one writer per TP x PP shard
             layout.save_file_atomic(state, os.path.join(rank_dir, "model_optim_rng.pt"), iteration)
         if args.use_distributed_optimizer and not args.no_save_optim:
             # the distributed optimizer's parameter state is sharded over data-parallel ranks

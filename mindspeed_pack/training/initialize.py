@@ -21,6 +21,7 @@ def initialize_distributed(
     seed: int = 1234,
     timeout_minutes: int = 10,
     backend: str | None = None,
+    context_parallel_size: int = 1,
 ) -> None:
     """Initialise torch.distributed from torchrun's environment and megatron's groups.
 
@@ -45,14 +46,15 @@ def initialize_distributed(
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
         )
-    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size
+    model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor ({tensor_model_parallel_size}) x "
-            f"pipeline ({pipeline_model_parallel_size}) parallel size"
+            f"pipeline ({pipeline_model_parallel_size}) x context ({context_parallel_size}) parallel size"
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                                 context_parallel_size=context_parallel_size)
     set_seed(seed)
 
 

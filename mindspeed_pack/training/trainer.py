@@ -33,6 +33,7 @@ from megatron.core.utils import get_model_config
 
 from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
+from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
 from mindspeed_pack.training import checkpointing, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
@@ -76,11 +77,28 @@ def to_packed_batch(mb: dict, args) -> PackedBatch:
 
 
 def packed_seq_params(batch: PackedBatch) -> PackedSeqParams:
+    """THD parameters; under CP ``cu_seqlens`` are the real lengths and ``*_padded`` the physical ones."""
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
+        cu_seqlens_q_padded=batch.cu_seqlens_padded, cu_seqlens_kv_padded=batch.cu_seqlens_padded,
         max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen,
     )
+
+
+def split_for_context_parallel(batches: List[PackedBatch], args) -> tuple:
+    """(this CP rank's share of each micro-batch, global tokens per micro-batch), see :mod:`..packing.context_parallel`.
+
+    Every segment is padded to ``2 x CP`` (``x TP`` under sequence parallelism). With pipeline
+    stages every micro-batch of the step is padded to the step's longest, since stages exchange
+    activations of one fixed shape; all stages derive the same length from the same data.
+    """
+    cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    multiple = cp_view.padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel)
+    padded = [int(cp_view.round_up(torch.diff(b.cu_seqlens.long()), multiple).sum()) for b in batches]
+    total = max(padded) if ps.get_pipeline_model_parallel_world_size() > 1 else None
+    local = [cp_view.context_parallel_view(b, cp, rank, multiple, total) for b in batches]
+    return local, total or max(padded)
 
 
 def loss_func(batch: PackedBatch, per_sample: bool, output_tensor: torch.Tensor):
@@ -114,7 +132,8 @@ class Trainer:
             os.environ.setdefault("NCCL_ALGO", "Ring")
             os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # TE fused attention backward
         initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
-                               args.distributed_timeout_minutes, backend=args.distributed_backend)
+                               args.distributed_timeout_minutes, backend=args.distributed_backend,
+                               context_parallel_size=args.context_parallel_size)
         if args.deterministic_mode:
             torch.use_deterministic_algorithms(True, warn_only=not cuda_usable())
         self.model = self._build_model()
@@ -205,7 +224,7 @@ class Trainer:
 
     def _is_logging_rank(self) -> bool:
         return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-                and ps.get_data_parallel_rank() == 0)
+                and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
     def _on_signal(self, signum, frame) -> None:
         log.warning("signal %d received: saving a checkpoint after this iteration and exiting", signum)
@@ -231,6 +250,10 @@ class Trainer:
             stats["tokens"] += b.num_tokens
             throughput.add_micro_batch(stats, mb)
             batches.append(b)
+        if args.context_parallel_size > 1:
+            batches, tokens_per_micro_batch = split_for_context_parallel(batches, args)
+            # the tokens the CP group really runs (its per-sample padding counts as padding)
+            stats["tokens"] = sum(b.num_tokens for b in batches) * args.context_parallel_size
         stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
         data = iter(batches)
 
@@ -263,7 +286,8 @@ class Trainer:
         t = loss_sum.clone()
         device = torch.cuda.current_device() if cuda_usable() else "cpu"
         t = t.to(device)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
+        # each CP rank holds its share of the tokens' losses
+        dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=True))
         # the last pipeline stage holds the loss: share it with the whole pipeline
         dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
         t = t.cpu()

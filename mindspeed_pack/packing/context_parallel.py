@@ -1,0 +1,149 @@
+"""The context-parallel (CP) view of a packed batch: per-sample padding and the zigzag split.
+
+Under ``--context-parallel-size N`` every sample of the flattened THD micro-batch is cut into
+``2N`` equal chunks and CP rank ``r`` keeps chunks ``r`` and ``2N-1-r`` (Megatron's
+per-document load balancing: causal attention work grows along a sample, so pairing an early
+chunk with a late one gives every rank the same work). For that, each segment (sample, or
+the pack's padding) is first padded at its end to a multiple of ``2N`` (``x TP`` under
+sequence parallelism, so each rank's share also splits over TP)::
+
+    global      a0 a1 a2 a3 a4 .  |  b0 .  .  .  |  P  P  P  P      (. = CP pad, P = pack padding)
+    cu_seqlens         [0, 5, 6, 10]        real lengths (TE: cu_seqlens_q)
+    cu_seqlens_padded  [0, 6, 10, 14]...    physical offsets (TE: cu_seqlens_q_padded)
+
+    CP2, chunk = padded length / 4:
+    rank 0      a0 a1 . |  b0 .    |  P P   (chunks 0 and 3 of every segment)
+    rank 1      a2 a3 a4 | . .     |  P P   (chunks 1 and 2)
+
+Labels are shifted (within segments) *before* the split, so the split needs no
+communication for targets; CP pads carry no label (never trained) and position id 0.
+Positions of real tokens stay global within their sample; megatron-core's THD RoPE reads the
+same zigzag layout from ``cu_seqlens_padded`` and the CP rank. A pad-only chunk on some rank
+(a 1-token sample at CP2) is fine: its queries attend to keys of their own sample, so no row
+of the attention is ever empty (no NaN).
+
+Every function here is pure tensor arithmetic on one rank: all CP ranks of a DP rank build
+the same global batch and each takes its part.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from mindspeed_pack.packing.segments import PackedBatch
+
+
+def padding_multiple(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """Every segment's length is padded to this: ``2 x CP`` (``x TP`` under sequence parallelism)."""
+    return 2 * cp_size * (tp_size if sequence_parallel else 1)
+
+
+def round_up(n, multiple: int):
+    return -(-n // multiple) * multiple
+
+
+def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None) -> PackedBatch:
+    """``batch`` with each segment padded at its end to a multiple of ``multiple``.
+
+    The result carries ``cu_seqlens`` = cumulative *real* lengths and ``cu_seqlens_padded`` =
+    cumulative padded lengths (Transformer Engine's THD convention). ``total`` (a multiple of
+    ``multiple``, at least the padded size) appends one padding segment so that every
+    micro-batch of a step has the same length (pipeline stages exchange fixed shapes).
+    """
+    if batch.cu_seqlens_padded is not None:
+        raise ValueError("pad_segments: the batch is already padded for context parallelism")
+    cu = batch.cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    padded = round_up(lengths, multiple)
+    new_total = int(padded.sum())
+    if total is not None:
+        if total % multiple or total < new_total:
+            raise ValueError(f"pad_segments: total {total} must be a multiple of {multiple} and >= {new_total}")
+        if total > new_total:
+            lengths = torch.cat([lengths, lengths.new_tensor([total - new_total])])
+            padded = torch.cat([padded, padded.new_tensor([total - new_total])])
+            new_total = total
+    device = cu.device
+    new_starts = torch.cumsum(padded, 0) - padded
+    # where each stored token goes: its segment's new start + its offset in the segment
+    t = batch.tokens.shape[1]
+    seg_of = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), (cu[1:] - cu[:-1]))
+    dest = new_starts[seg_of] + torch.arange(t, device=device) - cu[:-1][seg_of]
+
+    def spread(x: Optional[torch.Tensor], fill=0) -> Optional[torch.Tensor]:
+        if x is None:
+            return None
+        out = x.new_full((1, new_total), fill)
+        out[0, dest] = x[0]
+        return out
+
+    zero = torch.zeros(1, dtype=torch.int32, device=device)
+    return replace(
+        batch,
+        tokens=spread(batch.tokens), target=spread(batch.target), loss_mask=spread(batch.loss_mask),
+        position_ids=spread(batch.position_ids), loss_weights=spread(batch.loss_weights),
+        cu_seqlens=torch.cat([zero, torch.cumsum(lengths, 0).to(torch.int32)]),
+        cu_seqlens_padded=torch.cat([zero, torch.cumsum(padded, 0).to(torch.int32)]),
+        max_seqlen=int(padded.max()),
+        num_pad_tokens=batch.num_pad_tokens + new_total - t,
+    )
+
+
+def zigzag_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global token indices that CP rank ``cp_rank`` holds, in its local order.
+
+    For every segment (padded length a multiple of ``2 x cp_size``): chunk ``cp_rank`` then
+    chunk ``2 x cp_size - 1 - cp_rank``. Local offsets of the segments are
+    ``cu_seqlens_padded / cp_size``.
+    """
+    cu = cu_seqlens_padded.long()
+    lengths = cu[1:] - cu[:-1]
+    if bool((lengths % (2 * cp_size)).any()):
+        raise ValueError(f"segment lengths {lengths.tolist()} are not all multiples of 2 x CP ({2 * cp_size})")
+    chunk = lengths // (2 * cp_size)
+    local_len = 2 * chunk
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), local_len)
+    local_start = torch.cumsum(local_len, 0) - local_len
+    offset = torch.arange(int(local_len.sum()), device=cu.device) - local_start[seg]
+    c = chunk[seg]
+    first = offset < c
+    within = torch.where(first, cp_rank * c + offset, (2 * cp_size - 1 - cp_rank) * c + offset - c)
+    return cu[:-1][seg] + within
+
+
+def split_for_rank(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
+    """This CP rank's tokens of a padded batch (``cu_seqlens*`` stay global, as TE and RoPE expect)."""
+    if batch.cu_seqlens_padded is None:
+        raise ValueError("split_for_rank needs a batch from pad_segments")
+    index = zigzag_index(batch.cu_seqlens_padded, cp_size, cp_rank)
+
+    def take(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if x is None else x[:, index]
+
+    return replace(
+        batch,
+        tokens=take(batch.tokens), target=take(batch.target), loss_mask=take(batch.loss_mask),
+        position_ids=take(batch.position_ids), loss_weights=take(batch.loss_weights),
+        # per-sample loss normaliser: counted once, on CP rank 0, so a DP x CP sum counts each sample once
+        num_samples=batch.num_samples if cp_rank == 0 else 0,
+    )
+
+
+def context_parallel_view(batch: PackedBatch, cp_size: int, cp_rank: int, multiple: int,
+                          total: Optional[int] = None) -> PackedBatch:
+    """Pad every segment (:func:`pad_segments`) and keep this rank's zigzag share."""
+    return split_for_rank(pad_segments(batch, multiple, total), cp_size, cp_rank)
+
+
+def attention_pairs(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """Causal query-key pairs each CP rank computes under the zigzag split, ``[cp_size]`` (int64).
+
+    A query at position ``p`` of its segment sees ``p + 1`` keys; the bench compares the
+    ranks' totals (max / mean) against a contiguous split.
+    """
+    index = [zigzag_index(cu_seqlens_padded, cp_size, r) for r in range(cp_size)]
+    cu = cu_seqlens_padded.long()
+    seg_start = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+    return torch.stack([(i - seg_start[i] + 1).sum() for i in index])
