@@ -82,3 +82,22 @@ def test_cp2_matches_cp1_step_by_step(tmp_path, data, cp1):
     # the CP group's per-sample padding is reported as padding, never as trained tokens
     assert all(cp2[it]["tokens"] == cp1[it]["tokens"] for it in cp1)
     assert all(cp2[it]["padding ratio"] > cp1[it]["padding ratio"] for it in cp1)
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # segments padded to 2 x CP x TP
+    ["--pipeline-model-parallel-size", "2"],  # micro-batches padded to one length for the stages
+    ["--use-distributed-optimizer"],  # DP2 x CP2: loss and gradients summed over DP x CP
+], ids=["tp2-sp", "pp2", "dp2-distopt"])
+def test_cp2_with_other_parallelism_matches_cp1(tmp_path, data, cp1, layout):
+    _assert_same_steps(_run(tmp_path, "cp2x", data, 4, "--context-parallel-size", "2", *layout), cp1)
+
+
+def test_resume_under_cp_is_exact(tmp_path, data, cp1):
+    ckpt = str(tmp_path / "ckpt")
+    stopped = _run(tmp_path, "first", data, 2, "--context-parallel-size", "2", "--save", ckpt, "--save-interval", "2",
+                   "--exit-interval", "2")
+    assert sorted(stopped) == [1, 2]
+    resumed = _run(tmp_path, "resumed", data, 2, "--context-parallel-size", "2", "--load", ckpt)
+    assert sorted(resumed) == [3, 4]
+    _assert_same_steps({**stopped, **resumed}, cp1)
