@@ -24,6 +24,11 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
   ``--neat-pack`` for exact packing).
 * no ``--pack``: one sample per document, of its own length, attention_mask all 1s; the same
   three names, so unpacked training and packed-vs-unpacked comparisons read one format.
+* ``--pad-to-multiple-of N`` (context parallelism): every sample is stored with pad tokens
+  appended up to a multiple of N (:func:`pad_samples`, in :class:`TokenStore`), so packer,
+  packs and unpacked documents all see the padded length. The pads are part of the sample:
+  label -100 and, under ``--neat-pack``, the sample's own segment id. With N = 2 above, ``b``
+  (3 tokens) takes 4: position 7 holds ``P`` with segment id 2; 8 and 9 stay pack padding (0).
 
 Packs come from the C++ packer (:func:`mindspeed_pack.packing.binpack.pack_lengths`) run over
 the lengths of the WHOLE dataset at once, samples in a pack in ascending input order. Packs are
@@ -59,18 +64,49 @@ def text_prefix(output_prefix: str) -> str:
     return f"{output_prefix}_text_document"
 
 
-class TokenStore:
-    """Append-only on-disk store of samples: flat ids/trained files plus per-sample lengths."""
+def pad_samples(input_ids: np.ndarray, trained: np.ndarray, lengths: np.ndarray, multiple: int,
+                pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat samples with ``pad_id`` (untrained) appended to each, up to a multiple of ``multiple``.
 
-    def __init__(self, directory: Path):
+    Pads go at the END of a sample: under causal attention no real token attends to them and
+    they carry no label, so the sample trains exactly as unpadded, while context parallelism
+    can split it into ``multiple`` equal chunks without padding anything at training time.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    padded = -(-lengths // multiple) * multiple
+    if multiple == 1 or np.array_equal(padded, lengths):
+        return input_ids, trained, lengths
+    shift = (np.cumsum(padded) - padded) - (np.cumsum(lengths) - lengths)  # new start - old start
+    dest = np.arange(int(lengths.sum())) + np.repeat(shift, lengths)
+    ids = np.full(int(padded.sum()), pad_id, dtype=np.int32)
+    mask = np.zeros(int(padded.sum()), dtype=np.uint8)
+    ids[dest], mask[dest] = input_ids, trained
+    return ids, mask, padded
+
+
+class TokenStore:
+    """Append-only on-disk store of samples: flat ids/trained files plus per-sample lengths.
+
+    With ``pad_to_multiple_of`` > 1 every sample is stored padded (:func:`pad_samples`), so
+    every reader (packer, pack and document writers) sees one length per sample;
+    ``pad_tokens`` counts the pads added.
+    """
+
+    def __init__(self, directory: Path, pad_to_multiple_of: int = 1, pad_id: int = 0):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._ids = open(self.directory / "ids.int32", "wb")
         self._trained = open(self.directory / "trained.uint8", "wb")
         self._lengths: list[np.ndarray] = []
-        self.num_tokens = 0
+        self.pad_to_multiple_of, self.pad_id = pad_to_multiple_of, pad_id
+        self.num_tokens = 0  # stored tokens, pads included
+        self.pad_tokens = 0
 
     def append(self, input_ids: np.ndarray, trained: np.ndarray, lengths: np.ndarray) -> None:
+        if self.pad_to_multiple_of > 1:
+            n = len(input_ids)
+            input_ids, trained, lengths = pad_samples(input_ids, trained, lengths, self.pad_to_multiple_of, self.pad_id)
+            self.pad_tokens += len(input_ids) - n
         self._ids.write(np.ascontiguousarray(input_ids, dtype=np.int32).tobytes())
         self._trained.write(np.ascontiguousarray(trained, dtype=np.uint8).tobytes())
         self._lengths.append(np.asarray(lengths, dtype=np.int32))

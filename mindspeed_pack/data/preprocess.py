@@ -4,6 +4,7 @@ Pipeline (memory bounded by the chunk window, not by the dataset)::
 
     input files --chunks--> --workers processes: parse rows, apply template, tokenize, truncate
                 --ordered--> TokenStore on disk (ids int32 + trained mask uint8) + lengths
+                             [each sample padded to a multiple of --pad-to-multiple-of]
                 --lengths--> C++ packer over the whole dataset (--pack) -> PackPlan
                 --mmap-----> packs in a --seed shuffled order, assembled in batches
                              -> IndexedDatasetBuilder (temporary names)
@@ -47,7 +48,8 @@ from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_
 FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added when missing
 CHUNK_ROWS = 1000
 # arguments that change the output bytes (the cache compares these; --workers does not)
-_OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed")
+_OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed",
+                "pad_to_multiple_of")
 TOKENIZER_SUFFIX = "tokenizer"  # P_tokenizer/: the tokenizer extended with a template's tokens
 
 
@@ -72,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack", action="store_true", help="pack samples into documents of exactly --seq-length tokens")
     g.add_argument("--neat-pack", action="store_true", help="isolate samples: attention_mask holds segment ids (needs --pack)")
     g.add_argument("--append-eod", action="store_true", help="end every sample with EOS (trained) unless it already does")
+    g.add_argument("--pad-to-multiple-of", type=int, default=1, metavar="N",
+                   help="pad every sample at its end (pad id, label -100, its own segment id) to a multiple of N "
+                        "before packing: 2 x context-parallel size (x TP under sequence parallelism), so training "
+                        "adds no padding; default 1 (off)")
     g.add_argument("--seed", type=int, default=1234,
                    help="seed of the pack order (packs are written shuffled so a contiguous --split is a fair sample)")
     g = p.add_argument_group("runtime")
@@ -91,12 +97,26 @@ def validate_args(args) -> None:
         print(f"note: --n-subs {args.n_subs} ignored; the whole dataset is packed at once (better fill)", file=sys.stderr)
     if args.workers < 1:
         raise PreprocessError(f"--workers must be >= 1, got {args.workers}")
+    n = args.pad_to_multiple_of
+    if n < 1:
+        raise PreprocessError(f"--pad-to-multiple-of must be >= 1, got {n}")
+    if n > 1 and args.seq_length is not None and args.seq_length % n:
+        raise PreprocessError(f"--seq-length {args.seq_length} is not a multiple of --pad-to-multiple-of {n}: a sample "
+                              "truncated to --seq-length could not be padded without overflowing it; choose a "
+                              f"--seq-length that is a multiple of {n} (e.g. {-(-args.seq_length // n) * n})")
     if args.handler_name == PRETRAIN:
         if args.pack:
             raise PreprocessError("--pack applies to instruction handlers; GeneralPretrainHandler writes plain documents")
+        if n > 1:
+            raise PreprocessError("--pad-to-multiple-of applies to instruction handlers: GeneralPretrainHandler's "
+                                  "documents have no labels, so their pads would be trained")
     else:
         if args.pack and args.seq_length is None:
             raise PreprocessError("--pack needs --seq-length")
+        if n > 1 and args.pack and not args.neat_pack:
+            raise PreprocessError("--pad-to-multiple-of with --pack needs --neat-pack: plain packs are split into "
+                                  "samples at EOS at training time, so pads after a sample's EOS would be read as "
+                                  "the start of the next sample")
         if args.prompt_type is None:
             raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json)")
     if args.map_keys is not None and not isinstance(args.map_keys, dict):
@@ -311,7 +331,7 @@ def run(args) -> dict:
         if changes:  # workers load the extended tokenizer from its (temporary) directory
             tokenizer.save(tmp_out / TOKENIZER_SUFFIX)
             config = dataclasses.replace(config, tokenizer=TokenizerSpec("PretrainedFromHF", str(tmp_out / TOKENIZER_SUFFIX)))
-        stats = _encode_all(args, files, config, tmp_store, encoder)
+        stats = _encode_all(args, files, config, tmp_store, tokenizer.pad_or_eos_id, encoder)
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
         stats.update(_write_outputs(args, stats.pop("_store"), tokenizer, tmp_prefixes))
@@ -343,11 +363,13 @@ def _layout(args, tokenizer, encoder) -> dict:
         return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod}
     return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": args.neat_pack,
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
-            "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned"}
+            "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
+            "pad_to_multiple_of": args.pad_to_multiple_of}
 
 
-def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, encoder: Optional[SampleEncoder] = None) -> dict:
-    store = pack_writer.TokenStore(tmp_store)
+def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int,
+                encoder: Optional[SampleEncoder] = None) -> dict:
+    store = pack_writer.TokenStore(tmp_store, args.pad_to_multiple_of, pad_id)
     rows = truncated = trained = max_len = 0
     skipped = Counter()
     progress = _Progress("tokenize", "rows", args.log_interval)
@@ -369,9 +391,11 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, encoder: Op
         raise PreprocessError(f"empty input: no rows in {where}")
     if len(store) == 0:
         raise PreprocessError(f"no usable sample in {where}: all {rows} rows were skipped ({dict(skipped)})")
+    tokens = store.num_tokens - store.pad_tokens  # the samples' own tokens
     return {"samples_read": rows, "samples_written": len(store), "skipped": dict(sorted(skipped.items())),
-            "truncated": truncated, "tokens": store.num_tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
-            "max_sample_length": max_len, "mean_sample_length": round(store.num_tokens / len(store), 2), "_store": store}
+            "truncated": truncated, "tokens": tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
+            "cp_pad_tokens": store.pad_tokens, "max_sample_length": max_len,
+            "mean_sample_length": round(tokens / len(store), 2), "_store": store}
 
 
 def _write_outputs(args, store, tokenizer, prefixes) -> dict:
@@ -397,8 +421,10 @@ def _write_outputs(args, store, tokenizer, prefixes) -> dict:
     pack_writer.write_packed(store, plan, args.seq_length, tokenizer.pad_or_eos_id, args.neat_pack, prefixes,
                              seed=args.seed, progress=progress)
     progress.close()
+    # lower bound: of the padded lengths the packer packs; fill rate: the samples' own tokens (CP pads are waste too)
+    fill_rate = (store.num_tokens - store.pad_tokens) / (plan.num_bins * args.seq_length)
     return {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
-            "fill_rate": round(plan.fill_rate(store.lengths), 6), "pack_seconds": round(pack_seconds, 3)}
+            "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
 
 
 def _publish(args, tmp_prefixes: dict, meta: dict, tmp_tokenizer: Optional[Path] = None) -> None:
@@ -426,6 +452,9 @@ def print_summary(meta: dict) -> None:
         lines.append(f"packs {s['packs']} (lower bound {s['lower_bound']}), fill rate {s['fill_rate']:.4f}")
     else:
         lines.append(f"documents {s['documents']}")
+    if s.get("cp_pad_tokens"):
+        multiple = meta["arguments"]["pad_to_multiple_of"]
+        lines.append(f"cp pad tokens {s['cp_pad_tokens']} (every sample padded to a multiple of {multiple})")
     lines.append(f"tokens {s['tokens']}, {s['tokens_per_second']:.0f} tokens/s, {s['samples_per_second']:.0f} samples/s, "
                  f"elapsed {s['elapsed_seconds']:.2f}s")
     outputs = ", ".join(meta["outputs"])
