@@ -88,8 +88,10 @@ def test_online_packing_equals_one_sample_per_row(online_dp1, one_per_row):
         assert got[it]["rank imbalance"] == 1.0
 
 
-@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]],
-                         ids=["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", [[], ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"],
+                                    # rows of 2 x 64 tokens split over CP2, samples padded to multiples of 4
+                                    ["--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64"]],
+                         ids=["dp2", "tp2", "pp2", "cp2"])
 def test_online_packing_in_parallel_equals_one_sample_per_row(tmp_path, data, one_per_row, layout):
     metrics = str(tmp_path / "m.jsonl")
     run_posttrain([*COMMON, *ONLINE, "--data-path", data, *layout], nproc=2, metrics=metrics)

@@ -16,6 +16,9 @@ communication), see :mod:`mindspeed_pack.packing.balance`.
       rank 1:  row 0 = [s2 s2 s2 s2 s2 s2 s2 s2]   row 1 = [s4 s4 s6 s6 s6 . . . ]
 
   Samples longer than ``C`` are truncated to ``C`` (a warning at start counts them).
+  Under ``--context-parallel-size N`` a row holds ``N x C`` tokens (each CP rank keeps ``C``)
+  and samples are planned at their length padded to ``2N`` (see
+  :mod:`mindspeed_pack.packing.context_parallel`), so the padded row still fits.
   Changing ``C`` needs no new preprocessing.
 * Offline packs (``--pack``): each global batch's packs are assigned to ranks, ``GBS/DP``
   each, balancing the packs' costs (from their segment ids); the micro-batch count is unchanged.
@@ -35,6 +38,7 @@ from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource, Spl
 from mindspeed_pack.packing.balance import (
     balance_partition, cost_model, imbalance, plan_online_packing, segment_lengths,
 )
+from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 from mindspeed_pack.packing.segments import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -66,7 +70,11 @@ class BalancedBatchSource(PackedBatchSource):
         # document sizes per prefix (--train/--valid-data-path may name different ones)
         self._sizes = {id(d.docs): np.asarray(d.docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
                        for d in self.splits.values() if d is not None}
-        self.capacity = args.max_seqlen_per_dp_cp_rank if self.online else args.seq_length
+        # under context parallelism a row is split over the CP group: each rank holds about
+        # --max-seqlen-per-dp-cp-rank tokens of it, and samples are planned at their CP-padded length
+        cp = args.context_parallel_size
+        self.cp_multiple = padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel) if cp > 1 else 1
+        self.capacity = args.max_seqlen_per_dp_cp_rank * cp if self.online else args.seq_length
         self._plans: OrderedDict = OrderedDict()
         self._pack_lengths: dict = {}  # offline pack -> its sample lengths
         if self.online:
@@ -84,6 +92,10 @@ class BalancedBatchSource(PackedBatchSource):
                             "micro-batch is one packed row of --max-seqlen-per-dp-cp-rank tokens; use "
                             "--micro-batch-size 1 (and raise --max-seqlen-per-dp-cp-rank for bigger ones)")
         tp = args.tensor_model_parallel_size
+        if self.capacity % self.cp_multiple:
+            raise DataError(f"--max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank} x --context-parallel-size "
+                            f"{args.context_parallel_size} must be a multiple of {self.cp_multiple} (every sample is "
+                            "padded to 2 x CP, x TP under --sequence-parallel)")
         if args.sequence_parallel and self.capacity % tp:
             raise DataError(f"--max-seqlen-per-dp-cp-rank {self.capacity} must be a multiple of "
                             f"--tensor-model-parallel-size {tp} under --sequence-parallel")
@@ -111,7 +123,8 @@ class BalancedBatchSource(PackedBatchSource):
         docs = dataset.start + np.asarray(dataset.index[consumed:consumed + gbs], dtype=np.int64)
         if self.online:
             lengths = np.minimum(self._sizes[id(dataset.docs)][docs], self.capacity)
-            ranks = plan_online_packing(lengths, self.dp_size, self.capacity, self.cost)
+            planned = round_up(lengths, self.cp_multiple)  # the rows' real size once padded for CP
+            ranks = plan_online_packing(planned, self.dp_size, self.capacity, self.cost)
             plan = {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks]),
                     "job": _job_stats(lengths)}
         else:
