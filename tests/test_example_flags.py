@@ -234,6 +234,33 @@ def test_qwen25_scripts_agree_with_each_other():
     assert data.tokenizer_name_or_path == tune.tokenizer_name_or_path == mg2hf.tokenizer_dir == hf2mg.load_dir
 
 
+def test_qwen25_32k_cp_scripts_agree_with_each_other():
+    """The 32k wrappers run the 4k scripts with context parallelism; data and training still agree."""
+    data = _qwen25("data_convert_qwen25_instruction_pack_32k_cp.sh")
+    tune = _qwen25("tune_qwen25_7b_32k_full_pack_cp.sh")
+    assert data.pack and data.neat_pack and tune.neat_pack and tune.sequence_parallel
+    assert (data.output_prefix, data.seq_length, data.prompt_type) == \
+        (tune.data_path[0], tune.seq_length, tune.prompt_type)
+    assert tune.seq_length == 32768 and tune.data_path[0].endswith("alpaca_32k")
+    cp, tp = tune.context_parallel_size, tune.tensor_model_parallel_size
+    assert (tp, cp, tune.data_parallel_size, tune.global_batch_size) == (4, 2, 1, 1)
+    # samples padded at preprocessing to what the zigzag split over CP (x TP under sequence parallelism) needs
+    assert data.pad_to_multiple_of == 2 * cp * tp == 16
+    # the same tokens per step as the 4k recipe, and its own checkpoint and log names
+    base = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    assert tune.seq_length * tune.global_batch_size == base.seq_length * base.global_batch_size
+    assert base.context_parallel_size == 1  # the 4k scripts' defaults: no CP, no preprocessing pad
+    assert _qwen25("data_convert_qwen25_instruction_pack.sh").pad_to_multiple_of == 1
+    assert (tune.load, tune.lr, tune.train_iters) == (base.load, base.lr, base.train_iters)
+    assert tune.save != base.save and tune.tensorboard_dir != base.tensorboard_dir
+    assert tune.metrics_file != base.metrics_file
+    # another layout reaches both scripts through the same environment variables
+    data = _qwen25("data_convert_qwen25_instruction_pack_32k_cp.sh", TP="2", CP="4")
+    tune = _qwen25("tune_qwen25_7b_32k_full_pack_cp.sh", TP="2", CP="4")
+    assert (tune.tensor_model_parallel_size, tune.context_parallel_size, tune.data_parallel_size) == (2, 4, 1)
+    assert data.pad_to_multiple_of == 2 * 4 * 2
+
+
 def test_qwen25_training_validates_the_world_size():
     # 6 GPUs cannot hold TP 4: the world size the script computes reaches the real validation
     with pytest.raises(FlagError, match="world size 6 is not divisible by TP 4"):
@@ -281,6 +308,7 @@ def test_abbreviated_flag_fails(tmp_path, name, flag, abbreviation):
 @pytest.mark.parametrize("name, ok", [
     ("tune_qwen25_7b_4k_full_pack.sh", "\"tensor_model_parallel_size\": 4"),
     ("data_convert_qwen25_instruction_pack.sh", "preprocess_data.py arguments OK"),
+    ("tune_qwen25_7b_32k_full_pack_cp.sh", "\"context_parallel_size\": 2"),  # through the wrapper's exec
     # the converters' DRY_RUN is the same parse as above in a fresh interpreter (one megatron import, ~5 s): skipped
 ])
 def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):

@@ -8,6 +8,7 @@
 # the training script reads them with --data-path ${OUTPUT_PREFIX}.
 # ShareGPT data instead of Alpaca:
 #   HANDLER=SharegptStyleInstructionHandler MAP_KEYS='{"messages": "conversations"}' bash ...
+# 32k packs for context-parallel training: data_convert_qwen25_instruction_pack_32k_cp.sh (SEQ_LEN, PAD_MULTIPLE).
 # PRINT_ARGS=1 prints the Python entry point and its arguments one per line (for tests/test_example_flags.py).
 set -euo pipefail
 
@@ -16,11 +17,15 @@ INPUT=${INPUT:-./dataset/alpaca/train-00000-of-00001-a09b74b3ef9c3b56.parquet}  
 TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen2.5-7b-instruct}
 OUTPUT_PREFIX=${OUTPUT_PREFIX:-./finetune_dataset/qwen2.5-7b/alpaca}
 LOG_DIR=${LOG_DIR:-./logs}
+RUN_NAME=${RUN_NAME:-data_convert_qwen25_instruction_pack}   # names the log file
 
 HANDLER=${HANDLER:-AlpacaStyleInstructionHandler}
 # Which input columns hold what; these are the Alpaca names, spelled out so renaming is one edit.
 MAP_KEYS=${MAP_KEYS:-'{"prompt": "instruction", "query": "input", "response": "output"}'}
-SEQ_LEN=4096   # must equal --seq-length of tune_qwen25_7b_4k_full_pack.sh
+SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of tune_qwen25_7b_4k_full_pack.sh
+# Pad every sample to a multiple of this before packing (1 = off). For context parallelism:
+# 2 x CP x TP of the training (it uses --sequence-parallel), so training adds no padding.
+PAD_MULTIPLE=${PAD_MULTIPLE:-1}
 WORKERS=${WORKERS:-8}
 
 # --neat-pack stores each sample's segment id in attention_mask, so training isolates the samples of a
@@ -39,6 +44,9 @@ PREPROCESS_ARGS=(
     --workers "$WORKERS"
     --log-interval 1000
 )
+if (( PAD_MULTIPLE > 1 )); then
+    PREPROCESS_ARGS+=(--pad-to-multiple-of "$PAD_MULTIPLE")
+fi
 
 if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '#@ preprocess_data.py\n'
@@ -61,4 +69,4 @@ print("preprocess_data.py arguments OK")' "${PREPROCESS_ARGS[@]}"
 fi
 
 mkdir -p "$(dirname "$OUTPUT_PREFIX")" "$LOG_DIR"
-python "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/data_convert_qwen25_instruction_pack.log"
+python "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"

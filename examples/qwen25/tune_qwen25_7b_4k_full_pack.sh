@@ -10,7 +10,8 @@
 #         ckpt_convert_qwen25_hf2mcore.sh         (HF weights -> megatron, same TP/PP as here)
 # After:  ckpt_convert_qwen25_mcore2hf.sh         (trained weights -> HF)
 #
-# Every variable below can be overridden from the environment. Further hooks:
+# Every variable below can be overridden from the environment; tune_qwen25_7b_32k_full_pack_cp.sh runs this
+# script with SEQ_LEN=32768 CP=2 (context parallelism) and its own names. Further hooks:
 #   OVERRIDES=file.sh  sourced after the argument arrays are built, so it may reassign any
 #                      *_ARGS array (site settings; tests/test_multinode.py puts a tiny model here)
 #   PRINT_ARGS=1       print the Python entry point and its arguments one per line, then exit
@@ -26,7 +27,8 @@ CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen2.5-7b-sft-pack}
 DATA_PATH=${DATA_PATH:-./finetune_dataset/qwen2.5-7b/alpaca}           # --output-prefix of the data script
 TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen2.5-7b-instruct}
 LOG_DIR=${LOG_DIR:-./logs}
-TENSORBOARD_DIR=${TENSORBOARD_DIR:-$LOG_DIR/tensorboard/tune_qwen25_7b_4k_full_pack}
+RUN_NAME=${RUN_NAME:-tune_qwen25_7b_4k_full_pack}   # names the tensorboard dir, metrics file and node logs
+TENSORBOARD_DIR=${TENSORBOARD_DIR:-$LOG_DIR/tensorboard/$RUN_NAME}
 
 # ------------------------------------------------------------------ cluster (one value per node for NODE_RANK)
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
@@ -39,9 +41,12 @@ WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 # Must equal --target-tensor/pipeline-parallel-size of ckpt_convert_qwen25_hf2mcore.sh.
 TP=${TP:-4}
 PP=${PP:-1}
+# Context parallelism: every pack split over CP ranks (zigzag per sample). The data script's
+# PAD_MULTIPLE should then be 2 x CP x TP (sequence parallel), else training pads the samples itself.
+CP=${CP:-1}
 SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of the data script: one pack is one training sample
 MBS=${MBS:-1}
-GBS=${GBS:-8}          # a multiple of MBS x data-parallel size (WORLD_SIZE / (TP x PP))
+GBS=${GBS:-8}          # a multiple of MBS x data-parallel size (WORLD_SIZE / (TP x PP x CP))
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE"
@@ -76,6 +81,7 @@ MODEL_ARGS=(
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size "$PP"
+    --context-parallel-size "$CP"
     --sequence-parallel            # shards layer-norm/dropout activations over TP: needed to fit 4k x 7B
     --use-distributed-optimizer    # shards Adam state over data-parallel ranks
 )
@@ -124,7 +130,7 @@ OUTPUT_ARGS=(
     --log-interval 1
     --eval-iters 0
     --tensorboard-dir "$TENSORBOARD_DIR"
-    --metrics-file "$LOG_DIR/tune_qwen25_7b_4k_full_pack.metrics.jsonl"
+    --metrics-file "$LOG_DIR/$RUN_NAME.metrics.jsonl"
 )
 
 if [[ -n "${OVERRIDES:-}" ]]; then
@@ -152,4 +158,4 @@ fi
 mkdir -p "$LOG_DIR"
 # One log per node: on a shared filesystem the nodes would otherwise write the same file.
 torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
-    2>&1 | tee "$LOG_DIR/tune_qwen25_7b_4k_full_pack_node${NODE_RANK}.log"
+    2>&1 | tee "$LOG_DIR/${RUN_NAME}_node${NODE_RANK}.log"
