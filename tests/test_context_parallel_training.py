@@ -101,3 +101,22 @@ def test_resume_under_cp_is_exact(tmp_path, data, cp1):
     resumed = _run(tmp_path, "resumed", data, 2, "--context-parallel-size", "2", "--load", ckpt)
     assert sorted(resumed) == [3, 4]
     _assert_same_steps({**stopped, **resumed}, cp1)
+
+
+def test_pretrain_cp2_matches_cp1_with_documents_isolated_at_eod(tmp_path):
+    from tests.data_utils import random_documents, write_pretrain_documents
+
+    eod = 2
+    corpus = write_pretrain_documents(str(tmp_path / "c_text_document"), random_documents(80, eod, seed=3, max_len=40))
+    argv = ["--seq-length", str(SEQ), "--micro-batch-size", "2", "--global-batch-size", "4", "--eod-id", str(eod),
+            "--lr", "1e-3", "--train-iters", "3", "--log-interval", "1", "--data-path", corpus, "--split", "100,0,0",
+            "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss"]
+    runs = {}
+    for cp in (1, 2):
+        metrics = str(tmp_path / f"cp{cp}.jsonl")
+        run_posttrain([*argv, "--context-parallel-size", str(cp)], nproc=cp, metrics=metrics, script="pretrain_gpt.py")
+        runs[cp] = read_metrics(metrics)
+    assert sorted(runs[2]) == sorted(runs[1]) == [1, 2, 3]
+    for it in runs[1]:
+        for key in ("lm loss", "grad norm"):
+            assert rel_err(runs[2][it][key], runs[1][it][key]) <= 1e-5, (it, key)

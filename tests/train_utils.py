@@ -23,18 +23,19 @@ def tiny_argv(data, *extra):
             "--neat-pack", "--train-iters", "1", "--data-path", data, *extra]
 
 
-def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=None):
-    """Run posttrain.py (torchrun for nproc > 1); returns (completed process, metrics records)."""
+def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=None, script="posttrain.py"):
+    """Run posttrain.py (or ``script``, e.g. pretrain_gpt.py; torchrun for nproc > 1) with the tiny model;
+    returns (completed process, metrics records)."""
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
-    cmd += [os.path.join(ROOT, "posttrain.py"), *TINY_FLAGS, *extra]
+    cmd += [os.path.join(ROOT, script), *TINY_FLAGS, *extra]
     if metrics:
         cmd += ["--metrics-file", metrics]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
     if check and proc.returncode != 0:
-        raise AssertionError(f"posttrain failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     records = []
     if metrics and os.path.exists(metrics):
         with open(metrics) as f:
