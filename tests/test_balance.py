@@ -140,3 +140,12 @@ def test_step_metrics_count_attention_by_segment_lengths_and_give_mfu():
     fields = step_fields(args, stats, elapsed=2.0, dp=2, world_size=2)
     assert fields["model TFLOPs"] * 1e12 == pytest.approx(cost_model(args).flops(100, 100**2))
     assert fields["rank imbalance"] == 1.02
+
+
+def test_segment_lengths_leave_out_the_pads_that_end_a_sample():
+    from mindspeed_pack.packing.balance import segment_lengths
+
+    seg = np.array([1, 1, 1, 1, 2, 2, 2, 2, 3, 0, 0])
+    pad = np.array([0, 1, 0, 1, 0, 0, 1, 1, 1, 1, 1], bool)  # a pad inside sample 1 is a token of it
+    assert segment_lengths(seg).tolist() == [4, 4, 1]
+    assert segment_lengths(seg, pad).tolist() == [3, 2, 0]

@@ -182,11 +182,13 @@ def build_split_datasets(args, num_samples: dict) -> tuple:
 
 
 def collate(samples: List[dict], seq_length: int, isolate: bool, eos_id: Optional[int] = None,
-            pad_id: Optional[int] = None) -> dict:
+            pad_id: Optional[int] = None, sample_pad_id: Optional[int] = None) -> dict:
     """Stack documents into [b, seq_length]; shorter (unpacked) ones get a padding segment.
 
     ``eos_id`` (plain ``--pack`` data): samples are found at EOS (``sample_ids``); they become
     the isolated segments when ``isolate``, else only the groups of ``--per-sample-loss``.
+    ``sample_pad_id`` (data preprocessed with ``--pad-to-multiple-of``): the untrained pads that
+    end each sample are left out of the real lengths reported for throughput.
     """
     b = len(samples)
     input_ids = np.zeros((b, seq_length), np.int64)
@@ -210,8 +212,9 @@ def collate(samples: List[dict], seq_length: int, isolate: bool, eos_id: Optiona
         segments_t = torch.from_numpy(segments)
     return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids,
             # the samples' real lengths (padding excluded) for throughput metrics
-            "segment_lengths": np.concatenate([segment_lengths(row) for row in
-                                               (segments if segments_t is None else segments_t.numpy())])}
+            "segment_lengths": np.concatenate([
+                segment_lengths(row, None if sample_pad_id is None else (ids == sample_pad_id) & (lab == IGNORE_INDEX))
+                for row, ids, lab in zip(segments if segments_t is None else segments_t.numpy(), input_ids, labels)])}
 
 
 def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: int, dp_size: int) -> Iterator[dict]:
@@ -221,7 +224,8 @@ def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: i
     while pos + mbs * dp_size <= len(dataset):
         first = pos + dp_rank * mbs
         yield collate([dataset[i] for i in range(first, first + mbs)], args.seq_length, args.isolate_segments,
-                      getattr(args, "pack_eos_id", None), getattr(args, "pack_pad_id", None))
+                      getattr(args, "pack_eos_id", None), getattr(args, "pack_pad_id", None),
+                      getattr(args, "sample_pad_id", None))
         pos += mbs * dp_size
 
 

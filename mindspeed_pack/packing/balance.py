@@ -17,7 +17,7 @@ the same plan from the same lengths without communicating.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -91,13 +91,21 @@ def balance_partition(costs, num_parts: int, equal_counts: bool = False) -> List
     return [np.flatnonzero(owner == p) for p in range(num_parts)]
 
 
-def segment_lengths(segment_ids: np.ndarray) -> np.ndarray:
-    """Lengths of the runs of equal non-zero ids of one row (its samples; 0 = padding)."""
+def segment_lengths(segment_ids: np.ndarray, pad_mask: Optional[np.ndarray] = None) -> np.ndarray:
+    """Lengths of the runs of equal non-zero ids of one row (its samples; 0 = padding).
+
+    ``pad_mask`` (same shape, True = a pad token): a run of pads that *ends* a segment is not
+    counted, e.g. the padding ``preprocess_data.py --pad-to-multiple-of`` appends to a sample.
+    """
     seg = np.asarray(segment_ids)
     if seg.size == 0:
         return np.zeros(0, np.int64)
     starts = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]])
-    lengths = np.diff(np.r_[starts, seg.size])
+    if pad_mask is None:
+        lengths = np.diff(np.r_[starts, seg.size])
+    else:  # up to the last non-pad token of each segment
+        last = np.maximum.reduceat(np.where(np.asarray(pad_mask), -1, np.arange(seg.size)), starts)
+        lengths = np.maximum(last - starts + 1, 0)
     return lengths[seg[starts] != 0]
 
 

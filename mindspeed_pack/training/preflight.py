@@ -125,6 +125,7 @@ def check_data(docs, args) -> None:
     if layout.get("kind") == "packed" and seq and int(seq) != args.seq_length:
         raise DataError(f"--seq-length {args.seq_length} differs from the packs' length {seq} in {sidecar}")
     _check_prompt_type(meta, args, sidecar)
+    _check_pad_multiple(layout, args, sidecar)
     args.pack_eos_id = args.pack_pad_id = None
     plain_pack = layout.get("kind") == "packed" and not has_segment_ids
     if plain_pack and (args.reset_position_ids or args.reset_attention_mask or args.per_sample_loss):
@@ -137,6 +138,22 @@ def check_data(docs, args) -> None:
                                                   or args.per_sample_loss):
         warnings.warn(f"{docs.prefix!r} has no sidecar ({sidecar}): each document is taken as one sample "
                       "(plain packs cannot be split at EOS without it)", stacklevel=2)
+
+
+def _check_pad_multiple(layout: dict, args, sidecar: str) -> None:
+    """Samples padded by ``--pad-to-multiple-of``: their pads are not real tokens (``args.sample_pad_id``);
+    under context parallelism, say whether training still pads them (a multiple that does not fit)."""
+    multiple = int(layout.get("pad_to_multiple_of") or 1)
+    args.sample_pad_id = layout.get("pad_id") if multiple > 1 else None
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp > 1:
+        from mindspeed_pack.packing.context_parallel import padding_multiple
+
+        need = padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel)
+        if multiple % need:
+            log.info("context parallelism pads every sample to a multiple of %d at batch build (%s records "
+                     "--pad-to-multiple-of %d); preprocess with --pad-to-multiple-of %d to plan packs with it",
+                     need, sidecar, multiple, need)
 
 
 def _check_prompt_type(meta: dict, args, sidecar: str) -> None:
