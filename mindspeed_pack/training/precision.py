@@ -26,6 +26,14 @@ def _master_dtype(opt) -> str:
     return "none (the optimizer updates the parameters themselves)"
 
 
+def _context_parallel(config, backend) -> str:
+    cp = config.context_parallel_size
+    if cp == 1:
+        return "none"
+    how = f"TE {config.cp_comm_type}" if backend == "te" else "all-gather keys/values (local attention)"
+    return f"{cp} ranks, zigzag per sample, {how}"
+
+
 def precision_record(args, model_chunks, optimizer) -> dict:
     """One JSON-able dict describing the run's numerics (for the log and the metrics file)."""
     chunk = model_chunks[0]
@@ -52,6 +60,7 @@ def precision_record(args, model_chunks, optimizer) -> dict:
             "masked_softmax_fusion", "bias_dropout_fusion", "bias_activation_fusion", "apply_rope_fusion",
             "gradient_accumulation_fusion", "persist_layer_norm")},
         "sequence parallel": bool(config.sequence_parallel),
+        "context parallel": _context_parallel(config, getattr(chunk.module, "attention_backend", None)),
         "distributed optimizer": bool(ddp_config.use_distributed_optimizer),
         "overlap grad reduce": bool(ddp_config.overlap_grad_reduce),
         "overlap param gather": bool(ddp_config.overlap_param_gather),
