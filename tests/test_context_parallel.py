@@ -5,13 +5,13 @@ exactly) is in ``tests/test_context_parallel_training.py``.
 """
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mindspeed_pack.packing.context_parallel import (
     attention_pairs, context_parallel_view, pad_segments, padding_multiple, split_for_rank, zigzag_index,
 )
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch
 from tests.dist_harness import run_distributed
+from tests.test_packed_attention import dense_reference
 
 N = IGNORE_INDEX
 
@@ -74,19 +74,6 @@ def test_zigzag_balances_causal_work_per_sample():
 
 
 # ---------------------------------------------------------------------------- attention
-def _dense_reference(q, k, v, cu):
-    t, h, _ = q.shape
-    g = k.shape[1]
-    seg = torch.zeros(t, dtype=torch.long)
-    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        seg[a:b] = i
-    mask = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
-    k = k.repeat_interleave(h // g, dim=1)
-    v = v.repeat_interleave(h // g, dim=1)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask)
-    return o.transpose(0, 1)
-
-
 def _cp_attention_rank(lengths, heads, groups, cp):
     import torch.distributed as dist
 
@@ -103,7 +90,7 @@ def _cp_attention_rank(lengths, heads, groups, cp):
     t = int(cu[-1])
     q, k, v = (torch.randn(t, n, 8, dtype=torch.float64) for n in (heads, groups, groups))
     ref_in = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref = _dense_reference(*ref_in, cu)
+    ref = dense_reference(*ref_in, cu)
     weight = torch.randn_like(ref)  # a loss that weighs every output differently
     ref_grads = torch.autograd.grad((ref * weight).sum(), ref_in)
     index = zigzag_index(cu, cp, rank)
