@@ -177,16 +177,16 @@ class BalancedBatchSource(PackedBatchSource):
         labels = np.full((1, c), IGNORE_INDEX, np.int64)
         segments = np.zeros((1, c), np.int64)
         pos = 0
-        lengths = []
+        pad_id = getattr(self.args, "sample_pad_id", None)  # --pad-to-multiple-of pads are not real tokens
         for k, s in enumerate(samples, start=1):
             n = min(len(s["input_ids"]), c - pos)
             input_ids[0, pos:pos + n] = s["input_ids"][:n]
             labels[0, pos:pos + n] = s["labels"][:n]
             segments[0, pos:pos + n] = k
-            lengths.append(n)
             pos += n
+        pads = None if pad_id is None else (input_ids[0] == pad_id) & (labels[0] == IGNORE_INDEX)
         return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-                "segment_ids": torch.from_numpy(segments), "segment_lengths": np.asarray(lengths, np.int64)}
+                "segment_ids": torch.from_numpy(segments), "segment_lengths": segment_lengths(segments[0], pads)}
 
 
 def _job_stats(lengths) -> dict:
