@@ -108,3 +108,14 @@ def test_cp2_attention_equals_dense_segment_causal(lengths, heads, groups):
     for res in run_distributed(_cp_attention_rank, 2, lengths, heads, groups, 2):
         assert res["out"] < 1e-12
         assert max(res["grads"]) < 1e-12  # q, and k/v after the reduce-scatter back to their owners
+
+
+def test_step_views_pad_every_micro_batch_to_one_length_for_pipelines():
+    from mindspeed_pack.packing.context_parallel import step_views
+
+    short = build_packed_batch(torch.tensor([[1, 2, 3, 0]]), torch.tensor([[N, 2, 3, N]]),
+                               torch.tensor([[1, 1, 1, 0]]))
+    views, longest = step_views([_pack(), short], 2, 0, 4, same_length=True)
+    assert longest == 24 and [v.tokens.shape[1] for v in views] == [12, 12]
+    views, longest = step_views([_pack(), short], 2, 0, 4, same_length=False)
+    assert longest == 24 and [v.tokens.shape[1] for v in views] == [12, 4]

@@ -28,7 +28,7 @@ the same global batch and each takes its part.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -57,7 +57,7 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
     cu = batch.cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     padded = round_up(lengths, multiple)
-    new_total = int(padded.sum())
+    new_total = int(padded.sum())  # = padded_size(batch, multiple)
     if total is not None:
         if total % multiple or total < new_total:
             raise ValueError(f"pad_segments: total {total} must be a multiple of {multiple} and >= {new_total}")
@@ -135,6 +135,23 @@ def context_parallel_view(batch: PackedBatch, cp_size: int, cp_rank: int, multip
                           total: Optional[int] = None) -> PackedBatch:
     """Pad every segment (:func:`pad_segments`) and keep this rank's zigzag share."""
     return split_for_rank(pad_segments(batch, multiple, total), cp_size, cp_rank)
+
+
+def padded_size(batch: PackedBatch, multiple: int) -> int:
+    """Tokens of ``batch`` once every segment is padded to ``multiple``."""
+    return int(round_up(torch.diff(batch.cu_seqlens.long()), multiple).sum())
+
+
+def step_views(batches: List[PackedBatch], cp_size: int, cp_rank: int, multiple: int,
+               same_length: bool) -> Tuple[List[PackedBatch], int]:
+    """This rank's view of every micro-batch of a step, and the global tokens per micro-batch.
+
+    ``same_length`` (pipeline stages exchange activations of one fixed shape): every
+    micro-batch is padded to the step's longest; all stages derive it from the same data.
+    """
+    longest = max(padded_size(b, multiple) for b in batches)
+    total = longest if same_length else None
+    return [context_parallel_view(b, cp_size, cp_rank, multiple, total) for b in batches], longest
 
 
 def attention_pairs(cu_seqlens_padded: torch.Tensor, cp_size: int) -> torch.Tensor:

@@ -86,21 +86,6 @@ def packed_seq_params(batch: PackedBatch) -> PackedSeqParams:
     )
 
 
-def split_for_context_parallel(batches: List[PackedBatch], args) -> tuple:
-    """(this CP rank's share of each micro-batch, global tokens per micro-batch), see :mod:`..packing.context_parallel`.
-
-    Every segment is padded to ``2 x CP`` (``x TP`` under sequence parallelism). With pipeline
-    stages every micro-batch of the step is padded to the step's longest, since stages exchange
-    activations of one fixed shape; all stages derive the same length from the same data.
-    """
-    cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
-    multiple = cp_view.padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel)
-    padded = [int(cp_view.round_up(torch.diff(b.cu_seqlens.long()), multiple).sum()) for b in batches]
-    total = max(padded) if ps.get_pipeline_model_parallel_world_size() > 1 else None
-    local = [cp_view.context_parallel_view(b, cp, rank, multiple, total) for b in batches]
-    return local, total or max(padded)
-
-
 def loss_func(batch: PackedBatch, per_sample: bool, output_tensor: torch.Tensor):
     """Summed loss and its normaliser; megatron divides by the global batch's total."""
     losses = output_tensor.float().reshape(batch.loss_mask.shape)
@@ -250,8 +235,12 @@ class Trainer:
             stats["tokens"] += b.num_tokens
             throughput.add_micro_batch(stats, mb)
             batches.append(b)
-        if args.context_parallel_size > 1:
-            batches, tokens_per_micro_batch = split_for_context_parallel(batches, args)
+        if args.context_parallel_size > 1:  # this rank's zigzag share of every sample (packing/context_parallel.py)
+            multiple = cp_view.padding_multiple(args.context_parallel_size, args.tensor_model_parallel_size,
+                                                args.sequence_parallel)
+            batches, tokens_per_micro_batch = cp_view.step_views(
+                batches, args.context_parallel_size, ps.get_context_parallel_rank(), multiple,
+                same_length=ps.get_pipeline_model_parallel_world_size() > 1)
             # the tokens the CP group really runs (its per-sample padding counts as padding)
             stats["tokens"] = sum(b.num_tokens for b in batches) * args.context_parallel_size
         stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
