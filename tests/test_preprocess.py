@@ -202,6 +202,9 @@ def test_inspect_pack_lists_segments_and_draws_mask(sharegpt_outputs, capsys, tm
     out = capsys.readouterr().out
     assert "segment 1" in out and "trained" in out and png.stat().st_size > 1000
     assert inspect_main([str(sharegpt_outputs / "neat"), "--index", "100000"]) == 2
+    assert inspect_main([str(sharegpt_outputs / "neat"), "--index", "0", "--context-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 1:" in out and "causal work max/mean 1.0000" in out
 
 
 def test_first_token_of_a_sample_is_never_trained_even_without_prompt(tmp_path, run_preprocess, read_indexed):

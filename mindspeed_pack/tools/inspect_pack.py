@@ -1,10 +1,11 @@
 """Look inside one pack (or unpacked sample) of preprocessed data.
 
-    python -m mindspeed_pack.tools.inspect_pack out/alpaca --index 3 [--png mask.png]
+    python -m mindspeed_pack.tools.inspect_pack out/alpaca --index 3 [--png mask.png] [--context-parallel-size 2]
 
 Prints the pack's segments (id, start, length, trained tokens), each segment decoded with its
 trained spans in ``[[...]]``, and optionally draws the block-diagonal causal attention mask
-the segment ids imply (white = may attend).
+the segment ids imply (white = may attend). ``--context-parallel-size N`` adds what each CP
+rank of a training run would hold of this pack (tokens, trained targets, causal work).
 """
 from __future__ import annotations
 
@@ -51,6 +52,27 @@ def block_causal_mask(attention_mask: np.ndarray) -> np.ndarray:
     return same & np.tril(np.ones((len(seg), len(seg)), dtype=bool))
 
 
+def print_context_parallel_split(ids: np.ndarray, labels: np.ndarray, mask: np.ndarray, cp: int,
+                                 multiple: int | None = None) -> None:
+    """Per CP rank: tokens, trained targets and causal query-key pairs of this pack (padding included)."""
+    import torch
+
+    from mindspeed_pack.packing.context_parallel import attention_pairs, pad_segments, split_for_rank
+    from mindspeed_pack.packing.segments import build_packed_batch
+
+    multiple = multiple or 2 * cp
+    seg = torch.from_numpy(mask)[None] if (mask != 1).any() else None  # all ones: one causal sequence
+    padded = pad_segments(build_packed_batch(torch.from_numpy(ids)[None], torch.from_numpy(labels)[None], seg), multiple)
+    pairs = attention_pairs(padded.cu_seqlens_padded, cp)
+    print(f"context parallel {cp}: segments padded to multiples of {multiple}, {padded.tokens.shape[1]} tokens "
+          f"(+{padded.tokens.shape[1] - len(ids)} CP padding); rank r holds chunks r and {2 * cp - 1}-r of each")
+    for r in range(cp):
+        part = split_for_rank(padded, cp, r)
+        print(f"  rank {r}: {part.tokens.shape[1]} tokens, {int(part.loss_mask.sum())} trained targets, "
+              f"{int(pairs[r]):,} causal query-key pairs")
+    print(f"  causal work max/mean {float(pairs.max() / pairs.float().mean()):.4f}")
+
+
 def _decode_with_spans(tokenizer, ids: np.ndarray, labels: np.ndarray) -> str:
     out, start = [], 0
     trained = labels != IGNORE_INDEX
@@ -70,6 +92,10 @@ def main(argv=None) -> int:
     parser.add_argument("--index", type=int, default=0, help="pack (document) index")
     parser.add_argument("--png", default=None, help="write the attention mask as an image")
     parser.add_argument("--tokenizer", default=None, help="tokenizer dir to decode with (default: the one in the sidecar)")
+    parser.add_argument("--context-parallel-size", type=int, default=1,
+                        help="show each CP rank's share of the pack (zigzag per sample, as training splits it)")
+    parser.add_argument("--cp-multiple", type=int, default=None,
+                        help="segment padding multiple (default 2 x CP; training uses 2 x CP x TP under --sequence-parallel)")
     args = parser.parse_args(argv)
     try:
         pack = load_pack(args.prefix, args.index)
@@ -96,6 +122,8 @@ def main(argv=None) -> int:
         print(f"  {kind:<12} start {start:>6} length {length:>6} trained {n_trained:>6}")
         if seg_id != 0 and tokenizer is not None:
             print("    " + _decode_with_spans(tokenizer, ids[sl], labels[sl]).replace("\n", "\n    "))
+    if args.context_parallel_size > 1:
+        print_context_parallel_split(ids, labels, mask, args.context_parallel_size, args.cp_multiple)
     if args.png:
         import matplotlib
 
