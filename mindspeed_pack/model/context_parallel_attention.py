@@ -13,7 +13,8 @@ then attend causally within their own sample, masked by *global* positions::
 
 This is the all-gather flavour of CP (Transformer Engine's ``--cp-comm-type all_gather``):
 memory for one layer's full keys/values, exact by construction, one implementation for
-every CP size. Samples of similar padded length share one batched SDPA call.
+every CP size. Samples of similar padded length share one batched SDPA call; the index
+plan is built once per batch and reused by every layer.
 """
 from __future__ import annotations
 
@@ -25,6 +26,62 @@ from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel
 
 from mindspeed_pack.model.packed_attention import bucket_width
 from mindspeed_pack.packing.context_parallel import zigzag_index
+
+
+class _Plan:
+    """Index work that depends only on the batch layout, shared by every layer of a forward.
+
+    ``gathered_to_global`` reorders the all-gathered (rank-major) keys/values into global
+    order; each bucket holds the rows, validity and causal mask of its batched SDPA call.
+    """
+
+    def __init__(self, cu: torch.Tensor, cp: int, rank: int, t: int, device):
+        owner = torch.cat([zigzag_index(cu, cp, r) for r in range(cp)])  # global index of each gathered row
+        self.gathered_to_global = torch.empty_like(owner)
+        self.gathered_to_global[owner] = torch.arange(len(owner), device=device)
+        q_global = zigzag_index(cu, cp, rank)
+        starts, lengths = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
+        by_width: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            if n:
+                by_width.setdefault(bucket_width(n), []).append(i)
+        self.buckets, rows = [], []
+        for width, segs in by_width.items():
+            seg_start = torch.tensor([starts[i] for i in segs], device=device)
+            seg_len = torch.tensor([lengths[i] for i in segs], device=device)
+            q_off = torch.arange(-(-width // cp), device=device)
+            q_valid = q_off[None] < (seg_len // cp)[:, None]  # [n, width / cp]
+            q_rows = torch.where(q_valid, seg_start[:, None] // cp + q_off[None], t)  # t: a zero row
+            q_pos = torch.where(q_valid, q_global[q_rows.clamp(max=t - 1)] - seg_start[:, None], 0)
+            k_off = torch.arange(width, device=device)
+            k_valid = k_off[None] < seg_len[:, None]  # [n, width]
+            k_rows = torch.where(k_valid, seg_start[:, None] + k_off[None], t * cp)  # t * cp: a zero row
+            # causal by global position; a padded query row sees key 0 (every row attends somewhere: no NaN)
+            mask = (k_off[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]  # [n, width / cp, width]
+            self.buckets.append((q_rows, q_valid, k_rows, mask[:, None]))
+            rows.append(q_rows[q_valid])
+        order = torch.cat(rows)
+        self.inverse = torch.empty_like(order)
+        self.inverse[order] = torch.arange(len(order), device=device)
+
+
+_last_plan: tuple = (None, None)  # (cu_seqlens_padded tensor, its plan): one batch at a time
+
+
+def _plan_for(cu_seqlens_padded: torch.Tensor, cp: int, rank: int, t: int, device) -> _Plan:
+    global _last_plan
+    key = (cp, rank, t)
+    held, plan = _last_plan
+    # the tensor object itself is the key (held here, so its id cannot be reused): every layer of a
+    # forward passes the same PackedSeqParams
+    if held is not None and held[0] is cu_seqlens_padded and held[1] == key:
+        return plan
+    cu = cu_seqlens_padded.to(device=device, dtype=torch.long)
+    if int(cu[-1]) != t * cp:
+        raise ValueError(f"CP attention: cu_seqlens_padded ends at {int(cu[-1])}, expected {t} local x {cp} ranks")
+    plan = _Plan(cu, cp, rank, t, device)
+    _last_plan = ((cu_seqlens_padded, key), plan)
+    return plan
 
 
 def context_parallel_attention(
@@ -42,52 +99,20 @@ def context_parallel_attention(
     ``cu_seqlens_padded`` are the *global* offsets of the padded segments (each a multiple of
     ``2 x CP``); ``t`` = global tokens / CP.
     """
-    cp, rank = cp_group.size(), cp_group.rank()
+    cp = cp_group.size()
     t, heads, dim = query.shape
     groups = key.shape[1]
-    cu = cu_seqlens_padded.to(device=query.device, dtype=torch.long)
-    if int(cu[-1]) != t * cp:
-        raise ValueError(f"CP attention: cu_seqlens_padded ends at {int(cu[-1])}, expected {t} local x {cp} ranks")
-    # all ranks' keys/values, rank-major, then back in global token order
+    plan = _plan_for(cu_seqlens_padded, cp, cp_group.rank(), t, query.device)
+    # all ranks' keys/values, rank-major, then back in global token order (+ a zero row for bucket padding)
     kv = gather_from_sequence_parallel_region(torch.cat([key, value], dim=1), True, group=cp_group)
-    owner = torch.cat([zigzag_index(cu, cp, r) for r in range(cp)])  # global index of each gathered row
-    to_global = torch.empty_like(owner)
-    to_global[owner] = torch.arange(len(owner), device=owner.device)
-    kv = kv[to_global]
-    k_all = torch.cat([kv[:, :groups], kv.new_zeros(1, groups, dim)])  # + a zero row for bucket padding
-    v_all = torch.cat([kv[:, groups:], kv.new_zeros(1, groups, dim)])
+    kv = torch.cat([kv[plan.gathered_to_global], kv.new_zeros(1, 2 * groups, dim)])
+    k_all, v_all = kv[:, :groups], kv[:, groups:]
     q_ext = torch.cat([query, query.new_zeros(1, heads, dim)])
-    q_global = zigzag_index(cu, cp, rank)
-
-    starts, lengths = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
-    local_starts = (cu[:-1] // cp).tolist()
-    buckets: dict[int, list[int]] = {}
-    for i, n in enumerate(lengths):
-        if n:
-            buckets.setdefault(bucket_width(n), []).append(i)
-    device = query.device
-    outputs, rows = [], []
-    for width, segs in buckets.items():
-        seg_start = torch.tensor([starts[i] for i in segs], device=device)
-        seg_len = torch.tensor([lengths[i] for i in segs], device=device)
-        local_start = torch.tensor([local_starts[i] for i in segs], device=device)
-        qw = -(-width // cp)
-        q_off = torch.arange(qw, device=device)
-        q_valid = q_off[None] < (seg_len // cp)[:, None]  # [n, qw]
-        q_rows = torch.where(q_valid, local_start[:, None] + q_off[None], t)
-        q_pos = torch.where(q_valid, q_global[q_rows.clamp(max=t - 1)] - seg_start[:, None], 0)
-        k_off = torch.arange(width, device=device)
-        k_valid = k_off[None] < seg_len[:, None]  # [n, width]
-        k_rows = torch.where(k_valid, seg_start[:, None] + k_off[None], t * cp)
-        # causal by global position; a padded query row sees key 0 (every row attends somewhere: no NaN)
-        mask = (k_off[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]  # [n, qw, width]
+    outputs = []
+    for q_rows, q_valid, k_rows, mask in plan.buckets:
         o = F.scaled_dot_product_attention(
             q_ext[q_rows].transpose(1, 2), k_all[k_rows].transpose(1, 2), v_all[k_rows].transpose(1, 2),
-            attn_mask=mask[:, None], scale=scale, dropout_p=dropout_p, enable_gqa=groups != heads,
+            attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=groups != heads,
         ).transpose(1, 2)
         outputs.append(o[q_valid])
-        rows.append(q_rows[q_valid])
-    order = torch.cat(rows)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order), device=device)
-    return torch.cat(outputs)[inverse]
+    return torch.cat(outputs)[plan.inverse]

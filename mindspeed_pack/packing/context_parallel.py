@@ -7,13 +7,13 @@ chunk with a late one gives every rank the same work). For that, each segment (s
 the pack's padding) is first padded at its end to a multiple of ``2N`` (``x TP`` under
 sequence parallelism, so each rank's share also splits over TP)::
 
-    global      a0 a1 a2 a3 a4 .  |  b0 .  .  .  |  P  P  P  P      (. = CP pad, P = pack padding)
-    cu_seqlens         [0, 5, 6, 10]        real lengths (TE: cu_seqlens_q)
-    cu_seqlens_padded  [0, 6, 10, 14]...    physical offsets (TE: cu_seqlens_q_padded)
+    global   a0 a1 a2 a3 a4 .  .  .  |  b0 .  .  .  |  P  P  P  P   (. = CP pad, P = pack padding)
+    cu_seqlens         [0, 5, 6, 10]      real lengths (TE: cu_seqlens_q)
+    cu_seqlens_padded  [0, 8, 12, 16]     physical offsets (TE: cu_seqlens_q_padded)
 
     CP2, chunk = padded length / 4:
-    rank 0      a0 a1 . |  b0 .    |  P P   (chunks 0 and 3 of every segment)
-    rank 1      a2 a3 a4 | . .     |  P P   (chunks 1 and 2)
+    rank 0   a0 a1 .  .  |  b0 .  |  P  P   (chunks 0 and 3 of every segment)
+    rank 1   a2 a3 a4 .  |  .  .  |  P  P   (chunks 1 and 2)
 
 Labels are shifted (within segments) *before* the split, so the split needs no
 communication for targets; CP pads carry no label (never trained) and position id 0.
@@ -57,7 +57,7 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
     cu = batch.cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     padded = round_up(lengths, multiple)
-    new_total = int(padded.sum())  # = padded_size(batch, multiple)
+    new_total = int(padded.sum())
     if total is not None:
         if total % multiple or total < new_total:
             raise ValueError(f"pad_segments: total {total} must be a multiple of {multiple} and >= {new_total}")
@@ -72,10 +72,10 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
     seg_of = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), (cu[1:] - cu[:-1]))
     dest = new_starts[seg_of] + torch.arange(t, device=device) - cu[:-1][seg_of]
 
-    def spread(x: Optional[torch.Tensor], fill=0) -> Optional[torch.Tensor]:
+    def spread(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if x is None:
             return None
-        out = x.new_full((1, new_total), fill)
+        out = x.new_zeros((1, new_total))
         out[0, dest] = x[0]
         return out
 
