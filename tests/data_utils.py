@@ -113,3 +113,16 @@ def read_metrics(path: str, split: str = "train") -> dict:
 
 def rel_err(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
+
+
+def fingerprint(root: str) -> dict:
+    """SHA-1 of every file below ``root`` (relative path -> digest): proves a run wrote nothing."""
+    import hashlib
+
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = hashlib.sha1(f.read()).hexdigest()
+    return out

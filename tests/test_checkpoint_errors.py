@@ -1,5 +1,4 @@
 """Bad checkpoints and data get errors that say what and where, and nothing is overwritten."""
-import hashlib
 import os
 import shutil
 
@@ -10,7 +9,7 @@ import pretrain_gpt
 from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack.training.checkpointing import CheckpointError
-from tests.data_utils import read_metrics, write_packed_instruction_dataset
+from tests.data_utils import fingerprint, read_metrics, write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
 from tests.train_utils import tiny_argv as argv
 
@@ -23,15 +22,6 @@ def saved(tmp_path_factory):
     posttrain.main(argv(data, "--save", str(d / "ckpt")))
     posttrain.main(argv(data, "--save", str(d / "no_optim"), "--no-save-optim"))
     return data, str(d / "ckpt"), str(d / "no_optim")
-
-
-def fingerprint(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            out[os.path.relpath(path, root)] = hashlib.sha1(open(path, "rb").read()).hexdigest()
-    return out
 
 
 def copy(src, tmp_path):

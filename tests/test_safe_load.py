@@ -6,7 +6,6 @@ allow-list at all, older ones of this project still resume.
 """
 import builtins
 import fractions
-import hashlib
 import logging
 import os
 import pickle
@@ -20,7 +19,7 @@ from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack.convert.convert import hf_to_megatron, main as convert_main
 from mindspeed_pack.training.checkpointing import CheckpointError
 from mindspeed_pack.training.cli import run_cli
-from tests.data_utils import read_metrics, write_packed_instruction_dataset
+from tests.data_utils import fingerprint, read_metrics, write_packed_instruction_dataset
 from tests.train_utils import tiny_argv as argv
 
 
@@ -55,15 +54,6 @@ def write_crafted(path, marker, kind):
         with open(path, "wb") as f:
             pickle.dump({"model": {}, "args": _Execs(marker)}, f, protocol=2)
     return {"torch-os.system": "posix.system", "pickle-exec": "exec"}[kind]
-
-
-def fingerprint(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            path = os.path.join(dirpath, name)
-            out[os.path.relpath(path, root)] = hashlib.sha1(open(path, "rb").read()).hexdigest()
-    return out
 
 
 @pytest.fixture(scope="module")

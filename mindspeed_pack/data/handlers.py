@@ -248,22 +248,20 @@ class SampleEncoder:
     def _arrays(sample):
         return None if sample is None else (np.array(sample[0], dtype=np.int32), np.array(sample[1], dtype=np.uint8))
 
-    def encode_messages(self, messages, system):
-        """One conversation (tests, inspection); chunks go through :meth:`encode_rows`."""
-        texts: list = []
-        plan, skip = self.plan_messages(messages, system, texts)
+    def _encode_one(self, plan, skip, texts):
         if plan is None:
             return None, skip, False
         sample, skip, truncated = self.finish(plan, self.tokenizer.encode_batch(texts))
         return self._arrays(sample), skip, truncated
 
+    def encode_messages(self, messages, system):
+        """One conversation (tests, inspection); chunks go through :meth:`encode_rows`."""
+        texts: list = []
+        return self._encode_one(*self.plan_messages(messages, system, texts), texts)
+
     def encode_row(self, row: dict, where: str):
         texts: list = []
-        plan, skip = self.plan_row(row, where, texts)
-        if plan is None:
-            return None, skip, False
-        sample, skip, truncated = self.finish(plan, self.tokenizer.encode_batch(texts))
-        return self._arrays(sample), skip, truncated
+        return self._encode_one(*self.plan_row(row, where, texts), texts)
 
     def encode_rows(self, rows) -> EncodedChunk:
         """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch."""
