@@ -1,5 +1,24 @@
-"""The one error class of data preprocessing: raised for bad input, printed as ``error: ...``."""
+"""The errors of data preprocessing: raised for bad input, printed as ``error: ...``.
+
+Policy for rows (one place, every handler and template path uses it):
+
+* :class:`RowError`: one row is malformed (a missing field, a wrong type, an unknown role,
+  unparseable tool arguments, ...). By default the run stops with one ``error:`` line naming
+  the file, the row and the field; under ``--skip-bad-rows`` the row is skipped and counted
+  under its ``reason`` in the summary and the sidecar.
+* Rows that are well-formed but unusable (roles out of order, no answer, no trained token)
+  are skipped and counted by reason without any flag, as MindSpeed-LLM does.
+* :class:`PreprocessError` (not a row's fault: arguments, files, tokenizer) always stops the run.
+"""
 
 
 class PreprocessError(Exception):
     """Bad input or arguments. The message says what, where (file, line/row, field) and how to fix it."""
+
+
+class RowError(PreprocessError):
+    """One malformed row. ``reason`` is the short skip reason counted under ``--skip-bad-rows``."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
