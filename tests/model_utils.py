@@ -13,7 +13,10 @@ TINY = dict(
 TINY_FLAGS = (
     "--num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --group-query-attention "
     "--num-query-groups 2 --add-qkv-bias --disable-bias-linear --swiglu --normalization RMSNorm "
-    "--norm-epsilon 1e-6 --rotary-base 1000000 --untie-embeddings-and-output-weights --padded-vocab-size 256"
+    "--norm-epsilon 1e-6 --rotary-base 1000000 --untie-embeddings-and-output-weights --padded-vocab-size 256 "
+    # explicit, so the tests do not depend on which defaults the parser has (Megatron-LM's differ)
+    "--position-embedding-type rope --attention-dropout 0.0 --hidden-dropout 0.0 --lr-decay-style cosine "
+    "--log-interval 1 --eval-iters 0"
 ).split()
 
 
