@@ -249,6 +249,9 @@ def _meta_path(args) -> str:
 def _final_prefixes(args):
     if args.handler_name == PRETRAIN:
         return {"text": pack_writer.text_prefix(args.output_prefix)}
+    if args.pack and not args.neat_pack:  # plain packs: where their samples end (the mask cannot tell)
+        return pack_writer.packed_prefixes(args.output_prefix) | {
+            "sample_lengths": pack_writer.sample_lengths_prefix(args.output_prefix)}
     return pack_writer.packed_prefixes(args.output_prefix)
 
 
@@ -364,7 +367,9 @@ def _layout(args, tokenizer, encoder) -> dict:
     return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": args.neat_pack,
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
-            "pad_to_multiple_of": args.pad_to_multiple_of}
+            "pad_to_multiple_of": args.pad_to_multiple_of,
+            **({"sample_lengths": Path(pack_writer.sample_lengths_prefix(args.output_prefix)).name}
+               if args.pack and not args.neat_pack else {})}
 
 
 def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int,

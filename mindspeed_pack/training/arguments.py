@@ -341,8 +341,6 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.max_seqlen_per_dp_cp_rank = args.seq_length
     if args.max_seqlen_per_dp_cp_rank < 2:
         raise ArgumentError("--max-seqlen-per-dp-cp-rank must be at least 2")
-    if args.sequence_packing_scheduler == "dp_balanced" and not args.no_reset_position_ids:
-        args.reset_position_ids = True  # online packing isolates samples: positions restart per sample
     if args.padded_vocab_size is None and args.vocab_size is not None:
         args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     if args.lr_decay_iters is None:

@@ -240,7 +240,8 @@ class Trainer:
                                                 args.sequence_parallel)
             batches, tokens_per_micro_batch = cp_view.step_views(
                 batches, args.context_parallel_size, ps.get_context_parallel_rank(), multiple,
-                same_length=ps.get_pipeline_model_parallel_world_size() > 1)
+                same_length=ps.get_pipeline_model_parallel_world_size() > 1,
+                max_per_rank=getattr(self.source, "max_tokens_per_cp_rank", None))
             # the tokens the CP group really runs (its per-sample padding counts as padding)
             stats["tokens"] = sum(b.num_tokens for b in batches) * args.context_parallel_size
         stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
@@ -401,8 +402,8 @@ class Trainer:
 
     def _log_step(self, loss, grad_norm, stats, elapsed) -> None:
         args = self.args
-        # the balanced plan's figures are the whole job's already: keep them out of the DP sum
-        plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance" or k.startswith("job ")}
+        # the balanced plan's figure is the whole job's already: keep it out of the DP sum
+        plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance"}
         stats = self._dp_sum(stats)
         total = int(stats["tokens"])
         real = int(stats["real tokens"])
