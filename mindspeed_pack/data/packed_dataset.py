@@ -84,7 +84,7 @@ class PackedDocuments:
         missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
         if missing:
             raise DataError(f"{self.prefix}_packed_meta.json names the packs' sample boundaries {name}, but "
-                            f"{', '.join(missing)} is missing; copy it with the packs or re-run preprocess_data.py")
+                            f"{', '.join(missing)} cannot be found; copy it with the packs or re-run preprocess_data.py")
         check_index_header(path)
         return IndexedDataset(path, mmap=True)
 
