@@ -208,10 +208,10 @@ def micro_batch(samples: List[dict], args, seq_length: Optional[int] = None, iso
     same samples, positions and real lengths.
 
     Shorter (unpacked) documents get a padding segment. Plain ``--pack`` rows (attention_mask all
-    ones) find their samples as preflight decided (``args.pack_sample_ends``): from the boundaries
-    recorded at preprocessing (``sample_ids`` of the documents) or at EOS; they become the isolated
-    segments when ``isolate`` (default ``args.isolate_segments``), else only the groups of
-    ``--per-sample-loss``. The untrained pads that end a sample (``--pad-to-multiple-of``'s,
+    ones) find their samples when preflight says the flags need them (``args.plain_pack_samples``):
+    the boundaries recorded at preprocessing (the documents' ``sample_ids``), else at EOS; they
+    become the isolated segments when ``isolate`` (default ``args.isolate_segments``), else only
+    the groups of ``--per-sample-loss``. The untrained pads that end a sample (``--pad-to-multiple-of``'s,
     ``args.sample_pad_id``, or a document's ``pad_mask``) are left out of the real lengths
     reported for throughput.
     """
@@ -249,17 +249,17 @@ def micro_batch(samples: List[dict], args, seq_length: Optional[int] = None, iso
 
 
 def _plain_pack_samples(samples: List[dict], input_ids, labels, seq_length: int, args) -> Optional[torch.Tensor]:
-    """Sample ids of plain-pack rows (see :func:`micro_batch`), or None when they are not needed."""
-    how = getattr(args, "pack_sample_ends", None)
-    if how == "recorded":
+    """Sample ids of plain-pack rows (see :func:`micro_batch`), or None when they are not needed:
+    the boundaries recorded at preprocessing, else (data written before) those at EOS."""
+    if not getattr(args, "plain_pack_samples", None):
+        return None
+    if all("sample_ids" in s for s in samples):
         out = np.zeros((len(samples), seq_length), np.int64)
         for r, s in enumerate(samples):
             n = min(len(s["sample_ids"]), seq_length)
             out[r, :n] = s["sample_ids"][:n]
         return torch.from_numpy(out)
-    if how == "eos":
-        return segment_ids_at_eos(input_ids, labels, args.pack_eos_id, args.pack_pad_id)
-    return None
+    return segment_ids_at_eos(input_ids, labels, args.pack_eos_id, args.pack_pad_id)
 
 
 def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: int, dp_size: int) -> Iterator[dict]:

@@ -111,7 +111,7 @@ def _recorded_prompt_type(meta: dict):
 
 def check_data(docs, args) -> None:
     """Refuse flag/data mismatches that would silently train the wrong thing; fill
-    ``args.pack_sample_ends`` (how plain packs find their samples: ``recorded`` or ``eos``, with
+    ``args.plain_pack_samples`` (plain packs' samples are needed: the recorded ones, else those at
     ``args.pack_eos_id``) and ``args.isolate_segments``."""
     meta = docs.meta or {}
     layout = meta.get("layout") or {}
@@ -128,16 +128,17 @@ def check_data(docs, args) -> None:
         raise DataError(f"--seq-length {args.seq_length} differs from the packs' length {seq} in {sidecar}")
     _check_prompt_type(meta, args, sidecar)
     _check_pad_multiple(layout, args, sidecar)
-    args.pack_sample_ends = args.pack_eos_id = args.pack_pad_id = None
+    # one call per prefix (--train/--valid-data-path may differ): set, never reset, what another needs
+    for name in ("plain_pack_samples", "pack_eos_id", "pack_pad_id"):
+        setattr(args, name, getattr(args, name, None))
     plain_pack = layout.get("kind") == "packed" and not has_segment_ids
     if plain_pack and (args.reset_position_ids or args.reset_attention_mask or args.per_sample_loss):
+        args.plain_pack_samples = True
         if getattr(docs, "sample_lengths", None) is not None:
-            args.pack_sample_ends = "recorded"
             where = f"at the boundaries recorded in {layout['sample_lengths']}"
         else:  # written before boundaries were recorded: MindSpeed-LLM's rule, where it finds the samples
             args.pack_eos_id, args.pack_pad_id = _sample_end_ids(layout, args, sidecar)
             _check_samples_end_at_eos(docs, args, meta, sidecar)
-            args.pack_sample_ends = "eos"
             where = f"at EOS id {args.pack_eos_id}"
         if args.reset_position_ids or args.reset_attention_mask:
             args.isolate_segments = True
