@@ -212,3 +212,9 @@ def test_recorded_sample_lengths_of_other_packs_are_refused(tmp_path, two_sample
     args = parse_args([*TINY_FLAGS, *VOCAB, "--seq-length", str(SEQ), "--train-iters", "1", "--data-path", copy])
     with pytest.raises(DataError, match=r"copy_packed_sample_lengths: pack 0 has a sample starting at position \d+"):
         validate_packed_documents(PackedDocuments(copy), args)
+    builder = IndexedDatasetBuilder(f"{copy}_packed_sample_lengths.bin", dtype=np.int32)
+    builder.add_document(np.array([lengths[0], SEQ], np.int32), [2])  # more than the pack holds
+    builder.finalize(f"{copy}_packed_sample_lengths.idx")
+    with pytest.raises(DataError, match=rf"copy_packed_sample_lengths: pack 0 has samples of {lengths[0] + SEQ} "
+                                        rf"tokens in all, more than the {SEQ} a pack holds"):
+        validate_packed_documents(PackedDocuments(copy), args)

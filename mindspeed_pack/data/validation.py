@@ -212,8 +212,9 @@ def _recorded_sample_starts(docs: PackedDocuments, stats: dict, seq: int) -> np.
     over = np.flatnonzero(used > seq)
     if len(bad) or len(over):
         p = int(pack[bad[0]]) if len(bad) else int(np.flatnonzero(counts > 0)[over[0]])
-        what = "a sample length <= 0" if len(bad) else f"samples of {int(used[over[0]])} tokens in all"
-        raise DataError(f"{path}: pack {p} has {what}, but a pack holds {seq} tokens; {PREPROCESS_HINT}")
+        what = f"a sample of length {int(lengths[bad[0]])}" if len(bad) else \
+            f"samples of {int(used[over[0]])} tokens in all, more than the {seq} a pack holds"
+        raise DataError(f"{path}: pack {p} has {what}; {PREPROCESS_HINT}")
     start = np.cumsum(lengths) - lengths  # over all packs; minus the pack's first gives the offset in it
     return pack * seq + start - np.repeat(start[first[counts > 0]], counts[counts > 0])
 
@@ -221,7 +222,7 @@ def _recorded_sample_starts(docs: PackedDocuments, stats: dict, seq: int) -> np.
 def _check_sample_starts(docs: PackedDocuments, labels: _Chunk, starts: np.ndarray, seq: int) -> None:
     """Every recorded sample starts with an unlabelled token (as preprocessing stores every sample)."""
     lo, hi = labels.first * seq, labels.first * seq + len(labels.tokens)
-    mine = starts[(starts >= lo) & (starts < hi)]
+    mine = starts[np.searchsorted(starts, lo):np.searchsorted(starts, hi)]  # starts are in file order
     bad = mine[labels.tokens[mine - lo] != IGNORE_INDEX]
     if len(bad):
         pack, pos = divmod(int(bad[0]), seq)
