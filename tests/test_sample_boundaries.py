@@ -137,12 +137,16 @@ def two_samples(tmp_path_factory, toy_tokenizer_dir):
             for name, flags in (("plain", []), ("neat", ["--neat-pack"]))}
 
 
-def _first_batch(prefix, *flags):
+def _first_batch(prefix, *flags, source=None, pack_costs=False):
+    """The first micro-batch as the trainer builds it (or, ``pack_costs``, the sample lengths the
+    dp_balanced cost model reads from the first pack)."""
     trainer = Trainer(parse_args([*TINY_FLAGS, *VOCAB, "--seq-length", str(SEQ), "--micro-batch-size", "1",
                                   "--global-batch-size", "1", "--train-iters", "1", "--split", "100,0,0",
-                                  "--data-path", prefix, *flags]), PackedBatchSource())
+                                  "--data-path", prefix, *flags]), source or PackedBatchSource())
     trainer.setup()
     try:
+        if pack_costs:
+            return trainer.source._pack_segments(trainer.source.splits["train"], 0).tolist()
         return to_packed_batch(next(trainer.source.micro_batches("train", 0)), trainer.args)
     finally:
         trainer.cleanup()
@@ -167,6 +171,11 @@ def test_plain_pack_records_its_samples_and_trains_them_as_neat_pack(tmp_path, t
     assert found.num_samples == isolated.num_samples == 2
     for field in ("cu_seqlens", "position_ids", "target", "loss_mask"):
         assert torch.equal(getattr(found, field), getattr(isolated, field)), field
+    # the dp_balanced cost model reads the same samples (it took the pack as one 256-token sample)
+    from mindspeed_pack.data.online_packing import BalancedBatchSource
+
+    assert _first_batch(plain, "--reset-attention-mask", *DP_BALANCED, source=BalancedBatchSource(),
+                        pack_costs=True) == lengths.tolist()
     a = _train(neat, tmp_path, "neat", "--neat-pack", gbs=1, mbs=1)
     b = _train(plain, tmp_path, "plain", "--reset-attention-mask", "--reset-position-ids", gbs=1, mbs=1)
     _assert_same_steps(b, a, keys=("lm loss", "samples per pack", "padding ratio"))
