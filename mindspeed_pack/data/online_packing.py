@@ -72,8 +72,8 @@ class BalancedBatchSource(PackedBatchSource):
         # document sizes per prefix (--train/--valid-data-path may name different ones)
         self._sizes = {id(d.docs): np.asarray(d.docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
                        for d in self.splits.values() if d is not None}
-        # under context parallelism a row is split over the CP group: each rank holds about
-        # --max-seqlen-per-dp-cp-rank tokens of it, and samples are planned at their CP-padded length
+        # under context parallelism a row is split over the CP group: each rank holds exactly
+        # --max-seqlen-per-dp-cp-rank tokens of it, samples planned and laid out at their CP-padded length
         cp = args.context_parallel_size
         self.cp_multiple = padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel) if cp > 1 else 1
         self.capacity = args.max_seqlen_per_dp_cp_rank * cp if self.online else args.seq_length
