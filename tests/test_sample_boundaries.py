@@ -227,3 +227,25 @@ def test_recorded_sample_lengths_of_other_packs_are_refused(tmp_path, two_sample
     with pytest.raises(DataError, match=rf"copy_packed_sample_lengths: pack 0 has samples of {lengths[0] + SEQ} "
                                         rf"tokens in all, more than the {SEQ} a pack holds"):
         validate_packed_documents(PackedDocuments(copy), args)
+
+
+def test_plain_pack_without_recorded_samples_keeps_the_eos_rule_where_it_finds_the_samples(tmp_path, read_indexed):
+    """Single-turn samples whose template puts the EOS only at the end: MindSpeed-LLM's rule is exact."""
+    from tests.data_utils import write_packed_instruction_dataset
+
+    neat, plain = (write_packed_instruction_dataset(str(tmp_path / name), num_packs=4, seq_length=SEQ, neat_pack=is_neat,
+                                                    eos_id=2, pad_id=0, prompt_type="alpaca")
+                   for name, is_neat in (("neat", True), ("plain", False)))
+    written = sum(int(m.max()) for m in read_indexed(f"{neat}_packed_attention_mask_document"))
+    for count in (written, written + 1):
+        meta = _meta(plain)
+        meta["statistics"] = {"samples_written": count, "packs": 4}
+        with open(f"{plain}_packed_meta.json", "w") as f:
+            json.dump(meta, f)
+        if count == written:
+            found = _first_batch(plain, "--reset-attention-mask")
+            assert torch.equal(found.cu_seqlens, _first_batch(neat, "--neat-pack").cu_seqlens)
+        else:
+            with pytest.raises(DataError, match=rf"into {written} pieces where preprocessing wrote {count} samples "
+                                                r"\(the template alpaca"):
+                _first_batch(plain, "--reset-attention-mask")
