@@ -103,8 +103,14 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2**32)
-    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="--fp16: dynamic loss scaling's start")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: a constant loss scale instead of dynamic loss scaling")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: dynamic loss scaling's floor")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="--fp16: iterations without overflow before the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16: overflowing iterations in a row before the dynamic loss scale halves")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root"])
@@ -122,7 +128,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="average each sample's token losses first, then over samples (default: per-token mean "
                         "over the global batch, the only packing-invariant choice)")
     g.add_argument("--nan-policy", default="stop", choices=["stop", "skip"],
-                   help="on a NaN/inf loss or grad norm: stop with the iteration, or skip the update")
+                   help="on a NaN/inf loss or gradient: stop with the iteration, or skip the update (under --fp16 "
+                        "dynamic loss scaling an inf/NaN gradient always skips the step and lowers the scale)")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic algorithms (bitwise-reproducible CPU runs); the data order is always fixed by "
                         "--seed, or sequential with --no-shuffle")

@@ -40,7 +40,7 @@ from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
-from mindspeed_pack.training.precision import precision_record
+from mindspeed_pack.training.precision import loss_scale, precision_record, scaler_owns_overflow
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,8 @@ class Trainer:
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather,
             initial_loss_scale=args.initial_loss_scale, loss_scale=args.loss_scale,
+            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
         decay_iters = args.lr_decay_iters or args.train_iters or 1
@@ -296,7 +298,9 @@ class Trainer:
             log.warning("non-finite loss at iteration %d: update skipped", self.iteration + 1)
             self.skipped += 1
             return loss, float("nan"), stats, False
-        bad = self._first_non_finite_grad()
+        # under --fp16 dynamic loss scaling an overflow is expected: optimizer.step() skips the
+        # update and lowers the scale (Megatron-LM); elsewhere it is a failed step
+        bad = None if scaler_owns_overflow(self.optimizer) else self._first_non_finite_grad()
         if bad is not None:
             where = f"iteration {self.iteration + 1} (first non-finite gradient: {bad})"
             if args.nan_policy == "stop":
@@ -421,6 +425,7 @@ class Trainer:
             "consumed samples": self.consumed_samples,
             "global batch size": args.global_batch_size,
             "skipped": self.skipped,
+            "loss scale": loss_scale(self.optimizer),
             **throughput.step_fields(args, stats, elapsed, 1, dist.get_world_size()),
         }, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
 
