@@ -154,6 +154,37 @@ def test_warmup_fraction_and_warmup_iters_are_exclusive(neat, capsys):
     assert "--lr-warmup-fraction and --lr-warmup-iters" in capsys.readouterr().err
 
 
+def megatron_lr(k, fraction, iters, gbs, lr=1e-3, min_lr=1e-4):
+    """Megatron-LM's cosine schedule after ``k`` updates: steps are samples (warmup fractional)."""
+    steps, decay = k * gbs, iters * gbs
+    warmup = fraction * decay
+    if steps <= warmup:
+        return lr * steps / warmup
+    ratio = (steps - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (np.cos(np.pi * ratio) + 1.0) * (lr - min_lr)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.05])
+def test_lr_warmup_fraction_stays_fractional_as_megatron_counts_it(neat, fraction):
+    """0.01 x 50 iterations is half an iteration of warmup at GBS 2 (1 sample): step 1 runs at
+    lr 0 and the lr rises from there; 0.05 x 50 = 2.5 iterations, not 2."""
+    trainer = Trainer(parse_args(nargv(neat, "--train-iters", "50", "--lr-warmup-iters", "0",
+                                       "--lr-warmup-fraction", str(fraction))), PackedBatchSource())
+    trainer.setup()
+    try:
+        lrs = [trainer.optimizer.param_groups[0]["lr"]]  # the lr step 1 runs with
+        for _ in range(4):
+            trainer.train_step()
+            lrs.append(trainer.optimizer.param_groups[0]["lr"])  # what iteration k logs
+    finally:
+        trainer.cleanup()
+    assert lrs[0] == 0.0 and lrs[1] > 0.0
+    for k, got in enumerate(lrs):
+        assert rel_err(got, megatron_lr(k, fraction, 50, 2)) <= 1e-12 if k else got == 0.0, (k, got)
+    if fraction == 0.05:
+        assert lrs[1] < lrs[2] < lrs[3] == pytest.approx(megatron_lr(3, 0.05, 50, 2))
+
+
 # 7 ------------------------------------------------------------------------------------------
 def test_prompt_type_is_checked_against_the_sidecar(eos_packs):
     _, plain = eos_packs
@@ -199,11 +230,16 @@ def test_resume_after_halving_the_global_batch_size_continues(tmp_path, neat):
     ckpt = str(tmp_path / "ckpt")
     posttrain.main(nargv(neat, "--train-iters", "6", "--global-batch-size", "4", "--save", ckpt,
                         "--exit-interval", "2"))
+    # the schedule counts samples (Megatron-LM): 6 iterations decay over 24 samples at GBS 4, 12 at GBS 2
+    with pytest.raises(CheckpointError, match=r"checkpoint 24, flags 12"):
+        posttrain.main(nargv(neat, "--train-iters", "6", "--global-batch-size", "2", "--load", ckpt))
     posttrain.main(nargv(neat, "--train-iters", "6", "--global-batch-size", "2", "--load", ckpt,
-                        metrics=str(tmp_path / "m.jsonl")))
+                        "--use-checkpoint-opt_param-scheduler", metrics=str(tmp_path / "m.jsonl")))
     got = read_metrics(str(tmp_path / "m.jsonl"))
     assert sorted(got) == [3, 4, 5, 6]
     assert [got[i]["consumed samples"] for i in (3, 6)] == [10, 16]
+    # ... and the kept schedule goes on by samples: after 16 of its 24 (warmup 4), cosine from 1e-3 to 1e-4
+    assert got[6]["lr"] == pytest.approx(1e-4 + 0.5 * (np.cos(np.pi * 12 / 20) + 1) * 9e-4, rel=1e-12)
 
 
 # 11 -----------------------------------------------------------------------------------------

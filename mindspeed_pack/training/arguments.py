@@ -115,7 +115,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root"])
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of --lr-decay-iters (not together with --lr-warmup-iters)")
+                   help="warmup as a fraction of --lr-decay-iters, kept fractional (the schedule counts samples, "
+                        "as in Megatron-LM); not together with --lr-warmup-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -266,8 +267,8 @@ def _check_schedule_flags(args) -> None:
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
             raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters both given: pass only one of them")
-        if args.train_iters:
-            args.lr_warmup_iters = int(args.lr_warmup_fraction * (args.lr_decay_iters or args.train_iters))
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given: "
                             "pass only one of them")

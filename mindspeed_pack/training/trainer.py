@@ -25,7 +25,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
@@ -41,6 +40,7 @@ from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
 from mindspeed_pack.training.precision import loss_scale, precision_record, scaler_owns_overflow
+from mindspeed_pack.training.schedule import build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -185,13 +185,7 @@ class Trainer:
             hysteresis=args.hysteresis,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
-        decay_iters = args.lr_decay_iters or args.train_iters or 1
-        scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
-            lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-            wd_incr_steps=decay_iters, wd_incr_style="constant",
-        )
+        scheduler = build_scheduler(args, optimizer)  # counted in samples, as Megatron-LM does
         config = get_model_config(self.model[0])
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = self.model[0].no_sync
@@ -312,7 +306,7 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         faults.fire("step", self.iteration + 1)  # crash tests: die after the update, before log and save
         if ok:
-            self.scheduler.step(increment=1)  # schedule counted in iterations
+            self.scheduler.step(increment=args.global_batch_size)  # schedule counted in samples
         else:
             self.skipped += 1
         return loss, (float(grad_norm) if grad_norm is not None else float("nan")), stats, ok
