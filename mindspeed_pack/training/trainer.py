@@ -105,6 +105,7 @@ class Trainer:
         self.source = batch_source
         self.iteration = 0
         self.consumed_samples = 0
+        self.consumed_valid_samples = 0  # where the next validation starts in its split
         self.skipped = 0
         self.exit_requested = False
 
@@ -130,9 +131,15 @@ class Trainer:
         # what this run reads from here on: a resume with another global batch size continues
         # from the checkpoint's consumed samples
         remaining = max(0, (args.train_iters or 0) - self.iteration)
+        eval_samples = args.eval_iters * args.global_batch_size
+        # validation goes on through its split (cycling) from evaluation to evaluation, as in
+        # Megatron-LM: every --eval-interval and once at the end; its place after a resume
+        # follows from the iteration. --skip-train reads from the split's start, as does test.
+        evaluations = 1 if args.skip_train else (args.train_iters // args.eval_interval + 1)
+        self.consumed_valid_samples = 0 if args.skip_train else self.iteration // args.eval_interval * eval_samples
         num_samples = {"train": self.consumed_samples + remaining * args.global_batch_size if remaining else 0,
-                       "valid": args.eval_iters * args.global_batch_size,
-                       "test": args.eval_iters * args.global_batch_size}
+                       "valid": max(evaluations * eval_samples, self.consumed_valid_samples + eval_samples),
+                       "test": eval_samples}
         self.source.setup(args, num_samples)
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
             preflight.check_data(docs, args)
@@ -374,11 +381,11 @@ class Trainer:
         self._evaluate_at_end()
 
     def _evaluate_at_end(self) -> None:
-        """Megatron-LM's end of training: validation (unless this iteration was just
-        validated: same weights, same samples) and the test split, with ``--eval-iters``."""
+        """Megatron-LM's end of training: validation on the next ``--eval-iters`` global batches
+        of the split and the test split's first ones."""
         if not self.args.eval_iters:
             return
-        if self.source.has_split("valid") and getattr(self, "last_valid_iteration", None) != self.iteration:
+        if self.source.has_split("valid"):
             self.evaluate("valid", "the end of training for val data")
         if self.source.has_split("test"):
             self.evaluate("test", "the end of training for test data")
@@ -424,7 +431,8 @@ class Trainer:
         }, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
 
     def evaluate(self, split: str = "valid", label: Optional[str] = None) -> Optional[float]:
-        """Loss over ``--eval-iters`` global batches from the start of ``split`` (valid or test)."""
+        """Loss over ``--eval-iters`` global batches of ``split``: valid continues where its last
+        evaluation stopped, test starts at the split's start (evaluated once, at the end)."""
         args = self.args
         if not self.source.has_split(split):
             log.warning("no %s split (--split gives it no documents): skipping evaluation", split)
@@ -433,18 +441,19 @@ class Trainer:
             chunk.eval()
         total = torch.zeros(2, dtype=torch.float64)
         tokens = 0
+        start = self.consumed_valid_samples if split == "valid" else 0
         with torch.no_grad():
             for i in range(args.eval_iters):
-                loss_sum, stats = self._run_batches(split, i * args.global_batch_size, forward_only=True)
+                loss_sum, stats = self._run_batches(split, start + i * args.global_batch_size, forward_only=True)
                 total += loss_sum
                 tokens += stats["tokens"] - stats["pad"]
+        if split == "valid":
+            self.consumed_valid_samples += args.eval_iters * args.global_batch_size
         loss = self._global_mean(total)
         tokens = int(self._dp_sum({"tokens": tokens})["tokens"])
         self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
         for chunk in self.model:
             chunk.train()
-        if split == "valid":
-            self.last_valid_loss, self.last_valid_iteration = loss, self.iteration
         return loss
 
     def save(self) -> None:
