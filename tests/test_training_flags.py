@@ -264,6 +264,33 @@ def test_eval_iters_alone_validates_and_tests_at_the_end(tmp_path, neat, capsys)
     assert "validation loss at the end of training for test data" in out
 
 
+# 14 (issue 28) --------------------------------------------------------------------------------
+# Megatron-LM's values (megatron/training/arguments.py and its config dataclasses, core 0.16.1)
+MEGATRON_DEFAULTS = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
+                     "attention_dropout": 0.1, "hidden_dropout": 0.1, "lr_decay_style": "linear",
+                     "eval_iters": 100, "log_interval": 100}
+
+
+def test_omitted_flags_mean_what_they_mean_in_megatron_lm(neat):
+    """Only the shape, data and steps are given: the built model, schedule and logger take Megatron-LM's defaults."""
+    trainer = Trainer(parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                  "--padded-vocab-size", "256", "--seq-length", "128", "--global-batch-size", "2",
+                                  "--neat-pack", "--train-iters", "1", "--data-path", neat]), PackedBatchSource())
+    trainer.setup()
+    try:
+        args, config = trainer.args, trainer.model[0].config
+        assert {k: getattr(args, k) for k in MEGATRON_DEFAULTS} == MEGATRON_DEFAULTS
+        module = trainer.model[0].module
+        assert config.normalization == "LayerNorm"
+        assert isinstance(module.decoder.final_layernorm, torch.nn.LayerNorm)  # not RMSNorm
+        assert module.position_embedding_type == "learned_absolute" and module.embedding.position_embeddings is not None
+        assert config.attention_dropout == config.hidden_dropout == 0.1
+        assert trainer.scheduler.lr_decay_style == "linear"
+        assert trainer.metrics.log_interval == 100
+    finally:
+        trainer.cleanup()
+
+
 # 13 -----------------------------------------------------------------------------------------
 ACCEPTED_NO_OPS = {"is_instruction_dataset", "variable_seq_lengths", "use_mcore_models"}
 
