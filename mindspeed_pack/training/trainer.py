@@ -367,7 +367,7 @@ class Trainer:
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
             self._log_step(loss, grad_norm, stats, elapsed)
-            if args.eval_interval and args.eval_iters and self.iteration % args.eval_interval == 0:
+            if args.eval_iters and self.iteration % args.eval_interval == 0 and self.source.has_split("valid"):
                 self.evaluate()
             save_now = args.save and args.save_interval and self.iteration % args.save_interval == 0
             exit_now = self._should_exit()
