@@ -194,8 +194,8 @@ def test_fp16_overflow_halves_the_loss_scale_and_training_goes_on(tmp_path, data
 
     metrics = str(tmp_path / "fp16.jsonl")
     capsys.readouterr()
-    posttrain.main(TINY_FLAGS + BASE + ["--data-path", data, "--fp16", "--initial-loss-scale", "65536",
-                                        "--train-iters", "16", "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "5e-3",
+    posttrain.main(TINY_FLAGS + BASE + ["--data-path", data, "--fp16", "--initial-loss-scale", "65536", "--lr", "5e-3",
+                                        "--train-iters", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
                                         "--log-interval", "4", "--metrics-file", metrics])
     out = capsys.readouterr().out
     steps = read_metrics(metrics)

@@ -41,7 +41,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--normalization", default="LayerNorm", choices=["RMSNorm", "LayerNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--position-embedding-type", default="learned_absolute", choices=["rope", "learned_absolute", "none"])
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["rope", "learned_absolute", "none"])
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=float, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
@@ -117,7 +118,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="--fp16: overflowing iterations in a row before the dynamic loss scale halves")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warmup as a fraction of --lr-decay-iters, kept fractional (the schedule counts samples, "
                         "as in Megatron-LM); not together with --lr-warmup-iters")

@@ -4,8 +4,8 @@ Console lines keep Megatron-LM's ``key: value |`` layout so existing log parsers
 ``mindspeed_pack.tools.compare_runs``) read them, and its ``--log-interval`` meaning: a line
 every N iterations with the interval's means (loss over the iterations not skipped, time
 per iteration, tokens/s, padding ratio, samples per pack) and its skipped count; learning
-rate, loss scale and grad norm are the last iteration's. The JSON-lines file keeps every step. Counts
-are the whole job's (summed over data-parallel ranks by the trainer). Only the last
+rate, loss scale and grad norm are the last iteration's. The JSON-lines file keeps every
+step. Counts are the whole job's (summed over data-parallel ranks by the trainer). Only the last
 pipeline stage's first tensor/data-parallel rank writes.
 """
 from __future__ import annotations

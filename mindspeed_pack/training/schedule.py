@@ -29,6 +29,7 @@ class SampleScheduler(OptimizerParamScheduler):
 
 
 def build_scheduler(args, optimizer) -> SampleScheduler:
+    """Megatron-LM's ``get_optimizer_param_scheduler`` for iteration-based runs (constant weight decay)."""
     gbs = args.global_batch_size
     decay_steps = (args.lr_decay_iters or args.train_iters or 1) * gbs
     if args.lr_warmup_fraction is not None:
