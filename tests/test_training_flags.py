@@ -225,6 +225,24 @@ def test_log_interval_prints_the_interval_mean_loss(tmp_path, neat, capsys):
         assert rel_err(line, np.mean([steps[i]["lm loss"] for i in its])) <= 1e-6
 
 
+def test_log_interval_mean_loss_leaves_skipped_iterations_out(capsys):
+    """Megatron-LM averages the interval's loss over the iterations that updated the weights."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.metrics import MetricsLogger
+
+    logger = MetricsLogger(SimpleNamespace(train_iters=4, log_interval=4, metrics_file=None, tensorboard_dir=None),
+                           enabled=True)
+    capsys.readouterr()
+    for it, loss, skipped, scale in [(1, 6.0, 0, 8.0), (2, 9.0, 1, 4.0), (3, 4.0, 1, 4.0), (4, 5.0, 2, 2.0)]:
+        logger.step({"iteration": it, "lm loss": loss, "skipped": skipped, "loss scale": scale, "lr": 1e-4,
+                     "grad norm": 1.0, "tokens": 100, "step time (ms)": 10.0, "consumed samples": 2 * it,
+                     "global batch size": 2})
+    line = capsys.readouterr().out
+    assert "lm loss: 5.000000E+00 |" in line  # (6 + 4) / 2: iterations 2 and 4 were skipped
+    assert "loss scale: 2.0 |" in line and "number of skipped iterations:   2 |" in line
+
+
 # 10 -----------------------------------------------------------------------------------------
 def test_resume_after_halving_the_global_batch_size_continues(tmp_path, neat):
     ckpt = str(tmp_path / "ckpt")
