@@ -207,8 +207,9 @@ def test_qwen25_training_is_the_published_recipe():
         ("RMSNorm", 1e-6, 1e6, 152064, 4096)
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.data_parallel_size) == (4, 1, 2)
     assert (a.micro_batch_size, a.global_batch_size, a.num_micro_batches) == (1, 8, 4)
+    # the warmup stays a fraction (of the decay samples, as Megatron-LM counts it): no whole iterations derived
     assert (a.lr, a.min_lr, a.lr_decay_style, a.lr_warmup_fraction, a.lr_warmup_iters) == \
-        (7.75e-7, 7.75e-8, "cosine", 0.01, 20)
+        (7.75e-7, 7.75e-8, "cosine", 0.01, 0)
     assert (a.weight_decay, a.clip_grad, a.adam_beta1, a.adam_beta2, a.train_iters) == (0.1, 1.0, 0.9, 0.95, 2000)
     assert a.neat_pack and a.reset_position_ids and a.isolate_segments and a.is_instruction_dataset
     assert a.finetune and a.prompt_type == "qwen" and not a.no_shuffle

@@ -51,6 +51,8 @@ MODEL_ARGS=(
     --normalization RMSNorm
     --norm-epsilon 1e-6
     --position-embedding-type rope
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
     --rotary-base 1000000
     --untie-embeddings-and-output-weights
     --seq-length "$SEQ_LEN"

@@ -1,5 +1,9 @@
 """Command-line arguments with Megatron-LM / MindSpeed-LLM names, and their validation.
 
+Omitting a flag means what it means in Megatron-LM (its defaults: LayerNorm, learned absolute
+positions, dropout 0.1, linear decay, ``--eval-iters 100``, ``--log-interval 100``); the few
+defaults that differ are listed in the README ("Training flags with Megatron-LM's meaning").
+
 Every flag of MindSpeed-LLM's Qwen2.5-7B pack example parses. Flags that only select a
 fused CUDA kernel are accepted everywhere (the kernels are chosen by the layer spec) and
 ignored with one warning on a CPU; flags that cannot work together fail with a clear error.
@@ -35,9 +39,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--normalization", default="RMSNorm", choices=["RMSNorm", "LayerNorm"])
+    g.add_argument("--normalization", default="LayerNorm", choices=["RMSNorm", "LayerNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--position-embedding-type", default="rope", choices=["rope", "learned_absolute", "none"])
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["rope", "learned_absolute", "none"])
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=float, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
@@ -47,8 +52,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (else from the tokenizer)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--no-parallel-invariant-init", action="store_true",
                    help="use megatron's per-rank initialisation (faster for huge from-scratch models) instead "
@@ -103,13 +108,21 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2**32)
-    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="--fp16: dynamic loss scaling's start")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: a constant loss scale instead of dynamic loss scaling")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: dynamic loss scaling's floor")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="--fp16: iterations without overflow before the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16: overflowing iterations in a row before the dynamic loss scale halves")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of --lr-decay-iters (not together with --lr-warmup-iters)")
+                   help="warmup as a fraction of --lr-decay-iters, kept fractional (the schedule counts samples, "
+                        "as in Megatron-LM); not together with --lr-warmup-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -122,7 +135,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="average each sample's token losses first, then over samples (default: per-token mean "
                         "over the global batch, the only packing-invariant choice)")
     g.add_argument("--nan-policy", default="stop", choices=["stop", "skip"],
-                   help="on a NaN/inf loss or grad norm: stop with the iteration, or skip the update")
+                   help="on a NaN/inf loss or gradient: stop with the iteration, or skip the update (under --fp16 "
+                        "dynamic loss scaling an inf/NaN gradient always skips the step and lowers the scale)")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic algorithms (bitwise-reproducible CPU runs); the data order is always fixed by "
                         "--seed, or sequential with --no-shuffle")
@@ -207,11 +221,12 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def _logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000,
                    help="validate every N iterations (with --eval-iters); also at the end of training, and the "
                         "test split at the end, as Megatron-LM does")
-    g.add_argument("--eval-iters", type=int, default=0)
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per validation (and test) evaluation; 0 = no evaluation")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-file", default=None, help="every step's metrics as JSON lines")
     g.add_argument("--log-throughput", action="store_true",
@@ -259,8 +274,8 @@ def _check_schedule_flags(args) -> None:
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
             raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters both given: pass only one of them")
-        if args.train_iters:
-            args.lr_warmup_iters = int(args.lr_warmup_fraction * (args.lr_decay_iters or args.train_iters))
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given: "
                             "pass only one of them")

@@ -4,8 +4,8 @@ One place for every check that compares a flag with what an earlier step of the 
 wrote down, so a mismatch stops the run with a message naming the flag, the file and what
 to do, instead of silently training something else:
 
-* the checkpoint's learning-rate schedule (Megatron-LM's rule: a resume whose ``--lr``,
-  ``--min-lr``, warmup, decay iterations or decay style differ from the checkpoint's is
+* the checkpoint's learning-rate schedule, counted in samples (Megatron-LM's rule: a resume
+  whose ``--lr``, ``--min-lr``, warmup, decay samples or decay style differ from the checkpoint's is
   refused unless ``--override-opt_param-scheduler`` (follow the flags from the checkpoint's
   iteration) or ``--use-checkpoint-opt_param-scheduler`` (keep the checkpoint's schedule));
 * the data's sidecar (``P_packed_meta.json``): ``--neat-pack`` against the kind of
@@ -22,6 +22,7 @@ import warnings
 import numpy as np
 
 from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.training import schedule
 from mindspeed_pack.training.checkpointing import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 SCHEDULE_FIELDS = {
     "max_lr": "--lr",
     "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction",
-    "lr_decay_steps": "--lr-decay-iters (default --train-iters)",
+    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction (in samples)",
+    "lr_decay_steps": "--lr-decay-iters (default --train-iters) x --global-batch-size (in samples)",
     "lr_decay_style": "--lr-decay-style",
     "start_wd": "--weight-decay",
     "end_wd": "--weight-decay",
@@ -75,6 +76,7 @@ def guard_scheduler_resume(args, scheduler) -> None:
     restore = scheduler.load_state_dict
 
     def load_state_dict(state_dict: dict) -> None:
+        state_dict = schedule.in_samples(state_dict, args.global_batch_size)  # older checkpoints: iterations
         check_resume_schedule(args, scheduler, state_dict)
         if args.skip_train:
             scheduler.use_checkpoint_opt_param_scheduler = True
@@ -89,7 +91,7 @@ def guard_scheduler_resume(args, scheduler) -> None:
             group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
         scheduler.step(increment=0)
         if args.override_opt_param_scheduler:
-            log.info("--override-opt_param-scheduler: following the flags' schedule from iteration %d",
+            log.info("--override-opt_param-scheduler: following the flags' schedule from sample %d",
                      scheduler.num_steps)
 
     scheduler.load_state_dict = load_state_dict

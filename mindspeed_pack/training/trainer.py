@@ -25,7 +25,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
@@ -40,7 +39,8 @@ from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
-from mindspeed_pack.training.precision import precision_record
+from mindspeed_pack.training.precision import loss_scale, precision_record, scaler_owns_overflow
+from mindspeed_pack.training.schedule import build_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class Trainer:
         self.source = batch_source
         self.iteration = 0
         self.consumed_samples = 0
+        self.consumed_valid_samples = 0  # where the next validation starts in its split
         self.skipped = 0
         self.exit_requested = False
 
@@ -130,9 +131,15 @@ class Trainer:
         # what this run reads from here on: a resume with another global batch size continues
         # from the checkpoint's consumed samples
         remaining = max(0, (args.train_iters or 0) - self.iteration)
+        eval_samples = args.eval_iters * args.global_batch_size
+        # validation goes on through its split (cycling) from evaluation to evaluation, as in
+        # Megatron-LM: every --eval-interval and once at the end; its place after a resume
+        # follows from the iteration. --skip-train reads from the split's start, as does test.
+        evaluations = 1 if args.skip_train else (args.train_iters // args.eval_interval + 1)
+        self.consumed_valid_samples = 0 if args.skip_train else self.iteration // args.eval_interval * eval_samples
         num_samples = {"train": self.consumed_samples + remaining * args.global_batch_size if remaining else 0,
-                       "valid": args.eval_iters * args.global_batch_size,
-                       "test": args.eval_iters * args.global_batch_size}
+                       "valid": max(evaluations * eval_samples, self.consumed_valid_samples + eval_samples),
+                       "test": eval_samples}
         self.source.setup(args, num_samples)
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
             preflight.check_data(docs, args)
@@ -181,15 +188,11 @@ class Trainer:
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather,
             initial_loss_scale=args.initial_loss_scale, loss_scale=args.loss_scale,
+            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
-        decay_iters = args.lr_decay_iters or args.train_iters or 1
-        scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
-            lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-            wd_incr_steps=decay_iters, wd_incr_style="constant",
-        )
+        scheduler = build_scheduler(args, optimizer)  # counted in samples, as Megatron-LM does
         config = get_model_config(self.model[0])
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = self.model[0].no_sync
@@ -297,7 +300,9 @@ class Trainer:
             log.warning("non-finite loss at iteration %d: update skipped", self.iteration + 1)
             self.skipped += 1
             return loss, float("nan"), stats, False
-        bad = self._first_non_finite_grad()
+        # under --fp16 dynamic loss scaling an overflow is expected: optimizer.step() skips the
+        # update and lowers the scale (Megatron-LM); elsewhere it is a failed step
+        bad = None if scaler_owns_overflow(self.optimizer) else self._first_non_finite_grad()
         if bad is not None:
             where = f"iteration {self.iteration + 1} (first non-finite gradient: {bad})"
             if args.nan_policy == "stop":
@@ -309,7 +314,7 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         faults.fire("step", self.iteration + 1)  # crash tests: die after the update, before log and save
         if ok:
-            self.scheduler.step(increment=1)  # schedule counted in iterations
+            self.scheduler.step(increment=args.global_batch_size)  # schedule counted in samples
         else:
             self.skipped += 1
         return loss, (float(grad_norm) if grad_norm is not None else float("nan")), stats, ok
@@ -363,7 +368,7 @@ class Trainer:
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
             self._log_step(loss, grad_norm, stats, elapsed)
-            if args.eval_interval and args.eval_iters and self.iteration % args.eval_interval == 0:
+            if args.eval_iters and self.iteration % args.eval_interval == 0 and self.source.has_split("valid"):
                 self.evaluate()
             save_now = args.save and args.save_interval and self.iteration % args.save_interval == 0
             exit_now = self._should_exit()
@@ -377,11 +382,11 @@ class Trainer:
         self._evaluate_at_end()
 
     def _evaluate_at_end(self) -> None:
-        """Megatron-LM's end of training: validation (unless this iteration was just
-        validated: same weights, same samples) and the test split, with ``--eval-iters``."""
+        """Megatron-LM's end of training: validation on the next ``--eval-iters`` global batches
+        of the split and the test split's first ones."""
         if not self.args.eval_iters:
             return
-        if self.source.has_split("valid") and getattr(self, "last_valid_iteration", None) != self.iteration:
+        if self.source.has_split("valid"):
             self.evaluate("valid", "the end of training for val data")
         if self.source.has_split("test"):
             self.evaluate("test", "the end of training for test data")
@@ -422,11 +427,13 @@ class Trainer:
             "consumed samples": self.consumed_samples,
             "global batch size": args.global_batch_size,
             "skipped": self.skipped,
+            "loss scale": loss_scale(self.optimizer),
             **throughput.step_fields(args, stats, elapsed, 1, dist.get_world_size()),
         }, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
 
     def evaluate(self, split: str = "valid", label: Optional[str] = None) -> Optional[float]:
-        """Loss over ``--eval-iters`` global batches from the start of ``split`` (valid or test)."""
+        """Loss over ``--eval-iters`` global batches of ``split``: valid continues where its last
+        evaluation stopped, test starts at the split's start (evaluated once, at the end)."""
         args = self.args
         if not self.source.has_split(split):
             log.warning("no %s split (--split gives it no documents): skipping evaluation", split)
@@ -435,18 +442,19 @@ class Trainer:
             chunk.eval()
         total = torch.zeros(2, dtype=torch.float64)
         tokens = 0
+        start = self.consumed_valid_samples if split == "valid" else 0
         with torch.no_grad():
             for i in range(args.eval_iters):
-                loss_sum, stats = self._run_batches(split, i * args.global_batch_size, forward_only=True)
+                loss_sum, stats = self._run_batches(split, start + i * args.global_batch_size, forward_only=True)
                 total += loss_sum
                 tokens += stats["tokens"] - stats["pad"]
+        if split == "valid":
+            self.consumed_valid_samples += args.eval_iters * args.global_batch_size
         loss = self._global_mean(total)
         tokens = int(self._dp_sum({"tokens": tokens})["tokens"])
         self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
         for chunk in self.model:
             chunk.train()
-        if split == "valid":
-            self.last_valid_loss, self.last_valid_iteration = loss, self.iteration
         return loss
 
     def save(self) -> None:
