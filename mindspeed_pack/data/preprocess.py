@@ -21,6 +21,9 @@ for any number of workers. Outputs appear only complete; the sidecar is written 
 what the cache checks: inputs (size + mtime), tokenizer files hash, template and arguments
 must match for a rebuild to be skipped (``--overwrite-cache`` forces it).
 Errors in the input raise :class:`PreprocessError`; ``main`` prints ``error: ...`` and exits 2.
+A malformed row (:class:`RowError`) does the same unless ``--skip-bad-rows``, which skips it
+and counts it by reason next to the unusable rows (summary and sidecar ``statistics.skipped``,
+with the first row of each reason in ``statistics.first_skipped``).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from typing import Optional
 
 
 from mindspeed_pack.data import pack_writer, readers
-from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
                                           resolve_map_keys)
 from mindspeed_pack.data.templates import get_template, marker_tokens
@@ -49,7 +52,7 @@ FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added w
 CHUNK_ROWS = 1000
 # arguments that change the output bytes (the cache compares these; --workers does not)
 _OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed",
-                "pad_to_multiple_of")
+                "pad_to_multiple_of", "skip_bad_rows")
 TOKENIZER_SUFFIX = "tokenizer"  # P_tokenizer/: the tokenizer extended with a template's tokens
 
 
@@ -60,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-prefix", required=True, help="path prefix P of the outputs P_packed_*_document.{bin,idx}")
     g.add_argument("--cache-dir", default=None, help="where the temporary token store goes (default: next to the output)")
     g.add_argument("--overwrite-cache", action="store_true", help="rebuild even if matching outputs exist")
+    g.add_argument("--skip-bad-rows", action="store_true",
+                   help="skip malformed rows (bad JSON, missing field, wrong type, unknown role) and count them by "
+                        "reason instead of stopping at the first one (default: stop, naming file, row and field)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="PretrainedFromHF", choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-name-or-path", default=None, help="HF tokenizer directory")
@@ -142,11 +148,12 @@ class EncoderConfig:
     map_keys: dict
     seq_length: Optional[int]
     append_eod: bool
+    skip_bad_rows: bool = False
 
     def build(self, tokenizer=None) -> SampleEncoder:
         template = get_template(self.prompt_type, self.templates_path) if self.handler != PRETRAIN else None
         return SampleEncoder(self.handler, tokenizer or load_tokenizer(self.tokenizer), template, self.map_keys,
-                             self.seq_length, self.append_eod)
+                             self.seq_length, self.append_eod, self.skip_bad_rows)
 
 
 _ENCODER: Optional[SampleEncoder] = None
@@ -189,17 +196,22 @@ def encode_in_order(chunks, config: EncoderConfig, workers: int, encoder: Option
 
 
 # ------------------------------------------------------------------ main side
-def check_columns(files, handler: str, keys: dict, explicit: set) -> None:
-    """Every required column, and every column named in --map-keys, exists in every file."""
+def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows: bool = False) -> None:
+    """Every required column, and every column named in --map-keys, exists in every file with rows."""
     wanted = [k for k in COLUMN_KEYS[handler] if k in REQUIRED_COLUMNS[handler] or k in explicit]
+    empty = []
     for f in files:
-        columns = readers.columns_of(f)
+        columns = readers.columns_of(f, skip_bad_rows)
         if columns is None:
-            continue  # no rows (an empty file); the empty-input check reports it if all are empty
+            empty.append(f)
+            continue
         for key in wanted:
             if keys[key] not in columns:
                 raise PreprocessError(f"{f}: column {keys[key]!r} (--map-keys {key}) not found; "
                                       f"columns: {', '.join(map(str, columns))}")
+    if len(empty) < len(files):  # all empty: the empty-input error says so
+        for f in empty:
+            print(f"warning: {f}: no rows (an empty file); skipped", file=sys.stderr)
 
 
 def extend_tokenizer_for_template(tokenizer, template) -> dict:
@@ -299,11 +311,11 @@ def run(args) -> dict:
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
     template = None if args.handler_name == PRETRAIN else get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
-    check_columns(files, args.handler_name, keys, explicit)
+    check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
     changes = extend_tokenizer_for_template(tokenizer, template)
     check_eos(tokenizer, args.tokenizer_path)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
-                           args.seq_length, args.append_eod)
+                           args.seq_length, args.append_eod, args.skip_bad_rows)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
 
     cache_key = {
@@ -371,7 +383,7 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
                 encoder: Optional[SampleEncoder] = None) -> dict:
     store = pack_writer.TokenStore(tmp_store, args.pad_to_multiple_of, pad_id)
     rows = truncated = trained = max_len = 0
-    skipped = Counter()
+    skipped, first_skipped = Counter(), {}
     progress = _Progress("tokenize", "rows", args.log_interval)
     try:
         for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers, encoder):
@@ -379,6 +391,8 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
             rows += chunk.rows
             truncated += chunk.truncated
             skipped.update(chunk.skipped)
+            for reason, example in chunk.first_skipped.items():
+                first_skipped.setdefault(reason, example)
             trained += int(chunk.trained.sum())
             if len(chunk.lengths):
                 max_len = max(max_len, int(chunk.lengths.max()))
@@ -393,6 +407,7 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
         raise PreprocessError(f"no usable sample in {where}: all {rows} rows were skipped ({dict(skipped)})")
     tokens = store.num_tokens - store.pad_tokens  # the samples' own tokens
     return {"samples_read": rows, "samples_written": len(store), "skipped": dict(sorted(skipped.items())),
+            "first_skipped": dict(sorted(first_skipped.items())),
             "truncated": truncated, "tokens": tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
             "cp_pad_tokens": store.pad_tokens, "max_sample_length": max_len,
             "mean_sample_length": round(tokens / len(store), 2), "_store": store}
@@ -448,6 +463,7 @@ def print_summary(meta: dict) -> None:
     s = meta["statistics"]
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
     lines = [f"samples read {s['samples_read']}, written {s['samples_written']}, skipped {skipped}, truncated {s['truncated']}"]
+    lines += [f"  first skipped ({why}): {example}" for why, example in s.get("first_skipped", {}).items()]
     if "packs" in s:
         lines.append(f"packs {s['packs']} (lower bound {s['lower_bound']}), fill rate {s['fill_rate']:.4f}")
     else:
@@ -472,6 +488,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
+    except RowError as exc:
+        print(f"error: {exc}; {SKIP_BAD_ROWS_HINT}", file=sys.stderr)
+        return 2
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
