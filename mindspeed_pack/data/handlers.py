@@ -10,8 +10,10 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
   ``system`` column). OpenAI-style ``{"role", "content"}`` with user/assistant works with
   ``--map-keys '{"role_tag": "role", "content_tag": "content", "user_tag": "user",
   "assistant_tag": "assistant"}'`` (or the short keys ``role/content/user/assistant``).
-* ``GeneralPretrainHandler``: the ``text`` column, tokenized whole (EOS appended with
-  ``--append-eod``); every token is "trained".
+* ``GeneralPretrainHandler``: the ``text`` column, tokenized whole, BOS first when the
+  tokenizer adds one (Llama's ``add_bos_token``, as Megatron-LM's and MindSpeed-LLM's
+  preprocessing write it; ``--add-bos``/``--no-add-bos`` override), EOS appended with
+  ``--append-eod``; every token is "trained". A text with no token is skipped and counted.
 
 Instruction samples are truncated to ``seq_length`` turn by turn: each turn gets the budget
 the previous turns left; when a turn does not fit, its answer keeps all of its tokens if
@@ -105,10 +107,11 @@ class SampleEncoder:
     """Row -> (ids, trained mask). Built once per worker process."""
 
     def __init__(self, handler: str, tokenizer: TextTokenizer, template: Optional[Template], map_keys: dict,
-                 seq_length: Optional[int], append_eod: bool, skip_bad_rows: bool = False):
+                 seq_length: Optional[int], append_eod: bool, skip_bad_rows: bool = False, add_bos: bool = False):
         self.handler, self.tokenizer, self.template = handler, tokenizer, template
         self.keys, self.seq_length, self.append_eod = map_keys, seq_length, append_eod
         self.skip_bad_rows = skip_bad_rows
+        self.bos_prefix = [tokenizer.bos_id] if add_bos else []  # pretraining documents only
         self.eos_id = tokenizer.eos_id
         if template is not None:
             eos_text = special_token_text(template, {"token": "eos_token"}, tokenizer.eos_token, tokenizer.bos_token)
@@ -248,10 +251,11 @@ class SampleEncoder:
 
         if self.handler == PRETRAIN:
             ids = list(resolve(plan))
+            if not ids:  # a blank line: no document (never one that is only BOS/EOS)
+                return None, SKIP_EMPTY, False
+            ids = self.bos_prefix + ids
             if self.append_eod:
                 ids.append(self.eos_id)
-            if not ids:
-                return None, SKIP_EMPTY, False
             return (ids, [1] * len(ids)), None, False
         turns = [(resolve(p), resolve(a)) for p, a in plan]
         if self.append_eod and (not turns[-1][1] or turns[-1][1][-1] != self.eos_id):

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack", action="store_true", help="pack samples into documents of exactly --seq-length tokens")
     g.add_argument("--neat-pack", action="store_true", help="isolate samples: attention_mask holds segment ids (needs --pack)")
     g.add_argument("--append-eod", action="store_true", help="end every sample with EOS (trained) unless it already does")
+    g.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="GeneralPretrainHandler: start every document with the tokenizer's BOS (--no-add-bos: never); "
+                        "default: as the tokenizer's own encoding does (Llama's add_bos_token), like Megatron-LM")
     g.add_argument("--pad-to-multiple-of", type=int, default=1, metavar="N",
                    help="pad every sample at its end (pad id, label -100, its own segment id) to a multiple of N "
                         "before packing: 2 x context-parallel size (x TP under sequence parallelism), so training "
@@ -110,6 +113,9 @@ def validate_args(args) -> None:
         raise PreprocessError(f"--seq-length {args.seq_length} is not a multiple of --pad-to-multiple-of {n}: a sample "
                               "truncated to --seq-length could not be padded without overflowing it; choose a "
                               f"--seq-length that is a multiple of {n} (e.g. {-(-args.seq_length // n) * n})")
+    if args.add_bos is not None and args.handler_name != PRETRAIN:
+        raise PreprocessError(f"--{'' if args.add_bos else 'no-'}add-bos applies to GeneralPretrainHandler; "
+                              "chat templates place BOS themselves ({\"token\": \"bos_token\"} slots)")
     if args.handler_name == PRETRAIN:
         if args.pack:
             raise PreprocessError("--pack applies to instruction handlers; GeneralPretrainHandler writes plain documents")
@@ -149,11 +155,12 @@ class EncoderConfig:
     seq_length: Optional[int]
     append_eod: bool
     skip_bad_rows: bool = False
+    add_bos: bool = False
 
     def build(self, tokenizer=None) -> SampleEncoder:
         template = get_template(self.prompt_type, self.templates_path) if self.handler != PRETRAIN else None
         return SampleEncoder(self.handler, tokenizer or load_tokenizer(self.tokenizer), template, self.map_keys,
-                             self.seq_length, self.append_eod, self.skip_bad_rows)
+                             self.seq_length, self.append_eod, self.skip_bad_rows, self.add_bos)
 
 
 _ENCODER: Optional[SampleEncoder] = None
@@ -314,13 +321,14 @@ def run(args) -> dict:
     check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
     changes = extend_tokenizer_for_template(tokenizer, template)
     check_eos(tokenizer, args.tokenizer_path)
+    add_bos = resolve_add_bos(args, tokenizer)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
-                           args.seq_length, args.append_eod, args.skip_bad_rows)
+                           args.seq_length, args.append_eod, args.skip_bad_rows, add_bos)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
 
     cache_key = {
         "format_version": FORMAT_VERSION,
-        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys},
+        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys, "add_bos": add_bos},
         "inputs": readers.fingerprint(files),
         # vocab_size: of the tokenizer the ids come from (extended, when tokens were added)
         "tokenizer": tokenizer.identity() | changes,
@@ -370,9 +378,31 @@ def run(args) -> dict:
     return meta
 
 
+def resolve_add_bos(args, tokenizer) -> bool:
+    """Whether pretraining documents start with BOS: ``--add-bos/--no-add-bos``, else as the tokenizer encodes."""
+    if args.handler_name != PRETRAIN:
+        return False
+    if args.add_bos and tokenizer.bos_id is None:
+        raise PreprocessError(f"--add-bos: tokenizer {str(args.tokenizer_path)!r} ({tokenizer.name}) has no BOS token")
+    return tokenizer.adds_bos if args.add_bos is None else args.add_bos
+
+
+def bos_summary(layout: dict) -> str:
+    if layout["add_bos"]:
+        why = "the tokenizer adds it; --no-add-bos leaves it out" if layout["add_bos_from"] == "tokenizer" else layout["add_bos_from"]
+        return f"BOS (id {layout['bos_id']}) starts every document ({why})"
+    if layout["bos_id"] is None:
+        return "no BOS (the tokenizer has none)"
+    why = "the tokenizer adds none; --add-bos adds it" if layout["add_bos_from"] == "tokenizer" else layout["add_bos_from"]
+    return f"no BOS added ({why})"
+
+
 def _layout(args, tokenizer, encoder) -> dict:
     if args.handler_name == PRETRAIN:
-        return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod}
+        add_bos = encoder.bos_prefix != []
+        return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod,
+                "bos_id": tokenizer.bos_id, "add_bos": add_bos,
+                "add_bos_from": "tokenizer" if args.add_bos is None else f"--{'' if add_bos else 'no-'}add-bos"}
     return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": args.neat_pack,
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
@@ -468,6 +498,8 @@ def print_summary(meta: dict) -> None:
         lines.append(f"packs {s['packs']} (lower bound {s['lower_bound']}), fill rate {s['fill_rate']:.4f}")
     else:
         lines.append(f"documents {s['documents']}")
+    if meta["layout"].get("kind") == "text_documents":
+        lines.append(bos_summary(meta["layout"]))
     if s.get("cp_pad_tokens"):
         multiple = meta["arguments"]["pad_to_multiple_of"]
         lines.append(f"cp pad tokens {s['cp_pad_tokens']} (every sample padded to a multiple of {multiple})")

@@ -2,8 +2,9 @@
 
 ``PretrainedFromHF`` wraps ``transformers.AutoTokenizer``; ``SentencePiece`` wraps a
 ``.model`` file. Both expose exactly what the handlers need: ``encode_batch(texts)`` without
-added specials, ``token_to_id``, the EOS/pad/BOS ids and an ``identity()`` recorded in the
-output's sidecar so a cache is never reused with another tokenizer.
+added specials, ``token_to_id``, the EOS/pad/BOS ids, ``adds_bos`` (whether the tokenizer's
+own encoding starts a text with BOS, as Llama's ``add_bos_token`` does) and an ``identity()``
+recorded in the output's sidecar so a cache is never reused with another tokenizer.
 
 Exactness: ids are those of transformers' ``tokenizer(text, add_special_tokens=False)``
 whatever the tokenizer files hold. A ``tokenizer.json`` saved after a padded/truncated call
@@ -48,6 +49,7 @@ class TextTokenizer(abc.ABC):
     bos_id: Optional[int]
     eos_token: Optional[str]
     bos_token: Optional[str]
+    adds_bos: bool = False  # tokenizer(text) starts with BOS by default (pretraining documents follow it)
 
     @abc.abstractmethod
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -99,6 +101,10 @@ class HFTokenizer(TextTokenizer):
         self.eos_token, self.bos_token = self.hf.eos_token, self.hf.bos_token
         self._backend = self._plain_backend()
         self.files_hash = hash_tokenizer_files(path)
+        # observed, not read from add_bos_token: a reloaded Llama tokenizer adds BOS through its
+        # post-processor while its add_bos_token attribute may read False
+        with_specials, plain = self.hf("a")["input_ids"], self.hf("a", add_special_tokens=False)["input_ids"]
+        self.adds_bos = self.bos_id is not None and with_specials[:1] == [self.bos_id] and with_specials[1:1 + len(plain)] == plain
 
     def _plain_backend(self):
         """A copy of the Rust backend with the saved truncation/padding switched off (None: slow tokenizer)."""
