@@ -18,7 +18,7 @@ of transformers' ``tokenizer(text, add_special_tokens=False)``; only ``--seq-len
 
 Chunks are encoded in input order whatever ``--workers`` is, so the output is byte-identical
 for any number of workers. Outputs appear only complete; the sidecar is written last and is
-what the cache checks: inputs (size + mtime), tokenizer files hash, template and arguments
+what the cache checks: inputs (size + sha256 of the content), tokenizer files hash, template and arguments
 must match for a rebuild to be skipped (``--overwrite-cache`` forces it).
 Errors in the input raise :class:`PreprocessError`; ``main`` prints ``error: ...`` and exits 2.
 A malformed row (:class:`RowError`) does the same unless ``--skip-bad-rows``, which skips it

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from mindspeed_pack.data.digest import sha256_of_files
 from mindspeed_pack.data.errors import PreprocessError, RowError
 
 FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".txt": "txt"}
@@ -70,12 +71,13 @@ def resolve_input_files(path) -> list[Path]:
 
 
 def fingerprint(files) -> list[dict]:
-    """Identity of the inputs for the cache: path, size, modification time."""
-    out = []
-    for f in files:
-        st = Path(f).stat()
-        out.append({"path": str(Path(f).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
+    """Identity of the inputs for the cache: path, size and a digest of the content.
+
+    Not the modification time: a file edited in place with its size and mtime kept must not
+    reuse stale output, and a file only touched need not be tokenised again.
+    """
+    return [{"path": str(Path(f).resolve()), "size": Path(f).stat().st_size, "sha256": sha256_of_files([f])}
+            for f in files]
 
 
 TEXT_ENCODING = "utf-8-sig"  # UTF-8, without the byte-order mark some editors put first

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from mindspeed_pack.data.digest import sha256_of_files
 from mindspeed_pack.data.errors import PreprocessError
 
 TOKENIZER_TYPES = ("PretrainedFromHF", "SentencePiece")
@@ -172,7 +173,7 @@ class SentencePieceTokenizer(TextTokenizer):
         self.eos_id, self.pad_id, self.bos_id = opt(self.sp.eos_id()), opt(self.sp.pad_id()), opt(self.sp.bos_id())
         self.eos_token = None if self.eos_id is None else self.sp.id_to_piece(self.eos_id)
         self.bos_token = None if self.bos_id is None else self.sp.id_to_piece(self.bos_id)
-        self.files_hash = _sha256_files([model])
+        self.files_hash = sha256_of_files([model])
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(list(texts), num_threads=1)  # no BOS/EOS; parallelism comes from --workers
@@ -212,22 +213,12 @@ def check_eos(tokenizer: TextTokenizer, path) -> None:
         )
 
 
-def _sha256_files(files) -> str:
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(Path(f).name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def hash_tokenizer_files(path: str) -> str:
     """sha256 over the tokenizer-defining files of a directory (weights excluded)."""
     p = Path(path)
     if p.is_file():
-        return _sha256_files([p])
+        return sha256_of_files([p])
     if not p.is_dir():
         return hashlib.sha256(str(path).encode()).hexdigest()
     files = sorted(f for f in p.iterdir() if f.is_file() and any(h in f.name for h in _TOKENIZER_FILE_HINTS))
-    return _sha256_files(files)
+    return sha256_of_files(files)
