@@ -34,7 +34,8 @@ from typing import Optional
 
 import numpy as np
 
-from mindspeed_pack.data.errors import PreprocessError, RowError
+from mindspeed_pack.data.errors import BAD_JSON, BAD_MISSING_FIELD, BAD_ROLE, BAD_TYPE, PreprocessError, RowError
+from mindspeed_pack.data.readers import not_an_object
 from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, USER,
                                            Template, render_turns, special_token_text)
 from mindspeed_pack.data.tokenizer import TextTokenizer
@@ -62,11 +63,6 @@ SKIP_EMPTY = "empty text or conversation"
 SKIP_ROLE_ORDER = "roles out of order"
 SKIP_SYSTEM_NOT_FIRST = "system message after the first message"
 SKIP_NO_ANSWER = "conversation does not end with an answer"
-# RowError reasons (malformed rows)
-BAD_JSON = "malformed JSON"
-BAD_MISSING_FIELD = "missing field"
-BAD_TYPE = "wrong type"
-BAD_ROLE = "unknown role"
 
 
 def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]:
@@ -231,7 +227,7 @@ class SampleEncoder:
         if isinstance(row, RowError):  # the reader could not parse it
             raise row
         if not isinstance(row, dict):
-            raise RowError(f"{where}: expected an object with named fields, got {type(row).__name__}", BAD_TYPE)
+            raise not_an_object(where, row)
         if self.handler == PRETRAIN:
             text = self._field(row, "text", where, required=True)
             texts.append(text)

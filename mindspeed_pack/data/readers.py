@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from mindspeed_pack.data.digest import sha256_of_files
-from mindspeed_pack.data.errors import PreprocessError, RowError
+from mindspeed_pack.data.errors import BAD_JSON, BAD_TYPE, PreprocessError, RowError
 
 FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".txt": "txt"}
 # metadata HF datasets' save_to_disk writes next to its .arrow shards: not data
@@ -87,7 +87,11 @@ def _parse_json_line(line: str, where: str):
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:
-        return RowError(f"{where}: malformed JSON at column {exc.colno}: {exc.msg}", "malformed JSON")
+        return RowError(f"{where}: malformed JSON at column {exc.colno}: {exc.msg}", BAD_JSON)
+
+
+def not_an_object(where: str, row) -> RowError:
+    return RowError(f"{where}: expected an object with named fields, got {type(row).__name__}", BAD_TYPE)
 
 
 def first_undecodable_line(path) -> Optional[str]:
@@ -136,8 +140,8 @@ def _csv_header(path: Path) -> Optional[list[str]]:
 def columns_of(path, skip_bad_rows: bool = False) -> Optional[list[str]]:
     """Column names of a file (the first record's keys for JSON formats; None if no record).
 
-    A line before the first record that is not JSON raises its :class:`RowError` (skipped
-    under ``skip_bad_rows``).
+    A row before the first record that is not a JSON object raises its :class:`RowError`
+    (skipped under ``skip_bad_rows``).
     """
     p = Path(path)
     fmt = FORMATS[p.suffix.lower()]
@@ -153,11 +157,10 @@ def columns_of(path, skip_bad_rows: bool = False) -> Optional[list[str]]:
         return list(_open_arrow(p).schema.names)
     for chunk in iter_chunks([p], 1):
         for where, row in chunk_rows(chunk):
-            if isinstance(row, RowError):
-                if skip_bad_rows:
-                    continue
-                raise row
-            return list(row) if isinstance(row, dict) else None
+            if isinstance(row, dict):
+                return list(row)
+            if not skip_bad_rows:
+                raise row if isinstance(row, RowError) else not_an_object(where, row)
     return None
 
 
