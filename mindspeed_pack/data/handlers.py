@@ -175,7 +175,7 @@ class SampleEncoder:
                 raise RowError(f"{where}: message {n} field {content_tag!r} must be a string, "
                                f"got {type(content).__name__}", BAD_TYPE)
             if tag == self.keys["system_tag"]:
-                if n > 0:  # a known role in the wrong place: the row is unusable, not malformed
+                if n > 0:  # a known role in the wrong place: the row is unusable (a skip reason), not malformed
                     return SKIP_SYSTEM_NOT_FIRST, system
                 system = content
                 continue
@@ -207,12 +207,7 @@ class SampleEncoder:
         return parts
 
     def plan_messages(self, messages, system, texts: list):
-        """(plan, None) or (None, skip reason); text runs are appended to ``texts``.
-
-        ``messages`` may be a skip reason already (a row found unusable while reading it).
-        """
-        if isinstance(messages, str):
-            return None, messages
+        """(plan, None) or (None, skip reason); text runs are appended to ``texts``."""
         if not messages:
             return None, SKIP_EMPTY
         for i, (role, _) in enumerate(messages):
@@ -233,6 +228,8 @@ class SampleEncoder:
             texts.append(text)
             return [len(texts) - 1], None
         messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
+        if isinstance(messages, str):  # found unusable while reading it: the skip reason
+            return None, messages
         return self.plan_messages(messages, system, texts)
 
     def finish(self, plan, encoded: list) -> tuple[Optional[tuple[list, list]], Optional[str], bool]:
