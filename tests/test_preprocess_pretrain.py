@@ -66,6 +66,8 @@ def test_tokenizer_without_bos_adds_none_and_refuses_add_bos(tmp_path, run_prepr
     code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "b", handler_name="GeneralPretrainHandler",
                                   add_bos=True)
     assert code == 2 and "--add-bos" in err and "has no BOS token" in err
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "i", prompt_type="qwen", no_add_bos=True)
+    assert code == 2 and "--no-add-bos applies to GeneralPretrainHandler" in err
 
 
 def test_blank_lines_are_no_documents(tmp_path, run_preprocess, read_indexed, toy_tokenizer_dir):
