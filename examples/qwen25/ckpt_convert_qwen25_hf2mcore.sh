@@ -35,10 +35,10 @@ if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '%s\n' "${CONVERT_ARGS[@]}"
     exit 0
 fi
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # convert_ckpt.py's own parser, without touching any weights
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -c '
+    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from mindspeed_pack.convert.convert import build_parser
 build_parser().parse_args(sys.argv[1:])
@@ -47,4 +47,4 @@ print("convert_ckpt.py arguments OK")' "${CONVERT_ARGS[@]}"
 fi
 
 mkdir -p "$LOG_DIR"
-python "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/ckpt_convert_qwen25_hf2mcore.log"
+"$PYTHON" "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/ckpt_convert_qwen25_hf2mcore.log"

@@ -53,10 +53,10 @@ if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '%s\n' "${PREPROCESS_ARGS[@]}"
     exit 0
 fi
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # preprocess_data.py's own parser and checks, without reading data or loading the tokenizer
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -c '
+    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from mindspeed_pack.data.errors import PreprocessError
 from mindspeed_pack.data.preprocess import build_parser, validate_args
@@ -69,4 +69,4 @@ print("preprocess_data.py arguments OK")' "${PREPROCESS_ARGS[@]}"
 fi
 
 mkdir -p "$(dirname "$OUTPUT_PREFIX")" "$LOG_DIR"
-python "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"
+"$PYTHON" "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"

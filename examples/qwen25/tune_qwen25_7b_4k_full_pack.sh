@@ -142,20 +142,20 @@ TRAIN_CMD_ARGS=(
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"
     "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${OUTPUT_ARGS[@]}"
 )
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
 if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '#@ posttrain.py world_size=%s\n' "$WORLD_SIZE"
     printf '%s\n' "${TRAIN_CMD_ARGS[@]}"
     exit 0
 fi
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # One plain process that believes it is one of WORLD_SIZE ranks: the TP/PP/batch-size checks are real.
-    WORLD_SIZE=$WORLD_SIZE python "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
+    WORLD_SIZE=$WORLD_SIZE "$PYTHON" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
     exit 0
 fi
 
 mkdir -p "$LOG_DIR"
 # One log per node: on a shared filesystem the nodes would otherwise write the same file.
-torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
+"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
     2>&1 | tee "$LOG_DIR/${RUN_NAME}_node${NODE_RANK}.log"

@@ -10,17 +10,20 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
   ``system`` column). OpenAI-style ``{"role", "content"}`` with user/assistant works with
   ``--map-keys '{"role_tag": "role", "content_tag": "content", "user_tag": "user",
   "assistant_tag": "assistant"}'`` (or the short keys ``role/content/user/assistant``).
-* ``GeneralPretrainHandler``: the ``text`` column, tokenized whole (EOS appended with
-  ``--append-eod``); every token is "trained".
+* ``GeneralPretrainHandler``: the ``text`` column, tokenized whole, BOS first when the
+  tokenizer adds one (Llama's ``add_bos_token``, as Megatron-LM's and MindSpeed-LLM's
+  preprocessing write it; ``--add-bos``/``--no-add-bos`` override), EOS appended with
+  ``--append-eod``; every token is "trained". A text with no token is skipped and counted.
 
 Instruction samples are truncated to ``seq_length`` turn by turn: each turn gets the budget
 the previous turns left; when a turn does not fit, its answer keeps all of its tokens if
 they take less than half the budget, else its prompt does, else the two split the budget in
 proportion to their lengths; later turns are dropped. The first token of a sample is never
 trained (so no label can cross a pack boundary), and a sample left with no trained token is
-skipped. Rows that are structurally fine but unusable (roles out of order, no answer) are
-skipped and counted by reason; rows of the wrong *shape* (missing field, wrong type,
-unknown role) are errors naming file, row and field.
+skipped. Rows that are structurally fine but unusable (roles out of order, a system message
+after the first, no answer) are skipped and counted by reason; rows of the wrong *shape*
+(missing field, wrong type, unknown role) raise :class:`RowError` naming file, row and field
+(the row policy of ``errors.py``: stop, or skip and count under ``--skip-bad-rows``).
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from typing import Optional
 
 import numpy as np
 
-from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.errors import BAD_JSON, BAD_MISSING_FIELD, BAD_ROLE, BAD_TYPE, PreprocessError, RowError
+from mindspeed_pack.data.readers import not_an_object
 from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, USER,
                                            Template, render_turns, special_token_text)
 from mindspeed_pack.data.tokenizer import TextTokenizer
@@ -57,6 +61,7 @@ _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_t
 SKIP_NO_TRAINABLE = "no trainable token"
 SKIP_EMPTY = "empty text or conversation"
 SKIP_ROLE_ORDER = "roles out of order"
+SKIP_SYSTEM_NOT_FIRST = "system message after the first message"
 SKIP_NO_ANSWER = "conversation does not end with an answer"
 
 
@@ -87,15 +92,22 @@ class EncodedChunk:
     rows: int = 0
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)
+    first_skipped: dict = field(default_factory=dict)  # reason -> where (and why) its first row was
+
+    def skip(self, reason: str, example: str) -> None:
+        self.skipped[reason] += 1
+        self.first_skipped.setdefault(reason, example)
 
 
 class SampleEncoder:
     """Row -> (ids, trained mask). Built once per worker process."""
 
     def __init__(self, handler: str, tokenizer: TextTokenizer, template: Optional[Template], map_keys: dict,
-                 seq_length: Optional[int], append_eod: bool):
+                 seq_length: Optional[int], append_eod: bool, skip_bad_rows: bool = False, add_bos: bool = False):
         self.handler, self.tokenizer, self.template = handler, tokenizer, template
         self.keys, self.seq_length, self.append_eod = map_keys, seq_length, append_eod
+        self.skip_bad_rows = skip_bad_rows
+        self.bos_prefix = [tokenizer.bos_id] if add_bos else []  # pretraining documents only
         self.eos_id = tokenizer.eos_id
         if template is not None:
             eos_text = special_token_text(template, {"token": "eos_token"}, tokenizer.eos_token, tokenizer.bos_token)
@@ -114,22 +126,22 @@ class SampleEncoder:
         column = self.keys[key]
         if column not in row or row[column] is None:
             if required:
-                raise PreprocessError(f"{where}: missing field {column!r} (--map-keys {key}); "
-                                      f"the row has: {', '.join(map(str, row)) or 'no fields'}")
+                raise RowError(f"{where}: missing field {column!r} (--map-keys {key}); "
+                               f"the row has: {', '.join(map(str, row)) or 'no fields'}", BAD_MISSING_FIELD)
             return kind()
         value = row[column]
         if kind is list and isinstance(value, str) and value.lstrip().startswith("["):
             try:  # nested lists stored as JSON text (CSV)
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise PreprocessError(f"{where}: field {column!r} is not valid JSON ({exc.msg})") from exc
+                raise RowError(f"{where}: field {column!r} is not valid JSON ({exc.msg})", BAD_JSON) from None
         if kind is list and isinstance(value, tuple):
             value = list(value)
         if kind is list and hasattr(value, "tolist"):
             value = value.tolist()
         if not isinstance(value, kind):
-            raise PreprocessError(f"{where}: field {column!r} (--map-keys {key}) must be "
-                                  f"{'a string' if kind is str else 'a list'}, got {type(value).__name__}")
+            raise RowError(f"{where}: field {column!r} (--map-keys {key}) must be "
+                           f"{'a string' if kind is str else 'a list'}, got {type(value).__name__}", BAD_TYPE)
         return value
 
     # ---------------------------------------------------------------- row -> messages
@@ -141,8 +153,8 @@ class SampleEncoder:
         messages = []
         for n, pair in enumerate(self._field(row, "history", where, required=False, kind=list)):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-                raise PreprocessError(f"{where}: field {self.keys['history']!r} item {n} must be a "
-                                      f"[prompt, answer] pair of strings, got {pair!r}")
+                raise RowError(f"{where}: field {self.keys['history']!r} item {n} must be a "
+                               f"[prompt, answer] pair of strings, got {pair!r}", BAD_TYPE)
             messages += [(USER, pair[0]), (ASSISTANT, pair[1])]
         messages += [(USER, f"{prompt}\n{query}" if query else prompt), (ASSISTANT, response)]
         return messages, system
@@ -155,18 +167,23 @@ class SampleEncoder:
         for n, message in enumerate(raw):
             if not isinstance(message, dict) or role_tag not in message or content_tag not in message:
                 got = list(message) if isinstance(message, dict) else type(message).__name__
-                raise PreprocessError(f"{where}: field {self.keys['messages']!r} message {n} must have "
-                                      f"{role_tag!r} and {content_tag!r} (--map-keys role_tag/content_tag), got {got}")
+                raise RowError(f"{where}: field {self.keys['messages']!r} message {n} must have "
+                               f"{role_tag!r} and {content_tag!r} (--map-keys role_tag/content_tag), got {got}",
+                               BAD_MISSING_FIELD)
             tag, content = message[role_tag], message[content_tag]
             if not isinstance(content, str):
-                raise PreprocessError(f"{where}: message {n} field {content_tag!r} must be a string, got {type(content).__name__}")
-            if n == 0 and tag == self.keys["system_tag"]:
+                raise RowError(f"{where}: message {n} field {content_tag!r} must be a string, "
+                               f"got {type(content).__name__}", BAD_TYPE)
+            if tag == self.keys["system_tag"]:
+                if n > 0:  # a known role in the wrong place: the row is unusable (a skip reason), not malformed
+                    return SKIP_SYSTEM_NOT_FIRST, system
                 system = content
                 continue
             if tag not in self._role_of:
-                known = ", ".join(repr(t) for t in list(self._role_of) + [self.keys["system_tag"]])
-                raise PreprocessError(f"{where}: message {n} has unknown {role_tag!r} {tag!r}; known: {known} "
-                                      "(set them with --map-keys user_tag/assistant_tag/...)")
+                known = ", ".join(repr(t) for t in self._role_of)
+                raise RowError(f"{where}: message {n} has unknown {role_tag!r} {tag!r}; known: {known} "
+                               f"and {self.keys['system_tag']!r} as the first message "
+                               "(set them with --map-keys user_tag/assistant_tag/...)", BAD_ROLE)
             messages.append((self._role_of[tag], content))
         return messages, system
 
@@ -193,22 +210,26 @@ class SampleEncoder:
         """(plan, None) or (None, skip reason); text runs are appended to ``texts``."""
         if not messages:
             return None, SKIP_EMPTY
-        if len(messages) % 2:
-            return None, SKIP_NO_ANSWER
         for i, (role, _) in enumerate(messages):
             if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
                 return None, SKIP_ROLE_ORDER
+        if len(messages) % 2:
+            return None, SKIP_NO_ANSWER
         return [(self._slot_parts(p, texts), self._slot_parts(a, texts))
                 for p, a in render_turns(self.template, messages, system)], None
 
     def plan_row(self, row: dict, where: str, texts: list):
+        if isinstance(row, RowError):  # the reader could not parse it
+            raise row
         if not isinstance(row, dict):
-            raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
+            raise not_an_object(where, row)
         if self.handler == PRETRAIN:
             text = self._field(row, "text", where, required=True)
             texts.append(text)
             return [len(texts) - 1], None
         messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
+        if isinstance(messages, str):  # found unusable while reading it: the skip reason
+            return None, messages
         return self.plan_messages(messages, system, texts)
 
     def finish(self, plan, encoded: list) -> tuple[Optional[tuple[list, list]], Optional[str], bool]:
@@ -223,10 +244,11 @@ class SampleEncoder:
 
         if self.handler == PRETRAIN:
             ids = list(resolve(plan))
+            if not ids:  # a blank line: no document (never one that is only BOS/EOS)
+                return None, SKIP_EMPTY, False
+            ids = self.bos_prefix + ids
             if self.append_eod:
                 ids.append(self.eos_id)
-            if not ids:
-                return None, SKIP_EMPTY, False
             return (ids, [1] * len(ids)), None, False
         turns = [(resolve(p), resolve(a)) for p, a in plan]
         if self.append_eod and (not turns[-1][1] or turns[-1][1][-1] != self.eos_id):
@@ -264,22 +286,31 @@ class SampleEncoder:
         return self._encode_one(*self.plan_row(row, where, texts), texts)
 
     def encode_rows(self, rows) -> EncodedChunk:
-        """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch."""
+        """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch.
+
+        A malformed row's :class:`RowError` stops the run, or under ``--skip-bad-rows`` is
+        skipped and counted under its reason like the unusable rows.
+        """
         texts: list = []
         plans = []
         chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
         for where, row in rows:
             chunk.rows += 1
-            plans.append(self.plan_row(row, where, texts))
+            try:
+                plans.append((*self.plan_row(row, where, texts), where))
+            except RowError as exc:
+                if not self.skip_bad_rows:
+                    raise
+                chunk.skip(exc.reason, str(exc))
         encoded = self.tokenizer.encode_batch(texts)
         ids, trained, lengths = [], [], []
-        for plan, skip in plans:
+        for plan, skip, where in plans:
             sample, truncated = None, False
             if plan is not None:
                 sample, skip, truncated = self.finish(plan, encoded)
             chunk.truncated += int(truncated)
             if sample is None:
-                chunk.skipped[skip] += 1
+                chunk.skip(skip, where)
                 continue
             ids += sample[0]
             trained += sample[1]

@@ -18,9 +18,12 @@ of transformers' ``tokenizer(text, add_special_tokens=False)``; only ``--seq-len
 
 Chunks are encoded in input order whatever ``--workers`` is, so the output is byte-identical
 for any number of workers. Outputs appear only complete; the sidecar is written last and is
-what the cache checks: inputs (size + mtime), tokenizer files hash, template and arguments
+what the cache checks: inputs (size + sha256 of the content), tokenizer files hash, template and arguments
 must match for a rebuild to be skipped (``--overwrite-cache`` forces it).
 Errors in the input raise :class:`PreprocessError`; ``main`` prints ``error: ...`` and exits 2.
+A malformed row (:class:`RowError`) does the same unless ``--skip-bad-rows``, which skips it
+and counts it by reason next to the unusable rows (summary and sidecar ``statistics.skipped``,
+with the first row of each reason in ``statistics.first_skipped``).
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ from typing import Optional
 
 
 from mindspeed_pack.data import pack_writer, readers
-from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
                                           resolve_map_keys)
 from mindspeed_pack.data.templates import get_template, marker_tokens
@@ -49,7 +52,7 @@ FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added w
 CHUNK_ROWS = 1000
 # arguments that change the output bytes (the cache compares these; --workers does not)
 _OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed",
-                "pad_to_multiple_of")
+                "pad_to_multiple_of", "skip_bad_rows")
 TOKENIZER_SUFFIX = "tokenizer"  # P_tokenizer/: the tokenizer extended with a template's tokens
 
 
@@ -60,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-prefix", required=True, help="path prefix P of the outputs P_packed_*_document.{bin,idx}")
     g.add_argument("--cache-dir", default=None, help="where the temporary token store goes (default: next to the output)")
     g.add_argument("--overwrite-cache", action="store_true", help="rebuild even if matching outputs exist")
+    g.add_argument("--skip-bad-rows", action="store_true",
+                   help="skip malformed rows (bad JSON, missing field, wrong type, unknown role) and count them by "
+                        "reason instead of stopping at the first one (default: stop, naming file, row and field)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="PretrainedFromHF", choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-name-or-path", default=None, help="HF tokenizer directory")
@@ -74,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack", action="store_true", help="pack samples into documents of exactly --seq-length tokens")
     g.add_argument("--neat-pack", action="store_true", help="isolate samples: attention_mask holds segment ids (needs --pack)")
     g.add_argument("--append-eod", action="store_true", help="end every sample with EOS (trained) unless it already does")
+    g.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="GeneralPretrainHandler: start every document with the tokenizer's BOS (--no-add-bos: never); "
+                        "default: as the tokenizer's own encoding does (Llama's add_bos_token), like Megatron-LM")
     g.add_argument("--pad-to-multiple-of", type=int, default=1, metavar="N",
                    help="pad every sample at its end (pad id, label -100, its own segment id) to a multiple of N "
                         "before packing: 2 x context-parallel size (x TP under sequence parallelism), so training "
@@ -104,6 +113,9 @@ def validate_args(args) -> None:
         raise PreprocessError(f"--seq-length {args.seq_length} is not a multiple of --pad-to-multiple-of {n}: a sample "
                               "truncated to --seq-length could not be padded without overflowing it; choose a "
                               f"--seq-length that is a multiple of {n} (e.g. {-(-args.seq_length // n) * n})")
+    if args.add_bos is not None and args.handler_name != PRETRAIN:
+        raise PreprocessError(f"--{'' if args.add_bos else 'no-'}add-bos applies to GeneralPretrainHandler; "
+                              "chat templates place BOS themselves ({\"token\": \"bos_token\"} slots)")
     if args.handler_name == PRETRAIN:
         if args.pack:
             raise PreprocessError("--pack applies to instruction handlers; GeneralPretrainHandler writes plain documents")
@@ -142,11 +154,13 @@ class EncoderConfig:
     map_keys: dict
     seq_length: Optional[int]
     append_eod: bool
+    skip_bad_rows: bool = False
+    add_bos: bool = False
 
     def build(self, tokenizer=None) -> SampleEncoder:
         template = get_template(self.prompt_type, self.templates_path) if self.handler != PRETRAIN else None
         return SampleEncoder(self.handler, tokenizer or load_tokenizer(self.tokenizer), template, self.map_keys,
-                             self.seq_length, self.append_eod)
+                             self.seq_length, self.append_eod, self.skip_bad_rows, self.add_bos)
 
 
 _ENCODER: Optional[SampleEncoder] = None
@@ -189,17 +203,22 @@ def encode_in_order(chunks, config: EncoderConfig, workers: int, encoder: Option
 
 
 # ------------------------------------------------------------------ main side
-def check_columns(files, handler: str, keys: dict, explicit: set) -> None:
-    """Every required column, and every column named in --map-keys, exists in every file."""
+def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows: bool = False) -> None:
+    """Every required column, and every column named in --map-keys, exists in every file with rows."""
     wanted = [k for k in COLUMN_KEYS[handler] if k in REQUIRED_COLUMNS[handler] or k in explicit]
+    empty = []
     for f in files:
-        columns = readers.columns_of(f)
+        columns = readers.columns_of(f, skip_bad_rows)
         if columns is None:
-            continue  # no rows (an empty file); the empty-input check reports it if all are empty
+            empty.append(f)
+            continue
         for key in wanted:
             if keys[key] not in columns:
                 raise PreprocessError(f"{f}: column {keys[key]!r} (--map-keys {key}) not found; "
                                       f"columns: {', '.join(map(str, columns))}")
+    if len(empty) < len(files):  # all empty: the empty-input error says so
+        for f in empty:
+            print(f"warning: {f}: no rows (an empty file); skipped", file=sys.stderr)
 
 
 def extend_tokenizer_for_template(tokenizer, template) -> dict:
@@ -302,16 +321,17 @@ def run(args) -> dict:
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
     template = None if args.handler_name == PRETRAIN else get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
-    check_columns(files, args.handler_name, keys, explicit)
+    check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
     changes = extend_tokenizer_for_template(tokenizer, template)
     check_eos(tokenizer, args.tokenizer_path)
+    add_bos = resolve_add_bos(args, tokenizer)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
-                           args.seq_length, args.append_eod)
+                           args.seq_length, args.append_eod, args.skip_bad_rows, add_bos)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
 
     cache_key = {
         "format_version": FORMAT_VERSION,
-        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys},
+        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys, "add_bos": add_bos},
         "inputs": readers.fingerprint(files),
         # vocab_size: of the tokenizer the ids come from (extended, when tokens were added)
         "tokenizer": tokenizer.identity() | changes,
@@ -361,9 +381,31 @@ def run(args) -> dict:
     return meta
 
 
+def resolve_add_bos(args, tokenizer) -> bool:
+    """Whether pretraining documents start with BOS: ``--add-bos/--no-add-bos``, else as the tokenizer encodes."""
+    if args.handler_name != PRETRAIN:
+        return False
+    if args.add_bos and tokenizer.bos_id is None:
+        raise PreprocessError(f"--add-bos: tokenizer {str(args.tokenizer_path)!r} ({tokenizer.name}) has no BOS token")
+    return tokenizer.adds_bos if args.add_bos is None else args.add_bos
+
+
+def bos_summary(layout: dict) -> str:
+    if layout["add_bos"]:
+        why = "the tokenizer adds it; --no-add-bos leaves it out" if layout["add_bos_from"] == "tokenizer" else layout["add_bos_from"]
+        return f"BOS (id {layout['bos_id']}) starts every document ({why})"
+    if layout["bos_id"] is None:
+        return "no BOS (the tokenizer has none)"
+    why = "the tokenizer adds none; --add-bos adds it" if layout["add_bos_from"] == "tokenizer" else layout["add_bos_from"]
+    return f"no BOS added ({why})"
+
+
 def _layout(args, tokenizer, encoder) -> dict:
     if args.handler_name == PRETRAIN:
-        return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod}
+        add_bos = encoder.bos_prefix != []
+        return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod,
+                "bos_id": tokenizer.bos_id, "add_bos": add_bos,
+                "add_bos_from": "tokenizer" if args.add_bos is None else f"--{'' if add_bos else 'no-'}add-bos"}
     return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": args.neat_pack,
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
@@ -376,7 +418,7 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
                 encoder: Optional[SampleEncoder] = None) -> dict:
     store = pack_writer.TokenStore(tmp_store, args.pad_to_multiple_of, pad_id)
     rows = truncated = trained = max_len = 0
-    skipped = Counter()
+    skipped, first_skipped = Counter(), {}
     progress = _Progress("tokenize", "rows", args.log_interval)
     try:
         for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers, encoder):
@@ -384,6 +426,8 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
             rows += chunk.rows
             truncated += chunk.truncated
             skipped.update(chunk.skipped)
+            for reason, example in chunk.first_skipped.items():
+                first_skipped.setdefault(reason, example)
             trained += int(chunk.trained.sum())
             if len(chunk.lengths):
                 max_len = max(max_len, int(chunk.lengths.max()))
@@ -398,6 +442,7 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
         raise PreprocessError(f"no usable sample in {where}: all {rows} rows were skipped ({dict(skipped)})")
     tokens = store.num_tokens - store.pad_tokens  # the samples' own tokens
     return {"samples_read": rows, "samples_written": len(store), "skipped": dict(sorted(skipped.items())),
+            "first_skipped": dict(sorted(first_skipped.items())),
             "truncated": truncated, "tokens": tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
             "cp_pad_tokens": store.pad_tokens, "max_sample_length": max_len,
             "mean_sample_length": round(tokens / len(store), 2), "_store": store}
@@ -453,10 +498,13 @@ def print_summary(meta: dict) -> None:
     s = meta["statistics"]
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
     lines = [f"samples read {s['samples_read']}, written {s['samples_written']}, skipped {skipped}, truncated {s['truncated']}"]
+    lines += [f"  first skipped ({why}): {example}" for why, example in s.get("first_skipped", {}).items()]
     if "packs" in s:
         lines.append(f"packs {s['packs']} (lower bound {s['lower_bound']}), fill rate {s['fill_rate']:.4f}")
     else:
         lines.append(f"documents {s['documents']}")
+    if meta["layout"].get("kind") == "text_documents":
+        lines.append(bos_summary(meta["layout"]))
     if s.get("cp_pad_tokens"):
         multiple = meta["arguments"]["pad_to_multiple_of"]
         lines.append(f"cp pad tokens {s['cp_pad_tokens']} (every sample padded to a multiple of {multiple})")
@@ -477,6 +525,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
+    except RowError as exc:
+        print(f"error: {exc}; {SKIP_BAD_ROWS_HINT}", file=sys.stderr)
+        return 2
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
