@@ -370,5 +370,5 @@ def load_checkpoint(args, model, optimizer, scheduler):
             _restore_rng(state["rng_state"], path)
         else:
             log.warning("%s holds no RNG state (--no-save-rng): dropout will not continue exactly", path)
-    log.info("resumed from %s at iteration %d", root, iteration)
+    log.debug("loaded %s at iteration %d", root, iteration)  # the trainer logs the resume once
     return int(state["iteration"]), int(state.get("consumed_samples", iteration * args.global_batch_size))
