@@ -6,23 +6,32 @@ faults of :mod:`mindspeed_pack.faults` (each fires on one restart attempt only),
 workers are made to reach the rendezvous seconds apart (``MINDSPEED_PACK_START_DELAY``), and
 every recovered run must end with an uninterrupted run's loss at every iteration and a
 metrics file holding iterations 1..N once each.
+
+
+The first tests check the pieces in one process (the store handshake against a dead attempt's
+keys, the metrics rewrite, the one-line failures); the slow ones run whole torchrun jobs.
 """
+import datetime
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
+import torch.distributed as dist
+
+from mindspeed_pack import faults as fault_hooks
+from mindspeed_pack.training import metrics_history, rendezvous
+from mindspeed_pack.training.peers import PeerFailure, waiting_for
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.dist_harness import free_port, run_torchrun, torchrun_env
 from tests.model_utils import TINY_FLAGS
 from tests.train_utils import ROOT
-
-pytestmark = pytest.mark.slow
 
 ITERS = 10
 SEQ = 64
@@ -62,6 +71,83 @@ def assert_equals_reference(metrics, reference):
         assert rel_err(got[it]["grad norm"], reference[it]["grad norm"]) <= 1e-5, (it, got[it], reference[it])
 
 
+# ------------------------------------------------------------------ pieces, in one process
+def _store_pair():
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False)
+    return server, client
+
+
+def test_a_late_rank_0_is_found_past_a_dead_attempts_keys():
+    """Rank 1 reaches the store first and reads the leader key a dead attempt left; it joins the new
+    attempt once rank 0 arrives, and both scope the process group to that attempt."""
+    server, client = _store_pair()
+    server.add(rendezvous.GENERATION_KEY, 3)  # three earlier attempts ...
+    server.set(rendezvous.LEADER_KEY, "3")  # ... the last one's leader key, never to be acknowledged
+    deadline = time.monotonic() + 30
+    joined = {}
+    thread = threading.Thread(target=lambda: joined.update(g=rendezvous._join(client, 1, deadline, "here", None)))
+    thread.start()
+    time.sleep(1.5)  # rank 1 is waiting on attempt 3 by now
+    assert rendezvous._lead(server, 2, deadline, "here", None) == 4
+    thread.join(10)
+    assert joined == {"g": 4}
+
+
+def test_rendezvous_timeout_names_the_missing_rank():
+    server, _ = _store_pair()
+    timeout = datetime.timedelta(seconds=0.5)
+    with pytest.raises(rendezvous.RendezvousTimeout, match=r"rank 0: timed out after 0.00833\d* min "
+                       r"\(--distributed-timeout-minutes\) waiting for rank\(s\) 1 to join attempt 1 at here"):
+        rendezvous._lead(server, 2, time.monotonic() + 0.5, "here", timeout)
+
+
+def test_backend_failures_become_one_line_naming_the_phase():
+    with pytest.raises(PeerFailure) as e:
+        with waiting_for(lambda: "iteration 8", 0.25):
+            raise RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                               "[127.0.0.1]:50375. This is typically caused by a remote worker crashing.\nmore")
+    assert str(e.value).startswith("rank 0: lost a peer (it died or closed its connection) during iteration 8: "
+                                   "Connection closed by peer [127.0.0.1]:50375.") and "\n" not in str(e.value)
+    with pytest.raises(PeerFailure, match=r"^rank 0: timed out after 0.25 min \(--distributed-timeout-minutes\) "
+                                          r"waiting for a peer \(hung or unreachable\) during the save of iteration 6: "
+                                          r"Timed out waiting 15000ms for recv operation to complete$"):
+        with waiting_for("the save of iteration 6", 0.25):
+            raise RuntimeError("[../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv "
+                               "operation to complete")
+    with pytest.raises(ValueError):  # not a peer's failure: untouched
+        with waiting_for("iteration 1", 1):
+            raise ValueError("bad flag")
+
+
+def test_faults_fire_on_their_rank_and_attempt_only():
+    spec = "step@3,write@4:enospc:rank1,written@6:kill:rank0:attempt2"
+    assert fault_hooks.parse(spec, rank=0, attempt=0) == {("step", 3): "kill"}
+    assert fault_hooks.parse(spec, rank=1, attempt=0) == {("step", 3): "kill", ("write", 4): "enospc"}
+    assert fault_hooks.parse(spec, rank=0, attempt=2) == {("written", 6): "kill"}
+    assert fault_hooks.parse(spec, rank=1, attempt=1) == {}
+    with pytest.raises(ValueError, match="rankR"):
+        fault_hooks.parse("step@3:rankX")
+
+
+def test_resumed_metrics_file_replaces_the_re_run_steps(tmp_path):
+    """Records after the resume iteration go (train, validation, setup); earlier ones, lines that are
+    not ours and nothing else; a last line cut by the kill goes too. The file is replaced whole."""
+    path = tmp_path / "m.jsonl"
+    records = [{"iteration": 0, "split": "setup"}] + [{"iteration": i, "split": "train", "lm loss": i}
+                                                      for i in range(1, 8)]
+    records.insert(5, {"iteration": 4, "split": "valid", "lm loss": 1.0})
+    lines = [json.dumps(r) for r in records]
+    lines.insert(3, "not json, kept")
+    path.write_text("\n".join(lines) + "\n" + '{"iteration": 8, "split": "tr')
+    assert metrics_history.drop_records_after(str(path), 5) == [6, 7]
+    kept = path.read_text().splitlines()
+    assert kept == lines[:lines.index(json.dumps(records[-2]))]  # through iteration 5, in order
+    assert sorted(os.listdir(tmp_path)) == ["m.jsonl"]  # no temporary file left
+    assert metrics_history.drop_records_after(str(path), 5) == [] and path.read_text().splitlines() == kept
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return write_packed_instruction_dataset(str(tmp_path_factory.mktemp("elastic") / "toy"), num_packs=64,
@@ -75,6 +161,7 @@ def reference(tmp_path_factory, data):
     return read_metrics(str(d / "m.jsonl")), seconds
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_and_resumes_exactly(tmp_path, data, reference):
     """rank 1 SIGKILLed after step 7 (checkpoint 6, steps 7 logged): torchrun restarts both workers,
     rank 0 reaching the rendezvous 5 s after rank 1, and the job ends as the uninterrupted one."""
@@ -116,6 +203,7 @@ def _soak_plan(rng, kills):
     return faults
 
 
+@pytest.mark.slow
 def test_soak_random_kills_under_c10d_rendezvous(tmp_path, data, reference):
     """5 SIGKILLs of random ranks at random steps and inside saves, --max-restarts 5, c10d rendezvous,
     restarted workers arriving up to 3 s apart: the run ends equal to the uninterrupted one."""
@@ -146,6 +234,7 @@ def _first_step_logged(metrics, procs, timeout=240):
     raise AssertionError("no step was logged")
 
 
+@pytest.mark.slow
 def test_hung_peer_makes_the_others_exit_instead_of_hanging(tmp_path, data):
     """rank 1 stopped with SIGSTOP mid-run. Job A: rank 0 exits 1 once --distributed-timeout-minutes
     (0.25 = 15 s) expire, with one line naming what it waited for. Job B (--exit-signal-handler):
