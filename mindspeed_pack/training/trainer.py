@@ -36,9 +36,9 @@ from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
 from mindspeed_pack.training import checkpointing, peers, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training.exit_signal import ExitSignal
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
-from mindspeed_pack.training.exit_signal import ExitSignal
 from mindspeed_pack.training.metrics import MetricsLogger
 from mindspeed_pack.training.precision import precision_record
 
@@ -153,8 +153,9 @@ class Trainer:
             return
         if self.metrics.replaced:
             first, last, n = min(self.metrics.replaced), max(self.metrics.replaced), len(self.metrics.replaced)
-            steps = f"iteration {first} (1 step)" if n == 1 else f"iterations {first}-{last} ({n} steps)"
-            rerun = f"; {steps} logged before the restart re-run and replace their records in {self.args.metrics_file}"
+            steps = f"iteration {first} (1 step), logged before, is" if n == 1 else \
+                f"iterations {first}-{last} ({n} steps), logged before, are"
+            rerun = f"; {steps} run again and replaced in {self.args.metrics_file}"
         else:
             rerun = "; no logged step is re-run" if self.args.metrics_file else ""
         where = f"{self.args.load} at iteration {self.iteration}" if self.iteration else "scratch (no checkpoint yet)"
