@@ -15,7 +15,7 @@ import re
 
 import torch.distributed as dist
 
-from mindspeed_pack.training.rendezvous import RendezvousTimeout
+from mindspeed_pack.training.rendezvous import RendezvousTimeout, first_line
 
 # what gloo, NCCL and the store say when a peer is gone or late
 _BACKEND_FAILURE = re.compile(r"gloo|nccl|Connection (closed|reset|refused)|Timed out|timed out|timeout|"
@@ -46,8 +46,7 @@ def waiting_for(what, timeout_minutes: float):
             raise
         what = what() if callable(what) else what
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        first = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", first)  # the C++ source position
+        first = first_line(e)
         if _TIMEOUT.search(first):
             cause = (f"timed out after {timeout_minutes:g} min (--distributed-timeout-minutes) waiting for a peer "
                      f"(hung or unreachable)")

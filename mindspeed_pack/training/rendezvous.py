@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import time
 import uuid
 
@@ -49,7 +50,7 @@ def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tu
         base, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     except (RuntimeError, ValueError) as e:  # a store that never answered (DistNetworkError, DistStoreError)
         raise RendezvousTimeout(f"rank {rank}: no key-value store at {where} within {_minutes(timeout)} "
-                                f"(--distributed-timeout-minutes): {_first_line(e)}") from None
+                                f"(--distributed-timeout-minutes): {first_line(e)}") from None
     base.set_timeout(timeout)
     deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
@@ -111,5 +112,7 @@ def _ranks(ranks: list) -> str:
     return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+def first_line(e: BaseException) -> str:
+    """The first line of a backend error, without the C++ source position gloo puts in front."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", line)
