@@ -96,7 +96,9 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="torch.distributed backend (default: nccl with CUDA, gloo without)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="how long the rendezvous and any collective wait for a peer before the rank exits "
+                        "with one line naming what it waited for (fractions allowed)")
 
 
 def _training_args(p: argparse.ArgumentParser) -> None:

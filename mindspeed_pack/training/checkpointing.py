@@ -273,10 +273,6 @@ def _saved_iterations(root: str) -> list:
     return sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n))
 
 
-def _has_checkpoints(root: str) -> bool:
-    return bool(_saved_iterations(root)) or os.path.isdir(os.path.join(root, layout.RELEASE))
-
-
 def refresh_master_weights(optimizer) -> None:
     """Copy freshly loaded model weights into the optimizer's fp32 master copy (Megatron-LM does this too).
 
@@ -315,14 +311,20 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore from ``--load``; returns (iteration, consumed_samples).
 
-    ``--load D --save D`` on a first launch (D empty or absent) starts from scratch, so a job
-    script can always pass both; any other ``--load`` without a checkpoint is an error.
+    ``--load D --save D`` on a first launch (D empty or absent, or holding only a first save that
+    died before its tracker was written) starts from scratch, so a job script can always pass both;
+    any other ``--load`` without a checkpoint is an error.
     """
     root = args.load
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
-    if same_as_save and not args.finetune and (not os.path.isdir(root) or not _has_checkpoints(root)) \
-            and not os.path.exists(os.path.join(root, layout.TRACKER)):
-        log.warning("--load %s (= --save) holds no checkpoint yet: starting from scratch", root)
+    if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
+            and not os.path.isdir(os.path.join(root, layout.RELEASE)):
+        # the tracker is a save's commit point: an iteration directory without it (a crash between the
+        # first save's rename and its tracker) was never committed, and is re-saved over
+        uncommitted = _saved_iterations(root) if os.path.isdir(root) else []
+        log.warning("--load %s (= --save) holds no checkpoint yet%s: starting from scratch", root,
+                    f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
+                    if uncommitted else "")
         return 0, 0
     if not os.path.isdir(root):
         raise CheckpointError(f"--load {root}: no such directory")
@@ -370,5 +372,5 @@ def load_checkpoint(args, model, optimizer, scheduler):
             _restore_rng(state["rng_state"], path)
         else:
             log.warning("%s holds no RNG state (--no-save-rng): dropout will not continue exactly", path)
-    log.info("resumed from %s at iteration %d", root, iteration)
+    log.debug("loaded %s at iteration %d", root, iteration)  # the trainer logs the resume once
     return int(state["iteration"]), int(state.get("consumed_samples", iteration * args.global_batch_size))

@@ -15,9 +15,13 @@ import math
 import os
 import time
 
+from mindspeed_pack.training import metrics_history
+
 
 class MetricsLogger:
-    def __init__(self, args, enabled: bool):
+    def __init__(self, args, enabled: bool, start_iteration: int = 0):
+        """``start_iteration``: where training starts; on a resume the records after it are
+        replaced (:mod:`mindspeed_pack.training.metrics_history`); ``replaced`` lists them."""
         self.args = args
         self.enabled = enabled
         self.log_throughput = bool(getattr(args, "log_throughput", False))
@@ -29,15 +33,19 @@ class MetricsLogger:
         self.log_interval = max(1, args.log_interval)
         self.jsonl = None
         self.tb = None
+        self.replaced = []
         if not enabled:
             return
+        resume = metrics_history.is_resume(start_iteration)
         if args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            if resume:
+                self.replaced = metrics_history.drop_records_after(args.metrics_file, start_iteration)
             self.jsonl = open(args.metrics_file, "a", buffering=1)
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=args.tensorboard_dir)
+            self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if resume else None)
 
     def precision(self, iteration: int, record: dict) -> None:
         """The run's numerics, once at start: printed, and the metrics file's first line of this run."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import time
 from functools import partial
 from typing import Callable, Iterator, List, Optional, Protocol
@@ -34,8 +33,9 @@ from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
-from mindspeed_pack.training import checkpointing, preflight, throughput
+from mindspeed_pack.training import checkpointing, peers, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training.exit_signal import ExitSignal
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
@@ -107,7 +107,9 @@ class Trainer:
         self.consumed_samples = 0
         self.consumed_valid_samples = 0  # where the next validation starts in its split
         self.skipped = 0
-        self.exit_requested = False
+        self.exit_signal = None
+        self.slowest_step_s = 0.0
+        self.phase = "the start (process groups, model, checkpoint, data)"  # what a peer failure interrupted
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -143,11 +145,28 @@ class Trainer:
         self.source.setup(args, num_samples)
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
             preflight.check_data(docs, args)
-        self.metrics = MetricsLogger(args, enabled=self._is_logging_rank())
+        self.metrics = MetricsLogger(args, enabled=self._is_logging_rank(), start_iteration=self.iteration)
+        self._log_resume()
         self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
         if args.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
+            # the current iteration and the agreement to stop, with room for a slow step
+            self.exit_signal = ExitSignal(grace_s=lambda: 10.0 + 2.0 * self.slowest_step_s,
+                                          describe=lambda: self.phase)
+
+    def _log_resume(self) -> None:
+        """Once per job start: where training resumes and which logged steps it runs again."""
+        attempt = faults.restart_attempt()
+        if not self._is_logging_rank() or not (self.iteration or self.metrics.replaced or attempt):
+            return
+        if self.metrics.replaced:
+            first, last, n = min(self.metrics.replaced), max(self.metrics.replaced), len(self.metrics.replaced)
+            steps = f"iteration {first} (1 step), logged before, is" if n == 1 else \
+                f"iterations {first}-{last} ({n} steps), logged before, are"
+            rerun = f"; {steps} run again and replaced in {self.args.metrics_file}"
+        else:
+            rerun = "; no logged step is re-run" if self.args.metrics_file else ""
+        where = f"{self.args.load} at iteration {self.iteration}" if self.iteration else "scratch (no checkpoint yet)"
+        log.info("resumed from %s%s%s", where, f" (torchrun restart {attempt})" if attempt else "", rerun)
 
     def _build_model(self) -> List[torch.nn.Module]:
         """GPTModel -> Float16Module (bf16/fp16) -> megatron DDP, as Megatron-LM's ``get_model``."""
@@ -213,10 +232,6 @@ class Trainer:
     def _is_logging_rank(self) -> bool:
         return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
                 and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
-
-    def _on_signal(self, signum, frame) -> None:
-        log.warning("signal %d received: saving a checkpoint after this iteration and exiting", signum)
-        self.exit_requested = True
 
     # ------------------------------------------------------------------ steps
     def _run_batches(self, split: str, consumed: int, forward_only: bool):
@@ -362,9 +377,11 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         while self.iteration < args.train_iters:
+            self.phase = f"iteration {self.iteration + 1}"
             start = time.perf_counter()
             loss, grad_norm, stats, _ = self.train_step()
             elapsed = time.perf_counter() - start
+            self.slowest_step_s = max(self.slowest_step_s, elapsed)
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
             self._log_step(loss, grad_norm, stats, elapsed)
@@ -373,11 +390,13 @@ class Trainer:
             save_now = args.save and args.save_interval and self.iteration % args.save_interval == 0
             exit_now = self._should_exit()
             if save_now or (exit_now and args.save):
+                self.phase = f"the save of iteration {self.iteration}"
                 self.save()
             if exit_now:
                 log.info("exiting at iteration %d", self.iteration)
                 return
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
+            self.phase = f"the save of iteration {self.iteration}"
             self.save()
         self._evaluate_at_end()
 
@@ -392,9 +411,12 @@ class Trainer:
             self.evaluate("test", "the end of training for test data")
 
     def _should_exit(self) -> bool:
-        flag = self.exit_requested or bool(self.args.exit_interval and self.iteration % self.args.exit_interval == 0)
+        signalled = bool(self.exit_signal and self.exit_signal.requested)
+        flag = signalled or bool(self.args.exit_interval and self.iteration % self.args.exit_interval == 0)
         t = torch.tensor([int(flag)], device=torch.cuda.current_device() if cuda_usable() else "cpu")
         dist.all_reduce(t)  # every rank must agree
+        if t.item() and self.exit_signal:
+            self.exit_signal.agreed()
         return bool(t.item())
 
     def _dp_sum(self, stats: dict) -> dict:
@@ -440,6 +462,7 @@ class Trainer:
             return None
         for chunk in self.model:
             chunk.eval()
+        phase, self.phase = self.phase, f"the {split} evaluation at iteration {self.iteration}"
         total = torch.zeros(2, dtype=torch.float64)
         tokens = 0
         start = self.consumed_valid_samples if split == "valid" else 0
@@ -455,6 +478,7 @@ class Trainer:
         self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
         for chunk in self.model:
             chunk.train()
+        self.phase = phase
         return loss
 
     def save(self) -> None:
@@ -462,19 +486,28 @@ class Trainer:
         checkpointing.save_checkpoint(self.args, self.iteration, self.consumed_samples, self.model,
                                       self.optimizer, self.scheduler)
 
-    def cleanup(self) -> None:
-        self.metrics.close()
-        if dist.is_initialized():
+    def cleanup(self, barrier: bool = True) -> None:
+        """Close the logs; after a normal end wait for every rank (never after a failure: a dead
+        or hung peer would hold this rank until the timeout)."""
+        if getattr(self, "metrics", None):
+            self.metrics.close()
+        if self.exit_signal:
+            self.exit_signal.close()
+        if barrier and dist.is_initialized():
+            self.phase = "the other ranks to finish (final barrier)"
             dist.barrier()
 
 
 def run(args, batch_source: BatchSource, before_train: Optional[Callable] = None) -> Trainer:
     trainer = Trainer(args, batch_source)
-    trainer.setup()
-    if before_train:
-        before_train(trainer)
-    try:
-        trainer.train()
-    finally:
+    with peers.waiting_for(lambda: trainer.phase, args.distributed_timeout_minutes):
+        try:
+            trainer.setup()
+            if before_train:
+                before_train(trainer)
+            trainer.train()
+        except BaseException:
+            trainer.cleanup(barrier=False)
+            raise
         trainer.cleanup()
     return trainer
