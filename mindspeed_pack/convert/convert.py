@@ -282,14 +282,19 @@ def hf_to_megatron(
     make_vocab_size_divisible_by: int = 128,
     padded_vocab_size: Optional[int] = None,
     allow_unsafe: bool = False,
+    seq_length: Optional[int] = None,
 ) -> None:
-    """Convert a HF model directory into a Megatron ``release`` checkpoint at TP=``tp``, PP=``pp``."""
+    """Convert a HF model directory into a Megatron ``release`` checkpoint at TP=``tp``, PP=``pp``.
+
+    ``seq_length`` (default: the config's ``max_position_embeddings``) is the longest training
+    sequence; a sliding window below it is refused.
+    """
     dtype = _dtype(params_dtype)
     check_save_dir(save_dir, load_dir)
     with hf_io.HFCheckpointReader(load_dir, allow_unsafe) as reader:
         config_path = os.path.join(load_dir, hf_io.CONFIG)
         args = args_from_hf_config(reader.config, model_type_hf, tp, pp, make_vocab_size_divisible_by,
-                                   padded_vocab_size, where=config_path)
+                                   padded_vocab_size, where=config_path, seq_length=seq_length)
         spec = get_spec(args.model_type_hf)
         reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
 
@@ -410,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params-dtype", choices=sorted(DTYPES), default="fp32",
                    help="dtype of the written weights (hf->mg, mg->hf)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="hf->mg: the longest training sequence (default max_position_embeddings); a sliding_window "
+                        "below it is refused")
     p.add_argument("--padded-vocab-size", type=int, default=None,
                    help="explicit padded vocabulary (>= the HF vocab, divisible by TP)")
     p.add_argument("--tokenizer-dir", default=None,
@@ -430,7 +438,7 @@ def main(argv=None) -> int:
             hf_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                            args.target_pipeline_parallel_size, args.params_dtype, args.model_type_hf,
                            args.make_vocab_size_divisible_by, args.padded_vocab_size,
-                           args.allow_unsafe_checkpoint_load)
+                           args.allow_unsafe_checkpoint_load, args.seq_length)
         elif args.load_model_type == "mg" and args.save_model_type == "hf":
             megatron_to_hf(args.load_dir, args.save_dir, args.params_dtype, args.model_type_hf,
                            args.tokenizer_dir, args.max_shard_size_mb * 1024**2, args.allow_unsafe_checkpoint_load)
