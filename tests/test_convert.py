@@ -29,6 +29,7 @@ from mindspeed_pack.convert import (
 )
 from mindspeed_pack.convert.model_specs import ConversionError
 from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file, read_tracker
+from mindspeed_pack.data import toy
 
 VOCAB = 300
 LOGITS_ATOL = 1e-4
@@ -81,12 +82,13 @@ def _pack():
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, toy_tokenizer_dir):
+def work(tmp_path_factory):
     """HF models, their Megatron conversions, and the HF reference outputs."""
     root = tmp_path_factory.mktemp("convert")
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
     samples, _, _, _ = _pack()
-    tok_dir = str(toy_tokenizer_dir)
+    # a tokenizer the models' 300 rows can embed (mg->hf refuses a larger one)
+    tok_dir = str(toy.build_toy_tokenizer(root / "tokenizer", vocab_size=VOCAB - 20))
     out = {"root": root, "tokens": tokens, "tokenizer": tok_dir, "hf": {}, "mg": {}, "ref": {}, "model": {}}
     for name in MODELS:
         model = _build_hf_model(name)
