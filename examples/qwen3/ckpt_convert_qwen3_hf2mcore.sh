@@ -4,49 +4,15 @@
 #   bash examples/qwen3/ckpt_convert_qwen3_hf2mcore.sh
 #   DRY_RUN=1 bash examples/qwen3/ckpt_convert_qwen3_hf2mcore.sh   # check the flags only
 #
-# The output is a "release" checkpoint that tune_qwen3_8b_4k_full_pack.sh loads with --load --finetune.
-# It runs on CPU and needs about one copy of the model in memory (~35 GB for bf16 8B).
-# Every config.json field is checked against the qwen3 row (q/k norms, head_dim, no qkv bias, ties);
-# a field the mapping does not know is refused by name.
-# PRINT_ARGS=1 prints the Python entry point and its arguments one per line (for tests/test_example_flags.py).
+# examples/qwen25/ckpt_convert_qwen25_hf2mcore.sh with the qwen3 family: every config.json field
+# is checked against the qwen3 row (q/k norms, head_dim, no qkv bias, tied or not); a field the
+# mapping does not know is refused by name. Needs about one bf16 copy of the model in memory (~17 GB).
+# PRINT_ARGS=1 (tests/test_example_flags.py) and DRY_RUN=1 work as in the script this one runs.
 set -euo pipefail
 
-# ------------------------------------------------------------------ paths (edit these)
-HF_MODEL_DIR=${HF_MODEL_DIR:-./model_from_hf/qwen3-8b}   # config.json + *.safetensors
-CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./model_weights/qwen3-8b-mcore-tp4pp1}  # must not exist or be empty
-LOG_DIR=${LOG_DIR:-./logs}
+export MODEL_TYPE_HF=qwen3
+export HF_MODEL_DIR=${HF_MODEL_DIR:-./model_from_hf/qwen3-8b}                       # config.json + *.safetensors
+export CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./model_weights/qwen3-8b-mcore-tp4pp1}        # the training's CKPT_LOAD_DIR
+export RUN_NAME=${RUN_NAME:-ckpt_convert_qwen3_hf2mcore}
 
-# Must equal TP/PP of tune_qwen3_8b_4k_full_pack.sh (convert_ckpt.py --load-model-type mg
-# --save-model-type mg reshards an existing Megatron checkpoint if you change them later).
-TP=4
-PP=1
-
-CONVERT_ARGS=(
-    --load-model-type hf
-    --save-model-type mg
-    --model-type-hf qwen3
-    --load-dir "$HF_MODEL_DIR"
-    --save-dir "$CKPT_SAVE_DIR"
-    --target-tensor-parallel-size "$TP"
-    --target-pipeline-parallel-size "$PP"
-    --params-dtype bf16            # Qwen3 is published in bf16: no precision is lost
-)
-
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ convert_ckpt.py\n'
-    printf '%s\n' "${CONVERT_ARGS[@]}"
-    exit 0
-fi
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    # convert_ckpt.py's own parser, without touching any weights
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -c '
-import sys
-from mindspeed_pack.convert.convert import build_parser
-build_parser().parse_args(sys.argv[1:])
-print("convert_ckpt.py arguments OK")' "${CONVERT_ARGS[@]}"
-    exit 0
-fi
-
-mkdir -p "$LOG_DIR"
-python "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/ckpt_convert_qwen3_hf2mcore.log"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/../qwen25/ckpt_convert_qwen25_hf2mcore.sh" "$@"

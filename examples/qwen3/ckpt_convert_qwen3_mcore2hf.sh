@@ -1,46 +1,18 @@
 #!/bin/bash
-# Merge the fine-tuned Megatron checkpoint (any TP/PP) back into a Hugging Face Qwen3 model directory.
+# Merge the fine-tuned Qwen3 Megatron checkpoint (any TP/PP) back into a Hugging Face model directory.
 #
 #   bash examples/qwen3/ckpt_convert_qwen3_mcore2hf.sh
 #   DRY_RUN=1 bash examples/qwen3/ckpt_convert_qwen3_mcore2hf.sh   # check the flags only
 #
-# Reads the latest iteration of CKPT_LOAD_DIR (latest_checkpointed_iteration.txt); the TP/PP sizes are
-# read from the checkpoint itself. The result loads with transformers' from_pretrained.
-# PRINT_ARGS=1 prints the Python entry point and its arguments one per line (for tests/test_example_flags.py).
+# examples/qwen25/ckpt_convert_qwen25_mcore2hf.sh with the qwen3 family. TOKENIZER_PATH: if
+# preprocessing added tokens, give its P_tokenizer/ here: their trained rows are kept.
+# PRINT_ARGS=1 (tests/test_example_flags.py) and DRY_RUN=1 work as in the script this one runs.
 set -euo pipefail
 
-# ------------------------------------------------------------------ paths (edit these)
-CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-./ckpt/qwen3-8b-sft-pack}          # CKPT_SAVE_DIR of the training script
-HF_SAVE_DIR=${HF_SAVE_DIR:-./model_weights/qwen3-8b-sft-pack-hf}  # must not exist or be empty
-TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen3-8b}  # copied over; use the data's P_tokenizer/ if
-# preprocessing added tokens: their trained rows are kept (at least len(tokenizer) rows)
-LOG_DIR=${LOG_DIR:-./logs}
+export MODEL_TYPE_HF=qwen3
+export CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-./ckpt/qwen3-8b-sft-pack}               # the training's CKPT_SAVE_DIR
+export HF_SAVE_DIR=${HF_SAVE_DIR:-./model_weights/qwen3-8b-sft-pack-hf}       # must not exist or be empty
+export TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen3-8b}
+export RUN_NAME=${RUN_NAME:-ckpt_convert_qwen3_mcore2hf}
 
-CONVERT_ARGS=(
-    --load-model-type mg
-    --save-model-type hf
-    --model-type-hf qwen3
-    --load-dir "$CKPT_LOAD_DIR"
-    --save-dir "$HF_SAVE_DIR"
-    --params-dtype bf16
-    --tokenizer-dir "$TOKENIZER_PATH"
-)
-
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ convert_ckpt.py\n'
-    printf '%s\n' "${CONVERT_ARGS[@]}"
-    exit 0
-fi
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    # convert_ckpt.py's own parser, without touching any weights
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -c '
-import sys
-from mindspeed_pack.convert.convert import build_parser
-build_parser().parse_args(sys.argv[1:])
-print("convert_ckpt.py arguments OK")' "${CONVERT_ARGS[@]}"
-    exit 0
-fi
-
-mkdir -p "$LOG_DIR"
-python "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/ckpt_convert_qwen3_mcore2hf.log"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/../qwen25/ckpt_convert_qwen25_mcore2hf.sh" "$@"

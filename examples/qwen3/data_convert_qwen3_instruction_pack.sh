@@ -1,74 +1,18 @@
 #!/bin/bash
-# Tokenize an instruction dataset with the qwen3 chat template (configs/finetune/templates.json:
-# Qwen3 turns without reasoning, no default system prompt) and neat-pack it into 4k packs.
+# Tokenize an instruction dataset with the qwen3 chat template and neat-pack it into 4k packs.
 #
 #   bash examples/qwen3/data_convert_qwen3_instruction_pack.sh
 #   DRY_RUN=1 bash examples/qwen3/data_convert_qwen3_instruction_pack.sh   # check the flags only
 #
-# Writes ${OUTPUT_PREFIX}_packed_{input_ids,attention_mask,labels}_document.{bin,idx} (+ _packed_meta.json);
-# the training script reads them with --data-path ${OUTPUT_PREFIX}.
-# ShareGPT data instead of Alpaca:
-#   HANDLER=SharegptStyleInstructionHandler MAP_KEYS='{"messages": "conversations"}' bash ...
-# Longer packs for context-parallel training: set SEQ_LEN and PAD_MULTIPLE (= 2 x CP x TP), as
-# examples/qwen25/data_convert_qwen25_instruction_pack_32k_cp.sh does.
-# PRINT_ARGS=1 prints the Python entry point and its arguments one per line (for tests/test_example_flags.py).
+# examples/qwen25/data_convert_qwen25_instruction_pack.sh (same variables: INPUT, HANDLER, MAP_KEYS,
+# SEQ_LEN, PAD_MULTIPLE, ...) with Qwen3's tokenizer and the qwen3 template of
+# configs/finetune/templates.json: Qwen3's turns without reasoning, no default system prompt.
+# PRINT_ARGS=1 (tests/test_example_flags.py) and DRY_RUN=1 work as in the script this one runs.
 set -euo pipefail
 
-# ------------------------------------------------------------------ paths (edit these)
-INPUT=${INPUT:-./dataset/alpaca/train-00000-of-00001-a09b74b3ef9c3b56.parquet}  # a file, or a directory of them
-TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen3-8b}
-OUTPUT_PREFIX=${OUTPUT_PREFIX:-./finetune_dataset/qwen3-8b/alpaca}
-LOG_DIR=${LOG_DIR:-./logs}
-RUN_NAME=${RUN_NAME:-data_convert_qwen3_instruction_pack}   # names the log file
+export PROMPT_TYPE=${PROMPT_TYPE:-qwen3}   # must equal the training's
+export TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen3-8b}
+export OUTPUT_PREFIX=${OUTPUT_PREFIX:-./finetune_dataset/qwen3-8b/alpaca}   # the training's DATA_PATH
+export RUN_NAME=${RUN_NAME:-data_convert_qwen3_instruction_pack}
 
-HANDLER=${HANDLER:-AlpacaStyleInstructionHandler}
-# Which input columns hold what; these are the Alpaca names, spelled out so renaming is one edit.
-MAP_KEYS=${MAP_KEYS:-'{"prompt": "instruction", "query": "input", "response": "output"}'}
-SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of tune_qwen3_8b_4k_full_pack.sh
-# Pad every sample to a multiple of this before packing (1 = off). For context parallelism:
-# 2 x CP x TP of the training (it uses --sequence-parallel), so training adds no padding.
-PAD_MULTIPLE=${PAD_MULTIPLE:-1}
-WORKERS=${WORKERS:-8}
-
-# --neat-pack stores each sample's segment id in attention_mask, so training isolates the samples of a
-# pack. No --append-eod: the qwen3 template already ends every answer with <|im_end|> (the EOS).
-PREPROCESS_ARGS=(
-    --input "$INPUT"
-    --tokenizer-type PretrainedFromHF
-    --tokenizer-name-or-path "$TOKENIZER_PATH"
-    --output-prefix "$OUTPUT_PREFIX"
-    --handler-name "$HANDLER"
-    --prompt-type qwen3
-    --map-keys "$MAP_KEYS"
-    --seq-length "$SEQ_LEN"
-    --pack
-    --neat-pack
-    --workers "$WORKERS"
-    --log-interval 1000
-)
-if (( PAD_MULTIPLE > 1 )); then
-    PREPROCESS_ARGS+=(--pad-to-multiple-of "$PAD_MULTIPLE")
-fi
-
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ preprocess_data.py\n'
-    printf '%s\n' "${PREPROCESS_ARGS[@]}"
-    exit 0
-fi
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    # preprocess_data.py's own parser and checks, without reading data or loading the tokenizer
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -c '
-import sys
-from mindspeed_pack.data.errors import PreprocessError
-from mindspeed_pack.data.preprocess import build_parser, validate_args
-try:
-    validate_args(build_parser().parse_args(sys.argv[1:]))
-except PreprocessError as exc:
-    sys.exit(f"preprocess_data.py: error: {exc}")
-print("preprocess_data.py arguments OK")' "${PREPROCESS_ARGS[@]}"
-    exit 0
-fi
-
-mkdir -p "$(dirname "$OUTPUT_PREFIX")" "$LOG_DIR"
-python "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"
+exec bash "$(dirname "${BASH_SOURCE[0]}")/../qwen25/data_convert_qwen25_instruction_pack.sh" "$@"

@@ -2,162 +2,22 @@
 # Full-parameter SFT of Qwen3-8B on neat-packed 4k instruction data: TP 4 x PP 1, bf16.
 #
 #   bash examples/qwen3/tune_qwen3_8b_4k_full_pack.sh            # one node, 8 GPUs (TP 4 x DP 2)
-#   NNODES=2 NODE_RANK=<0|1> MASTER_ADDR=<node 0 address> \
-#       bash examples/qwen3/tune_qwen3_8b_4k_full_pack.sh        # run on every node (docs/multinode.md)
 #   DRY_RUN=1 bash examples/qwen3/tune_qwen3_8b_4k_full_pack.sh  # parse + validate the flags, no GPU needed
 #
-# Before: data_convert_qwen3_instruction_pack.sh (packed data, same --seq-length and --prompt-type)
-#         ckpt_convert_qwen3_hf2mcore.sh         (HF weights -> megatron, same TP/PP as here)
-# After:  ckpt_convert_qwen3_mcore2hf.sh         (trained weights -> HF)
-#
-# Every variable below can be overridden from the environment (SEQ_LEN=32768 CP=2 for context
-# parallelism, as examples/qwen25/tune_qwen25_7b_32k_full_pack_cp.sh does). Further hooks:
-#   OVERRIDES=file.sh  sourced after the argument arrays are built, so it may reassign any
-#                      *_ARGS array (site settings; tests/test_multinode.py puts a tiny model here)
-#   PRINT_ARGS=1       print the Python entry point and its arguments one per line, then exit
-#                      (tests/test_example_flags.py parses them with the real parsers)
+# The Qwen2.5 recipe (examples/qwen25/tune_qwen25_7b_4k_full_pack.sh: parallelism, schedule, data and
+# checkpoint flags, every hook and variable) with Qwen3-8B's model flags (qwen3_8b_model_args.bash) and
+# the qwen3 chat template. Before: data_convert_qwen3_instruction_pack.sh, ckpt_convert_qwen3_hf2mcore.sh;
+# after: ckpt_convert_qwen3_mcore2hf.sh.
+# PRINT_ARGS=1 (tests/test_example_flags.py) and DRY_RUN=1 work as in the script this one runs.
 set -euo pipefail
 
-# Megatron's tensor/sequence-parallel communication overlap relies on kernels being issued in order.
-export CUDA_DEVICE_MAX_CONNECTIONS=1
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+export MODEL_ARGS_FILE=${MODEL_ARGS_FILE:-$HERE/qwen3_8b_model_args.bash}
+export PROMPT_TYPE=${PROMPT_TYPE:-qwen3}   # must equal the data script's
+export CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-./model_weights/qwen3-8b-mcore-tp4pp1}   # written by ckpt_convert_qwen3_hf2mcore.sh
+export CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen3-8b-sft-pack}
+export DATA_PATH=${DATA_PATH:-./finetune_dataset/qwen3-8b/alpaca}              # --output-prefix of the data script
+export TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen3-8b}
+export RUN_NAME=${RUN_NAME:-tune_qwen3_8b_4k_full_pack}
 
-# ------------------------------------------------------------------ paths (edit these)
-CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-./model_weights/qwen3-8b-mcore-tp4pp1}  # written by ckpt_convert_qwen3_hf2mcore.sh
-CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen3-8b-sft-pack}
-DATA_PATH=${DATA_PATH:-./finetune_dataset/qwen3-8b/alpaca}           # --output-prefix of the data script
-TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen3-8b}
-LOG_DIR=${LOG_DIR:-./logs}
-RUN_NAME=${RUN_NAME:-tune_qwen3_8b_4k_full_pack}   # names the tensorboard dir, metrics file and node logs
-TENSORBOARD_DIR=${TENSORBOARD_DIR:-$LOG_DIR/tensorboard/$RUN_NAME}
-
-# ------------------------------------------------------------------ cluster (one value per node for NODE_RANK)
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}   # address of the node with NODE_RANK=0, reachable from all nodes
-MASTER_PORT=${MASTER_PORT:-6000}
-WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
-
-# Must equal --target-tensor/pipeline-parallel-size of ckpt_convert_qwen3_hf2mcore.sh.
-TP=${TP:-4}
-PP=${PP:-1}
-# Context parallelism: every pack split over CP ranks (zigzag per sample). The data script's
-# PAD_MULTIPLE should then be 2 x CP x TP (sequence parallel), else training pads the samples itself.
-CP=${CP:-1}
-SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of the data script: one pack is one training sample
-MBS=${MBS:-1}
-GBS=${GBS:-8}          # a multiple of MBS x data-parallel size (WORLD_SIZE / (TP x PP x CP))
-
-DISTRIBUTED_ARGS=(
-    --nproc-per-node "$GPUS_PER_NODE"
-    --nnodes "$NNODES"
-    --node-rank "$NODE_RANK"
-    --master-addr "$MASTER_ADDR"
-    --master-port "$MASTER_PORT"
-)
-
-# Qwen3-8B architecture (config.json of the HF checkpoint).
-MODEL_ARGS=(
-    --num-layers 36
-    --hidden-size 4096
-    --ffn-hidden-size 12288
-    --num-attention-heads 32
-    --group-query-attention
-    --num-query-groups 8
-    --kv-channels 128              # head_dim (config.json): Qwen3-0.6B/4B/32B have head_dim != hidden/heads
-    --qk-layernorm                 # per-head RMSNorm on q and k; their gradients are summed over TP
-    --disable-bias-linear          # Qwen3 has no bias on any linear layer (no --add-qkv-bias)
-    --swiglu
-    --normalization RMSNorm
-    --norm-epsilon 1e-6
-    --position-embedding-type rope
-    --rotary-base 1000000
-    --max-position-embeddings 40960
-    --untie-embeddings-and-output-weights   # 8B is untied (0.6B-4B tie: drop this flag there)
-    --padded-vocab-size 151936     # the HF embedding's row count, so converted weights fit exactly
-    --seq-length "$SEQ_LEN"
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-)
-
-PARALLEL_ARGS=(
-    --tensor-model-parallel-size "$TP"
-    --pipeline-model-parallel-size "$PP"
-    --context-parallel-size "$CP"
-    --sequence-parallel            # shards layer-norm/dropout activations over TP: needed to fit 4k x 7B
-    --use-distributed-optimizer    # shards Adam state over data-parallel ranks
-)
-
-TRAIN_ARGS=(
-    --micro-batch-size "$MBS"
-    --global-batch-size "$GBS"
-    --train-iters 2000
-    --lr 1.25e-6
-    --min-lr 1.25e-7
-    --lr-decay-style cosine
-    --lr-warmup-fraction 0.01
-    --weight-decay 0.1
-    --clip-grad 1.0
-    --adam-beta1 0.9
-    --adam-beta2 0.95
-    --bf16
-    --seed 1234
-)
-
-# Packs from data_convert_qwen3_instruction_pack.sh. --neat-pack isolates the samples of a pack
-# (attention, labels) and, with --reset-position-ids, restarts RoPE positions at every sample, so a
-# packed sample trains exactly as it would alone. Packs are shuffled (no --no-shuffle): the packer
-# emits packs ordered by sample length; add --no-shuffle only for loss-comparison runs.
-DATA_ARGS=(
-    --data-path "$DATA_PATH"
-    --split 100,0,0
-    --is-instruction-dataset
-    --neat-pack
-    --reset-position-ids
-    --prompt-type qwen3
-    --tokenizer-type PretrainedFromHF
-    --tokenizer-name-or-path "$TOKENIZER_PATH"
-)
-
-# --finetune: take the converted weights only and start at iteration 0 with a fresh optimizer.
-CKPT_ARGS=(
-    --stage sft
-    --finetune
-    --load "$CKPT_LOAD_DIR"
-    --save "$CKPT_SAVE_DIR"
-    --save-interval 500
-)
-
-OUTPUT_ARGS=(
-    --log-interval 1
-    --eval-iters 0
-    --tensorboard-dir "$TENSORBOARD_DIR"
-    --metrics-file "$LOG_DIR/$RUN_NAME.metrics.jsonl"
-)
-
-if [[ -n "${OVERRIDES:-}" ]]; then
-    # shellcheck source=/dev/null
-    source "$OVERRIDES"
-fi
-
-TRAIN_CMD_ARGS=(
-    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"
-    "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${OUTPUT_ARGS[@]}"
-)
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ posttrain.py world_size=%s\n' "$WORLD_SIZE"
-    printf '%s\n' "${TRAIN_CMD_ARGS[@]}"
-    exit 0
-fi
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    # One plain process that believes it is one of WORLD_SIZE ranks: the TP/PP/batch-size checks are real.
-    WORLD_SIZE=$WORLD_SIZE python "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
-    exit 0
-fi
-
-mkdir -p "$LOG_DIR"
-# One log per node: on a shared filesystem the nodes would otherwise write the same file.
-torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
-    2>&1 | tee "$LOG_DIR/${RUN_NAME}_node${NODE_RANK}.log"
+exec bash "$HERE/../qwen25/tune_qwen25_7b_4k_full_pack.sh" "$@"
