@@ -259,3 +259,31 @@ def test_a_window_covering_the_training_length_converts(work, tmp_path):
     hf_to_megatron(windowed, str(tmp_path / "out"), 1, 1, seq_length=64)
     record = torch.load(os.path.join(tmp_path, "out", "release", "mp_rank_00", "model_optim_rng.pt"), weights_only=True)
     assert (record["args"]["sliding_window"], record["args"]["seq_length"]) == (64, 64)
+
+
+def test_the_transformer_engine_path_is_handed_the_family(monkeypatch):
+    """What the TE spec receives on a GPU machine: qk_layernorm for the spec and the config alike, and the
+    scaled RoPE (the layer spec builder is TE's on a GPU; here it records its arguments and builds the local one)."""
+    import mindspeed_pack.model.gpt as gpt
+    from mindspeed_pack.model import spec as spec_module
+    from mindspeed_pack.model.rope import llama3_inv_freq
+    from tests.model_utils import init_single_process, tiny_args
+
+    init_single_process()
+    handed = []
+
+    def te_layer_spec(backend, config, qk_layernorm=False, vp_stage=None):
+        handed.append((backend, config.qk_layernorm, qk_layernorm, config.kv_channels))
+        return spec_module.layer_spec("local", config, qk_layernorm, vp_stage)
+
+    monkeypatch.setattr(gpt, "resolve_backend", lambda requested: "te")
+    monkeypatch.setattr(gpt, "layer_spec", te_layer_spec)
+    args = tiny_args(add_qkv_bias=False, qk_layernorm=True, kv_channels=24, use_rope_scaling=True,
+                     rope_scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=16)
+    model = gpt.build_gpt_model(args)
+    assert handed == [("te", True, True, 24)]
+    assert model.decoder.layers[0].self_attention.q_layernorm.weight.shape == (24,)
+    plain = 1.0 / (1000000 ** (torch.arange(0, 24, 2, dtype=torch.float32) / 24))
+    assert torch.equal(model.rotary_pos_emb.inv_freq, llama3_inv_freq(plain, 8.0, 1.0, 4.0, 16))
+    assert not torch.equal(model.rotary_pos_emb.inv_freq, plain)
