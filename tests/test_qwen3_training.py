@@ -68,3 +68,15 @@ def test_qwen3_tp2_keeps_qk_norms_identical_and_matches_tp1(qwen3):
             assert not torch.equal(ranks[0][name], start[name]), f"{name} was not trained"
     assert len(tp1) == len(tp2) == 5
     assert max(abs(a - b) / abs(a) for a, b in zip(tp1, tp2)) <= 1e-5, (tp1, tp2)
+
+    # the trained TP2 checkpoint goes back to a Qwen3 transformers loads, with the trained norms
+    import transformers
+
+    from mindspeed_pack.convert import megatron_to_hf
+
+    hf = str(qwen3["root"] / "trained_hf")
+    megatron_to_hf(save, hf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.head_dim == 24
+    assert torch.equal(model.model.layers[1].self_attn.k_norm.weight.data,
+                       ranks[0]["decoder.layers.1.self_attention.k_layernorm.weight"])
