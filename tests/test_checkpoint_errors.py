@@ -145,3 +145,14 @@ def test_family_settings_of_the_checkpoint_must_match_the_flags(saved, tmp_path)
         posttrain.main(argv(saved[0], "--load", ckpt))
     posttrain.main(argv(saved[0], "--load", ckpt, "--use-rope-scaling", "--rope-scaling-factor", "32",
                         "--finetune"))  # the checkpoint's settings load
+
+
+def test_a_trained_checkpoint_converts_to_hf(saved, tmp_path):
+    """Trained without --kv-channels (Megatron-LM's default head size): the converter still splits the heads."""
+    import transformers
+
+    from mindspeed_pack.convert import megatron_to_hf
+
+    megatron_to_hf(saved[1], str(tmp_path / "hf"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.head_dim == 16

@@ -343,8 +343,11 @@ def args_from_dict(stored: dict, where: str) -> argparse.Namespace:
     if missing:
         raise ConversionError(f"{where}: checkpoint 'args' lacks {missing}; it was not written by this converter "
                               "or a trainer that stores the model-shape arguments")
-    return argparse.Namespace(**{k: stored[k] for k in MODEL_ARG_NAMES},
+    args = argparse.Namespace(**{k: stored[k] for k in MODEL_ARG_NAMES},
                               **{k: stored.get(k, default) for k, default in OPTIONAL_MODEL_ARGS.items()})
+    if args.kv_channels is None:  # a training run without --kv-channels (before it was filled in)
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    return args
 
 
 def hf_rope_parameters(args) -> dict:

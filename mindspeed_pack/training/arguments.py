@@ -309,6 +309,8 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.use_rope_scaling = True
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:  # Megatron-LM's default; checkpoints then record the head size
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.group_query_attention:
         if not args.num_query_groups:
             raise ArgumentError("--group-query-attention needs --num-query-groups")
