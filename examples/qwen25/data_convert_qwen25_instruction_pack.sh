@@ -20,6 +20,7 @@ LOG_DIR=${LOG_DIR:-./logs}
 RUN_NAME=${RUN_NAME:-data_convert_qwen25_instruction_pack}   # names the log file
 
 HANDLER=${HANDLER:-AlpacaStyleInstructionHandler}
+PROMPT_TYPE=${PROMPT_TYPE:-qwen}   # chat template (configs/finetune/templates.json); the training's --prompt-type
 # Which input columns hold what; these are the Alpaca names, spelled out so renaming is one edit.
 MAP_KEYS=${MAP_KEYS:-'{"prompt": "instruction", "query": "input", "response": "output"}'}
 SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of tune_qwen25_7b_4k_full_pack.sh
@@ -36,7 +37,7 @@ PREPROCESS_ARGS=(
     --tokenizer-name-or-path "$TOKENIZER_PATH"
     --output-prefix "$OUTPUT_PREFIX"
     --handler-name "$HANDLER"
-    --prompt-type qwen
+    --prompt-type "$PROMPT_TYPE"
     --map-keys "$MAP_KEYS"
     --seq-length "$SEQ_LEN"
     --pack

@@ -11,7 +11,9 @@
 # After:  ckpt_convert_qwen25_mcore2hf.sh         (trained weights -> HF)
 #
 # Every variable below can be overridden from the environment; tune_qwen25_7b_32k_full_pack_cp.sh runs this
-# script with SEQ_LEN=32768 CP=2 (context parallelism) and its own names. Further hooks:
+# script with SEQ_LEN=32768 CP=2 (context parallelism) and its own names; examples/qwen3/ runs it for
+# Qwen3-8B (MODEL_ARGS_FILE, PROMPT_TYPE). Further hooks:
+#   MODEL_ARGS_FILE=f  sourced right after MODEL_ARGS below: another model's MODEL_ARGS array
 #   OVERRIDES=file.sh  sourced after the argument arrays are built, so it may reassign any
 #                      *_ARGS array (site settings; tests/test_multinode.py puts a tiny model here)
 #   PRINT_ARGS=1       print the Python entry point and its arguments one per line, then exit
@@ -47,6 +49,7 @@ CP=${CP:-1}
 SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of the data script: one pack is one training sample
 MBS=${MBS:-1}
 GBS=${GBS:-8}          # a multiple of MBS x data-parallel size (WORLD_SIZE / (TP x PP x CP))
+PROMPT_TYPE=${PROMPT_TYPE:-qwen}   # the data script's --prompt-type
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE"
@@ -77,6 +80,10 @@ MODEL_ARGS=(
     --attention-dropout 0.0
     --hidden-dropout 0.0
 )
+if [[ -n "${MODEL_ARGS_FILE:-}" ]]; then
+    # shellcheck source=/dev/null
+    source "$MODEL_ARGS_FILE"
+fi
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
@@ -112,7 +119,7 @@ DATA_ARGS=(
     --is-instruction-dataset
     --neat-pack
     --reset-position-ids
-    --prompt-type qwen
+    --prompt-type "$PROMPT_TYPE"
     --tokenizer-type PretrainedFromHF
     --tokenizer-name-or-path "$TOKENIZER_PATH"
 )

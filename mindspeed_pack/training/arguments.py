@@ -47,6 +47,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=float, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="per-head RMSNorm of queries and keys before RoPE (Qwen3); their gradients are summed over TP")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1/3.2 (llama3) RoPE scaling")
+    g.add_argument("--rope-scaling-type", default=None, choices=["llama3"],
+                   help="MindSpeed-LLM name: llama3 = --use-rope-scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--low-freq-factor", type=float, default=1.0, help="llama3 RoPE scaling (MindSpeed-LLM)")
+    g.add_argument("--high-freq-factor", type=float, default=4.0, help="llama3 RoPE scaling (MindSpeed-LLM)")
+    g.add_argument("--original-max-position-embeddings", type=int, default=8192,
+                   help="llama3 RoPE scaling: the context the model was pretrained with (MindSpeed-LLM)")
     g.add_argument("--padded-vocab-size", type=int, default=None,
                    help="vocabulary size of the embedding (else derived from the tokenizer)")
     g.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (else from the tokenizer)")
@@ -312,8 +322,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.attention_backend = "te" if args.transformer_impl == "transformer_engine" else "local"
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if args.rope_scaling_type == "llama3":
+        args.use_rope_scaling = True
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:  # Megatron-LM's default; checkpoints then record the head size
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.group_query_attention:
         if not args.num_query_groups:
             raise ArgumentError("--group-query-attention needs --num-query-groups")

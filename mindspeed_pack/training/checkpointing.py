@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 # model-shape arguments that must match between a checkpoint and the flags
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "padded_vocab_size", "add_qkv_bias", "swiglu", "untie_embeddings_and_output_weights")
+              "padded_vocab_size", "add_qkv_bias", "swiglu", "untie_embeddings_and_output_weights", "kv_channels",
+              "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
+              "original_max_position_embeddings")
 
 
 class CheckpointError(RuntimeError):
@@ -99,13 +101,14 @@ def _set_rng_state(state: dict) -> None:
 
 def _model_args(args) -> dict:
     """The model-shape arguments convert_ckpt.py reads back (its MODEL_ARG_NAMES, all of them)."""
-    from mindspeed_pack.convert.model_specs import MODEL_ARG_NAMES
+    from mindspeed_pack.convert.model_specs import MODEL_ARG_NAMES, OPTIONAL_MODEL_ARGS, spec_for_args
 
     out = {k: getattr(args, k, None) for k in MODEL_ARG_NAMES}
+    out.update({k: getattr(args, k, default) for k, default in OPTIONAL_MODEL_ARGS.items()})
+    out["sliding_window"] = getattr(args, "loaded_sliding_window", None)
     if out.get("model_type_hf") is None:
         # kept from a converted checkpoint when there was one; else the family the flags describe
-        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None) or (
-            "qwen2" if getattr(args, "add_qkv_bias", False) else "llama")
+        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None) or spec_for_args(args).name
     return out
 
 
@@ -346,7 +349,13 @@ def load_checkpoint(args, model, optimizer, scheduler):
             f"reshard it first: python convert_ckpt.py --load-model-type mg --save-model-type mg --load-dir {root} "
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")
     path, state = _read_rank_file(args, root, it_dir)
-    args.loaded_model_type_hf = (state.get("args") or {}).get("model_type_hf")
+    saved_args = state.get("args") or {}
+    args.loaded_model_type_hf = saved_args.get("model_type_hf")
+    args.loaded_sliding_window = saved_args.get("sliding_window")
+    if args.loaded_sliding_window is not None and args.seq_length > args.loaded_sliding_window:
+        raise CheckpointError(f"{path}: the model's sliding_window={args.loaded_sliding_window} (config.json) is "
+                              f"below --seq-length {args.seq_length}: the model attends to the whole sample, so "
+                              f"train with --seq-length <= {args.loaded_sliding_window}")
     module = model[0].module
     weights = layout.to_backend_names(state["model"], module.attention_backend)
     _check_shapes(path, module, weights, state.get("args") or {}, args)
