@@ -312,12 +312,28 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
             state["step"] = step.clone()
 
 
+def _load_hf_weights(args, model, optimizer):
+    """A Hugging Face model directory: each rank reads its own slice, and training starts at iteration 0."""
+    from mindspeed_pack.training.hf_checkpoint import read_rank_weights
+
+    module = model[0].module
+    weights = layout.to_backend_names(read_rank_weights(args), module.attention_backend)
+    _check_shapes(args.load, module, weights, {}, args)
+    module.load_state_dict(weights, strict=False)
+    refresh_master_weights(optimizer)
+    args.loaded_model_type_hf = args.model_type_hf
+    log.info("loaded Hugging Face weights from %s: iteration 0", args.load)
+    return 0, 0
+
+
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore from ``--load``; returns (iteration, consumed_samples).
 
     ``--load D --save D`` on a first launch (D empty or absent) starts from scratch, so a job
     script can always pass both; any other ``--load`` without a checkpoint is an error.
     """
+    if getattr(args, "load_format", None) == "hf":
+        return _load_hf_weights(args, model, optimizer)
     root = args.load
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
     if same_as_save and not args.finetune and (not os.path.isdir(root) or not _has_checkpoints(root)) \

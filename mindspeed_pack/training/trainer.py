@@ -35,7 +35,7 @@ from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
-from mindspeed_pack.training import checkpointing, preflight, throughput
+from mindspeed_pack.training import checkpointing, hf_checkpoint, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
@@ -466,6 +466,9 @@ def run(args, batch_source: BatchSource, before_train: Optional[Callable] = None
         before_train(trainer)
     try:
         trainer.train()
+        if getattr(args, "save_hf", None) and not trainer.exit_requested:
+            trainer.sync_params()
+            hf_checkpoint.save_hf(args, trainer.model)
     finally:
         trainer.cleanup()
     return trainer
