@@ -23,7 +23,7 @@ import argparse
 import copy
 import logging
 import os
-from typing import Dict, Optional
+from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
@@ -197,33 +197,45 @@ def _slice_plan(unit, model, local, spec, tp_rank: int, tp: int) -> Dict[str, Op
     return plan
 
 
-def rank_state_dict(reader: hf_io.HFCheckpointReader, model: argparse.Namespace, tp_rank: int, tp: int,
-                    pp_rank: int, pp: int) -> Dict[str, torch.Tensor]:
-    """Rank ``(tp_rank, pp_rank)``'s Megatron state dict (canonical names), read lazily.
+def rank_units(open_reader: Callable[[], hf_io.HFCheckpointReader], model: argparse.Namespace, tp_rank: int,
+               tp: int, pp_rank: int, pp: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """Rank ``(tp_rank, pp_rank)``'s Megatron tensors (canonical names), one unit at a time.
 
     ``model`` is the converter's argument namespace at this TP/PP (:func:`fill_model_args`).
-    The result equals ``shard_state_dict`` of the offline conversion's full tensors.
+    Together the units equal ``shard_state_dict`` of the offline conversion's full tensors.
+    Each unit is read through a reader opened for it and closed after it, so the file pages a
+    rank touched are unmapped unit by unit: a rank holds its model shard plus one unit's slice.
     """
     spec = get_spec(model.model_type_hf)
     local = _tp_local_args(model, tp)
-    out: Dict[str, torch.Tensor] = {}
     for unit in stage_units(model, pp_rank, pp):
         plan = _slice_plan(unit, model, local, spec, tp_rank, tp)
+        with open_reader() as reader:
 
-        def get(name, plan=plan):
-            part = plan.get(name)
-            if part is None:
-                return reader.get(name)
-            dim, start, stop = part
-            stored = reader.shape(name)[dim]
-            return reader.get_range(name, dim, min(start, stored), min(stop, stored))
+            def get(name, plan=plan, reader=reader):
+                part = plan.get(name)
+                if part is None:
+                    return reader.get(name)
+                dim, start, stop = part
+                stored = reader.shape(name)[dim]
+                return reader.get_range(name, dim, min(start, stored), min(stop, stored)).contiguous()
 
-        out.update(shard_state_dict(hf_to_mg_unit(unit, get, local, spec), local, 0, 1, pp_rank, pp))
+            yield shard_state_dict(hf_to_mg_unit(unit, get, local, spec), local, 0, 1, pp_rank, pp)
+
+
+def rank_state_dict(open_reader, model, tp_rank: int, tp: int, pp_rank: int, pp: int) -> Dict[str, torch.Tensor]:
+    """All of :func:`rank_units` in one dictionary."""
+    out: Dict[str, torch.Tensor] = {}
+    for tensors in rank_units(open_reader, model, tp_rank, tp, pp_rank, pp):
+        out.update(tensors)
     return out
 
 
-def read_rank_weights(args) -> Dict[str, torch.Tensor]:
-    """This rank's weights from the HF directory ``args.load`` (canonical names)."""
+def read_rank_units(args) -> Iterator[Dict[str, torch.Tensor]]:
+    """This rank's weights from the HF directory ``args.load``, unit by unit (canonical names).
+
+    Every tensor's name and shape is checked against config.json first (file headers only).
+    """
     from megatron.core import parallel_state as ps
 
     from mindspeed_pack.training.checkpointing import CheckpointError
@@ -235,8 +247,8 @@ def read_rank_weights(args) -> Dict[str, torch.Tensor]:
                                         args.padded_vocab_size, where=os.path.join(args.load, hf_io.CONFIG))
             spec = get_spec(model.model_type_hf)
             reader.check_shapes(expected_hf_shapes(model, spec), lambda n: is_ignorable_hf_tensor(n, model))
-            return rank_state_dict(reader, model, ps.get_tensor_model_parallel_rank(), tp,
-                                   ps.get_pipeline_model_parallel_rank(), pp)
+        yield from rank_units(lambda: hf_io.HFCheckpointReader(args.load), model,
+                              ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp)
     except ConversionError as e:
         raise CheckpointError(f"--load {args.load}: {e}") from None
 
