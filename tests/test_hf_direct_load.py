@@ -189,3 +189,13 @@ def test_save_hf_into_a_non_empty_directory_is_refused_before_training(tiny, tmp
                         "--save-hf", str(tmp_path / "taken")])
     err = capsys.readouterr().err
     assert "--save-hf" in err and "exists and is not an empty directory" in err
+
+
+def test_save_hf_of_a_model_the_converter_cannot_write_is_refused_before_training(tiny, tmp_path):
+    from mindspeed_pack.training.checkpointing import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"cannot be written as a Hugging Face Qwen2ForCausalLM: "
+                                              r"--normalization LayerNorm \(a Qwen2ForCausalLM has RMSNorm\)"):
+        posttrain.main([*TINY_FLAGS, *RUN_FLAGS, "--normalization", "LayerNorm", "--data-path", tiny["data"],
+                        "--save-hf", str(tmp_path / "out"), "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert not os.path.exists(tmp_path / "m.jsonl") or not open(tmp_path / "m.jsonl").read().count('"train"')

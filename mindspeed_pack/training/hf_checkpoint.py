@@ -282,14 +282,49 @@ def tokenizer_dir(args) -> Optional[str]:
     return None
 
 
-def _weights_record(args, model) -> dict:
-    from mindspeed_pack import checkpoint_layout as layout
+def _export_args(args) -> dict:
+    """The model-shape arguments a saved checkpoint records, with the defaults the flags left open."""
     from mindspeed_pack.training.checkpointing import _model_args
 
-    record_args = _model_args(args)
-    if record_args["vocab_size"] is None:  # only --padded-vocab-size given: every row is a real row
-        record_args["vocab_size"] = args.padded_vocab_size
-    return {"model": layout.model_state_for_save(model[0]), "args": record_args, "iteration": 0,
+    out = _model_args(args)
+    if out["vocab_size"] is None:  # only --padded-vocab-size given: every row is a real row
+        out["vocab_size"] = args.padded_vocab_size
+    if out["kv_channels"] is None:
+        out["kv_channels"] = args.hidden_size // args.num_attention_heads
+    return out
+
+
+def check_exportable(args) -> None:
+    """Refuse ``--save-hf`` before training when the model is not one the converter writes.
+
+    The model's arguments go through the converter both ways (to a transformers config and
+    back): any field that does not come back (LayerNorm, learned positions, no SwiGLU, ...)
+    would be lost in the HF model.
+    """
+    from mindspeed_pack.convert.model_specs import hf_config_from_args
+    from mindspeed_pack.training.checkpointing import CheckpointError
+
+    mine = _export_args(args)
+    spec = get_spec(mine["model_type_hf"])
+    config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_dict()
+    try:
+        back = args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
+                                   mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
+                                   mine["padded_vocab_size"], where=f"--save-hf ({spec.hf_architecture})")
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+    lost = [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in vars(back).items()
+            if k in mine and k not in _RUN_LAYOUT_ARGS and not _same(mine[k], v)]
+    if lost:
+        raise CheckpointError(f"--save-hf {args.save_hf}: this model cannot be written as a Hugging Face "
+                              f"{spec.hf_architecture}: {'; '.join(lost)}; drop --save-hf and keep the Megatron "
+                              "checkpoint (--save)")
+
+
+def _weights_record(args, model) -> dict:
+    from mindspeed_pack import checkpoint_layout as layout
+
+    return {"model": layout.model_state_for_save(model[0]), "args": _export_args(args), "iteration": 0,
             "checkpoint_version": layout.CHECKPOINT_VERSION, "hf_config": getattr(args, "hf_config", None)}
 
 
@@ -323,11 +358,11 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     except OSError as e:
         error = e
     ok = _all_ok(error)
+    tokenizer = tokenizer_dir(args)
     if ok and dist.get_rank() == 0:
         try:
             layout.write_tracker(staging, layout.RELEASE)
-            megatron_to_hf(staging, out_dir, _dtype_name(args),
-                           tokenizer_dir=tokenizer_dir(args))
+            megatron_to_hf(staging, out_dir, _dtype_name(args), tokenizer_dir=tokenizer)
         except (OSError, ConversionError) as e:
             error = e
         finally:
@@ -338,9 +373,8 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
         raise CheckpointError(f"--save-hf {out_dir}: writing the Hugging Face model failed"
                               + (f": {error}" if error else " on another rank") + "; nothing was written there")
     if dist.get_rank() == 0:
-        tok = tokenizer_dir(args)
         log.info("wrote Hugging Face model %s%s", out_dir,
-                 f" (tokenizer from {tok})" if tok else " (no tokenizer files found to copy: pass "
+                 f" (tokenizer from {tokenizer})" if tokenizer else " (no tokenizer files found to copy: pass "
                  "--tokenizer-name-or-path)")
 
 

@@ -462,6 +462,8 @@ class Trainer:
 def run(args, batch_source: BatchSource, before_train: Optional[Callable] = None) -> Trainer:
     trainer = Trainer(args, batch_source)
     trainer.setup()
+    if getattr(args, "save_hf", None):
+        hf_checkpoint.check_exportable(args)  # before training, not after it
     if before_train:
         before_train(trainer)
     try:
