@@ -199,3 +199,20 @@ def test_save_hf_of_a_model_the_converter_cannot_write_is_refused_before_trainin
         posttrain.main([*TINY_FLAGS, *RUN_FLAGS, "--normalization", "LayerNorm", "--data-path", tiny["data"],
                         "--save-hf", str(tmp_path / "out"), "--metrics-file", str(tmp_path / "m.jsonl")])
     assert not os.path.exists(tmp_path / "m.jsonl") or not open(tmp_path / "m.jsonl").read().count('"train"')
+
+
+def test_failed_save_hf_leaves_no_output_and_no_staging_files(tiny, tmp_path, monkeypatch):
+    import errno
+
+    from mindspeed_pack.convert import convert
+    from mindspeed_pack.training.checkpointing import CheckpointError
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(convert, "megatron_to_hf", disk_full)
+    (tmp_path / "exports").mkdir()
+    with pytest.raises(CheckpointError, match="--save-hf .*/out: writing the Hugging Face model failed: .*No space"):
+        posttrain.main([*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["hf"],
+                        "--save-hf", str(tmp_path / "exports" / "out")])
+    assert os.listdir(tmp_path / "exports") == []

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import logging
 import os
 from typing import Callable, Dict, Iterator, Optional
@@ -34,6 +35,8 @@ from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit,
 from mindspeed_pack.training.arguments import ArgumentError
 
 log = logging.getLogger(__name__)
+
+MERGE_TIMEOUT_MINUTES = 240  # how long the other ranks wait for rank 0's --save-hf merge
 
 # conversion arguments that are inputs of the run (its layout), not properties of the model
 _RUN_LAYOUT_ARGS = ("seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -358,6 +361,10 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     except OSError as e:
         error = e
     ok = _all_ok(error)
+    # the merge runs on rank 0 alone and may outlast the collective timeout: the others wait on a
+    # CPU group of their own with a long one
+    wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+        minutes=max(MERGE_TIMEOUT_MINUTES, args.distributed_timeout_minutes)))
     tokenizer = tokenizer_dir(args)
     if ok and dist.get_rank() == 0:
         try:
@@ -369,7 +376,10 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
             layout.remove_tree(staging)
     elif dist.get_rank() == 0:
         layout.remove_tree(staging)
-    if not _all_ok(error if dist.get_rank() == 0 else None) or not ok:
+    merge_failed = torch.tensor([int(dist.get_rank() == 0 and error is not None)])
+    dist.all_reduce(merge_failed, group=wait_group)
+    dist.destroy_process_group(wait_group)
+    if merge_failed.item() or not ok:
         raise CheckpointError(f"--save-hf {out_dir}: writing the Hugging Face model failed"
                               + (f": {error}" if error else " on another rank") + "; nothing was written there")
     if dist.get_rank() == 0:
