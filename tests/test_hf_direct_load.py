@@ -151,6 +151,24 @@ def test_direct_load_at_tp2_takes_the_converted_checkpoints_first_step(tiny, tmp
     assert not torch.equal(results[0][0][2][qkv], results[1][0][2][qkv])
 
 
+def test_pretrain_gpt_loads_hf_directly_like_the_converted_checkpoint(tiny, tmp_path):
+    import pretrain_gpt
+
+    from tests.data_utils import random_documents, write_pretrain_documents
+
+    docs = write_pretrain_documents(str(tmp_path / "d_text_document"), random_documents(40, eod_id=2, seed=0))
+    flags = [f for f in RUN_FLAGS if f != "--neat-pack"] + [
+        "--data-path", docs, "--eod-id", "2", "--reset-attention-mask", "--reset-position-ids"]
+    losses = []
+    for name, load in (("direct", ["--load", tiny["hf"]]), ("converted", [*TINY_FLAGS, "--load", tiny["mg"],
+                                                                           "--finetune"])):
+        metrics = str(tmp_path / f"{name}.jsonl")
+        pretrain_gpt.main([*flags, *load, "--metrics-file", metrics])
+        with open(metrics) as f:
+            losses.append([r["lm loss"] for r in map(json.loads, f) if r.get("split") == "train"])
+    assert losses[0] == losses[1] and len(losses[0]) == 1
+
+
 # --------------------------------------------------------------------------- --save-hf
 def test_load_hf_train_and_save_hf_round_trips_at_pp2(tiny, tmp_path, toy_tokenizer_dir):
     """torchrun PP2: --load HF_DIR, two steps, --save (Megatron) and --save-hf; the HF output equals the

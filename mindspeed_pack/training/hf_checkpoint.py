@@ -6,7 +6,7 @@ with ``--load-format hf``) needs no offline ``convert_ckpt.py`` step:
 1. before the flags are validated, :func:`apply_hf_flags` derives the model's shape from
    config.json with the converter's own :func:`~mindspeed_pack.convert.model_specs.args_from_hf_config`:
    a flag the user also passed must agree (the error names both values), the rest are filled in;
-2. at load, every rank reads only its own TP/PP slice (:func:`rank_state_dict`): the rows or
+2. at load, every rank reads only its own TP/PP slice (:func:`rank_units`): the rows or
    columns of each HF tensor that its shard holds, through ``safe_open(...).get_slice``, then
    the converter's weight map (``hf_to_mg_unit``) turns them into that rank's Megatron tensors.
    No rank ever holds the full model, nor a full tensor that TP splits;
