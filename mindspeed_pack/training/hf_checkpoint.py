@@ -146,6 +146,9 @@ def apply_hf_flags(args, parser: argparse.ArgumentParser, argv) -> None:
     fmt = getattr(args, "load_format", "auto")
     if args.load and (fmt == "hf" or (fmt == "auto" and _looks_like_hf(args.load))):
         _check_hf_dir(args.load)
+        if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
+            raise ArgumentError(f"--save {args.save} is the Hugging Face --load directory: checkpoints would be "
+                                "written into the model's files; choose another --save directory")
         args.load_format = "hf"
         fill_model_args(args, _explicit_dests(parser, argv))
         args.finetune = True  # weights only: iteration 0, a fresh optimizer
