@@ -7,8 +7,9 @@
 #   DRY_RUN=1 bash examples/qwen25/tune_qwen25_7b_4k_full_pack.sh  # parse + validate the flags, no GPU needed
 #
 # Before: data_convert_qwen25_instruction_pack.sh (packed data, same --seq-length and --prompt-type)
-#         ckpt_convert_qwen25_hf2mcore.sh         (HF weights -> megatron, same TP/PP as here)
-# After:  ckpt_convert_qwen25_mcore2hf.sh         (trained weights -> HF)
+#         ckpt_convert_qwen25_hf2mcore.sh         (HF weights -> megatron, same TP/PP as here), or skip it:
+#         CKPT_LOAD_DIR=<the HF model directory> loads it directly (each rank reads its own slice)
+# After:  ckpt_convert_qwen25_mcore2hf.sh         (trained weights -> HF), or SAVE_HF_DIR=<new dir> here
 #
 # Every variable below can be overridden from the environment; tune_qwen25_7b_32k_full_pack_cp.sh runs this
 # script with SEQ_LEN=32768 CP=2 (context parallelism) and its own names; examples/qwen3/ runs it for
@@ -26,6 +27,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 # ------------------------------------------------------------------ paths (edit these)
 CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-./model_weights/qwen2.5-7b-mcore-tp4pp1}  # written by ckpt_convert_qwen25_hf2mcore.sh
 CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen2.5-7b-sft-pack}
+SAVE_HF_DIR=${SAVE_HF_DIR:-}   # if set: the trained model as a HF directory when training ends (--save-hf)
 DATA_PATH=${DATA_PATH:-./finetune_dataset/qwen2.5-7b/alpaca}           # --output-prefix of the data script
 TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen2.5-7b-instruct}
 LOG_DIR=${LOG_DIR:-./logs}
@@ -124,7 +126,8 @@ DATA_ARGS=(
     --tokenizer-name-or-path "$TOKENIZER_PATH"
 )
 
-# --finetune: take the converted weights only and start at iteration 0 with a fresh optimizer.
+# --finetune: take the converted weights only and start at iteration 0 with a fresh optimizer (implied when
+# CKPT_LOAD_DIR is a HF directory; the model flags above must then agree with its config.json).
 CKPT_ARGS=(
     --stage sft
     --finetune
@@ -132,6 +135,9 @@ CKPT_ARGS=(
     --save "$CKPT_SAVE_DIR"
     --save-interval 500
 )
+if [[ -n "$SAVE_HF_DIR" ]]; then
+    CKPT_ARGS+=(--save-hf "$SAVE_HF_DIR")
+fi
 
 OUTPUT_ARGS=(
     --log-interval 1

@@ -218,7 +218,15 @@ def _data_args(p: argparse.ArgumentParser) -> None:
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="a checkpoint directory, or a Hugging Face model directory (config.json + *.safetensors): "
+                        "then the model flags come from config.json and each rank reads only its own slice")
+    g.add_argument("--load-format", default="auto", choices=["auto", "mg", "hf"],
+                   help="what --load holds: auto = a Hugging Face model when it has config.json or *.safetensors "
+                        "and no latest_checkpointed_iteration.txt, else a Megatron checkpoint")
+    g.add_argument("--save-hf", default=None, metavar="DIR",
+                   help="at the end of training, write a transformers-loadable model (config.json, safetensors, "
+                        "tokenizer files) to DIR (must not exist or be empty)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true", help="load weights only and reset the iteration")
     g.add_argument("--no-load-optim", action="store_true")
@@ -400,7 +408,10 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    from mindspeed_pack.training import hf_checkpoint  # imports this module
+
     try:
+        hf_checkpoint.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
         validate_args(args, world_size)
     except ArgumentError as e:
         parser.error(str(e))

@@ -311,6 +311,26 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
             state["step"] = step.clone()
 
 
+def _load_hf_weights(args, model, optimizer):
+    """A Hugging Face model directory: each rank reads its own slice, and training starts at iteration 0."""
+    from mindspeed_pack.training.hf_checkpoint import read_rank_units
+
+    module = model[0].module
+    expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    loaded = {}  # name -> a shape-only stand-in, for the final check
+    for unit in read_rank_units(args):  # one unit in memory at a time
+        weights = layout.to_backend_names(unit, module.attention_backend)
+        loaded.update({k: torch.empty(v.shape, device="meta") for k, v in weights.items()})
+        if any(k in expected and tuple(v.shape) != tuple(expected[k]) for k, v in weights.items()):
+            break  # named by the check below
+        module.load_state_dict(weights, strict=False)
+    _check_shapes(args.load, module, loaded, {}, args)
+    refresh_master_weights(optimizer)
+    args.loaded_model_type_hf = args.model_type_hf
+    log.info("loaded Hugging Face weights from %s: iteration 0", args.load)
+    return 0, 0
+
+
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore from ``--load``; returns (iteration, consumed_samples).
 
@@ -318,6 +338,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
     died before its tracker was written) starts from scratch, so a job script can always pass both;
     any other ``--load`` without a checkpoint is an error.
     """
+    if getattr(args, "load_format", None) == "hf":
+        return _load_hf_weights(args, model, optimizer)
     root = args.load
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
     if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \

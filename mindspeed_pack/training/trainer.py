@@ -33,7 +33,7 @@ from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
-from mindspeed_pack.training import checkpointing, peers, preflight, throughput
+from mindspeed_pack.training import checkpointing, hf_checkpoint, peers, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.exit_signal import ExitSignal
 from mindspeed_pack.training.init_weights import parallel_invariant_init
@@ -503,9 +503,16 @@ def run(args, batch_source: BatchSource, before_train: Optional[Callable] = None
     with peers.waiting_for(lambda: trainer.phase, args.distributed_timeout_minutes):
         try:
             trainer.setup()
+            if getattr(args, "save_hf", None):
+                hf_checkpoint.check_exportable(args)  # before training, not after it
             if before_train:
                 before_train(trainer)
             trainer.train()
+            # a run stopped early (--exit-interval, a signal) exports nothing: it is not the trained model
+            if getattr(args, "save_hf", None) and not args.skip_train and trainer.iteration >= args.train_iters:
+                trainer.phase = "the Hugging Face export (--save-hf)"
+                trainer.sync_params()
+                hf_checkpoint.save_hf(args, trainer.model)
         except BaseException:
             trainer.cleanup(barrier=False)
             raise
