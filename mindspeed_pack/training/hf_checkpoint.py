@@ -110,7 +110,8 @@ def fill_model_args(args, explicit: set) -> argparse.Namespace:
         model = args_from_hf_config(
             config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            padded_vocab_size=args.padded_vocab_size, where=config_path)
+            padded_vocab_size=args.padded_vocab_size, where=config_path,
+            seq_length=args.seq_length)  # a sliding window shorter than the run's sequences is refused
     except ConversionError as e:
         raise ArgumentError(f"--load {args.load}: {e}") from None
     disagree = []
@@ -126,6 +127,7 @@ def fill_model_args(args, explicit: set) -> argparse.Namespace:
         raise ArgumentError("model flags disagree with the Hugging Face config (drop them, or pass the config's "
                             "values): " + "; ".join(disagree))
     args.hf_config = config
+    args.loaded_sliding_window = getattr(model, "sliding_window", None)  # kept in the checkpoints this run saves
     log.info("--load %s: Hugging Face %s, model flags from config.json", args.load, model.model_type_hf)
     return model
 
