@@ -31,7 +31,9 @@ from typing import Optional
 
 import numpy as np
 
-from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data import chat_template as hf_chat
+from mindspeed_pack.data.chat_messages import parse_tools, sharegpt_messages
+from mindspeed_pack.data.errors import PreprocessError, RowError
 from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, USER,
                                            Template, render_turns, special_token_text)
 from mindspeed_pack.data.tokenizer import TextTokenizer
@@ -42,15 +44,17 @@ PRETRAIN = "GeneralPretrainHandler"
 HANDLERS = (ALPACA, SHAREGPT, PRETRAIN)
 
 DEFAULT_MAP_KEYS = {
-    ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"},
-    SHAREGPT: {"messages": "conversations", "system": "system", "role_tag": "from", "content_tag": "value",
+    ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
+             "tools": "tools"},
+    SHAREGPT: {"messages": "conversations", "system": "system", "tools": "tools", "role_tag": "from", "content_tag": "value",
                "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system", "observation_tag": "observation",
                "function_tag": "function_call"},
     PRETRAIN: {"text": "text"},
 }
 REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",)}
 # which map-keys name columns (the others name fields inside a message or role values)
-COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history"), SHAREGPT: ("messages", "system"), PRETRAIN: ("text",)}
+COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history", "tools"), SHAREGPT: ("messages", "system", "tools"),
+               PRETRAIN: ("text",)}
 _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
                    "tool": "observation_tag"}
 
@@ -93,8 +97,8 @@ class SampleEncoder:
     """Row -> (ids, trained mask). Built once per worker process."""
 
     def __init__(self, handler: str, tokenizer: TextTokenizer, template: Optional[Template], map_keys: dict,
-                 seq_length: Optional[int], append_eod: bool):
-        self.handler, self.tokenizer, self.template = handler, tokenizer, template
+                 seq_length: Optional[int], append_eod: bool, chat: Optional[hf_chat.ChatTemplate] = None):
+        self.handler, self.tokenizer, self.template, self.chat = handler, tokenizer, template, chat
         self.keys, self.seq_length, self.append_eod = map_keys, seq_length, append_eod
         self.eos_id = tokenizer.eos_id
         if template is not None:
@@ -169,6 +173,91 @@ class SampleEncoder:
                                       "(set them with --map-keys user_tag/assistant_tag/...)")
             messages.append((self._role_of[tag], content))
         return messages, system
+
+    def _chat_messages(self, row, where):
+        """(OpenAI-style messages, tools) of a row, for ``--prompt-type hf``."""
+        try:
+            if self.handler == ALPACA:
+                pairs, system = self._alpaca_messages(row, where)
+                messages = [{"role": "system", "content": system}] if system else []
+                messages += [{"role": role, "content": content} for role, content in pairs]
+            else:
+                raw = self._field(row, "messages", where, required=True, kind=list)
+                system = self._field(row, "system", where, required=False)
+                messages = sharegpt_messages(raw, system, self.keys, self.keys["messages"])
+            return messages, parse_tools(row.get(self.keys["tools"]), self.keys["tools"])
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
+
+    def plan_chat_row(self, row: dict, where: str, texts: list):
+        """(samples, None) or (None, skip reason); each sample's text and turn prompts are appended to ``texts``."""
+        if not isinstance(row, dict):
+            raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
+        messages, tools = self._chat_messages(row, where)
+        try:
+            adapted, expected = self.chat.adapt(messages, tools)
+            samples = self.chat.plan(adapted, tools, expected)
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
+        if not samples:
+            return None, SKIP_NO_ANSWER if messages else SKIP_EMPTY
+        plan = []
+        for sample in samples:
+            plan.append((sample, len(texts), list(range(len(texts) + 1, len(texts) + 1 + len(sample.prompts)))))
+            texts.append(sample.text)
+            texts.extend(sample.prompts)
+        return (where, plan), None
+
+    def finish_chat(self, plan, encoded: list) -> list:
+        """[(ids, trained, truncated) or (None, skip reason, False)] per sample of a row (RowError on bad turns)."""
+        where, samples = plan
+        out = []
+        for sample, text_index, prompt_indices in samples:
+            ids, offsets = encoded[text_index]
+            ids = np.asarray(ids, dtype=np.int32)
+            starts = np.fromiter((o[0] for o in offsets), np.int64, len(offsets))
+            ends = np.fromiter((o[1] for o in offsets), np.int64, len(offsets))
+            trained = np.zeros(len(ids), np.uint8)
+            for s, e in sample.trained:
+                hit = np.flatnonzero((ends > s) & (starts < e))
+                if not self.chat.has_generation_markers and (not len(hit) or starts[hit[0]] != s or ends[hit[-1]] != e):
+                    raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, so "
+                                   "its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
+                trained[hit] = 1
+            for (message, start, _), index in zip(sample.turns, prompt_indices):
+                prompt_ids = encoded[index][0]
+                if list(ids[:len(prompt_ids)]) != list(prompt_ids):
+                    raise RowError(f"{where}: assistant turn (message {message}): the tokens of its generation prompt "
+                                   "are not a prefix of the sample's tokens", hf_chat.REASON_TOKEN_BOUNDARY)
+            truncated = False
+            if self.seq_length is not None and len(ids) > self.seq_length:
+                if trained[self.seq_length:].any():
+                    first = next(m for m, _, e in sample.turns if np.searchsorted(starts, e) > self.seq_length)
+                    raise RowError(f"{where}: assistant turn (message {first}) would be truncated at --seq-length "
+                                   f"{self.seq_length} (the sample needs {len(ids)} tokens)", hf_chat.REASON_TRUNCATED)
+                ids, trained, truncated = ids[:self.seq_length], trained[:self.seq_length], True
+            trained[0] = 0  # no label crosses into a sample from the one before it
+            out.append(((ids, trained), None, truncated) if trained.any() else (None, SKIP_NO_TRAINABLE, truncated))
+        return out
+
+    def _encode_chat(self, rows, chunk: "EncodedChunk") -> list:
+        texts, plans = [], []
+        for where, row in rows:
+            chunk.rows += 1
+            plans.append(self.plan_chat_row(row, where, texts))
+        encoded = self.tokenizer.encode_batch_offsets(texts)
+        samples = []
+        for plan, skip in plans:
+            if plan is None:
+                chunk.skipped[skip] += 1
+                continue
+            for sample, skip, truncated in self.finish_chat(plan, encoded):
+                chunk.truncated += int(truncated)
+                if sample is None:
+                    chunk.skipped[skip] += 1
+                else:
+                    samples.append(sample)
+        return samples
 
     # ---------------------------------------------------------------- messages -> ids
     # A row becomes a *plan*: per turn, (prompt parts, answer parts), where a part is either an
@@ -260,14 +349,28 @@ class SampleEncoder:
         return self._encode_one(*self.plan_messages(messages, system, texts), texts)
 
     def encode_row(self, row: dict, where: str):
+        if self.chat is not None:
+            raise TypeError("encode_row: a chat-template row may give several samples; use encode_chat_row")
         texts: list = []
         return self._encode_one(*self.plan_row(row, where, texts), texts)
 
+    def encode_chat_row(self, row: dict, where: str) -> list:
+        """The samples ``(ids, trained)`` of one row under ``--prompt-type hf`` (tests, inspection)."""
+        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
+        return self._encode_chat([(where, row)], chunk)
+
     def encode_rows(self, rows) -> EncodedChunk:
         """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch."""
+        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
+        if self.chat is not None:
+            samples = self._encode_chat(rows, chunk)
+            if samples:
+                chunk.input_ids = np.concatenate([ids for ids, _ in samples])
+                chunk.trained = np.concatenate([t for _, t in samples])
+                chunk.lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int32)
+            return chunk
         texts: list = []
         plans = []
-        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
         for where, row in rows:
             chunk.rows += 1
             plans.append(self.plan_row(row, where, texts))
