@@ -283,3 +283,48 @@ def test_template_probe_records_what_it_renders():
     assert caps == {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": "think_tags"}
     caps = ChatTemplate((chat_corpus.TEMPLATES / "qwen3.jinja").read_text(), {}, {}).capabilities
     assert caps == {"tools": True, "tool_calls": "object", "tool_results": True, "reasoning": "field"}
+
+
+WHY_ROW = {  # the issue's row: LLaMA-Factory ShareGPT with a tools column, a call (parallel) and its results
+    "conversations": [{"from": "human", "value": "U9_0 weather in Paris and Rome?"},
+                      {"from": "function_call", "value": '[{"name": "fn9_0", "arguments": {"q": "Paris"}}, '
+                                                         '{"name": "fn9_0", "arguments": "{\\"q\\": \\"Rome\\"}"}]'},
+                      {"from": "observation", "value": "T9_0 sunny, rainy"},
+                      {"from": "gpt", "value": "A9_1 Sunny in Paris, rainy in Rome."}],
+    "tools": [chat_corpus._schema(9, 0)],
+}
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen2_5", "qwen"])
+def test_tools_column_renders_like_official_qwen2_5_with_json_templates(prompt_type, family_tokenizer_dir):
+    """--prompt-type hf and the JSON qwen templates render the schemas and calls exactly as Qwen2.5's template."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    tok_dir = family_tokenizer_dir("qwen2_5")
+    hf_encoder = _encoder(tok_dir, map_keys=None)
+    ((_, official, official_trained),), _, _ = encode_with_plans(hf_encoder, WHY_ROW)
+    tok = hf_encoder.tokenizer
+    row = dict(WHY_ROW)
+    if prompt_type == "qwen":  # qwen's default system prompt differs from Qwen2.5's: give Qwen2.5's explicitly
+        row["system"] = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    (ids, trained), _, _ = SampleEncoder(SHAREGPT, tok, get_template(prompt_type), keys, None, False).encode_row(row, "row 1")
+    text = tok.decode(official)
+    assert "<tools>\n" + __import__("json").dumps(chat_corpus._schema(9, 0)) + "\n</tools>" in text
+    # the JSON path ends the sample on <|im_end|>; the official render adds the newline after it (untrained)
+    assert tok.decode(ids) + "\n" == text
+    assert np.array_equal(ids, official[:-1]) and np.array_equal(trained, official_trained[:-1])
+
+
+def test_json_template_without_tool_support_refuses_tools(toy_tokenizer_dir):
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+    from mindspeed_pack.data.tokenizer import load_tokenizer
+
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    encoder = SampleEncoder(SHAREGPT, load_tokenizer(TokenizerSpec("PretrainedFromHF", str(toy_tokenizer_dir))),
+                            get_template("chatml"), keys, None, False)
+    with pytest.raises(RowError, match=r"row 4: the row has tool schemas, which template 'chatml' does not render "
+                                       r"\(refused, not dropped\)"):
+        encoder.encode_row(WHY_ROW, "row 4")

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Optional
 
 from mindspeed_pack.data.errors import PreprocessError, RowError
+from mindspeed_pack.data.templates import REASON_TOOLS
 
 # The date the official Llama-3.x templates fall back to; pinned so the header never depends on the day
 DEFAULT_DATE_STRING = "26 Jul 2024"
@@ -47,7 +48,6 @@ _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 # reasons counted under --skip-bad-rows
 REASON_NOT_PREFIX = "template renders a turn differently after its generation prompt"
-REASON_TOOLS = "tools the template cannot render"
 REASON_REASONING = "reasoning the template drops"
 REASON_RENDER = "template raised an error"
 REASON_DROPPED = "template drops a tool call or reasoning"

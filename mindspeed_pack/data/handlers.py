@@ -278,7 +278,7 @@ class SampleEncoder:
                 parts.append(tuple(self._special_ids[slot["token"]]))
         return parts
 
-    def plan_messages(self, messages, system, texts: list):
+    def plan_messages(self, messages, system, texts: list, tools=None):
         """(plan, None) or (None, skip reason); text runs are appended to ``texts``."""
         if not messages:
             return None, SKIP_EMPTY
@@ -288,7 +288,7 @@ class SampleEncoder:
             if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
                 return None, SKIP_ROLE_ORDER
         return [(self._slot_parts(p, texts), self._slot_parts(a, texts))
-                for p, a in render_turns(self.template, messages, system)], None
+                for p, a in render_turns(self.template, messages, system, tools)], None
 
     def plan_row(self, row: dict, where: str, texts: list):
         if not isinstance(row, dict):
@@ -298,7 +298,10 @@ class SampleEncoder:
             texts.append(text)
             return [len(texts) - 1], None
         messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
-        return self.plan_messages(messages, system, texts)
+        try:
+            return self.plan_messages(messages, system, texts, parse_tools(row.get(self.keys["tools"]), self.keys["tools"]))
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
 
     def finish(self, plan, encoded: list) -> tuple[Optional[tuple[list, list]], Optional[str], bool]:
         """(ids, trained) as lists, or None with a skip reason; plus whether the sample was truncated."""
