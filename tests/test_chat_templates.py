@@ -328,3 +328,35 @@ def test_json_template_without_tool_support_refuses_tools(toy_tokenizer_dir):
     with pytest.raises(RowError, match=r"row 4: the row has tool schemas, which template 'chatml' does not render "
                                        r"\(refused, not dropped\)"):
         encoder.encode_row(WHY_ROW, "row 4")
+
+
+def test_prompt_type_hf_end_to_end_preprocess_train_inspect(tmp_path, family_tokenizer_dir, run_preprocess, capsys):
+    """preprocess_data.py --prompt-type hf (Qwen3, tools, reasoning) -> packs -> posttrain a few steps -> inspect_pack."""
+    import json
+
+    from mindspeed_pack.data import toy
+    from mindspeed_pack.tools import inspect_pack
+    from tests.train_utils import run_posttrain
+
+    data = toy.write_dataset(tmp_path / "chat.jsonl", CORPUS[:39])
+    prefix = str(tmp_path / "sft")
+    code, out, err = run_preprocess(input=data, output_prefix=prefix, tokenizer_name_or_path=family_tokenizer_dir("qwen3"),
+                                    handler_name=SHAREGPT, prompt_type="hf", map_keys=json.dumps(chat_corpus.MAP_KEYS),
+                                    chat_template_kwargs='{"enable_thinking": true}', seq_length=1024, pack=True,
+                                    neat_pack=True)
+    assert code == 0, err
+    meta = json.loads(open(f"{prefix}_packed_meta.json").read())
+    template = meta["cache_key"]["template"]
+    assert template["name"] == "hf" and template["chat_template_kwargs"] == {"enable_thinking": True}
+    assert meta["statistics"]["samples_written"] > meta["statistics"]["samples_read"] - 3  # Qwen3 splits rewritten turns
+    run_posttrain(["--data-path", prefix, "--seq-length", "1024", "--padded-vocab-size", "1152", "--neat-pack",
+                   "--prompt-type", "hf", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
+                   "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "0"])
+    capsys.readouterr()
+    shown = []
+    for index in range(3):
+        assert inspect_pack.main([prefix, "--index", str(index)]) == 0
+        shown.append(capsys.readouterr().out)
+    shown = "".join(shown)
+    assert "trained span 0: positions" in shown and "reasoning" in shown and "tool call" in shown
+    assert "[[<think>" in shown and "<|im_end|>]]" in shown
