@@ -64,7 +64,7 @@ def encode_with_plans(encoder, row, where="row 0"):
     if plan is None:
         return [], messages, tools
     results = encoder.finish_chat(plan, encoder.tokenizer.encode_batch_offsets(texts))
-    return [(s, r[0][0], r[0][1]) for (s, _, _), r in zip(plan[1], results) if r[0] is not None], messages, tools
+    return [(s, r[0][0], r[0][1]) for (s, _), r in zip(plan[1], results) if r[0] is not None], messages, tools
 
 
 @pytest.fixture(scope="session")

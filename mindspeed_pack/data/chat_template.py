@@ -97,10 +97,8 @@ class SamplePlan:
     """One sample of a conversation: its text and, per trained turn, where it sits in the text."""
 
     text: str
-    prompts: list = field(default_factory=list)  # P_k of every trained turn (their tokens must prefix the sample's)
     turns: list = field(default_factory=list)  # (message index, start char, trained end char) per trained turn
     trained: list = field(default_factory=list)  # trained char spans [start, end)
-    ends_in_history_kept: bool = False
 
 
 def _lcp(a: str, b: str) -> int:
@@ -122,6 +120,7 @@ class ChatTemplate:
         self.kwargs = pinned_kwargs(source, kwargs)
         self._render_kwargs = {**special_tokens, **self.kwargs}  # kwargs win, as in apply_chat_template
         self.has_generation_markers = bool(_GENERATION_MARKER.search(source))
+        self._plain_kwargs = None
         self.sha256 = hashlib.sha256(source.encode("utf-8")).hexdigest()
         try:
             self.render([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]], None, False)
@@ -144,6 +143,34 @@ class ChatTemplate:
         return render_jinja_template(conversations=conversations, tools=tools, chat_template=self.source,
                                      add_generation_prompt=add_generation_prompt,
                                      return_assistant_tokens_mask=self.has_generation_markers, **self._render_kwargs)
+
+    def render_prefixes(self, messages: list, tools, stops: list, add_generation_prompt: bool) -> tuple[list, list]:
+        """``render([messages[:e] for e in stops], ...)`` with the conversion to template data done once.
+
+        transformers' renderer turns every conversation into plain template data and aliases the
+        reasoning fields before the compiled template runs; for the prefixes of one conversation
+        that work is the same, so it is done once here and the compiled template called per prefix
+        (the tests compare every sample with ``apply_chat_template``).
+        """
+        fast = _fast_renderer()
+        if fast is None:
+            return self.render([messages[:e] for e in stops], tools, add_generation_prompt)
+        compile_template, plain, alias, with_indices = fast
+        template = compile_template(self.source)
+        chat, tools = alias(plain(messages)), plain(tools)
+        kwargs = self._plain_kwargs
+        if kwargs is None:
+            kwargs = self._plain_kwargs = plain(self._render_kwargs)
+        texts, marks = [], []
+        for e in stops:
+            if self.has_generation_markers:
+                text, spans = with_indices(template, chat[:e], tools, None, add_generation_prompt, **kwargs)
+                marks.append(spans)
+            else:
+                text = template.render(messages=chat[:e], tools=tools, documents=None,
+                                       add_generation_prompt=add_generation_prompt, **kwargs)
+            texts.append(text)
+        return texts, marks
 
     def _renders(self, conversation, tools) -> Optional[str]:
         try:
@@ -218,8 +245,8 @@ class ChatTemplate:
         if not turns:
             return []
         try:
-            prompts = self.render([messages[:k] for k in turns], tools, True)[0]
-            fulls, marks = self.render([messages[:k + 1] for k in turns], tools, False)
+            prompts = self.render_prefixes(messages, tools, turns, True)[0]
+            fulls, marks = self.render_prefixes(messages, tools, [k + 1 for k in turns], False)
         except Exception as exc:
             raise RowError(f"the chat template raised {type(exc).__name__}: {exc}", REASON_RENDER) from exc
         ends = []
@@ -245,7 +272,6 @@ class ChatTemplate:
                 j += 1
             sample = SamplePlan(fulls[j])
             for t in range(i, j + 1):
-                sample.prompts.append(prompts[t])
                 sample.turns.append((turns[t], len(prompts[t]), ends[t]))
             sample.trained = self._trained_spans(sample.turns, marks[j] if marks else None)
             samples.append(sample)
@@ -261,7 +287,7 @@ class ChatTemplate:
     def _keep(self, turns, prompts, fulls, ends) -> SamplePlan:
         """One sample: each turn as rendered last, joined by what the template puts between turns."""
         text = fulls[0]
-        sample = SamplePlan(text, [prompts[0]], [(turns[0], len(prompts[0]), ends[0])], ends_in_history_kept=True)
+        sample = SamplePlan(text, [(turns[0], len(prompts[0]), ends[0])])
         for t in range(1, len(turns)):
             prev, prompt = fulls[t - 1], prompts[t]
             if prompt.startswith(prev):
@@ -276,9 +302,18 @@ class ChatTemplate:
             base = len(sample.text) + len(between) - len(prompt)
             sample.text += between + fulls[t][len(prompt):]
             sample.turns.append((turns[t], base + len(prompt), base + ends[t]))
-        sample.prompts = []  # the history differs from the template's: no prompt is a prefix of it
         sample.trained = [(start, end) for _, start, end in sample.turns if end > start]
         return sample
+
+
+def _fast_renderer():
+    """transformers' own steps of ``render_jinja_template`` (None where this version lacks them)."""
+    try:
+        from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
+                                                            _plain_template_data, _render_with_assistant_indices)
+    except ImportError:
+        return None
+    return _compile_jinja_template, _plain_template_data, _alias_reasoning_fields, _render_with_assistant_indices
 
 
 def fold_reasoning(reasoning: str, content: str) -> str:

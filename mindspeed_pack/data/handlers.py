@@ -203,16 +203,15 @@ class SampleEncoder:
             return None, SKIP_NO_ANSWER if messages else SKIP_EMPTY
         plan = []
         for sample in samples:
-            plan.append((sample, len(texts), list(range(len(texts) + 1, len(texts) + 1 + len(sample.prompts)))))
+            plan.append((sample, len(texts)))
             texts.append(sample.text)
-            texts.extend(sample.prompts)
         return (where, plan), None
 
     def finish_chat(self, plan, encoded: list) -> list:
         """[(ids, trained, truncated) or (None, skip reason, False)] per sample of a row (RowError on bad turns)."""
         where, samples = plan
         out = []
-        for sample, text_index, prompt_indices in samples:
+        for sample, text_index in samples:
             ids, offsets = encoded[text_index]
             ids = np.asarray(ids, dtype=np.int32)
             starts = np.fromiter((o[0] for o in offsets), np.int64, len(offsets))
@@ -224,11 +223,11 @@ class SampleEncoder:
                     raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, so "
                                    "its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
                 trained[hit] = 1
-            for (message, start, _), index in zip(sample.turns, prompt_indices):
-                prompt_ids = encoded[index][0]
-                if list(ids[:len(prompt_ids)]) != list(prompt_ids):
-                    raise RowError(f"{where}: assistant turn (message {message}): the tokens of its generation prompt "
-                                   "are not a prefix of the sample's tokens", hf_chat.REASON_TOKEN_BOUNDARY)
+            for message, start, _ in sample.turns:
+                if start and not np.any(starts == start):
+                    raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
+                                   f"{start}): its generation prompt is not a token prefix of the sample",
+                                   hf_chat.REASON_TOKEN_BOUNDARY)
             truncated = False
             if self.seq_length is not None and len(ids) > self.seq_length:
                 if trained[self.seq_length:].any():
