@@ -140,3 +140,20 @@ def conversation(i: int) -> dict:
 
 def corpus(n: int = 260) -> list[dict]:
     return [conversation(i) for i in range(n)]
+
+
+def as_sharegpt(row: dict):
+    """The corpus row in LLaMA-Factory ShareGPT form, or None when it has reasoning (JSON templates have none)."""
+    out, system = [], None
+    roles = {"user": "human", "assistant": "gpt", "tool": "observation"}
+    for m in row["messages"]:
+        if m.get("reasoning_content"):
+            return None
+        if m["role"] == "system":
+            system = m["content"]
+        elif m.get("tool_calls"):
+            calls = [c["function"] for c in m["tool_calls"]]
+            out.append({"from": "function_call", "value": json.dumps(calls if len(calls) > 1 else calls[0])})
+        else:
+            out.append({"from": roles[m["role"]], "value": m["content"]})
+    return {"conversations": out, "system": system, **({"tools": row["tools"]} if "tools" in row else {})}

@@ -360,3 +360,31 @@ def test_prompt_type_hf_end_to_end_preprocess_train_inspect(tmp_path, family_tok
     shown = "".join(shown)
     assert "trained span 0: positions" in shown and "reasoning" in shown and "tool call" in shown
     assert "[[<think>" in shown and "<|im_end|>]]" in shown
+
+
+@pytest.mark.parametrize("name,official,family", [("qwen2_5", "qwen2_5.jinja", "qwen2_5"), ("llama3", "llama3.jinja", "llama3_1")])
+def test_json_templates_equal_their_official_counterparts(name, official, family, family_tokenizer_dir):
+    """qwen2_5 (tools included) and llama3 (content trimmed) render the corpus exactly as the official templates."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    tok_dir = family_tokenizer_dir(family)
+    official_encoder = _encoder(tok_dir, map_keys=None, chat_template=str(chat_corpus.TEMPLATES / official))
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    json_encoder = SampleEncoder(SHAREGPT, official_encoder.tokenizer, get_template(name), keys, None, False)
+    compared = 0
+    for i, row in enumerate(CORPUS[:130]):
+        row = chat_corpus.as_sharegpt(row)
+        try:
+            if row is None or len(expected := official_encoder.encode_chat_row(row, f"row {i}")) != 1:
+                continue
+            sample, _, _ = json_encoder.encode_row(row, f"row {i}")
+        except RowError:
+            continue  # tools on llama3 (JSON: no format_tools), parallel calls on Llama
+        if sample is None:
+            continue
+        (ids, trained), (o_ids, o_trained) = sample, expected[0]
+        assert np.array_equal(ids, o_ids[:len(ids)]) and len(o_ids) - len(ids) <= 1, f"row {i}"
+        assert np.array_equal(trained, o_trained[:len(ids)]), f"row {i}"
+        compared += 1
+    assert compared >= 40

@@ -69,6 +69,7 @@ class Template:
     format_tools: str = ""  # the system prompt when a row has tools ({{content}}, {{tools}}); "": tools refused
     format_tool_call: str = ""  # one call of a function message ({{name}}, {{arguments}}); "": the content as is
     tool_call_separator: str = "\n"
+    trim_content: bool = False  # strip whitespace around every message's text (Llama 3's "| trim")
     definition: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -123,7 +124,7 @@ def get_template(name: str, path=None) -> Template:
         raise PreprocessError(f"unknown --prompt-type {name!r}; known templates: {', '.join(sorted(defs))}")
     spec = _resolve(name, defs)
     unknown = set(spec) - set(_FIELDS) - {"default_system", "stop_words", "replace_eos", "system_in_first_user",
-                                          *_TOOL_FIELDS}
+                                          "trim_content", *_TOOL_FIELDS}
     if unknown:
         raise PreprocessError(f"template {name!r}: unknown keys {sorted(unknown)}")
     for required in ("format_user", "format_assistant"):
@@ -136,6 +137,7 @@ def get_template(name: str, path=None) -> Template:
         stop_words=tuple(spec.get("stop_words", ())),
         replace_eos=bool(spec.get("replace_eos", False)),
         system_in_first_user=bool(spec.get("system_in_first_user", False)),
+        trim_content=bool(spec.get("trim_content", False)),
         **{k: str(spec[k]) for k in _TOOL_FIELDS if k in spec},
         definition=spec,
         **kwargs,
@@ -194,6 +196,8 @@ def render_turns(template: Template, messages: list[tuple[str, str]], system: Op
     means the template's default. ``tools``: the row's tool schemas, if any.
     """
     system = system or template.default_system
+    if template.trim_content:
+        system, messages = system.strip(), [(role, content.strip()) for role, content in messages]
     if tools:
         system = tools_system(template, system, tools)
     turns = []
