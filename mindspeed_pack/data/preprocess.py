@@ -134,6 +134,9 @@ def validate_args(args) -> None:
             raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json, or hf)")
     if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
         raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
+    if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
+        raise PreprocessError("--append-eod does not apply to --prompt-type hf: the chat template ends every turn "
+                              "with its own end-of-turn token (trained)")
     if args.prompt_type == HF_PROMPT_TYPE and args.tokenizer_type != "PretrainedFromHF":
         raise PreprocessError("--prompt-type hf needs --tokenizer-type PretrainedFromHF (a tokenizer with a chat template)")
     args.chat_template_kwargs = hf_chat.parse_template_kwargs(args.chat_template_kwargs)
@@ -335,6 +338,10 @@ def run(args) -> dict:
                            args.seq_length, args.append_eod, args.chat_template, args.chat_template_kwargs,
                            args.reasoning_history)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
+    if encoder.chat is not None and encoder.chat.reasoning_history == "keep":
+        print("warning: --reasoning-history keep: turns are trained after a history that keeps earlier reasoning, "
+              "which this template drops at inference (the default, split, trains each turn in its inference "
+              "context)", file=sys.stderr)
 
     cache_key = {
         "format_version": FORMAT_VERSION,
