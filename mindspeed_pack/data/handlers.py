@@ -13,6 +13,12 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
 * ``GeneralPretrainHandler``: the ``text`` column, tokenized whole (EOS appended with
   ``--append-eod``); every token is "trained".
 
+Both instruction handlers read an optional ``tools`` column. Under ``--prompt-type hf`` a row
+becomes OpenAI-style messages (``chat_messages.py``: tool calls, tool results, reasoning) rendered
+by the model's own chat template (``chat_template.py``), possibly as several samples; rows it
+cannot render are refused with a ``RowError``. The budget rules below are the JSON templates';
+under ``hf`` a sample whose trained tokens would be cut by ``seq_length`` is refused instead.
+
 Instruction samples are truncated to ``seq_length`` turn by turn: each turn gets the budget
 the previous turns left; when a turn does not fit, its answer keeps all of its tokens if
 they take less than half the budget, else its prompt does, else the two split the budget in
