@@ -144,8 +144,9 @@ class ChatTemplate:
                                      add_generation_prompt=add_generation_prompt,
                                      return_assistant_tokens_mask=self.has_generation_markers, **self._render_kwargs)
 
-    def render_prefixes(self, messages: list, tools, stops: list, add_generation_prompt: bool) -> tuple[list, list]:
-        """``render([messages[:e] for e in stops], ...)`` with the conversion to template data done once.
+    def render_prefixes(self, messages: list, tools, stops: list) -> tuple[list, list, list]:
+        """Generation-prompt renders of ``messages[:k]`` and full renders (with their generation spans)
+        of ``messages[:k+1]`` for every ``k`` in ``stops``, as ``render`` gives them.
 
         transformers' renderer turns every conversation into plain template data and aliases the
         reasoning fields before the compiled template runs; for the prefixes of one conversation
@@ -154,23 +155,26 @@ class ChatTemplate:
         """
         fast = _fast_renderer()
         if fast is None:
-            return self.render([messages[:e] for e in stops], tools, add_generation_prompt)
+            prompts = self.render([messages[:k] for k in stops], tools, True)[0]
+            return (prompts, *self.render([messages[:k + 1] for k in stops], tools, False))
         compile_template, plain, alias, with_indices = fast
         template = compile_template(self.source)
         chat, tools = alias(plain(messages)), plain(tools)
         kwargs = self._plain_kwargs
         if kwargs is None:
             kwargs = self._plain_kwargs = plain(self._render_kwargs)
-        texts, marks = [], []
-        for e in stops:
+        prompts, fulls, marks = [], [], []
+        for k in stops:
+            prompts.append(template.render(messages=chat[:k], tools=tools, documents=None, add_generation_prompt=True,
+                                           **kwargs))
             if self.has_generation_markers:
-                text, spans = with_indices(template, chat[:e], tools, None, add_generation_prompt, **kwargs)
+                text, spans = with_indices(template, chat[:k + 1], tools, None, False, **kwargs)
                 marks.append(spans)
             else:
-                text = template.render(messages=chat[:e], tools=tools, documents=None,
-                                       add_generation_prompt=add_generation_prompt, **kwargs)
-            texts.append(text)
-        return texts, marks
+                text = template.render(messages=chat[:k + 1], tools=tools, documents=None, add_generation_prompt=False,
+                                       **kwargs)
+            fulls.append(text)
+        return prompts, fulls, marks
 
     def _renders(self, conversation, tools) -> Optional[str]:
         try:
@@ -245,8 +249,7 @@ class ChatTemplate:
         if not turns:
             return []
         try:
-            prompts = self.render_prefixes(messages, tools, turns, True)[0]
-            fulls, marks = self.render_prefixes(messages, tools, [k + 1 for k in turns], False)
+            prompts, fulls, marks = self.render_prefixes(messages, tools, turns)
         except Exception as exc:
             raise RowError(f"the chat template raised {type(exc).__name__}: {exc}", REASON_RENDER) from exc
         ends = []

@@ -229,8 +229,8 @@ class SampleEncoder:
                     raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, so "
                                    "its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
                 trained[hit] = 1
-            for message, start, _ in sample.turns:
-                if start and not np.any(starts == start):
+            for message, start, end in sample.turns:
+                if end > start and not np.any(starts == start):
                     raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
                                    f"{start}): its generation prompt is not a token prefix of the sample",
                                    hf_chat.REASON_TOKEN_BOUNDARY)
