@@ -196,7 +196,9 @@ class SampleEncoder:
             raise RowError(f"{where}: {exc}", exc.reason) from None
 
     def plan_chat_row(self, row: dict, where: str, texts: list):
-        """(samples, None) or (None, skip reason); each sample's text and turn prompts are appended to ``texts``."""
+        """(samples, None) or (None, skip reason); each sample's text is appended to ``texts``."""
+        if isinstance(row, RowError):  # a reader that could not parse the row hands its error on
+            raise row
         if not isinstance(row, dict):
             raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
         messages, tools = self._chat_messages(row, where)
@@ -245,18 +247,30 @@ class SampleEncoder:
             out.append(((ids, trained), None, truncated) if trained.any() else (None, SKIP_NO_TRAINABLE, truncated))
         return out
 
+    def _bad_row(self, exc: RowError, chunk: "EncodedChunk") -> None:
+        """A malformed row met while encoding a chunk: the row policy of ``errors.py`` (stop)."""
+        raise exc
+
     def _encode_chat(self, rows, chunk: "EncodedChunk") -> list:
         texts, plans = [], []
         for where, row in rows:
             chunk.rows += 1
-            plans.append(self.plan_chat_row(row, where, texts))
+            try:
+                plans.append(self.plan_chat_row(row, where, texts))
+            except RowError as exc:
+                self._bad_row(exc, chunk)
         encoded = self.tokenizer.encode_batch_offsets(texts)
         samples = []
         for plan, skip in plans:
             if plan is None:
                 chunk.skipped[skip] += 1
                 continue
-            for sample, skip, truncated in self.finish_chat(plan, encoded):
+            try:
+                finished = self.finish_chat(plan, encoded)
+            except RowError as exc:
+                self._bad_row(exc, chunk)
+                continue
+            for sample, skip, truncated in finished:
                 chunk.truncated += int(truncated)
                 if sample is None:
                     chunk.skipped[skip] += 1
