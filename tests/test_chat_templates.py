@@ -388,3 +388,14 @@ def test_json_templates_equal_their_official_counterparts(name, official, family
         assert np.array_equal(trained, o_trained[:len(ids)]), f"row {i}"
         compared += 1
     assert compared >= 40
+
+
+def test_qwen3_enable_thinking_false_leaves_the_prefilled_think_block_untrained(family_tokenizer_dir):
+    row = {"messages": [{"role": "user", "content": "U1_0 q"}, {"role": "assistant", "content": "A1_0 a"}]}
+    trained_text = {}
+    for thinking in (True, False):
+        encoder = _encoder(family_tokenizer_dir("qwen3"), chat_template_kwargs={"enable_thinking": thinking})
+        ((_, ids, trained),), _, _ = encode_with_plans(encoder, row)
+        trained_text[thinking] = encoder.tokenizer.decode(ids[trained.astype(bool)])
+    assert trained_text[True] == "<think>\n\n</think>\n\nA1_0 a<|im_end|>"  # the model writes the empty block itself
+    assert trained_text[False] == "A1_0 a<|im_end|>"  # the generation prompt writes it: context, not trained
