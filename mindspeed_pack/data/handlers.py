@@ -239,7 +239,8 @@ class SampleEncoder:
             truncated = False
             if self.seq_length is not None and len(ids) > self.seq_length:
                 if trained[self.seq_length:].any():
-                    first = next(m for m, _, e in sample.turns if np.searchsorted(starts, e) > self.seq_length)
+                    first = next((m for m, _, e in sample.turns if np.searchsorted(starts, e) > self.seq_length),
+                                 sample.turns[-1][0])
                     raise RowError(f"{where}: assistant turn (message {first}) would be truncated at --seq-length "
                                    f"{self.seq_length} (the sample needs {len(ids)} tokens)", hf_chat.REASON_TRUNCATED)
                 ids, trained, truncated = ids[:self.seq_length], trained[:self.seq_length], True
