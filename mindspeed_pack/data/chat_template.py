@@ -27,7 +27,10 @@ history differs from what the template shows at inference.
 A turn whose ``P_k`` is not a prefix of ``F_k`` (the template renders the turn differently from
 what follows its own generation prompt, e.g. DeepSeek-R1's ``<think>\\n`` prompt against a
 render that drops the reasoning) cannot be trained without shifting its mask: such rows are
-refused with a :class:`RowError` naming the turn, never trained on a guess.
+refused with a :class:`RowError` naming the turn, never trained on a guess. So are rows the
+template cannot render (probed once: tool schemas, calls, results, reasoning) or whose render
+drops a call or a reasoning trace; the handler also refuses a turn that starts or ends inside a
+token of the sample (checked on the tokenizer's offsets).
 """
 from __future__ import annotations
 
