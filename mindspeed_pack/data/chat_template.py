@@ -22,7 +22,8 @@ and trained text are prefixes of ``F_m``: the fewest such samples, found greedil
 assistant turn exactly once, each in exactly the context inference shows
 (``reasoning_history="split"``). ``"keep"`` instead trains one sample in which every turn is
 rendered as the template renders a final turn (earlier reasoning kept): one sample, but its
-history differs from what the template shows at inference.
+history differs from what the template shows at inference. It assumes the template's rewrite
+of an earlier turn deletes text (as Qwen3, GLM-4 and Phi-3.5 do).
 
 A turn whose ``P_k`` is not a prefix of ``F_k`` (the template renders the turn differently from
 what follows its own generation prompt, e.g. DeepSeek-R1's ``<think>\\n`` prompt against a
@@ -298,12 +299,11 @@ class ChatTemplate:
             prev, prompt = fulls[t - 1], prompts[t]
             if prompt.startswith(prev):
                 between = prompt[len(prev):]
-            else:  # the template rewrote turn t-1 in the history: find where its unchanged tail ends
+            else:  # the template rewrote turn t-1 in the history by deleting text from it (Qwen3 its
+                # <think> block, GLM-4 the trace inside it, Phi-3.5 its final EOS): the longest tail of the
+                # turn as rendered last that follows the common prefix in the history ends the turn there
                 c = _lcp(prev, prompt)
-                j = next((j for j in range(c, len(prev) + 1) if prompt.startswith(prev[j:], c)), None)
-                if j is None:
-                    raise RowError(f"--reasoning-history keep: cannot find where assistant turn (message {turns[t - 1]}) "
-                                   "ends in the history the template renders for the next turn", REASON_NOT_PREFIX)
+                j = next(j for j in range(c, len(prev) + 1) if prompt.startswith(prev[j:], c))
                 between = prompt[c + len(prev) - j:]
             base = len(sample.text) + len(between) - len(prompt)
             sample.text += between + fulls[t][len(prompt):]
