@@ -399,3 +399,28 @@ def test_qwen3_enable_thinking_false_leaves_the_prefilled_think_block_untrained(
         trained_text[thinking] = encoder.tokenizer.decode(ids[trained.astype(bool)])
     assert trained_text[True] == "<think>\n\n</think>\n\nA1_0 a<|im_end|>"  # the model writes the empty block itself
     assert trained_text[False] == "A1_0 a<|im_end|>"  # the generation prompt writes it: context, not trained
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm4", "phi3_5"])
+def test_reasoning_history_keep_trains_every_turn_once_in_one_sample(family, family_tokenizer_dir):
+    """Templates that rewrite history (reasoning dropped, EOS only at the end): keep gives one sample per row."""
+    encoder = _encoder(family_tokenizer_dir(family), reasoning_history="keep")
+    tok, checked = encoder.tokenizer, 0
+    for i, row in enumerate(CORPUS[:60]):
+        try:
+            samples, messages, _ = encode_with_plans(encoder, row, f"row {i}")
+        except RowError:
+            continue  # tools on Phi-3.5
+        if not samples:
+            continue
+        (sample, ids, trained), = samples
+        text, trained_text = tok.decode(ids), tok.decode(ids[trained.astype(bool)])
+        assistant = [m for m in messages if m["role"] == "assistant"]
+        assert len(sample.turns) == len(assistant), f"row {i}"
+        for tag in TAG.finditer(text):
+            whose = tag.group(1)
+            assert (whose in "AR") == (tag.group(0) in trained_text), f"row {i}: {tag.group(0)}"
+        for m in assistant:
+            assert (m.get("reasoning_content") or "").strip() in text and text.count(m["content"].strip() or "\0") <= 1
+        checked += 1
+    assert checked >= 30
