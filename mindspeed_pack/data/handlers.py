@@ -222,8 +222,8 @@ class SampleEncoder:
         for sample, text_index in samples:
             ids, offsets = encoded[text_index]
             ids = np.asarray(ids, dtype=np.int32)
-            starts = np.fromiter((o[0] for o in offsets), np.int64, len(offsets))
-            ends = np.fromiter((o[1] for o in offsets), np.int64, len(offsets))
+            offsets = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+            starts, ends = offsets[:, 0], offsets[:, 1]
             trained = np.zeros(len(ids), np.uint8)
             for s, e in sample.trained:
                 hit = np.flatnonzero((ends > s) & (starts < e))
