@@ -15,6 +15,12 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
   preprocessing write it; ``--add-bos``/``--no-add-bos`` override), EOS appended with
   ``--append-eod``; every token is "trained". A text with no token is skipped and counted.
 
+Both instruction handlers read an optional ``tools`` column. Under ``--prompt-type hf`` a row
+becomes OpenAI-style messages (``chat_messages.py``: tool calls, tool results, reasoning) rendered
+by the model's own chat template (``chat_template.py``), possibly as several samples; rows it
+cannot render are refused with a ``RowError``. The budget rules below are the JSON templates';
+under ``hf`` a sample whose trained tokens would be cut by ``seq_length`` is refused instead.
+
 Instruction samples are truncated to ``seq_length`` turn by turn: each turn gets the budget
 the previous turns left; when a turn does not fit, its answer keeps all of its tokens if
 they take less than half the budget, else its prompt does, else the two split the budget in
@@ -34,6 +40,8 @@ from typing import Optional
 
 import numpy as np
 
+from mindspeed_pack.data import chat_template as hf_chat
+from mindspeed_pack.data.chat_messages import parse_tools, sharegpt_messages
 from mindspeed_pack.data.errors import BAD_JSON, BAD_MISSING_FIELD, BAD_ROLE, BAD_TYPE, PreprocessError, RowError
 from mindspeed_pack.data.readers import not_an_object
 from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, USER,
@@ -46,15 +54,17 @@ PRETRAIN = "GeneralPretrainHandler"
 HANDLERS = (ALPACA, SHAREGPT, PRETRAIN)
 
 DEFAULT_MAP_KEYS = {
-    ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"},
-    SHAREGPT: {"messages": "conversations", "system": "system", "role_tag": "from", "content_tag": "value",
+    ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
+             "tools": "tools"},
+    SHAREGPT: {"messages": "conversations", "system": "system", "tools": "tools", "role_tag": "from", "content_tag": "value",
                "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system", "observation_tag": "observation",
                "function_tag": "function_call"},
     PRETRAIN: {"text": "text"},
 }
 REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",)}
 # which map-keys name columns (the others name fields inside a message or role values)
-COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history"), SHAREGPT: ("messages", "system"), PRETRAIN: ("text",)}
+COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history", "tools"), SHAREGPT: ("messages", "system", "tools"),
+               PRETRAIN: ("text",)}
 _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
                    "tool": "observation_tag"}
 
@@ -103,8 +113,9 @@ class SampleEncoder:
     """Row -> (ids, trained mask). Built once per worker process."""
 
     def __init__(self, handler: str, tokenizer: TextTokenizer, template: Optional[Template], map_keys: dict,
-                 seq_length: Optional[int], append_eod: bool, skip_bad_rows: bool = False, add_bos: bool = False):
-        self.handler, self.tokenizer, self.template = handler, tokenizer, template
+                 seq_length: Optional[int], append_eod: bool, skip_bad_rows: bool = False, add_bos: bool = False,
+                 chat: Optional[hf_chat.ChatTemplate] = None):
+        self.handler, self.tokenizer, self.template, self.chat = handler, tokenizer, template, chat
         self.keys, self.seq_length, self.append_eod = map_keys, seq_length, append_eod
         self.skip_bad_rows = skip_bad_rows
         self.bos_prefix = [tokenizer.bos_id] if add_bos else []  # pretraining documents only
@@ -187,6 +198,108 @@ class SampleEncoder:
             messages.append((self._role_of[tag], content))
         return messages, system
 
+    def _chat_messages(self, row, where):
+        """(OpenAI-style messages, tools) of a row, for ``--prompt-type hf``."""
+        try:
+            if self.handler == ALPACA:
+                pairs, system = self._alpaca_messages(row, where)
+                messages = [{"role": "system", "content": system}] if system else []
+                messages += [{"role": role, "content": content} for role, content in pairs]
+            else:
+                raw = self._field(row, "messages", where, required=True, kind=list)
+                system = self._field(row, "system", where, required=False)
+                messages = sharegpt_messages(raw, system, self.keys, self.keys["messages"])
+            return messages, parse_tools(row.get(self.keys["tools"]), self.keys["tools"])
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
+
+    def plan_chat_row(self, row: dict, where: str, texts: list):
+        """(samples, None) or (None, skip reason); each sample's text is appended to ``texts``."""
+        if isinstance(row, RowError):  # a reader that could not parse the row hands its error on
+            raise row
+        if not isinstance(row, dict):
+            raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
+        messages, tools = self._chat_messages(row, where)
+        try:
+            adapted, expected = self.chat.adapt(messages, tools)
+            samples = self.chat.plan(adapted, tools, expected)
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
+        if not samples:
+            return None, SKIP_NO_ANSWER if messages else SKIP_EMPTY
+        plan = []
+        for sample in samples:
+            plan.append((sample, len(texts)))
+            texts.append(sample.text)
+        return (where, plan), None
+
+    def finish_chat(self, plan, encoded: list) -> list:
+        """[(ids, trained, truncated) or (None, skip reason, False)] per sample of a row (RowError on bad turns)."""
+        where, samples = plan
+        out = []
+        for sample, text_index in samples:
+            ids, offsets = encoded[text_index]
+            ids = np.asarray(ids, dtype=np.int32)
+            offsets = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+            starts, ends = offsets[:, 0], offsets[:, 1]
+            trained = np.zeros(len(ids), np.uint8)
+            for s, e in sample.trained:
+                hit = np.flatnonzero((ends > s) & (starts < e))
+                if not self.chat.has_generation_markers and (not len(hit) or starts[hit[0]] != s or ends[hit[-1]] != e):
+                    raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, so "
+                                   "its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
+                trained[hit] = 1
+            for message, start, end in sample.turns:
+                if end > start and not np.any(starts == start):
+                    raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
+                                   f"{start}): its generation prompt is not a token prefix of the sample",
+                                   hf_chat.REASON_TOKEN_BOUNDARY)
+            truncated = False
+            if self.seq_length is not None and len(ids) > self.seq_length:
+                if trained[self.seq_length:].any():
+                    first = next((m for m, _, e in sample.turns if np.searchsorted(starts, e) > self.seq_length),
+                                 sample.turns[-1][0])
+                    raise RowError(f"{where}: assistant turn (message {first}) would be truncated at --seq-length "
+                                   f"{self.seq_length} (the sample needs {len(ids)} tokens)", hf_chat.REASON_TRUNCATED)
+                ids, trained, truncated = ids[:self.seq_length], trained[:self.seq_length], True
+            trained[0] = 0  # no label crosses into a sample from the one before it
+            out.append(((ids, trained), None, truncated) if trained.any() else (None, SKIP_NO_TRAINABLE, truncated))
+        return out
+
+    def _bad_row(self, exc: RowError, chunk: "EncodedChunk") -> None:
+        """A malformed row met while encoding a chunk: the row policy of ``errors.py`` (stop, or
+        under ``--skip-bad-rows`` skip it and count it under its reason)."""
+        if not self.skip_bad_rows:
+            raise exc
+        chunk.skip(exc.reason, str(exc))
+
+    def _encode_chat(self, rows, chunk: "EncodedChunk") -> list:
+        texts, plans = [], []
+        for where, row in rows:
+            chunk.rows += 1
+            try:
+                plans.append((*self.plan_chat_row(row, where, texts), where))
+            except RowError as exc:
+                self._bad_row(exc, chunk)
+        encoded = self.tokenizer.encode_batch_offsets(texts)
+        samples = []
+        for plan, skip, where in plans:
+            if plan is None:
+                chunk.skip(skip, where)
+                continue
+            try:
+                finished = self.finish_chat(plan, encoded)
+            except RowError as exc:
+                self._bad_row(exc, chunk)
+                continue
+            for sample, skip, truncated in finished:
+                chunk.truncated += int(truncated)
+                if sample is None:
+                    chunk.skip(skip, where)
+                else:
+                    samples.append(sample)
+        return samples
+
     # ---------------------------------------------------------------- messages -> ids
     # A row becomes a *plan*: per turn, (prompt parts, answer parts), where a part is either an
     # int (index of a text run in the chunk's batch of texts) or a tuple of special-token ids.
@@ -206,7 +319,7 @@ class SampleEncoder:
                 parts.append(tuple(self._special_ids[slot["token"]]))
         return parts
 
-    def plan_messages(self, messages, system, texts: list):
+    def plan_messages(self, messages, system, texts: list, tools=None):
         """(plan, None) or (None, skip reason); text runs are appended to ``texts``."""
         if not messages:
             return None, SKIP_EMPTY
@@ -216,7 +329,7 @@ class SampleEncoder:
         if len(messages) % 2:
             return None, SKIP_NO_ANSWER
         return [(self._slot_parts(p, texts), self._slot_parts(a, texts))
-                for p, a in render_turns(self.template, messages, system)], None
+                for p, a in render_turns(self.template, messages, system, tools)], None
 
     def plan_row(self, row: dict, where: str, texts: list):
         if isinstance(row, RowError):  # the reader could not parse it
@@ -230,7 +343,10 @@ class SampleEncoder:
         messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
         if isinstance(messages, str):  # found unusable while reading it: the skip reason
             return None, messages
-        return self.plan_messages(messages, system, texts)
+        try:
+            return self.plan_messages(messages, system, texts, parse_tools(row.get(self.keys["tools"]), self.keys["tools"]))
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
 
     def finish(self, plan, encoded: list) -> tuple[Optional[tuple[list, list]], Optional[str], bool]:
         """(ids, trained) as lists, or None with a skip reason; plus whether the sample was truncated."""
@@ -282,8 +398,15 @@ class SampleEncoder:
         return self._encode_one(*self.plan_messages(messages, system, texts), texts)
 
     def encode_row(self, row: dict, where: str):
+        if self.chat is not None:
+            raise TypeError("encode_row: a chat-template row may give several samples; use encode_chat_row")
         texts: list = []
         return self._encode_one(*self.plan_row(row, where, texts), texts)
+
+    def encode_chat_row(self, row: dict, where: str) -> list:
+        """The samples ``(ids, trained)`` of one row under ``--prompt-type hf`` (tests, inspection)."""
+        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
+        return self._encode_chat([(where, row)], chunk)
 
     def encode_rows(self, rows) -> EncodedChunk:
         """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch.
@@ -291,9 +414,16 @@ class SampleEncoder:
         A malformed row's :class:`RowError` stops the run, or under ``--skip-bad-rows`` is
         skipped and counted under its reason like the unusable rows.
         """
+        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
+        if self.chat is not None:
+            samples = self._encode_chat(rows, chunk)
+            if samples:
+                chunk.input_ids = np.concatenate([ids for ids, _ in samples])
+                chunk.trained = np.concatenate([t for _, t in samples])
+                chunk.lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int32)
+            return chunk
         texts: list = []
         plans = []
-        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
         for where, row in rows:
             chunk.rows += 1
             try:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Optional
 
 
+from mindspeed_pack.data import chat_template as hf_chat
 from mindspeed_pack.data import pack_writer, readers
 from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
@@ -48,6 +49,7 @@ from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUI
 from mindspeed_pack.data.templates import get_template, marker_tokens
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
 
+HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
 FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added when missing
 CHUNK_ROWS = 1000
 # arguments that change the output bytes (the cache compares these; --workers does not)
@@ -72,7 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
     g = p.add_argument_group("handler")
     g.add_argument("--handler-name", default="AlpacaStyleInstructionHandler", choices=HANDLERS)
-    g.add_argument("--prompt-type", default=None, help="chat template name in templates.json (instruction handlers)")
+    g.add_argument("--prompt-type", default=None,
+                   help="chat template name in templates.json (instruction handlers), or 'hf': the tokenizer's own "
+                        "Jinja chat_template, rendered as apply_chat_template does")
+    g.add_argument("--chat-template", default=None, metavar="FILE.jinja",
+                   help="--prompt-type hf: render with this Jinja template instead of the tokenizer's")
+    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='--prompt-type hf: variables for the template, e.g. \'{"enable_thinking": false}\'; a '
+                        f'Llama-3.x date header is pinned to date_string "{hf_chat.DEFAULT_DATE_STRING}" unless given')
+    g.add_argument("--reasoning-history", default="split", choices=hf_chat.REASONING_HISTORY,
+                   help="--prompt-type hf, templates that rewrite earlier turns (Qwen3 drops old reasoning): 'split' "
+                        "into the fewest samples whose context is what inference shows (default), or 'keep' one "
+                        "sample with every turn's reasoning kept (differs from inference)")
     g.add_argument("--prompt-type-path", default=None, help="templates.json to use (default: configs/finetune/templates.json)")
     g.add_argument("--map-keys", default=None, help='JSON column/role renames, e.g. \'{"prompt": "question"}\'')
     g = p.add_argument_group("packing")
@@ -130,7 +143,15 @@ def validate_args(args) -> None:
                                   "samples at EOS at training time, so pads after a sample's EOS would be read as "
                                   "the start of the next sample")
         if args.prompt_type is None:
-            raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json)")
+            raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json, or hf)")
+    if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
+        raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
+    if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
+        raise PreprocessError("--append-eod does not apply to --prompt-type hf: the chat template ends every turn "
+                              "with its own end-of-turn token (trained)")
+    if args.prompt_type == HF_PROMPT_TYPE and args.tokenizer_type != "PretrainedFromHF":
+        raise PreprocessError("--prompt-type hf needs --tokenizer-type PretrainedFromHF (a tokenizer with a chat template)")
+    args.chat_template_kwargs = hf_chat.parse_template_kwargs(args.chat_template_kwargs)
     if args.map_keys is not None and not isinstance(args.map_keys, dict):
         try:
             args.map_keys = json.loads(args.map_keys)
@@ -156,11 +177,21 @@ class EncoderConfig:
     append_eod: bool
     skip_bad_rows: bool = False
     add_bos: bool = False
+    chat_template: Optional[str] = None  # --prompt-type hf: --chat-template FILE (None: the tokenizer's)
+    chat_template_kwargs: Optional[dict] = None
+    reasoning_history: str = "split"
 
     def build(self, tokenizer=None) -> SampleEncoder:
-        template = get_template(self.prompt_type, self.templates_path) if self.handler != PRETRAIN else None
-        return SampleEncoder(self.handler, tokenizer or load_tokenizer(self.tokenizer), template, self.map_keys,
-                             self.seq_length, self.append_eod, self.skip_bad_rows, self.add_bos)
+        tokenizer = tokenizer or load_tokenizer(self.tokenizer)
+        template = chat = None
+        if self.handler != PRETRAIN and self.prompt_type == HF_PROMPT_TYPE:
+            source, origin = hf_chat.load_chat_template(tokenizer.hf, self.chat_template)
+            chat = hf_chat.ChatTemplate(source, tokenizer.hf.special_tokens_map, self.chat_template_kwargs or {},
+                                        self.reasoning_history, origin)
+        elif self.handler != PRETRAIN:
+            template = get_template(self.prompt_type, self.templates_path)
+        return SampleEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length, self.append_eod,
+                             self.skip_bad_rows, self.add_bos, chat)
 
 
 _ENCODER: Optional[SampleEncoder] = None
@@ -319,15 +350,22 @@ def run(args) -> dict:
     files = readers.resolve_input_files(args.input)
     tokenizer_spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
-    template = None if args.handler_name == PRETRAIN else get_template(args.prompt_type, args.prompt_type_path)
+    template = None
+    if args.handler_name != PRETRAIN and args.prompt_type != HF_PROMPT_TYPE:
+        template = get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
     check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
     changes = extend_tokenizer_for_template(tokenizer, template)
     check_eos(tokenizer, args.tokenizer_path)
     add_bos = resolve_add_bos(args, tokenizer)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
-                           args.seq_length, args.append_eod, args.skip_bad_rows, add_bos)
+                           args.seq_length, args.append_eod, args.skip_bad_rows, add_bos, args.chat_template,
+                           args.chat_template_kwargs, args.reasoning_history)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
+    if encoder.chat is not None and encoder.chat.reasoning_history == "keep":
+        print("warning: --reasoning-history keep: turns are trained after a history that keeps earlier reasoning, "
+              "which this template drops at inference (the default, split, trains each turn in its inference "
+              "context)", file=sys.stderr)
 
     cache_key = {
         "format_version": FORMAT_VERSION,
@@ -335,7 +373,8 @@ def run(args) -> dict:
         "inputs": readers.fingerprint(files),
         # vocab_size: of the tokenizer the ids come from (extended, when tokens were added)
         "tokenizer": tokenizer.identity() | changes,
-        "template": None if template is None else {"name": template.name, "definition": template.definition},
+        "template": (encoder.chat.identity() if encoder.chat is not None else
+                     None if template is None else {"name": template.name, "definition": template.definition}),
     }
     cache_key = json.loads(json.dumps(cache_key))  # compare in the form the sidecar stores
     cached = _cached(args, cache_key)

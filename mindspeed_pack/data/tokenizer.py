@@ -125,6 +125,13 @@ class HFTokenizer(TextTokenizer):
             return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
         return self.hf(list(texts), add_special_tokens=False, truncation=False, padding=False)["input_ids"]
 
+    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Ids and character offsets of each text (the same ids as :meth:`encode_batch`)."""
+        if self._backend is None:
+            raise PreprocessError(f"tokenizer {self.name} is not a fast tokenizer: --prompt-type hf needs character "
+                                  "offsets (a tokenizer.json)")
+        return [(e.ids, e.offsets) for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
     def add_special_tokens(self, tokens: list[str]) -> None:
         """Add ``tokens`` as special tokens (kept whole, never split), as LLaMA-Factory does for templates."""
         from tokenizers import AddedToken
