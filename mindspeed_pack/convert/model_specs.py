@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Tuple
 
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
+from mindspeed_pack.model.moe import moe_layer_pattern
 
 
 class ConversionError(ValueError):
@@ -59,13 +60,17 @@ def window_covers_sequence(field, value, config, ctx) -> None:
                                    f"with --seq-length <= {value} (convert with --seq-length {value})")
 
 
-# config.json fields of mixture-of-experts models: refused until the MoE work exists
+# config.json fields of mixture-of-experts models: refused by name unless the family's row reads them
 MOE_FIELDS = (
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts",
     "n_shared_experts", "shared_expert_intermediate_size", "router_aux_loss_coef", "output_router_logits",
     "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "moe_layer_freq", "first_k_dense_replace",
-    "router_jitter_noise", "topk_group", "n_group",
+    "router_jitter_noise", "topk_group", "n_group", "num_local_experts",
 )
+
+# mixture-of-experts families with shared experts: their mapping is not written (refused by name)
+SHARED_EXPERT_FAMILIES = {"qwen2_moe": "Qwen2MoeForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                          "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 # fields every family maps into Megatron arguments (args_from_hf_config)
 MAPPED_FIELDS = (
@@ -88,6 +93,12 @@ _QWEN_FIELDS = {"use_sliding_window": equals(False), "layer_types": full_attenti
                 "sliding_window": harmless}  # likewise
 
 # the keys of rope_parameters / rope_scaling each RoPE type reads
+# read by args_from_hf_config for MoE rows (router_aux_loss_coef is a training setting:
+# --moe-aux-loss-coeff; output_router_logits only adds the aux loss to transformers' outputs)
+_QWEN3_MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step", "router_aux_loss_coef",
+                     "output_router_logits")
+
 ROPE_KEYS = {
     "default": ("rope_type", "type", "rope_theta"),
     "llama3": ("rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
@@ -105,6 +116,7 @@ class ModelSpec:
     rope_types: Tuple[str, ...] = ("default",)
     fields: Dict[str, FieldCheck] = field(default_factory=dict)  # understood beyond COMMON/MAPPED_FIELDS
     hf_defaults: Dict[str, object] = field(default_factory=dict)  # written into a converted config.json
+    moe: bool = False  # routed experts (no shared expert) in the layers --moe-layer-freq marks
 
 
 MODEL_SPECS = {
@@ -112,6 +124,10 @@ MODEL_SPECS = {
     "qwen3": ModelSpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True,
                        fields={**_QWEN_FIELDS, "attention_bias": equals(False)},
                        hf_defaults={"attention_bias": False}),
+    "qwen3_moe": ModelSpec("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_layernorm=True,
+                           moe=True, fields={**_QWEN_FIELDS, "attention_bias": equals(False),
+                                             **{k: harmless for k in _QWEN3_MOE_FIELDS}},
+                           hf_defaults={"attention_bias": False}),
     "llama": ModelSpec("llama", "llama", "LlamaForCausalLM", qkv_bias=False, rope_types=("default", "llama3"),
                        fields={"attention_bias": equals(False), "mlp_bias": equals(False), "pretraining_tp": harmless},
                        hf_defaults={"attention_bias": False, "mlp_bias": False}),
@@ -132,6 +148,9 @@ MODEL_ARG_NAMES = (
 OPTIONAL_MODEL_ARGS = {
     "qk_layernorm": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "sliding_window": None,
+    # mixture of experts (qwen3_moe); a dense model has num_experts None
+    "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
+    "moe_layer_freq": 1,
 }
 
 
@@ -146,16 +165,23 @@ def get_spec(model_type_hf: str) -> ModelSpec:
 
 def spec_for_args(args) -> ModelSpec:
     """The family whose fixed Megatron arguments ``args`` has (for checkpoints trained from flags)."""
+    moe = bool(getattr(args, "num_experts", None))
     for spec in MODEL_SPECS.values():
-        if (spec.qkv_bias, spec.qk_layernorm) == (bool(getattr(args, "add_qkv_bias", False)),
-                                                  bool(getattr(args, "qk_layernorm", False))):
+        if (spec.qkv_bias, spec.qk_layernorm, spec.moe) == (bool(getattr(args, "add_qkv_bias", False)),
+                                                            bool(getattr(args, "qk_layernorm", False)), moe):
             return spec
-    raise ConversionError("no model family has both --add-qkv-bias and --qk-layernorm")
+    raise ConversionError(f"no model family has --add-qkv-bias={getattr(args, 'add_qkv_bias', False)}, "
+                          f"--qk-layernorm={getattr(args, 'qk_layernorm', False)} and --num-experts={moe}")
 
 
 def detect_model_type(hf_config: dict, config_path: str = "config.json") -> str:
     """The spec name for a config.json, from ``model_type`` or ``architectures``."""
     model_type = hf_config.get("model_type")
+    archs = hf_config.get("architectures") or []
+    for name, arch in SHARED_EXPERT_FAMILIES.items():
+        if model_type == name or arch in archs:
+            raise ConversionError(f"{config_path}: {arch} ({name}) has shared experts, which are not supported; "
+                                  "mixture-of-experts families supported: qwen3_moe (Qwen3-MoE)")
     for spec in MODEL_SPECS.values():
         if model_type == spec.hf_model_type:
             return spec.name
@@ -199,7 +225,8 @@ def rope_settings(hf_config: dict, spec: ModelSpec, where: str) -> dict:
 
 def check_config_fields(hf_config: dict, spec: ModelSpec, where: str, seq_length: int) -> None:
     """Every field is mapped, checked by the family's row, or refused by name (all at once)."""
-    moe = [k for k in MOE_FIELDS if k in hf_config and hf_config[k] not in (None, 0, [], False)]
+    moe = [k for k in MOE_FIELDS if k in hf_config and hf_config[k] not in (None, 0, [], False)
+           and k not in spec.fields]
     if moe:
         raise ConversionError(f"{where}: mixture-of-experts field(s) {', '.join(moe)} are not supported: "
                               f"{spec.name} is converted as a dense model")
@@ -322,8 +349,38 @@ def args_from_hf_config(
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         model_type_hf=spec.name,
     )
+    if spec.moe:
+        vars(args).update(moe_args_from_hf_config(hf_config, args.num_layers, where))
     check_parallel_sizes(args, tp, pp, where=f"{where}: ")
     return args
+
+
+def moe_args_from_hf_config(hf_config: dict, num_layers: int, where: str) -> dict:
+    """Qwen3-MoE's expert fields as Megatron-LM arguments. A layer is sparse unless listed in
+    ``mlp_only_layers``, and only every ``decoder_sparse_step``-th one (transformers' rule)."""
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    if not experts:
+        raise ConversionError(f"{where}: required field 'num_experts' (or 'num_local_experts') is missing")
+    topk = int(_require(hf_config, "num_experts_per_tok", where))
+    if not 1 <= topk <= int(experts):
+        raise ConversionError(f"{where}: num_experts_per_tok={topk} must be in [1, num_experts={experts}]")
+    step = int(hf_config.get("decoder_sparse_step") or 1)
+    dense = set(hf_config.get("mlp_only_layers") or [])
+    outside = sorted(i for i in dense if not 0 <= i < num_layers)
+    if outside:
+        raise ConversionError(f"{where}: mlp_only_layers {outside} are not layers of a {num_layers}-layer model")
+    return dict(num_experts=int(experts), moe_router_topk=topk,
+                moe_ffn_hidden_size=int(_require(hf_config, "moe_intermediate_size", where)),
+                # normalised top-k weights = softmax over the chosen experts' logits (megatron's default)
+                moe_router_pre_softmax=not bool(hf_config.get("norm_topk_prob", False)),
+                moe_layer_freq=[int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)])
+
+
+def moe_layers(args) -> list:
+    """Global indices of the MoE layers of ``args`` (none for a dense model)."""
+    if not getattr(args, "num_experts", None):
+        return []
+    return [i for i, sparse in enumerate(moe_layer_pattern(args)) if sparse]
 
 
 def _sliding_window(hf_config: dict, spec: ModelSpec) -> Optional[int]:
@@ -384,6 +441,12 @@ def hf_config_from_args(args, spec: ModelSpec, dtype: str, extra: Optional[dict]
         dtype=dtype,
         **spec.hf_defaults,
     )
+    if spec.moe:
+        sparse = set(moe_layers(args))
+        fields.update(num_experts=args.num_experts, num_experts_per_tok=args.moe_router_topk,
+                      moe_intermediate_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+                      norm_topk_prob=not args.moe_router_pre_softmax, decoder_sparse_step=1,
+                      mlp_only_layers=[i for i in range(args.num_layers) if i not in sparse])
     if spec.fields.get("sliding_window") is window_covers_sequence:
         fields["sliding_window"] = getattr(args, "sliding_window", None)  # transformers' own default is a window
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):

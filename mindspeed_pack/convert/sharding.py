@@ -12,6 +12,8 @@ linear_qkv weight/bias, fc1 (non-gated)         rows (column-parallel), dim 0; t
 linear_fc1 weight/bias (SwiGLU)                 gate and up halves split separately:
                                                 rank r holds ``[gate_r; up_r]``
 linear_proj / linear_fc2 weight                 columns (row-parallel), dim 1
+MoE experts' fc1 / fc2                          as the dense MLP's (expert TP = TP)
+MoE router                                      replicated
 norms, row-parallel biases, learned_absolute     replicated
 position embeddings (first stage only)
 ==============================================  ======================================
@@ -53,6 +55,9 @@ _RULES = (
     ("mlp.linear_fc1.bias", GLU),
     ("mlp.linear_fc2.weight", ROW),
     ("mlp.linear_fc2.bias", REPLICATED),
+    ("mlp.router.weight", REPLICATED),  # MoE: every rank routes its own tokens
+    (".linear_fc1.weight", GLU),  # MoE experts (mlp.experts.local_experts.{j}.): split like the dense MLP
+    (".linear_fc2.weight", ROW),
     ("layernorm.weight", REPLICATED),
     ("layernorm.bias", REPLICATED),
 )

@@ -11,6 +11,9 @@ Canonical names are megatron-core's local-spec parameter names of a TP1/PP1 mode
     decoder.layers.{i}.pre_mlp_layernorm.weight <- post_attention_layernorm
     decoder.layers.{i}.mlp.linear_fc1.weight    <- [gate_proj; up_proj]
     decoder.layers.{i}.mlp.linear_fc2.weight    <- down_proj
+    decoder.layers.{i}.mlp.router.weight        <- mlp.gate.weight (MoE layers: Qwen3-MoE)
+    decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight <- [experts.{j}.gate_proj; up_proj]
+    decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight <- experts.{j}.down_proj
     decoder.final_layernorm.weight              <- model.norm.weight
     output_layer.weight                         <- lm_head.weight (untied only; vocab padded)
 
@@ -25,7 +28,7 @@ from typing import Callable, Dict, List, Tuple, Union
 
 import torch
 
-from mindspeed_pack.convert.model_specs import ConversionError, ModelSpec
+from mindspeed_pack.convert.model_specs import ConversionError, ModelSpec, moe_layers
 
 Unit = Union[str, int]  # "embedding", a global layer index, or "final"
 EMBEDDING, FINAL = "embedding", "final"
@@ -75,10 +78,17 @@ def hf_unit_shapes(unit: Unit, args, spec: ModelSpec) -> Dict[str, Tuple[int, ..
         p + "self_attn.v_proj.weight": (kv_rows, h),
         p + "self_attn.o_proj.weight": (h, q_rows),
         p + "post_attention_layernorm.weight": (h,),
-        p + "mlp.gate_proj.weight": (args.ffn_hidden_size, h),
-        p + "mlp.up_proj.weight": (args.ffn_hidden_size, h),
-        p + "mlp.down_proj.weight": (h, args.ffn_hidden_size),
     }
+    if unit in moe_layers(args):
+        f = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        shapes[p + "mlp.gate.weight"] = (args.num_experts, h)
+        for j in range(args.num_experts):
+            e = f"{p}mlp.experts.{j}."
+            shapes.update({e + "gate_proj.weight": (f, h), e + "up_proj.weight": (f, h), e + "down_proj.weight": (h, f)})
+    else:
+        shapes.update({p + "mlp.gate_proj.weight": (args.ffn_hidden_size, h),
+                       p + "mlp.up_proj.weight": (args.ffn_hidden_size, h),
+                       p + "mlp.down_proj.weight": (h, args.ffn_hidden_size)})
     if spec.qk_layernorm:
         shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     if spec.qkv_bias:
@@ -157,9 +167,14 @@ def hf_to_mg_unit(unit: Unit, get: Callable[[str], torch.Tensor], args, spec: Mo
             get(attn + "q_proj.weight"), get(attn + "k_proj.weight"), get(attn + "v_proj.weight"), args),
         mp + "self_attention.linear_proj.weight": get(attn + "o_proj.weight"),
         mp + "pre_mlp_layernorm.weight": get(hp + "post_attention_layernorm.weight"),
-        mp + "mlp.linear_fc1.weight": torch.cat([get(hp + "mlp.gate_proj.weight"), get(hp + "mlp.up_proj.weight")], 0),
-        mp + "mlp.linear_fc2.weight": get(hp + "mlp.down_proj.weight"),
     }
+    mlps = [(hp + "mlp.", mp + "mlp.")]
+    if unit in moe_layers(args):
+        out[mp + "mlp.router.weight"] = get(hp + "mlp.gate.weight")
+        mlps = [(f"{hp}mlp.experts.{j}.", f"{mp}mlp.experts.local_experts.{j}.") for j in range(args.num_experts)]
+    for hf_mlp, mg_mlp in mlps:
+        out[mg_mlp + "linear_fc1.weight"] = torch.cat([get(hf_mlp + "gate_proj.weight"), get(hf_mlp + "up_proj.weight")], 0)
+        out[mg_mlp + "linear_fc2.weight"] = get(hf_mlp + "down_proj.weight")
     if spec.qk_layernorm:
         for hf_norm, mg_norm in QK_NORMS:
             out[mp + "self_attention." + mg_norm] = get(attn + hf_norm)
@@ -188,7 +203,6 @@ def mg_to_hf_unit(unit: Unit, full: Dict[str, torch.Tensor], args, spec: ModelSp
     hp, mp = _hf_layer(unit), _mg_layer(unit)
     attn = hp + "self_attn."
     q, k, v = split_qkv(take(mp + "self_attention.linear_qkv.weight"), args)
-    gate, up = torch.chunk(take(mp + "mlp.linear_fc1.weight"), 2, dim=0)
     out = {
         hp + "input_layernorm.weight": take(mp + "input_layernorm.weight"),
         attn + "q_proj.weight": q,
@@ -196,10 +210,15 @@ def mg_to_hf_unit(unit: Unit, full: Dict[str, torch.Tensor], args, spec: ModelSp
         attn + "v_proj.weight": v,
         attn + "o_proj.weight": take(mp + "self_attention.linear_proj.weight"),
         hp + "post_attention_layernorm.weight": take(mp + "pre_mlp_layernorm.weight"),
-        hp + "mlp.gate_proj.weight": gate.clone(),
-        hp + "mlp.up_proj.weight": up.clone(),
-        hp + "mlp.down_proj.weight": take(mp + "mlp.linear_fc2.weight"),
     }
+    mlps = [(hp + "mlp.", mp + "mlp.")]
+    if unit in moe_layers(args):
+        out[hp + "mlp.gate.weight"] = take(mp + "mlp.router.weight")
+        mlps = [(f"{hp}mlp.experts.{j}.", f"{mp}mlp.experts.local_experts.{j}.") for j in range(args.num_experts)]
+    for hf_mlp, mg_mlp in mlps:
+        gate, up = torch.chunk(take(mg_mlp + "linear_fc1.weight"), 2, dim=0)
+        out.update({hf_mlp + "gate_proj.weight": gate.clone(), hf_mlp + "up_proj.weight": up.clone(),
+                    hf_mlp + "down_proj.weight": take(mg_mlp + "linear_fc2.weight")})
     if spec.qk_layernorm:
         for hf_norm, mg_norm in QK_NORMS:
             out[attn + hf_norm] = take(mp + "self_attention." + mg_norm)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mindspeed_pack.model.moe import moe_config_kwargs
 from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
 from mindspeed_pack.model.spec import layer_spec, resolve_backend
 from mindspeed_pack.model.te_spec import HAVE_TE
@@ -106,6 +107,7 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
         deterministic_mode=getattr(args, "deterministic_mode", False),
         # per-token loss summed here, averaged over the global batch's tokens by the trainer
         calculate_per_token_loss=True,
+        **moe_config_kwargs(args),
     )
 
 

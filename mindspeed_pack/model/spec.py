@@ -2,7 +2,10 @@
 
 Both specs accept ``PackedSeqParams(qkv_format="thd")``; the local one gets the project's
 exact segment-causal core attention (:mod:`.packed_attention`) in its ``core_attention``
-slot, so CPU runs are packed exactly like GPU runs.
+slot, so CPU runs are packed exactly like GPU runs. With ``--num-experts`` the MLP slot of
+the MoE layers (``config.moe_layer_freq``) is megatron-core's ``MoELayer`` (local experts,
+or TE grouped GEMM with ``--moe-grouped-gemm``) whose router slot holds the packing-aware
+:class:`~.moe.PackedTopKRouter`.
 """
 from __future__ import annotations
 
@@ -11,10 +14,12 @@ import logging
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from mindspeed_pack.model.moe import PackedTopKRouter
 from mindspeed_pack.model.norm import SequenceParallelTorchNorm
 from mindspeed_pack.model.packed_attention import PackedDotProductAttention
-from mindspeed_pack.model.te_spec import HAVE_TE, te_layer_spec
+from mindspeed_pack.model.te_spec import HAVE_TE, te_block_spec, te_layer_spec
 from mindspeed_pack.platform import cuda_usable
 
 log = logging.getLogger(__name__)
@@ -22,8 +27,11 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "te", "local")
 
 
-def local_packed_layer_spec(normalization: str = "RMSNorm", qk_layernorm: bool = False):
-    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm))
+def local_packed_layer_spec(normalization: str = "RMSNorm", qk_layernorm: bool = False, num_experts=None):
+    spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm,
+                                                  num_experts=num_experts))
+    if num_experts:
+        spec.submodules.mlp.submodules.router = PackedTopKRouter
     spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
@@ -35,9 +43,19 @@ def local_packed_layer_spec(normalization: str = "RMSNorm", qk_layernorm: bool =
 
 def local_packed_block_spec(config, qk_layernorm: bool = False, vp_stage=None) -> TransformerBlockSubmodules:
     """This pipeline stage's layers plus the final norm, all with the sequence-parallel-capable norm."""
-    layer = local_packed_layer_spec(config.normalization, qk_layernorm)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config, vp_stage),
+    dense = local_packed_layer_spec(config.normalization, qk_layernorm)
+    moe = local_packed_layer_spec(config.normalization, qk_layernorm, config.num_moe_experts) \
+        if config.num_moe_experts else dense
+    return TransformerBlockSubmodules(layer_specs=_stage_layers(config, dense, moe, vp_stage),
                                       layer_norm=SequenceParallelTorchNorm)
+
+
+def _stage_layers(config, dense, moe, vp_stage=None) -> list:
+    """This stage's layer specs: MoE where ``config.moe_layer_freq`` says 1, dense elsewhere."""
+    offset = get_transformer_layer_offset(config, vp_stage)
+    pattern = config.moe_layer_freq if config.num_moe_experts else None
+    return [moe if pattern and pattern[offset + i] else dense
+            for i in range(get_num_layers_to_build(config, vp_stage))]
 
 
 def resolve_backend(requested: str = "auto") -> str:
@@ -63,5 +81,11 @@ def resolve_backend(requested: str = "auto") -> str:
 def layer_spec(backend: str, config, qk_layernorm: bool = False, vp_stage=None):
     """The decoder spec for ``backend``: TE's layer spec, or the local block spec."""
     if backend == "te":
-        return te_layer_spec(qk_layernorm=qk_layernorm)
+        if not config.num_moe_experts:
+            return te_layer_spec(qk_layernorm=qk_layernorm)
+        block = te_block_spec(config, vp_stage)  # megatron-core's: layers per moe_layer_freq, final TE norm
+        for spec in block.layer_specs:
+            if hasattr(spec.submodules.mlp.submodules, "router"):
+                spec.submodules.mlp.submodules.router = PackedTopKRouter
+        return block
     return local_packed_block_spec(config, qk_layernorm, vp_stage)

@@ -11,7 +11,10 @@ log = logging.getLogger(__name__)
 
 try:  # decided once, at import
     import transformer_engine  # noqa: F401
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     HAVE_TE = True
 except Exception:  # ImportError, or a TE build that does not match torch/CUDA
@@ -23,3 +26,11 @@ def te_layer_spec(qk_layernorm: bool = False):
     if not HAVE_TE:
         raise RuntimeError("Transformer Engine is not importable; install the [gpu] extra on a CUDA machine")
     return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+
+
+def te_block_spec(config, vp_stage=None):
+    """megatron-core's TE block spec for an MoE config: dense and MoE layers per
+    ``config.moe_layer_freq``, experts as TE grouped GEMM under ``config.moe_grouped_gemm``."""
+    if not HAVE_TE:
+        raise RuntimeError("Transformer Engine is not importable; install the [gpu] extra on a CUDA machine")
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)

@@ -47,6 +47,9 @@ class PackedBatch:
     # context parallelism (see :mod:`.context_parallel`): segments padded to a multiple of 2 x CP;
     # then ``cu_seqlens`` holds the real lengths' offsets and this the physical ones (TE's THD convention)
     cu_seqlens_padded: Optional[torch.Tensor] = None
+    # [1, T] int64: the sample each token belongs to, 1..num_samples over the micro-batch, 0 for
+    # padding (what a mixture-of-experts router groups its statistics by, :mod:`mindspeed_pack.model.moe`)
+    routing_segments: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -158,6 +161,9 @@ def build_packed_batch(
     num_samples = int((group_first_ids != 0).sum()) if groups is not segment_ids or isolated else b
     num_pad = int((groups == 0).sum()) if isolated or sample_ids is not None else 0
 
+    sample_index = torch.cumsum(flat_group_starts.long(), 0)  # 1.. per group of the micro-batch
+    routing_segments = torch.where(groups.reshape(-1) != 0, sample_index, torch.zeros_like(sample_index))
+
     loss_weights = None
     if per_sample_loss:
         seg_index = torch.cumsum(flat_group_starts.long(), 0) - 1  # which sample each token is in
@@ -176,4 +182,5 @@ def build_packed_batch(
         num_samples=num_samples,
         num_pad_tokens=num_pad,
         loss_weights=loss_weights,
+        routing_segments=routing_segments.view(1, total),
     )

@@ -11,12 +11,14 @@ ignored with one warning on a CPU; flags that cannot work together fail with a c
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import logging
 import os
 import warnings
 
 from mindspeed_pack.model.gpt import padded_vocab_size
+from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
 from mindspeed_pack.platform import cuda_usable
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,74 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-softmax-in-fp32", action="store_true",
                    help="attention scores and softmax in fp32 under --bf16/--fp16")
     g.add_argument("--use-cpu-initialization", action="store_true", help="accepted for compatibility")
+
+
+def _moe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts (Megatron-LM's flags; see mindspeed_pack/model/moe.py)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (dense model without it)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default "
+                   "--ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=_layer_freq, default=1,
+                   help="N: every N-th layer is MoE; or a list like [0,1,1] (0 = dense layer)")
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss", choices=list(LOAD_BALANCING_TYPES),
+                   help="aux_loss over the micro-batch's real tokens, seq_aux_loss per sample of the pack")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-pre-softmax", action="store_true",
+                   help="softmax over all experts before top-k (top-k weights not renormalised: "
+                        "norm_topk_prob=false); without it the top-k weights sum to 1")
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=list(DISPATCHERS))
+    g.add_argument("--moe-grouped-gemm", action="store_true", help="TE grouped GEMM for the experts (GPU)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="drop tokens over capacity (default dropless; with packing, routing then depends on pack-mates)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+
+
+def _layer_freq(text: str):
+    """Megatron-LM's --moe-layer-freq: an int, or a Python list of 0/1 per layer."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a list like [0,1,1]") from None
+    if isinstance(value, int) and value >= 1:
+        return value
+    if isinstance(value, list) and value and all(v in (0, 1) for v in value):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1 or a list of 0/1 per layer")
+
+
+def _check_moe_flags(args) -> None:
+    """MoE flag combinations this project runs exactly; the rest refused by name."""
+    if not args.num_experts:
+        return
+    ep = args.expert_model_parallel_size
+    if args.num_experts % ep:
+        raise ArgumentError(f"--expert-model-parallel-size {ep} must divide --num-experts {args.num_experts}")
+    if not 1 <= args.moe_router_topk <= args.num_experts:
+        raise ArgumentError(f"--moe-router-topk {args.moe_router_topk} must be in [1, --num-experts]")
+    if isinstance(args.moe_layer_freq, list) and len(args.moe_layer_freq) != args.num_layers:
+        raise ArgumentError(f"--moe-layer-freq lists {len(args.moe_layer_freq)} layers, the model has "
+                            f"--num-layers {args.num_layers}")
+    if args.data_parallel_size % ep:
+        raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the data-parallel size "
+                            f"{args.data_parallel_size}")
+    if ep > 1 and (args.save or args.load):
+        raise ArgumentError("--expert-model-parallel-size > 1 with --save/--load: checkpoints are written per "
+                            "TP x PP shard and would lose the other expert-parallel ranks' experts; train with "
+                            "--expert-model-parallel-size 1 to checkpoint")
+    if args.context_parallel_size > 1:
+        raise ArgumentError("--num-experts with --context-parallel-size > 1 is not supported: the router's "
+                            "per-sample statistics are not split over CP ranks")
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise ArgumentError("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                            "(megatron-core's MoE layer)")
+    if args.moe_grouped_gemm and not cuda_usable():
+        warnings.warn("no CUDA device: --moe-grouped-gemm is a TE GPU kernel; the local experts run", stacklevel=3)
+        args.moe_grouped_gemm = False
+    if args.moe_expert_capacity_factor is not None:
+        log.warning("--moe-expert-capacity-factor %s: tokens over an expert's capacity are dropped, so a token's "
+                    "routing depends on its pack-mates (packing changes routing); drop the flag for dropless "
+                    "routing", args.moe_expert_capacity_factor)
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -258,7 +328,7 @@ def _logging_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(description: str = "mindspeed-pack training") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    for add in (_model_args, _parallel_args, _training_args, _data_args, _checkpoint_args, _logging_args):
+    for add in (_model_args, _moe_args, _parallel_args, _training_args, _data_args, _checkpoint_args, _logging_args):
         add(p)
     return p
 
@@ -386,6 +456,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     _check_schedule_flags(args)
     _check_data_flags(args)
+    _check_moe_flags(args)
     if not args.skip_train and not args.train_iters:
         raise ArgumentError("--train-iters is required (or --skip-train for evaluation only)")
     if args.skip_train and not args.eval_iters:

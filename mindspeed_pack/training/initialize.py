@@ -29,6 +29,7 @@ def initialize_distributed(
     timeout_minutes: float = 10,
     backend: str | None = None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> None:
     """Initialise torch.distributed from torchrun's environment and megatron's groups.
 
@@ -65,6 +66,7 @@ def initialize_distributed(
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
                                                  context_parallel_size=context_parallel_size,
+                                                 expert_model_parallel_size=expert_model_parallel_size,
                                                  distributed_timeout_minutes=timeout_minutes)
     set_seed(seed)
 

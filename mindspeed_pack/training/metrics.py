@@ -3,7 +3,8 @@
 Console lines keep Megatron-LM's ``key: value |`` layout so existing log parsers (and
 ``mindspeed_pack.tools.compare_runs``) read them, and its ``--log-interval`` meaning: a line
 every N iterations with the interval's means (loss over the iterations not skipped, time
-per iteration, tokens/s, padding ratio, samples per pack) and its skipped count; learning
+per iteration, tokens/s, padding ratio, samples per pack, and for MoE models the auxiliary
+loss and expert load max/mean) and its skipped count; learning
 rate, loss scale and grad norm are the last iteration's. The JSON-lines file keeps every
 step. Counts are the whole job's (summed over data-parallel ranks by the trainer). Only the last
 pipeline stage's first tensor/data-parallel rank writes.
@@ -88,6 +89,8 @@ class MetricsLogger:
         skipped, self._skipped_printed = last["skipped"] - self._skipped_printed, last["skipped"]
         loss = sum(losses) / len(losses) if losses else float("nan")
         throughput = ""
+        moe = "".join(f" {key}: {sum(r[key] for r, *_ in steps) / len(steps):.6E} |"
+                      for key in ("moe aux loss", "expert load max/mean") if key in last)
         if self.log_throughput:
             tflops = sum(f for *_, f, _ in steps) / max(seconds, 1e-12) / self.world_size / 1e12
             throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
@@ -100,6 +103,7 @@ class MetricsLogger:
             f" learning rate: {last['lr']:.6E} |"
             f" global batch size: {last['global batch size']:5d} |"
             f" lm loss: {loss:.6E} |"
+            f"{moe}"
             f" loss scale: {last.get('loss scale', 1.0):.1f} |"
             f" grad norm: {last['grad norm']:.4f} |"
             f" tokens/s: {real / seconds if seconds > 0 else 0.0:.1f} |"

@@ -30,6 +30,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from mindspeed_pack import faults
+from mindspeed_pack.model import moe
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
@@ -121,7 +122,8 @@ class Trainer:
             os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # TE fused attention backward
         initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
                                args.distributed_timeout_minutes, backend=args.distributed_backend,
-                               context_parallel_size=args.context_parallel_size)
+                               context_parallel_size=args.context_parallel_size,
+                               expert_model_parallel_size=args.expert_model_parallel_size)
         if args.deterministic_mode:
             torch.use_deterministic_algorithms(True, warn_only=not cuda_usable())
         self.model = self._build_model()
@@ -267,6 +269,8 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
+            if args.num_experts:  # the routers group their statistics by sample, skip pads
+                moe.set_routing_segments(model, batch.routing_segments)
             output = model(batch.tokens, batch.position_ids, None, labels=batch.target,
                            packed_seq_params=packed_seq_params(batch))
             return output, partial(loss_func, batch, args.per_sample_loss)
@@ -451,6 +455,7 @@ class Trainer:
             "skipped": self.skipped,
             "loss scale": loss_scale(self.optimizer),
             **throughput.step_fields(args, stats, elapsed, 1, dist.get_world_size()),
+            **(moe.step_statistics(self.model, args.num_layers, args.num_experts) if args.num_experts else {}),
         }, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
 
     def evaluate(self, split: str = "valid", label: Optional[str] = None) -> Optional[float]:

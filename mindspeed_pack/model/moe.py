@@ -1,0 +1,228 @@
+"""Mixture-of-experts layers that route samples, not packs.
+
+megatron-core's MoE (router, token dispatcher, experts) with one change: the router knows
+which sample each token of the packed micro-batch belongs to (``routing_segments``: 1..n
+per sample, 0 for padding, see :class:`~mindspeed_pack.packing.segments.PackedBatch`)::
+
+    tokens            a0 a1 a2 b0 b1 P  P
+    routing_segments  1  1  1  2  2  0  0
+    routed            y  y  y  y  y  -  -      (pads reach no expert: zero routing row)
+
+so that
+
+- pads reach no expert and count in no routing statistic (``aux_loss``, ``seq_aux_loss``,
+  the per-expert load): their routing rows are cleared after top-k;
+- ``seq_aux_loss`` is the mean over the micro-batch's *samples* of each sample's own
+  load-balancing loss, exactly as if every sample were its own sequence (megatron-core
+  takes a THD micro-batch as one sequence);
+- ``aux_loss`` is computed over the micro-batch's real tokens.
+
+Routing is dropless unless ``--moe-expert-capacity-factor`` is set, so a token's experts do
+not depend on its pack-mates. The trainer hands each micro-batch's segments to the routers
+(:func:`set_routing_segments`) just before the forward, and reads the step's statistics
+back with :func:`step_statistics`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Dict, List, Optional
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.moe_utils import (
+    MoEAuxLossAutoScaler,
+    apply_router_token_dropping,
+    topk_routing_with_score_function,
+)
+from megatron.core.transformer.moe.router import TopKRouter
+
+log = logging.getLogger(__name__)
+
+# megatron-core 0.16.1 binds TE's router GEMM only when TE imports, then reads the name anyway:
+# without TE the router's gating falls back to torch.mm once the name exists (as None)
+if not hasattr(moe_utils, "te_general_gemm"):
+    moe_utils.te_general_gemm = None
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def moe_config_kwargs(args) -> dict:
+    """TransformerConfig's MoE fields from Megatron-LM's flags (empty for a dense model)."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return {}
+    # a converter's namespace carries the model shape only: training settings take Megatron-LM's defaults
+    return dict(
+        num_moe_experts=experts,
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None) or args.ffn_hidden_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", "aux_loss"),
+        moe_aux_loss_coeff=getattr(args, "moe_aux_loss_coeff", 0.0),
+        moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False),
+        moe_token_dispatcher_type=getattr(args, "moe_token_dispatcher_type", "allgather"),
+        moe_grouped_gemm=getattr(args, "moe_grouped_gemm", False),
+        moe_expert_capacity_factor=getattr(args, "moe_expert_capacity_factor", None),
+        moe_layer_freq=moe_layer_pattern(args),
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        moe_router_dtype="fp32",
+    )
+
+
+def moe_layer_pattern(args) -> List[int]:
+    """1 for an MoE layer, 0 for a dense one, per global layer (Megatron-LM's ``--moe-layer-freq``:
+    a list as is, N = every N-th layer)."""
+    freq = getattr(args, "moe_layer_freq", 1)
+    if isinstance(freq, list):
+        return list(freq)
+    return [int(i % freq == 0) for i in range(args.num_layers)]
+
+
+class PackedTopKRouter(TopKRouter):
+    """Top-k router whose statistics and auxiliary losses see samples (segments), not the pack."""
+
+    def __init__(self, config, pg_collection=None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        self.routing_segments: Optional[torch.Tensor] = None  # [T] this micro-batch's, set by the trainer
+        self.reset_statistics()
+
+    def reset_statistics(self) -> None:
+        self.step_tokens_per_expert = torch.zeros(self.config.num_moe_experts, dtype=torch.float64)
+        self.step_aux_loss = 0.0  # sum over micro-batches of this layer's loss (without the coefficient)
+        self.step_micro_batches = 0
+
+    def _local_segments(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """This rank's share of the segment ids (sequence parallelism splits the tokens over TP)."""
+        seg = self.routing_segments
+        if seg is None:
+            return None
+        seg = seg.reshape(-1)
+        if seg.numel() != num_tokens:
+            parts = seg.numel() // num_tokens
+            if parts * num_tokens != seg.numel() or parts != self.tp_group.size():
+                raise ValueError(f"routing segments hold {seg.numel()} tokens, the router sees {num_tokens}")
+            seg = seg.view(parts, num_tokens)[self.tp_group.rank()]
+        return seg.to(self.weight.device)
+
+    def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        logits = logits.view(-1, self.config.num_moe_experts)
+        seg = self._local_segments(logits.shape[0])
+        probs, routing_map = topk_routing_with_score_function(
+            logits, self.topk, use_pre_softmax=self.config.moe_router_pre_softmax,
+            num_groups=self.config.moe_router_num_groups, group_topk=self.config.moe_router_group_topk,
+            scaling_factor=self.config.moe_router_topk_scaling_factor, score_function=self.score_function,
+            expert_bias=self.expert_bias, fused=self.config.moe_router_fusion, router_replay=self.router_replay)
+        real = None
+        if seg is not None:
+            real = (seg != 0).unsqueeze(-1)
+            routing_map = routing_map & real  # pads go to no expert
+            probs = probs * real
+        if self.config.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, routing_map, router_topk=self.topk, capacity_factor=self.config.moe_expert_capacity_factor,
+                drop_policy=self.config.moe_token_drop_policy,
+                pad_to_capacity=self.config.moe_pad_expert_input_to_capacity)
+        if self.training and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.step_tokens_per_expert += routing_map.sum(0).double().cpu()
+            coeff = self.config.moe_aux_loss_coeff
+            if self.routing_type in ("aux_loss", "seq_aux_loss"):
+                scores = torch.softmax(logits.float(), dim=-1) if self.score_function == "softmax" else \
+                    torch.sigmoid(logits.float()) / torch.sigmoid(logits.float()).sum(-1, keepdim=True)
+                top = torch.zeros_like(routing_map).scatter(1, torch.topk(scores, self.topk, dim=1).indices, True)
+                if seg is None:
+                    seg = torch.ones(logits.shape[0], dtype=torch.long, device=logits.device)
+                aux_loss, local_real, full = self._load_balancing_loss(scores, top, seg)
+                self.step_aux_loss += float(full)
+                self.step_micro_batches += 1
+                if coeff:
+                    # megatron's per-token loss convention: gradients end up divided by the step's tokens
+                    probs = MoEAuxLossAutoScaler.apply(probs, coeff * aux_loss * local_real)
+        return probs, routing_map
+
+    def _load_balancing_loss(self, scores: torch.Tensor, top: torch.Tensor, seg: torch.Tensor):
+        """Switch load-balancing loss ``E/k * sum_e f_e P_e`` over real tokens: of the whole
+        micro-batch (``aux_loss``) or of each sample, averaged over samples (``seq_aux_loss``)."""
+        experts = self.config.num_moe_experts
+        if self.routing_type == "aux_loss":
+            groups = (seg != 0).long()  # one group: every real token
+        else:
+            groups = seg
+        n = int(groups.max()) + 1 if groups.numel() else 1
+        real = (groups != 0).float().unsqueeze(-1)
+        prob_sums = torch.zeros(n, experts, dtype=scores.dtype, device=scores.device).index_add(
+            0, groups, scores * real)
+        counts = torch.zeros(n, experts, dtype=torch.float32, device=scores.device).index_add(
+            0, groups, (top.float() * real))
+        tp_cp = self.tp_cp_group
+        if tp_cp.size() > 1:  # sequence parallel: each rank holds part of every sample
+            counts = _all_reduce(counts, tp_cp)
+        tokens = counts.sum(-1) / self.topk  # real tokens per group (all ranks)
+        per_group = (prob_sums * counts).sum(-1) / (tokens.clamp(min=1) ** 2)
+        per_group = per_group[1:] * experts / self.topk
+        present = tokens[1:] > 0
+        loss = per_group[present].sum() / present.sum().clamp(min=1)
+        local_real = (seg != 0).sum()
+        # the full loss for the statistics (each sequence-parallel rank holds a part of it)
+        full = _all_reduce(loss, tp_cp) if tp_cp.size() > 1 else loss.detach()
+        return loss, local_real, full
+
+
+def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+    t = t.detach().clone()
+    torch.distributed.all_reduce(t, group=group)
+    return t
+
+
+def routers(model) -> List[PackedTopKRouter]:
+    """The packed routers of a model chunk (cached on it)."""
+    found = getattr(model, "_packed_routers", None)
+    if found is None:
+        found = [m for m in model.modules() if isinstance(m, PackedTopKRouter)]
+        model._packed_routers = found
+    return found
+
+
+def set_routing_segments(model, routing_segments: Optional[torch.Tensor]) -> None:
+    for router in routers(model):
+        router.routing_segments = routing_segments
+
+
+def step_statistics(model_chunks, num_layers: int, num_experts: int) -> Dict[str, object]:
+    """The step's auxiliary loss and per-expert load over the whole job; resets the routers.
+
+    ``moe aux loss``: mean over MoE layers of each layer's mean over micro-batches (without
+    the coefficient); ``expert load max/mean``: the most loaded expert's tokens over the mean,
+    averaged over MoE layers (1.0 = balanced); ``tokens per expert``: one list per MoE layer.
+    Every rank must call it (collectives over the pipeline and data-parallel groups).
+    """
+    loads = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+    aux = torch.zeros(num_layers, 2, dtype=torch.float64)  # loss sum, micro-batches
+    for chunk in model_chunks:
+        for r in routers(chunk):
+            loads[r.layer_number - 1] += r.step_tokens_per_expert
+            aux[r.layer_number - 1] += torch.tensor([r.step_aux_loss, r.step_micro_batches], dtype=torch.float64)
+            r.reset_statistics()
+    flat = torch.cat([loads.reshape(-1), aux.reshape(-1)])
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        flat = flat.to(torch.cuda.current_device())
+    torch.distributed.all_reduce(flat, group=ps.get_pipeline_model_parallel_group())
+    # routers of one sequence-parallel group count disjoint tokens; expert-parallel ranks are data-parallel
+    torch.distributed.all_reduce(flat, group=ps.get_tensor_model_parallel_group())
+    torch.distributed.all_reduce(flat, group=ps.get_data_parallel_group(with_context_parallel=True))
+    flat = flat.cpu()
+    loads = flat[:loads.numel()].view(num_layers, num_experts)
+    aux = flat[loads.numel():].view(num_layers, 2)
+    tp = ps.get_tensor_model_parallel_world_size()
+    aux = aux / tp  # each TP rank recorded the full loss and one count per micro-batch
+    out: Dict[str, object] = {}
+    moe_layers = loads.sum(-1) > 0
+    if moe_layers.any():
+        mean = loads[moe_layers].mean(-1)
+        out["expert load max/mean"] = float((loads[moe_layers].max(-1).values / mean).mean())
+        out["tokens per expert"] = [[int(x) for x in row] for row in loads[moe_layers].tolist()]
+    with_aux = aux[:, 1] > 0
+    if with_aux.any():
+        out["moe aux loss"] = float((aux[with_aux, 0] / aux[with_aux, 1]).mean())
+    return out

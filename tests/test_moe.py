@@ -1,0 +1,193 @@
+"""Qwen3-MoE: conversion, packed loss against transformers, and a router that sees samples, not packs.
+
+One tiny random transformers Qwen3-MoE (8 experts, top-2, 2 layers, layer 0 dense through
+``mlp_only_layers``) is converted once; one process runs every check on the converted model:
+
+- HF -> Megatron -> HF is bit-exact;
+- the packed fp32 LM loss equals transformers' loss of the samples run one by one;
+- the auxiliary loss equals transformers' ``load_balancing_loss_func`` over the real tokens
+  (``aux_loss``), and the per-sample mean of it (``seq_aux_loss``);
+- packing the same samples differently, or adding pads, changes neither loss nor aux loss;
+- with pad id == EOS every real EOS token is routed, and no pad reaches an expert.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mindspeed_pack.convert import ConversionError, hf_to_megatron, megatron_to_hf
+
+VOCAB, EXPERTS, TOPK = 256, 8, 2
+EOS = 2  # also the pad id
+SAMPLE_LENGTHS = (19, 7, 26, 12)
+REL = 1e-4
+
+
+def build_hf_model():
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=EXPERTS, num_experts_per_tok=TOPK,
+        norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False, max_position_embeddings=128,
+        rms_norm_eps=1e-6, rope_theta=1e6, bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)
+    torch.manual_seed(5)
+    model = transformers.Qwen3MoeForCausalLM(config).eval()
+    with torch.no_grad():  # far from any initialisation, so a misplaced tensor shows
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model
+
+
+def samples():
+    """Samples ending with EOS (== the pad id), as the chat templates end an answer."""
+    g = torch.Generator().manual_seed(3)
+    return [torch.cat([torch.randint(3, VOCAB, (n - 1,), generator=g), torch.tensor([EOS])]) for n in SAMPLE_LENGTHS]
+
+
+def pack_rows(rows, row_length):
+    """Micro-batch [b, row_length] of the given sample groups (lists of sample indices), EOS-padded."""
+    sams = samples()
+    ids = torch.full((len(rows), row_length), EOS, dtype=torch.long)
+    segments = torch.zeros_like(ids)
+    for r, group in enumerate(rows):
+        pos = 0
+        for k, i in enumerate(group):
+            ids[r, pos:pos + len(sams[i])], segments[r, pos:pos + len(sams[i])] = sams[i], k + 1
+            pos += len(sams[i])
+    labels = torch.where(segments > 0, ids, torch.full_like(ids, -100))
+    return ids, labels, segments
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_moe")
+    model = build_hf_model()
+    model.save_pretrained(root / "hf")
+    hf_to_megatron(str(root / "hf"), str(root / "mg"), 1, 1, padded_vocab_size=VOCAB)
+    return {"root": root, "model": model}
+
+
+@pytest.fixture(scope="module")
+def megatron(converted):
+    from tests.model_utils import init_single_process, load_release_checkpoint
+
+    init_single_process()
+    model, args = load_release_checkpoint(str(converted["root"] / "mg"))
+    return model, args
+
+
+def run_pack(model, ids, labels, segments, routing_type="aux_loss"):
+    """(summed per-token loss, trained tokens, aux loss, tokens per expert, routing maps) of one micro-batch."""
+    from mindspeed_pack.model import moe
+    from mindspeed_pack.packing.segments import build_packed_batch
+    from mindspeed_pack.training.trainer import packed_seq_params
+
+    batch = build_packed_batch(ids, labels, segments)
+    routers = moe.routers(model)
+    maps = []
+    hooks = [r.register_forward_hook(lambda m, a, out: maps.append(out[1].detach().clone())) for r in routers]
+    for r in routers:
+        r.routing_type = routing_type
+        r.reset_statistics()
+    moe.set_routing_segments(model, batch.routing_segments)
+    model.train()  # the aux loss is a training-time statistic (dropout is 0 in the converted model)
+    losses = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+                   packed_seq_params=packed_seq_params(batch))
+    model.eval()
+    for h in hooks:
+        h.remove()
+    aux = sum(r.step_aux_loss for r in routers) / len(routers)
+    load = torch.stack([r.step_tokens_per_expert for r in routers])
+    loss = float((losses.float().reshape(-1) * batch.loss_mask.reshape(-1)).sum().detach())
+    return loss, float(batch.loss_mask.sum()), aux, load, maps, batch
+
+
+def test_qwen3_moe_hf_megatron_hf_is_bit_exact(converted):
+    root = converted["root"]
+    megatron_to_hf(str(root / "mg"), str(root / "back"))
+    original, back = load_file(root / "hf" / "model.safetensors"), load_file(root / "back" / "model.safetensors")
+    assert sorted(original) == sorted(back)
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in back and "model.layers.0.mlp.gate_proj.weight" in back
+    for name in original:
+        assert torch.equal(original[name], back[name]), name
+    config = json.loads((root / "back" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    num_experts = config.get("num_experts", config.get("num_local_experts"))
+    assert (num_experts, config["num_experts_per_tok"], config["moe_intermediate_size"], config["norm_topk_prob"],
+            config["mlp_only_layers"]) == (EXPERTS, TOPK, 32, True, [0])
+
+
+def test_packed_loss_equals_transformers_per_sample(converted, megatron):
+    model, _ = megatron
+    hf = converted["model"]
+    ids, labels, segments = pack_rows([[0, 1, 2, 3]], 80)
+    loss, count, *_ = run_pack(model, ids, labels, segments)
+    ref_sum, ref_count = 0.0, 0
+    with torch.no_grad():
+        for s in samples():
+            logits = hf(s[None]).logits[0, :-1].float()
+            ref_sum += float(torch.nn.functional.cross_entropy(logits, s[1:], reduction="sum"))
+            ref_count += len(s) - 1
+    assert count == ref_count
+    assert abs(loss / count - ref_sum / ref_count) <= REL * abs(ref_sum / ref_count)
+
+
+def _hf_router_logits(hf):
+    """transformers' router logits of the MoE layer, each sample run alone: a list per sample."""
+    with torch.no_grad():
+        return [hf(s[None], output_router_logits=True).router_logits[0] for s in samples()]
+
+
+def test_aux_loss_equals_transformers_over_real_tokens(converted, megatron):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    model, _ = megatron
+    per_sample = _hf_router_logits(converted["model"])
+    ids, labels, segments = pack_rows([[0, 1, 2, 3]], 80)  # 64 real tokens, 16 pads (== EOS)
+    _, _, aux, *_ = run_pack(model, ids, labels, segments, "aux_loss")
+    # transformers' loss counts fractions of tokens over the top-k slots: megatron's is 1/topk of it
+    ref = float(load_balancing_loss_func((torch.cat(per_sample),), EXPERTS, TOPK)) / TOPK
+    assert abs(aux - ref) <= REL * ref
+    _, _, seq_aux, *_ = run_pack(model, ids, labels, segments, "seq_aux_loss")
+    ref_seq = sum(float(load_balancing_loss_func((x,), EXPERTS, TOPK)) for x in per_sample) / len(per_sample) / TOPK
+    assert abs(seq_aux - ref_seq) <= REL * ref_seq
+    assert abs(seq_aux - aux) > 10 * REL * ref  # the two losses differ here: the check above is not vacuous
+
+
+@pytest.mark.parametrize("routing_type", ["aux_loss", "seq_aux_loss"])
+def test_repacking_and_padding_change_neither_loss_nor_aux_loss(megatron, routing_type):
+    model, _ = megatron
+    ref = run_pack(model, *pack_rows([[0, 1, 2, 3]], 64), routing_type)  # one full pack, no padding
+    for rows, length in (([[2, 0], [3, 1]], 48), ([[3], [1, 0, 2]], 70), ([[0, 1, 2, 3]], 128)):
+        got = run_pack(model, *pack_rows(rows, length), routing_type)
+        assert got[1] == ref[1]
+        assert abs(got[0] - ref[0]) <= 1e-5 * abs(ref[0]), (rows, length)
+        assert abs(got[2] - ref[2]) <= 1e-5 * ref[2], (rows, length, routing_type)
+        assert torch.equal(got[3], ref[3]), (rows, length)  # tokens per expert: pads never counted
+
+
+def test_pad_id_equal_to_eos_routes_every_real_eos_and_no_pad(megatron):
+    model, _ = megatron
+    ids, labels, segments = pack_rows([[0, 1, 2, 3]], 100)
+    *_, load, maps, batch = run_pack(model, ids, labels, segments)
+    (routing_map,) = maps
+    real = batch.routing_segments.reshape(-1) != 0
+    eos = batch.tokens.reshape(-1) == EOS
+    assert int((real & eos).sum()) == len(SAMPLE_LENGTHS)  # one EOS per sample: same id as the 36 pads
+    assert (routing_map[real & eos].sum(-1) == TOPK).all()  # every real EOS reaches its experts
+    assert not routing_map[~real].any()  # pads reach none
+    assert float(load.sum()) == TOPK * int(real.sum())
+
+
+def test_shared_expert_family_is_refused_by_name(tmp_path):
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, num_experts=4)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError, match=r"Qwen2MoeForCausalLM \(qwen2_moe\) has shared experts"):
+        hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), 1, 1)
