@@ -57,6 +57,12 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], "cpu") + tuple(args[2:])
+        if func is torch.distributed.all_to_all_single:
+            # megatron's MoE alltoall dispatcher passes split sizes as tensors (copied to host
+            # arrays only on a GPU); the collective takes lists of ints
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if kwargs.get(key) is not None and not isinstance(kwargs[key], list):
+                    kwargs[key] = [int(n) for n in kwargs[key]]
         return func(*args, **kwargs)
 
 

@@ -133,12 +133,12 @@ class PackedTopKRouter(TopKRouter):
                 top = torch.zeros_like(routing_map).scatter(1, torch.topk(scores, self.topk, dim=1).indices, True)
                 if seg is None:
                     seg = torch.ones(logits.shape[0], dtype=torch.long, device=logits.device)
-                aux_loss, local_real, full = self._load_balancing_loss(scores, top, seg)
+                aux_loss, real_tokens, full = self._load_balancing_loss(scores, top, seg)
                 self.step_aux_loss += float(full)
                 self.step_micro_batches += 1
                 if coeff:
                     # megatron's per-token loss convention: gradients end up divided by the step's tokens
-                    probs = MoEAuxLossAutoScaler.apply(probs, coeff * aux_loss * local_real)
+                    probs = MoEAuxLossAutoScaler.apply(probs, coeff * aux_loss * real_tokens)
         return probs, routing_map
 
     def _load_balancing_loss(self, scores: torch.Tensor, top: torch.Tensor, seg: torch.Tensor):
@@ -163,10 +163,12 @@ class PackedTopKRouter(TopKRouter):
         per_group = per_group[1:] * experts / self.topk
         present = tokens[1:] > 0
         loss = per_group[present].sum() / present.sum().clamp(min=1)
-        local_real = (seg != 0).sum()
+        # megatron's per-token convention scales the aux gradient by the tokens it covers (all
+        # sequence-parallel ranks' real tokens: each rank's partial loss is a share of one loss)
+        real_tokens = tokens[1:].sum()
         # the full loss for the statistics (each sequence-parallel rank holds a part of it)
         full = _all_reduce(loss, tp_cp) if tp_cp.size() > 1 else loss.detach()
-        return loss, local_real, full
+        return loss, real_tokens, full
 
 
 def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:

@@ -175,6 +175,8 @@ def _tp_local_args(model: argparse.Namespace, tp: int) -> argparse.Namespace:
     local.num_attention_heads //= tp
     local.num_query_groups //= tp
     local.ffn_hidden_size //= tp
+    if getattr(local, "moe_ffn_hidden_size", None):  # each expert's MLP is split like the dense one
+        local.moe_ffn_hidden_size //= tp
     local.padded_vocab_size //= tp
     local.vocab_size = local.padded_vocab_size
     local.tensor_model_parallel_size = 1

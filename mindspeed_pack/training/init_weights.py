@@ -3,7 +3,7 @@
 megatron-core initialises each rank's shard from that rank's RNG stream, so a model built
 at TP=2 or PP=2 starts from other weights than at TP=1/PP=1, and their losses cannot be
 compared step by step. Here every parameter's *full* tensor is drawn from a generator
-seeded by (seed, global parameter name), then cut with the converter's own sharding rules
+seeded by (seed, global parameter name; experts by their global index), then cut with the converter's own sharding rules
 (:func:`mindspeed_pack.convert.sharding.shard_state_dict`): every layout starts from
 the same model. Megatron's scheme is kept: normal(0, std) weights, output projections
 scaled by 1/sqrt(2 * num_layers), zero biases, unit norms.
@@ -21,6 +21,12 @@ from mindspeed_pack.convert.sharding import COLUMN, GLU, ROW, VOCAB, layer_offse
 from mindspeed_pack.convert.weight_map import MG_EMBEDDING, MG_OUTPUT
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+def _global_expert(name: str, first_expert: int) -> str:
+    """Expert parallelism: a rank's local expert j is global expert ``first_expert + j``."""
+    return _LOCAL_EXPERT.sub(lambda m: f".local_experts.{first_expert + int(m.group(1))}.", name)
 
 
 def _global_name(local: str, offset: int, tied_output_copy: bool) -> str:
@@ -58,10 +64,12 @@ def parallel_invariant_init(model: torch.nn.Module, args, seed: int) -> None:
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     offset = layer_offset(args.num_layers, pp_rank, pp)
     tied_copy = pp > 1 and pp_rank == pp - 1 and not args.untie_embeddings_and_output_weights
+    experts = getattr(args, "num_experts", None) or 0
+    first_expert = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     for local, param in model.named_parameters():
         name = _global_name(local, offset, tied_copy)
         kind = split_kind(name, args)
-        full = _draw(name, _full_shape(param.shape, kind, tp), args, seed)
+        full = _draw(_global_expert(name, first_expert), _full_shape(param.shape, kind, tp), args, seed)
         shard = shard_state_dict({name: full}, args, tp_rank, tp, pp_rank, pp)[local]
         if shard.shape != param.shape:
             raise RuntimeError(f"init of {local}: shard {tuple(shard.shape)} != parameter {tuple(param.shape)}")
