@@ -191,3 +191,35 @@ def test_shared_expert_family_is_refused_by_name(tmp_path):
     transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConversionError, match=r"Qwen2MoeForCausalLM \(qwen2_moe\) has shared experts"):
         hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), 1, 1)
+
+
+MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--qk-layernorm",
+             "--moe-layer-freq", "[0,1]", "--moe-router-load-balancing-type", "seq_aux_loss",
+             "--moe-aux-loss-coeff", "0.01", "--seq-length", "128", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--neat-pack", "--train-iters", "3", "--lr", "1e-3"]
+
+
+def test_ep2_and_tp2_match_one_process(tmp_path):
+    """Expert parallelism (alltoall dispatcher over gloo) and TP2 with sequence parallelism train
+    the same model as one process: losses, aux losses, grad norms and expert loads per step."""
+    from tests.train_utils import run_posttrain, write_copy_task
+
+    data = write_copy_task(str(tmp_path / "data"), num_packs=16)
+    runs = {}
+    for name, nproc, extra in (("one", 1, []),
+                               ("ep2", 2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                           "alltoall"]),
+                               ("tp2", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+        proc, records = run_posttrain([*MOE_FLAGS, "--data-path", data, *extra], nproc=nproc,
+                                      metrics=str(tmp_path / f"{name}.jsonl"))
+        runs[name] = [r for r in records if r["split"] == "train"]
+        if name == "one":  # the console line carries the MoE fields
+            assert "moe aux loss:" in proc.stdout and "expert load max/mean:" in proc.stdout
+    ref = runs["one"]
+    assert len(ref) == 3
+    for name in ("ep2", "tp2"):
+        for got, want in zip(runs[name], ref, strict=True):
+            for key in ("lm loss", "moe aux loss", "grad norm", "expert load max/mean"):
+                assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (name, got["iteration"], key)
+            assert got["tokens per expert"] == want["tokens per expert"], (name, got["iteration"])
+    assert sum(ref[0]["tokens per expert"][0]) == 2 * ref[0]["tokens"]  # top-2 of every real token, no pad

@@ -146,10 +146,10 @@ class PackedTopKRouter(TopKRouter):
         micro-batch (``aux_loss``) or of each sample, averaged over samples (``seq_aux_loss``)."""
         experts = self.config.num_moe_experts
         if self.routing_type == "aux_loss":
-            groups = (seg != 0).long()  # one group: every real token
-        else:
+            groups, n = (seg != 0).long(), 2  # one group: every real token
+        else:  # the micro-batch's sample count (not this rank's: sequence parallelism splits samples)
             groups = seg
-        n = int(groups.max()) + 1 if groups.numel() else 1
+            n = int(self.routing_segments.max()) + 1 if self.routing_segments is not None else 2
         real = (groups != 0).float().unsqueeze(-1)
         prob_sums = torch.zeros(n, experts, dtype=scores.dtype, device=scores.device).index_add(
             0, groups, scores * real)
