@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.sh"))
 QWEN25 = REPO / "examples" / "qwen25"
 QWEN3 = REPO / "examples" / "qwen3"
+QWEN3_MOE = REPO / "examples" / "qwen3_moe"
 HEADER = "#@ "
 
 
@@ -264,6 +265,38 @@ def test_qwen3_training_flags_are_the_models_config():
     assert (tune.num_layers, tune.hidden_size, tune.ffn_hidden_size, tune.num_attention_heads,
             tune.num_query_groups, tune.kv_channels) == (36, 4096, 12288, 32, 8, 128)
     assert tune.qk_layernorm and not tune.add_qkv_bias and tune.seq_length == 4096 and tune.neat_pack
+
+
+# Qwen3-30B-A3B's config.json as published (transformers 4.51 layout)
+QWEN3_30B_A3B_CONFIG = {
+    **{k: v for k, v in QWEN3_8B_CONFIG.items() if k not in ("max_window_layers",)},
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "max_window_layers": 48, "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "output_router_logits": False, "router_aux_loss_coef": 0.001,
+    "mlp_only_layers": [],
+}
+
+
+def test_qwen3_moe_training_flags_are_the_models_config():
+    """The MoE tune script's model and expert flags are what the converter derives from Qwen3-30B-A3B's
+    config.json, and the conversion script shards for the training's TP x PP."""
+    from mindspeed_pack.convert.model_specs import args_from_hf_config
+
+    (tune,) = check_script(QWEN3_MOE / "tune_qwen3_30b_a3b_4k_full_pack.sh")
+    (hf2mg,) = check_script(QWEN3_MOE / "ckpt_convert_qwen3_moe_hf2mcore.sh")
+    expected = args_from_hf_config(QWEN3_30B_A3B_CONFIG, tp=tune.tensor_model_parallel_size,
+                                   padded_vocab_size=151936)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                 "qk_layernorm", "add_qkv_bias", "norm_epsilon", "rotary_base", "untie_embeddings_and_output_weights",
+                 "padded_vocab_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                 "moe_router_pre_softmax"):
+        assert getattr(tune, name) == getattr(expected, name), name
+    assert expected.moe_layer_freq == [1] * 48 and tune.moe_layer_freq == 1
+    assert (tune.num_experts, tune.moe_router_topk, tune.sequence_parallel) == (128, 8, True)
+    assert hf2mg.model_type_hf == "qwen3_moe" and (hf2mg.save_dir, hf2mg.target_tensor_parallel_size,
+                                                   hf2mg.target_pipeline_parallel_size) == \
+        (tune.load, tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size)
 
 
 def test_qwen3_scripts_agree_with_each_other():

@@ -18,8 +18,8 @@ MODEL_TYPE_HF=${MODEL_TYPE_HF:-qwen2}   # the family (convert_ckpt.py --model-ty
 
 # Must equal TP/PP of tune_qwen25_7b_4k_full_pack.sh (convert_ckpt.py --load-model-type mg
 # --save-model-type mg reshards an existing Megatron checkpoint if you change them later).
-TP=4
-PP=1
+TP=${TP:-4}
+PP=${PP:-1}
 
 CONVERT_ARGS=(
     --load-model-type hf
