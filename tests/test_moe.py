@@ -223,3 +223,17 @@ def test_ep2_and_tp2_match_one_process(tmp_path):
                 assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (name, got["iteration"], key)
             assert got["tokens per expert"] == want["tokens per expert"], (name, got["iteration"])
     assert sum(ref[0]["tokens per expert"][0]) == 2 * ref[0]["tokens"]  # top-2 of every real token, no pad
+
+
+def test_model_flops_count_the_active_experts():
+    """Throughput counts an MoE layer's top-k experts, not all of them nor a dense FFN: Qwen3-30B-A3B
+    runs ~3B parameters per token (the published 3.3B includes the input embedding)."""
+    import types
+
+    from mindspeed_pack.packing.balance import cost_model
+
+    args = types.SimpleNamespace(hidden_size=2048, num_layers=48, num_attention_heads=32, kv_channels=128,
+                                 num_query_groups=4, ffn_hidden_size=6144, padded_vocab_size=151936, swiglu=True,
+                                 num_experts=128, moe_layer_freq=1, moe_ffn_hidden_size=768, moe_router_topk=8)
+    active = cost_model(args).linear / 2  # FLOPs per token = 2 x parameters used
+    assert 2.9e9 < active < 3.2e9

@@ -48,9 +48,18 @@ def cost_model(args) -> CostModel:
     groups = getattr(args, "num_query_groups", None) or heads
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * h
     vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 0
-    mlp_in = ffn * (2 if getattr(args, "swiglu", False) else 1)
-    per_layer = h * (heads + 2 * groups) * head_dim + heads * head_dim * h + h * mlp_in + ffn * h
-    return CostModel(linear=2.0 * (layers * per_layer + h * vocab), attention=2.0 * layers * heads * head_dim)
+    gated = 2 if getattr(args, "swiglu", False) else 1
+    attention = h * (heads + 2 * groups) * head_dim + heads * head_dim * h
+    mlp = (gated + 1) * h * ffn
+    experts = getattr(args, "num_experts", None) or 0
+    sparse = 0
+    if experts:  # an MoE layer runs top-k experts of --moe-ffn-hidden-size per token, plus the router
+        freq = getattr(args, "moe_layer_freq", 1)
+        sparse = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
+        moe_ffn = getattr(args, "moe_ffn_hidden_size", None) or ffn
+        moe_mlp = args.moe_router_topk * (gated + 1) * h * moe_ffn + h * experts
+    linear = layers * attention + (layers - sparse) * mlp + (sparse * moe_mlp if sparse else 0) + h * vocab
+    return CostModel(linear=2.0 * linear, attention=2.0 * layers * heads * head_dim)
 
 
 def imbalance(loads) -> float:
