@@ -199,9 +199,10 @@ MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
              "--global-batch-size", "4", "--neat-pack", "--train-iters", "3", "--lr", "1e-3"]
 
 
-def test_ep2_and_tp2_match_one_process(tmp_path):
-    """Expert parallelism (alltoall dispatcher over gloo) and TP2 with sequence parallelism train
-    the same model as one process: losses, aux losses, grad norms and expert loads per step."""
+def test_ep2_tp2_pp2_match_one_process(tmp_path):
+    """Expert parallelism (alltoall dispatcher over gloo), TP2 with sequence parallelism and PP2
+    (a dense stage, then an MoE stage) train the same model on the same packs as one process:
+    losses, aux losses, grad norms and expert loads per step."""
     from tests.train_utils import run_posttrain, write_copy_task
 
     data = write_copy_task(str(tmp_path / "data"), num_packs=16)
@@ -209,7 +210,8 @@ def test_ep2_and_tp2_match_one_process(tmp_path):
     for name, nproc, extra in (("one", 1, []),
                                ("ep2", 2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
                                            "alltoall"]),
-                               ("tp2", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])):
+                               ("tp2", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                               ("pp2", 2, ["--pipeline-model-parallel-size", "2"])):
         proc, records = run_posttrain([*MOE_FLAGS, "--data-path", data, *extra], nproc=nproc,
                                       metrics=str(tmp_path / f"{name}.jsonl"))
         runs[name] = [r for r in records if r["split"] == "train"]
@@ -217,7 +219,7 @@ def test_ep2_and_tp2_match_one_process(tmp_path):
             assert "moe aux loss:" in proc.stdout and "expert load max/mean:" in proc.stdout
     ref = runs["one"]
     assert len(ref) == 3
-    for name in ("ep2", "tp2"):
+    for name in ("ep2", "tp2", "pp2"):
         for got, want in zip(runs[name], ref, strict=True):
             for key in ("lm loss", "moe aux loss", "grad norm", "expert load max/mean"):
                 assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (name, got["iteration"], key)
