@@ -25,26 +25,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_train_throughput import heavy_tailed_lengths, make_samples, packed_rows, run  # noqa: E402
+from bench_train_throughput import heavy_tailed_lengths, make_samples, packed_rows, padded_rows, run  # noqa: E402
 from mindspeed_pack.model import moe  # noqa: E402
 from mindspeed_pack.model.gpt import build_gpt_model  # noqa: E402
-from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch  # noqa: E402
+from mindspeed_pack.packing.segments import build_packed_batch  # noqa: E402
 from tests.model_utils import init_single_process, tiny_args  # noqa: E402
-
-
-def one_sample_per_row(samples, batch):
-    """Micro-batches of ``batch`` rows, one sample each, padded to the longest (segment 0 = pad)."""
-    rows = []
-    for start in range(0, len(samples), batch):
-        chunk = samples[start:start + batch]
-        width = max(len(x) for x, _ in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        labels = torch.full((len(chunk), width), IGNORE_INDEX)
-        seg = torch.zeros(len(chunk), width, dtype=torch.long)
-        for r, (x, y) in enumerate(chunk):
-            ids[r, :len(x)], labels[r, :len(x)], seg[r, :len(x)] = x, y, 1
-        rows.append((ids, labels, seg))
-    return rows
 
 
 def main(argv=None):
@@ -66,15 +51,20 @@ def main(argv=None):
     lengths = heavy_tailed_lengths(args.samples, args.seq_length)
     samples = make_samples(lengths, 2048)
     real = int(lengths.sum())
-    configs = {"packed": packed_rows(samples, args.seq_length), "one per row": one_sample_per_row(samples, args.batch)}
+    configs = {"packed": packed_rows(samples, args.seq_length), "one per row": padded_rows(samples, args.batch, segments=True)}
     results = {}
     for name, rows in configs.items():
         torch.manual_seed(0)
         model = build_gpt_model(model_args).train()
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)  # same weights at every step of both runs
         # as the trainer's forward_step: each micro-batch's routing segments reach the routers first
-        segments = iter([build_packed_batch(ids, labels, seg).routing_segments for ids, labels, seg in rows])
-        model.register_forward_pre_hook(lambda m, a: moe.set_routing_segments(m, next(segments)))
+        segments = [build_packed_batch(ids, labels, seg).routing_segments for ids, labels, seg in rows]
+        queue = list(segments[:2])
+        model.register_forward_pre_hook(lambda m, a: moe.set_routing_segments(m, queue.pop(0)))
+        run(model, opt, rows[:2], real)  # warm-up
+        for router in moe.routers(model):
+            router.reset_statistics()
+        queue[:] = segments
         elapsed, tps, _ = run(model, opt, rows, real)
         load = sum(r.step_tokens_per_expert for r in moe.routers(model))
         results[name] = dict(rows=len(rows), computed=sum(r[0].numel() for r in rows), elapsed=elapsed, tps=tps,

@@ -68,16 +68,19 @@ def packed_rows(samples, seq_length, isolate=True):
     return rows
 
 
-def padded_rows(samples, batch):
+def padded_rows(samples, batch, segments=False):
+    """Micro-batches of ``batch`` rows, one sample each, padded to the longest; ``segments``: with
+    segment ids (1 = the sample, 0 = pad), else one causal row each (pads count as tokens)."""
     rows = []
     for start in range(0, len(samples), batch):
         chunk = samples[start:start + batch]
         width = max(len(x) for x, _ in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         labels = torch.full((len(chunk), width), IGNORE_INDEX)
+        seg = torch.zeros(len(chunk), width, dtype=torch.long)
         for r, (x, y) in enumerate(chunk):
-            ids[r, :len(x)], labels[r, :len(x)] = x, y
-        rows.append((ids, labels, None))
+            ids[r, :len(x)], labels[r, :len(x)], seg[r, :len(x)] = x, y, 1
+        rows.append((ids, labels, seg if segments else None))
     return rows
 
 
