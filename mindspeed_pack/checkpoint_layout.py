@@ -222,17 +222,27 @@ _TE_NAMES = {
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
     "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
 }
+# MoE experts under TE grouped GEMM (--moe-grouped-gemm): one GroupedLinear per fc, weight{j} per expert
+_LOCAL_EXPERT = re.compile(r"^(.*\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_GROUPED_EXPERT = re.compile(r"^(.*\.experts\.)(linear_fc[12])\.weight(\d+)$")
 
 
-def to_backend_names(state_dict: Dict[str, torch.Tensor], backend: str) -> Dict[str, torch.Tensor]:
-    """Canonical (local spec) names -> the names of ``backend``'s modules."""
+def to_backend_names(state_dict: Dict[str, torch.Tensor], backend: str, names=None) -> Dict[str, torch.Tensor]:
+    """Canonical (local spec) names -> the names of ``backend``'s modules. ``names``: the module's own
+    parameter names; a name is renamed only into one of them (an MoE layer keeps its own
+    ``pre_mlp_layernorm``: TE fuses that norm into ``linear_fc1`` in dense layers only)."""
     if backend != "te":
         return state_dict
+    names = set(names) if names is not None else None
     out = {}
     for name, tensor in state_dict.items():
-        for local, te in _TE_NAMES.items():
-            if name.endswith(local):
-                name = name[: -len(local)] + te
+        candidates = [name[: -len(local)] + te for local, te in _TE_NAMES.items() if name.endswith(local)]
+        expert = _LOCAL_EXPERT.match(name)
+        if expert:
+            candidates.append(f"{expert.group(1)}{expert.group(3)}.weight{expert.group(2)}")
+        for candidate in candidates:
+            if names is None or candidate in names:
+                name = candidate
                 break
         out[name] = tensor
     return out
@@ -248,6 +258,9 @@ def to_canonical_names(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.T
             if name.endswith(te):
                 name = name[: -len(te)] + local
                 break
+        grouped = _GROUPED_EXPERT.match(name)
+        if grouped:
+            name = f"{grouped.group(1)}local_experts.{grouped.group(3)}.{grouped.group(2)}.weight"
         out[name] = tensor
     return out
 

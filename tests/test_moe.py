@@ -239,3 +239,19 @@ def test_model_flops_count_the_active_experts():
                                  num_experts=128, moe_layer_freq=1, moe_ffn_hidden_size=768, moe_router_topk=8)
     active = cost_model(args).linear / 2  # FLOPs per token = 2 x parameters used
     assert 2.9e9 < active < 3.2e9
+
+
+def test_te_names_keep_moe_layers_own_norm_and_map_grouped_experts():
+    """On the TE spec a dense layer's pre-MLP norm is fused into linear_fc1 but an MoE layer keeps its
+    own, and --moe-grouped-gemm stores expert j as weight{j}: checkpoints keep the local names."""
+    from mindspeed_pack.checkpoint_layout import to_backend_names, to_canonical_names
+
+    canonical = {"decoder.layers.0.pre_mlp_layernorm.weight": torch.ones(2),
+                 "decoder.layers.1.pre_mlp_layernorm.weight": torch.ones(2),
+                 "decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight": torch.ones(2),
+                 "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight": torch.ones(2)}
+    te_module = ["decoder.layers.0.mlp.linear_fc1.layer_norm_weight", "decoder.layers.1.pre_mlp_layernorm.weight",
+                 "decoder.layers.1.mlp.experts.linear_fc1.weight3", "decoder.layers.1.mlp.experts.linear_fc2.weight3"]
+    te = to_backend_names(canonical, "te", te_module)
+    assert sorted(te) == sorted(te_module)
+    assert sorted(to_canonical_names(te)) == sorted(canonical)

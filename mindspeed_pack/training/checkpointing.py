@@ -319,7 +319,7 @@ def _load_hf_weights(args, model, optimizer):
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     loaded = {}  # name -> a shape-only stand-in, for the final check
     for unit in read_rank_units(args):  # one unit in memory at a time
-        weights = layout.to_backend_names(unit, module.attention_backend)
+        weights = layout.to_backend_names(unit, module.attention_backend, expected)
         loaded.update({k: torch.empty(v.shape, device="meta") for k, v in weights.items()})
         if any(k in expected and tuple(v.shape) != tuple(expected[k]) for k, v in weights.items()):
             break  # named by the check below
@@ -379,7 +379,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
                               f"below --seq-length {args.seq_length}: the model attends to the whole sample, so "
                               f"train with --seq-length <= {args.loaded_sliding_window}")
     module = model[0].module
-    weights = layout.to_backend_names(state["model"], module.attention_backend)
+    weights = layout.to_backend_names(state["model"], module.attention_backend, module.state_dict().keys())
     _check_shapes(path, module, weights, state.get("args") or {}, args)
     module.load_state_dict(weights, strict=False)
     release = iteration == layout.RELEASE
