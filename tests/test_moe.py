@@ -255,3 +255,19 @@ def test_te_names_keep_moe_layers_own_norm_and_map_grouped_experts():
     te = to_backend_names(canonical, "te", te_module)
     assert sorted(te) == sorted(te_module)
     assert sorted(to_canonical_names(te)) == sorted(canonical)
+
+
+@pytest.mark.parametrize("extra,world,message", [
+    (["--expert-model-parallel-size", "2", "--save", "ckpt"], 2, "--expert-model-parallel-size > 1 with --save/--load"),
+    (["--context-parallel-size", "2"], 2, "--context-parallel-size > 1 is not supported"),
+    (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
+    (["--expert-model-parallel-size", "3", "--global-batch-size", "6"], 3, "must divide --num-experts 4"),
+    (["--moe-layer-freq", "[0,1,1]"], 1, "--moe-layer-freq lists 3 layers"),
+], ids=["ep-save", "cp", "tp-without-sp", "ep-experts", "layer-freq"])
+def test_moe_flag_combinations_are_refused_by_name(extra, world, message, capsys):
+    from mindspeed_pack.training.arguments import parse_args
+    from tests.model_utils import TINY_FLAGS
+
+    with pytest.raises(SystemExit):
+        parse_args([*TINY_FLAGS, *MOE_FLAGS, "--data-path", "data", *extra], world_size=world)
+    assert message in capsys.readouterr().err
