@@ -24,7 +24,6 @@ back with :func:`step_statistics`.
 """
 from __future__ import annotations
 
-import logging
 from typing import Dict, List, Optional
 
 import torch
@@ -36,8 +35,6 @@ from megatron.core.transformer.moe.moe_utils import (
     topk_routing_with_score_function,
 )
 from megatron.core.transformer.moe.router import TopKRouter
-
-log = logging.getLogger(__name__)
 
 # megatron-core 0.16.1 binds TE's router GEMM only when TE imports, then reads the name anyway:
 # without TE the router's gating falls back to torch.mm once the name exists (as None)
@@ -106,6 +103,8 @@ class PackedTopKRouter(TopKRouter):
         return seg.to(self.weight.device)
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """megatron's top-k routing, then pads' rows cleared; statistics and aux losses by sample.
+        (``padding_mask`` is megatron-core's own argument: the routing segments replace it.)"""
         logits = logits.view(-1, self.config.num_moe_experts)
         seg = self._local_segments(logits.shape[0])
         probs, routing_map = topk_routing_with_score_function(
@@ -113,7 +112,6 @@ class PackedTopKRouter(TopKRouter):
             num_groups=self.config.moe_router_num_groups, group_topk=self.config.moe_router_group_topk,
             scaling_factor=self.config.moe_router_topk_scaling_factor, score_function=self.score_function,
             expert_bias=self.expert_bias, fused=self.config.moe_router_fusion, router_replay=self.router_replay)
-        real = None
         if seg is not None:
             real = (seg != 0).unsqueeze(-1)
             routing_map = routing_map & real  # pads go to no expert
