@@ -39,7 +39,11 @@ from mindspeed_pack.data.tokenizer import TextTokenizer
 ALPACA = "AlpacaStyleInstructionHandler"
 SHAREGPT = "SharegptStyleInstructionHandler"
 PRETRAIN = "GeneralPretrainHandler"
-HANDLERS = (ALPACA, SHAREGPT, PRETRAIN)
+# preference pairs (mindspeed_pack/data/pairwise.py): the same rows with ``chosen``/``rejected`` answers
+ALPACA_PAIRWISE = "AlpacaStylePairwiseHandler"
+SHAREGPT_PAIRWISE = "SharegptStylePairwiseHandler"
+PAIRWISE_BASE = {ALPACA_PAIRWISE: ALPACA, SHAREGPT_PAIRWISE: SHAREGPT}
+HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE)
 
 DEFAULT_MAP_KEYS = {
     ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"},
@@ -51,6 +55,11 @@ DEFAULT_MAP_KEYS = {
 REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",)}
 # which map-keys name columns (the others name fields inside a message or role values)
 COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history"), SHAREGPT: ("messages", "system"), PRETRAIN: ("text",)}
+for _pairwise, _base in PAIRWISE_BASE.items():  # the base handler's keys, its answer column replaced by the pair's
+    DEFAULT_MAP_KEYS[_pairwise] = {**{k: v for k, v in DEFAULT_MAP_KEYS[_base].items() if k != "response"},
+                                   "chosen": "chosen", "rejected": "rejected"}
+    REQUIRED_COLUMNS[_pairwise] = tuple(k for k in REQUIRED_COLUMNS[_base] if k != "response") + ("chosen", "rejected")
+    COLUMN_KEYS[_pairwise] = tuple(k for k in COLUMN_KEYS[_base] if k != "response") + ("chosen", "rejected")
 _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
                    "tool": "observation_tag"}
 
@@ -67,7 +76,7 @@ def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]
     mapping = dict(DEFAULT_MAP_KEYS[handler])
     explicit = set()
     for key, value in (map_keys or {}).items():
-        key = _OPENAI_ALIASES.get(key, key) if handler == SHAREGPT else key
+        key = _OPENAI_ALIASES.get(key, key) if SHAREGPT in (handler, PAIRWISE_BASE.get(handler)) else key
         if key not in mapping:
             raise PreprocessError(f"--map-keys: unknown key {key!r} for {handler}; known keys: {', '.join(mapping)}")
         if not isinstance(value, str):
@@ -134,9 +143,14 @@ class SampleEncoder:
 
     # ---------------------------------------------------------------- row -> messages
     def _alpaca_messages(self, row, where):
+        response = self._field(row, "response", where, required=True)
+        messages, system = self._alpaca_prompt(row, where)
+        return messages + [(ASSISTANT, response)], system
+
+    def _alpaca_prompt(self, row, where):
+        """The row's history and its own prompt, without the answer (pairs add two answers)."""
         prompt = self._field(row, "prompt", where, required=True)
         query = self._field(row, "query", where, required=False)
-        response = self._field(row, "response", where, required=True)
         system = self._field(row, "system", where, required=False)
         messages = []
         for n, pair in enumerate(self._field(row, "history", where, required=False, kind=list)):
@@ -144,7 +158,7 @@ class SampleEncoder:
                 raise PreprocessError(f"{where}: field {self.keys['history']!r} item {n} must be a "
                                       f"[prompt, answer] pair of strings, got {pair!r}")
             messages += [(USER, pair[0]), (ASSISTANT, pair[1])]
-        messages += [(USER, f"{prompt}\n{query}" if query else prompt), (ASSISTANT, response)]
+        messages.append((USER, f"{prompt}\n{query}" if query else prompt))
         return messages, system
 
     def _sharegpt_messages(self, row, where):

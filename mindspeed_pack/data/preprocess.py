@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Optional
 
 
-from mindspeed_pack.data import pack_writer, readers
+from mindspeed_pack.data import pack_writer, pairwise, readers
 from mindspeed_pack.data.errors import PreprocessError
 from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
                                           resolve_map_keys)
@@ -119,6 +119,9 @@ def validate_args(args) -> None:
                                   "the start of the next sample")
         if args.prompt_type is None:
             raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json)")
+        if pairwise.is_pairwise(args.handler_name) and not (args.pack and args.neat_pack):
+            raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a preference pair is a unit of "
+                                  "packing, its chosen and rejected answers told apart by their segment ids")
     if args.map_keys is not None and not isinstance(args.map_keys, dict):
         try:
             args.map_keys = json.loads(args.map_keys)
@@ -142,11 +145,15 @@ class EncoderConfig:
     map_keys: dict
     seq_length: Optional[int]
     append_eod: bool
+    pad_to_multiple_of: int = 1  # pairs: a pair's padded length must fit --seq-length
 
     def build(self, tokenizer=None) -> SampleEncoder:
         template = get_template(self.prompt_type, self.templates_path) if self.handler != PRETRAIN else None
-        return SampleEncoder(self.handler, tokenizer or load_tokenizer(self.tokenizer), template, self.map_keys,
-                             self.seq_length, self.append_eod)
+        tokenizer = tokenizer or load_tokenizer(self.tokenizer)
+        if pairwise.is_pairwise(self.handler):
+            return pairwise.PairwiseEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length,
+                                            self.append_eod, self.pad_to_multiple_of)
+        return SampleEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length, self.append_eod)
 
 
 _ENCODER: Optional[SampleEncoder] = None
@@ -303,7 +310,7 @@ def run(args) -> dict:
     changes = extend_tokenizer_for_template(tokenizer, template)
     check_eos(tokenizer, args.tokenizer_path)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
-                           args.seq_length, args.append_eod)
+                           args.seq_length, args.append_eod, args.pad_to_multiple_of)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
 
     cache_key = {
@@ -364,7 +371,9 @@ def _layout(args, tokenizer, encoder) -> dict:
     return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": args.neat_pack,
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
-            "pad_to_multiple_of": args.pad_to_multiple_of}
+            "pad_to_multiple_of": args.pad_to_multiple_of,
+            **({"pairs": "segments 2k-1 (chosen) and 2k (rejected) of a pack are its k-th preference pair"}
+               if pairwise.is_pairwise(args.handler_name) else {})}
 
 
 def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int,
@@ -413,7 +422,9 @@ def _write_outputs(args, store, tokenizer, prefixes) -> dict:
 
     t = time.time()
     try:
-        plan = pack_lengths(store.lengths, args.seq_length)
+        pairs = pairwise.is_pairwise(args.handler_name)
+        plan = pairwise.pair_plan(store.lengths, args.seq_length) if pairs else pack_lengths(store.lengths,
+                                                                                              args.seq_length)
     except ValueError as exc:  # lengths are truncated to seq_length, so this is a bug, not bad input
         raise PreprocessError(f"internal error: packer refused the sample lengths: {exc}") from exc
     pack_seconds = time.time() - t
@@ -423,8 +434,11 @@ def _write_outputs(args, store, tokenizer, prefixes) -> dict:
     progress.close()
     # lower bound: of the padded lengths the packer packs; fill rate: the samples' own tokens (CP pads are waste too)
     fill_rate = (store.num_tokens - store.pad_tokens) / (plan.num_bins * args.seq_length)
-    return {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
-            "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
+    out = {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
+           "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
+    if pairs:  # what a precomputed reference must have scored (mindspeed_pack/stages/reference.py)
+        out.update(pairs=len(store) // 2, data_fingerprint=pack_writer.content_fingerprint(prefixes))
+    return out
 
 
 def _publish(args, tmp_prefixes: dict, meta: dict, tmp_tokenizer: Optional[Path] = None) -> None:
@@ -448,6 +462,11 @@ def print_summary(meta: dict) -> None:
     s = meta["statistics"]
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
     lines = [f"samples read {s['samples_read']}, written {s['samples_written']}, skipped {skipped}, truncated {s['truncated']}"]
+    if "pairs" in s:
+        lines.append(f"preference pairs {s['pairs']} (data fingerprint {s['data_fingerprint']})")
+    if s["skipped"].get(pairwise.SKIP_IDENTICAL):
+        print(f"warning: {s['skipped'][pairwise.SKIP_IDENTICAL]} rows with identical chosen and rejected answers "
+              "skipped (they teach no preference)", file=sys.stderr)
     if "packs" in s:
         lines.append(f"packs {s['packs']} (lower bound {s['lower_bound']}), fill rate {s['fill_rate']:.4f}")
     else:

@@ -1,0 +1,121 @@
+"""Preference pairs: one row -> a chosen and a rejected sample that share the prompt.
+
+Handlers (MindSpeed-LLM's names; LLaMA-Factory's ranking format):
+
+* ``AlpacaStylePairwiseHandler``: ``instruction`` (+ ``input``), optional ``system`` and
+  ``history``, and the two answers ``chosen`` / ``rejected``.
+* ``SharegptStylePairwiseHandler``: ``conversations`` ending with the user's turn, and
+  ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}`` or a string.
+
+Both samples go through the same template as supervised data. The pair is the unit of
+packing (``preprocess_data.py --pack --neat-pack``): the packer places pair lengths, so
+chosen and rejected are always neighbours in one pack, segment ``2k-1`` the chosen and
+``2k`` the rejected answer of the pack's ``k``-th pair::
+
+    attention_mask  1 1 1 1 1  2 2 2 2  3 3 3  4 4 4 4  0 0     (chosen 1, rejected 2, chosen 3, ...)
+
+A pair is never truncated (a one-sided cut would bias the preference): a pair longer than
+``--seq-length`` (its padded lengths under ``--pad-to-multiple-of``) is dropped and counted,
+and so is a pair whose answers are identical (it cannot teach a preference; warned).
+A row without ``chosen`` or ``rejected`` is a :class:`RowError`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from mindspeed_pack.data.errors import RowError
+from mindspeed_pack.data.handlers import ALPACA, ASSISTANT, PAIRWISE_BASE, EncodedChunk, SampleEncoder
+
+SKIP_TOO_LONG = "pair longer than --seq-length"
+SKIP_IDENTICAL = "identical chosen and rejected"
+MISSING_ANSWER = "missing chosen/rejected"
+
+
+def is_pairwise(handler: str) -> bool:
+    return handler in PAIRWISE_BASE
+
+
+def pair_plan(lengths: np.ndarray, seq_length: int):
+    """Pack the pairs of a TokenStore (samples 2i, 2i+1 = chosen, rejected of pair i).
+
+    The packer sees one length per pair; its plan is expanded back to samples, chosen before
+    rejected, so a pack's segment ids are 1..2k with pairs (2j-1, 2j).
+    """
+    from mindspeed_pack.packing.binpack import PackPlan, pack_lengths
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    plan = pack_lengths(lengths[0::2] + lengths[1::2], seq_length)
+    pairs = np.asarray(plan.item_order, dtype=np.int64)
+    samples = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+    return PackPlan(samples, 2 * np.asarray(plan.bin_offsets, dtype=np.int64), plan.capacity)
+
+
+class PairwiseEncoder(SampleEncoder):
+    """Row -> (chosen, rejected) samples; ``seq_length`` bounds the pair, never cuts it."""
+
+    def __init__(self, handler: str, tokenizer, template, map_keys: dict, seq_length: Optional[int],
+                 append_eod: bool, pad_to_multiple_of: int = 1):
+        super().__init__(PAIRWISE_BASE[handler], tokenizer, template, map_keys, None, append_eod)
+        self.pair_handler, self.budget, self.multiple = handler, seq_length, pad_to_multiple_of
+
+    def _answer(self, row: dict, key: str, where: str) -> str:
+        column = self.keys[key]
+        value = row.get(column)
+        if isinstance(value, dict):  # a ShareGPT message
+            value = value.get(self.keys.get("content_tag", "value"), value.get("content"))
+        if not isinstance(value, str):
+            got = "missing" if value is None else f"a {type(value).__name__}"
+            raise RowError(f"{where}: field {column!r} (--map-keys {key}) must be the {key} answer (a string or a "
+                           f"message with {self.keys.get('content_tag', 'value')!r}), got {got}; "
+                           f"the row has: {', '.join(map(str, row)) or 'no fields'}", MISSING_ANSWER)
+        return value
+
+    def plan_pair(self, row, where: str, texts: list):
+        """((chosen plan, rejected plan), None) or (None, skip reason)."""
+        if not isinstance(row, dict):
+            raise RowError(f"{where}: expected an object with named fields, got {type(row).__name__}", "not an object")
+        chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
+        prompt, system = (self._alpaca_prompt if self.handler == ALPACA else self._sharegpt_messages)(row, where)
+        if chosen == rejected:
+            return None, SKIP_IDENTICAL
+        plans = []
+        for answer in (chosen, rejected):
+            plan, skip = self.plan_messages(prompt + [(ASSISTANT, answer)], system, texts)
+            if plan is None:
+                return None, skip
+            plans.append(plan)
+        return tuple(plans), None
+
+    def encode_rows(self, rows) -> EncodedChunk:
+        texts: list = []
+        plans = []
+        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
+        for where, row in rows:
+            chunk.rows += 1
+            plans.append(self.plan_pair(row, where, texts))
+        encoded = self.tokenizer.encode_batch(texts)
+        ids, trained, lengths = [], [], []
+        for plan, skip in plans:
+            samples = []
+            for side in plan or ():
+                sample, skip, _ = self.finish(side, encoded)
+                if sample is None:
+                    break
+                samples.append(sample)
+            if len(samples) == 2 and self.budget is not None:
+                padded = sum(-(-len(s[0]) // self.multiple) * self.multiple for s in samples)
+                skip = SKIP_TOO_LONG if padded > self.budget else None
+            if len(samples) != 2 or skip is not None:
+                chunk.skipped[skip] += 1
+                continue
+            for sample in samples:
+                ids += sample[0]
+                trained += sample[1]
+                lengths.append(len(sample[0]))
+        if lengths:
+            chunk.input_ids = np.array(ids, dtype=np.int32)
+            chunk.trained = np.array(trained, dtype=np.uint8)
+            chunk.lengths = np.array(lengths, dtype=np.int32)
+        return chunk
