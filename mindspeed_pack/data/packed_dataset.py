@@ -223,9 +223,12 @@ def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: i
     pos = consumed_samples
     while pos + mbs * dp_size <= len(dataset):
         first = pos + dp_rank * mbs
-        yield collate([dataset[i] for i in range(first, first + mbs)], args.seq_length, args.isolate_segments,
-                      getattr(args, "pack_eos_id", None), getattr(args, "pack_pad_id", None),
-                      getattr(args, "sample_pad_id", None))
+        batch = collate([dataset[i] for i in range(first, first + mbs)], args.seq_length, args.isolate_segments,
+                        getattr(args, "pack_eos_id", None), getattr(args, "pack_pad_id", None),
+                        getattr(args, "sample_pad_id", None))
+        # which packs these are (documents of the prefix): per-pack data kept beside it (reference log-probs)
+        batch["documents"] = [dataset.start + int(dataset.index[i]) for i in range(first, first + mbs)]
+        yield batch
         pos += mbs * dp_size
 
 

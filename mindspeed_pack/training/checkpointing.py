@@ -312,18 +312,9 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
             state["step"] = step.clone()
 
 
-def load_checkpoint(args, model, optimizer, scheduler):
-    """Restore from ``--load``; returns (iteration, consumed_samples).
-
-    ``--load D --save D`` on a first launch (D empty or absent) starts from scratch, so a job
-    script can always pass both; any other ``--load`` without a checkpoint is an error.
-    """
-    root = args.load
-    same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
-    if same_as_save and not args.finetune and (not os.path.isdir(root) or not _has_checkpoints(root)) \
-            and not os.path.exists(os.path.join(root, layout.TRACKER)):
-        log.warning("--load %s (= --save) holds no checkpoint yet: starting from scratch", root)
-        return 0, 0
+def load_weights(args, root: str, module) -> tuple:
+    """The model weights of checkpoint ``root`` (its tracked iteration) into ``module``, checked
+    against this run's TP/PP layout and shapes; returns (iteration, its directory, rank file, state)."""
     if not os.path.isdir(root):
         raise CheckpointError(f"--load {root}: no such directory")
     try:
@@ -345,10 +336,25 @@ def load_checkpoint(args, model, optimizer, scheduler):
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")
     path, state = _read_rank_file(args, root, it_dir)
     args.loaded_model_type_hf = (state.get("args") or {}).get("model_type_hf")
-    module = model[0].module
     weights = layout.to_backend_names(state["model"], module.attention_backend)
     _check_shapes(path, module, weights, state.get("args") or {}, args)
     module.load_state_dict(weights, strict=False)
+    return iteration, it_dir, path, state
+
+
+def load_checkpoint(args, model, optimizer, scheduler):
+    """Restore from ``--load``; returns (iteration, consumed_samples).
+
+    ``--load D --save D`` on a first launch (D empty or absent) starts from scratch, so a job
+    script can always pass both; any other ``--load`` without a checkpoint is an error.
+    """
+    root = args.load
+    same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
+    if same_as_save and not args.finetune and (not os.path.isdir(root) or not _has_checkpoints(root)) \
+            and not os.path.exists(os.path.join(root, layout.TRACKER)):
+        log.warning("--load %s (= --save) holds no checkpoint yet: starting from scratch", root)
+        return 0, 0
+    iteration, it_dir, path, state = load_weights(args, root, model[0].module)
     release = iteration == layout.RELEASE
     if args.finetune or release or args.no_load_optim:
         refresh_master_weights(optimizer)
