@@ -13,7 +13,7 @@ from mindspeed_pack.data.pack_writer import content_fingerprint, packed_prefixes
 from tests.data_utils import IGNORE_INDEX, _builder
 
 
-def random_pairs(num_pairs: int, seed: int = 0, vocab: int = 250, prompt=(3, 20), answer=(2, 24)):
+def random_pairs(num_pairs: int, seed: int = 0, vocab: int = 250, prompt=(3, 10), answer=(2, 12)):
     """[(prompt ids, chosen ids, rejected ids)]; a rejected answer repeats a token the chosen never
     uses (id 3), so a tiny model can learn to prefer chosen answers."""
     rng = np.random.default_rng(seed)
