@@ -81,12 +81,15 @@ def test_precomputed_reference_gives_the_same_losses_and_resume_is_exact(setup, 
     from mindspeed_pack.training.stages.reference import SUFFIX
 
     proc, _ = run_posttrain(["--stage", "dpo_reference", "--seq-length", "128", "--neat-pack", "--micro-batch-size", "2",
-                             "--global-batch-size", "2", "--train-iters", "0", "--data-path", setup["data"],
+                             "--global-batch-size", "2", "--data-path", setup["data"],
                              "--load", setup["mg"], "--finetune"])
     assert os.path.isfile(setup["data"] + SUFFIX) and "reference log-probs of 60 pairs" in proc.stdout
     _, steps = _run(setup, "ref_logps", ["--load", setup["mg"], "--finetune", "--ref-logps"])
     _same_steps(baseline, steps, rel=1e-6)
     # resume at step 2 (mid-epoch) with the reference precomputed: steps 3 and 4 are the baseline's
+    from mindspeed_pack.checkpoint_layout import write_tracker
+
+    write_tracker(str(setup["root"] / "ckpt"), 2)  # the baseline saved iterations 2 and 4
     _, resumed = _run(setup, "resumed", ["--load", str(setup["root"] / "ckpt"), "--ref-logps"])
     _same_steps(baseline[2:], resumed, rel=1e-6)
     # a resume without a reference of the starting weights is refused (the checkpoint moved on)

@@ -351,7 +351,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     _check_schedule_flags(args)
     _check_data_flags(args)
-    if not args.skip_train and not args.train_iters:
+    if not args.skip_train and not args.train_iters and args.stage != "dpo_reference":  # scoring trains nothing
         raise ArgumentError("--train-iters is required (or --skip-train for evaluation only)")
     if args.skip_train and not args.eval_iters:
         raise ArgumentError("--skip-train needs --eval-iters > 0")

@@ -126,6 +126,9 @@ class ReferenceScoringStage:
     def run(self, args):
         from mindspeed_pack.training.trainer import Trainer
 
+        if not args.load:
+            raise DataError("--stage dpo_reference scores the reference model: pass it with --load (and --finetune "
+                            "for a training checkpoint)")
         trainer = Trainer(args, self.batch_source(args), self)
         trainer.setup()
         try:
