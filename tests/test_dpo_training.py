@@ -80,9 +80,10 @@ def test_cp2_dp2_matches_tp1(setup, baseline):
 def test_precomputed_reference_gives_the_same_losses_and_resume_is_exact(setup, baseline):
     from mindspeed_pack.training.stages.reference import SUFFIX
 
-    proc, _ = run_posttrain(["--stage", "dpo_reference", "--seq-length", "128", "--neat-pack", "--micro-batch-size", "2",
-                             "--global-batch-size", "2", "--data-path", setup["data"],
-                             "--load", setup["mg"], "--finetune"])
+    # scored at DP2, 3 micro-batches a step (the last step wraps round the packs)
+    proc, _ = run_posttrain(["--stage", "dpo_reference", "--seq-length", "128", "--neat-pack", "--micro-batch-size", "1",
+                             "--global-batch-size", "6", "--data-path", setup["data"],
+                             "--load", setup["mg"], "--finetune"], nproc=2)
     assert os.path.isfile(setup["data"] + SUFFIX) and "reference log-probs of 60 pairs" in proc.stdout
     _, steps = _run(setup, "ref_logps", ["--load", setup["mg"], "--finetune", "--ref-logps"])
     _same_steps(baseline, steps, rel=1e-6)

@@ -73,6 +73,9 @@ class DPOStage:
     normaliser = "preference pairs in the global batch"
 
     def __init__(self, args):
+        if args.ref_load and args.ref_logps:
+            raise DataError("--ref-load and --ref-logps both given: the reference is either a model run in this job "
+                            "or log-probs precomputed by --stage dpo_reference, not both")
         self.args = args
         self.reference = None  # frozen model chunks (in-job reference)
         self.tables = None  # {prefix: ReferenceTable} (precomputed reference)
