@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from bench.bench_train_throughput import packed_rows, padded_rows  # noqa: E402
 from mindspeed_pack.data.pairwise import pair_plan  # noqa: E402
 from mindspeed_pack.model.gpt import build_gpt_model  # noqa: E402
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch, sequence_sums  # noqa: E402
@@ -52,36 +53,17 @@ def heavy_tailed_pairs(n, seq_length, vocab, seed=0):
 
 
 def packed_step_rows(pairs, seq_length, packs_per_micro_batch=1):
-    """Micro-batches of the pairs' packs (segments 2k-1 chosen, 2k rejected)."""
-    lengths = np.array([len(x[0]) for pair in pairs for x in (pair[0:2], pair[2:4])])
-    plan = pair_plan(lengths, seq_length)
-    rows = []
-    for items in plan.bins():
-        ids = torch.zeros(seq_length, dtype=torch.long)
-        labels = torch.full((seq_length,), IGNORE_INDEX)
-        seg = torch.zeros(seq_length, dtype=torch.long)
-        pos = 0
-        for k, item in enumerate(items, start=1):
-            i, lab = pairs[item // 2][2 * (item % 2):2 * (item % 2) + 2]
-            ids[pos:pos + len(i)], labels[pos:pos + len(i)], seg[pos:pos + len(i)] = i, lab, k
-            pos += len(i)
-        rows.append((ids[None], labels[None], seg[None]))
+    """Micro-batches of the pairs' packs (segments 2k-1 chosen, 2k rejected), as preprocessing plans them."""
+    sequences = [x for pair in pairs for x in (pair[0:2], pair[2:4])]
+    plan = pair_plan(np.array([len(i) for i, _ in sequences]), seq_length)
+    rows = packed_rows(sequences, seq_length, plan=plan)
     return [tuple(torch.cat(x) for x in zip(*rows[i:i + packs_per_micro_batch]))
             for i in range(0, len(rows), packs_per_micro_batch)]
 
 
 def padded_micro_batches(pairs, pairs_per_micro_batch):
     """[2b, longest] micro-batches: chosen and rejected rows padded to the batch's longest."""
-    out = []
-    for s in range(0, len(pairs), pairs_per_micro_batch):
-        seqs = [x for pair in pairs[s:s + pairs_per_micro_batch] for x in (pair[0:2], pair[2:4])]
-        longest = max(len(i) for i, _ in seqs)
-        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
-        labels = torch.full((len(seqs), longest), IGNORE_INDEX)
-        for r, (i, lab) in enumerate(seqs):
-            ids[r, :len(i)], labels[r, :len(i)] = i, lab
-        out.append((ids, labels, None))
-    return out
+    return padded_rows([x for pair in pairs for x in (pair[0:2], pair[2:4])], 2 * pairs_per_micro_batch)
 
 
 def dpo_loss(model, rows, packed: bool):

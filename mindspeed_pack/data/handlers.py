@@ -258,6 +258,11 @@ class SampleEncoder:
             return None, SKIP_NO_TRAINABLE, truncated
         return (flat, mask), None, truncated
 
+    def finish_row(self, plan, encoded: list) -> tuple[list, Optional[str], bool]:
+        """A row's samples (one here; a preference pair gives two), or [] with a skip reason; truncated?"""
+        sample, skip, truncated = self.finish(plan, encoded)
+        return ([] if sample is None else [sample]), skip, truncated
+
     @staticmethod
     def _arrays(sample):
         return None if sample is None else (np.array(sample[0], dtype=np.int32), np.array(sample[1], dtype=np.uint8))
@@ -288,16 +293,17 @@ class SampleEncoder:
         encoded = self.tokenizer.encode_batch(texts)
         ids, trained, lengths = [], [], []
         for plan, skip in plans:
-            sample, truncated = None, False
+            samples, truncated = [], False
             if plan is not None:
-                sample, skip, truncated = self.finish(plan, encoded)
+                samples, skip, truncated = self.finish_row(plan, encoded)
             chunk.truncated += int(truncated)
-            if sample is None:
+            if not samples:
                 chunk.skipped[skip] += 1
                 continue
-            ids += sample[0]
-            trained += sample[1]
-            lengths.append(len(sample[0]))
+            for sample in samples:
+                ids += sample[0]
+                trained += sample[1]
+                lengths.append(len(sample[0]))
         if lengths:
             chunk.input_ids = np.array(ids, dtype=np.int32)
             chunk.trained = np.array(trained, dtype=np.uint8)

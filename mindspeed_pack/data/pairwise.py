@@ -26,7 +26,7 @@ from typing import Optional
 import numpy as np
 
 from mindspeed_pack.data.errors import RowError
-from mindspeed_pack.data.handlers import ALPACA, ASSISTANT, PAIRWISE_BASE, EncodedChunk, SampleEncoder
+from mindspeed_pack.data.handlers import ALPACA, ASSISTANT, PAIRWISE_BASE, SampleEncoder
 
 SKIP_TOO_LONG = "pair longer than --seq-length"
 SKIP_IDENTICAL = "identical chosen and rejected"
@@ -72,7 +72,7 @@ class PairwiseEncoder(SampleEncoder):
                            f"the row has: {', '.join(map(str, row)) or 'no fields'}", MISSING_ANSWER)
         return value
 
-    def plan_pair(self, row, where: str, texts: list):
+    def plan_row(self, row, where: str, texts: list):
         """((chosen plan, rejected plan), None) or (None, skip reason)."""
         if not isinstance(row, dict):
             raise RowError(f"{where}: expected an object with named fields, got {type(row).__name__}", "not an object")
@@ -88,34 +88,15 @@ class PairwiseEncoder(SampleEncoder):
             plans.append(plan)
         return tuple(plans), None
 
-    def encode_rows(self, rows) -> EncodedChunk:
-        texts: list = []
-        plans = []
-        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
-        for where, row in rows:
-            chunk.rows += 1
-            plans.append(self.plan_pair(row, where, texts))
-        encoded = self.tokenizer.encode_batch(texts)
-        ids, trained, lengths = [], [], []
-        for plan, skip in plans:
-            samples = []
-            for side in plan or ():
-                sample, skip, _ = self.finish(side, encoded)
-                if sample is None:
-                    break
-                samples.append(sample)
-            if len(samples) == 2 and self.budget is not None:
-                padded = sum(-(-len(s[0]) // self.multiple) * self.multiple for s in samples)
-                skip = SKIP_TOO_LONG if padded > self.budget else None
-            if len(samples) != 2 or skip is not None:
-                chunk.skipped[skip] += 1
-                continue
-            for sample in samples:
-                ids += sample[0]
-                trained += sample[1]
-                lengths.append(len(sample[0]))
-        if lengths:
-            chunk.input_ids = np.array(ids, dtype=np.int32)
-            chunk.trained = np.array(trained, dtype=np.uint8)
-            chunk.lengths = np.array(lengths, dtype=np.int32)
-        return chunk
+    def finish_row(self, plan, encoded: list):
+        """([chosen, rejected], None, False), or ([], skip reason, False): a pair is never truncated."""
+        samples = []
+        for side in plan:
+            sample, skip, _ = self.finish(side, encoded)
+            if sample is None:
+                return [], skip, False
+            samples.append(sample)
+        padded = sum(-(-len(s[0]) // self.multiple) * self.multiple for s in samples)
+        if self.budget is not None and padded > self.budget:
+            return [], SKIP_TOO_LONG, False
+        return samples, None, False
