@@ -10,7 +10,7 @@ Both train the same pairs with the same model (forward + backward of the DPO los
 in global batches of ``--global-pairs`` pairs; printed: padding ratio, rows per step, real
 tokens/s and step time of each (best of ``--repeats`` alternating passes), and the speed-up.
 
-    python bench/bench_dpo_packing.py [--pairs 256] [--seq-length 1024]
+    python bench/bench_dpo_packing.py [--pairs 128] [--seq-length 1024] [--hidden-size 512]
 """
 from __future__ import annotations
 
@@ -96,12 +96,12 @@ def run(model, optimizer, steps, packed: bool):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=256)
+    p.add_argument("--pairs", type=int, default=128)
     p.add_argument("--global-pairs", type=int, default=32, help="pairs per optimizer step")
     p.add_argument("--pairs-per-micro-batch", type=int, default=4, help="padded layout: pairs per micro-batch")
     p.add_argument("--packs-per-micro-batch", type=int, default=2, help="packed layout: packs per micro-batch")
     p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--hidden-size", type=int, default=512)
     p.add_argument("--repeats", type=int, default=3, help="timed passes per layout (best kept)")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
