@@ -44,7 +44,7 @@ def models(converted):
 
 def _stage(loss_type="sigmoid", ftx=0.0, smoothing=0.0):
     return DPOStage(types.SimpleNamespace(dpo_beta=BETA, dpo_loss_type=loss_type, dpo_label_smoothing=smoothing,
-                                          dpo_ftx=ftx))
+                                          dpo_ftx=ftx, ref_load=None, ref_logps=False))
 
 
 def _packed_loss(model, stage, pairs, groups, ref):
