@@ -153,14 +153,15 @@ def run_torchrun(
     timeout: float = 600.0,
     env: Optional[Dict[str, str]] = None,
     cwd: Optional[str] = None,
+    launcher_args: Sequence[str] = ("--standalone",),
 ) -> subprocess.CompletedProcess:
-    """Run ``python -m torch.distributed.run --nproc-per-node N [-m] argv...``.
+    """Run ``python -m torch.distributed.run --nproc-per-node N [launcher_args] [-m] argv...``.
 
     Returns the completed process (stdout/stderr captured as text); raises
     :class:`DistributedError` with the output tail when it fails or times out.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    # --standalone picks its own rendezvous port; a fixed one would collide across tests
+    # --standalone (the default) picks its own rendezvous port; a fixed one would collide across tests
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher_args, f"--nproc-per-node={nproc}"]
     cmd += (["-m"] if module else []) + list(argv)
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

@@ -57,3 +57,50 @@ def write_converted_tiny_qwen2(root, tp=1, seed=0):
     model.save_pretrained(root / "hf")
     hf_to_megatron(str(root / "hf"), str(root / "mg"), tp, 1, padded_vocab_size=256)
     return str(root / "mg")
+
+
+def load_release_checkpoint(ckpt_dir: str):
+    """This rank's model built from a converted (release) checkpoint's args, its weights loaded, eval mode."""
+    import argparse
+
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file
+    from mindspeed_pack.model.gpt import build_gpt_model
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    path = checkpoint_file(ckpt_dir, RELEASE, ps.get_tensor_model_parallel_rank(),
+                           ps.get_pipeline_model_parallel_rank(), pp)
+    record = torch.load(path, weights_only=True)
+    args = argparse.Namespace(**record["args"])
+    model = build_gpt_model(args, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    missing, unexpected = model.load_state_dict(record["model"], strict=False)
+    # megatron's local linears report a None `_extra_state`; every real tensor must match
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise AssertionError(f"{path}: missing {missing}, unexpected {unexpected}")
+    return model.eval(), args
+
+
+def forward_pipeline(model, args, tokens, position_ids, **kwargs):
+    """Logits (gathered over TP) or per-token loss on the last stage; None elsewhere."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        out = model(tokens, position_ids, None, **kwargs)
+    elif ps.is_pipeline_first_stage():
+        hidden = model(tokens, position_ids, None, **kwargs)
+        dist.send(hidden.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+        return None
+    else:
+        hidden = torch.empty(tokens.shape[1], tokens.shape[0], args.hidden_size)
+        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+        out = model(None, position_ids, None, **kwargs)
+    if "labels" not in kwargs:
+        out = gather_from_tensor_model_parallel_region(out)
+    return out

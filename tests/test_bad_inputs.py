@@ -9,7 +9,7 @@ A case is a small JSON file::
      "args": ["--flag", "{dir}/..."],                     {dir}: the case dir, {tokenizer}: a toy tokenizer
      "expect": "regex the one-line error must match"}
 
-Edits: ``{"write": PATH, "text": S}``, ``{"truncate": PATH, "drop_bytes": N}``,
+Edits: ``{"write": PATH, "text": S}`` (optionally ``"encoding": E``, default utf-8), ``{"truncate": PATH, "drop_bytes": N}``,
 ``{"copy": SRC, "to": DST}``, ``{"set_token": PATH, "index": I, "value": V}`` (an int32 of a
 ``.bin``), ``{"json_set": PATH, "key": K, "value": V}``, ``{"crafted_pickle": PATH}`` (a
 pickle whose loading would create ``{dir}/MARKER``). Every case must exit with code 2 and one
@@ -85,7 +85,7 @@ def _apply(edit, case_dir):
                                                           "crafted_pickle") if k in edit))
     if "write" in edit:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
+        with open(path, "w", encoding=edit.get("encoding", "utf-8")) as f:
             f.write(edit["text"])
     elif "truncate" in edit:
         with open(path, "r+b") as f:

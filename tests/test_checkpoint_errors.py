@@ -122,3 +122,37 @@ def test_data_prefix_without_files(tmp_path):
     with pytest.raises(DataError, match=r"data prefix .*nothing_text_document.*missing .*nothing_text_document.bin"):
         pretrain_gpt.main([*TINY_FLAGS, "--seq-length", "32", "--train-iters", "1", "--eod-id", "2",
                            "--data-path", missing + "_text_document"])
+
+
+def _set_saved_args(ckpt, **changes):
+    import torch
+
+    path = layout.checkpoint_file(ckpt, 1, 0, 0, 1)
+    state = torch.load(path, weights_only=True)
+    state["args"].update(changes)
+    torch.save(state, path)
+
+
+def test_family_settings_of_the_checkpoint_must_match_the_flags(saved, tmp_path):
+    """A Mistral window shorter than --seq-length, or llama3 RoPE scaling the flags omit, is refused."""
+    ckpt = copy(saved[1], tmp_path)
+    _set_saved_args(ckpt, sliding_window=64)
+    with pytest.raises(CheckpointError, match=r"sliding_window=64 \(config.json\) is below --seq-length 128"):
+        posttrain.main(argv(saved[0], "--load", ckpt))
+    _set_saved_args(ckpt, sliding_window=None, use_rope_scaling=True, rope_scaling_factor=32.0)
+    with pytest.raises(CheckpointError, match="use_rope_scaling: checkpoint True, flags False, rope_scaling_factor: "
+                                              "checkpoint 32.0, flags 8.0"):
+        posttrain.main(argv(saved[0], "--load", ckpt))
+    posttrain.main(argv(saved[0], "--load", ckpt, "--use-rope-scaling", "--rope-scaling-factor", "32",
+                        "--finetune"))  # the checkpoint's settings load
+
+
+def test_a_trained_checkpoint_converts_to_hf(saved, tmp_path):
+    """Trained without --kv-channels (Megatron-LM's default head size): the converter still splits the heads."""
+    import transformers
+
+    from mindspeed_pack.convert import megatron_to_hf
+
+    megatron_to_hf(saved[1], str(tmp_path / "hf"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.head_dim == 16

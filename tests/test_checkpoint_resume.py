@@ -106,6 +106,26 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data, reference, s
     assert sorted(os.listdir(ckpt)) == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
 
 
+def test_resume_of_a_checkpoint_whose_schedule_counts_iterations_is_exact(tmp_path, data, reference, stopped_at_5):
+    """Checkpoints written before the schedule counted samples (Megatron-LM) hold iteration counts:
+    they resume on the same learning rates."""
+    import torch
+
+    ref_train, _, _ = reference
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(stopped_at_5, ckpt)
+    path = os.path.join(ckpt, "iter_0000005", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    sched = state["opt_param_scheduler"]
+    assert sched.pop("num_steps_unit") == "samples" and sched["num_steps"] == 5 * 4
+    for key in ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps"):
+        sched[key] //= 4  # as the iteration-counting schedule wrote them (GBS 4)
+    torch.save(state, path)
+    metrics = str(tmp_path / "m.jsonl")
+    posttrain.main(base_argv(data, metrics, "--load", ckpt, "--exit-interval", "7"))
+    assert_steps_match(read_metrics(metrics), ref_train, range(6, 8))
+
+
 def test_no_load_rng_and_no_load_optim_change_the_run(tmp_path, data, reference, stopped_at_5):
     """Negative controls: RNG and optimizer state really are what makes the resume exact."""
     ref_train, _, _ = reference
@@ -121,12 +141,15 @@ def test_no_load_rng_and_no_load_optim_change_the_run(tmp_path, data, reference,
 
 
 def test_finetune_loads_weights_and_resets_iteration(tmp_path, data, reference):
-    _, ref_valid, ref_ckpt = reference
+    _, _, ref_ckpt = reference
     metrics = str(tmp_path / "ft.jsonl")
     posttrain.main(base_argv(data, metrics, "--load", ref_ckpt, "--finetune", "--skip-train"))
     valid = read_metrics(metrics, "valid")
     assert list(valid) == [0]  # iteration reset
-    assert rel_err(valid[0]["lm loss"], ref_valid[10]["lm loss"]) <= 1e-6  # the weights of iteration 10
+    # --skip-train validates the split's first samples: as the resumed checkpoint does at iteration 10
+    posttrain.main(base_argv(data, str(tmp_path / "at10.jsonl"), "--load", ref_ckpt, "--skip-train"))
+    at10 = read_metrics(str(tmp_path / "at10.jsonl"), "valid")
+    assert rel_err(valid[0]["lm loss"], at10[10]["lm loss"]) <= 1e-6  # the weights of iteration 10
 
 
 def test_signal_handler_saves_and_exits(tmp_path, data):

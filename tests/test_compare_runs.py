@@ -386,7 +386,7 @@ def test_reads_what_the_trainer_writes(tmp_path, capsys):
             "iteration": step, "split": "train", "lm loss": loss_at(step), "lr": 1e-4 * step / 12,
             "grad norm": 1.0 + 1.0 / step, "tokens": 4000 + step, "tokens/s": 1234.5, "padding ratio": 0.02,
             "samples per pack": 3.1, "step time (ms)": 512.3, "consumed samples": 8 * step,
-            "global batch size": 8, "skipped": 0,
+            "global batch size": 8, "skipped": 0, "loss scale": 2.0 ** (20 - step // 4),
         })
         if step % 4 == 0:
             logger.validation(step, loss_at(step) - 0.1, tokens=1000)
@@ -399,7 +399,7 @@ def test_reads_what_the_trainer_writes(tmp_path, capsys):
     assert from_jsonl["valid"]["lm loss"] == {s: loss_at(s) - 0.1 for s in (4, 8, 12)}
     # the console prints lm loss and lr with 7 significant digits, grad norm with 4 decimals
     for split, metric, digits in [("train", "lm loss", 1e-6), ("train", "lr", 1e-6), ("train", "grad norm", 1e-4),
-                                  ("valid", "lm loss", 1e-6)]:
+                                  ("train", "loss scale", 0.0), ("valid", "lm loss", 1e-6)]:
         assert from_log[split][metric] == pytest.approx(from_jsonl[split][metric], rel=digits), metric
     code, _, _ = run_cli(capsys, metrics_file.parent, log, "--metrics", "lm loss,lr", "--tolerance", "1e-6")
     assert code == 0

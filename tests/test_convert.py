@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.dist_harness import run_distributed
+from tests.model_utils import forward_pipeline, load_release_checkpoint
 from mindspeed_pack.convert import (
     hf_to_megatron,
     layer_offset,
@@ -28,6 +29,7 @@ from mindspeed_pack.convert import (
 )
 from mindspeed_pack.convert.model_specs import ConversionError
 from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file, read_tracker
+from mindspeed_pack.data import toy
 
 VOCAB = 300
 LOGITS_ATOL = 1e-4
@@ -80,12 +82,13 @@ def _pack():
 
 
 @pytest.fixture(scope="module")
-def work(tmp_path_factory, toy_tokenizer_dir):
+def work(tmp_path_factory):
     """HF models, their Megatron conversions, and the HF reference outputs."""
     root = tmp_path_factory.mktemp("convert")
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
     samples, _, _, _ = _pack()
-    tok_dir = str(toy_tokenizer_dir)
+    # a tokenizer the models' 300 rows can embed (mg->hf refuses a larger one)
+    tok_dir = str(toy.build_toy_tokenizer(root / "tokenizer", vocab_size=VOCAB - 20))
     out = {"root": root, "tokens": tokens, "tokenizer": tok_dir, "hf": {}, "mg": {}, "ref": {}, "model": {}}
     for name in MODELS:
         model = _build_hf_model(name)
@@ -112,47 +115,6 @@ def work(tmp_path_factory, toy_tokenizer_dir):
 
 
 # --------------------------------------------------------------------------- Megatron side
-def _load_megatron(ckpt_dir: str):
-    from megatron.core import parallel_state as ps
-
-    from mindspeed_pack.model.gpt import build_gpt_model
-
-    pp = ps.get_pipeline_model_parallel_world_size()
-    path = checkpoint_file(ckpt_dir, RELEASE, ps.get_tensor_model_parallel_rank(),
-                           ps.get_pipeline_model_parallel_rank(), pp)
-    record = torch.load(path, weights_only=True)
-    args = argparse.Namespace(**record["args"])
-    model = build_gpt_model(args, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
-    missing, unexpected = model.load_state_dict(record["model"], strict=False)
-    # megatron's local linears report a None `_extra_state`; every real tensor must match
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise AssertionError(f"{path}: missing {missing}, unexpected {unexpected}")
-    return model.eval(), args
-
-
-def _forward(model, args, tokens, position_ids, **kwargs):
-    """Logits (gathered over TP) or per-token loss on the last stage; None elsewhere."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        out = model(tokens, position_ids, None, **kwargs)
-    elif ps.is_pipeline_first_stage():
-        hidden = model(tokens, position_ids, None, **kwargs)
-        dist.send(hidden.contiguous(), ps.get_pipeline_model_parallel_next_rank())
-        return None
-    else:
-        hidden = torch.empty(tokens.shape[1], tokens.shape[0], args.hidden_size)
-        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
-        model.set_input_tensor(hidden)
-        out = model(None, position_ids, None, **kwargs)
-    if "labels" not in kwargs:
-        out = gather_from_tensor_model_parallel_region(out)
-    return out
-
-
 def _megatron_worker(jobs, tokens):
     """Run every job's checkpoint at its layout; rank 0 of the last stage reports."""
     from megatron.core import parallel_state as ps
@@ -166,13 +128,13 @@ def _megatron_worker(jobs, tokens):
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         initialize_distributed(tp, pp)
-        model, args = _load_megatron(ckpt_dir)
+        model, args = load_release_checkpoint(ckpt_dir)
         reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
             and ps.get_data_parallel_rank() == 0
         with torch.no_grad():
             if kind == "logits":
                 positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-                out = _forward(model, args, tokens, positions)
+                out = forward_pipeline(model, args, tokens, positions)
                 if reporter:
                     results[name] = out[..., :VOCAB].clone()
             else:  # per-sample losses of one pack, run packed (THD, segment-causal)
@@ -180,7 +142,7 @@ def _megatron_worker(jobs, tokens):
                 b = build_packed_batch(ids[None], labels[None], segments[None])
                 psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=b.cu_seqlens, cu_seqlens_kv=b.cu_seqlens,
                                       max_seqlen_q=b.max_seqlen, max_seqlen_kv=b.max_seqlen)
-                loss = _forward(model, args, b.tokens, b.position_ids, labels=b.target, packed_seq_params=psp)
+                loss = forward_pipeline(model, args, b.tokens, b.position_ids, labels=b.target, packed_seq_params=psp)
                 if reporter:
                     seg = segments[None]
                     results[name] = torch.stack([

@@ -79,14 +79,14 @@ def test_directory_without_weights(hf_dir, tmp_path, out):
 
 def test_unknown_architecture(hf_dir, tmp_path, out):
     gpt2 = _copy_with_config(hf_dir, tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ConversionError, match="unknown architecture.*gpt2.*supported model types: llama, qwen2"):
+    with pytest.raises(ConversionError, match="unknown architecture.*gpt2.*supported model types: llama, mistral, qwen2, qwen3"):
         hf_to_megatron(gpt2, out, 1, 1)
 
 
 def test_unsupported_features_are_refused(hf_dir, tmp_path, out):
     scaled = _copy_with_config(hf_dir, tmp_path / "scaled",
                                rope_scaling={"rope_type": "yarn", "factor": 4.0}, rope_parameters=None)
-    with pytest.raises(ConversionError, match="rope_scaling.*plain RoPE only"):
+    with pytest.raises(ConversionError, match="rope_scaling.rope_type='yarn' is not supported for qwen2"):
         hf_to_megatron(scaled, out, 1, 1)
 
 

@@ -1,4 +1,7 @@
-"""Evaluation: validation loss every --eval-interval, and --skip-train reproduces it from a checkpoint."""
+"""Evaluation as in Megatron-LM: every --eval-interval and at the end, each validation on the next
+--eval-iters global batches of the validation split (cycling), a resume continuing there; --skip-train
+evaluates the split's first batches."""
+import json
 import os
 import shutil
 
@@ -12,34 +15,70 @@ from tests.model_utils import TINY_FLAGS
 
 def argv(data, metrics, *extra):
     return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
-            "--lr", "1e-3", "--neat-pack", "--split", "80,20,0", "--eval-iters", "2", "--data-path", data,
+            "--lr", "1e-3", "--neat-pack", "--split", "80,20,0", "--eval-iters", "1", "--data-path", data,
             "--metrics-file", metrics, *extra]
+
+
+def valid_records(metrics: str) -> list:
+    """Every validation record in order (the end of training re-evaluates the last iteration)."""
+    with open(metrics) as f:
+        return [r for r in map(json.loads, f) if r.get("split") == "valid"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """4 steps evaluating and saving every 2: (data, dir, valid records, console output)."""
+    """4 steps evaluating and saving every 2 (8 validation packs, 4 per evaluation): (data, dir, valid records)."""
     d = tmp_path_factory.mktemp("eval")
     data = write_packed_instruction_dataset(str(d / "toy"), num_packs=40, seed=3)
     posttrain.main(argv(data, str(d / "m.jsonl"), "--train-iters", "4", "--eval-interval", "2",
                         "--save", str(d / "ckpt"), "--save-interval", "2", "--tensorboard-dir", str(d / "tb")))
-    return data, d, read_metrics(str(d / "m.jsonl"), "valid")
+    return data, d, valid_records(str(d / "m.jsonl"))
 
 
-def test_validation_loss_is_logged_every_interval(trained, capsys):
+def test_validation_loss_is_logged_every_interval_and_at_the_end(trained, capsys):
     _, d, valid = trained
-    assert sorted(valid) == [2, 4]
-    assert all(r["tokens"] > 0 and 0 < r["lm loss"] < 10 for r in valid.values())
+    assert [r["iteration"] for r in valid] == [2, 4, 4]
+    assert all(r["tokens"] > 0 and 0 < r["lm loss"] < 10 for r in valid)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(d / "tb"))
     events.Reload()
     scalars = events.Scalars("valid/lm loss")
-    assert [s.step for s in scalars] == [2, 4]
-    assert rel_err(scalars[1].value, valid[4]["lm loss"]) <= 1e-6  # float32 in TensorBoard
+    assert [s.step for s in scalars] == [2, 4, 4]
+    assert rel_err(scalars[2].value, valid[2]["lm loss"]) <= 1e-6  # float32 in TensorBoard
 
 
-@pytest.mark.parametrize("iteration", [2, 4])
+def test_each_validation_reads_the_next_samples_of_the_split(trained, tmp_path):
+    """Two evaluations of the same weights see different samples; the third cycles to the first."""
+    from mindspeed_pack.data.packed_dataset import PackedBatchSource
+    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.training.trainer import Trainer
+
+    data, d, _ = trained
+    trainer = Trainer(parse_args(argv(data, str(tmp_path / "m.jsonl"), "--train-iters", "4", "--eval-interval",
+                                      "2")), PackedBatchSource())
+    trainer.setup()
+    try:
+        losses = [trainer.evaluate() for _ in range(3)]  # the run's 3 evaluations (at 2, 4 and the end)
+    finally:
+        trainer.cleanup()
+    assert losses[0] != losses[1] and losses[2] == losses[0], losses  # 8 packs in the split: windows 0, 4, 0
+
+
+def test_a_resumed_run_evaluates_what_the_uninterrupted_run_did(trained, tmp_path):
+    data, d, valid = trained
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(d / "ckpt", ckpt)
+    layout.write_tracker(ckpt, 2)
+    metrics = str(tmp_path / "resumed.jsonl")
+    posttrain.main(argv(data, metrics, "--train-iters", "4", "--eval-interval", "2", "--load", ckpt))
+    resumed = valid_records(metrics)
+    assert [r["iteration"] for r in resumed] == [4, 4]
+    for got, want in zip(resumed, valid[1:]):
+        assert rel_err(got["lm loss"], want["lm loss"]) <= 1e-9, (resumed, valid)
+
+
+@pytest.mark.parametrize("iteration", [2])
 def test_skip_train_reports_the_training_runs_validation_loss(trained, tmp_path, capsys, iteration):
     data, d, valid = trained
     ckpt = str(tmp_path / "ckpt")
@@ -50,7 +89,8 @@ def test_skip_train_reports_the_training_runs_validation_loss(trained, tmp_path,
     posttrain.main(argv(data, metrics, "--skip-train", "--load", ckpt))
     got = read_metrics(metrics, "valid")
     assert list(got) == [iteration]
-    assert rel_err(got[iteration]["lm loss"], valid[iteration]["lm loss"]) <= 1e-9
+    # the split's first samples, as the training run's first validation (at iteration 2) read them
+    assert rel_err(got[iteration]["lm loss"], valid[0]["lm loss"]) <= 1e-9
     assert read_metrics(metrics) == {}  # nothing trained ...
     assert sorted(os.listdir(ckpt)) == sorted(os.listdir(d / "ckpt"))  # ... nor saved
     assert f"validation loss at iteration {iteration} | lm loss value:" in capsys.readouterr().out

@@ -37,6 +37,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.sh"))
 QWEN25 = REPO / "examples" / "qwen25"
+QWEN3 = REPO / "examples" / "qwen3"
 HEADER = "#@ "
 
 
@@ -186,6 +187,8 @@ def test_examples_exist():
     names = {p.name for p in EXAMPLES}
     assert {"tune_qwen25_7b_4k_full_pack.sh", "data_convert_qwen25_instruction_pack.sh",
             "ckpt_convert_qwen25_hf2mcore.sh", "ckpt_convert_qwen25_mcore2hf.sh"} <= names
+    assert {"tune_qwen3_8b_4k_full_pack.sh", "data_convert_qwen3_instruction_pack.sh",
+            "ckpt_convert_qwen3_hf2mcore.sh", "ckpt_convert_qwen3_mcore2hf.sh"} <= names
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "examples")))
@@ -207,8 +210,9 @@ def test_qwen25_training_is_the_published_recipe():
         ("RMSNorm", 1e-6, 1e6, 152064, 4096)
     assert (a.tensor_model_parallel_size, a.pipeline_model_parallel_size, a.data_parallel_size) == (4, 1, 2)
     assert (a.micro_batch_size, a.global_batch_size, a.num_micro_batches) == (1, 8, 4)
+    # the warmup stays a fraction (of the decay samples, as Megatron-LM counts it): no whole iterations derived
     assert (a.lr, a.min_lr, a.lr_decay_style, a.lr_warmup_fraction, a.lr_warmup_iters) == \
-        (7.75e-7, 7.75e-8, "cosine", 0.01, 20)
+        (7.75e-7, 7.75e-8, "cosine", 0.01, 0)
     assert (a.weight_decay, a.clip_grad, a.adam_beta1, a.adam_beta2, a.train_iters) == (0.1, 1.0, 0.9, 0.95, 2000)
     assert a.neat_pack and a.reset_position_ids and a.isolate_segments and a.is_instruction_dataset
     assert a.finetune and a.prompt_type == "qwen" and not a.no_shuffle
@@ -231,6 +235,48 @@ def test_qwen25_scripts_agree_with_each_other():
         (tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size)
     # and the trained weights go back to HF with the tokenizer everyone used
     assert (mg2hf.load_model_type, mg2hf.save_model_type, mg2hf.load_dir) == ("mg", "hf", tune.save)
+    assert data.tokenizer_name_or_path == tune.tokenizer_name_or_path == mg2hf.tokenizer_dir == hf2mg.load_dir
+
+
+# Qwen3-8B's config.json as published (transformers 4.51 layout)
+QWEN3_8B_CONFIG = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 12288, "max_position_embeddings": 40960,
+    "max_window_layers": 36, "model_type": "qwen3", "num_attention_heads": 32, "num_hidden_layers": 36,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_qwen3_training_flags_are_the_models_config():
+    """The tune script's model flags are what the converter derives from Qwen3-8B's config.json."""
+    from mindspeed_pack.convert.model_specs import args_from_hf_config
+
+    (tune,) = check_script(QWEN3 / "tune_qwen3_8b_4k_full_pack.sh")
+    expected = args_from_hf_config(QWEN3_8B_CONFIG, tp=tune.tensor_model_parallel_size, padded_vocab_size=151936)
+    for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "qk_layernorm", "add_qkv_bias", "disable_bias_linear", "swiglu", "normalization",
+                 "norm_epsilon", "rotary_base", "untie_embeddings_and_output_weights", "padded_vocab_size",
+                 "max_position_embeddings", "use_rope_scaling"):
+        assert getattr(tune, name) == getattr(expected, name), name
+    assert (tune.num_layers, tune.hidden_size, tune.ffn_hidden_size, tune.num_attention_heads,
+            tune.num_query_groups, tune.kv_channels) == (36, 4096, 12288, 32, 8, 128)
+    assert tune.qk_layernorm and not tune.add_qkv_bias and tune.seq_length == 4096 and tune.neat_pack
+
+
+def test_qwen3_scripts_agree_with_each_other():
+    (data,) = check_script(QWEN3 / "data_convert_qwen3_instruction_pack.sh")
+    (hf2mg,) = check_script(QWEN3 / "ckpt_convert_qwen3_hf2mcore.sh")
+    (tune,) = check_script(QWEN3 / "tune_qwen3_8b_4k_full_pack.sh")
+    (mg2hf,) = check_script(QWEN3 / "ckpt_convert_qwen3_mcore2hf.sh")
+    assert (data.output_prefix, data.seq_length, data.prompt_type) == (tune.data_path[0], tune.seq_length, "qwen3")
+    assert tune.prompt_type == "qwen3"
+    assert (hf2mg.model_type_hf, mg2hf.model_type_hf) == ("qwen3", "qwen3")
+    assert (hf2mg.save_dir, hf2mg.target_tensor_parallel_size, hf2mg.target_pipeline_parallel_size) == \
+        (tune.load, tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size)
+    assert mg2hf.load_dir == tune.save
     assert data.tokenizer_name_or_path == tune.tokenizer_name_or_path == mg2hf.tokenizer_dir == hf2mg.load_dir
 
 

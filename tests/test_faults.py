@@ -201,3 +201,17 @@ def test_file_size_limit_during_a_save_is_reported(tmp_path, data, launcher, mon
     assert f"posttrain.py: error: saving iteration 2 to {ckpt} failed: File too large" in out, out[-3000:]
     assert "Traceback" not in out
     assert layout.read_tracker(ckpt) == 1 and sorted(os.listdir(ckpt)) == ["iter_0000001", layout.TRACKER]
+
+
+def test_first_save_killed_before_its_tracker_starts_over(tmp_path, data, launcher):
+    """A kill between the first save's rename and its tracker leaves an uncommitted iter_N: the restart
+    (--load D = --save D) starts from scratch and saves over it, instead of refusing to start."""
+    ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "log")
+    first = launcher(argv(data, ckpt, str(tmp_path / "a.jsonl"), "--train-iters", "3"), fault="renamed@2:kill",
+                     log_path=log)
+    assert first == -signal.SIGKILL and os.listdir(ckpt) == ["iter_0000002"], open(log).read()[-3000:]
+    code = launcher(argv(data, ckpt, str(tmp_path / "b.jsonl"), "--train-iters", "3"), log_path=log)
+    out = open(log).read()
+    assert code == 0, out[-3000:]
+    assert f"(iter_0000002 without {layout.TRACKER}: an interrupted first save): starting from scratch" in out
+    assert sorted(read_metrics(str(tmp_path / "b.jsonl"))) == [1, 2, 3] and layout.read_tracker(ckpt) == 3

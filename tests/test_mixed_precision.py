@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,3 +180,38 @@ def test_sequence_parallel_equals_tp2_without_it():
         # the norm weights' gradients were summed over the TP group (each rank saw half the sequence)
         norm = next(n for n in grads if n.endswith("input_layernorm.weight"))
         assert grads[norm].abs().max() > 0
+
+
+# ------------------------------------------------------------------ fp16 dynamic loss scaling
+def test_fp16_overflow_halves_the_loss_scale_and_training_goes_on(tmp_path, data, capsys):
+    """--fp16 as in Megatron-LM: an overflowing step is skipped and the scale halves (after
+    --hysteresis overflows in a row), then the run trains; the interval's mean loss leaves the
+    skipped iterations out, and every log carries the loss scale."""
+    import re
+
+    import posttrain
+    from tests.data_utils import read_metrics
+
+    metrics = str(tmp_path / "fp16.jsonl")
+    capsys.readouterr()
+    posttrain.main(TINY_FLAGS + BASE + ["--data-path", data, "--fp16", "--initial-loss-scale", "65536", "--lr", "5e-3",
+                                        "--train-iters", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
+                                        "--log-interval", "4", "--metrics-file", metrics])
+    out = capsys.readouterr().out
+    steps = read_metrics(metrics)
+    scales = [steps[i]["loss scale"] for i in range(1, 17)]
+    skipped = [i for i in range(1, 17) if not np.isfinite(steps[i]["grad norm"])]
+    assert scales[0] == 65536 and scales[-1] < 65536, scales
+    assert 2 <= len(skipped) <= 10 and steps[16]["skipped"] == len(skipped), (skipped, scales)
+    trained = [steps[i]["lm loss"] for i in range(1, 17) if i not in skipped]
+    assert np.mean(trained[-3:]) < trained[0] - 0.02, trained  # the loss falls
+    lines = [line for line in out.splitlines() if re.search(r"iteration +\d+/ +16 \|", line)]
+    assert len(lines) == 4
+    for n, line in enumerate(lines):
+        its = range(4 * n + 1, 4 * n + 5)
+        kept = [steps[i]["lm loss"] for i in its if i not in skipped]
+        printed = float(re.search(r"lm loss: ([^ ]+) \|", line).group(1))
+        want = np.mean(kept) if kept else float("nan")
+        assert (np.isnan(printed) and np.isnan(want)) or abs(printed - want) <= 1e-6 * abs(want), (line, kept)
+        assert f"loss scale: {steps[4 * n + 4]['loss scale']:.1f} |" in line
+        assert f"number of skipped iterations: {sum(i in skipped for i in its):3d} |" in line

@@ -9,6 +9,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 import posttrain
 from tests.data_utils import IGNORE_INDEX, _builder, read_metrics, rel_err
@@ -123,3 +124,35 @@ def test_micro_batch_size_above_one_is_refused_under_online_packing(tmp_path, da
 
     with pytest.raises(DataError, match="use --micro-batch-size 1"):
         _main([*COMMON, *ONLINE, "--micro-batch-size", "2", "--data-path", data], str(tmp_path / "m.jsonl"))
+
+
+def test_online_rows_under_cp_hold_at_most_max_seqlen_per_cp_rank(data, monkeypatch):
+    """Megatron-LM's cap: cap 32 per rank at CP2 gave micro-batches of 36, 34 and 36 tokens per rank."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.data.online_packing import BalancedBatchSource
+    from mindspeed_pack.packing import context_parallel as cp_view
+    from mindspeed_pack.packing.segments import build_packed_batch
+    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.training.trainer import to_packed_batch
+
+    cap, cp = 32, 2
+    monkeypatch.setattr(ps, "get_data_parallel_rank", lambda: 0)
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda: 1)
+    args = parse_args([*TINY_FLAGS, *COMMON, *ONLINE, "--data-path", data, "--context-parallel-size", str(cp),
+                       "--max-seqlen-per-dp-cp-rank", str(cap)], world_size=cp)
+    source = BalancedBatchSource()
+    source.setup(args, {"train": ITERS * 8})
+    multiple = cp_view.padding_multiple(cp)
+    for consumed in range(0, ITERS * 8, 8):
+        batches = [to_packed_batch(mb, args) for mb in source.micro_batches("train", consumed)]
+        sizes = [cp_view.padded_size(b, multiple) // cp for b in batches]
+        assert sizes == [cap] * len(batches), (consumed, sizes)  # every row full size, none over
+        views, _ = cp_view.step_views(batches, cp, 1, multiple, same_length=False, max_per_rank=cap)
+        assert all(v.tokens.shape[1] == cap for v in views)
+        assert sum(len(row) for row in source._plan("train", consumed)["rows"]) == 8  # every sample of the batch
+    # the trainer's check: a micro-batch that would exceed the cap stops the run
+    seg = torch.tensor([[1] * 35 + [2] * 29])  # 35 -> 36 and 29 -> 32 once padded to 4: 68 tokens
+    batch = build_packed_batch(torch.ones_like(seg), torch.ones_like(seg), seg)
+    with pytest.raises(ValueError, match=r"68 tokens, 34 per CP rank, over --max-seqlen-per-dp-cp-rank 32 \(CP 2\)"):
+        cp_view.step_views([batch], cp, 0, multiple, same_length=False, max_per_rank=cap)

@@ -154,6 +154,37 @@ def test_warmup_fraction_and_warmup_iters_are_exclusive(neat, capsys):
     assert "--lr-warmup-fraction and --lr-warmup-iters" in capsys.readouterr().err
 
 
+def megatron_lr(k, fraction, iters, gbs, lr=1e-3, min_lr=1e-4):
+    """Megatron-LM's cosine schedule after ``k`` updates: steps are samples (warmup fractional)."""
+    steps, decay = k * gbs, iters * gbs
+    warmup = fraction * decay
+    if steps <= warmup:
+        return lr * steps / warmup
+    ratio = (steps - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (np.cos(np.pi * ratio) + 1.0) * (lr - min_lr)
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.05])
+def test_lr_warmup_fraction_stays_fractional_as_megatron_counts_it(neat, fraction):
+    """0.01 x 50 iterations is half an iteration of warmup at GBS 2 (1 sample): step 1 runs at
+    lr 0 and the lr rises from there; 0.05 x 50 = 2.5 iterations, not 2."""
+    trainer = Trainer(parse_args(nargv(neat, "--train-iters", "50", "--lr-warmup-iters", "0",
+                                       "--lr-warmup-fraction", str(fraction))), PackedBatchSource())
+    trainer.setup()
+    try:
+        lrs = [trainer.optimizer.param_groups[0]["lr"]]  # the lr step 1 runs with
+        for _ in range(4):
+            trainer.train_step()
+            lrs.append(trainer.optimizer.param_groups[0]["lr"])  # what iteration k logs
+    finally:
+        trainer.cleanup()
+    assert lrs[0] == 0.0 and lrs[1] > 0.0
+    for k, got in enumerate(lrs):
+        assert rel_err(got, megatron_lr(k, fraction, 50, 2)) <= 1e-12 if k else got == 0.0, (k, got)
+    if fraction == 0.05:
+        assert lrs[1] < lrs[2] < lrs[3] == pytest.approx(megatron_lr(3, 0.05, 50, 2))
+
+
 # 7 ------------------------------------------------------------------------------------------
 def test_prompt_type_is_checked_against_the_sidecar(eos_packs):
     _, plain = eos_packs
@@ -194,16 +225,39 @@ def test_log_interval_prints_the_interval_mean_loss(tmp_path, neat, capsys):
         assert rel_err(line, np.mean([steps[i]["lm loss"] for i in its])) <= 1e-6
 
 
+def test_log_interval_mean_loss_leaves_skipped_iterations_out(capsys):
+    """Megatron-LM averages the interval's loss over the iterations that updated the weights."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.metrics import MetricsLogger
+
+    logger = MetricsLogger(SimpleNamespace(train_iters=4, log_interval=4, metrics_file=None, tensorboard_dir=None),
+                           enabled=True)
+    capsys.readouterr()
+    for it, loss, skipped, scale in [(1, 6.0, 0, 8.0), (2, 9.0, 1, 4.0), (3, 4.0, 1, 4.0), (4, 5.0, 2, 2.0)]:
+        logger.step({"iteration": it, "lm loss": loss, "skipped": skipped, "loss scale": scale, "lr": 1e-4,
+                     "grad norm": 1.0, "tokens": 100, "step time (ms)": 10.0, "consumed samples": 2 * it,
+                     "global batch size": 2})
+    line = capsys.readouterr().out
+    assert "lm loss: 5.000000E+00 |" in line  # (6 + 4) / 2: iterations 2 and 4 were skipped
+    assert "loss scale: 2.0 |" in line and "number of skipped iterations:   2 |" in line
+
+
 # 10 -----------------------------------------------------------------------------------------
 def test_resume_after_halving_the_global_batch_size_continues(tmp_path, neat):
     ckpt = str(tmp_path / "ckpt")
     posttrain.main(nargv(neat, "--train-iters", "6", "--global-batch-size", "4", "--save", ckpt,
                         "--exit-interval", "2"))
+    # the schedule counts samples (Megatron-LM): 6 iterations decay over 24 samples at GBS 4, 12 at GBS 2
+    with pytest.raises(CheckpointError, match=r"checkpoint 24, flags 12"):
+        posttrain.main(nargv(neat, "--train-iters", "6", "--global-batch-size", "2", "--load", ckpt))
     posttrain.main(nargv(neat, "--train-iters", "6", "--global-batch-size", "2", "--load", ckpt,
-                        metrics=str(tmp_path / "m.jsonl")))
+                        "--use-checkpoint-opt_param-scheduler", metrics=str(tmp_path / "m.jsonl")))
     got = read_metrics(str(tmp_path / "m.jsonl"))
     assert sorted(got) == [3, 4, 5, 6]
     assert [got[i]["consumed samples"] for i in (3, 6)] == [10, 16]
+    # ... and the kept schedule goes on by samples: after 16 of its 24 (warmup 4), cosine from 1e-3 to 1e-4
+    assert got[6]["lr"] == pytest.approx(1e-4 + 0.5 * (np.cos(np.pi * 12 / 20) + 1) * 9e-4, rel=1e-12)
 
 
 # 11 -----------------------------------------------------------------------------------------
@@ -226,6 +280,33 @@ def test_eval_iters_alone_validates_and_tests_at_the_end(tmp_path, neat, capsys)
     assert list(read_metrics(metrics, "valid")) == [2] and list(read_metrics(metrics, "test")) == [2]
     assert "validation loss at the end of training for val data" in out
     assert "validation loss at the end of training for test data" in out
+
+
+# 14 (issue 28) --------------------------------------------------------------------------------
+# Megatron-LM's values (megatron/training/arguments.py and its config dataclasses, core 0.16.1)
+MEGATRON_DEFAULTS = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolute",
+                     "attention_dropout": 0.1, "hidden_dropout": 0.1, "lr_decay_style": "linear",
+                     "eval_iters": 100, "log_interval": 100}
+
+
+def test_omitted_flags_mean_what_they_mean_in_megatron_lm(neat):
+    """Only the shape, data and steps are given: the built model, schedule and logger take Megatron-LM's defaults."""
+    trainer = Trainer(parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                  "--padded-vocab-size", "256", "--seq-length", "128", "--global-batch-size", "2",
+                                  "--neat-pack", "--train-iters", "1", "--data-path", neat]), PackedBatchSource())
+    trainer.setup()
+    try:
+        args, config = trainer.args, trainer.model[0].config
+        assert {k: getattr(args, k) for k in MEGATRON_DEFAULTS} == MEGATRON_DEFAULTS
+        module = trainer.model[0].module
+        assert config.normalization == "LayerNorm"
+        assert isinstance(module.decoder.final_layernorm, torch.nn.LayerNorm)  # not RMSNorm
+        assert module.position_embedding_type == "learned_absolute" and module.embedding.position_embeddings is not None
+        assert config.attention_dropout == config.hidden_dropout == 0.1
+        assert trainer.scheduler.lr_decay_style == "linear"
+        assert trainer.metrics.log_interval == 100
+    finally:
+        trainer.cleanup()
 
 
 # 13 -----------------------------------------------------------------------------------------

@@ -23,13 +23,14 @@ def tiny_argv(data, *extra):
             "--neat-pack", "--train-iters", "1", "--data-path", data, *extra]
 
 
-def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=None, script="posttrain.py"):
-    """Run posttrain.py (or ``script``, e.g. pretrain_gpt.py; torchrun for nproc > 1) with the tiny model;
-    returns (completed process, metrics records)."""
+def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=None, script="posttrain.py",
+                  model_flags=TINY_FLAGS):
+    """Run posttrain.py (or ``script``, e.g. pretrain_gpt.py; torchrun for nproc > 1) with the tiny model
+    (``model_flags``, another family's flags for its tests); returns (completed process, metrics records)."""
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
-    cmd += [os.path.join(ROOT, script), *TINY_FLAGS, *extra]
+    cmd += [os.path.join(ROOT, script), *model_flags, *extra]
     if metrics:
         cmd += ["--metrics-file", metrics]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", **(env or {})}

@@ -11,18 +11,15 @@
 #    validation every 100, checkpoint at the end      -> $OUT/ckpt, $OUT/metrics.jsonl
 # 4. a summary (pack fill, padding saved, loss start -> end, tokens/s) and $OUT/loss.png
 #
-# Environment: OUT (runs/quickstart), NPROC (1), TRAIN_ITERS (300), PYTHON (.venv's python).
+# Environment: OUT (runs/quickstart), NPROC (1), TRAIN_ITERS (300), PYTHON (see scripts/python_env.sh).
 # PRINT_ARGS=1 prints the commands' arguments without running anything (tests/test_example_flags.py).
 set -euo pipefail
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 cd "$REPO_DIR"
 OUT=${OUT:-runs/quickstart}
 NPROC=${NPROC:-1}
 TRAIN_ITERS=${TRAIN_ITERS:-300}
 SEQ_LEN=512
-if [[ -z "${PYTHON:-}" ]]; then
-    if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
-fi
 
 PREPROCESS_ARGS=(
     --input "$OUT/assets/sharegpt.jsonl"
@@ -51,6 +48,8 @@ MODEL_ARGS=(
     --normalization RMSNorm
     --norm-epsilon 1e-6
     --position-embedding-type rope
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
     --rotary-base 1000000
     --untie-embeddings-and-output-weights
     --seq-length "$SEQ_LEN"

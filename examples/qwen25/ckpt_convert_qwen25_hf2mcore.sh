@@ -13,6 +13,8 @@ set -euo pipefail
 HF_MODEL_DIR=${HF_MODEL_DIR:-./model_from_hf/qwen2.5-7b-instruct}   # config.json + *.safetensors
 CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./model_weights/qwen2.5-7b-mcore-tp4pp1}  # must not exist or be empty
 LOG_DIR=${LOG_DIR:-./logs}
+RUN_NAME=${RUN_NAME:-ckpt_convert_qwen25_hf2mcore}   # names the log file
+MODEL_TYPE_HF=${MODEL_TYPE_HF:-qwen2}   # the family (convert_ckpt.py --model-type-hf)
 
 # Must equal TP/PP of tune_qwen25_7b_4k_full_pack.sh (convert_ckpt.py --load-model-type mg
 # --save-model-type mg reshards an existing Megatron checkpoint if you change them later).
@@ -22,7 +24,7 @@ PP=1
 CONVERT_ARGS=(
     --load-model-type hf
     --save-model-type mg
-    --model-type-hf qwen2
+    --model-type-hf "$MODEL_TYPE_HF"
     --load-dir "$HF_MODEL_DIR"
     --save-dir "$CKPT_SAVE_DIR"
     --target-tensor-parallel-size "$TP"
@@ -35,10 +37,10 @@ if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '%s\n' "${CONVERT_ARGS[@]}"
     exit 0
 fi
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # convert_ckpt.py's own parser, without touching any weights
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -c '
+    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from mindspeed_pack.convert.convert import build_parser
 build_parser().parse_args(sys.argv[1:])
@@ -47,4 +49,4 @@ print("convert_ckpt.py arguments OK")' "${CONVERT_ARGS[@]}"
 fi
 
 mkdir -p "$LOG_DIR"
-python "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/ckpt_convert_qwen25_hf2mcore.log"
+"$PYTHON" "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"

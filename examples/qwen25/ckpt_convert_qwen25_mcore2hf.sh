@@ -14,11 +14,13 @@ CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-./ckpt/qwen2.5-7b-sft-pack}          # CKPT_SAVE_
 HF_SAVE_DIR=${HF_SAVE_DIR:-./model_weights/qwen2.5-7b-sft-pack-hf}  # must not exist or be empty
 TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen2.5-7b-instruct}  # its tokenizer files are copied over
 LOG_DIR=${LOG_DIR:-./logs}
+RUN_NAME=${RUN_NAME:-ckpt_convert_qwen25_mcore2hf}   # names the log file
+MODEL_TYPE_HF=${MODEL_TYPE_HF:-qwen2}   # the family (convert_ckpt.py --model-type-hf)
 
 CONVERT_ARGS=(
     --load-model-type mg
     --save-model-type hf
-    --model-type-hf qwen2
+    --model-type-hf "$MODEL_TYPE_HF"
     --load-dir "$CKPT_LOAD_DIR"
     --save-dir "$HF_SAVE_DIR"
     --params-dtype bf16
@@ -30,10 +32,10 @@ if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '%s\n' "${CONVERT_ARGS[@]}"
     exit 0
 fi
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # convert_ckpt.py's own parser, without touching any weights
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -c '
+    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from mindspeed_pack.convert.convert import build_parser
 build_parser().parse_args(sys.argv[1:])
@@ -42,4 +44,4 @@ print("convert_ckpt.py arguments OK")' "${CONVERT_ARGS[@]}"
 fi
 
 mkdir -p "$LOG_DIR"
-python "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/ckpt_convert_qwen25_mcore2hf.log"
+"$PYTHON" "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"

@@ -20,6 +20,7 @@ LOG_DIR=${LOG_DIR:-./logs}
 RUN_NAME=${RUN_NAME:-data_convert_qwen25_instruction_pack}   # names the log file
 
 HANDLER=${HANDLER:-AlpacaStyleInstructionHandler}
+PROMPT_TYPE=${PROMPT_TYPE:-qwen}   # chat template (configs/finetune/templates.json); the training's --prompt-type
 # Which input columns hold what; these are the Alpaca names, spelled out so renaming is one edit.
 MAP_KEYS=${MAP_KEYS:-'{"prompt": "instruction", "query": "input", "response": "output"}'}
 SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of tune_qwen25_7b_4k_full_pack.sh
@@ -36,7 +37,7 @@ PREPROCESS_ARGS=(
     --tokenizer-name-or-path "$TOKENIZER_PATH"
     --output-prefix "$OUTPUT_PREFIX"
     --handler-name "$HANDLER"
-    --prompt-type qwen
+    --prompt-type "$PROMPT_TYPE"
     --map-keys "$MAP_KEYS"
     --seq-length "$SEQ_LEN"
     --pack
@@ -53,10 +54,10 @@ if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '%s\n' "${PREPROCESS_ARGS[@]}"
     exit 0
 fi
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # preprocess_data.py's own parser and checks, without reading data or loading the tokenizer
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" python -c '
+    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from mindspeed_pack.data.errors import PreprocessError
 from mindspeed_pack.data.preprocess import build_parser, validate_args
@@ -69,4 +70,4 @@ print("preprocess_data.py arguments OK")' "${PREPROCESS_ARGS[@]}"
 fi
 
 mkdir -p "$(dirname "$OUTPUT_PREFIX")" "$LOG_DIR"
-python "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"
+"$PYTHON" "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"

@@ -7,11 +7,14 @@
 #   DRY_RUN=1 bash examples/qwen25/tune_qwen25_7b_4k_full_pack.sh  # parse + validate the flags, no GPU needed
 #
 # Before: data_convert_qwen25_instruction_pack.sh (packed data, same --seq-length and --prompt-type)
-#         ckpt_convert_qwen25_hf2mcore.sh         (HF weights -> megatron, same TP/PP as here)
-# After:  ckpt_convert_qwen25_mcore2hf.sh         (trained weights -> HF)
+#         ckpt_convert_qwen25_hf2mcore.sh         (HF weights -> megatron, same TP/PP as here), or skip it:
+#         CKPT_LOAD_DIR=<the HF model directory> loads it directly (each rank reads its own slice)
+# After:  ckpt_convert_qwen25_mcore2hf.sh         (trained weights -> HF), or SAVE_HF_DIR=<new dir> here
 #
 # Every variable below can be overridden from the environment; tune_qwen25_7b_32k_full_pack_cp.sh runs this
-# script with SEQ_LEN=32768 CP=2 (context parallelism) and its own names. Further hooks:
+# script with SEQ_LEN=32768 CP=2 (context parallelism) and its own names; examples/qwen3/ runs it for
+# Qwen3-8B (MODEL_ARGS_FILE, PROMPT_TYPE). Further hooks:
+#   MODEL_ARGS_FILE=f  sourced right after MODEL_ARGS below: another model's MODEL_ARGS array
 #   OVERRIDES=file.sh  sourced after the argument arrays are built, so it may reassign any
 #                      *_ARGS array (site settings; tests/test_multinode.py puts a tiny model here)
 #   PRINT_ARGS=1       print the Python entry point and its arguments one per line, then exit
@@ -24,6 +27,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS=1
 # ------------------------------------------------------------------ paths (edit these)
 CKPT_LOAD_DIR=${CKPT_LOAD_DIR:-./model_weights/qwen2.5-7b-mcore-tp4pp1}  # written by ckpt_convert_qwen25_hf2mcore.sh
 CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./ckpt/qwen2.5-7b-sft-pack}
+SAVE_HF_DIR=${SAVE_HF_DIR:-}   # if set: the trained model as a HF directory when training ends (--save-hf)
 DATA_PATH=${DATA_PATH:-./finetune_dataset/qwen2.5-7b/alpaca}           # --output-prefix of the data script
 TOKENIZER_PATH=${TOKENIZER_PATH:-./model_from_hf/qwen2.5-7b-instruct}
 LOG_DIR=${LOG_DIR:-./logs}
@@ -47,6 +51,7 @@ CP=${CP:-1}
 SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of the data script: one pack is one training sample
 MBS=${MBS:-1}
 GBS=${GBS:-8}          # a multiple of MBS x data-parallel size (WORLD_SIZE / (TP x PP x CP))
+PROMPT_TYPE=${PROMPT_TYPE:-qwen}   # the data script's --prompt-type
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE"
@@ -77,6 +82,10 @@ MODEL_ARGS=(
     --attention-dropout 0.0
     --hidden-dropout 0.0
 )
+if [[ -n "${MODEL_ARGS_FILE:-}" ]]; then
+    # shellcheck source=/dev/null
+    source "$MODEL_ARGS_FILE"
+fi
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
@@ -112,12 +121,13 @@ DATA_ARGS=(
     --is-instruction-dataset
     --neat-pack
     --reset-position-ids
-    --prompt-type qwen
+    --prompt-type "$PROMPT_TYPE"
     --tokenizer-type PretrainedFromHF
     --tokenizer-name-or-path "$TOKENIZER_PATH"
 )
 
-# --finetune: take the converted weights only and start at iteration 0 with a fresh optimizer.
+# --finetune: take the converted weights only and start at iteration 0 with a fresh optimizer (implied when
+# CKPT_LOAD_DIR is a HF directory; the model flags above must then agree with its config.json).
 CKPT_ARGS=(
     --stage sft
     --finetune
@@ -125,6 +135,9 @@ CKPT_ARGS=(
     --save "$CKPT_SAVE_DIR"
     --save-interval 500
 )
+if [[ -n "$SAVE_HF_DIR" ]]; then
+    CKPT_ARGS+=(--save-hf "$SAVE_HF_DIR")
+fi
 
 OUTPUT_ARGS=(
     --log-interval 1
@@ -142,20 +155,20 @@ TRAIN_CMD_ARGS=(
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"
     "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${OUTPUT_ARGS[@]}"
 )
-REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 
 if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
     printf '#@ posttrain.py world_size=%s\n' "$WORLD_SIZE"
     printf '%s\n' "${TRAIN_CMD_ARGS[@]}"
     exit 0
 fi
+source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # One plain process that believes it is one of WORLD_SIZE ranks: the TP/PP/batch-size checks are real.
-    WORLD_SIZE=$WORLD_SIZE python "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
+    WORLD_SIZE=$WORLD_SIZE "$PYTHON" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
     exit 0
 fi
 
 mkdir -p "$LOG_DIR"
 # One log per node: on a shared filesystem the nodes would otherwise write the same file.
-torchrun "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
+"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
     2>&1 | tee "$LOG_DIR/${RUN_NAME}_node${NODE_RANK}.log"

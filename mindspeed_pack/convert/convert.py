@@ -190,6 +190,53 @@ class MegatronCheckpoint:
         return merge_state_dicts(shards, self.args, self.tp, self.pp)
 
 
+def tokenizer_length(tokenizer_dir: str) -> int:
+    """``len(tokenizer)``: the token ids the tokenizer can produce (added tokens included)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    except Exception as e:  # transformers raises many kinds
+        raise ConversionError(f"--tokenizer-dir {tokenizer_dir}: not loadable by AutoTokenizer ({e})") from None
+
+
+def vocab_rows(source: MegatronCheckpoint, tokenizer_dir: Optional[str]) -> int:
+    """How many vocabulary rows are real tokens, to keep when the padding is cut or changed.
+
+    Preprocessing adds tokens a template needs (chatml markers on a base tokenizer) and
+    training trains their rows, past the ``vocab_size`` the checkpoint was converted with.
+    Cutting back to that size would drop them (the HF model then fails on those ids), so
+    the tokenizer's length wins, as ``resize_token_embeddings(len(tokenizer))`` would. Without
+    a tokenizer, trained (non-zero) rows past ``vocab_size`` of an untied input embedding are
+    refused rather than dropped; a run given only ``--padded-vocab-size`` stored no
+    ``vocab_size``: then every row is a real row.
+    """
+    args, padded = source.args, source.args.padded_vocab_size
+    rows = args.vocab_size
+    if tokenizer_dir:
+        n = tokenizer_length(tokenizer_dir)
+        if n > padded:
+            raise ConversionError(
+                f"--tokenizer-dir {tokenizer_dir}: {n} tokens, but the checkpoint's embedding has only {padded} "
+                "rows: the model was not trained with this tokenizer")
+        if rows is not None and n > rows:
+            log.warning("--tokenizer-dir %s has %d tokens, the checkpoint's vocab_size is %d: keeping %d vocabulary "
+                        "rows (the added tokens' rows were trained) and writing vocab_size=%d", tokenizer_dir, n,
+                        rows, n, n)
+        return max(rows or 0, n)
+    if rows is None:
+        return padded
+    if args.untie_embeddings_and_output_weights:
+        embedding = source.unit(EMBEDDING)[MG_EMBEDDING]
+        trained = torch.nonzero(embedding[rows:].abs().sum(dim=1)).flatten()
+        if len(trained):
+            raise ConversionError(
+                f"{source.files[(0, 0)]}: word-embedding rows {rows}..{rows + int(trained[-1])} past the vocab_size "
+                f"{rows} were trained (tokens added at preprocessing): pass --tokenizer-dir with the tokenizer used "
+                "in training (P_tokenizer/ of preprocess_data.py) so they are kept")
+    return rows
+
+
 def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict]) -> dict:
     return {
         "model": model,
@@ -235,14 +282,19 @@ def hf_to_megatron(
     make_vocab_size_divisible_by: int = 128,
     padded_vocab_size: Optional[int] = None,
     allow_unsafe: bool = False,
+    seq_length: Optional[int] = None,
 ) -> None:
-    """Convert a HF model directory into a Megatron ``release`` checkpoint at TP=``tp``, PP=``pp``."""
+    """Convert a HF model directory into a Megatron ``release`` checkpoint at TP=``tp``, PP=``pp``.
+
+    ``seq_length`` (default: the config's ``max_position_embeddings``) is the longest training
+    sequence; a sliding window below it is refused.
+    """
     dtype = _dtype(params_dtype)
     check_save_dir(save_dir, load_dir)
     with hf_io.HFCheckpointReader(load_dir, allow_unsafe) as reader:
         config_path = os.path.join(load_dir, hf_io.CONFIG)
         args = args_from_hf_config(reader.config, model_type_hf, tp, pp, make_vocab_size_divisible_by,
-                                   padded_vocab_size, where=config_path)
+                                   padded_vocab_size, where=config_path, seq_length=seq_length)
         spec = get_spec(args.model_type_hf)
         reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
 
@@ -278,6 +330,8 @@ def megatron_to_hf(
     if spec.name != args.model_type_hf:
         log.warning("checkpoint was converted as %s, writing it as %s", args.model_type_hf, spec.name)
     tok_files = hf_io.tokenizer_files(tokenizer_dir) if tokenizer_dir else []
+    args = copy.copy(args)
+    args.vocab_size = vocab_rows(source, tokenizer_dir)
     extra = dict(source.hf_config or {})
     if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, hf_io.CONFIG)):
         extra.update(hf_io.read_config(tokenizer_dir))
@@ -311,20 +365,20 @@ def megatron_to_hf(
 
 def megatron_to_megatron(
     load_dir: str, save_dir: str, tp: int, pp: int, padded_vocab_size: Optional[int] = None,
-    allow_unsafe: bool = False,
+    allow_unsafe: bool = False, tokenizer_dir: Optional[str] = None,
 ) -> None:
     """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp`` (dtype kept).
 
     The padded vocabulary follows Megatron's rule for the new TP size
     (``make_vocab_size_divisible_by * tp``) when the source used that rule, else the
-    source's explicit size is kept (or ``padded_vocab_size`` when given).
+    source's explicit size is kept (or ``padded_vocab_size`` when given). The real rows
+    kept are :func:`vocab_rows` (the tokenizer's length when ``tokenizer_dir`` is given).
     """
     check_save_dir(save_dir, load_dir)
     source = MegatronCheckpoint(load_dir, allow_unsafe)
     args = copy.copy(source.args)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
-    if args.vocab_size is None:  # a run given only --padded-vocab-size: every row is a real row
-        args.vocab_size = source.args.padded_vocab_size
+    args.vocab_size = vocab_rows(source, tokenizer_dir)
     divisible = args.make_vocab_size_divisible_by
     source_rule = megatron_padded_vocab_size(args.vocab_size, divisible, source.tp)
     if padded_vocab_size is None and source.args.padded_vocab_size != source_rule:
@@ -361,9 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--params-dtype", choices=sorted(DTYPES), default="fp32",
                    help="dtype of the written weights (hf->mg, mg->hf)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="hf->mg: the longest training sequence (default max_position_embeddings); a sliding_window "
+                        "below it is refused")
     p.add_argument("--padded-vocab-size", type=int, default=None,
                    help="explicit padded vocabulary (>= the HF vocab, divisible by TP)")
-    p.add_argument("--tokenizer-dir", default=None, help="tokenizer files copied into the HF output")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="the tokenizer used in training (P_tokenizer/ when preprocessing added tokens): its files are "
+                        "copied into the HF output and at least len(tokenizer) vocabulary rows are kept (mg->hf, mg->mg)")
     p.add_argument("--max-shard-size-mb", type=int, default=5120, help="HF output shard size")
     p.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
                    help="read input files that need full pickle (they can run code): only for a legacy checkpoint "
@@ -379,14 +438,14 @@ def main(argv=None) -> int:
             hf_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                            args.target_pipeline_parallel_size, args.params_dtype, args.model_type_hf,
                            args.make_vocab_size_divisible_by, args.padded_vocab_size,
-                           args.allow_unsafe_checkpoint_load)
+                           args.allow_unsafe_checkpoint_load, args.seq_length)
         elif args.load_model_type == "mg" and args.save_model_type == "hf":
             megatron_to_hf(args.load_dir, args.save_dir, args.params_dtype, args.model_type_hf,
                            args.tokenizer_dir, args.max_shard_size_mb * 1024**2, args.allow_unsafe_checkpoint_load)
         elif args.load_model_type == "mg" and args.save_model_type == "mg":
             megatron_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                                  args.target_pipeline_parallel_size, args.padded_vocab_size,
-                                 args.allow_unsafe_checkpoint_load)
+                                 args.allow_unsafe_checkpoint_load, args.tokenizer_dir)
         else:
             raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
     except ConversionError as e:

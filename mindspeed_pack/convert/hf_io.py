@@ -173,6 +173,17 @@ class HFCheckpointReader:
             raise ConversionError(f"{self.model_dir}: tensor {name!r} not found in the weight files")
         return self._handles[self._where[name]].get_tensor(name)
 
+    def get_range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of a tensor; from safetensors
+        only those bytes are read (``get_slice``), so a rank never loads another rank's part."""
+        if name not in self._where:
+            raise ConversionError(f"{self.model_dir}: tensor {name!r} not found in the weight files")
+        handle = self._handles[self._where[name]]
+        if isinstance(handle, _TorchBinFile):  # memory-mapped: narrow touches only the range
+            return handle.get_tensor(name).narrow(dim, start, stop - start).clone()
+        piece = handle.get_slice(name)
+        return piece[start:stop] if dim == 0 else piece[:, start:stop]
+
     def check_shapes(self, expected: Dict[str, Tuple[int, ...]], ignorable) -> None:
         """Every expected tensor present with its shape, and no unexplained extra tensor."""
         missing = [n for n in expected if n not in self._where]

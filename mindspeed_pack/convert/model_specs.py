@@ -1,17 +1,19 @@
-"""What differs between the Hugging Face architectures the converter knows.
+"""The model families the converter, the direct loader and the model builder know: one row each.
 
-Qwen2/Qwen2.5 and Llama 2/3 share one layout (pre-norm RMSNorm decoder, RoPE, GQA,
-SwiGLU MLP, optional tied embeddings); they differ only in the attention biases. Each
-architecture is one :class:`ModelSpec` row; everything else (tensor names, fused layouts)
-lives in :mod:`.weight_map`. Configs whose features ``build_gpt_model`` cannot reproduce
-(RoPE scaling, sliding windows, other activations, extra biases) are refused here, before
-any weight is read, instead of producing a model that silently differs.
+Qwen2/2.5, Qwen3, Llama 2/3/3.1/3.2 and Mistral share one layout (pre-norm RMSNorm decoder,
+RoPE, GQA, SwiGLU MLP, optional tied embeddings). What differs is data in a :class:`ModelSpec`
+row: the Megatron arguments the family fixes (``--add-qkv-bias``, ``--qk-layernorm``), the
+RoPE types it may use, and the config.json fields it understands beyond the common mapping,
+each with its check. :func:`args_from_hf_config` maps a config through its row; every field
+no row explains is refused by name (MoE fields with their own message), so a model is
+never built that silently differs from the one in config.json. Tensor names and fused
+layouts live in :mod:`.weight_map`, which reads the same row.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Tuple
 
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
 
@@ -20,17 +22,101 @@ class ConversionError(ValueError):
     """Bad converter input: the message says which file/field/tensor and what to do."""
 
 
+# A field check: (field, value, config, context) -> None, raising ConversionError when the
+# value asks for something the Megatron model does not do. ``context`` has "where" and "seq_length".
+FieldCheck = Callable[[str, object, dict, dict], None]
+
+
+def _refuse(ctx: dict, field: str, value, why: str):
+    raise ConversionError(f"{ctx['where']}: {field}={value!r} is not supported: {why}")
+
+
+def harmless(field, value, config, ctx) -> None:
+    """Metadata or a training-time setting: the weights and the forward do not depend on it."""
+
+
+def equals(*allowed) -> FieldCheck:
+    """The field must hold one of ``allowed`` (null counts as the default, allowed)."""
+
+    def check(field, value, config, ctx):
+        if value is not None and value not in allowed:
+            _refuse(ctx, field, value, f"the Megatron model is built for {' or '.join(map(repr, allowed))}")
+
+    return check
+
+
+def full_attention_layers(field, value, config, ctx) -> None:
+    kinds = sorted(set(value or []) - {"full_attention"})
+    if kinds:
+        _refuse(ctx, field, kinds, "every layer attends to the whole (packed) sample; only full_attention layers")
+
+
+def window_covers_sequence(field, value, config, ctx) -> None:
+    """A sliding window is exact only when no sample is longer than it."""
+    if value is not None and int(value) < ctx["seq_length"]:
+        _refuse(ctx, field, value, f"it is below the sequence length {ctx['seq_length']}: the Megatron model attends "
+                                   "to the whole sample, so tokens further back than the window would be seen; train "
+                                   f"with --seq-length <= {value} (convert with --seq-length {value})")
+
+
+# config.json fields of mixture-of-experts models: refused until the MoE work exists
+MOE_FIELDS = (
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts",
+    "n_shared_experts", "shared_expert_intermediate_size", "router_aux_loss_coef", "output_router_logits",
+    "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "moe_layer_freq", "first_k_dense_replace",
+    "router_jitter_noise", "topk_group", "n_group",
+)
+
+# fields every family maps into Megatron arguments (args_from_hf_config)
+MAPPED_FIELDS = (
+    "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+    "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "head_dim", "rope_theta",
+    "rope_parameters", "rope_scaling",
+)
+
+COMMON_FIELDS: Dict[str, FieldCheck] = {
+    **{name: harmless for name in (
+        "_name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+        "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+        "attention_dropout",  # training dropout is --attention-dropout
+    )},
+    "hidden_act": equals("silu"),
+}
+
+_QWEN_FIELDS = {"use_sliding_window": equals(False), "layer_types": full_attention_layers,
+                "max_window_layers": harmless,  # read only under use_sliding_window
+                "sliding_window": harmless}  # likewise
+
+# the keys of rope_parameters / rope_scaling each RoPE type reads
+ROPE_KEYS = {
+    "default": ("rope_type", "type", "rope_theta"),
+    "llama3": ("rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+               "original_max_position_embeddings"),
+}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str  # --model-type-hf value
     hf_model_type: str  # config.json "model_type"
     hf_architecture: str  # config.json "architectures"[0]
-    qkv_bias: bool
+    qkv_bias: bool  # --add-qkv-bias
+    qk_layernorm: bool = False  # --qk-layernorm: per-head RMSNorm of q and k (self_attn.q_norm/k_norm)
+    rope_types: Tuple[str, ...] = ("default",)
+    fields: Dict[str, FieldCheck] = field(default_factory=dict)  # understood beyond COMMON/MAPPED_FIELDS
+    hf_defaults: Dict[str, object] = field(default_factory=dict)  # written into a converted config.json
 
 
 MODEL_SPECS = {
-    "qwen2": ModelSpec("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True),
-    "llama": ModelSpec("llama", "llama", "LlamaForCausalLM", qkv_bias=False),
+    "qwen2": ModelSpec("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, fields=_QWEN_FIELDS),
+    "qwen3": ModelSpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True,
+                       fields={**_QWEN_FIELDS, "attention_bias": equals(False)},
+                       hf_defaults={"attention_bias": False}),
+    "llama": ModelSpec("llama", "llama", "LlamaForCausalLM", qkv_bias=False, rope_types=("default", "llama3"),
+                       fields={"attention_bias": equals(False), "mlp_bias": equals(False), "pretraining_tp": harmless},
+                       hf_defaults={"attention_bias": False, "mlp_bias": False}),
+    "mistral": ModelSpec("mistral", "mistral", "MistralForCausalLM", qkv_bias=False,
+                         fields={"sliding_window": window_covers_sequence}),
 }
 
 # args stored in every converted checkpoint: the model shape the trainer must match
@@ -42,6 +128,11 @@ MODEL_ARG_NAMES = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by",
     "model_type_hf",
 )
+# added with the Qwen3/Llama-3.1 families; checkpoints written before them hold the defaults
+OPTIONAL_MODEL_ARGS = {
+    "qk_layernorm": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0, "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "sliding_window": None,
+}
 
 
 def get_spec(model_type_hf: str) -> ModelSpec:
@@ -51,6 +142,15 @@ def get_spec(model_type_hf: str) -> ModelSpec:
         raise ConversionError(
             f"unknown --model-type-hf {model_type_hf!r}; supported: {', '.join(sorted(MODEL_SPECS))}"
         ) from None
+
+
+def spec_for_args(args) -> ModelSpec:
+    """The family whose fixed Megatron arguments ``args`` has (for checkpoints trained from flags)."""
+    for spec in MODEL_SPECS.values():
+        if (spec.qkv_bias, spec.qk_layernorm) == (bool(getattr(args, "add_qkv_bias", False)),
+                                                  bool(getattr(args, "qk_layernorm", False))):
+            return spec
+    raise ConversionError("no model family has both --add-qkv-bias and --qk-layernorm")
 
 
 def detect_model_type(hf_config: dict, config_path: str = "config.json") -> str:
@@ -66,42 +166,54 @@ def detect_model_type(hf_config: dict, config_path: str = "config.json") -> str:
     raise ConversionError(
         f"{config_path}: unknown architecture (model_type={model_type!r}, "
         f"architectures={hf_config.get('architectures')!r}); supported model types: "
-        f"{', '.join(sorted(MODEL_SPECS))} (Qwen2/Qwen2.5, Llama 2/3). Pass --model-type-hf to override."
+        f"{', '.join(sorted(MODEL_SPECS))} (Qwen2/Qwen2.5, Qwen3, Llama 2/3/3.1/3.2, Mistral). "
+        "Pass --model-type-hf to override."
     )
 
 
-def rope_theta(hf_config: dict) -> float:
-    """RoPE base from a transformers 4.x (``rope_theta``) or 5.x (``rope_parameters``) config."""
-    params = hf_config.get("rope_parameters") or {}
-    if "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(hf_config.get("rope_theta", 10000.0))
-
-
-def _int_if_integral(value: float):
-    """Megatron-LM's --rotary-base is an int; keep fractional bases as they are."""
-    return int(value) if float(value).is_integer() else value
-
-
-def _refuse_unsupported(hf_config: dict, spec: ModelSpec, where: str) -> None:
-    def bad(field, value, why):
-        raise ConversionError(f"{where}: {field}={value!r} is not supported: {why}")
-
-    act = hf_config.get("hidden_act", "silu")
-    if act != "silu":
-        bad("hidden_act", act, "the Megatron model uses SwiGLU (silu)")
-    scaling = hf_config.get("rope_scaling")
-    params = hf_config.get("rope_parameters") or {}
+def rope_settings(hf_config: dict, spec: ModelSpec, where: str) -> dict:
+    """RoPE base and scaling from a transformers 5.x (``rope_parameters``) or 4.x (``rope_theta``,
+    ``rope_scaling``) config, as Megatron arguments; every key of the RoPE dict must be understood."""
+    params = dict(hf_config.get("rope_scaling") or {})
+    params.update(hf_config.get("rope_parameters") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if scaling or rope_type != "default":
-        bad("rope_scaling/rope_parameters", scaling or params, "build_gpt_model applies plain RoPE only")
-    if hf_config.get("use_sliding_window"):
-        bad("use_sliding_window", True, "the Megatron model attends to the full (packed) sequence")
-    if hf_config.get("mlp_bias"):
-        bad("mlp_bias", True, f"{spec.name} is converted without MLP biases")
-    attention_bias = hf_config.get("attention_bias")
-    if attention_bias is not None and bool(attention_bias) != spec.qkv_bias:
-        bad("attention_bias", attention_bias, f"{spec.name} expects attention_bias={spec.qkv_bias}")
+    name = "rope_parameters" if hf_config.get("rope_parameters") else "rope_scaling"
+    if rope_type not in spec.rope_types:
+        raise ConversionError(f"{where}: {name}.rope_type={rope_type!r} is not supported for {spec.name}: "
+                              f"supported: {', '.join(spec.rope_types)}")
+    unknown = sorted(set(params) - set(ROPE_KEYS[rope_type]))
+    if unknown:
+        raise ConversionError(f"{where}: {name} field(s) {', '.join(unknown)} are not supported "
+                              f"({rope_type} RoPE reads {', '.join(ROPE_KEYS[rope_type][2:])})")
+    theta = float(params.get("rope_theta", hf_config.get("rope_theta", 10000.0)))
+    out = {"rotary_base": int(theta) if theta.is_integer() else theta, "use_rope_scaling": rope_type == "llama3"}
+    if rope_type == "llama3":
+        for key in ROPE_KEYS["llama3"][3:]:
+            if params.get(key) is None:
+                raise ConversionError(f"{where}: {name}.{key} is missing (llama3 RoPE needs it)")
+        out.update(rope_scaling_factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+                   high_freq_factor=float(params["high_freq_factor"]),
+                   original_max_position_embeddings=int(params["original_max_position_embeddings"]))
+    return out
+
+
+def check_config_fields(hf_config: dict, spec: ModelSpec, where: str, seq_length: int) -> None:
+    """Every field is mapped, checked by the family's row, or refused by name (all at once)."""
+    moe = [k for k in MOE_FIELDS if k in hf_config and hf_config[k] not in (None, 0, [], False)]
+    if moe:
+        raise ConversionError(f"{where}: mixture-of-experts field(s) {', '.join(moe)} are not supported: "
+                              f"{spec.name} is converted as a dense model")
+    ctx = {"where": where, "seq_length": seq_length}
+    checks = {**COMMON_FIELDS, **spec.fields}
+    unknown = sorted(k for k in hf_config if k not in checks and k not in MAPPED_FIELDS and k not in MOE_FIELDS)
+    if unknown:
+        raise ConversionError(
+            f"{where}: field(s) {', '.join(unknown)} are not understood by the {spec.name} mapping; the converted "
+            "model could differ from this config, so it is refused (known fields: see MODEL_SPECS in "
+            "mindspeed_pack/convert/model_specs.py)")
+    for name, check in checks.items():
+        if name in hf_config:
+            check(name, hf_config[name], hf_config, ctx)
 
 
 def _require(hf_config: dict, field: str, where: str):
@@ -165,11 +277,18 @@ def args_from_hf_config(
     make_vocab_size_divisible_by: int = 128,
     padded_vocab_size: Optional[int] = None,
     where: str = "config.json",
+    seq_length: Optional[int] = None,
 ) -> argparse.Namespace:
-    """Megatron-LM arguments (names as ``build_gpt_model`` reads them) for a HF config."""
+    """Megatron-LM arguments (names as ``build_gpt_model`` reads them) for a HF config.
+
+    ``seq_length`` (default ``max_position_embeddings``) is the longest sequence the model
+    will see: a sliding window shorter than it is refused.
+    """
     name = model_type_hf or detect_model_type(hf_config, where)
     spec = get_spec(name)
-    _refuse_unsupported(hf_config, spec, where)
+    max_pos = int(hf_config.get("max_position_embeddings") or 4096)
+    seq_length = int(seq_length or max_pos)
+    check_config_fields(hf_config, spec, where, seq_length)
     hidden = int(_require(hf_config, "hidden_size", where))
     heads = int(_require(hf_config, "num_attention_heads", where))
     groups = int(hf_config.get("num_key_value_heads") or heads)
@@ -177,7 +296,6 @@ def args_from_hf_config(
         raise ConversionError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
     head_dim = hf_config.get("head_dim") or hidden // heads
     vocab = int(_require(hf_config, "vocab_size", where))
-    max_pos = int(hf_config.get("max_position_embeddings") or 4096)
     args = argparse.Namespace(
         num_layers=int(_require(hf_config, "num_hidden_layers", where)),
         hidden_size=hidden,
@@ -192,12 +310,13 @@ def args_from_hf_config(
         normalization="RMSNorm",
         norm_epsilon=float(hf_config.get("rms_norm_eps", 1e-6)),
         position_embedding_type="rope",
-        rotary_base=_int_if_integral(rope_theta(hf_config)),
+        **{**OPTIONAL_MODEL_ARGS, **rope_settings(hf_config, spec, where), "qk_layernorm": spec.qk_layernorm,
+           "sliding_window": _sliding_window(hf_config, spec)},
         untie_embeddings_and_output_weights=not bool(hf_config.get("tie_word_embeddings", False)),
         vocab_size=vocab,
         padded_vocab_size=resolve_padded_vocab(vocab, tp, make_vocab_size_divisible_by, padded_vocab_size),
         max_position_embeddings=max_pos,
-        seq_length=max_pos,
+        seq_length=seq_length,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
@@ -207,8 +326,16 @@ def args_from_hf_config(
     return args
 
 
+def _sliding_window(hf_config: dict, spec: ModelSpec) -> Optional[int]:
+    """The window a family applies (kept in the checkpoint args: training refuses longer sequences)."""
+    if spec.fields.get("sliding_window") is window_covers_sequence and hf_config.get("sliding_window") is not None:
+        return int(hf_config["sliding_window"])
+    return None
+
+
 def args_to_dict(args) -> dict:
-    return {k: getattr(args, k) for k in MODEL_ARG_NAMES}
+    return {**{k: getattr(args, k) for k in MODEL_ARG_NAMES},
+            **{k: getattr(args, k, default) for k, default in OPTIONAL_MODEL_ARGS.items()}}
 
 
 def args_from_dict(stored: dict, where: str) -> argparse.Namespace:
@@ -216,7 +343,21 @@ def args_from_dict(stored: dict, where: str) -> argparse.Namespace:
     if missing:
         raise ConversionError(f"{where}: checkpoint 'args' lacks {missing}; it was not written by this converter "
                               "or a trainer that stores the model-shape arguments")
-    return argparse.Namespace(**{k: stored[k] for k in MODEL_ARG_NAMES})
+    args = argparse.Namespace(**{k: stored[k] for k in MODEL_ARG_NAMES},
+                              **{k: stored.get(k, default) for k, default in OPTIONAL_MODEL_ARGS.items()})
+    if args.kv_channels is None:  # a training run without --kv-channels (before it was filled in)
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    return args
+
+
+def hf_rope_parameters(args) -> dict:
+    """transformers' ``rope_parameters`` for the Megatron RoPE arguments."""
+    params = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    if getattr(args, "use_rope_scaling", False):
+        params.update(rope_type="llama3", factor=float(args.rope_scaling_factor),
+                      low_freq_factor=float(args.low_freq_factor), high_freq_factor=float(args.high_freq_factor),
+                      original_max_position_embeddings=int(args.original_max_position_embeddings))
+    return params
 
 
 def hf_config_from_args(args, spec: ModelSpec, dtype: str, extra: Optional[dict] = None):
@@ -238,13 +379,13 @@ def hf_config_from_args(args, spec: ModelSpec, dtype: str, extra: Optional[dict]
         max_position_embeddings=args.max_position_embeddings,
         rms_norm_eps=args.norm_epsilon,
         tie_word_embeddings=not args.untie_embeddings_and_output_weights,
-        rope_parameters={"rope_type": "default", "rope_theta": float(args.rotary_base)},
+        rope_parameters=hf_rope_parameters(args),
+        head_dim=args.kv_channels,
         dtype=dtype,
+        **spec.hf_defaults,
     )
-    if spec.name == "llama":
-        fields.update(attention_bias=False, mlp_bias=False)
-    if spec.name == "llama" or args.kv_channels * args.num_attention_heads != args.hidden_size:
-        fields["head_dim"] = args.kv_channels
+    if spec.fields.get("sliding_window") is window_covers_sequence:
+        fields["sliding_window"] = getattr(args, "sliding_window", None)  # transformers' own default is a window
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if extra and extra.get(key) is not None:
             fields[key] = extra[key]

@@ -7,6 +7,7 @@ Canonical names are megatron-core's local-spec parameter names of a TP1/PP1 mode
     decoder.layers.{i}.self_attention.linear_qkv.{weight,bias}
                                                 <- q_proj, k_proj, v_proj, fused per group
     decoder.layers.{i}.self_attention.linear_proj.weight   <- o_proj
+    decoder.layers.{i}.self_attention.{q,k}_layernorm.weight <- self_attn.{q,k}_norm (qk_layernorm rows: Qwen3)
     decoder.layers.{i}.pre_mlp_layernorm.weight <- post_attention_layernorm
     decoder.layers.{i}.mlp.linear_fc1.weight    <- [gate_proj; up_proj]
     decoder.layers.{i}.mlp.linear_fc2.weight    <- down_proj
@@ -35,6 +36,9 @@ MG_FINAL_NORM = "decoder.final_layernorm.weight"
 HF_EMBEDDING = "model.embed_tokens.weight"
 HF_OUTPUT = "lm_head.weight"
 HF_FINAL_NORM = "model.norm.weight"
+
+# per-head q/k RMSNorm weights ([head_dim], the same on every tensor-parallel rank)
+QK_NORMS = (("q_norm.weight", "q_layernorm.weight"), ("k_norm.weight", "k_layernorm.weight"))
 
 # HF tensors that carry nothing the Megatron model needs
 IGNORABLE_HF_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -75,6 +79,8 @@ def hf_unit_shapes(unit: Unit, args, spec: ModelSpec) -> Dict[str, Tuple[int, ..
         p + "mlp.up_proj.weight": (args.ffn_hidden_size, h),
         p + "mlp.down_proj.weight": (h, args.ffn_hidden_size),
     }
+    if spec.qk_layernorm:
+        shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     if spec.qkv_bias:
         shapes.update({
             p + "self_attn.q_proj.bias": (q_rows,),
@@ -154,6 +160,9 @@ def hf_to_mg_unit(unit: Unit, get: Callable[[str], torch.Tensor], args, spec: Mo
         mp + "mlp.linear_fc1.weight": torch.cat([get(hp + "mlp.gate_proj.weight"), get(hp + "mlp.up_proj.weight")], 0),
         mp + "mlp.linear_fc2.weight": get(hp + "mlp.down_proj.weight"),
     }
+    if spec.qk_layernorm:
+        for hf_norm, mg_norm in QK_NORMS:
+            out[mp + "self_attention." + mg_norm] = get(attn + hf_norm)
     if spec.qkv_bias:
         out[mp + "self_attention.linear_qkv.bias"] = fuse_qkv(
             get(attn + "q_proj.bias"), get(attn + "k_proj.bias"), get(attn + "v_proj.bias"), args)
@@ -191,6 +200,9 @@ def mg_to_hf_unit(unit: Unit, full: Dict[str, torch.Tensor], args, spec: ModelSp
         hp + "mlp.up_proj.weight": up.clone(),
         hp + "mlp.down_proj.weight": take(mp + "mlp.linear_fc2.weight"),
     }
+    if spec.qk_layernorm:
+        for hf_norm, mg_norm in QK_NORMS:
+            out[attn + hf_norm] = take(mp + "self_attention." + mg_norm)
     if spec.qkv_bias:
         qb, kb, vb = split_qkv(take(mp + "self_attention.linear_qkv.bias"), args)
         out.update({attn + "q_proj.bias": qb, attn + "k_proj.bias": kb, attn + "v_proj.bias": vb})

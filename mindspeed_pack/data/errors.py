@@ -22,3 +22,14 @@ class RowError(PreprocessError):
     def __init__(self, message: str, reason: str):
         super().__init__(message)
         self.reason = reason
+
+    def __reduce__(self):  # raised in a worker process, re-raised in the main one
+        return type(self), (str(self), self.reason)
+
+
+SKIP_BAD_ROWS_HINT = "pass --skip-bad-rows to skip such rows and count them by reason"
+# RowError reasons of the readers and handlers
+BAD_JSON = "malformed JSON"
+BAD_MISSING_FIELD = "missing field"
+BAD_TYPE = "wrong type"
+BAD_ROLE = "unknown role"

@@ -10,17 +10,26 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
   ``system`` column). OpenAI-style ``{"role", "content"}`` with user/assistant works with
   ``--map-keys '{"role_tag": "role", "content_tag": "content", "user_tag": "user",
   "assistant_tag": "assistant"}'`` (or the short keys ``role/content/user/assistant``).
-* ``GeneralPretrainHandler``: the ``text`` column, tokenized whole (EOS appended with
-  ``--append-eod``); every token is "trained".
+* ``GeneralPretrainHandler``: the ``text`` column, tokenized whole, BOS first when the
+  tokenizer adds one (Llama's ``add_bos_token``, as Megatron-LM's and MindSpeed-LLM's
+  preprocessing write it; ``--add-bos``/``--no-add-bos`` override), EOS appended with
+  ``--append-eod``; every token is "trained". A text with no token is skipped and counted.
+
+Both instruction handlers read an optional ``tools`` column. Under ``--prompt-type hf`` a row
+becomes OpenAI-style messages (``chat_messages.py``: tool calls, tool results, reasoning) rendered
+by the model's own chat template (``chat_template.py``), possibly as several samples; rows it
+cannot render are refused with a ``RowError``. The budget rules below are the JSON templates';
+under ``hf`` a sample whose trained tokens would be cut by ``seq_length`` is refused instead.
 
 Instruction samples are truncated to ``seq_length`` turn by turn: each turn gets the budget
 the previous turns left; when a turn does not fit, its answer keeps all of its tokens if
 they take less than half the budget, else its prompt does, else the two split the budget in
 proportion to their lengths; later turns are dropped. The first token of a sample is never
 trained (so no label can cross a pack boundary), and a sample left with no trained token is
-skipped. Rows that are structurally fine but unusable (roles out of order, no answer) are
-skipped and counted by reason; rows of the wrong *shape* (missing field, wrong type,
-unknown role) are errors naming file, row and field.
+skipped. Rows that are structurally fine but unusable (roles out of order, a system message
+after the first, no answer) are skipped and counted by reason; rows of the wrong *shape*
+(missing field, wrong type, unknown role) raise :class:`RowError` naming file, row and field
+(the row policy of ``errors.py``: stop, or skip and count under ``--skip-bad-rows``).
 """
 from __future__ import annotations
 
@@ -31,7 +40,10 @@ from typing import Optional
 
 import numpy as np
 
-from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data import chat_template as hf_chat
+from mindspeed_pack.data.chat_messages import parse_tools, sharegpt_messages
+from mindspeed_pack.data.errors import BAD_JSON, BAD_MISSING_FIELD, BAD_ROLE, BAD_TYPE, PreprocessError, RowError
+from mindspeed_pack.data.readers import not_an_object
 from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, USER,
                                            Template, render_turns, special_token_text)
 from mindspeed_pack.data.tokenizer import TextTokenizer
@@ -46,15 +58,17 @@ PAIRWISE_BASE = {ALPACA_PAIRWISE: ALPACA, SHAREGPT_PAIRWISE: SHAREGPT}
 HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE)
 
 DEFAULT_MAP_KEYS = {
-    ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"},
-    SHAREGPT: {"messages": "conversations", "system": "system", "role_tag": "from", "content_tag": "value",
+    ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
+             "tools": "tools"},
+    SHAREGPT: {"messages": "conversations", "system": "system", "tools": "tools", "role_tag": "from", "content_tag": "value",
                "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system", "observation_tag": "observation",
                "function_tag": "function_call"},
     PRETRAIN: {"text": "text"},
 }
 REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",)}
 # which map-keys name columns (the others name fields inside a message or role values)
-COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history"), SHAREGPT: ("messages", "system"), PRETRAIN: ("text",)}
+COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history", "tools"), SHAREGPT: ("messages", "system", "tools"),
+               PRETRAIN: ("text",)}
 for _pairwise, _base in PAIRWISE_BASE.items():  # the base handler's keys, its answer column replaced by the pair's
     DEFAULT_MAP_KEYS[_pairwise] = {**{k: v for k, v in DEFAULT_MAP_KEYS[_base].items() if k != "response"},
                                    "chosen": "chosen", "rejected": "rejected"}
@@ -66,6 +80,7 @@ _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_t
 SKIP_NO_TRAINABLE = "no trainable token"
 SKIP_EMPTY = "empty text or conversation"
 SKIP_ROLE_ORDER = "roles out of order"
+SKIP_SYSTEM_NOT_FIRST = "system message after the first message"
 SKIP_NO_ANSWER = "conversation does not end with an answer"
 
 
@@ -96,15 +111,23 @@ class EncodedChunk:
     rows: int = 0
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)
+    first_skipped: dict = field(default_factory=dict)  # reason -> where (and why) its first row was
+
+    def skip(self, reason: str, example: str) -> None:
+        self.skipped[reason] += 1
+        self.first_skipped.setdefault(reason, example)
 
 
 class SampleEncoder:
     """Row -> (ids, trained mask). Built once per worker process."""
 
     def __init__(self, handler: str, tokenizer: TextTokenizer, template: Optional[Template], map_keys: dict,
-                 seq_length: Optional[int], append_eod: bool):
-        self.handler, self.tokenizer, self.template = handler, tokenizer, template
+                 seq_length: Optional[int], append_eod: bool, skip_bad_rows: bool = False, add_bos: bool = False,
+                 chat: Optional[hf_chat.ChatTemplate] = None):
+        self.handler, self.tokenizer, self.template, self.chat = handler, tokenizer, template, chat
         self.keys, self.seq_length, self.append_eod = map_keys, seq_length, append_eod
+        self.skip_bad_rows = skip_bad_rows
+        self.bos_prefix = [tokenizer.bos_id] if add_bos else []  # pretraining documents only
         self.eos_id = tokenizer.eos_id
         if template is not None:
             eos_text = special_token_text(template, {"token": "eos_token"}, tokenizer.eos_token, tokenizer.bos_token)
@@ -123,22 +146,22 @@ class SampleEncoder:
         column = self.keys[key]
         if column not in row or row[column] is None:
             if required:
-                raise PreprocessError(f"{where}: missing field {column!r} (--map-keys {key}); "
-                                      f"the row has: {', '.join(map(str, row)) or 'no fields'}")
+                raise RowError(f"{where}: missing field {column!r} (--map-keys {key}); "
+                               f"the row has: {', '.join(map(str, row)) or 'no fields'}", BAD_MISSING_FIELD)
             return kind()
         value = row[column]
         if kind is list and isinstance(value, str) and value.lstrip().startswith("["):
             try:  # nested lists stored as JSON text (CSV)
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise PreprocessError(f"{where}: field {column!r} is not valid JSON ({exc.msg})") from exc
+                raise RowError(f"{where}: field {column!r} is not valid JSON ({exc.msg})", BAD_JSON) from None
         if kind is list and isinstance(value, tuple):
             value = list(value)
         if kind is list and hasattr(value, "tolist"):
             value = value.tolist()
         if not isinstance(value, kind):
-            raise PreprocessError(f"{where}: field {column!r} (--map-keys {key}) must be "
-                                  f"{'a string' if kind is str else 'a list'}, got {type(value).__name__}")
+            raise RowError(f"{where}: field {column!r} (--map-keys {key}) must be "
+                           f"{'a string' if kind is str else 'a list'}, got {type(value).__name__}", BAD_TYPE)
         return value
 
     # ---------------------------------------------------------------- row -> messages
@@ -155,8 +178,8 @@ class SampleEncoder:
         messages = []
         for n, pair in enumerate(self._field(row, "history", where, required=False, kind=list)):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-                raise PreprocessError(f"{where}: field {self.keys['history']!r} item {n} must be a "
-                                      f"[prompt, answer] pair of strings, got {pair!r}")
+                raise RowError(f"{where}: field {self.keys['history']!r} item {n} must be a "
+                               f"[prompt, answer] pair of strings, got {pair!r}", BAD_TYPE)
             messages += [(USER, pair[0]), (ASSISTANT, pair[1])]
         messages.append((USER, f"{prompt}\n{query}" if query else prompt))
         return messages, system
@@ -169,20 +192,127 @@ class SampleEncoder:
         for n, message in enumerate(raw):
             if not isinstance(message, dict) or role_tag not in message or content_tag not in message:
                 got = list(message) if isinstance(message, dict) else type(message).__name__
-                raise PreprocessError(f"{where}: field {self.keys['messages']!r} message {n} must have "
-                                      f"{role_tag!r} and {content_tag!r} (--map-keys role_tag/content_tag), got {got}")
+                raise RowError(f"{where}: field {self.keys['messages']!r} message {n} must have "
+                               f"{role_tag!r} and {content_tag!r} (--map-keys role_tag/content_tag), got {got}",
+                               BAD_MISSING_FIELD)
             tag, content = message[role_tag], message[content_tag]
             if not isinstance(content, str):
-                raise PreprocessError(f"{where}: message {n} field {content_tag!r} must be a string, got {type(content).__name__}")
-            if n == 0 and tag == self.keys["system_tag"]:
+                raise RowError(f"{where}: message {n} field {content_tag!r} must be a string, "
+                               f"got {type(content).__name__}", BAD_TYPE)
+            if tag == self.keys["system_tag"]:
+                if n > 0:  # a known role in the wrong place: the row is unusable (a skip reason), not malformed
+                    return SKIP_SYSTEM_NOT_FIRST, system
                 system = content
                 continue
             if tag not in self._role_of:
-                known = ", ".join(repr(t) for t in list(self._role_of) + [self.keys["system_tag"]])
-                raise PreprocessError(f"{where}: message {n} has unknown {role_tag!r} {tag!r}; known: {known} "
-                                      "(set them with --map-keys user_tag/assistant_tag/...)")
+                known = ", ".join(repr(t) for t in self._role_of)
+                raise RowError(f"{where}: message {n} has unknown {role_tag!r} {tag!r}; known: {known} "
+                               f"and {self.keys['system_tag']!r} as the first message "
+                               "(set them with --map-keys user_tag/assistant_tag/...)", BAD_ROLE)
             messages.append((self._role_of[tag], content))
         return messages, system
+
+    def _chat_messages(self, row, where):
+        """(OpenAI-style messages, tools) of a row, for ``--prompt-type hf``."""
+        try:
+            if self.handler == ALPACA:
+                pairs, system = self._alpaca_messages(row, where)
+                messages = [{"role": "system", "content": system}] if system else []
+                messages += [{"role": role, "content": content} for role, content in pairs]
+            else:
+                raw = self._field(row, "messages", where, required=True, kind=list)
+                system = self._field(row, "system", where, required=False)
+                messages = sharegpt_messages(raw, system, self.keys, self.keys["messages"])
+            return messages, parse_tools(row.get(self.keys["tools"]), self.keys["tools"])
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
+
+    def plan_chat_row(self, row: dict, where: str, texts: list):
+        """(samples, None) or (None, skip reason); each sample's text is appended to ``texts``."""
+        if isinstance(row, RowError):  # a reader that could not parse the row hands its error on
+            raise row
+        if not isinstance(row, dict):
+            raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
+        messages, tools = self._chat_messages(row, where)
+        try:
+            adapted, expected = self.chat.adapt(messages, tools)
+            samples = self.chat.plan(adapted, tools, expected)
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
+        if not samples:
+            return None, SKIP_NO_ANSWER if messages else SKIP_EMPTY
+        plan = []
+        for sample in samples:
+            plan.append((sample, len(texts)))
+            texts.append(sample.text)
+        return (where, plan), None
+
+    def finish_chat(self, plan, encoded: list) -> list:
+        """[(ids, trained, truncated) or (None, skip reason, False)] per sample of a row (RowError on bad turns)."""
+        where, samples = plan
+        out = []
+        for sample, text_index in samples:
+            ids, offsets = encoded[text_index]
+            ids = np.asarray(ids, dtype=np.int32)
+            offsets = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+            starts, ends = offsets[:, 0], offsets[:, 1]
+            trained = np.zeros(len(ids), np.uint8)
+            for s, e in sample.trained:
+                hit = np.flatnonzero((ends > s) & (starts < e))
+                if not self.chat.has_generation_markers and (not len(hit) or starts[hit[0]] != s or ends[hit[-1]] != e):
+                    raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, so "
+                                   "its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
+                trained[hit] = 1
+            for message, start, end in sample.turns:
+                if end > start and not np.any(starts == start):
+                    raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
+                                   f"{start}): its generation prompt is not a token prefix of the sample",
+                                   hf_chat.REASON_TOKEN_BOUNDARY)
+            truncated = False
+            if self.seq_length is not None and len(ids) > self.seq_length:
+                if trained[self.seq_length:].any():
+                    first = next((m for m, _, e in sample.turns if np.searchsorted(starts, e) > self.seq_length),
+                                 sample.turns[-1][0])
+                    raise RowError(f"{where}: assistant turn (message {first}) would be truncated at --seq-length "
+                                   f"{self.seq_length} (the sample needs {len(ids)} tokens)", hf_chat.REASON_TRUNCATED)
+                ids, trained, truncated = ids[:self.seq_length], trained[:self.seq_length], True
+            trained[0] = 0  # no label crosses into a sample from the one before it
+            out.append(((ids, trained), None, truncated) if trained.any() else (None, SKIP_NO_TRAINABLE, truncated))
+        return out
+
+    def _bad_row(self, exc: RowError, chunk: "EncodedChunk") -> None:
+        """A malformed row met while encoding a chunk: the row policy of ``errors.py`` (stop, or
+        under ``--skip-bad-rows`` skip it and count it under its reason)."""
+        if not self.skip_bad_rows:
+            raise exc
+        chunk.skip(exc.reason, str(exc))
+
+    def _encode_chat(self, rows, chunk: "EncodedChunk") -> list:
+        texts, plans = [], []
+        for where, row in rows:
+            chunk.rows += 1
+            try:
+                plans.append((*self.plan_chat_row(row, where, texts), where))
+            except RowError as exc:
+                self._bad_row(exc, chunk)
+        encoded = self.tokenizer.encode_batch_offsets(texts)
+        samples = []
+        for plan, skip, where in plans:
+            if plan is None:
+                chunk.skip(skip, where)
+                continue
+            try:
+                finished = self.finish_chat(plan, encoded)
+            except RowError as exc:
+                self._bad_row(exc, chunk)
+                continue
+            for sample, skip, truncated in finished:
+                chunk.truncated += int(truncated)
+                if sample is None:
+                    chunk.skip(skip, where)
+                else:
+                    samples.append(sample)
+        return samples
 
     # ---------------------------------------------------------------- messages -> ids
     # A row becomes a *plan*: per turn, (prompt parts, answer parts), where a part is either an
@@ -203,27 +333,34 @@ class SampleEncoder:
                 parts.append(tuple(self._special_ids[slot["token"]]))
         return parts
 
-    def plan_messages(self, messages, system, texts: list):
+    def plan_messages(self, messages, system, texts: list, tools=None):
         """(plan, None) or (None, skip reason); text runs are appended to ``texts``."""
         if not messages:
             return None, SKIP_EMPTY
-        if len(messages) % 2:
-            return None, SKIP_NO_ANSWER
         for i, (role, _) in enumerate(messages):
             if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
                 return None, SKIP_ROLE_ORDER
+        if len(messages) % 2:
+            return None, SKIP_NO_ANSWER
         return [(self._slot_parts(p, texts), self._slot_parts(a, texts))
-                for p, a in render_turns(self.template, messages, system)], None
+                for p, a in render_turns(self.template, messages, system, tools)], None
 
     def plan_row(self, row: dict, where: str, texts: list):
+        if isinstance(row, RowError):  # the reader could not parse it
+            raise row
         if not isinstance(row, dict):
-            raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
+            raise not_an_object(where, row)
         if self.handler == PRETRAIN:
             text = self._field(row, "text", where, required=True)
             texts.append(text)
             return [len(texts) - 1], None
         messages, system = (self._alpaca_messages if self.handler == ALPACA else self._sharegpt_messages)(row, where)
-        return self.plan_messages(messages, system, texts)
+        if isinstance(messages, str):  # found unusable while reading it: the skip reason
+            return None, messages
+        try:
+            return self.plan_messages(messages, system, texts, parse_tools(row.get(self.keys["tools"]), self.keys["tools"]))
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
 
     def finish(self, plan, encoded: list) -> tuple[Optional[tuple[list, list]], Optional[str], bool]:
         """(ids, trained) as lists, or None with a skip reason; plus whether the sample was truncated."""
@@ -237,10 +374,11 @@ class SampleEncoder:
 
         if self.handler == PRETRAIN:
             ids = list(resolve(plan))
+            if not ids:  # a blank line: no document (never one that is only BOS/EOS)
+                return None, SKIP_EMPTY, False
+            ids = self.bos_prefix + ids
             if self.append_eod:
                 ids.append(self.eos_id)
-            if not ids:
-                return None, SKIP_EMPTY, False
             return (ids, [1] * len(ids)), None, False
         turns = [(resolve(p), resolve(a)) for p, a in plan]
         if self.append_eod and (not turns[-1][1] or turns[-1][1][-1] != self.eos_id):
@@ -279,26 +417,49 @@ class SampleEncoder:
         return self._encode_one(*self.plan_messages(messages, system, texts), texts)
 
     def encode_row(self, row: dict, where: str):
+        if self.chat is not None:
+            raise TypeError("encode_row: a chat-template row may give several samples; use encode_chat_row")
         texts: list = []
         return self._encode_one(*self.plan_row(row, where, texts), texts)
 
+    def encode_chat_row(self, row: dict, where: str) -> list:
+        """The samples ``(ids, trained)`` of one row under ``--prompt-type hf`` (tests, inspection)."""
+        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
+        return self._encode_chat([(where, row)], chunk)
+
     def encode_rows(self, rows) -> EncodedChunk:
-        """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch."""
+        """Encode ``(where, row)`` pairs into one flat chunk, all texts in one batch.
+
+        A malformed row's :class:`RowError` stops the run, or under ``--skip-bad-rows`` is
+        skipped and counted under its reason like the unusable rows.
+        """
+        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
+        if self.chat is not None:
+            samples = self._encode_chat(rows, chunk)
+            if samples:
+                chunk.input_ids = np.concatenate([ids for ids, _ in samples])
+                chunk.trained = np.concatenate([t for _, t in samples])
+                chunk.lengths = np.array([len(ids) for ids, _ in samples], dtype=np.int32)
+            return chunk
         texts: list = []
         plans = []
-        chunk = EncodedChunk(np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.int32))
         for where, row in rows:
             chunk.rows += 1
-            plans.append(self.plan_row(row, where, texts))
+            try:
+                plans.append((*self.plan_row(row, where, texts), where))
+            except RowError as exc:
+                if not self.skip_bad_rows:
+                    raise
+                chunk.skip(exc.reason, str(exc))
         encoded = self.tokenizer.encode_batch(texts)
         ids, trained, lengths = [], [], []
-        for plan, skip in plans:
+        for plan, skip, where in plans:
             samples, truncated = [], False
             if plan is not None:
                 samples, skip, truncated = self.finish_row(plan, encoded)
             chunk.truncated += int(truncated)
             if not samples:
-                chunk.skipped[skip] += 1
+                chunk.skip(skip, where)
                 continue
             for sample in samples:
                 ids += sample[0]

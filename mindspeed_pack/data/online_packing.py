@@ -16,12 +16,17 @@ communication), see :mod:`mindspeed_pack.packing.balance`.
       rank 1:  row 0 = [s2 s2 s2 s2 s2 s2 s2 s2]   row 1 = [s4 s4 s6 s6 s6 . . . ]
 
   Samples longer than ``C`` are truncated to ``C`` (a warning at start counts them).
-  Under ``--context-parallel-size N`` a row holds ``N x C`` tokens (each CP rank keeps ``C``)
-  and samples are planned at their length padded to ``2N`` (see
-  :mod:`mindspeed_pack.packing.context_parallel`), so the padded row still fits.
+  Under ``--context-parallel-size N`` a row holds ``N x C`` tokens (each CP rank keeps ``C``):
+  samples are planned *and laid out* at their length padded to ``2N`` (the pads end the sample,
+  untrained, as ``--pad-to-multiple-of`` pads do; see :mod:`mindspeed_pack.packing.context_parallel`),
+  so the CP view adds nothing and every CP rank holds exactly ``C`` tokens (Megatron-LM's cap).
   Changing ``C`` needs no new preprocessing.
 * Offline packs (``--pack``): each global batch's packs are assigned to ranks, ``GBS/DP``
-  each, balancing the packs' costs (from their segment ids); the micro-batch count is unchanged.
+  each, balancing the packs' costs (from the samples :func:`micro_batch` finds in them, the
+  recorded or EOS boundaries of plain packs included); the micro-batch count is unchanged.
+
+Micro-batches come from :func:`~mindspeed_pack.data.packed_dataset.micro_batch`, as under
+scheduler ``none``, so both schedulers isolate, position and count samples alike.
 
 The loss is the per-token mean over the global batch, so neither layout changes it.
 """
@@ -32,12 +37,9 @@ from collections import OrderedDict
 from typing import Iterator, List
 
 import numpy as np
-import torch
 
-from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource, SplitDataset, collate
-from mindspeed_pack.packing.balance import (
-    balance_partition, cost_model, imbalance, plan_online_packing, segment_lengths,
-)
+from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource, SplitDataset, micro_batch
+from mindspeed_pack.packing.balance import balance_partition, cost_model, imbalance, plan_online_packing
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 from mindspeed_pack.packing.segments import IGNORE_INDEX
 
@@ -70,8 +72,8 @@ class BalancedBatchSource(PackedBatchSource):
         # document sizes per prefix (--train/--valid-data-path may name different ones)
         self._sizes = {id(d.docs): np.asarray(d.docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
                        for d in self.splits.values() if d is not None}
-        # under context parallelism a row is split over the CP group: each rank holds about
-        # --max-seqlen-per-dp-cp-rank tokens of it, and samples are planned at their CP-padded length
+        # under context parallelism a row is split over the CP group: each rank holds exactly
+        # --max-seqlen-per-dp-cp-rank tokens of it, samples planned and laid out at their CP-padded length
         cp = args.context_parallel_size
         self.cp_multiple = padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel) if cp > 1 else 1
         self.capacity = args.max_seqlen_per_dp_cp_rank * cp if self.online else args.seq_length
@@ -79,6 +81,8 @@ class BalancedBatchSource(PackedBatchSource):
         self._pack_lengths: dict = {}  # offline pack -> its sample lengths
         if self.online:
             self._check_online(args, docs)
+            if not args.no_reset_position_ids:  # online rows isolate their samples: positions restart per
+                args.reset_position_ids = True  # sample (offline packs keep the flags' meaning, as under none)
         elif args.max_seqlen_per_dp_cp_rank != args.seq_length:
             raise DataError(f"--max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank}: {docs.prefix!r} holds "
                             f"offline packs of --seq-length {args.seq_length} tokens, which dp_balanced only assigns "
@@ -125,27 +129,21 @@ class BalancedBatchSource(PackedBatchSource):
             lengths = np.minimum(self._sizes[id(dataset.docs)][docs], self.capacity)
             planned = round_up(lengths, self.cp_multiple)  # the rows' real size once padded for CP
             ranks = plan_online_packing(planned, self.dp_size, self.capacity, self.cost)
-            plan = {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks]),
-                    "job": _job_stats(lengths)}
+            plan = {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks])}
         else:
-            segments = [self._pack_segments(dataset, int(d)) for d in docs]
-            costs = np.array([self.cost.sample_costs(lengths).sum() for lengths in segments])
+            costs = np.array([self.cost.sample_costs(self._pack_segments(dataset, int(d))).sum() for d in docs])
             parts = balance_partition(costs, self.dp_size, equal_counts=True)
-            plan = {"docs": docs[parts[self.dp_rank]],
-                    "imbalance": imbalance([costs[p].sum() for p in parts]), "job": _job_stats(np.concatenate(segments))}
+            plan = {"docs": docs[parts[self.dp_rank]], "imbalance": imbalance([costs[p].sum() for p in parts])}
         self._plans[key] = plan
         while len(self._plans) > self._CACHE:
             self._plans.popitem(last=False)
         return plan
 
     def _pack_segments(self, dataset: SplitDataset, doc: int) -> np.ndarray:
-        """Sample lengths of an offline pack (the whole pack if samples are not isolated)."""
+        """Real sample lengths of an offline pack, as its micro-batch finds them (the whole pack
+        if samples are not isolated)."""
         if doc not in self._pack_lengths:
-            if self.args.isolate_segments:
-                lengths = segment_lengths(dataset.docs.datasets["attention_mask"][doc])
-            else:
-                lengths = np.array([self.args.seq_length])
-            self._pack_lengths[doc] = lengths.astype(np.int64)
+            self._pack_lengths[doc] = micro_batch([dataset.docs.get(doc)], self.args)["segment_lengths"]
         return self._pack_lengths[doc]
 
     # ---------------------------------------------------------------- the trainer's interface
@@ -153,9 +151,14 @@ class BalancedBatchSource(PackedBatchSource):
         """(micro-batches this step, tokens per micro-batch, extra step statistics)."""
         plan = self._plan(split, consumed)
         if self.online:
-            return len(plan["rows"]), self.capacity, {"rank imbalance": plan["imbalance"], **plan["job"]}
+            return len(plan["rows"]), self.capacity, {"rank imbalance": plan["imbalance"]}
         return self.args.num_micro_batches, self.args.seq_length * self.args.micro_batch_size, \
-            {"rank imbalance": plan["imbalance"], **plan["job"]}
+            {"rank imbalance": plan["imbalance"]}
+
+    @property
+    def max_tokens_per_cp_rank(self):
+        """Megatron-LM's cap on a micro-batch's tokens per CP rank (online rows only), checked by the trainer."""
+        return self.args.max_seqlen_per_dp_cp_rank if self.online else None
 
     def micro_batches(self, split: str, consumed: int) -> Iterator[dict]:
         plan = self._plan(split, consumed)
@@ -167,32 +170,26 @@ class BalancedBatchSource(PackedBatchSource):
         mbs = self.args.micro_batch_size
         mine = plan["docs"]
         for i in range(0, len(mine), mbs):
-            yield collate([docs.get(int(d)) for d in mine[i:i + mbs]], self.args.seq_length,
-                          self.args.isolate_segments)
+            yield micro_batch([docs.get(int(d)) for d in mine[i:i + mbs]], self.args)
 
     def _pack_row(self, samples: List[dict]) -> dict:
-        """One row of ``capacity`` tokens: samples back to back as segments 1..k, then padding."""
+        """One row of ``capacity`` tokens: samples back to back as segments 1..k, then padding.
+
+        Each sample takes its CP-padded length (its plan length): the pads end its segment,
+        untrained, and are no real tokens (``pad_mask``)."""
         c = self.capacity
-        input_ids = np.zeros((1, c), np.int64)
-        labels = np.full((1, c), IGNORE_INDEX, np.int64)
-        segments = np.zeros((1, c), np.int64)
+        row = {"input_ids": np.zeros(c, np.int64), "labels": np.full(c, IGNORE_INDEX, np.int64),
+               "attention_mask": np.zeros(c, np.int64), "pad_mask": np.zeros(c, bool)}
         pos = 0
-        pad_id = getattr(self.args, "sample_pad_id", None)  # --pad-to-multiple-of pads are not real tokens
         for k, s in enumerate(samples, start=1):
             n = min(len(s["input_ids"]), c - pos)
-            input_ids[0, pos:pos + n] = s["input_ids"][:n]
-            labels[0, pos:pos + n] = s["labels"][:n]
-            segments[0, pos:pos + n] = k
-            pos += n
-        pads = None if pad_id is None else (input_ids[0] == pad_id) & (labels[0] == IGNORE_INDEX)
-        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-                "segment_ids": torch.from_numpy(segments), "segment_lengths": segment_lengths(segments[0], pads)}
-
-
-def _job_stats(lengths) -> dict:
-    """The whole job's real tokens and squared sample lengths this step (ranks differ under balancing)."""
-    lengths = np.asarray(lengths, np.int64)
-    return {"job real tokens": int(lengths.sum()), "job sum sq lengths": int((lengths * lengths).sum())}
+            span = min(round_up(n, self.cp_multiple), c - pos)
+            row["input_ids"][pos:pos + n] = s["input_ids"][:n]
+            row["labels"][pos:pos + n] = s["labels"][:n]
+            row["attention_mask"][pos:pos + span] = k
+            row["pad_mask"][pos + n:pos + span] = True
+            pos += span
+        return micro_batch([row], self.args, seq_length=c, isolate=True)
 
 
 def batch_source(args) -> PackedBatchSource:

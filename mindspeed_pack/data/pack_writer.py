@@ -21,7 +21,11 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
 * ``--neat-pack``: ``attention_mask`` holds segment ids 1..k in pack order, then 0 for padding.
 * plain ``--pack``: ``attention_mask`` is all 1s. Samples are NOT isolated: a model that
   honours only causality attends across samples of a pack (MindSpeed-LLM's behaviour; use
-  ``--neat-pack`` for exact packing).
+  ``--neat-pack`` for exact packing). The three files stay as MindSpeed-LLM reads them; a fourth,
+  ``P_packed_sample_lengths`` (int32, one document per pack: its samples' lengths in pack order,
+  ``[4, 3]`` above), records where samples end, for ``--reset-attention-mask``,
+  ``--reset-position-ids`` and ``--per-sample-loss`` (a chat template's EOS also ends system and
+  user turns, so the EOS cannot tell). Its name is outside MindSpeed-LLM's ``P_packed_*_document``.
 * no ``--pack``: one sample per document, of its own length, attention_mask all 1s; the same
   three names, so unpacked training and packed-vs-unpacked comparisons read one format.
 * ``--pad-to-multiple-of N`` (context parallelism): every sample is stored with pad tokens
@@ -58,6 +62,11 @@ PACKED_KEYS = ("input_ids", "attention_mask", "labels")
 def packed_prefixes(output_prefix: str) -> dict[str, str]:
     """Output path prefix (no .bin/.idx) of each packed dataset."""
     return {key: f"{output_prefix}_packed_{key}_document" for key in PACKED_KEYS}
+
+
+def sample_lengths_prefix(output_prefix: str) -> str:
+    """Plain packs' sample boundaries (see the module docstring)."""
+    return f"{output_prefix}_packed_sample_lengths"
 
 
 def text_prefix(output_prefix: str) -> str:
@@ -218,8 +227,9 @@ def shuffle_bins(item_order: np.ndarray, bin_offsets: np.ndarray, seed: int) -> 
 
 def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pack: bool, prefixes: dict,
                  *, seed: int, batch_bins: int = 1024, progress=None) -> None:
-    """Write every pack of ``plan`` (a ``PackPlan``), in the order :func:`shuffle_bins` draws from ``seed``."""
-    builders = {key: _builder(prefixes[key]) for key in PACKED_KEYS}
+    """Write every pack of ``plan`` (a ``PackPlan``), in the order :func:`shuffle_bins` draws from ``seed``;
+    with a ``sample_lengths`` prefix (plain packs) also each pack's sample lengths."""
+    builders = {key: _builder(prefixes[key]) for key in (*PACKED_KEYS, "sample_lengths") if key in prefixes}
     item_order, bin_offsets = shuffle_bins(np.asarray(plan.item_order, dtype=np.int64),
                                            np.asarray(plan.bin_offsets, dtype=np.int64), seed)
     for b0 in range(0, plan.num_bins, batch_bins):
@@ -229,6 +239,10 @@ def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pac
             builder, arr = builders[key], rows[key]
             for r in range(arr.shape[0]):
                 builder.add_document(arr[r], [seq_length])
+        if "sample_lengths" in builders:
+            for b in range(b0, b1):
+                lengths = store.lengths[item_order[bin_offsets[b]:bin_offsets[b + 1]]].astype(np.int32)
+                builders["sample_lengths"].add_document(lengths, [len(lengths)])
         if progress is not None:
             progress.update(b1 - b0)
     _finalize(builders, prefixes)

@@ -73,12 +73,33 @@ class PackedDocuments:
                             f"{dataset_paths(prefix)['input_ids']}.idx {sizes['input_ids']}: the files come from "
                             "different preprocessing runs (an .idx of another dataset?); re-run preprocess_data.py")
         self.meta = read_meta(prefix)
+        self.sample_lengths = self._recorded_sample_lengths()
+
+    def _recorded_sample_lengths(self) -> Optional[IndexedDataset]:
+        """Plain ``--pack`` data: each pack's sample lengths, if the sidecar names the file that holds them."""
+        name = ((self.meta or {}).get("layout") or {}).get("sample_lengths")
+        if not name:
+            return None
+        path = os.path.join(os.path.dirname(self.prefix), name)
+        missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
+        if missing:
+            raise DataError(f"{self.prefix}_packed_meta.json names the packs' sample boundaries {name}, but "
+                            f"{', '.join(missing)} cannot be found; copy it with the packs or re-run preprocess_data.py")
+        check_index_header(path)
+        return IndexedDataset(path, mmap=True)
 
     def __len__(self) -> int:
         return len(self.datasets["input_ids"])
 
     def get(self, doc: int) -> dict:
-        return {k: np.asarray(d[doc], dtype=np.int64) for k, d in self.datasets.items()}
+        """The document's arrays; plain packs with recorded boundaries add ``sample_ids`` (1..k, 0 = padding)."""
+        out = {k: np.asarray(d[doc], dtype=np.int64) for k, d in self.datasets.items()}
+        if self.sample_lengths is not None:
+            lengths = np.asarray(self.sample_lengths[doc], dtype=np.int64)
+            ids = np.zeros(len(out["input_ids"]), np.int64)
+            ids[:int(lengths.sum())] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+            out["sample_ids"] = ids
+        return out
 
 
 def split_ranges(num_docs: int, split: str) -> List[tuple]:
@@ -181,28 +202,38 @@ def build_split_datasets(args, num_samples: dict) -> tuple:
     return out, docs_read
 
 
-def collate(samples: List[dict], seq_length: int, isolate: bool, eos_id: Optional[int] = None,
-            pad_id: Optional[int] = None, sample_pad_id: Optional[int] = None) -> dict:
-    """Stack documents into [b, seq_length]; shorter (unpacked) ones get a padding segment.
+def micro_batch(samples: List[dict], args, seq_length: Optional[int] = None, isolate: Optional[bool] = None) -> dict:
+    """Stack documents into one micro-batch ``[b, seq_length]``: the only way documents become one,
+    for every scheduler (``none``, ``dp_balanced`` offline packs and online rows), so all find the
+    same samples, positions and real lengths.
 
-    ``eos_id`` (plain ``--pack`` data): samples are found at EOS (``sample_ids``); they become
-    the isolated segments when ``isolate``, else only the groups of ``--per-sample-loss``.
-    ``sample_pad_id`` (data preprocessed with ``--pad-to-multiple-of``): the untrained pads that
-    end each sample are left out of the real lengths reported for throughput.
+    Shorter (unpacked) documents get a padding segment. Plain ``--pack`` rows (attention_mask all
+    ones) find their samples when preflight says the flags need them (``args.plain_pack_samples``):
+    the boundaries recorded at preprocessing (the documents' ``sample_ids``), else at EOS; they
+    become the isolated segments when ``isolate`` (default ``args.isolate_segments``), else only
+    the groups of ``--per-sample-loss``. The untrained pads that end a sample (``--pad-to-multiple-of``'s,
+    ``args.sample_pad_id``, or a document's ``pad_mask``) are left out of the real lengths
+    reported for throughput.
     """
+    seq_length = seq_length or args.seq_length
+    isolate = args.isolate_segments if isolate is None else isolate
     b = len(samples)
     input_ids = np.zeros((b, seq_length), np.int64)
     labels = np.full((b, seq_length), IGNORE_INDEX, np.int64)
     segments = np.zeros((b, seq_length), np.int64)
+    pads = np.zeros((b, seq_length), bool)  # untrained pads that end a sample: no real tokens
+    pad_id = getattr(args, "sample_pad_id", None)
     for r, s in enumerate(samples):
         n = min(len(s["input_ids"]), seq_length)
         input_ids[r, :n] = s["input_ids"][:n]
         labels[r, :n] = s["labels"][:n]
         segments[r, :n] = s["attention_mask"][:n]
+        if "pad_mask" in s:
+            pads[r, :n] = s["pad_mask"][:n]
+    if pad_id is not None:
+        pads |= (input_ids == pad_id) & (labels == IGNORE_INDEX)
     ids_t, labels_t = torch.from_numpy(input_ids), torch.from_numpy(labels)
-    sample_ids = None
-    if eos_id is not None:
-        sample_ids = segment_ids_at_eos(ids_t, labels_t, eos_id, eos_id if pad_id is None else pad_id)
+    sample_ids = _plain_pack_samples(samples, ids_t, labels_t, seq_length, args)
     if not isolate:
         # no isolation: each row is one causal sequence; padding stays untrained
         segments_t = None
@@ -213,8 +244,22 @@ def collate(samples: List[dict], seq_length: int, isolate: bool, eos_id: Optiona
     return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids,
             # the samples' real lengths (padding excluded) for throughput metrics
             "segment_lengths": np.concatenate([
-                segment_lengths(row, None if sample_pad_id is None else (ids == sample_pad_id) & (lab == IGNORE_INDEX))
-                for row, ids, lab in zip(segments if segments_t is None else segments_t.numpy(), input_ids, labels)])}
+                segment_lengths(row, pad) for row, pad in zip(segments if segments_t is None else segments_t.numpy(),
+                                                              pads)])}
+
+
+def _plain_pack_samples(samples: List[dict], input_ids, labels, seq_length: int, args) -> Optional[torch.Tensor]:
+    """Sample ids of plain-pack rows (see :func:`micro_batch`), or None when they are not needed:
+    the boundaries recorded at preprocessing, else (data written before) those at EOS."""
+    if not getattr(args, "plain_pack_samples", None):
+        return None
+    if all("sample_ids" in s for s in samples):
+        out = np.zeros((len(samples), seq_length), np.int64)
+        for r, s in enumerate(samples):
+            n = min(len(s["sample_ids"]), seq_length)
+            out[r, :n] = s["sample_ids"][:n]
+        return torch.from_numpy(out)
+    return segment_ids_at_eos(input_ids, labels, args.pack_eos_id, args.pack_pad_id)
 
 
 def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: int, dp_size: int) -> Iterator[dict]:
@@ -223,9 +268,7 @@ def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: i
     pos = consumed_samples
     while pos + mbs * dp_size <= len(dataset):
         first = pos + dp_rank * mbs
-        batch = collate([dataset[i] for i in range(first, first + mbs)], args.seq_length, args.isolate_segments,
-                        getattr(args, "pack_eos_id", None), getattr(args, "pack_pad_id", None),
-                        getattr(args, "sample_pad_id", None))
+        batch = micro_batch([dataset[i] for i in range(first, first + mbs)], args)
         # which packs these are (documents of the prefix): per-pack data kept beside it (reference log-probs)
         batch["documents"] = [dataset.start + int(dataset.index[i]) for i in range(first, first + mbs)]
         yield batch

@@ -27,6 +27,7 @@ import numpy as np
 
 from mindspeed_pack.data.errors import RowError
 from mindspeed_pack.data.handlers import ALPACA, ASSISTANT, PAIRWISE_BASE, SampleEncoder
+from mindspeed_pack.data.readers import not_an_object
 
 SKIP_TOO_LONG = "pair longer than --seq-length"
 SKIP_IDENTICAL = "identical chosen and rejected"
@@ -56,8 +57,8 @@ class PairwiseEncoder(SampleEncoder):
     """Row -> (chosen, rejected) samples; ``seq_length`` bounds the pair, never cuts it."""
 
     def __init__(self, handler: str, tokenizer, template, map_keys: dict, seq_length: Optional[int],
-                 append_eod: bool, pad_to_multiple_of: int = 1):
-        super().__init__(PAIRWISE_BASE[handler], tokenizer, template, map_keys, None, append_eod)
+                 append_eod: bool, pad_to_multiple_of: int = 1, skip_bad_rows: bool = False):
+        super().__init__(PAIRWISE_BASE[handler], tokenizer, template, map_keys, None, append_eod, skip_bad_rows)
         self.pair_handler, self.budget, self.multiple = handler, seq_length, pad_to_multiple_of
 
     def _answer(self, row: dict, key: str, where: str) -> str:
@@ -74,10 +75,14 @@ class PairwiseEncoder(SampleEncoder):
 
     def plan_row(self, row, where: str, texts: list):
         """((chosen plan, rejected plan), None) or (None, skip reason)."""
+        if isinstance(row, RowError):  # the reader could not parse it
+            raise row
         if not isinstance(row, dict):
-            raise RowError(f"{where}: expected an object with named fields, got {type(row).__name__}", "not an object")
+            raise not_an_object(where, row)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
         prompt, system = (self._alpaca_prompt if self.handler == ALPACA else self._sharegpt_messages)(row, where)
+        if isinstance(prompt, str):  # found unusable while reading it: the skip reason
+            return None, prompt
         if chosen == rejected:
             return None, SKIP_IDENTICAL
         plans = []

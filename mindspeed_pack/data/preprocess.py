@@ -18,9 +18,12 @@ of transformers' ``tokenizer(text, add_special_tokens=False)``; only ``--seq-len
 
 Chunks are encoded in input order whatever ``--workers`` is, so the output is byte-identical
 for any number of workers. Outputs appear only complete; the sidecar is written last and is
-what the cache checks: inputs (size + mtime), tokenizer files hash, template and arguments
+what the cache checks: inputs (size + sha256 of the content), tokenizer files hash, template and arguments
 must match for a rebuild to be skipped (``--overwrite-cache`` forces it).
 Errors in the input raise :class:`PreprocessError`; ``main`` prints ``error: ...`` and exits 2.
+A malformed row (:class:`RowError`) does the same unless ``--skip-bad-rows``, which skips it
+and counts it by reason next to the unusable rows (summary and sidecar ``statistics.skipped``,
+with the first row of each reason in ``statistics.first_skipped``).
 """
 from __future__ import annotations
 
@@ -38,18 +41,20 @@ from pathlib import Path
 from typing import Optional
 
 
+from mindspeed_pack.data import chat_template as hf_chat
 from mindspeed_pack.data import pack_writer, pairwise, readers
-from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
                                           resolve_map_keys)
 from mindspeed_pack.data.templates import get_template, marker_tokens
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
 
+HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
 FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added when missing
 CHUNK_ROWS = 1000
 # arguments that change the output bytes (the cache compares these; --workers does not)
 _OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed",
-                "pad_to_multiple_of")
+                "pad_to_multiple_of", "skip_bad_rows")
 TOKENIZER_SUFFIX = "tokenizer"  # P_tokenizer/: the tokenizer extended with a template's tokens
 
 
@@ -60,13 +65,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-prefix", required=True, help="path prefix P of the outputs P_packed_*_document.{bin,idx}")
     g.add_argument("--cache-dir", default=None, help="where the temporary token store goes (default: next to the output)")
     g.add_argument("--overwrite-cache", action="store_true", help="rebuild even if matching outputs exist")
+    g.add_argument("--skip-bad-rows", action="store_true",
+                   help="skip malformed rows (bad JSON, missing field, wrong type, unknown role) and count them by "
+                        "reason instead of stopping at the first one (default: stop, naming file, row and field)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", default="PretrainedFromHF", choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-name-or-path", default=None, help="HF tokenizer directory")
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
     g = p.add_argument_group("handler")
     g.add_argument("--handler-name", default="AlpacaStyleInstructionHandler", choices=HANDLERS)
-    g.add_argument("--prompt-type", default=None, help="chat template name in templates.json (instruction handlers)")
+    g.add_argument("--prompt-type", default=None,
+                   help="chat template name in templates.json (instruction handlers), or 'hf': the tokenizer's own "
+                        "Jinja chat_template, rendered as apply_chat_template does")
+    g.add_argument("--chat-template", default=None, metavar="FILE.jinja",
+                   help="--prompt-type hf: render with this Jinja template instead of the tokenizer's")
+    g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help='--prompt-type hf: variables for the template, e.g. \'{"enable_thinking": false}\'; a '
+                        f'Llama-3.x date header is pinned to date_string "{hf_chat.DEFAULT_DATE_STRING}" unless given')
+    g.add_argument("--reasoning-history", default="split", choices=hf_chat.REASONING_HISTORY,
+                   help="--prompt-type hf, templates that rewrite earlier turns (Qwen3 drops old reasoning): 'split' "
+                        "into the fewest samples whose context is what inference shows (default), or 'keep' one "
+                        "sample with every turn's reasoning kept (differs from inference)")
     g.add_argument("--prompt-type-path", default=None, help="templates.json to use (default: configs/finetune/templates.json)")
     g.add_argument("--map-keys", default=None, help='JSON column/role renames, e.g. \'{"prompt": "question"}\'')
     g = p.add_argument_group("packing")
@@ -74,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--pack", action="store_true", help="pack samples into documents of exactly --seq-length tokens")
     g.add_argument("--neat-pack", action="store_true", help="isolate samples: attention_mask holds segment ids (needs --pack)")
     g.add_argument("--append-eod", action="store_true", help="end every sample with EOS (trained) unless it already does")
+    g.add_argument("--add-bos", action=argparse.BooleanOptionalAction, default=None,
+                   help="GeneralPretrainHandler: start every document with the tokenizer's BOS (--no-add-bos: never); "
+                        "default: as the tokenizer's own encoding does (Llama's add_bos_token), like Megatron-LM")
     g.add_argument("--pad-to-multiple-of", type=int, default=1, metavar="N",
                    help="pad every sample at its end (pad id, label -100, its own segment id) to a multiple of N "
                         "before packing: 2 x context-parallel size (x TP under sequence parallelism), so training "
@@ -104,6 +126,9 @@ def validate_args(args) -> None:
         raise PreprocessError(f"--seq-length {args.seq_length} is not a multiple of --pad-to-multiple-of {n}: a sample "
                               "truncated to --seq-length could not be padded without overflowing it; choose a "
                               f"--seq-length that is a multiple of {n} (e.g. {-(-args.seq_length // n) * n})")
+    if args.add_bos is not None and args.handler_name != PRETRAIN:
+        raise PreprocessError(f"--{'' if args.add_bos else 'no-'}add-bos applies to GeneralPretrainHandler; "
+                              "chat templates place BOS themselves ({\"token\": \"bos_token\"} slots)")
     if args.handler_name == PRETRAIN:
         if args.pack:
             raise PreprocessError("--pack applies to instruction handlers; GeneralPretrainHandler writes plain documents")
@@ -118,10 +143,21 @@ def validate_args(args) -> None:
                                   "samples at EOS at training time, so pads after a sample's EOS would be read as "
                                   "the start of the next sample")
         if args.prompt_type is None:
-            raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json)")
+            raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json, or hf)")
         if pairwise.is_pairwise(args.handler_name) and not (args.pack and args.neat_pack):
             raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a preference pair is a unit of "
                                   "packing, its chosen and rejected answers told apart by their segment ids")
+        if pairwise.is_pairwise(args.handler_name) and args.prompt_type == HF_PROMPT_TYPE:
+            raise PreprocessError(f"{args.handler_name} takes a JSON template (--prompt-type qwen, llama3, ...): "
+                                  "preference pairs are not rendered with --prompt-type hf yet")
+    if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
+        raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
+    if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
+        raise PreprocessError("--append-eod does not apply to --prompt-type hf: the chat template ends every turn "
+                              "with its own end-of-turn token (trained)")
+    if args.prompt_type == HF_PROMPT_TYPE and args.tokenizer_type != "PretrainedFromHF":
+        raise PreprocessError("--prompt-type hf needs --tokenizer-type PretrainedFromHF (a tokenizer with a chat template)")
+    args.chat_template_kwargs = hf_chat.parse_template_kwargs(args.chat_template_kwargs)
     if args.map_keys is not None and not isinstance(args.map_keys, dict):
         try:
             args.map_keys = json.loads(args.map_keys)
@@ -145,15 +181,27 @@ class EncoderConfig:
     map_keys: dict
     seq_length: Optional[int]
     append_eod: bool
+    skip_bad_rows: bool = False
+    add_bos: bool = False
+    chat_template: Optional[str] = None  # --prompt-type hf: --chat-template FILE (None: the tokenizer's)
+    chat_template_kwargs: Optional[dict] = None
+    reasoning_history: str = "split"
     pad_to_multiple_of: int = 1  # pairs: a pair's padded length must fit --seq-length
 
     def build(self, tokenizer=None) -> SampleEncoder:
-        template = get_template(self.prompt_type, self.templates_path) if self.handler != PRETRAIN else None
         tokenizer = tokenizer or load_tokenizer(self.tokenizer)
+        template = chat = None
+        if self.handler != PRETRAIN and self.prompt_type == HF_PROMPT_TYPE:
+            source, origin = hf_chat.load_chat_template(tokenizer.hf, self.chat_template)
+            chat = hf_chat.ChatTemplate(source, tokenizer.hf.special_tokens_map, self.chat_template_kwargs or {},
+                                        self.reasoning_history, origin)
+        elif self.handler != PRETRAIN:
+            template = get_template(self.prompt_type, self.templates_path)
         if pairwise.is_pairwise(self.handler):
             return pairwise.PairwiseEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length,
-                                            self.append_eod, self.pad_to_multiple_of)
-        return SampleEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length, self.append_eod)
+                                            self.append_eod, self.pad_to_multiple_of, self.skip_bad_rows)
+        return SampleEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length, self.append_eod,
+                             self.skip_bad_rows, self.add_bos, chat)
 
 
 _ENCODER: Optional[SampleEncoder] = None
@@ -196,17 +244,22 @@ def encode_in_order(chunks, config: EncoderConfig, workers: int, encoder: Option
 
 
 # ------------------------------------------------------------------ main side
-def check_columns(files, handler: str, keys: dict, explicit: set) -> None:
-    """Every required column, and every column named in --map-keys, exists in every file."""
+def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows: bool = False) -> None:
+    """Every required column, and every column named in --map-keys, exists in every file with rows."""
     wanted = [k for k in COLUMN_KEYS[handler] if k in REQUIRED_COLUMNS[handler] or k in explicit]
+    empty = []
     for f in files:
-        columns = readers.columns_of(f)
+        columns = readers.columns_of(f, skip_bad_rows)
         if columns is None:
-            continue  # no rows (an empty file); the empty-input check reports it if all are empty
+            empty.append(f)
+            continue
         for key in wanted:
             if keys[key] not in columns:
                 raise PreprocessError(f"{f}: column {keys[key]!r} (--map-keys {key}) not found; "
                                       f"columns: {', '.join(map(str, columns))}")
+    if len(empty) < len(files):  # all empty: the empty-input error says so
+        for f in empty:
+            print(f"warning: {f}: no rows (an empty file); skipped", file=sys.stderr)
 
 
 def extend_tokenizer_for_template(tokenizer, template) -> dict:
@@ -256,6 +309,9 @@ def _meta_path(args) -> str:
 def _final_prefixes(args):
     if args.handler_name == PRETRAIN:
         return {"text": pack_writer.text_prefix(args.output_prefix)}
+    if args.pack and not args.neat_pack:  # plain packs: where their samples end (the mask cannot tell)
+        return pack_writer.packed_prefixes(args.output_prefix) | {
+            "sample_lengths": pack_writer.sample_lengths_prefix(args.output_prefix)}
     return pack_writer.packed_prefixes(args.output_prefix)
 
 
@@ -304,22 +360,31 @@ def run(args) -> dict:
     files = readers.resolve_input_files(args.input)
     tokenizer_spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
-    template = None if args.handler_name == PRETRAIN else get_template(args.prompt_type, args.prompt_type_path)
+    template = None
+    if args.handler_name != PRETRAIN and args.prompt_type != HF_PROMPT_TYPE:
+        template = get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
-    check_columns(files, args.handler_name, keys, explicit)
+    check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
     changes = extend_tokenizer_for_template(tokenizer, template)
     check_eos(tokenizer, args.tokenizer_path)
+    add_bos = resolve_add_bos(args, tokenizer)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
-                           args.seq_length, args.append_eod, args.pad_to_multiple_of)
+                           args.seq_length, args.append_eod, args.skip_bad_rows, add_bos, args.chat_template,
+                           args.chat_template_kwargs, args.reasoning_history, args.pad_to_multiple_of)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
+    if encoder.chat is not None and encoder.chat.reasoning_history == "keep":
+        print("warning: --reasoning-history keep: turns are trained after a history that keeps earlier reasoning, "
+              "which this template drops at inference (the default, split, trains each turn in its inference "
+              "context)", file=sys.stderr)
 
     cache_key = {
         "format_version": FORMAT_VERSION,
-        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys},
+        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys, "add_bos": add_bos},
         "inputs": readers.fingerprint(files),
         # vocab_size: of the tokenizer the ids come from (extended, when tokens were added)
         "tokenizer": tokenizer.identity() | changes,
-        "template": None if template is None else {"name": template.name, "definition": template.definition},
+        "template": (encoder.chat.identity() if encoder.chat is not None else
+                     None if template is None else {"name": template.name, "definition": template.definition}),
     }
     cache_key = json.loads(json.dumps(cache_key))  # compare in the form the sidecar stores
     cached = _cached(args, cache_key)
@@ -365,22 +430,46 @@ def run(args) -> dict:
     return meta
 
 
+def resolve_add_bos(args, tokenizer) -> bool:
+    """Whether pretraining documents start with BOS: ``--add-bos/--no-add-bos``, else as the tokenizer encodes."""
+    if args.handler_name != PRETRAIN:
+        return False
+    if args.add_bos and tokenizer.bos_id is None:
+        raise PreprocessError(f"--add-bos: tokenizer {str(args.tokenizer_path)!r} ({tokenizer.name}) has no BOS token")
+    return tokenizer.adds_bos if args.add_bos is None else args.add_bos
+
+
+def bos_summary(layout: dict) -> str:
+    if layout["add_bos"]:
+        why = "the tokenizer adds it; --no-add-bos leaves it out" if layout["add_bos_from"] == "tokenizer" else layout["add_bos_from"]
+        return f"BOS (id {layout['bos_id']}) starts every document ({why})"
+    if layout["bos_id"] is None:
+        return "no BOS (the tokenizer has none)"
+    why = "the tokenizer adds none; --add-bos adds it" if layout["add_bos_from"] == "tokenizer" else layout["add_bos_from"]
+    return f"no BOS added ({why})"
+
+
 def _layout(args, tokenizer, encoder) -> dict:
     if args.handler_name == PRETRAIN:
-        return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod}
+        add_bos = encoder.bos_prefix != []
+        return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod,
+                "bos_id": tokenizer.bos_id, "add_bos": add_bos,
+                "add_bos_from": "tokenizer" if args.add_bos is None else f"--{'' if add_bos else 'no-'}add-bos"}
     return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": args.neat_pack,
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
             "pad_to_multiple_of": args.pad_to_multiple_of,
             **({"pairs": "segments 2k-1 (chosen) and 2k (rejected) of a pack are its k-th preference pair"}
-               if pairwise.is_pairwise(args.handler_name) else {})}
+               if pairwise.is_pairwise(args.handler_name) else {}),
+            **({"sample_lengths": Path(pack_writer.sample_lengths_prefix(args.output_prefix)).name}
+               if args.pack and not args.neat_pack else {})}
 
 
 def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int,
                 encoder: Optional[SampleEncoder] = None) -> dict:
     store = pack_writer.TokenStore(tmp_store, args.pad_to_multiple_of, pad_id)
     rows = truncated = trained = max_len = 0
-    skipped = Counter()
+    skipped, first_skipped = Counter(), {}
     progress = _Progress("tokenize", "rows", args.log_interval)
     try:
         for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers, encoder):
@@ -388,6 +477,8 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
             rows += chunk.rows
             truncated += chunk.truncated
             skipped.update(chunk.skipped)
+            for reason, example in chunk.first_skipped.items():
+                first_skipped.setdefault(reason, example)
             trained += int(chunk.trained.sum())
             if len(chunk.lengths):
                 max_len = max(max_len, int(chunk.lengths.max()))
@@ -402,6 +493,7 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
         raise PreprocessError(f"no usable sample in {where}: all {rows} rows were skipped ({dict(skipped)})")
     tokens = store.num_tokens - store.pad_tokens  # the samples' own tokens
     return {"samples_read": rows, "samples_written": len(store), "skipped": dict(sorted(skipped.items())),
+            "first_skipped": dict(sorted(first_skipped.items())),
             "truncated": truncated, "tokens": tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
             "cp_pad_tokens": store.pad_tokens, "max_sample_length": max_len,
             "mean_sample_length": round(tokens / len(store), 2), "_store": store}
@@ -462,6 +554,7 @@ def print_summary(meta: dict) -> None:
     s = meta["statistics"]
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
     lines = [f"samples read {s['samples_read']}, written {s['samples_written']}, skipped {skipped}, truncated {s['truncated']}"]
+    lines += [f"  first skipped ({why}): {example}" for why, example in s.get("first_skipped", {}).items()]
     if "pairs" in s:
         lines.append(f"preference pairs {s['pairs']} (data fingerprint {s['data_fingerprint']})")
     if s["skipped"].get(pairwise.SKIP_IDENTICAL):
@@ -471,6 +564,8 @@ def print_summary(meta: dict) -> None:
         lines.append(f"packs {s['packs']} (lower bound {s['lower_bound']}), fill rate {s['fill_rate']:.4f}")
     else:
         lines.append(f"documents {s['documents']}")
+    if meta["layout"].get("kind") == "text_documents":
+        lines.append(bos_summary(meta["layout"]))
     if s.get("cp_pad_tokens"):
         multiple = meta["arguments"]["pad_to_multiple_of"]
         lines.append(f"cp pad tokens {s['cp_pad_tokens']} (every sample padded to a multiple of {multiple})")
@@ -491,6 +586,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
+    except RowError as exc:
+        print(f"error: {exc}; {SKIP_BAD_ROWS_HINT}", file=sys.stderr)
+        return 2
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

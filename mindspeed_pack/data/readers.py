@@ -6,20 +6,28 @@ a line), ``.json`` (an array of objects, or JSON lines), ``.txt`` (one ``text`` 
 A directory holds files of exactly one of these formats (the metadata JSON files of an HF
 ``datasets.save_to_disk`` directory are ignored next to its ``.arrow`` shards).
 
+Text files are UTF-8; a leading byte-order mark (Excel's "CSV UTF-8") is dropped, as pandas
+and HF ``datasets`` do. A file in another encoding stops the run with its first undecodable
+line and byte offset. An empty CSV file holds no rows (like an empty JSON-lines file).
+
 The main process only cuts the input into chunks; rows are materialised (JSON parsed, Arrow
 batches converted) by the worker that encodes them, so parsing scales with ``--workers``.
 Every row carries its location, ``"FILE: line N"`` for line formats and ``"FILE: row N"``
-otherwise (1-based), for error messages.
+otherwise (1-based), for error messages. A line that is not valid JSON comes as its
+:class:`RowError` in place of the row, so the row policy (stop, or ``--skip-bad-rows``)
+decides where it is encoded.
 """
 from __future__ import annotations
 
 import csv
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.digest import sha256_of_files
+from mindspeed_pack.data.errors import BAD_JSON, BAD_TYPE, PreprocessError, RowError
 
 FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".txt": "txt"}
 # metadata HF datasets' save_to_disk writes next to its .arrow shards: not data
@@ -63,42 +71,84 @@ def resolve_input_files(path) -> list[Path]:
 
 
 def fingerprint(files) -> list[dict]:
-    """Identity of the inputs for the cache: path, size, modification time."""
-    out = []
-    for f in files:
-        st = Path(f).stat()
-        out.append({"path": str(Path(f).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-    return out
+    """Identity of the inputs for the cache: path, size and a digest of the content.
+
+    Not the modification time: a file edited in place with its size and mtime kept must not
+    reuse stale output, and a file only touched need not be tokenised again.
+    """
+    return [{"path": str(Path(f).resolve()), "size": Path(f).stat().st_size, "sha256": sha256_of_files([f])}
+            for f in files]
+
+
+TEXT_ENCODING = "utf-8-sig"  # UTF-8, without the byte-order mark some editors put first
 
 
 def _parse_json_line(line: str, where: str):
     try:
         return json.loads(line)
     except json.JSONDecodeError as exc:
-        raise PreprocessError(f"{where}: malformed JSON at column {exc.colno}: {exc.msg}") from None
+        return RowError(f"{where}: malformed JSON at column {exc.colno}: {exc.msg}", BAD_JSON)
+
+
+def not_an_object(where: str, row) -> RowError:
+    return RowError(f"{where}: expected an object with named fields, got {type(row).__name__}", BAD_TYPE)
+
+
+def first_undecodable_line(path) -> Optional[str]:
+    """``"line N: byte 0xXX at byte offset B"`` of the first byte that is not UTF-8 (None: all is)."""
+    offset = 0
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):  # a UTF-8 sequence never holds a newline byte
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                return f"line {n}: byte 0x{line[exc.start]:02x} at byte offset {offset + exc.start}"
+            offset += len(line)
+    return None
+
+
+def not_utf8_error(path) -> PreprocessError:
+    where = first_undecodable_line(path) or "somewhere"
+    return PreprocessError(f"{path}: {where} is not UTF-8 text; save the file as UTF-8 "
+                           "(e.g. iconv -f <its encoding> -t UTF-8)")
+
+
+@contextmanager
+def _utf8_text(path: Path, **kwargs):
+    """The file opened as UTF-8 text; a decoding error anywhere in the block names its line and byte."""
+    try:
+        with open(path, encoding=TEXT_ENCODING, **kwargs) as f:
+            yield f
+    except UnicodeDecodeError:
+        raise not_utf8_error(path) from None
 
 
 def _looks_like_json_array(path: Path) -> bool:
-    with open(path, encoding="utf-8") as f:
+    with _utf8_text(path) as f:
         while True:
             ch = f.read(1)
             if not ch or not ch.isspace():
                 return ch == "["
 
 
-def _csv_header(path: Path) -> list[str]:
-    with open(path, encoding="utf-8", newline="") as f:
-        return next(csv.reader(f), [])
+def _csv_header(path: Path) -> Optional[list[str]]:
+    """The header row (None: an empty file)."""
+    with _utf8_text(path, newline="") as f:
+        return next(csv.reader(f), None)
 
 
-def columns_of(path) -> Optional[list[str]]:
-    """Column names of a file (the first record's keys for JSON formats; None if no record)."""
+def columns_of(path, skip_bad_rows: bool = False) -> Optional[list[str]]:
+    """Column names of a file (the first record's keys for JSON formats; None if no record).
+
+    A row before the first record that is not a JSON object raises its :class:`RowError`
+    (skipped under ``skip_bad_rows``).
+    """
     p = Path(path)
     fmt = FORMATS[p.suffix.lower()]
     if fmt == "txt":
         return ["text"]
     if fmt == "csv":
-        return _csv_header(p)
+        return _csv_header(p)  # None for an empty file
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
@@ -107,7 +157,10 @@ def columns_of(path) -> Optional[list[str]]:
         return list(_open_arrow(p).schema.names)
     for chunk in iter_chunks([p], 1):
         for where, row in chunk_rows(chunk):
-            return list(row) if isinstance(row, dict) else None
+            if isinstance(row, dict):
+                return list(row)
+            if not skip_bad_rows:
+                raise row if isinstance(row, RowError) else not_an_object(where, row)
     return None
 
 
@@ -140,7 +193,7 @@ def iter_chunks(files, chunk_rows: int) -> Iterator[Chunk]:
         fmt = FORMATS[path.suffix.lower()]
         if fmt in ("jsonl", "txt") or (fmt == "json" and not _looks_like_json_array(path)):
             kind = "text" if fmt == "txt" else "lines"
-            with open(path, encoding="utf-8") as f:
+            with _utf8_text(path) as f:
                 lines, first = [], 1
                 for n, line in enumerate(f, 1):
                     if not lines:
@@ -153,7 +206,7 @@ def iter_chunks(files, chunk_rows: int) -> Iterator[Chunk]:
                     yield Chunk(name, first, kind, lines)
         elif fmt == "json":  # one JSON array: parsed whole (use .jsonl for data that does not fit in memory)
             try:
-                with open(path, encoding="utf-8") as f:
+                with _utf8_text(path) as f:
                     records = json.load(f)
             except json.JSONDecodeError as exc:
                 raise PreprocessError(f"{name}: line {exc.lineno} column {exc.colno}: malformed JSON ({exc.msg})") from None
@@ -184,6 +237,8 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
         import pyarrow.csv as pacsv
 
         header = _csv_header(path)
+        if header is None:
+            return  # an empty file: no rows
         try:
             reader = pacsv.open_csv(
                 path,
@@ -192,6 +247,8 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
             )
             yield from reader
         except pa.ArrowInvalid as exc:
+            if first_undecodable_line(path) is not None:
+                raise not_utf8_error(path) from None
             raise PreprocessError(f"{path}: malformed CSV: {exc}") from None
 
 

@@ -19,7 +19,13 @@ turn (untrained), so a sample ends on its EOS ``<|im_end|>`` (trained). A 2-turn
     <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\nq1<|im_end|>\\n
     <|im_start|>assistant\\n[a1<|im_end|>]\\n<|im_start|>user\\nq2<|im_end|>\\n<|im_start|>assistant\\n[a2<|im_end|>]
 
-(``[...]`` trained). ``qwen`` keeps MindSpeed-LLM's default system prompt "You are a helpful
+(``[...]`` trained). Tools, where a template has ``format_tools``: a row's tool schemas go into
+the system prompt (``{{content}}`` = the system text, ``{{tools}}`` = each schema as one JSON line
+after a newline), and a ``function`` message's calls (a ``{"name", "arguments"}`` object or a list
+of them) are written with ``format_tool_call`` (``{{name}}``, ``{{arguments}}`` as JSON) joined by
+``tool_call_separator``, which is what Qwen2.5's official template renders. A template without
+``format_tools`` refuses rows with tools (:class:`RowError`): they are never silently dropped.
+``qwen`` keeps MindSpeed-LLM's default system prompt "You are a helpful
 assistant."; ``qwen2_5`` uses the one Qwen2.5's own template inserts.
 """
 from __future__ import annotations
@@ -30,7 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.chat_messages import function_call_content
+from mindspeed_pack.data.errors import PreprocessError, RowError
 
 DEFAULT_TEMPLATES_PATH = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "templates.json"
 
@@ -39,6 +46,8 @@ USER, ASSISTANT, OBSERVATION, FUNCTION = "user", "assistant", "observation", "fu
 PROMPT_ROLES = (USER, OBSERVATION)
 ANSWER_ROLES = (ASSISTANT, FUNCTION)
 _SPECIAL_SLOTS = ("eos_token", "bos_token")
+_TOOL_FIELDS = ("format_tools", "format_tool_call", "tool_call_separator")
+REASON_TOOLS = "tools the template cannot render"
 _FIELDS = ("format_prefix", "format_system", "format_user", "format_assistant", "format_observation",
            "format_function", "format_separator")
 
@@ -57,6 +66,10 @@ class Template:
     stop_words: tuple = ()
     replace_eos: bool = False
     system_in_first_user: bool = False  # llama2: the system block sits inside the first [INST]
+    format_tools: str = ""  # the system prompt when a row has tools ({{content}}, {{tools}}); "": tools refused
+    format_tool_call: str = ""  # one call of a function message ({{name}}, {{arguments}}); "": the content as is
+    tool_call_separator: str = "\n"
+    trim_content: bool = False  # strip whitespace around every message's text (Llama 3's "| trim")
     definition: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -110,7 +123,8 @@ def get_template(name: str, path=None) -> Template:
     if name not in defs:
         raise PreprocessError(f"unknown --prompt-type {name!r}; known templates: {', '.join(sorted(defs))}")
     spec = _resolve(name, defs)
-    unknown = set(spec) - set(_FIELDS) - {"default_system", "stop_words", "replace_eos", "system_in_first_user"}
+    unknown = set(spec) - set(_FIELDS) - {"default_system", "stop_words", "replace_eos", "system_in_first_user",
+                                          "trim_content", *_TOOL_FIELDS}
     if unknown:
         raise PreprocessError(f"template {name!r}: unknown keys {sorted(unknown)}")
     for required in ("format_user", "format_assistant"):
@@ -123,6 +137,8 @@ def get_template(name: str, path=None) -> Template:
         stop_words=tuple(spec.get("stop_words", ())),
         replace_eos=bool(spec.get("replace_eos", False)),
         system_in_first_user=bool(spec.get("system_in_first_user", False)),
+        trim_content=bool(spec.get("trim_content", False)),
+        **{k: str(spec[k]) for k in _TOOL_FIELDS if k in spec},
         definition=spec,
         **kwargs,
     )
@@ -149,14 +165,41 @@ def _fill(slots: tuple, content: str) -> list[Slot]:
     return [s.replace("{{content}}", content) if isinstance(s, str) else s for s in slots]
 
 
-def render_turns(template: Template, messages: list[tuple[str, str]], system: Optional[str]) -> list[tuple[list, list]]:
+def tools_system(template: Template, system: str, tools: list) -> str:
+    """The system prompt of a row with tool schemas (RowError when the template renders no tools)."""
+    if not template.format_tools:
+        raise RowError(f"the row has tool schemas, which template {template.name!r} does not render (refused, not "
+                       "dropped); use --prompt-type hf or a template with format_tools", REASON_TOOLS)
+    listing = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return re.sub(r"\{\{(content|tools)\}\}", lambda m: system if m.group(1) == "content" else listing, template.format_tools)
+
+
+def format_function(template: Template, content: str) -> str:
+    """A function message's text: its calls in the template's format (the content unchanged without one)."""
+    if not template.format_tool_call:
+        return content
+    calls = []
+    for call in function_call_content(content, "function_call message"):
+        args = call["function"]["arguments"]
+        args = json.loads(args) if isinstance(args, str) else args
+        calls.append(template.format_tool_call.replace("{{name}}", call["function"]["name"])
+                     .replace("{{arguments}}", json.dumps(args, ensure_ascii=False)))
+    return template.tool_call_separator.join(calls)
+
+
+def render_turns(template: Template, messages: list[tuple[str, str]], system: Optional[str],
+                 tools: Optional[list] = None) -> list[tuple[list, list]]:
     """Slot lists ``(prompt, answer)`` per turn, for messages alternating prompt/answer roles.
 
     ``messages``: ``[(role, content), ...]`` with roles user/observation at even positions
     and assistant/function at odd positions (callers check this). ``system``: None or ""
-    means the template's default.
+    means the template's default. ``tools``: the row's tool schemas, if any.
     """
     system = system or template.default_system
+    if template.trim_content:
+        system, messages = system.strip(), [(role, content.strip()) for role, content in messages]
+    if tools:
+        system = tools_system(template, system, tools)
     turns = []
     for i in range(0, len(messages) - 1, 2):
         (q_role, query), (a_role, answer) = messages[i], messages[i + 1]
@@ -173,6 +216,8 @@ def render_turns(template: Template, messages: list[tuple[str, str]], system: Op
             query = system_text + query
         prompt += _fill(user_slots, query)
         answer_slots = template.format_function if (a_role == FUNCTION and template.format_function) else template.format_assistant
+        if a_role == FUNCTION:
+            answer = format_function(template, answer)
         turns.append((prompt, _fill(answer_slots, answer)))
     return turns
 

@@ -2,8 +2,9 @@
 
 ``PretrainedFromHF`` wraps ``transformers.AutoTokenizer``; ``SentencePiece`` wraps a
 ``.model`` file. Both expose exactly what the handlers need: ``encode_batch(texts)`` without
-added specials, ``token_to_id``, the EOS/pad/BOS ids and an ``identity()`` recorded in the
-output's sidecar so a cache is never reused with another tokenizer.
+added specials, ``token_to_id``, the EOS/pad/BOS ids, ``adds_bos`` (whether the tokenizer's
+own encoding starts a text with BOS, as Llama's ``add_bos_token`` does) and an ``identity()``
+recorded in the output's sidecar so a cache is never reused with another tokenizer.
 
 Exactness: ids are those of transformers' ``tokenizer(text, add_special_tokens=False)``
 whatever the tokenizer files hold. A ``tokenizer.json`` saved after a padded/truncated call
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from mindspeed_pack.data.digest import sha256_of_files
 from mindspeed_pack.data.errors import PreprocessError
 
 TOKENIZER_TYPES = ("PretrainedFromHF", "SentencePiece")
@@ -48,6 +50,7 @@ class TextTokenizer(abc.ABC):
     bos_id: Optional[int]
     eos_token: Optional[str]
     bos_token: Optional[str]
+    adds_bos: bool = False  # tokenizer(text) starts with BOS by default (pretraining documents follow it)
 
     @abc.abstractmethod
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -99,6 +102,10 @@ class HFTokenizer(TextTokenizer):
         self.eos_token, self.bos_token = self.hf.eos_token, self.hf.bos_token
         self._backend = self._plain_backend()
         self.files_hash = hash_tokenizer_files(path)
+        # observed, not read from add_bos_token: a reloaded Llama tokenizer adds BOS through its
+        # post-processor while its add_bos_token attribute may read False
+        with_specials, plain = self.hf("a")["input_ids"], self.hf("a", add_special_tokens=False)["input_ids"]
+        self.adds_bos = self.bos_id is not None and with_specials[:1] == [self.bos_id] and with_specials[1:1 + len(plain)] == plain
 
     def _plain_backend(self):
         """A copy of the Rust backend with the saved truncation/padding switched off (None: slow tokenizer)."""
@@ -117,6 +124,13 @@ class HFTokenizer(TextTokenizer):
         if self._backend is not None:
             return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
         return self.hf(list(texts), add_special_tokens=False, truncation=False, padding=False)["input_ids"]
+
+    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Ids and character offsets of each text (the same ids as :meth:`encode_batch`)."""
+        if self._backend is None:
+            raise PreprocessError(f"tokenizer {self.name} is not a fast tokenizer: --prompt-type hf needs character "
+                                  "offsets (a tokenizer.json)")
+        return [(e.ids, e.offsets) for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def add_special_tokens(self, tokens: list[str]) -> None:
         """Add ``tokens`` as special tokens (kept whole, never split), as LLaMA-Factory does for templates."""
@@ -166,7 +180,7 @@ class SentencePieceTokenizer(TextTokenizer):
         self.eos_id, self.pad_id, self.bos_id = opt(self.sp.eos_id()), opt(self.sp.pad_id()), opt(self.sp.bos_id())
         self.eos_token = None if self.eos_id is None else self.sp.id_to_piece(self.eos_id)
         self.bos_token = None if self.bos_id is None else self.sp.id_to_piece(self.bos_id)
-        self.files_hash = _sha256_files([model])
+        self.files_hash = sha256_of_files([model])
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.sp.encode(list(texts), num_threads=1)  # no BOS/EOS; parallelism comes from --workers
@@ -206,22 +220,12 @@ def check_eos(tokenizer: TextTokenizer, path) -> None:
         )
 
 
-def _sha256_files(files) -> str:
-    digest = hashlib.sha256()
-    for f in files:
-        digest.update(Path(f).name.encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def hash_tokenizer_files(path: str) -> str:
     """sha256 over the tokenizer-defining files of a directory (weights excluded)."""
     p = Path(path)
     if p.is_file():
-        return _sha256_files([p])
+        return sha256_of_files([p])
     if not p.is_dir():
         return hashlib.sha256(str(path).encode()).hexdigest()
     files = sorted(f for f in p.iterdir() if f.is_file() and any(h in f.name for h in _TOKENIZER_FILE_HINTS))
-    return _sha256_files(files)
+    return sha256_of_files(files)

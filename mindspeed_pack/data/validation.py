@@ -14,7 +14,10 @@ the embedding does not have). What is checked, cheapest first:
       good   1 1 1 2 2 3 3 3 0 0      bad  1 1 3 3 0 0   (skips 2)
                                            1 1 0 2 2 0   (a sample after padding)
 * token ids lie in ``[0, --padded-vocab-size)``; labels are ``-100`` or the token itself
-  (labels are stored aligned; the trainer shifts them).
+  (labels are stored aligned; the trainer shifts them);
+* plain ``--pack`` data's recorded sample boundaries (``P_packed_sample_lengths``, named in the
+  sidecar): one entry per pack, as many samples as the sidecar counts, positive lengths that
+  fit the pack, each sample starting with an unlabelled token (as every sample is stored).
 
 The scans are vectorised over chunks of packs, so they read the data once at disk speed.
 """
@@ -26,9 +29,10 @@ import time
 from typing import Optional
 
 import numpy as np
+import torch
 
 from mindspeed_pack.data.packed_dataset import DataError, PackedDocuments, check_index_header
-from mindspeed_pack.packing.segments import IGNORE_INDEX
+from mindspeed_pack.packing.segments import IGNORE_INDEX, segment_ids_at_eos
 
 log = logging.getLogger(__name__)
 
@@ -171,13 +175,73 @@ def validate_packed_documents(docs: PackedDocuments, args) -> None:
                         f"({len(wrong)} of {len(lengths)} differ); {rule}: the data was prepared for another length, "
                         f"re-run preprocess_data.py --seq-length {seq} (or train with the data's length)")
     unit = "pack" if packed else "document"
+    starts = _recorded_sample_starts(docs, stats, seq) if docs.sample_lengths is not None else None
     chunks = {k: _chunks(ds, lengths) for k, ds in docs.datasets.items()}
     for ids, labels, mask in zip(chunks["input_ids"], chunks["labels"], chunks["attention_mask"]):
         _check_vocab(paths["input_ids"] + ".bin", ids, args.padded_vocab_size, unit)
         _check_labels(paths["labels"] + ".bin", labels, ids, unit)
         if args.isolate_segments:
             _check_segments(paths["attention_mask"] + ".bin", mask, unit)
+        if starts is not None:
+            _check_sample_starts(docs, labels, starts, seq)
     log.info("validated %s: %d documents in %.2fs", docs.prefix, len(docs), time.perf_counter() - t0)
+
+
+def _sample_lengths_path(docs: PackedDocuments) -> str:
+    return os.path.join(os.path.dirname(docs.prefix), docs.meta["layout"]["sample_lengths"])
+
+
+def _recorded_sample_starts(docs: PackedDocuments, stats: dict, seq: int) -> np.ndarray:
+    """Flat positions (pack x seq + offset) where the recorded samples start, after checking the file."""
+    path = _sample_lengths_path(docs)
+    ds = docs.sample_lengths
+    check_index_matches_bin(path, ds)
+    counts = np.asarray(ds.index.sequence_lengths, dtype=np.int64)
+    if len(counts) != len(docs):
+        raise DataError(f"{path}.idx holds the samples of {len(counts)} packs but the packs are {len(docs)}: the "
+                        f"files come from different preprocessing runs; {PREPROCESS_HINT}")
+    written = stats.get("samples_written")
+    if written is not None and int(counts.sum()) != int(written):
+        raise DataError(f"{path}: {int(counts.sum())} sample lengths, but the sidecar {docs.prefix}_packed_meta.json "
+                        f"recorded {written} samples written; {PREPROCESS_HINT}")
+    lengths = ds.bin_reader.read(dtype=ds.index.dtype, count=int(counts.sum()), offset=0).astype(np.int64)
+    pack = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts
+    used = np.add.reduceat(lengths, first[counts > 0]) if len(lengths) else np.zeros(0, np.int64)
+    bad = np.flatnonzero(lengths <= 0)
+    over = np.flatnonzero(used > seq)
+    if len(bad) or len(over):
+        p = int(pack[bad[0]]) if len(bad) else int(np.flatnonzero(counts > 0)[over[0]])
+        what = f"a sample of length {int(lengths[bad[0]])}" if len(bad) else \
+            f"samples of {int(used[over[0]])} tokens in all, more than the {seq} a pack holds"
+        raise DataError(f"{path}: pack {p} has {what}; {PREPROCESS_HINT}")
+    start = np.cumsum(lengths) - lengths  # over all packs; minus the pack's first gives the offset in it
+    return pack * seq + start - np.repeat(start[first[counts > 0]], counts[counts > 0])
+
+
+def _check_sample_starts(docs: PackedDocuments, labels: _Chunk, starts: np.ndarray, seq: int) -> None:
+    """Every recorded sample starts with an unlabelled token (as preprocessing stores every sample)."""
+    lo, hi = labels.first * seq, labels.first * seq + len(labels.tokens)
+    mine = starts[np.searchsorted(starts, lo):np.searchsorted(starts, hi)]  # starts are in file order
+    bad = mine[labels.tokens[mine - lo] != IGNORE_INDEX]
+    if len(bad):
+        pack, pos = divmod(int(bad[0]), seq)
+        raise DataError(f"{_sample_lengths_path(docs)}: pack {pack} has a sample starting at position {pos}, where "
+                        f"{docs.prefix}_packed_labels_document holds a trained label: the boundaries do not belong to "
+                        f"these packs; {PREPROCESS_HINT}")
+
+
+def count_samples_at_eos(docs: PackedDocuments, eos_id: int, pad_id: int) -> int:
+    """Samples MindSpeed-LLM's EOS rule finds in plain packs (all of them ``seq`` tokens long)."""
+    lengths = np.asarray(docs.datasets["input_ids"].index.sequence_lengths)
+    found = 0
+    for ids, labels in zip(_chunks(docs.datasets["input_ids"], lengths), _chunks(docs.datasets["labels"], lengths)):
+        rows = len(ids.ends)
+        sample_ids = segment_ids_at_eos(torch.from_numpy(ids.tokens.astype(np.int64).reshape(rows, -1)),
+                                        torch.from_numpy(labels.tokens.astype(np.int64).reshape(rows, -1)),
+                                        eos_id, pad_id)
+        found += int(sample_ids.max(dim=1).values.sum())  # ids run 1..k per pack (0: padding)
+    return found
 
 
 def validate_text_documents(prefixes, padded_vocab_size: Optional[int]) -> None:

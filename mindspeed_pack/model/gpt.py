@@ -1,4 +1,4 @@
-"""Build megatron-core ``GPTModel`` (Qwen2/Llama family) from Megatron-LM style arguments.
+"""Build megatron-core ``GPTModel`` (the Qwen2/Qwen3/Llama/Mistral layout) from Megatron-LM style arguments.
 
 ``args`` is any object with Megatron-LM's argument names (``num_layers``, ``hidden_size``,
 ``group_query_attention``, ``swiglu``, ...): the training parser's namespace, or a
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
 from mindspeed_pack.model.spec import layer_spec, resolve_backend
 from mindspeed_pack.model.te_spec import HAVE_TE
 from mindspeed_pack.platform import cuda_usable
@@ -77,6 +78,8 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
         num_query_groups=groups,
         kv_channels=getattr(args, "kv_channels", None) or args.hidden_size // heads,
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
+        # also read by finalize_model_grads: it sums the q/k-norm gradients over TP ranks (each holds some heads)
+        qk_layernorm=getattr(args, "qk_layernorm", False),
         add_bias_linear=not getattr(args, "disable_bias_linear", False),
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
@@ -109,7 +112,7 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
     backend = resolve_backend(getattr(args, "attention_backend", "auto"))
     config = transformer_config(args, backend)
-    spec = layer_spec(backend, config, vp_stage=vp_stage)
+    spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -123,6 +126,9 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
         rotary_base=int(getattr(args, "rotary_base", 10000)),
         rotary_percent=getattr(args, "rotary_percent", 1.0),
         vp_stage=vp_stage,
+        **gpt_model_rope_kwargs(args),
     )
+    if model.position_embedding_type == "rope":
+        scale_rotary_embedding(model, args)
     model.attention_backend = backend
     return model

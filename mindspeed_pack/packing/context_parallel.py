@@ -150,13 +150,19 @@ def padded_size(batch: PackedBatch, multiple: int) -> int:
 
 
 def step_views(batches: List[PackedBatch], cp_size: int, cp_rank: int, multiple: int,
-               same_length: bool) -> Tuple[List[PackedBatch], int]:
+               same_length: bool, max_per_rank: Optional[int] = None) -> Tuple[List[PackedBatch], int]:
     """This rank's view of every micro-batch of a step, and the global tokens per micro-batch.
 
     ``same_length`` (pipeline stages exchange activations of one fixed shape): every
     micro-batch is padded to the step's longest; all stages derive it from the same data.
+    ``max_per_rank`` (``--max-seqlen-per-dp-cp-rank`` of online packing): no CP rank may hold
+    more tokens of a micro-batch (Megatron-LM asserts it; memory is sized by it).
     """
     longest = max(padded_size(b, multiple) for b in batches)
+    if max_per_rank is not None and longest > max_per_rank * cp_size:
+        raise ValueError(f"a micro-batch padded for context parallelism holds {longest} tokens, {longest // cp_size} "
+                         f"per CP rank, over --max-seqlen-per-dp-cp-rank {max_per_rank} (CP {cp_size}): its rows "
+                         f"were not planned at their CP-padded lengths")
     total = longest if same_length else None
     return [context_parallel_view(b, cp_size, cp_rank, multiple, total) for b in batches], longest
 

@@ -3,7 +3,8 @@
     python -m mindspeed_pack.tools.inspect_pack out/alpaca --index 3 [--png mask.png] [--context-parallel-size 2]
 
 Prints the pack's segments (id, start, length, trained tokens), each segment decoded with its
-trained spans in ``[[...]]``, and optionally draws the block-diagonal causal attention mask
+trained spans in ``[[...]]``, then each trained span on its own line (positions, tokens, and
+whether it holds reasoning or a tool call), and optionally draws the block-diagonal causal attention mask
 the segment ids imply (white = may attend). ``--context-parallel-size N`` adds what each CP
 rank of a training run would hold of this pack (tokens, trained targets, causal work).
 """
@@ -73,6 +74,30 @@ def print_context_parallel_split(ids: np.ndarray, labels: np.ndarray, mask: np.n
     print(f"  causal work max/mean {float(pairs.max() / pairs.float().mean()):.4f}")
 
 
+# text that marks a trained span as reasoning or as a tool call (Qwen, Llama, DeepSeek, GLM spellings)
+SPAN_KINDS = (("reasoning", ("<think>", "</think>")),
+              ("tool call", ("<tool_call>", "<｜tool▁call▁begin｜>", "<|python_tag|>", '{"name": ')))
+
+
+def trained_spans(labels: np.ndarray) -> list[tuple[int, int]]:
+    """``[start, end)`` of every run of trained (labelled) positions."""
+    trained = np.concatenate([[False], labels != IGNORE_INDEX, [False]]).astype(np.int8)
+    edges = np.flatnonzero(np.diff(trained))
+    return [(int(s), int(e)) for s, e in zip(edges[::2], edges[1::2])]
+
+
+def span_kinds(text: str) -> list[str]:
+    return [kind for kind, marks in SPAN_KINDS if any(m in text for m in marks)]
+
+
+def _print_spans(tokenizer, ids: np.ndarray, labels: np.ndarray, offset: int) -> None:
+    for n, (s, e) in enumerate(trained_spans(labels)):
+        text = tokenizer.decode(ids[s:e].tolist()) if tokenizer is not None else ""
+        kinds = ", ".join(span_kinds(text)) or "answer"
+        shown = f": {text[:70]!r}{'...' if len(text) > 70 else ''}" if tokenizer is not None else ""
+        print(f"    trained span {n}: positions {offset + s}-{offset + e - 1} ({e - s} tokens, {kinds}){shown}")
+
+
 def _decode_with_spans(tokenizer, ids: np.ndarray, labels: np.ndarray) -> str:
     out, start = [], 0
     trained = labels != IGNORE_INDEX
@@ -99,7 +124,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         pack = load_pack(args.prefix, args.index)
-    except (IndexError, FileNotFoundError, OSError) as exc:
+    except (IndexError, FileNotFoundError, OSError, AssertionError) as exc:  # megatron asserts the files exist
         print(f"error: {exc}", file=sys.stderr)
         return 2
     ids, labels, mask = pack["input_ids"], pack["labels"], pack["attention_mask"]
@@ -122,6 +147,8 @@ def main(argv=None) -> int:
         print(f"  {kind:<12} start {start:>6} length {length:>6} trained {n_trained:>6}")
         if seg_id != 0 and tokenizer is not None:
             print("    " + _decode_with_spans(tokenizer, ids[sl], labels[sl]).replace("\n", "\n    "))
+        if seg_id != 0:
+            _print_spans(tokenizer, ids[sl], labels[sl], start)
     if args.context_parallel_size > 1:
         print_context_parallel_split(ids, labels, mask, args.context_parallel_size, args.cp_multiple)
     if args.png:

@@ -1,5 +1,9 @@
 """Command-line arguments with Megatron-LM / MindSpeed-LLM names, and their validation.
 
+Omitting a flag means what it means in Megatron-LM (its defaults: LayerNorm, learned absolute
+positions, dropout 0.1, linear decay, ``--eval-iters 100``, ``--log-interval 100``); the few
+defaults that differ are listed in the README ("Training flags with Megatron-LM's meaning").
+
 Every flag of MindSpeed-LLM's Qwen2.5-7B pack example parses. Flags that only select a
 fused CUDA kernel are accepted everywhere (the kernels are chosen by the layer spec) and
 ignored with one warning on a CPU; flags that cannot work together fail with a clear error.
@@ -35,20 +39,31 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--normalization", default="RMSNorm", choices=["RMSNorm", "LayerNorm"])
+    g.add_argument("--normalization", default="LayerNorm", choices=["RMSNorm", "LayerNorm"])
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--position-embedding-type", default="rope", choices=["rope", "learned_absolute", "none"])
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["rope", "learned_absolute", "none"])
     g.add_argument("--use-rotary-position-embeddings", action="store_true", help="alias of --position-embedding-type rope")
     g.add_argument("--rotary-base", type=float, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="per-head RMSNorm of queries and keys before RoPE (Qwen3); their gradients are summed over TP")
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama-3.1/3.2 (llama3) RoPE scaling")
+    g.add_argument("--rope-scaling-type", default=None, choices=["llama3"],
+                   help="MindSpeed-LLM name: llama3 = --use-rope-scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--low-freq-factor", type=float, default=1.0, help="llama3 RoPE scaling (MindSpeed-LLM)")
+    g.add_argument("--high-freq-factor", type=float, default=4.0, help="llama3 RoPE scaling (MindSpeed-LLM)")
+    g.add_argument("--original-max-position-embeddings", type=int, default=8192,
+                   help="llama3 RoPE scaling: the context the model was pretrained with (MindSpeed-LLM)")
     g.add_argument("--padded-vocab-size", type=int, default=None,
                    help="vocabulary size of the embedding (else derived from the tokenizer)")
     g.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (else from the tokenizer)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--no-parallel-invariant-init", action="store_true",
                    help="use megatron's per-rank initialisation (faster for huge from-scratch models) instead "
@@ -91,7 +106,9 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--distributed-backend", default=None, choices=["nccl", "gloo"],
                    help="torch.distributed backend (default: nccl with CUDA, gloo without)")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                   help="how long the rendezvous and any collective wait for a peer before the rank exits "
+                        "with one line naming what it waited for (fractions allowed)")
 
 
 def _training_args(p: argparse.ArgumentParser) -> None:
@@ -103,13 +120,21 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
-    g.add_argument("--initial-loss-scale", type=float, default=2**32)
-    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="--fp16: dynamic loss scaling's start")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="--fp16: a constant loss scale instead of dynamic loss scaling")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: dynamic loss scaling's floor")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="--fp16: iterations without overflow before the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16: overflowing iterations in a row before the dynamic loss scale halves")
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root"])
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"])
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of --lr-decay-iters (not together with --lr-warmup-iters)")
+                   help="warmup as a fraction of --lr-decay-iters, kept fractional (the schedule counts samples, "
+                        "as in Megatron-LM); not together with --lr-warmup-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
@@ -122,7 +147,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="average each sample's token losses first, then over samples (default: per-token mean "
                         "over the global batch, the only packing-invariant choice)")
     g.add_argument("--nan-policy", default="stop", choices=["stop", "skip"],
-                   help="on a NaN/inf loss or grad norm: stop with the iteration, or skip the update")
+                   help="on a NaN/inf loss or gradient: stop with the iteration, or skip the update (under --fp16 "
+                        "dynamic loss scaling an inf/NaN gradient always skips the step and lowers the scale)")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic algorithms (bitwise-reproducible CPU runs); the data order is always fixed by "
                         "--seed, or sequential with --no-shuffle")
@@ -194,7 +220,15 @@ def _data_args(p: argparse.ArgumentParser) -> None:
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
+    g.add_argument("--load", default=None,
+                   help="a checkpoint directory, or a Hugging Face model directory (config.json + *.safetensors): "
+                        "then the model flags come from config.json and each rank reads only its own slice")
+    g.add_argument("--load-format", default="auto", choices=["auto", "mg", "hf"],
+                   help="what --load holds: auto = a Hugging Face model when it has config.json or *.safetensors "
+                        "and no latest_checkpointed_iteration.txt, else a Megatron checkpoint")
+    g.add_argument("--save-hf", default=None, metavar="DIR",
+                   help="at the end of training, write a transformers-loadable model (config.json, safetensors, "
+                        "tokenizer files) to DIR (must not exist or be empty)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true", help="load weights only and reset the iteration")
     g.add_argument("--no-load-optim", action="store_true")
@@ -209,11 +243,12 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
 
 def _logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000,
                    help="validate every N iterations (with --eval-iters); also at the end of training, and the "
                         "test split at the end, as Megatron-LM does")
-    g.add_argument("--eval-iters", type=int, default=0)
+    g.add_argument("--eval-iters", type=int, default=100,
+                   help="global batches per validation (and test) evaluation; 0 = no evaluation")
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--metrics-file", default=None, help="every step's metrics as JSON lines")
     g.add_argument("--log-throughput", action="store_true",
@@ -261,8 +296,8 @@ def _check_schedule_flags(args) -> None:
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters:
             raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters both given: pass only one of them")
-        if args.train_iters:
-            args.lr_warmup_iters = int(args.lr_warmup_fraction * (args.lr_decay_iters or args.train_iters))
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given: "
                             "pass only one of them")
@@ -297,8 +332,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.attention_backend = "te" if args.transformer_impl == "transformer_engine" else "local"
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if args.rope_scaling_type == "llama3":
+        args.use_rope_scaling = True
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:  # Megatron-LM's default; checkpoints then record the head size
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.group_query_attention:
         if not args.num_query_groups:
             raise ArgumentError("--group-query-attention needs --num-query-groups")
@@ -343,8 +382,6 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.max_seqlen_per_dp_cp_rank = args.seq_length
     if args.max_seqlen_per_dp_cp_rank < 2:
         raise ArgumentError("--max-seqlen-per-dp-cp-rank must be at least 2")
-    if args.sequence_packing_scheduler == "dp_balanced" and not args.no_reset_position_ids:
-        args.reset_position_ids = True  # online packing isolates samples: positions restart per sample
     if args.padded_vocab_size is None and args.vocab_size is not None:
         args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
     if args.lr_decay_iters is None:
@@ -373,7 +410,10 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    from mindspeed_pack.training import hf_checkpoint  # imports this module
+
     try:
+        hf_checkpoint.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
         validate_args(args, world_size)
     except ArgumentError as e:
         parser.error(str(e))

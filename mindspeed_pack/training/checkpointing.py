@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 # model-shape arguments that must match between a checkpoint and the flags
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "padded_vocab_size", "add_qkv_bias", "swiglu", "untie_embeddings_and_output_weights")
+              "padded_vocab_size", "add_qkv_bias", "swiglu", "untie_embeddings_and_output_weights", "kv_channels",
+              "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
+              "original_max_position_embeddings")
 
 
 class CheckpointError(RuntimeError):
@@ -99,13 +101,14 @@ def _set_rng_state(state: dict) -> None:
 
 def _model_args(args) -> dict:
     """The model-shape arguments convert_ckpt.py reads back (its MODEL_ARG_NAMES, all of them)."""
-    from mindspeed_pack.convert.model_specs import MODEL_ARG_NAMES
+    from mindspeed_pack.convert.model_specs import MODEL_ARG_NAMES, OPTIONAL_MODEL_ARGS, spec_for_args
 
     out = {k: getattr(args, k, None) for k in MODEL_ARG_NAMES}
+    out.update({k: getattr(args, k, default) for k, default in OPTIONAL_MODEL_ARGS.items()})
+    out["sliding_window"] = getattr(args, "loaded_sliding_window", None)
     if out.get("model_type_hf") is None:
         # kept from a converted checkpoint when there was one; else the family the flags describe
-        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None) or (
-            "qwen2" if getattr(args, "add_qkv_bias", False) else "llama")
+        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None) or spec_for_args(args).name
     return out
 
 
@@ -273,10 +276,6 @@ def _saved_iterations(root: str) -> list:
     return sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n))
 
 
-def _has_checkpoints(root: str) -> bool:
-    return bool(_saved_iterations(root)) or os.path.isdir(os.path.join(root, layout.RELEASE))
-
-
 def refresh_master_weights(optimizer) -> None:
     """Copy freshly loaded model weights into the optimizer's fp32 master copy (Megatron-LM does this too).
 
@@ -312,6 +311,26 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
             state["step"] = step.clone()
 
 
+def _load_hf_weights(args, model, optimizer):
+    """A Hugging Face model directory: each rank reads its own slice, and training starts at iteration 0."""
+    from mindspeed_pack.training.hf_checkpoint import read_rank_units
+
+    module = model[0].module
+    expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
+    loaded = {}  # name -> a shape-only stand-in, for the final check
+    for unit in read_rank_units(args):  # one unit in memory at a time
+        weights = layout.to_backend_names(unit, module.attention_backend)
+        loaded.update({k: torch.empty(v.shape, device="meta") for k, v in weights.items()})
+        if any(k in expected and tuple(v.shape) != tuple(expected[k]) for k, v in weights.items()):
+            break  # named by the check below
+        module.load_state_dict(weights, strict=False)
+    _check_shapes(args.load, module, loaded, {}, args)
+    refresh_master_weights(optimizer)
+    args.loaded_model_type_hf = args.model_type_hf
+    log.info("loaded Hugging Face weights from %s: iteration 0", args.load)
+    return 0, 0
+
+
 def load_weights(args, root: str, module) -> tuple:
     """The model weights of checkpoint ``root`` (its tracked iteration) into ``module``, checked
     against this run's TP/PP layout and shapes; returns (iteration, its directory, rank file, state)."""
@@ -335,9 +354,15 @@ def load_weights(args, root: str, module) -> tuple:
             f"reshard it first: python convert_ckpt.py --load-model-type mg --save-model-type mg --load-dir {root} "
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")
     path, state = _read_rank_file(args, root, it_dir)
-    args.loaded_model_type_hf = (state.get("args") or {}).get("model_type_hf")
+    saved_args = state.get("args") or {}
+    args.loaded_model_type_hf = saved_args.get("model_type_hf")
+    args.loaded_sliding_window = saved_args.get("sliding_window")
+    if args.loaded_sliding_window is not None and args.seq_length > args.loaded_sliding_window:
+        raise CheckpointError(f"{path}: the model's sliding_window={args.loaded_sliding_window} (config.json) is "
+                              f"below --seq-length {args.seq_length}: the model attends to the whole sample, so "
+                              f"train with --seq-length <= {args.loaded_sliding_window}")
     weights = layout.to_backend_names(state["model"], module.attention_backend)
-    _check_shapes(path, module, weights, state.get("args") or {}, args)
+    _check_shapes(path, module, weights, saved_args, args)
     module.load_state_dict(weights, strict=False)
     return iteration, it_dir, path, state
 
@@ -345,14 +370,22 @@ def load_weights(args, root: str, module) -> tuple:
 def load_checkpoint(args, model, optimizer, scheduler):
     """Restore from ``--load``; returns (iteration, consumed_samples).
 
-    ``--load D --save D`` on a first launch (D empty or absent) starts from scratch, so a job
-    script can always pass both; any other ``--load`` without a checkpoint is an error.
+    ``--load D --save D`` on a first launch (D empty or absent, or holding only a first save that
+    died before its tracker was written) starts from scratch, so a job script can always pass both;
+    any other ``--load`` without a checkpoint is an error.
     """
+    if getattr(args, "load_format", None) == "hf":
+        return _load_hf_weights(args, model, optimizer)
     root = args.load
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
-    if same_as_save and not args.finetune and (not os.path.isdir(root) or not _has_checkpoints(root)) \
-            and not os.path.exists(os.path.join(root, layout.TRACKER)):
-        log.warning("--load %s (= --save) holds no checkpoint yet: starting from scratch", root)
+    if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
+            and not os.path.isdir(os.path.join(root, layout.RELEASE)):
+        # the tracker is a save's commit point: an iteration directory without it (a crash between the
+        # first save's rename and its tracker) was never committed, and is re-saved over
+        uncommitted = _saved_iterations(root) if os.path.isdir(root) else []
+        log.warning("--load %s (= --save) holds no checkpoint yet%s: starting from scratch", root,
+                    f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
+                    if uncommitted else "")
         return 0, 0
     iteration, it_dir, path, state = load_weights(args, root, model[0].module)
     release = iteration == layout.RELEASE
@@ -376,5 +409,5 @@ def load_checkpoint(args, model, optimizer, scheduler):
             _restore_rng(state["rng_state"], path)
         else:
             log.warning("%s holds no RNG state (--no-save-rng): dropout will not continue exactly", path)
-    log.info("resumed from %s at iteration %d", root, iteration)
+    log.debug("loaded %s at iteration %d", root, iteration)  # the trainer logs the resume once
     return int(state["iteration"]), int(state.get("consumed_samples", iteration * args.global_batch_size))

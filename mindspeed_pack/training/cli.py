@@ -6,6 +6,8 @@ import sys
 
 from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.training.peers import PeerFailure
+from mindspeed_pack.training.rendezvous import RendezvousTimeout
 from mindspeed_pack.training.trainer import NonFiniteLossError
 
 
@@ -16,12 +18,13 @@ def setup_logging() -> None:
 
 def run_cli(script: str, main) -> None:
     """Run ``main()``; bad input (data, checkpoint) ends with one ``error:`` line and exit 2,
-    a diverged run (``--nan-policy stop``) with one line naming the iteration and exit 1."""
+    a diverged run (``--nan-policy stop``) with one line naming the iteration and exit 1, a dead or
+    hung peer with one line naming what this rank waited for and exit 1 (torchrun then restarts)."""
     try:
         main()
     except (CheckpointError, DataError) as e:  # the message says what and where
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, PeerFailure, RendezvousTimeout) as e:
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(1)

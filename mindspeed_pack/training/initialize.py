@@ -1,7 +1,13 @@
-"""Process-group and seed initialisation for torchrun jobs, on CUDA (nccl) or CPU (gloo)."""
+"""Process-group and seed initialisation for torchrun jobs, on CUDA (nccl) or CPU (gloo).
+
+The process group meets through a store scoped to this restart attempt
+(:mod:`mindspeed_pack.training.rendezvous`), and it and megatron's groups wait at most
+``--distributed-timeout-minutes`` for a peer.
+"""
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
 import socket
@@ -12,21 +18,23 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from mindspeed_pack import platform
+from mindspeed_pack import faults, platform
+from mindspeed_pack.training.rendezvous import attempt_store
 
 
 def initialize_distributed(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
-    timeout_minutes: int = 10,
+    timeout_minutes: float = 10,
     backend: str | None = None,
     context_parallel_size: int = 1,
 ) -> None:
     """Initialise torch.distributed from torchrun's environment and megatron's groups.
 
     A plain ``python script.py`` (no torchrun) runs as a world of one process. ``backend``
-    (``--distributed-backend``) defaults to nccl with CUDA, gloo without.
+    (``--distributed-backend``) defaults to nccl with CUDA, gloo without. ``timeout_minutes``
+    (``--distributed-timeout-minutes``, fractions allowed) bounds the rendezvous and every collective.
     """
     if not platform.cuda_usable():
         platform.enable()
@@ -40,12 +48,14 @@ def initialize_distributed(
             os.environ["MASTER_PORT"] = str(_free_port())
         if platform.cuda_usable():
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend=backend or platform.default_backend(),
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
-        )
+        faults.delay_start()
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        store, generation = attempt_store(rank, world_size, timeout)
+        dist.init_process_group(backend=backend or platform.default_backend(), store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
+        if rank == 0 and faults.restart_attempt() > 0:
+            logging.getLogger(__name__).info("restart %d of this job: its processes met as attempt %d",
+                                             faults.restart_attempt(), generation)
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:
         raise ValueError(
@@ -54,7 +64,8 @@ def initialize_distributed(
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
-                                                 context_parallel_size=context_parallel_size)
+                                                 context_parallel_size=context_parallel_size,
+                                                 distributed_timeout_minutes=timeout_minutes)
     set_seed(seed)
 
 

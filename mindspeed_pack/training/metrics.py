@@ -4,8 +4,8 @@ Console lines keep Megatron-LM's ``key: value |`` layout so existing log parsers
 ``mindspeed_pack.tools.compare_runs``) read them, and its ``--log-interval`` meaning: a line
 every N iterations with the interval's means (loss over the iterations not skipped, time
 per iteration, tokens/s, padding ratio, samples per pack) and its skipped count; learning
-rate and grad norm are the last iteration's. The JSON-lines file keeps every step. Counts
-are the whole job's (summed over data-parallel ranks by the trainer). Only the last
+rate, loss scale and grad norm are the last iteration's. The JSON-lines file keeps every
+step. Counts are the whole job's (summed over data-parallel ranks by the trainer). Only the last
 pipeline stage's first tensor/data-parallel rank writes.
 """
 from __future__ import annotations
@@ -15,6 +15,8 @@ import math
 import os
 import time
 
+from mindspeed_pack.training import metrics_history
+
 
 def _finite_mean(values) -> float:
     values = [v for v in values if v is not None and math.isfinite(v)]
@@ -22,7 +24,10 @@ def _finite_mean(values) -> float:
 
 
 class MetricsLogger:
-    def __init__(self, args, enabled: bool, extra_metrics: tuple = ()):
+    def __init__(self, args, enabled: bool, start_iteration: int = 0, extra_metrics: tuple = ()):
+        """``start_iteration``: where training starts; on a resume the records after it are
+        replaced (:mod:`mindspeed_pack.training.metrics_history`); ``replaced`` lists them.
+        ``extra_metrics``: a stage's own metrics, printed as interval means."""
         self.args = args
         self.extra_metrics = tuple(extra_metrics)  # a stage's own metrics: interval means on the console
         self.enabled = enabled
@@ -30,19 +35,24 @@ class MetricsLogger:
         self.world_size = max(1, int(os.environ.get("WORLD_SIZE", "1")))
         self._interval = []
         self._skipped_printed = 0
+        self._skipped_seen = 0
         self.train_iters = args.train_iters or 0
         self.log_interval = max(1, args.log_interval)
         self.jsonl = None
         self.tb = None
+        self.replaced = []
         if not enabled:
             return
+        resume = metrics_history.is_resume(start_iteration)
         if args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+            if resume:
+                self.replaced = metrics_history.drop_records_after(args.metrics_file, start_iteration)
             self.jsonl = open(args.metrics_file, "a", buffering=1)
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=args.tensorboard_dir)
+            self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if resume else None)
 
     def precision(self, iteration: int, record: dict) -> None:
         """The run's numerics, once at start: printed, and the metrics file's first line of this run."""
@@ -62,7 +72,10 @@ class MetricsLogger:
         flops = record.get("model TFLOPs", 0.0) * 1e12
         if self.log_throughput:
             record["TFLOP/s/GPU"] = record.get("model TFLOP/s per device", 0.0)
-        self._interval.append((record, total_tokens, samples, rows, flops))
+        # skipped iterations (overflow, --nan-policy skip) stay out of the interval's mean loss
+        skipped_now = record.get("skipped", 0) > self._skipped_seen
+        self._skipped_seen = record.get("skipped", 0)
+        self._interval.append((record, total_tokens, samples, rows, flops, skipped_now))
         if self.jsonl:
             self.jsonl.write(json.dumps(record) + "\n")
         it = record["iteration"]
@@ -78,12 +91,12 @@ class MetricsLogger:
         seconds = sum(r["step time (ms)"] for r, *_ in steps) / 1000.0
         real = sum(r["tokens"] for r, *_ in steps)
         total = sum(t for _, t, *_ in steps)
-        losses = [r["lm loss"] for r, *_ in steps if math.isfinite(r["lm loss"])]
+        losses = [r["lm loss"] for r, *_, skipped_now in steps if not skipped_now and math.isfinite(r["lm loss"])]
         skipped, self._skipped_printed = last["skipped"] - self._skipped_printed, last["skipped"]
         loss = sum(losses) / len(losses) if losses else float("nan")
         throughput = ""
         if self.log_throughput:
-            tflops = sum(f for *_, f in steps) / max(seconds, 1e-12) / self.world_size / 1e12
+            tflops = sum(f for *_, f, _ in steps) / max(seconds, 1e-12) / self.world_size / 1e12
             throughput = f" throughput per GPU (TFLOP/s/GPU): {tflops:.4f} |"
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         print(
@@ -94,9 +107,10 @@ class MetricsLogger:
             f" learning rate: {last['lr']:.6E} |"
             f" global batch size: {last['global batch size']:5d} |"
             f" lm loss: {loss:.6E} |"
+            f" loss scale: {last.get('loss scale', 1.0):.1f} |"
             f" grad norm: {last['grad norm']:.4f} |"
             f" tokens/s: {real / seconds if seconds > 0 else 0.0:.1f} |"
-            f" samples per pack: {sum(s for _, _, s, _, _ in steps) / max(1.0, sum(r for *_, r, _ in steps)):.2f} |"
+            f" samples per pack: {sum(s for _, _, s, *_ in steps) / max(1.0, sum(r for *_, r, _, _ in steps)):.2f} |"
             f" padding ratio: {(total - real) / total if total else 0.0:.4f} |"
             f" number of skipped iterations: {skipped:3d} |"
             + "".join(f" {k}: {_finite_mean([r.get(k) for r, *_ in steps]):.6E} |" for k in self.extra_metrics),

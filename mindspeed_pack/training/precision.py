@@ -19,6 +19,24 @@ def _leaf_optimizers(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def grad_scaler(optimizer):
+    """The optimizer's loss scaler (megatron-core's Dynamic/ConstantGradScaler), None without one."""
+    leaves = _leaf_optimizers(optimizer)
+    return getattr(leaves[0], "grad_scaler", None) if leaves else None
+
+
+def scaler_owns_overflow(optimizer) -> bool:
+    """True under --fp16 dynamic loss scaling: an inf/NaN gradient is then the scaler's business
+    (the optimizer skips the step and lowers the scale, as in Megatron-LM), not a failed step."""
+    return hasattr(grad_scaler(optimizer), "hysteresis")
+
+
+def loss_scale(optimizer) -> float:
+    """The current loss scale (1.0 without scaling), as Megatron-LM's log prints it."""
+    scaler = grad_scaler(optimizer)
+    return float(scaler.scale.item()) if scaler is not None else 1.0
+
+
 def _master_dtype(opt) -> str:
     groups = getattr(opt, "shard_fp32_from_float16_groups", None) or getattr(opt, "fp32_from_float16_groups", None)
     if groups:
@@ -40,13 +58,14 @@ def precision_record(args, model_chunks, optimizer) -> dict:
     config = get_model_config(chunk)
     params = [p for c in model_chunks for p in c.parameters()]
     leaves = _leaf_optimizers(optimizer)
-    scaler = getattr(leaves[0], "grad_scaler", None) if leaves else None
+    scaler = grad_scaler(optimizer)
     if scaler is None:
         loss_scaling = "none"
-    elif hasattr(scaler, "hysteresis"):
-        loss_scaling = f"dynamic (initial {float(scaler.scale.item()):g})"
+    elif scaler_owns_overflow(optimizer):
+        loss_scaling = (f"dynamic (initial {loss_scale(optimizer):g}, hysteresis {scaler.hysteresis}, "
+                        f"window {scaler.growth_interval}, min {float(scaler.min_scale.item()):g})")
     else:
-        loss_scaling = f"constant {float(scaler.scale.item()):g}"
+        loss_scaling = f"constant {loss_scale(optimizer):g}"
     ddp_config = chunk.ddp_config
     return {
         "params": _dtype_names(params),

@@ -4,14 +4,15 @@ One place for every check that compares a flag with what an earlier step of the 
 wrote down, so a mismatch stops the run with a message naming the flag, the file and what
 to do, instead of silently training something else:
 
-* the checkpoint's learning-rate schedule (Megatron-LM's rule: a resume whose ``--lr``,
-  ``--min-lr``, warmup, decay iterations or decay style differ from the checkpoint's is
+* the checkpoint's learning-rate schedule, counted in samples (Megatron-LM's rule: a resume
+  whose ``--lr``, ``--min-lr``, warmup, decay samples or decay style differ from the checkpoint's is
   refused unless ``--override-opt_param-scheduler`` (follow the flags from the checkpoint's
   iteration) or ``--use-checkpoint-opt_param-scheduler`` (keep the checkpoint's schedule));
 * the data's sidecar (``P_packed_meta.json``): ``--neat-pack`` against the kind of
   ``attention_mask`` (segment ids or all ones), ``--seq-length``, ``--prompt-type``, and
-  the EOS id that marks sample ends in plain ``--pack`` data for ``--reset-position-ids``,
-  ``--reset-attention-mask`` and ``--per-sample-loss``.
+  where plain ``--pack`` data's samples end for ``--reset-position-ids``,
+  ``--reset-attention-mask`` and ``--per-sample-loss``: the boundaries recorded at
+  preprocessing, else the EOS (refused where that does not find the samples written).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import warnings
 import numpy as np
 
 from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.training import schedule
 from mindspeed_pack.training.checkpointing import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -29,8 +31,8 @@ log = logging.getLogger(__name__)
 SCHEDULE_FIELDS = {
     "max_lr": "--lr",
     "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction",
-    "lr_decay_steps": "--lr-decay-iters (default --train-iters)",
+    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction (in samples)",
+    "lr_decay_steps": "--lr-decay-iters (default --train-iters) x --global-batch-size (in samples)",
     "lr_decay_style": "--lr-decay-style",
     "start_wd": "--weight-decay",
     "end_wd": "--weight-decay",
@@ -74,6 +76,7 @@ def guard_scheduler_resume(args, scheduler) -> None:
     restore = scheduler.load_state_dict
 
     def load_state_dict(state_dict: dict) -> None:
+        state_dict = schedule.in_samples(state_dict, args.global_batch_size)  # older checkpoints: iterations
         check_resume_schedule(args, scheduler, state_dict)
         if args.skip_train:
             scheduler.use_checkpoint_opt_param_scheduler = True
@@ -88,7 +91,7 @@ def guard_scheduler_resume(args, scheduler) -> None:
             group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
         scheduler.step(increment=0)
         if args.override_opt_param_scheduler:
-            log.info("--override-opt_param-scheduler: following the flags' schedule from iteration %d",
+            log.info("--override-opt_param-scheduler: following the flags' schedule from sample %d",
                      scheduler.num_steps)
 
     scheduler.load_state_dict = load_state_dict
@@ -110,7 +113,8 @@ def _recorded_prompt_type(meta: dict):
 
 def check_data(docs, args) -> None:
     """Refuse flag/data mismatches that would silently train the wrong thing; fill
-    ``args.pack_eos_id`` (sample ends of plain packs) and ``args.isolate_segments``."""
+    ``args.plain_pack_samples`` (plain packs' samples are needed: the recorded ones, else those at
+    ``args.pack_eos_id``) and ``args.isolate_segments``."""
     meta = docs.meta or {}
     layout = meta.get("layout") or {}
     sidecar = f"{docs.prefix}_packed_meta.json"
@@ -126,14 +130,22 @@ def check_data(docs, args) -> None:
         raise DataError(f"--seq-length {args.seq_length} differs from the packs' length {seq} in {sidecar}")
     _check_prompt_type(meta, args, sidecar)
     _check_pad_multiple(layout, args, sidecar)
-    args.pack_eos_id = args.pack_pad_id = None
+    # one call per prefix (--train/--valid-data-path may differ): set, never reset, what another needs
+    for name in ("plain_pack_samples", "pack_eos_id", "pack_pad_id"):
+        setattr(args, name, getattr(args, name, None))
     plain_pack = layout.get("kind") == "packed" and not has_segment_ids
     if plain_pack and (args.reset_position_ids or args.reset_attention_mask or args.per_sample_loss):
-        args.pack_eos_id, args.pack_pad_id = _sample_end_ids(layout, args, sidecar)
+        args.plain_pack_samples = True
+        if getattr(docs, "sample_lengths", None) is not None:
+            where = f"at the boundaries recorded in {layout['sample_lengths']}"
+        else:  # written before boundaries were recorded: MindSpeed-LLM's rule, where it finds the samples
+            args.pack_eos_id, args.pack_pad_id = _sample_end_ids(layout, args, sidecar)
+            _check_samples_end_at_eos(docs, args, meta, sidecar)
+            where = f"at EOS id {args.pack_eos_id}"
         if args.reset_position_ids or args.reset_attention_mask:
             args.isolate_segments = True
-            log.info("plain --pack data: samples end at EOS id %d; attention, labels and positions are "
-                     "isolated per sample", args.pack_eos_id)
+            log.info("plain --pack data: samples found %s; attention, labels and positions are isolated per "
+                     "sample", where)
     elif not layout and not has_segment_ids and (args.reset_position_ids or args.reset_attention_mask
                                                   or args.per_sample_loss):
         warnings.warn(f"{docs.prefix!r} has no sidecar ({sidecar}): each document is taken as one sample "
@@ -166,6 +178,29 @@ def _check_prompt_type(meta: dict, args, sidecar: str) -> None:
     elif recorded != args.prompt_type:
         raise DataError(f"--prompt-type {args.prompt_type}, but the data was preprocessed with --prompt-type "
                         f"{recorded} ({sidecar}): pass --prompt-type {recorded}, or re-run preprocess_data.py")
+
+
+def _check_samples_end_at_eos(docs, args, meta: dict, sidecar: str) -> None:
+    """Refuse the EOS rule where it does not find the samples preprocessing wrote: chat templates whose
+    EOS also ends system and user turns (qwen, chatml, llama3), or multi-turn samples (an EOS per answer)."""
+    from mindspeed_pack.data.validation import count_samples_at_eos
+
+    written = (meta.get("statistics") or {}).get("samples_written")
+    if written is None:
+        return
+    found = count_samples_at_eos(docs, args.pack_eos_id, args.pack_pad_id)
+    if found != int(written):
+        template, _ = _recorded_prompt_type(meta)
+        flags = " ".join(f for f, on in (("--reset-attention-mask", args.reset_attention_mask),
+                                         ("--reset-position-ids", args.reset_position_ids),
+                                         ("--per-sample-loss", args.per_sample_loss)) if on)
+        raise DataError(f"{flags}: {docs.prefix!r} is plain --pack data without recorded sample boundaries, and "
+                        f"EOS id {args.pack_eos_id} does not end only samples: it splits the packs into {found} "
+                        f"pieces where preprocessing wrote {written} samples (the template "
+                        f"{template or '(not recorded)'} puts that token inside a sample too: system and user turns, "
+                        f"or every answer of a multi-turn sample), so answers would train without their question. "
+                        f"Re-run preprocess_data.py (it records the boundaries, {sidecar} then names them), or "
+                        f"preprocess with --neat-pack, or drop {flags}")
 
 
 def _sample_end_ids(layout: dict, args, sidecar: str) -> tuple:

@@ -31,19 +31,12 @@ def add_micro_batch(stats: dict, mb: dict) -> None:
     stats["sum sq lengths"] = stats.get("sum sq lengths", 0) + int((lengths * lengths).sum())
 
 
-def job_figures(stats: dict, dp: int) -> tuple:
-    """(real tokens, sum of squared sample lengths) of the whole job this step: exact from the source's
-    plan when it gives them (every rank knows the balanced plan), else this rank's x ``dp``."""
-    if "job real tokens" in stats:
-        return stats["job real tokens"], stats["job sum sq lengths"]
-    return stats["real tokens"] * dp, stats["sum sq lengths"] * dp
-
-
 def step_fields(args, stats: dict, elapsed: float, dp: int, world_size: int) -> dict:
-    """Metrics fields of one training step (whole job: this rank's figures x data-parallel size)."""
+    """Metrics fields of one training step (whole job: this rank's figures x ``dp``; the trainer passes
+    figures already summed over the data-parallel ranks, so every scheduler counts the same real lengths)."""
     if "real tokens" not in stats:
         return {}
-    tokens, sum_sq = job_figures(stats, dp)
+    tokens, sum_sq = stats["real tokens"] * dp, stats["sum sq lengths"] * dp
     flops = cost_model(args).flops(tokens, sum_sq)
     out = {"model TFLOPs": flops / 1e12,
            "model TFLOP/s per device": flops / elapsed / world_size / 1e12 if elapsed > 0 else 0.0}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import time
 from functools import partial
 from typing import Callable, Iterator, List, Optional, Protocol
@@ -26,7 +25,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
@@ -36,12 +34,14 @@ from mindspeed_pack import faults
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
-from mindspeed_pack.training import checkpointing, preflight, throughput
+from mindspeed_pack.training import checkpointing, hf_checkpoint, peers, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training.exit_signal import ExitSignal
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
-from mindspeed_pack.training.precision import precision_record
+from mindspeed_pack.training.precision import loss_scale, precision_record, scaler_owns_overflow
+from mindspeed_pack.training.schedule import build_scheduler
 from mindspeed_pack.training.stages.sft import SFTStage, loss_func  # noqa: F401  (loss_func: tests)
 
 log = logging.getLogger(__name__)
@@ -96,8 +96,11 @@ class Trainer:
         self.stage_reports = {}
         self.iteration = 0
         self.consumed_samples = 0
+        self.consumed_valid_samples = 0  # where the next validation starts in its split
         self.skipped = 0
-        self.exit_requested = False
+        self.exit_signal = None
+        self.slowest_step_s = 0.0
+        self.phase = "the start (process groups, model, checkpoint, data)"  # what a peer failure interrupted
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -121,18 +124,42 @@ class Trainer:
         # what this run reads from here on: a resume with another global batch size continues
         # from the checkpoint's consumed samples
         remaining = max(0, (args.train_iters or 0) - self.iteration)
+        eval_samples = args.eval_iters * args.global_batch_size
+        # validation goes on through its split (cycling) from evaluation to evaluation, as in
+        # Megatron-LM: every --eval-interval and once at the end; its place after a resume
+        # follows from the iteration. --skip-train reads from the split's start, as does test.
+        evaluations = 1 if args.skip_train else (args.train_iters // args.eval_interval + 1)
+        self.consumed_valid_samples = 0 if args.skip_train else self.iteration // args.eval_interval * eval_samples
         num_samples = {"train": self.consumed_samples + remaining * args.global_batch_size if remaining else 0,
-                       "valid": args.eval_iters * args.global_batch_size,
-                       "test": args.eval_iters * args.global_batch_size}
+                       "valid": max(evaluations * eval_samples, self.consumed_valid_samples + eval_samples),
+                       "test": eval_samples}
         self.source.setup(args, num_samples)
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
             preflight.check_data(docs, args)
         self.stage.setup(self)
-        self.metrics = MetricsLogger(args, enabled=self._is_logging_rank(), extra_metrics=self.stage.metric_names)
+        self.metrics = MetricsLogger(args, enabled=self._is_logging_rank(), start_iteration=self.iteration,
+                                     extra_metrics=self.stage.metric_names)
+        self._log_resume()
         self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
         if args.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_signal)
-            signal.signal(signal.SIGINT, self._on_signal)
+            # the current iteration and the agreement to stop, with room for a slow step
+            self.exit_signal = ExitSignal(grace_s=lambda: 10.0 + 2.0 * self.slowest_step_s,
+                                          describe=lambda: self.phase)
+
+    def _log_resume(self) -> None:
+        """Once per job start: where training resumes and which logged steps it runs again."""
+        attempt = faults.restart_attempt()
+        if not self._is_logging_rank() or not (self.iteration or self.metrics.replaced or attempt):
+            return
+        if self.metrics.replaced:
+            first, last, n = min(self.metrics.replaced), max(self.metrics.replaced), len(self.metrics.replaced)
+            steps = f"iteration {first} (1 step), logged before, is" if n == 1 else \
+                f"iterations {first}-{last} ({n} steps), logged before, are"
+            rerun = f"; {steps} run again and replaced in {self.args.metrics_file}"
+        else:
+            rerun = "; no logged step is re-run" if self.args.metrics_file else ""
+        where = f"{self.args.load} at iteration {self.iteration}" if self.iteration else "scratch (no checkpoint yet)"
+        log.info("resumed from %s%s%s", where, f" (torchrun restart {attempt})" if attempt else "", rerun)
 
     def _build_model(self) -> List[torch.nn.Module]:
         """GPTModel -> Float16Module (bf16/fp16) -> megatron DDP, as Megatron-LM's ``get_model``."""
@@ -173,15 +200,11 @@ class Trainer:
             use_distributed_optimizer=args.use_distributed_optimizer,
             overlap_param_gather=args.overlap_param_gather,
             initial_loss_scale=args.initial_loss_scale, loss_scale=args.loss_scale,
+            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
-        decay_iters = args.lr_decay_iters or args.train_iters or 1
-        scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr, min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters, lr_decay_steps=max(decay_iters, args.lr_warmup_iters + 1),
-            lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-            wd_incr_steps=decay_iters, wd_incr_style="constant",
-        )
+        scheduler = build_scheduler(args, optimizer)  # counted in samples, as Megatron-LM does
         config = get_model_config(self.model[0])
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = self.model[0].no_sync
@@ -202,10 +225,6 @@ class Trainer:
     def _is_logging_rank(self) -> bool:
         return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
                 and ps.get_data_parallel_rank(with_context_parallel=True) == 0)
-
-    def _on_signal(self, signum, frame) -> None:
-        log.warning("signal %d received: saving a checkpoint after this iteration and exiting", signum)
-        self.exit_requested = True
 
     # ------------------------------------------------------------------ steps
     def _run_batches(self, split: str, consumed: int, forward_only: bool):
@@ -233,7 +252,8 @@ class Trainer:
                                                 args.sequence_parallel)
             batches, tokens_per_micro_batch = cp_view.step_views(
                 batches, args.context_parallel_size, ps.get_context_parallel_rank(), multiple,
-                same_length=ps.get_pipeline_model_parallel_world_size() > 1)
+                same_length=ps.get_pipeline_model_parallel_world_size() > 1,
+                max_per_rank=getattr(self.source, "max_tokens_per_cp_rank", None))
             # the tokens the CP group really runs (its per-sample padding counts as padding)
             stats["tokens"] = sum(b.num_tokens for b in batches) * args.context_parallel_size
         stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
@@ -299,7 +319,9 @@ class Trainer:
             log.warning("non-finite loss at iteration %d: update skipped", self.iteration + 1)
             self.skipped += 1
             return loss, float("nan"), stats, False
-        bad = self._first_non_finite_grad()
+        # under --fp16 dynamic loss scaling an overflow is expected: optimizer.step() skips the
+        # update and lowers the scale (Megatron-LM); elsewhere it is a failed step
+        bad = None if scaler_owns_overflow(self.optimizer) else self._first_non_finite_grad()
         if bad is not None:
             where = f"iteration {self.iteration + 1} (first non-finite gradient: {bad})"
             if args.nan_policy == "stop":
@@ -311,7 +333,7 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         faults.fire("step", self.iteration + 1)  # crash tests: die after the update, before log and save
         if ok:
-            self.scheduler.step(increment=1)  # schedule counted in iterations
+            self.scheduler.step(increment=args.global_batch_size)  # schedule counted in samples
         else:
             self.skipped += 1
         return loss, (float(grad_norm) if grad_norm is not None else float("nan")), stats, ok
@@ -359,39 +381,46 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         while self.iteration < args.train_iters:
+            self.phase = f"iteration {self.iteration + 1}"
             start = time.perf_counter()
             loss, grad_norm, stats, _ = self.train_step()
             elapsed = time.perf_counter() - start
+            self.slowest_step_s = max(self.slowest_step_s, elapsed)
             self.iteration += 1
             self.consumed_samples += args.global_batch_size
             self._log_step(loss, grad_norm, stats, elapsed)
-            if args.eval_interval and args.eval_iters and self.iteration % args.eval_interval == 0:
+            if args.eval_iters and self.iteration % args.eval_interval == 0 and self.source.has_split("valid"):
                 self.evaluate()
             save_now = args.save and args.save_interval and self.iteration % args.save_interval == 0
             exit_now = self._should_exit()
             if save_now or (exit_now and args.save):
+                self.phase = f"the save of iteration {self.iteration}"
                 self.save()
             if exit_now:
                 log.info("exiting at iteration %d", self.iteration)
                 return
         if args.save and not (args.save_interval and self.iteration % args.save_interval == 0):
+            self.phase = f"the save of iteration {self.iteration}"
             self.save()
         self._evaluate_at_end()
 
     def _evaluate_at_end(self) -> None:
-        """Megatron-LM's end of training: validation (unless this iteration was just
-        validated: same weights, same samples) and the test split, with ``--eval-iters``."""
+        """Megatron-LM's end of training: validation on the next ``--eval-iters`` global batches
+        of the split and the test split's first ones."""
         if not self.args.eval_iters:
             return
-        if self.source.has_split("valid") and getattr(self, "last_valid_iteration", None) != self.iteration:
+        if self.source.has_split("valid"):
             self.evaluate("valid", "the end of training for val data")
         if self.source.has_split("test"):
             self.evaluate("test", "the end of training for test data")
 
     def _should_exit(self) -> bool:
-        flag = self.exit_requested or bool(self.args.exit_interval and self.iteration % self.args.exit_interval == 0)
+        signalled = bool(self.exit_signal and self.exit_signal.requested)
+        flag = signalled or bool(self.args.exit_interval and self.iteration % self.args.exit_interval == 0)
         t = torch.tensor([int(flag)], device=torch.cuda.current_device() if cuda_usable() else "cpu")
         dist.all_reduce(t)  # every rank must agree
+        if t.item() and self.exit_signal:
+            self.exit_signal.agreed()
         return bool(t.item())
 
     def _dp_sum(self, stats: dict) -> dict:
@@ -404,8 +433,8 @@ class Trainer:
 
     def _log_step(self, loss, grad_norm, stats, elapsed) -> None:
         args = self.args
-        # the balanced plan's figures are the whole job's already: keep them out of the DP sum
-        plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance" or k.startswith("job ")}
+        # the balanced plan's figure is the whole job's already: keep it out of the DP sum
+        plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance"}
         stage_metrics = self._global_means(self.stage_reports)
         stats = self._dp_sum(stats)
         total = int(stats["tokens"])
@@ -425,32 +454,37 @@ class Trainer:
             "consumed samples": self.consumed_samples,
             "global batch size": args.global_batch_size,
             "skipped": self.skipped,
+            "loss scale": loss_scale(self.optimizer),
             **throughput.step_fields(args, stats, elapsed, 1, dist.get_world_size()),
             **stage_metrics,
         }, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
 
     def evaluate(self, split: str = "valid", label: Optional[str] = None) -> Optional[float]:
-        """Loss over ``--eval-iters`` global batches from the start of ``split`` (valid or test)."""
+        """Loss over ``--eval-iters`` global batches of ``split``: valid continues where its last
+        evaluation stopped, test starts at the split's start (evaluated once, at the end)."""
         args = self.args
         if not self.source.has_split(split):
             log.warning("no %s split (--split gives it no documents): skipping evaluation", split)
             return None
         for chunk in self.model:
             chunk.eval()
+        phase, self.phase = self.phase, f"the {split} evaluation at iteration {self.iteration}"
         total = torch.zeros(2, dtype=torch.float64)
         tokens = 0
+        start = self.consumed_valid_samples if split == "valid" else 0
         with torch.no_grad():
             for i in range(args.eval_iters):
-                loss_sum, stats = self._run_batches(split, i * args.global_batch_size, forward_only=True)
+                loss_sum, stats = self._run_batches(split, start + i * args.global_batch_size, forward_only=True)
                 total += loss_sum
                 tokens += stats["tokens"] - stats["pad"]
+        if split == "valid":
+            self.consumed_valid_samples += args.eval_iters * args.global_batch_size
         loss = self._global_mean(total)
         tokens = int(self._dp_sum({"tokens": tokens})["tokens"])
         self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
         for chunk in self.model:
             chunk.train()
-        if split == "valid":
-            self.last_valid_loss, self.last_valid_iteration = loss, self.iteration
+        self.phase = phase
         return loss
 
     def save(self) -> None:
@@ -458,19 +492,35 @@ class Trainer:
         checkpointing.save_checkpoint(self.args, self.iteration, self.consumed_samples, self.model,
                                       self.optimizer, self.scheduler)
 
-    def cleanup(self) -> None:
-        self.metrics.close()
-        if dist.is_initialized():
+    def cleanup(self, barrier: bool = True) -> None:
+        """Close the logs; after a normal end wait for every rank (never after a failure: a dead
+        or hung peer would hold this rank until the timeout)."""
+        if getattr(self, "metrics", None):
+            self.metrics.close()
+        if self.exit_signal:
+            self.exit_signal.close()
+        if barrier and dist.is_initialized():
+            self.phase = "the other ranks to finish (final barrier)"
             dist.barrier()
 
 
 def run(args, batch_source: BatchSource, before_train: Optional[Callable] = None, stage=None) -> Trainer:
     trainer = Trainer(args, batch_source, stage)
-    trainer.setup()
-    if before_train:
-        before_train(trainer)
-    try:
-        trainer.train()
-    finally:
+    with peers.waiting_for(lambda: trainer.phase, args.distributed_timeout_minutes):
+        try:
+            trainer.setup()
+            if getattr(args, "save_hf", None):
+                hf_checkpoint.check_exportable(args)  # before training, not after it
+            if before_train:
+                before_train(trainer)
+            trainer.train()
+            # a run stopped early (--exit-interval, a signal) exports nothing: it is not the trained model
+            if getattr(args, "save_hf", None) and not args.skip_train and trainer.iteration >= args.train_iters:
+                trainer.phase = "the Hugging Face export (--save-hf)"
+                trainer.sync_params()
+                hf_checkpoint.save_hf(args, trainer.model)
+        except BaseException:
+            trainer.cleanup(barrier=False)
+            raise
         trainer.cleanup()
     return trainer

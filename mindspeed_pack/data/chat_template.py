@@ -1,0 +1,339 @@
+"""``--prompt-type hf``: a model's own Jinja chat template, and the trained spans it implies.
+
+The text of a sample is exactly what transformers' ``apply_chat_template(messages,
+tokenize=False)`` renders (same renderer, the tokenizer's special tokens, the pinned
+``--chat-template-kwargs``); its ids are that text through the project's exact tokenizer
+path. Nothing about the spans is hand-written; they come from *prefix renders*::
+
+    P_k = render(messages[:k], add_generation_prompt=True)    what inference shows before turn k
+    F_k = render(messages[:k+1])                               the same conversation with turn k
+    trained text of assistant turn k = F_k[len(P_k) : len(F_k.rstrip())]
+
+so the end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...) is trained
+and the whitespace separator after it (Qwen's and Gemma's ``\\n``) is not: the model stops at
+the end-of-turn token and never generates what follows. Where the template has
+``{% generation %}`` markers, the trained text is the marked text instead (the mask equals
+transformers' ``assistant_masks``).
+
+A template may rewrite history (Qwen3 drops the reasoning of turns before the last user query,
+Phi-3.5 ends only the last turn with EOS). A sample is therefore the render ``F_m`` of the
+conversation up to its last trained turn ``m``, and holds the trained turns ``k`` whose ``P_k``
+and trained text are prefixes of ``F_m``: the fewest such samples, found greedily, train every
+assistant turn exactly once, each in exactly the context inference shows
+(``reasoning_history="split"``). ``"keep"`` instead trains one sample in which every turn is
+rendered as the template renders a final turn (earlier reasoning kept): one sample, but its
+history differs from what the template shows at inference. It assumes the template's rewrite
+of an earlier turn deletes text (as Qwen3, GLM-4 and Phi-3.5 do).
+
+A turn whose ``P_k`` is not a prefix of ``F_k`` (the template renders the turn differently from
+what follows its own generation prompt, e.g. DeepSeek-R1's ``<think>\\n`` prompt against a
+render that drops the reasoning) cannot be trained without shifting its mask: such rows are
+refused with a :class:`RowError` naming the turn, never trained on a guess. So are rows the
+template cannot render (probed once: tool schemas, calls, results, reasoning) or whose render
+drops a call or a reasoning trace; the handler also refuses a turn that starts or ends inside a
+token of the sample (checked on the tokenizer's offsets).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from mindspeed_pack.data.errors import PreprocessError, RowError
+from mindspeed_pack.data.templates import REASON_TOOLS
+
+# The date the official Llama-3.x templates fall back to; pinned so the header never depends on the day
+DEFAULT_DATE_STRING = "26 Jul 2024"
+REASONING_HISTORY = ("split", "keep")
+_GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# reasons counted under --skip-bad-rows
+REASON_NOT_PREFIX = "template renders a turn differently after its generation prompt"
+REASON_REASONING = "reasoning the template drops"
+REASON_RENDER = "template raised an error"
+REASON_DROPPED = "template drops a tool call or reasoning"
+REASON_TRUNCATED = "assistant turn longer than --seq-length"
+REASON_TOKEN_BOUNDARY = "turn boundary inside a token"
+
+
+def load_chat_template(tokenizer_hf, path: Optional[str]) -> tuple[str, str]:
+    """(template source, where it came from): ``--chat-template FILE`` or the tokenizer's own."""
+    if path:
+        try:
+            return Path(path).read_text(encoding="utf-8"), str(path)
+        except OSError as exc:
+            raise PreprocessError(f"--chat-template {path!r}: cannot read it ({exc.strerror or exc})") from exc
+    source = getattr(tokenizer_hf, "chat_template", None)
+    if isinstance(source, dict):  # several named templates: the default one
+        source = source.get("default")
+    if not source:
+        raise PreprocessError("--prompt-type hf: the tokenizer has no chat_template; pass --chat-template FILE.jinja")
+    return source, "tokenizer"
+
+
+def parse_template_kwargs(text: Optional[str]) -> dict:
+    if not text:
+        return {}
+    if isinstance(text, dict):
+        return dict(text)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PreprocessError(f"--chat-template-kwargs is not valid JSON ({exc.msg} at column {exc.colno}): {text}") from None
+    if not isinstance(value, dict):
+        raise PreprocessError(f"--chat-template-kwargs must be a JSON object, got {text}")
+    return value
+
+
+def pinned_kwargs(source: str, kwargs: dict) -> dict:
+    """``kwargs`` plus the pins the template needs to be reproducible (Llama-3.x ``date_string``)."""
+    kwargs = dict(kwargs)
+    if "date_string" in source and "date_string" not in kwargs:
+        kwargs["date_string"] = DEFAULT_DATE_STRING
+    return kwargs
+
+
+@dataclass
+class SamplePlan:
+    """One sample of a conversation: its text and, per trained turn, where it sits in the text."""
+
+    text: str
+    turns: list = field(default_factory=list)  # (message index, start char, trained end char) per trained turn
+    trained: list = field(default_factory=list)  # trained char spans [start, end)
+
+
+def _lcp(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChatTemplate:
+    """A Jinja chat template bound to a tokenizer's special tokens and pinned kwargs."""
+
+    def __init__(self, source: str, special_tokens: dict, kwargs: dict, reasoning_history: str = "split",
+                 origin: str = "tokenizer"):
+        if reasoning_history not in REASONING_HISTORY:
+            raise PreprocessError(f"--reasoning-history must be one of {', '.join(REASONING_HISTORY)}, got {reasoning_history!r}")
+        self.source, self.origin, self.reasoning_history = source, origin, reasoning_history
+        self.kwargs = pinned_kwargs(source, kwargs)
+        self._render_kwargs = {**special_tokens, **self.kwargs}  # kwargs win, as in apply_chat_template
+        self.has_generation_markers = bool(_GENERATION_MARKER.search(source))
+        self._plain_kwargs = None
+        self.sha256 = hashlib.sha256(source.encode("utf-8")).hexdigest()
+        try:
+            self.render([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]], None, False)
+        except Exception as exc:
+            raise PreprocessError(f"chat template ({origin}) does not render a plain user/assistant exchange: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+        self.capabilities = self._probe()
+
+    def identity(self) -> dict:
+        """What the sidecar and the cache key record about the template."""
+        return {"name": "hf", "origin": self.origin, "chat_template_sha256": self.sha256,
+                "chat_template_kwargs": self.kwargs, "reasoning_history": self.reasoning_history,
+                "generation_markers": self.has_generation_markers, "capabilities": self.capabilities}
+
+    # ------------------------------------------------------------------ rendering
+    def render(self, conversations: list, tools, add_generation_prompt: bool) -> tuple[list[str], list]:
+        """Texts (and generation spans when the template marks them) of several conversations."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        return render_jinja_template(conversations=conversations, tools=tools, chat_template=self.source,
+                                     add_generation_prompt=add_generation_prompt,
+                                     return_assistant_tokens_mask=self.has_generation_markers, **self._render_kwargs)
+
+    def render_prefixes(self, messages: list, tools, stops: list) -> tuple[list, list, list]:
+        """Generation-prompt renders of ``messages[:k]`` and full renders (with their generation spans)
+        of ``messages[:k+1]`` for every ``k`` in ``stops``, as ``render`` gives them.
+
+        transformers' renderer turns every conversation into plain template data and aliases the
+        reasoning fields before the compiled template runs; for the prefixes of one conversation
+        that work is the same, so it is done once here and the compiled template called per prefix
+        (the tests compare every sample with ``apply_chat_template``).
+        """
+        fast = _fast_renderer()
+        if fast is None:
+            prompts = self.render([messages[:k] for k in stops], tools, True)[0]
+            return (prompts, *self.render([messages[:k + 1] for k in stops], tools, False))
+        compile_template, plain, alias, with_indices = fast
+        template = compile_template(self.source)
+        chat, tools = alias(plain(messages)), plain(tools)
+        kwargs = self._plain_kwargs
+        if kwargs is None:
+            kwargs = self._plain_kwargs = plain(self._render_kwargs)
+        prompts, fulls, marks = [], [], []
+        for k in stops:
+            prompts.append(template.render(messages=chat[:k], tools=tools, documents=None, add_generation_prompt=True,
+                                           **kwargs))
+            if self.has_generation_markers:
+                text, spans = with_indices(template, chat[:k + 1], tools, None, False, **kwargs)
+                marks.append(spans)
+            else:
+                text = template.render(messages=chat[:k + 1], tools=tools, documents=None, add_generation_prompt=False,
+                                       **kwargs)
+            fulls.append(text)
+        return prompts, fulls, marks
+
+    def _renders(self, conversation, tools) -> Optional[str]:
+        try:
+            return self.render([conversation], tools, False)[0][0]
+        except Exception:  # a template that cannot take this shape raises anything
+            return None
+
+    def _probe(self) -> dict:
+        """What the template renders at all: tool schemas, tool calls (object or string arguments), tool results,
+        reasoning (a ``reasoning_content`` field, or a ``<think>`` block inside the content)."""
+        schema = {"type": "function", "function": {"name": "probe_schema_fn", "description": "d",
+                                                   "parameters": {"type": "object", "properties": {}}}}
+        user = {"role": "user", "content": "q"}
+
+        def call(arguments):
+            return {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "probe_call_fn",
+                                                                                         "arguments": arguments}}]}
+        result = {"role": "tool", "content": "probe_result_text"}
+        caps = {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": None}
+        text = self._renders([user, {"role": "assistant", "content": "a"}], [schema])
+        caps["tools"] = bool(text and "probe_schema_fn" in text)
+        for form, arguments in (("object", {"probe_arg": "probe_value"}), ("string", '{"probe_arg": "probe_value"}')):
+            text = self._renders([user, call(arguments), result, {"role": "assistant", "content": "a"}], None)
+            if text and "probe_call_fn" in text and "probe_value" in text:
+                caps["tool_calls"] = form
+                caps["tool_results"] = "probe_result_text" in text
+                break
+        text = self._renders([user, {"role": "assistant", "content": "a", "reasoning_content": "probe_reasoning"}], None)
+        if text and "probe_reasoning" in text:
+            caps["reasoning"] = "field"
+        else:
+            text = self._renders([user, {"role": "assistant", "content": fold_reasoning("probe_reasoning", "a")}], None)
+            caps["reasoning"] = "think_tags" if text and "probe_reasoning" in text else None
+        return caps
+
+    # ------------------------------------------------------------------ messages -> samples
+    def adapt(self, messages: list[dict], tools) -> tuple[list[dict], dict]:
+        """Messages in the form this template reads (or RowError naming what it cannot render), and per
+        assistant message the texts its render must contain (reasoning, called functions): :meth:`plan`
+        refuses a turn whose render drops any of them."""
+        caps = self.capabilities
+        if tools and not caps["tools"]:
+            raise RowError("the row has tool schemas, which this chat template does not render (refused, not dropped)",
+                           REASON_TOOLS)
+        out, expected = [], {}
+        for n, m in enumerate(messages):
+            m = dict(m)
+            if m["role"] == "assistant":
+                expected[n] = [c["function"]["name"] for c in m.get("tool_calls") or []]
+                if m.get("reasoning_content"):
+                    expected[n].append(m["reasoning_content"].strip())
+            if m.get("tool_calls"):
+                if caps["tool_calls"] is None:
+                    raise RowError(f"message {n} has tool_calls, which this chat template does not render", REASON_TOOLS)
+                m["tool_calls"] = [_arguments_as(c, caps["tool_calls"]) for c in m["tool_calls"]]
+            if m["role"] == "tool" and not caps["tool_results"]:
+                raise RowError(f"message {n} is a tool result, which this chat template does not render", REASON_TOOLS)
+            reasoning = m.pop("reasoning_content", None)
+            if reasoning:
+                if caps["reasoning"] == "field":
+                    m["reasoning_content"] = reasoning
+                elif caps["reasoning"] == "think_tags":
+                    m["content"] = fold_reasoning(reasoning, m.get("content") or "")
+                else:
+                    raise RowError(f"message {n} has reasoning_content, which this chat template drops", REASON_REASONING)
+            out.append({k: v for k, v in m.items() if v is not None})  # as apply_chat_template does
+        return out, expected
+
+    def plan(self, messages: list[dict], tools, expected: Optional[dict] = None) -> list[SamplePlan]:
+        """The samples of one conversation (already :meth:`adapt`-ed); [] when it has no assistant turn."""
+        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        if not turns:
+            return []
+        try:
+            prompts, fulls, marks = self.render_prefixes(messages, tools, turns)
+        except Exception as exc:
+            raise RowError(f"the chat template raised {type(exc).__name__}: {exc}", REASON_RENDER) from exc
+        ends = []
+        for t, k in enumerate(turns):
+            p, f = prompts[t], fulls[t]
+            if not f.startswith(p):
+                at = _lcp(p, f)
+                raise RowError(f"assistant turn (message {k}): the template's generation prompt is not a prefix of its "
+                               f"render of the turn (they differ at character {at}: prompt {p[at:at + 30]!r}, "
+                               f"render {f[at:at + 30]!r}); training it would shift the mask", REASON_NOT_PREFIX)
+            ends.append(len(f.rstrip()) if len(f.rstrip()) > len(p) else len(p))
+            missing = [x for x in (expected or {}).get(k, []) if x not in f[len(p):]]
+            if missing:
+                raise RowError(f"assistant turn (message {k}): the chat template drops {missing[0][:60]!r} from it "
+                               "(refused, not trained without it)", REASON_DROPPED)
+        if self.reasoning_history == "keep":
+            return [self._keep(turns, prompts, fulls, ends)]
+        samples, i = [], 0
+        while i < len(turns):
+            j = i
+            while j + 1 < len(turns) and all(fulls[j + 1].startswith(prompts[t]) and
+                                             fulls[j + 1].startswith(fulls[t][:ends[t]]) for t in range(i, j + 1)):
+                j += 1
+            sample = SamplePlan(fulls[j])
+            for t in range(i, j + 1):
+                sample.turns.append((turns[t], len(prompts[t]), ends[t]))
+            sample.trained = self._trained_spans(sample.turns, marks[j] if marks else None)
+            samples.append(sample)
+            i = j + 1
+        return samples
+
+    def _trained_spans(self, turns, marked) -> list:
+        if not self.has_generation_markers:
+            return [(start, end) for _, start, end in turns if end > start]
+        # the marked spans of the turns this sample trains (a span belongs to the turn it overlaps)
+        return [(s, e) for s, e in (marked or []) if any(s < end and e > start for _, start, end in turns)]
+
+    def _keep(self, turns, prompts, fulls, ends) -> SamplePlan:
+        """One sample: each turn as rendered last, joined by what the template puts between turns."""
+        text = fulls[0]
+        sample = SamplePlan(text, [(turns[0], len(prompts[0]), ends[0])])
+        for t in range(1, len(turns)):
+            prev, prompt = fulls[t - 1], prompts[t]
+            if prompt.startswith(prev):
+                between = prompt[len(prev):]
+            else:  # the template rewrote turn t-1 in the history by deleting text from it (Qwen3 its
+                # <think> block, GLM-4 the trace inside it, Phi-3.5 its final EOS): the longest tail of the
+                # turn as rendered last that follows the common prefix in the history ends the turn there
+                c = _lcp(prev, prompt)
+                j = next(j for j in range(c, len(prev) + 1) if prompt.startswith(prev[j:], c))
+                between = prompt[c + len(prev) - j:]
+            base = len(sample.text) + len(between) - len(prompt)
+            sample.text += between + fulls[t][len(prompt):]
+            sample.turns.append((turns[t], base + len(prompt), base + ends[t]))
+        sample.trained = [(start, end) for _, start, end in sample.turns if end > start]
+        return sample
+
+
+def _fast_renderer():
+    """transformers' own steps of ``render_jinja_template`` (None where this version lacks them)."""
+    try:
+        from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
+                                                            _plain_template_data, _render_with_assistant_indices)
+    except ImportError:
+        return None
+    return _compile_jinja_template, _plain_template_data, _alias_reasoning_fields, _render_with_assistant_indices
+
+
+def fold_reasoning(reasoning: str, content: str) -> str:
+    """Reasoning inside the content, as templates without a reasoning field read it back (Qwen3, R1, GLM)."""
+    return f"<think>\n{reasoning}\n</think>\n\n{content}"
+
+
+def _arguments_as(call: dict, form: str) -> dict:
+    """A tool call with its arguments as an object or a JSON string, whichever the template renders."""
+    call = json.loads(json.dumps(call))
+    fn = call.get("function", call)
+    args = fn.get("arguments")
+    if form == "string" and not isinstance(args, str):
+        fn["arguments"] = json.dumps(args, ensure_ascii=False)
+    elif form == "object" and isinstance(args, str):
+        fn["arguments"] = json.loads(args)  # checked parseable when the row was read
+    return call

@@ -1,0 +1,397 @@
+"""Train straight from a Hugging Face model directory, and write one at the end.
+
+``--load HF_DIR`` (a directory with ``config.json`` and ``*.safetensors``, or any directory
+with ``--load-format hf``) needs no offline ``convert_ckpt.py`` step:
+
+1. before the flags are validated, :func:`apply_hf_flags` derives the model's shape from
+   config.json with the converter's own :func:`~mindspeed_pack.convert.model_specs.args_from_hf_config`:
+   a flag the user also passed must agree (the error names both values), the rest are filled in;
+2. at load, every rank reads only its own TP/PP slice (:func:`rank_units`): the rows or
+   columns of each HF tensor that its shard holds, through ``safe_open(...).get_slice``, then
+   the converter's weight map (``hf_to_mg_unit``) turns them into that rank's Megatron tensors.
+   No rank ever holds the full model, nor a full tensor that TP splits;
+3. the run starts at iteration 0 with a fresh optimizer (``--finetune`` semantics).
+
+``--save-hf DIR`` writes a transformers-loadable model when training ends: every TP x PP
+shard is written as a weights-only Megatron checkpoint next to DIR, then rank 0 merges it
+with the converter (``megatron_to_hf``: the same weight map, one unit at a time, into a
+temporary directory renamed onto DIR when complete) and copies the tokenizer files.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import logging
+import os
+from typing import Callable, Dict, Iterator, Optional
+
+import torch
+
+from mindspeed_pack.convert import hf_io
+from mindspeed_pack.convert.model_specs import ConversionError, args_from_hf_config, get_spec
+from mindspeed_pack.convert.sharding import shard_state_dict, stage_units
+from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit, hf_unit_shapes, is_ignorable_hf_tensor
+from mindspeed_pack.training.arguments import ArgumentError
+
+log = logging.getLogger(__name__)
+
+MERGE_TIMEOUT_MINUTES = 240  # how long the other ranks wait for rank 0's --save-hf merge
+
+# conversion arguments that are inputs of the run (its layout), not properties of the model
+_RUN_LAYOUT_ARGS = ("seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "make_vocab_size_divisible_by")
+
+
+# --------------------------------------------------------------------------- which --load
+def _has_safetensors(path: str) -> bool:
+    return any(name.endswith(".safetensors") for name in os.listdir(path))
+
+
+def _looks_like_hf(path: str) -> bool:
+    """A directory holding HF files (config.json or safetensors) and no Megatron tracker."""
+    from mindspeed_pack import checkpoint_layout as layout
+
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, layout.TRACKER)):
+        return False
+    return os.path.isfile(os.path.join(path, hf_io.CONFIG)) or _has_safetensors(path)
+
+
+def _check_hf_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ArgumentError(f"--load {path}: no such directory")
+    if not os.path.isfile(os.path.join(path, hf_io.CONFIG)):
+        raise ArgumentError(f"--load {path}: no config.json; a Hugging Face model directory needs config.json "
+                            "next to its *.safetensors weights")
+    if not _has_safetensors(path):
+        found = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth")))
+        hint = f" (found {found[:3]}: re-save with save_pretrained(..., safe_serialization=True), or convert " \
+               "it offline with convert_ckpt.py)" if found else ""
+        raise ArgumentError(f"--load {path}: no *.safetensors weights; direct loading reads each rank's slice "
+                            f"from safetensors{hint}")
+
+
+def loads_hf(args) -> bool:
+    return getattr(args, "load_format", None) == "hf"
+
+
+# --------------------------------------------------------------------------- flags from config.json
+def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set:
+    """Destinations of the flags present on the command line (a default is not a choice)."""
+    saved = [(action, action.default) for action in parser._actions]
+    for action, _ in saved:
+        action.default = argparse.SUPPRESS
+    try:
+        given, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default in saved:
+            action.default = default
+    return set(vars(given))
+
+
+def _same(flag_value, model_value) -> bool:
+    if isinstance(model_value, bool) or isinstance(flag_value, bool):
+        return bool(flag_value) == bool(model_value)
+    if isinstance(model_value, (int, float)) and isinstance(flag_value, (int, float)):
+        return float(flag_value) == float(model_value)
+    return flag_value == model_value
+
+
+def fill_model_args(args, explicit: set) -> argparse.Namespace:
+    """Set the model-shape arguments of ``args`` from ``args.load``'s config.json.
+
+    Returns the converter's arguments for the model (the same ones ``convert_ckpt.py`` writes
+    into a converted checkpoint). Model fields a family adds to ``args_from_hf_config`` are
+    filled in the same way, with no change here.
+    """
+    config_path = os.path.join(args.load, hf_io.CONFIG)
+    try:
+        config = hf_io.read_config(args.load)
+        model = args_from_hf_config(
+            config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+            padded_vocab_size=args.padded_vocab_size, where=config_path,
+            seq_length=args.seq_length)  # a sliding window shorter than the run's sequences is refused
+    except ConversionError as e:
+        raise ArgumentError(f"--load {args.load}: {e}") from None
+    disagree = []
+    for key, value in vars(model).items():
+        if key in _RUN_LAYOUT_ARGS:
+            continue
+        if key in explicit and not _same(getattr(args, key), value):
+            flag = "--" + key.replace("_", "-")
+            disagree.append(f"{flag} {getattr(args, key)} but {config_path} gives {flag} {value}")
+        else:
+            setattr(args, key, value)
+    if disagree:
+        raise ArgumentError("model flags disagree with the Hugging Face config (drop them, or pass the config's "
+                            "values): " + "; ".join(disagree))
+    args.hf_config = config
+    args.loaded_sliding_window = getattr(model, "sliding_window", None)  # kept in the checkpoints this run saves
+    log.info("--load %s: Hugging Face %s, model flags from config.json", args.load, model.model_type_hf)
+    return model
+
+
+def _check_save_hf_dir(args) -> None:
+    path = args.save_hf
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise ArgumentError(f"--save-hf {path} exists and is not an empty directory; choose a new directory")
+    if args.load and os.path.abspath(path) == os.path.abspath(args.load):
+        raise ArgumentError(f"--save-hf {path} is the --load directory; choose a new directory")
+
+
+def apply_hf_flags(args, parser: argparse.ArgumentParser, argv) -> None:
+    """Resolve ``--load-format``, fill the model flags of a HF ``--load``, check ``--save-hf``.
+
+    Runs before the flags are validated (``--num-layers`` and friends may come from config.json).
+    """
+    fmt = getattr(args, "load_format", "auto")
+    if args.load and (fmt == "hf" or (fmt == "auto" and _looks_like_hf(args.load))):
+        _check_hf_dir(args.load)
+        if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
+            raise ArgumentError(f"--save {args.save} is the Hugging Face --load directory: checkpoints would be "
+                                "written into the model's files; choose another --save directory")
+        args.load_format = "hf"
+        fill_model_args(args, _explicit_dests(parser, argv))
+        args.finetune = True  # weights only: iteration 0, a fresh optimizer
+    elif args.load:
+        args.load_format = "mg"
+    if getattr(args, "save_hf", None):
+        _check_save_hf_dir(args)
+
+
+# --------------------------------------------------------------------------- one rank's slice
+def _tp_local_args(model: argparse.Namespace, tp: int) -> argparse.Namespace:
+    """What one tensor-parallel rank holds, described as a model of its own.
+
+    Heads, query groups, FFN width and the padded vocabulary are divided by ``tp`` (the
+    vocabulary counts its padded rows). Run through the converter's weight map on a rank's
+    slices of the HF tensors, these arguments give exactly that rank's shard, because every
+    split megatron makes is a contiguous range of one HF tensor: fused QKV rows are grouped
+    per query group, the SwiGLU gate and up halves are split separately, row-parallel
+    weights by columns (:mod:`mindspeed_pack.convert.sharding`).
+    """
+    local = copy.copy(model)
+    local.num_attention_heads //= tp
+    local.num_query_groups //= tp
+    local.ffn_hidden_size //= tp
+    local.padded_vocab_size //= tp
+    local.vocab_size = local.padded_vocab_size
+    local.tensor_model_parallel_size = 1
+    return local
+
+
+def _slice_plan(unit, model, local, spec, tp_rank: int, tp: int) -> Dict[str, Optional[tuple]]:
+    """HF tensor name -> ``(dim, start, stop)`` of this rank's part, or None when it needs all of it.
+
+    The split dimension is the one where the rank's shape (``local``) is ``1/tp`` of the full
+    shape with the vocabulary padded; the stop is clipped to the stored rows (padding rows
+    are zeros added by the weight map).
+    """
+    full = copy.copy(model)
+    full.vocab_size = model.padded_vocab_size
+    full_shapes, local_shapes = hf_unit_shapes(unit, full, spec), hf_unit_shapes(unit, local, spec)
+    plan = {}
+    for name, shape in full_shapes.items():
+        dims = [d for d, (a, b) in enumerate(zip(shape, local_shapes[name])) if a != b]
+        if not dims:
+            plan[name] = None
+            continue
+        if len(dims) != 1 or shape[dims[0]] != local_shapes[name][dims[0]] * tp:
+            raise ConversionError(f"{name}: no contiguous tensor-parallel split from shape {tuple(shape)} to "
+                                  f"{tuple(local_shapes[name])}")
+        dim, width = dims[0], local_shapes[name][dims[0]]
+        plan[name] = (dim, tp_rank * width, (tp_rank + 1) * width)
+    return plan
+
+
+def rank_units(open_reader: Callable[[], hf_io.HFCheckpointReader], model: argparse.Namespace, tp_rank: int,
+               tp: int, pp_rank: int, pp: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """Rank ``(tp_rank, pp_rank)``'s Megatron tensors (canonical names), one unit at a time.
+
+    ``model`` is the converter's argument namespace at this TP/PP (:func:`fill_model_args`).
+    Together the units equal ``shard_state_dict`` of the offline conversion's full tensors.
+    Each unit is read through a reader opened for it and closed after it, so the file pages a
+    rank touched are unmapped unit by unit: a rank holds its model shard plus one unit's slice.
+    """
+    spec = get_spec(model.model_type_hf)
+    local = _tp_local_args(model, tp)
+    for unit in stage_units(model, pp_rank, pp):
+        plan = _slice_plan(unit, model, local, spec, tp_rank, tp)
+        with open_reader() as reader:
+
+            def get(name, plan=plan, reader=reader):
+                part = plan.get(name)
+                if part is None:
+                    return reader.get(name)
+                dim, start, stop = part
+                stored = reader.shape(name)[dim]
+                return reader.get_range(name, dim, min(start, stored), min(stop, stored)).contiguous()
+
+            yield shard_state_dict(hf_to_mg_unit(unit, get, local, spec), local, 0, 1, pp_rank, pp)
+
+
+def rank_state_dict(open_reader, model, tp_rank: int, tp: int, pp_rank: int, pp: int) -> Dict[str, torch.Tensor]:
+    """All of :func:`rank_units` in one dictionary."""
+    out: Dict[str, torch.Tensor] = {}
+    for tensors in rank_units(open_reader, model, tp_rank, tp, pp_rank, pp):
+        out.update(tensors)
+    return out
+
+
+def read_rank_units(args) -> Iterator[Dict[str, torch.Tensor]]:
+    """This rank's weights from the HF directory ``args.load``, unit by unit (canonical names).
+
+    Every tensor's name and shape is checked against config.json first (file headers only).
+    """
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.training.checkpointing import CheckpointError
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    try:
+        with hf_io.HFCheckpointReader(args.load) as reader:
+            model = args_from_hf_config(reader.config, args.model_type_hf, tp, pp, args.make_vocab_size_divisible_by,
+                                        args.padded_vocab_size, where=os.path.join(args.load, hf_io.CONFIG))
+            spec = get_spec(model.model_type_hf)
+            reader.check_shapes(expected_hf_shapes(model, spec), lambda n: is_ignorable_hf_tensor(n, model))
+        yield from rank_units(lambda: hf_io.HFCheckpointReader(args.load), model,
+                              ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp)
+    except ConversionError as e:
+        raise CheckpointError(f"--load {args.load}: {e}") from None
+
+
+# --------------------------------------------------------------------------- --save-hf
+def _data_prefixes(args) -> list:
+    paths = list(args.data_path or getattr(args, "train_data_path", None) or [])
+    out = []
+    for p in paths:
+        try:
+            float(p)  # a blend weight
+        except ValueError:
+            out.append(p)
+    return out
+
+
+def tokenizer_dir(args) -> Optional[str]:
+    """Where the tokenizer of this run lives: the data's extended ``P_tokenizer/`` (it holds the
+    template's added tokens), else ``--tokenizer-name-or-path``, else the HF ``--load`` directory."""
+    from mindspeed_pack.data.packed_dataset import read_meta
+
+    candidates = []
+    for prefix in _data_prefixes(args)[:1]:
+        extended = (read_meta(prefix) or {}).get("extended_tokenizer")
+        if extended:
+            candidates.append(os.path.join(os.path.dirname(os.path.abspath(prefix)), extended["path"]))
+    candidates += [args.tokenizer_name_or_path, args.load if loads_hf(args) else None]
+    for path in candidates:
+        if path and os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in hf_io.TOKENIZER_FILES):
+            return path
+    return None
+
+
+def _export_args(args) -> dict:
+    """The model-shape arguments a saved checkpoint records, with the defaults the flags left open."""
+    from mindspeed_pack.training.checkpointing import _model_args
+
+    out = _model_args(args)
+    if out["vocab_size"] is None:  # only --padded-vocab-size given: every row is a real row
+        out["vocab_size"] = args.padded_vocab_size
+    if out["kv_channels"] is None:
+        out["kv_channels"] = args.hidden_size // args.num_attention_heads
+    return out
+
+
+def check_exportable(args) -> None:
+    """Refuse ``--save-hf`` before training when the model is not one the converter writes.
+
+    The model's arguments go through the converter both ways (to a transformers config and
+    back): any field that does not come back (LayerNorm, learned positions, no SwiGLU, ...)
+    would be lost in the HF model.
+    """
+    from mindspeed_pack.convert.model_specs import hf_config_from_args
+    from mindspeed_pack.training.checkpointing import CheckpointError
+
+    mine = _export_args(args)
+    spec = get_spec(mine["model_type_hf"])
+    config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_dict()
+    try:
+        back = args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
+                                   mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
+                                   mine["padded_vocab_size"], where=f"--save-hf ({spec.hf_architecture})")
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+    lost = [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in vars(back).items()
+            if k in mine and k not in _RUN_LAYOUT_ARGS and not _same(mine[k], v)]
+    if lost:
+        raise CheckpointError(f"--save-hf {args.save_hf}: this model cannot be written as a Hugging Face "
+                              f"{spec.hf_architecture}: {'; '.join(lost)}; drop --save-hf and keep the Megatron "
+                              "checkpoint (--save)")
+
+
+def _weights_record(args, model) -> dict:
+    from mindspeed_pack import checkpoint_layout as layout
+
+    return {"model": layout.model_state_for_save(model[0]), "args": _export_args(args), "iteration": 0,
+            "checkpoint_version": layout.CHECKPOINT_VERSION, "hf_config": getattr(args, "hf_config", None)}
+
+
+def save_hf(args, model, out_dir: Optional[str] = None) -> None:
+    """Write the trained model as a Hugging Face directory ``out_dir`` (default ``--save-hf``).
+
+    Each TP x PP shard (one data-parallel replica) goes to a weights-only Megatron
+    checkpoint next to the output; rank 0 merges it through the converter, so the HF
+    tensors come from the same weight map as ``convert_ckpt.py``. The output is complete or
+    absent; the staging files are removed either way.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack import checkpoint_layout as layout
+    from mindspeed_pack.convert.convert import megatron_to_hf
+    from mindspeed_pack.training.checkpointing import CheckpointError, _all_ok
+
+    out_dir = os.path.abspath(out_dir or args.save_hf)
+    staging = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.megatron-staging")
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if dist.get_rank() == 0:
+        layout.remove_tree(staging)
+    dist.barrier()
+    error = None
+    try:
+        if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # one writer per TP x PP shard
+            layout.save_file_atomic(_weights_record(args, model),
+                                    layout.checkpoint_file(staging, layout.RELEASE, tp_rank, pp_rank, pp))
+    except OSError as e:
+        error = e
+    ok = _all_ok(error)
+    # the merge runs on rank 0 alone and may outlast the collective timeout: the others wait on a
+    # CPU group of their own with a long one
+    wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
+        minutes=max(MERGE_TIMEOUT_MINUTES, args.distributed_timeout_minutes)))
+    tokenizer = tokenizer_dir(args)
+    if ok and dist.get_rank() == 0:
+        try:
+            layout.write_tracker(staging, layout.RELEASE)
+            megatron_to_hf(staging, out_dir, _dtype_name(args), tokenizer_dir=tokenizer)
+        except (OSError, ConversionError) as e:
+            error = e
+        finally:
+            layout.remove_tree(staging)
+    elif dist.get_rank() == 0:
+        layout.remove_tree(staging)
+    merge_failed = torch.tensor([int(dist.get_rank() == 0 and error is not None)])
+    dist.all_reduce(merge_failed, group=wait_group)
+    dist.destroy_process_group(wait_group)
+    if merge_failed.item() or not ok:
+        raise CheckpointError(f"--save-hf {out_dir}: writing the Hugging Face model failed"
+                              + (f": {error}" if error else " on another rank") + "; nothing was written there")
+    if dist.get_rank() == 0:
+        log.info("wrote Hugging Face model %s%s", out_dir,
+                 f" (tokenizer from {tokenizer})" if tokenizer else " (no tokenizer files found to copy: pass "
+                 "--tokenizer-name-or-path)")
+
+
+def _dtype_name(args) -> str:
+    return "bf16" if args.bf16 else ("fp16" if args.fp16 else "fp32")

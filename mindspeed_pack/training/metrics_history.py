@@ -1,0 +1,52 @@
+"""A resumed run's metrics file: one record per step, the re-run steps replacing the old ones.
+
+A run that resumes at iteration I (a restart, or ``--load`` of a checkpoint) trains I+1, I+2,
+... again, although the run before it may have logged some of them after its last save. Before
+the first new record, every record of an iteration after I is taken out of the file (train,
+validation and setup records alike, and a last line cut off by a kill); everything up to I stays
+as it was. The rewrite goes through a temporary file and an atomic rename, so a kill at any
+moment leaves the old file or the new one, never a shorter one. TensorBoard gets the same
+effect from ``SummaryWriter(purge_step=I + 1)``.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import List
+
+
+def is_resume(start_iteration: int) -> bool:
+    """Whether this start continues an earlier one: a checkpoint's iteration, or a torchrun restart."""
+    return start_iteration > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def drop_records_after(path: str, start_iteration: int) -> List[int]:
+    """Remove the records of iterations after ``start_iteration`` from ``path`` (atomically); returns
+    the train iterations removed (the steps this run re-runs)."""
+    if not os.path.isfile(path):
+        return []
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    tail = lines.pop()  # b"" after a complete last line, else a line cut off by a kill
+    kept, replaced, changed = [], [], bool(tail)
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            kept.append(line)  # not ours to judge: keep it
+            continue
+        iteration = record.get("iteration") if isinstance(record, dict) else None
+        if isinstance(iteration, int) and iteration > start_iteration:
+            changed = True
+            if record.get("split", "train") == "train":
+                replaced.append(iteration)
+            continue
+        kept.append(line)
+    if changed:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(line + b"\n" for line in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    return sorted(set(replaced))

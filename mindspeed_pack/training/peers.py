@@ -1,0 +1,55 @@
+"""What a rank was waiting for when a peer died or hung: one line instead of a hang or a C++ trace.
+
+A collective whose peer is dead fails at once (gloo: "Connection closed by peer"); one whose
+peer is hung (stopped, deadlocked, unreachable) fails after ``--distributed-timeout-minutes``.
+Both surface as a bare ``RuntimeError`` from the backend. :func:`waiting_for` names the phase
+(``iteration 7``, ``the save of iteration 6``) so such an error becomes a :class:`PeerFailure`
+whose message says what this rank was waiting for; the scripts print it as one line and
+exit 1, and torchrun restarts the job (``--max-restarts``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+import torch.distributed as dist
+
+from mindspeed_pack.training.rendezvous import RendezvousTimeout, first_line
+
+# what gloo, NCCL and the store say when a peer is gone or late
+_BACKEND_FAILURE = re.compile(r"gloo|nccl|Connection (closed|reset|refused)|Timed out|timed out|timeout|"
+                              r"Socket|pair closure|Broken pipe", re.IGNORECASE)
+_TIMEOUT = re.compile(r"Timed out|timeout", re.IGNORECASE)
+
+
+class PeerFailure(RuntimeError):
+    """A collective could not complete: a peer is dead, hung or unreachable."""
+
+
+def is_backend_failure(e: BaseException) -> bool:
+    if isinstance(e, (dist.DistError, RendezvousTimeout)):
+        return True
+    return type(e) is RuntimeError and bool(_BACKEND_FAILURE.search(str(e)))
+
+
+@contextlib.contextmanager
+def waiting_for(what, timeout_minutes: float):
+    """Turn a backend failure inside the block into a :class:`PeerFailure` naming ``what`` (a string,
+    or a function returning one when the failure happens)."""
+    try:
+        yield
+    except (PeerFailure, RendezvousTimeout):
+        raise
+    except Exception as e:
+        if not is_backend_failure(e):
+            raise
+        what = what() if callable(what) else what
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        first = first_line(e)
+        if _TIMEOUT.search(first):
+            cause = (f"timed out after {timeout_minutes:g} min (--distributed-timeout-minutes) waiting for a peer "
+                     f"(hung or unreachable)")
+        else:
+            cause = "lost a peer (it died or closed its connection)"
+        raise PeerFailure(f"rank {rank}: {cause} during {what}: {first}") from None

@@ -1,0 +1,61 @@
+"""The learning-rate schedule, counted in samples as Megatron-LM counts it.
+
+Megatron-LM's ``get_optimizer_param_scheduler`` sizes the schedule in samples and steps it by
+the global batch size after every update::
+
+    decay steps   = --lr-decay-iters (default --train-iters) x GBS
+    warmup steps  = --lr-warmup-fraction x decay steps   (fractional: 0.01 x 50 iterations x GBS 2 = 1 sample)
+                  or --lr-warmup-iters x GBS
+
+so a warmup shorter than an iteration still warms up (the first step runs at lr 0), and a
+resume with another global batch size keeps its place in the schedule (with
+``--use-checkpoint-opt_param-scheduler``). Checkpoints written before the schedule counted
+samples hold iteration counts; :func:`in_samples` converts them at load.
+"""
+from __future__ import annotations
+
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+# the scheduler state's marker: its step counts are samples (absent: iterations, older checkpoints)
+UNIT_KEY, UNIT = "num_steps_unit", "samples"
+_STEP_KEYS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+
+
+class SampleScheduler(OptimizerParamScheduler):
+    """megatron-core's scheduler whose saved state says that it counts samples."""
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), UNIT_KEY: UNIT}
+
+
+def build_scheduler(args, optimizer) -> SampleScheduler:
+    """Megatron-LM's ``get_optimizer_param_scheduler`` for iteration-based runs (constant weight decay)."""
+    gbs = args.global_batch_size
+    decay_steps = (args.lr_decay_iters or args.train_iters or 1) * gbs
+    if args.lr_warmup_fraction is not None:
+        warmup_steps = args.lr_warmup_fraction * decay_steps
+    else:
+        warmup_steps = args.lr_warmup_iters * gbs
+    # megatron-core needs warmup < decay: a warmup as long as the run decays over one more iteration
+    decay_steps = max(decay_steps, warmup_steps + gbs)
+    return SampleScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=(args.train_iters or 1) * gbs, wd_incr_style="constant",
+    )
+
+
+def in_samples(state: dict, global_batch_size: int) -> dict:
+    """A saved scheduler state with its step counts in samples.
+
+    States without the marker counted iterations (one step per update): each count times the
+    global batch size gives the same learning rate at the same iteration as before."""
+    if state.get(UNIT_KEY) == UNIT:
+        return state
+    out = dict(state)
+    for key in _STEP_KEYS:
+        if key in out:
+            out[key] = out[key] * global_batch_size
+    out[UNIT_KEY] = UNIT
+    return out

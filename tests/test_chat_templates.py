@@ -1,0 +1,426 @@
+"""--prompt-type hf: samples are the model's own chat template, token for token, and only assistant output is trained.
+
+For each vendored official template (tests/fixtures/chat_templates) and a generated corpus of 260
+conversations with the edge cases (tests/chat_corpus.py):
+
+(1) every sample's ids equal transformers' ``apply_chat_template`` of the same messages;
+(2) the tokens before each trained turn equal the generation-prompt render of the conversation so far;
+(3) trained tokens are exactly the assistant turns, each ending with the end-of-turn token, whose
+    separator is not trained; no user, system, tool-result or schema text is trained;
+(4) at most one BOS; every tool call and reasoning trace is in the text (and trained);
+(5) a Qwen3 conversation with reasoning in two turns trains both traces, neither as untrained history.
+"""
+import re
+
+import numpy as np
+import pytest
+
+from mindspeed_pack.data.chat_template import (REASON_DROPPED, REASON_NOT_PREFIX, REASON_REASONING, REASON_RENDER, REASON_TOOLS,
+                                               REASON_TRUNCATED, ChatTemplate, DEFAULT_DATE_STRING)
+from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_ROLE
+from mindspeed_pack.data.errors import RowError
+from mindspeed_pack.data.handlers import ALPACA, SHAREGPT, resolve_map_keys
+from mindspeed_pack.data.preprocess import EncoderConfig
+from mindspeed_pack.data.tokenizer import TokenizerSpec
+from tests import chat_corpus
+
+CORPUS = chat_corpus.corpus()
+# why a family may refuse a corpus row (anything else fails the test)
+ALLOWED_REFUSALS = {
+    # parallel tool calls: "This model only supports single tool-calls at once!"; reasoning on a tool-call turn
+    "llama3_1": {REASON_RENDER, REASON_DROPPED},
+    "llama3_2": {REASON_RENDER, REASON_DROPPED},
+    "r1_distill": {REASON_TOOLS, REASON_NOT_PREFIX},  # a turn without a <think> block after the "<think>\n" prompt
+    "gemma3": {REASON_TOOLS},
+    "phi3_5": {REASON_TOOLS},
+}
+TAG = re.compile(r"\b([USTDRA])(\d+)(?:_(\d+))?\b")
+
+
+@pytest.fixture(scope="session")
+def family_tokenizer_dir(tmp_path_factory, toy_tokenizer_dir):
+    built = {}
+
+    def get(family):
+        if family not in built:
+            built[family] = chat_corpus.build_tokenizer(toy_tokenizer_dir, tmp_path_factory.mktemp(family), family)
+        return built[family]
+    return get
+
+
+def _encoder(tokenizer_dir, handler=SHAREGPT, map_keys=chat_corpus.MAP_KEYS, **config):
+    keys, _ = resolve_map_keys(handler, map_keys)
+    fields = dict(seq_length=None, append_eod=False, chat_template=None, chat_template_kwargs={}, reasoning_history="split")
+    fields.update(config)
+    return EncoderConfig(handler, TokenizerSpec("PretrainedFromHF", str(tokenizer_dir)), "hf", None, keys, **fields).build()
+
+
+def encode_with_plans(encoder, row, where="row 0"):
+    """[(SamplePlan, ids, trained)] of one row, plus the messages and tools the template was given."""
+    texts = []
+    plan, _ = encoder.plan_chat_row(row, where, texts)
+    messages, tools = encoder._chat_messages(row, where)
+    messages, _ = encoder.chat.adapt(messages, tools)
+    if plan is None:
+        return [], messages, tools
+    results = encoder.finish_chat(plan, encoder.tokenizer.encode_batch_offsets(texts))
+    return [(s, r[0][0], r[0][1]) for (s, _), r in zip(plan[1], results) if r[0] is not None], messages, tools
+
+
+@pytest.fixture(scope="session")
+def family_results(family_tokenizer_dir):
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            encoder = _encoder(family_tokenizer_dir(family))
+            accepted, refused = [], []
+            for i, row in enumerate(CORPUS):
+                try:
+                    accepted.append((i, *encode_with_plans(encoder, row, f"row {i}")))
+                except RowError as exc:
+                    refused.append((i, exc))
+            cache[family] = encoder, accepted, refused
+        return cache[family]
+    return get
+
+
+def _apply(hf, messages, tools, kwargs, **flags):
+    return hf.apply_chat_template(messages, tools=tools, tokenize=True, return_dict=True, **kwargs, **flags)
+
+
+@pytest.mark.parametrize("family", list(chat_corpus.FAMILIES))
+def test_samples_are_the_official_template_token_for_token(family, family_results):
+    encoder, accepted, refused = family_results(family)
+    hf, kwargs = encoder.tokenizer.hf, encoder.chat.kwargs
+    assert {exc.reason for _, exc in refused} <= ALLOWED_REFUSALS.get(family, set()), refused[:3]
+    assert sum(1 for _, samples, _, _ in accepted if samples) >= 45
+    for i, samples, messages, tools in accepted:
+        for sample, ids, trained in samples:
+            last = sample.turns[-1][0]
+            # (1) the sample is the official render of the conversation up to its last trained turn
+            assert ids.tolist() == _apply(hf, messages[:last + 1], tools, kwargs)["input_ids"], f"row {i}"
+            for k, start, end in sample.turns:
+                # (2) its context is exactly what inference shows before turn k
+                prompt = _apply(hf, messages[:k], tools, kwargs, add_generation_prompt=True)["input_ids"]
+                assert ids[:len(prompt)].tolist() == prompt, f"row {i} turn {k}"
+                if encoder.chat.has_generation_markers:
+                    continue  # the markers say what is trained (R1's cover "<｜Assistant｜>" of the prompt too)
+                assert not trained[len(prompt) - 1]
+                if end > start:
+                    assert trained[len(prompt)], f"row {i} turn {k}: the turn's first token is not trained"
+
+
+@pytest.mark.parametrize("family", list(chat_corpus.FAMILIES))
+def test_only_assistant_output_is_trained_with_its_end_of_turn_token(family, family_results):
+    encoder, accepted, _ = family_results(family)
+    tok = encoder.tokenizer
+    eot = chat_corpus.FAMILIES[family][3]
+    eot_id = tok.token_to_id(eot) if eot else None
+    bos = chat_corpus.FAMILIES[family][1]
+    for i, samples, messages, tools in accepted:
+        for sample, ids, trained in samples:
+            # (3) runs of trained tokens: assistant text only, each run ends with the end-of-turn token
+            runs = np.split(np.arange(len(ids)), np.flatnonzero(np.diff(trained.astype(np.int8))) + 1)
+            trained_runs = [r for r in runs if trained[r[0]]]
+            assert len(trained_runs) == len([t for t in sample.turns if t[2] > t[1]]), f"row {i}"
+            for run in trained_runs:
+                text = tok.decode(ids[run])
+                kinds = {m.group(1) for m in TAG.finditer(text)}
+                assert kinds <= {"A", "R"}, f"row {i}: trained text {text!r} holds {kinds - {'A', 'R'}}"
+                if eot_id is not None:
+                    assert ids[run[-1]] == eot_id, f"row {i}: trained turn {text!r} does not end with {eot}"
+                    # the separator after the end-of-turn token (Qwen's and Gemma's newline) is not trained
+                    assert run[-1] + 1 == len(ids) or not trained[run[-1] + 1]
+            # (4) one BOS at most; every call, argument and reasoning trace of a trained turn is trained
+            if bos:
+                assert int((ids == tok.token_to_id(bos)).sum()) <= 1, f"row {i}"
+            trained_text = tok.decode(ids[trained.astype(bool)])
+            for k, _, _ in sample.turns:
+                m = messages[k]
+                for call in m.get("tool_calls", []):
+                    assert call["function"]["name"] in trained_text, f"row {i}"
+                    assert re.search(r"V\d+_\d+", trained_text)
+                for tag in TAG.findall(m.get("content") or "") + TAG.findall(m.get("reasoning_content") or ""):
+                    assert f"{tag[0]}{tag[1]}" + (f"_{tag[2]}" if tag[2] else "") in trained_text, f"row {i}"
+
+
+def test_qwen3_trains_each_reasoning_trace_once_and_never_as_history(family_tokenizer_dir):
+    encoder = _encoder(family_tokenizer_dir("qwen3"))
+    row = {"messages": [{"role": "user", "content": "U1_0 q1"},
+                        {"role": "assistant", "content": "A1_0 a1", "reasoning_content": "R1_0 first trace"},
+                        {"role": "user", "content": "U1_1 q2"},
+                        {"role": "assistant", "content": "A1_1 a2", "reasoning_content": "R1_1 second trace"}]}
+    samples, _, _ = encode_with_plans(encoder, row)
+    assert len(samples) == 2  # Qwen3 drops turn 1's trace once a new user query follows: split
+    tok = encoder.tokenizer
+    first, second = [(tok.decode(ids), tok.decode(ids[t.astype(bool)])) for _, ids, t in samples]
+    assert "R1_0 first trace" in first[1] and "A1_0 a1" in first[1]
+    assert "R1_1 second trace" in second[1]
+    assert "R1_0" not in second[0]  # not even as untrained history: inference never shows it
+    assert "A1_0 a1<|im_end|>" in second[0] and "A1_0" not in second[1]  # turn 1 is context there, untrained
+
+
+def test_reasoning_history_keep_trains_one_sample_with_every_trace(family_tokenizer_dir):
+    encoder = _encoder(family_tokenizer_dir("qwen3"), reasoning_history="keep")
+    row = {"messages": [{"role": "user", "content": "U1_0 q1"},
+                        {"role": "assistant", "content": "A1_0 a1", "reasoning_content": "R1_0 first"},
+                        {"role": "user", "content": "U1_1 q2"},
+                        {"role": "assistant", "content": "A1_1 a2", "reasoning_content": "R1_1 second"}]}
+    (sample, ids, trained), = encode_with_plans(encoder, row)[0]
+    tok = encoder.tokenizer
+    assert tok.decode(ids) == ("<|im_start|>user\nU1_0 q1<|im_end|>\n<|im_start|>assistant\n<think>\nR1_0 first\n</think>\n\n"
+                               "A1_0 a1<|im_end|>\n<|im_start|>user\nU1_1 q2<|im_end|>\n<|im_start|>assistant\n<think>\n"
+                               "R1_1 second\n</think>\n\nA1_1 a2<|im_end|>\n")
+    assert tok.decode(ids[trained.astype(bool)]) == ("<think>\nR1_0 first\n</think>\n\nA1_0 a1<|im_end|>"
+                                                     "<think>\nR1_1 second\n</think>\n\nA1_1 a2<|im_end|>")
+
+
+@pytest.mark.parametrize("template", ["qwen2_5_training.jinja", "qwen3_training.jinja", "gemma3_training.jinja",
+                                      "phi3_5_training.jinja", "deepseek_r1_distill_training.jinja"])
+def test_generation_markers_give_transformers_assistant_masks(template, family_tokenizer_dir):
+    family = {"qwen2_5": "qwen2_5", "qwen3_tr": "qwen3", "gemma3": "gemma3", "phi3_5": "phi3_5",
+              "deepseek": "r1_distill"}[next(k for k in ("qwen2_5", "qwen3_tr", "gemma3", "phi3_5", "deepseek")
+                                             if template.startswith(k))]
+    path = chat_corpus.TEMPLATES / template
+    encoder = _encoder(family_tokenizer_dir(family), chat_template=str(path))
+    assert encoder.chat.has_generation_markers
+    hf, checked = encoder.tokenizer.hf, 0
+    for i, row in enumerate(CORPUS[:80]):
+        try:
+            samples, messages, tools = encode_with_plans(encoder, row, f"row {i}")
+        except RowError:
+            continue
+        for sample, ids, trained in samples:
+            last = sample.turns[-1][0]
+            if len(samples) > 1:
+                continue  # several samples: each trains only its own turns, unlike a whole-conversation mask
+            out = _apply(hf, messages[:last + 1], tools, encoder.chat.kwargs, chat_template=path.read_text(),
+                         return_assistant_tokens_mask=True)
+            expected = np.array(out["assistant_masks"], np.uint8)
+            expected[0] = 0
+            assert ids.tolist() == out["input_ids"] and np.array_equal(trained, expected), f"row {i}"
+            checked += 1
+    assert checked >= 10
+
+
+def test_template_that_drops_its_own_prompt_is_refused_not_shifted(family_tokenizer_dir):
+    """DeepSeek-R1-Distill's original template prompts with "<think>\\n" but renders the turn without it."""
+    encoder = _encoder(family_tokenizer_dir("r1_distill"), chat_template=str(chat_corpus.TEMPLATES / "deepseek_r1_distill.jinja"))
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    with pytest.raises(RowError, match=r"row 7: assistant turn \(message 1\): the template's generation prompt is not a "
+                                       r"prefix") as err:
+        encode_with_plans(encoder, row, "row 7")
+    assert err.value.reason == REASON_NOT_PREFIX
+    row["messages"][1]["reasoning_content"] = "r"
+    with pytest.raises(RowError, match="reasoning_content, which this chat template drops"):
+        encode_with_plans(encoder, row, "row 7")
+
+
+def test_llama_date_header_is_pinned_and_overridable(family_tokenizer_dir):
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    for family in ("llama3_1", "llama3_2"):
+        encoder = _encoder(family_tokenizer_dir(family))
+        assert encoder.chat.identity()["chat_template_kwargs"] == {"date_string": DEFAULT_DATE_STRING}
+        ((_, ids, _),), _, _ = encode_with_plans(encoder, row)
+        assert f"Today Date: {DEFAULT_DATE_STRING}\n" in encoder.tokenizer.decode(ids)
+    encoder = _encoder(family_tokenizer_dir("llama3_2"), chat_template_kwargs={"date_string": "01 Jan 2025"})
+    ((_, ids, _),), _, _ = encode_with_plans(encoder, row)
+    assert "Today Date: 01 Jan 2025\n" in encoder.tokenizer.decode(ids)
+
+
+def test_bad_rows_name_row_message_and_field(family_tokenizer_dir):
+    qwen = _encoder(family_tokenizer_dir("qwen2_5"))
+    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}
+    cases = [
+        (qwen, {"messages": [{"role": "user", "content": "q"}, call]},
+         r"row 3: field 'messages' message 1 tool call 0: arguments are not valid JSON", REASON_ARGUMENTS),
+        (qwen, {"messages": [{"role": "user", "content": "q"}, {"role": "wizard", "content": "a"}]},
+         r"row 3: field 'messages' message 1 has unknown 'role' 'wizard'", REASON_ROLE),
+        (_encoder(family_tokenizer_dir("gemma3")), CORPUS[7],
+         r"row 3: the row has tool schemas, which this chat template does not render \(refused, not dropped\)", REASON_TOOLS),
+        (_encoder(family_tokenizer_dir("qwen2_5"), seq_length=24), CORPUS[0],
+         r"row 3: assistant turn \(message \d\) would be truncated at --seq-length 24", REASON_TRUNCATED),
+    ]
+    for encoder, row, message, reason in cases:
+        with pytest.raises(RowError, match=message) as err:
+            encode_with_plans(encoder, row, "row 3")
+        assert err.value.reason == reason
+
+
+def test_row_formats_sharegpt_tools_openai_and_alpaca_history(family_tokenizer_dir):
+    """LLaMA-Factory ShareGPT (tools column, function_call/observation) = the same OpenAI conversation."""
+    tools = [chat_corpus._schema(5, 0)]
+    sharegpt = {"conversations": [{"from": "human", "value": "U5_0 weather?"},
+                                  {"from": "function_call", "value": '{"name": "fn5_0", "arguments": {"q": "V5_0"}}'},
+                                  {"from": "observation", "value": "T5_0 sunny"},
+                                  {"from": "gpt", "value": "A5_1 It is sunny."}],
+                "tools": __import__("json").dumps(tools)}
+    openai = {"messages": [{"role": "user", "content": "U5_0 weather?"},
+                           {"role": "assistant", "content": None, "tool_calls": [
+                               {"type": "function", "function": {"name": "fn5_0", "arguments": '{"q": "V5_0"}'}}]},
+                           {"role": "tool", "content": "T5_0 sunny"},
+                           {"role": "assistant", "content": "A5_1 It is sunny."}], "tools": tools}
+    tok_dir = family_tokenizer_dir("qwen2_5")
+    a = encode_with_plans(_encoder(tok_dir, map_keys=None), sharegpt)[0]
+    b = encode_with_plans(_encoder(tok_dir), openai)[0]
+    assert len(a) == len(b) == 1 and np.array_equal(a[0][1], b[0][1]) and np.array_equal(a[0][2], b[0][2])
+    tok = _encoder(tok_dir).tokenizer
+    text, trained = tok.decode(a[0][1]), tok.decode(a[0][1][a[0][2].astype(bool)])
+    assert '"name": "fn5_0"' in text and "D5 looks things up" in text  # the schema reaches the system prompt
+    assert trained == ('<tool_call>\n{"name": "fn5_0", "arguments": {"q": "V5_0"}}\n</tool_call><|im_end|>'
+                       'A5_1 It is sunny.<|im_end|>')
+    alpaca = {"instruction": "U6_1 now", "input": "", "output": "A6_1 done", "system": "S6 be brief",
+              "history": [["U6_0 hi", "A6_0 hello"]]}
+    ((_, ids, trained),), _, _ = encode_with_plans(_encoder(tok_dir, handler=ALPACA, map_keys=None), alpaca)
+    assert tok.decode(ids).startswith("<|im_start|>system\nS6 be brief<|im_end|>\n<|im_start|>user\nU6_0 hi")
+    assert tok.decode(ids[trained.astype(bool)]) == "A6_0 hello<|im_end|>A6_1 done<|im_end|>"
+
+
+def test_template_probe_records_what_it_renders():
+    source = (chat_corpus.TEMPLATES / "gemma3.jinja").read_text()
+    caps = ChatTemplate(source, {"bos_token": "<bos>"}, {}).capabilities
+    assert caps == {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": "think_tags"}
+    caps = ChatTemplate((chat_corpus.TEMPLATES / "qwen3.jinja").read_text(), {}, {}).capabilities
+    assert caps == {"tools": True, "tool_calls": "object", "tool_results": True, "reasoning": "field"}
+
+
+WHY_ROW = {  # the issue's row: LLaMA-Factory ShareGPT with a tools column, a call (parallel) and its results
+    "conversations": [{"from": "human", "value": "U9_0 weather in Paris and Rome?"},
+                      {"from": "function_call", "value": '[{"name": "fn9_0", "arguments": {"q": "Paris"}}, '
+                                                         '{"name": "fn9_0", "arguments": "{\\"q\\": \\"Rome\\"}"}]'},
+                      {"from": "observation", "value": "T9_0 sunny, rainy"},
+                      {"from": "gpt", "value": "A9_1 Sunny in Paris, rainy in Rome."}],
+    "tools": [chat_corpus._schema(9, 0)],
+}
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen2_5", "qwen"])
+def test_tools_column_renders_like_official_qwen2_5_with_json_templates(prompt_type, family_tokenizer_dir):
+    """--prompt-type hf and the JSON qwen templates render the schemas and calls exactly as Qwen2.5's template."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    tok_dir = family_tokenizer_dir("qwen2_5")
+    hf_encoder = _encoder(tok_dir, map_keys=None)
+    ((_, official, official_trained),), _, _ = encode_with_plans(hf_encoder, WHY_ROW)
+    tok = hf_encoder.tokenizer
+    row = dict(WHY_ROW)
+    if prompt_type == "qwen":  # qwen's default system prompt differs from Qwen2.5's: give Qwen2.5's explicitly
+        row["system"] = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    (ids, trained), _, _ = SampleEncoder(SHAREGPT, tok, get_template(prompt_type), keys, None, False).encode_row(row, "row 1")
+    text = tok.decode(official)
+    assert "<tools>\n" + __import__("json").dumps(chat_corpus._schema(9, 0)) + "\n</tools>" in text
+    # the JSON path ends the sample on <|im_end|>; the official render adds the newline after it (untrained)
+    assert tok.decode(ids) + "\n" == text
+    assert np.array_equal(ids, official[:-1]) and np.array_equal(trained, official_trained[:-1])
+
+
+def test_json_template_without_tool_support_refuses_tools(toy_tokenizer_dir):
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+    from mindspeed_pack.data.tokenizer import load_tokenizer
+
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    encoder = SampleEncoder(SHAREGPT, load_tokenizer(TokenizerSpec("PretrainedFromHF", str(toy_tokenizer_dir))),
+                            get_template("chatml"), keys, None, False)
+    with pytest.raises(RowError, match=r"row 4: the row has tool schemas, which template 'chatml' does not render "
+                                       r"\(refused, not dropped\)"):
+        encoder.encode_row(WHY_ROW, "row 4")
+
+
+def test_prompt_type_hf_end_to_end_preprocess_train_inspect(tmp_path, family_tokenizer_dir, run_preprocess, capsys):
+    """preprocess_data.py --prompt-type hf (Qwen3, tools, reasoning) -> packs -> posttrain a few steps -> inspect_pack."""
+    import json
+
+    from mindspeed_pack.data import toy
+    from mindspeed_pack.tools import inspect_pack
+    from tests.train_utils import run_posttrain
+
+    data = toy.write_dataset(tmp_path / "chat.jsonl", CORPUS[:39])
+    prefix = str(tmp_path / "sft")
+    code, out, err = run_preprocess(input=data, output_prefix=prefix, tokenizer_name_or_path=family_tokenizer_dir("qwen3"),
+                                    handler_name=SHAREGPT, prompt_type="hf", map_keys=json.dumps(chat_corpus.MAP_KEYS),
+                                    chat_template_kwargs='{"enable_thinking": true}', seq_length=1024, pack=True,
+                                    neat_pack=True)
+    assert code == 0, err
+    meta = json.loads(open(f"{prefix}_packed_meta.json").read())
+    template = meta["cache_key"]["template"]
+    assert template["name"] == "hf" and template["chat_template_kwargs"] == {"enable_thinking": True}
+    assert meta["statistics"]["samples_written"] > meta["statistics"]["samples_read"] - 3  # Qwen3 splits rewritten turns
+    run_posttrain(["--data-path", prefix, "--seq-length", "1024", "--padded-vocab-size", "1152", "--neat-pack",
+                   "--prompt-type", "hf", "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "2",
+                   "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "0"])
+    capsys.readouterr()
+    shown = []
+    for index in range(3):
+        assert inspect_pack.main([prefix, "--index", str(index)]) == 0
+        shown.append(capsys.readouterr().out)
+    shown = "".join(shown)
+    assert "trained span 0: positions" in shown and "reasoning" in shown and "tool call" in shown
+    assert "[[<think>" in shown and "<|im_end|>]]" in shown
+
+
+@pytest.mark.parametrize("name,official,family", [("qwen2_5", "qwen2_5.jinja", "qwen2_5"), ("llama3", "llama3.jinja", "llama3_1")])
+def test_json_templates_equal_their_official_counterparts(name, official, family, family_tokenizer_dir):
+    """qwen2_5 (tools included) and llama3 (content trimmed) render the corpus exactly as the official templates."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    tok_dir = family_tokenizer_dir(family)
+    official_encoder = _encoder(tok_dir, map_keys=None, chat_template=str(chat_corpus.TEMPLATES / official))
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    json_encoder = SampleEncoder(SHAREGPT, official_encoder.tokenizer, get_template(name), keys, None, False)
+    compared = 0
+    for i, row in enumerate(CORPUS[:130]):
+        row = chat_corpus.as_sharegpt(row)
+        try:
+            if row is None or len(expected := official_encoder.encode_chat_row(row, f"row {i}")) != 1:
+                continue
+            sample, _, _ = json_encoder.encode_row(row, f"row {i}")
+        except RowError:
+            continue  # tools on llama3 (JSON: no format_tools), parallel calls on Llama
+        if sample is None:
+            continue
+        (ids, trained), (o_ids, o_trained) = sample, expected[0]
+        assert np.array_equal(ids, o_ids[:len(ids)]) and len(o_ids) - len(ids) <= 1, f"row {i}"
+        assert np.array_equal(trained, o_trained[:len(ids)]), f"row {i}"
+        compared += 1
+    assert compared >= 40
+
+
+def test_qwen3_enable_thinking_false_leaves_the_prefilled_think_block_untrained(family_tokenizer_dir):
+    row = {"messages": [{"role": "user", "content": "U1_0 q"}, {"role": "assistant", "content": "A1_0 a"}]}
+    trained_text = {}
+    for thinking in (True, False):
+        encoder = _encoder(family_tokenizer_dir("qwen3"), chat_template_kwargs={"enable_thinking": thinking})
+        ((_, ids, trained),), _, _ = encode_with_plans(encoder, row)
+        trained_text[thinking] = encoder.tokenizer.decode(ids[trained.astype(bool)])
+    assert trained_text[True] == "<think>\n\n</think>\n\nA1_0 a<|im_end|>"  # the model writes the empty block itself
+    assert trained_text[False] == "A1_0 a<|im_end|>"  # the generation prompt writes it: context, not trained
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm4", "phi3_5"])
+def test_reasoning_history_keep_trains_every_turn_once_in_one_sample(family, family_tokenizer_dir):
+    """Templates that rewrite history (reasoning dropped, EOS only at the end): keep gives one sample per row."""
+    encoder = _encoder(family_tokenizer_dir(family), reasoning_history="keep")
+    tok, checked = encoder.tokenizer, 0
+    for i, row in enumerate(CORPUS[:60]):
+        try:
+            samples, messages, _ = encode_with_plans(encoder, row, f"row {i}")
+        except RowError:
+            continue  # tools on Phi-3.5
+        if not samples:
+            continue
+        (sample, ids, trained), = samples
+        text, trained_text = tok.decode(ids), tok.decode(ids[trained.astype(bool)])
+        assistant = [m for m in messages if m["role"] == "assistant"]
+        assert len(sample.turns) == len(assistant), f"row {i}"
+        for tag in TAG.finditer(text):
+            whose = tag.group(1)
+            assert (whose in "AR") == (tag.group(0) in trained_text), f"row {i}: {tag.group(0)}"
+        for m in assistant:
+            assert (m.get("reasoning_content") or "").strip() in text and text.count(m["content"].strip() or "\0") <= 1
+        checked += 1
+    assert checked >= 30

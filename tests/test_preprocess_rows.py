@@ -1,0 +1,134 @@
+"""Bad rows inside good data, and input encodings: the row policy of ``mindspeed_pack/data/errors.py``.
+
+A malformed row stops the run naming file, row and field (and ``--skip-bad-rows``); under
+``--skip-bad-rows`` it is skipped and counted by reason. Well-formed but unusable rows are
+skipped and counted by their true reason without any flag. UTF-8 with a byte-order mark is
+read; another encoding is one ``error:`` line naming file, line and byte offset.
+"""
+import json
+
+import pytest
+
+from mindspeed_pack.data import toy
+
+
+def _turns(*roles):
+    return {"conversations": [{"from": r, "value": f"{r} says {i}"} for i, r in enumerate(roles)]}
+
+
+GOOD = _turns("human", "gpt")
+SG = dict(handler_name="SharegptStyleInstructionHandler", prompt_type="qwen", seq_length=128)
+
+
+def _meta(prefix):
+    return json.loads(open(f"{prefix}_packed_meta.json").read())
+
+
+def _write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def test_unusable_rows_are_skipped_under_their_true_reason(tmp_path, run_preprocess):
+    # a system message after position 0 is a known role in the wrong place, not an unknown role;
+    # human, human, gpt ends with an answer: its roles are out of order
+    rows = [GOOD, _turns("human", "system", "gpt"), _turns("human", "human", "gpt"), _turns("human", "gpt", "human"), GOOD]
+    data = toy.write_dataset(tmp_path / "s.jsonl", rows)
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "o", **SG)
+    assert code == 0, err
+    stats = _meta(tmp_path / "o")["statistics"]
+    assert stats["samples_written"] == 2
+    assert stats["skipped"] == {"system message after the first message": 1, "roles out of order": 1,
+                                "conversation does not end with an answer": 1}
+    assert stats["first_skipped"]["roles out of order"] == f"{data}: line 3"
+    assert f"first skipped (system message after the first message): {data}: line 2" in out
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_malformed_row_stops_naming_it_and_the_flag(tmp_path, run_preprocess, workers):
+    rows = [json.dumps(GOOD)] * 3 + [json.dumps(_turns("human", "bot"))] + [json.dumps(GOOD)]
+    data = _write_lines(tmp_path / "s.jsonl", rows)
+    out = tmp_path / "out"
+    code, _, err = run_preprocess(input=data, output_prefix=out / "o", workers=workers, **SG)
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    assert f"{data}: line 4: message 1 has unknown 'from' 'bot'" in err and "--skip-bad-rows" in err
+    assert "known: 'human', 'gpt', 'observation', 'function_call' and 'system' as the first message" in err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_skip_bad_rows_counts_each_reason_with_its_first_row(tmp_path, run_preprocess, read_indexed):
+    lines = [json.dumps(GOOD), "{broken", json.dumps(_turns("human", "bot")), json.dumps({"conversations": 3}),
+             json.dumps({"other": 1}), json.dumps(_turns("human", "bot")), json.dumps(GOOD)]
+    data = _write_lines(tmp_path / "s.jsonl", lines)
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "o", skip_bad_rows=True, workers=2, **SG)
+    assert code == 0, err
+    stats = _meta(tmp_path / "o")["statistics"]
+    assert (stats["samples_read"], stats["samples_written"]) == (7, 2)
+    assert stats["skipped"] == {"malformed JSON": 1, "unknown role": 2, "wrong type": 1, "missing field": 1}
+    assert stats["first_skipped"]["unknown role"].startswith(f"{data}: line 3: message 1 has unknown")
+    assert stats["first_skipped"]["malformed JSON"].startswith(f"{data}: line 2: malformed JSON")
+    assert stats["first_skipped"]["missing field"].startswith(f"{data}: line 5: missing field 'conversations'")
+    assert "2 unknown role" in out and f"first skipped (wrong type): {data}: line 4" in out
+    # the good rows are written exactly as a run on the good rows alone writes them
+    clean = _write_lines(tmp_path / "clean.jsonl", [json.dumps(GOOD)] * 2)
+    assert run_preprocess(input=clean, output_prefix=tmp_path / "c", **SG)[0] == 0
+    got, want = read_indexed(tmp_path / "o_packed_input_ids_document"), read_indexed(tmp_path / "c_packed_input_ids_document")
+    assert [x.tolist() for x in got] == [x.tolist() for x in want]
+
+
+def test_malformed_first_line_is_a_bad_row_too(tmp_path, run_preprocess, toy_alpaca_rows):
+    data = _write_lines(tmp_path / "a.jsonl", ["{broken"] + [json.dumps(r) for r in toy_alpaca_rows[:3]])
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "o", prompt_type="qwen", seq_length=128)
+    assert code == 2 and f"{data}: line 1: malformed JSON" in err and "--skip-bad-rows" in err
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "o", prompt_type="qwen", seq_length=128,
+                                  skip_bad_rows=True)
+    assert code == 0, err
+    assert json.loads((tmp_path / "o_packed_meta.json").read_text())["statistics"]["skipped"] == {"malformed JSON": 1}
+
+
+@pytest.mark.parametrize("ext", ["csv", "jsonl"])
+def test_empty_file_in_a_directory_is_skipped_with_a_warning(tmp_path, run_preprocess, toy_alpaca_rows, ext):
+    toy.write_dataset(tmp_path / "d" / f"a.{ext}", toy_alpaca_rows[:10])
+    (tmp_path / "d" / f"b.{ext}").write_text("")
+    code, _, err = run_preprocess(input=tmp_path / "d", output_prefix=tmp_path / "o", prompt_type="qwen", seq_length=128)
+    assert code == 0, err
+    assert f"warning: {tmp_path / 'd' / f'b.{ext}'}: no rows (an empty file); skipped" in err
+    assert _meta(tmp_path / "o")["statistics"]["samples_written"] == 10
+
+
+@pytest.mark.parametrize("ext", ["csv", "jsonl", "json", "txt"])
+def test_utf8_with_byte_order_mark_is_read(tmp_path, run_preprocess, toy_alpaca_rows, ext):
+    """Excel's "CSV UTF-8" (and some editors) put U+FEFF first: the output equals the file's without it."""
+    if ext == "txt":
+        rows, flags = toy.generate_pretrain_text(5, seed=1), dict(handler_name="GeneralPretrainHandler")
+        rows[0]["text"] = "é " + rows[0]["text"]
+    else:
+        rows, flags = [dict(r, instruction="é " + r["instruction"]) for r in toy_alpaca_rows[:10]], \
+            dict(prompt_type="qwen", seq_length=128)
+    plain = toy.write_dataset(tmp_path / "plain" / f"a.{ext}", rows)
+    bom = tmp_path / "bom" / f"a.{ext}"
+    bom.parent.mkdir()
+    bom.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    outputs = []
+    for name, data in (("plain", plain), ("bom", bom)):
+        code, _, err = run_preprocess(input=data, output_prefix=tmp_path / name / "o", **flags)
+        assert code == 0, err
+        outputs.append(sorted((p.name, p.read_bytes()) for p in (tmp_path / name).glob("o_*.bin")))
+    assert outputs[0] == outputs[1] and outputs[0]
+
+
+@pytest.mark.parametrize("ext", ["csv", "jsonl", "json", "txt"])
+def test_non_utf8_file_names_line_and_byte(tmp_path, run_preprocess, ext):
+    lines = {"csv": ["instruction,output", "a,b", "caf\xe9,b"],
+             "jsonl": ['{"instruction": "a", "output": "b"}', '{"instruction": "caf\xe9", "output": "b"}'],
+             "json": ['[{"instruction": "a", "output": "b"},', '{"instruction": "caf\xe9", "output": "b"}]'],
+             "txt": ["a", "caf\xe9"]}[ext]
+    data = tmp_path / f"latin1.{ext}"
+    data.write_bytes("\n".join(lines).encode("latin-1") + b"\n")
+    offset = len("\n".join(lines[:-1]).encode()) + 1 + lines[-1].index("\xe9")
+    flags = dict(handler_name="GeneralPretrainHandler") if ext == "txt" else dict(prompt_type="qwen", seq_length=128)
+    out = tmp_path / "out"
+    code, _, err = run_preprocess(input=data, output_prefix=out / "o", **flags)
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
+    assert f"{data}: line {len(lines)}: byte 0xe9 at byte offset {offset} is not UTF-8 text" in err
+    assert not out.exists() or not any(out.iterdir())
