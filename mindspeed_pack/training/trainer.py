@@ -128,7 +128,7 @@ class Trainer:
         # validation goes on through its split (cycling) from evaluation to evaluation, as in
         # Megatron-LM: every --eval-interval and once at the end; its place after a resume
         # follows from the iteration. --skip-train reads from the split's start, as does test.
-        evaluations = 1 if args.skip_train else (args.train_iters // args.eval_interval + 1)
+        evaluations = 1 if args.skip_train or not args.train_iters else (args.train_iters // args.eval_interval + 1)
         self.consumed_valid_samples = 0 if args.skip_train else self.iteration // args.eval_interval * eval_samples
         num_samples = {"train": self.consumed_samples + remaining * args.global_batch_size if remaining else 0,
                        "valid": max(evaluations * eval_samples, self.consumed_valid_samples + eval_samples),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from mindspeed_pack.data.packed_dataset import DataError, collate
+from mindspeed_pack.data.packed_dataset import DataError, micro_batch
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.training.stages.sequences import sequence_logps
 
@@ -155,7 +155,7 @@ class ReferenceScoringStage:
             for m in range(args.num_micro_batches):
                 first = (m * dp + dp_rank) * mbs
                 chosen_docs = order[first:first + mbs]
-                mb = collate([docs.get(d) for d in chosen_docs], args.seq_length, True)
+                mb = micro_batch([docs.get(d) for d in chosen_docs], args, isolate=True)
                 mb["documents"] = chosen_docs
                 raw.append(mb)
                 batches.append(to_packed_batch(mb, args))
