@@ -234,3 +234,14 @@ def test_failed_save_hf_leaves_no_output_and_no_staging_files(tiny, tmp_path, mo
         posttrain.main([*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["hf"],
                         "--save-hf", str(tmp_path / "exports" / "out")])
     assert os.listdir(tmp_path / "exports") == []
+
+
+def test_a_hf_model_keeps_its_own_dropout_unless_the_flags_are_given(tiny):
+    """Megatron-LM's 0.1 dropout defaults are not the HF model's: omitted, dropout comes from config.json."""
+    from mindspeed_pack.training.arguments import parse_args
+
+    base = ["--seq-length", "128", "--train-iters", "1", "--data-path", tiny["data"], "--load", tiny["hf"]]
+    args = parse_args(base, world_size=1)
+    assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
+    args = parse_args([*base, "--attention-dropout", "0.2", "--hidden-dropout", "0.1"], world_size=1)
+    assert (args.attention_dropout, args.hidden_dropout) == (0.2, 0.1)
