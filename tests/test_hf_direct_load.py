@@ -170,9 +170,19 @@ def test_pretrain_gpt_loads_hf_directly_like_the_converted_checkpoint(tiny, tmp_
 
 
 # --------------------------------------------------------------------------- --save-hf
-def test_load_hf_train_and_save_hf_round_trips_at_pp2(tiny, tmp_path, toy_tokenizer_dir):
+def test_load_hf_train_and_save_hf_round_trips_at_pp2(tiny, tmp_path):
     """torchrun PP2: --load HF_DIR, two steps, --save (Megatron) and --save-hf; the HF output equals the
     converter's mg->hf of the saved checkpoint bit for bit, and transformers loads it."""
+    import tokenizers
+    import transformers
+
+    # a tokenizer the model's 256 rows can embed (the export refuses a larger one)
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<|im_end|>", *[f"w{i}" for i in range(40)]])}
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    toy_tokenizer_dir = str(tmp_path / "tokenizer")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<|im_end|>",
+                                         pad_token="<|endoftext|>").save_pretrained(toy_tokenizer_dir)
     out, mg = str(tmp_path / "hf_out"), str(tmp_path / "mg_out")
     flags = list(RUN_FLAGS)
     flags[flags.index("--train-iters") + 1] = "2"

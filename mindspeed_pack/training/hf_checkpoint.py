@@ -320,7 +320,8 @@ def check_exportable(args) -> None:
 
     mine = _export_args(args)
     spec = get_spec(mine["model_type_hf"])
-    config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_dict()
+    # what save_pretrained writes into config.json (to_diff_dict), as the converter reads it back
+    config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_diff_dict()
     try:
         back = args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
                                    mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
