@@ -253,8 +253,6 @@ class SampleEncoder:
         out = []
         for sample, text_index in samples:
             ids, offsets = encoded[text_index]
-            ids = np.asarray(ids, dtype=np.int32)
-            offsets = np.array(offsets, dtype=np.int64).reshape(-1, 2)
             starts, ends = offsets[:, 0], offsets[:, 1]
             trained = np.zeros(len(ids), np.uint8)
             for s, e in sample.trained:
