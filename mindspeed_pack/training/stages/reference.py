@@ -33,6 +33,17 @@ FORMAT = "mindspeed-pack dpo reference log-probs"
 def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
     """Per-segment log-prob sums of every micro-batch under ``model_chunks`` (forward only, the
     same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere."""
+    return score_batches(model_chunks, batches, tokens_per_micro_batch, lambda b, out: sequence_logps(b, out)[0])
+
+
+def token_logps(batch, output_tensor: torch.Tensor) -> torch.Tensor:
+    """Log-prob of every position's target [1, T] (the model's per-token loss is ``-log p``)."""
+    return -output_tensor.float().reshape(batch.loss_mask.shape)
+
+
+def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score) -> list:
+    """``score(batch, per-token loss)`` of every micro-batch under ``model_chunks`` (forward only, the
+    same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere."""
     from mindspeed_pack.training.trainer import packed_seq_params
 
     def forward_step(data_iterator, model):
@@ -41,8 +52,8 @@ def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
                        packed_seq_params=packed_seq_params(batch))
 
         def collect(output_tensor):
-            sums, _ = sequence_logps(batch, output_tensor)
-            return sums.sum() * 0, torch.tensor(0, dtype=torch.int), {"sequence logps": sums.detach()}
+            scores = score(batch, output_tensor)
+            return scores.sum() * 0, torch.tensor(0, dtype=torch.int), {"scores": scores.detach()}
 
         return output, collect
 
@@ -52,7 +63,7 @@ def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
             num_microbatches=len(batches), seq_length=tokens_per_micro_batch, micro_batch_size=1, forward_only=True)
     if not ps.is_pipeline_last_stage():
         return [None] * len(batches)
-    return [r["sequence logps"].double() for r in results]
+    return [r["scores"].double() for r in results]
 
 
 def data_identity(docs) -> dict:

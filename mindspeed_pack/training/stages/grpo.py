@@ -1,0 +1,112 @@
+"""Policy-gradient step on packed rollouts (``posttrain.py --stage grpo``): PPO-clip with given advantages.
+
+Rollouts (:mod:`mindspeed_pack.data.rollouts`) are packed one per segment; the model's per-token
+loss at the position that predicts response token ``j`` is ``-log pi(r_j)``, and the row holds
+that token's old log-prob, reference log-prob and advantage at the same position. Per token::
+
+    ratio = exp(logp - old)                     (old = logp.detach() when the file has none: ratio 1)
+    pg    = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high))
+    kl    = logp - ref (k1)  or  exp(ref - logp) - (ref - logp) - 1 (k3)     (--kl-coef > 0)
+    loss  = pg + kl_coef kl
+
+Aggregated over the *global step* (each micro-batch returns (sum, count); megatron divides by
+the step's total count, whatever the packing or DP/PP layout):
+
+* ``token-mean``: sum over trained tokens / trained tokens;
+* ``seq-mean-token-mean``: sum over samples of the sample's token mean / samples;
+* ``seq-mean-token-sum-norm``: sum over samples of the sample's token sum / ``--seq-length`` / samples
+  (Dr. GRPO: a constant length normaliser).
+"""
+from __future__ import annotations
+
+import torch
+
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+GRPO_METRICS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "response length")
+
+
+def policy_losses(logp, old, adv, ref, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str):
+    """(per-token loss, clipped [bool], ratio, pg loss, kl to the reference or None), all [1, T]."""
+    ratio = torch.exp(logp - old)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    loss, kl = pg, None
+    if kl_coef:
+        diff = ref - logp
+        kl = -diff if kl_estimator == "k1" else torch.exp(diff) - diff - 1
+        loss = pg + kl_coef * kl
+    return loss, pg2 > pg1, ratio, pg, kl
+
+
+def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: float):
+    """(sum, count) of ``per_token`` [1, T] over ``batch``'s trained tokens under ``--loss-agg mode``."""
+    mask = batch.loss_mask
+    if mode == "token-mean":
+        return (per_token * mask).sum(), mask.sum().to(torch.int)
+    sums, counts = sequence_sums(per_token * mask, batch), sequence_sums(mask, batch)
+    samples = (batch.segment_labels > 0) & (counts > 0)
+    per_sample = sums / counts.clamp(min=1) if mode == "seq-mean-token-mean" else sums / norm
+    return per_sample[samples].sum(), samples.sum().to(torch.int)
+
+
+class GRPOStage:
+    name = "grpo"
+
+    def __init__(self, args):
+        if args.loss_agg not in LOSS_AGGS:
+            raise DataError(f"--loss-agg {args.loss_agg!r}: one of {', '.join(LOSS_AGGS)}")
+        self.args = args
+        low, high = (list(args.clip_ratio) + list(args.clip_ratio))[:2]
+        self.clip_low, self.clip_high = float(low), float(high)
+        self.metric_names = GRPO_METRICS + (("ref kl",) if args.kl_coef else ())
+        self.normaliser = {"token-mean": "trained response tokens"}.get(args.loss_agg, "samples") + \
+            " in the global batch"
+
+    def batch_source(self, args):
+        from mindspeed_pack.data.rollouts import RolloutBatchSource
+
+        return RolloutBatchSource(need_advantages=True)
+
+    def setup(self, trainer) -> None:
+        source = trainer.source
+        if self.args.kl_coef and any(r.ref_logprobs is None for r in source.rollouts):
+            where = next(r.where for r in source.rollouts if r.ref_logprobs is None)
+            raise DataError(f"{where}: --kl-coef {self.args.kl_coef} needs 'ref_logprobs' in every rollout (score "
+                            "them with posttrain.py --stage score --score-field ref_logprobs)")
+
+    def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
+        for batch, mb in zip(batches, micro_batches):
+            for field in ("old_logprobs", "ref_logprobs", "advantages"):
+                value = mb.get(field)
+                setattr(batch, field, None if value is None else value.reshape(1, -1).to(batch.loss_mask.device))
+        return batches
+
+    def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
+        args = self.args
+        mask = batch.loss_mask
+        logp = -output_tensor.float().reshape(mask.shape)
+        old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs.to(logp.dtype)
+        ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(logp.dtype)
+        adv = batch.advantages.to(logp.dtype)
+        per_token, clipped, ratio, pg, kl = policy_losses(logp, old, adv, ref, self.clip_low, self.clip_high,
+                                                          args.kl_coef, args.kl_estimator)
+        loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length))
+        with torch.no_grad():
+            tokens = mask.sum()
+            samples = ((batch.segment_labels > 0) & (sequence_sums(mask, batch) > 0)).sum().float()
+            log_ratio = old - logp
+            reports = {
+                "lm loss": torch.stack([loss.detach(), count.float()]),
+                "pg loss": torch.stack([(pg * mask).sum(), tokens]),
+                "clip fraction": torch.stack([(clipped.float() * mask).sum(), tokens]),
+                "approx kl": torch.stack([((torch.exp(log_ratio) - log_ratio - 1) * mask).sum(), tokens]),
+                "ratio mean": torch.stack([(ratio * mask).sum(), tokens]),
+                "response length": torch.stack([tokens, samples]),
+            }
+            if kl is not None:
+                reports["ref kl"] = torch.stack([(kl * mask).sum(), tokens])
+        return loss, count, reports

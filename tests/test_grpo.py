@@ -1,0 +1,177 @@
+"""Packed rollouts are exact: per-token log-probs equal transformers' per-sample ones, and the
+PPO-clip loss and its gradients equal a per-sample unpadded computation, whatever the packing."""
+import json
+import os
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mindspeed_pack.data.rollouts import parse_rollout, rollout_row
+from mindspeed_pack.packing.segments import build_packed_batch
+from mindspeed_pack.training.stages.grpo import GRPOStage
+from mindspeed_pack.training.stages.reference import token_logps
+from mindspeed_pack.training.trainer import packed_seq_params
+from tests.model_utils import init_single_process, tiny_args, write_converted_tiny_qwen2
+from tests.rollout_utils import random_rollouts, write_jsonl
+from tests.train_utils import run_posttrain
+
+S = 128
+CLIP_LOW, CLIP_HIGH, KL = 0.1, 0.3, 0.05
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return write_converted_tiny_qwen2(tmp_path_factory.mktemp("grpo_qwen2"))
+
+
+@pytest.fixture(scope="module")
+def models(converted):
+    """(megatron GPTModel with the converted weights, the transformers model they came from)."""
+    import transformers
+
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from mindspeed_pack.training.checkpointing import load_weights
+
+    init_single_process()
+    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    mg = build_gpt_model(args)
+    load_weights(args, converted, mg)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(os.path.join(os.path.dirname(converted), "hf"),
+                                                       torch_dtype=torch.float32, attn_implementation="eager")
+    return mg, hf
+
+
+def _hf_logps(hf, row):
+    """Log-prob of every response token, one sample alone, no padding."""
+    p = len(row["prompt_ids"])
+    ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
+    logits = hf(ids[None]).logits[0, p - 1:-1].float()
+    return F.log_softmax(logits, -1).gather(1, ids[p:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="module")
+def rows(models):
+    """Rollouts whose old and reference log-probs are the model's own, perturbed so that clipping happens."""
+    _, hf = models
+    out = random_rollouts(6, seed=2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for row in out:
+            logp = _hf_logps(hf, row).double()
+            row["old_logprobs"] = (logp + 0.3 * torch.randn(len(logp), generator=g, dtype=torch.float64)).tolist()
+            row["ref_logprobs"] = (logp + 0.2 * torch.randn(len(logp), generator=g, dtype=torch.float64)).tolist()
+    return out
+
+
+def _stage(mode):
+    return GRPOStage(types.SimpleNamespace(loss_agg=mode, clip_ratio=[CLIP_LOW, CLIP_HIGH], kl_coef=KL,
+                                           kl_estimator="k3", seq_length=S))
+
+
+def _packed(model, rows, groups, stage=None):
+    """(per-token log-probs of every row's response in input order, loss sum, count) with ``rows`` packed as ``groups``."""
+    rollouts = [parse_rollout(row, f"row {i}", 256) for i, row in enumerate(rows)]
+    logps, loss, count = [None] * len(rows), 0.0, 0
+    for group in groups:
+        mb = rollout_row([rollouts[i] for i in group], S, every_response_token=stage is None)  # scoring: every token
+        batch = build_packed_batch(mb["input_ids"], mb["labels"], mb["segment_ids"])
+        out = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+                    packed_seq_params=packed_seq_params(batch))
+        scores = token_logps(batch, out)[0]
+        for i, start in zip(group, mb["response_starts"]):
+            logps[i] = scores[start:start + len(rows[i]["response_ids"])]
+        if stage is not None:
+            batch, = stage.prepare(None, [batch], [mb], "train", S)
+            s, n, _ = stage.loss_func(batch, out)
+            loss, count = loss + s, count + int(n)
+    return logps, loss, count
+
+
+def _expected_loss(hf, rows, mode):
+    """The per-sample, unpadded PPO-clip loss (written out here, independently of the stage)."""
+    sums, counts = [], []
+    for row in rows:
+        logp = _hf_logps(hf, row)
+        old, ref, adv = (torch.tensor(row[k], dtype=torch.float32) for k in ("old_logprobs", "ref_logprobs", "advantages"))
+        mask = torch.tensor(row["response_mask"], dtype=torch.float32)
+        ratio = torch.exp(logp - old)
+        pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        sums.append(((pg + KL * kl) * mask).sum())
+        counts.append(mask.sum())
+    sums, counts = torch.stack(sums), torch.stack(counts)
+    if mode == "token-mean":
+        return sums.sum() / counts.sum()
+    if mode == "seq-mean-token-mean":
+        return (sums / counts).mean()
+    return (sums / S).mean()
+
+
+def test_packed_logprobs_equal_transformers_per_sample(models, rows):
+    mg, hf = models
+    with torch.no_grad():
+        logps, _, _ = _packed(mg, rows, [[0, 1, 2], [3, 4, 5]])
+        for row, mine in zip(rows, logps):
+            theirs = _hf_logps(hf, row)
+            assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+
+
+def _grads(params):
+    return {n: p.grad.detach().clone() for n, p in params}
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode):
+    mg, hf = models
+    stage = _stage(mode)
+    mg.zero_grad()
+    _, loss, n = _packed(mg, rows, [[0, 3, 5], [1, 2, 4]], stage)
+    (loss / n).backward()
+    hf.zero_grad()
+    expected = _expected_loss(hf, rows, mode)
+    expected.backward()
+    assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
+    g_mg, g_hf = _grads(mg.named_parameters()), _grads(hf.named_parameters())
+    for mine, theirs in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+                         ("output_layer.weight", "lm_head.weight"), ("decoder.final_layernorm.weight", "model.norm.weight")):
+        rel = float((g_mg[mine] - g_hf[theirs]).abs().max() / g_hf[theirs].abs().max())
+        assert rel <= 1e-4, (mine, rel)
+    norm_mg = torch.sqrt(sum((g.double() ** 2).sum() for g in g_mg.values()))
+    norm_hf = torch.sqrt(sum((g.double() ** 2).sum() for g in g_hf.values()))
+    assert abs(float(norm_mg / norm_hf) - 1) <= 1e-4
+
+
+def test_packing_the_same_rollouts_differently_gives_the_same_loss(models, rows):
+    mg, _ = models
+    stage = _stage("seq-mean-token-mean")
+    with torch.no_grad():
+        losses = [float(loss / n) for _, loss, n in (_packed(mg, rows, groups, stage) for groups in (
+            [[0, 1, 2, 3, 4, 5]], [[5, 4], [3], [2, 1, 0]], [[i] for i in range(6)]))]
+    assert max(losses) - min(losses) <= 1e-6 * abs(losses[0])
+
+
+def test_scored_rollouts_give_ratio_one_and_no_clipping_at_step_one(converted, models, tmp_path):
+    """CLI: --stage score writes the model's own log-probs (== transformers'), --stage grpo then starts at ratio 1."""
+    _, hf = models
+    rows = random_rollouts(8, seed=5)
+    src = write_jsonl(tmp_path / "rollouts.jsonl", rows)
+    scored = str(tmp_path / "scored.jsonl")
+    common = ["--seq-length", str(S), "--micro-batch-size", "1", "--load", converted, "--finetune",
+              "--max-seqlen-per-dp-cp-rank", "64", "--lr", "1e-4"]
+    run_posttrain(["--stage", "score", "--rollout-path", src, "--score-output", scored, "--global-batch-size", "4",
+                   *common])
+    with open(scored) as f:
+        out = [json.loads(line) for line in f]
+    assert [r["response_ids"] for r in out] == [r["response_ids"] for r in rows]
+    with torch.no_grad():
+        for row in out:
+            theirs = _hf_logps(hf, row).double()
+            mine = torch.tensor(row["old_logprobs"], dtype=torch.float64)
+            assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+    _, records = run_posttrain(["--stage", "grpo", "--rollout-path", scored, "--global-batch-size", "8",
+                                "--train-iters", "1", *common], metrics=str(tmp_path / "m.jsonl"))
+    step, = [r for r in records if r["split"] == "train"]
+    assert step["ratio mean"] == 1.0 and step["clip fraction"] == 0.0 and step["approx kl"] == 0.0
+    assert step["response length"] == pytest.approx(sum(sum(r["response_mask"]) for r in rows) / 8)
