@@ -152,16 +152,17 @@ def test_packing_the_same_rollouts_differently_gives_the_same_loss(models, rows)
     assert max(losses) - min(losses) <= 1e-6 * abs(losses[0])
 
 
-def test_scored_rollouts_give_ratio_one_and_no_clipping_at_step_one(converted, models, tmp_path):
-    """CLI: --stage score writes the model's own log-probs (== transformers'), --stage grpo then starts at ratio 1."""
-    _, hf = models
+def test_scored_rollouts_give_ratio_one_and_dp2_equals_one_process(converted, models, tmp_path):
+    """CLI at DP2: --stage score writes the model's own log-probs (== transformers'); --stage grpo
+    then starts at ratio 1 with no clipping, and its loss and gradient norm equal one process's."""
+    mg, hf = models
     rows = random_rollouts(8, seed=5)
     src = write_jsonl(tmp_path / "rollouts.jsonl", rows)
     scored = str(tmp_path / "scored.jsonl")
     common = ["--seq-length", str(S), "--micro-batch-size", "1", "--load", converted, "--finetune",
-              "--max-seqlen-per-dp-cp-rank", "64", "--lr", "1e-4"]
+              "--max-seqlen-per-dp-cp-rank", "64", "--lr", "1e-4", "--clip-grad", "1.0"]
     run_posttrain(["--stage", "score", "--rollout-path", src, "--score-output", scored, "--global-batch-size", "4",
-                   *common])
+                   *common], nproc=2)
     with open(scored) as f:
         out = [json.loads(line) for line in f]
     assert [r["response_ids"] for r in out] == [r["response_ids"] for r in rows]
@@ -171,7 +172,17 @@ def test_scored_rollouts_give_ratio_one_and_no_clipping_at_step_one(converted, m
             mine = torch.tensor(row["old_logprobs"], dtype=torch.float64)
             assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
     _, records = run_posttrain(["--stage", "grpo", "--rollout-path", scored, "--global-batch-size", "8",
-                                "--train-iters", "1", *common], metrics=str(tmp_path / "m.jsonl"))
+                                "--loss-agg", "seq-mean-token-mean", "--train-iters", "1", *common],
+                               nproc=2, metrics=str(tmp_path / "m.jsonl"))
     step, = [r for r in records if r["split"] == "train"]
     assert step["ratio mean"] == 1.0 and step["clip fraction"] == 0.0 and step["approx kl"] == 0.0
     assert step["response length"] == pytest.approx(sum(sum(r["response_mask"]) for r in rows) / 8)
+    # one process, each rollout alone: the same loss and gradient
+    for row in out:
+        row["ref_logprobs"] = row["old_logprobs"]
+    mg.zero_grad()
+    _, loss, n = _packed(mg, out, [[i] for i in range(8)], _stage("seq-mean-token-mean"))
+    (loss / n).backward()
+    norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in mg.parameters())))
+    assert step["lm loss"] == pytest.approx(float(loss / n), rel=1e-5)
+    assert step["grad norm"] == pytest.approx(norm, rel=1e-5)
