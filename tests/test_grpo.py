@@ -1,7 +1,6 @@
 """Packed rollouts are exact: per-token log-probs equal transformers' per-sample ones, and the
 PPO-clip loss and its gradients equal a per-sample unpadded computation, whatever the packing."""
 import json
-import os
 import types
 
 import pytest
@@ -13,7 +12,7 @@ from mindspeed_pack.packing.segments import build_packed_batch
 from mindspeed_pack.training.stages.grpo import GRPOStage
 from mindspeed_pack.training.stages.reference import token_logps
 from mindspeed_pack.training.trainer import packed_seq_params
-from tests.model_utils import init_single_process, tiny_args, write_converted_tiny_qwen2
+from tests.model_utils import assert_same_gradients, converted_model_pair, write_converted_tiny_qwen2
 from tests.rollout_utils import random_rollouts, write_jsonl
 from tests.train_utils import run_posttrain
 
@@ -29,18 +28,7 @@ def converted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(converted):
     """(megatron GPTModel with the converted weights, the transformers model they came from)."""
-    import transformers
-
-    from mindspeed_pack.model.gpt import build_gpt_model
-    from mindspeed_pack.training.checkpointing import load_weights
-
-    init_single_process()
-    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    mg = build_gpt_model(args)
-    load_weights(args, converted, mg)
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(os.path.join(os.path.dirname(converted), "hf"),
-                                                       torch_dtype=torch.float32, attn_implementation="eager")
-    return mg, hf
+    return converted_model_pair(converted, S)
 
 
 def _hf_logps(hf, row):
@@ -118,10 +106,6 @@ def test_packed_logprobs_equal_transformers_per_sample(models, rows):
             assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
 
 
-def _grads(params):
-    return {n: p.grad.detach().clone() for n, p in params}
-
-
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode):
     mg, hf = models
@@ -133,23 +117,21 @@ def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode):
     expected = _expected_loss(hf, rows, mode)
     expected.backward()
     assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
-    g_mg, g_hf = _grads(mg.named_parameters()), _grads(hf.named_parameters())
-    for mine, theirs in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-                         ("output_layer.weight", "lm_head.weight"), ("decoder.final_layernorm.weight", "model.norm.weight")):
-        rel = float((g_mg[mine] - g_hf[theirs]).abs().max() / g_hf[theirs].abs().max())
-        assert rel <= 1e-4, (mine, rel)
-    norm_mg = torch.sqrt(sum((g.double() ** 2).sum() for g in g_mg.values()))
-    norm_hf = torch.sqrt(sum((g.double() ** 2).sum() for g in g_hf.values()))
-    assert abs(float(norm_mg / norm_hf) - 1) <= 1e-4
+    assert_same_gradients(mg, hf)
 
 
 def test_packing_the_same_rollouts_differently_gives_the_same_loss(models, rows):
     mg, _ = models
     stage = _stage("seq-mean-token-mean")
-    with torch.no_grad():
-        losses = [float(loss / n) for _, loss, n in (_packed(mg, rows, groups, stage) for groups in (
-            [[0, 1, 2, 3, 4, 5]], [[5, 4], [3], [2, 1, 0]], [[i] for i in range(6)]))]
-    assert max(losses) - min(losses) <= 1e-6 * abs(losses[0])
+    results = []
+    for groups in ([[0, 1, 2, 3, 4, 5]], [[5, 4], [3], [2, 1, 0]], [[i] for i in range(6)]):
+        mg.zero_grad()
+        _, loss, n = _packed(mg, rows, groups, stage)
+        (loss / n).backward()
+        results.append((float(loss / n), torch.cat([p.grad.reshape(-1) for p in mg.parameters()])))
+    for loss, grad in results[1:]:
+        assert abs(loss - results[0][0]) <= 1e-6 * abs(results[0][0])
+        assert float((grad - results[0][1]).abs().max() / results[0][1].abs().max()) <= 1e-5
 
 
 def test_scored_rollouts_give_ratio_one_and_dp2_equals_one_process(converted, models, tmp_path):

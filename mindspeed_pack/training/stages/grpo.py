@@ -59,6 +59,9 @@ class GRPOStage:
     def __init__(self, args):
         if args.loss_agg not in LOSS_AGGS:
             raise DataError(f"--loss-agg {args.loss_agg!r}: one of {', '.join(LOSS_AGGS)}")
+        if len(args.clip_ratio) > 2 or not 0 < args.clip_ratio[0] < 1 or not 0 < args.clip_ratio[-1]:
+            raise DataError(f"--clip-ratio {' '.join(map(str, args.clip_ratio))}: give eps, or eps_low eps_high "
+                            "(0 < eps_low < 1, eps_high > 0)")
         self.args = args
         low, high = (list(args.clip_ratio) + list(args.clip_ratio))[:2]
         self.clip_low, self.clip_high = float(low), float(high)

@@ -135,21 +135,28 @@ class ReferenceScoringStage:
         pass
 
     def run(self, args):
+        """The trainer's setup (model, ``--load``, data), then :meth:`score` in eval mode (forward only)."""
         from mindspeed_pack.training.trainer import Trainer
 
-        if not args.load:
-            raise DataError("--stage dpo_reference scores the reference model: pass it with --load (and --finetune "
-                            "for a training checkpoint)")
+        self.check(args)
         trainer = Trainer(args, self.batch_source(args), self)
         trainer.setup()
         try:
             for chunk in trainer.model:
                 chunk.eval()
-            for docs in trainer.source.docs:
-                self.score_prefix(trainer, docs)
+            self.score(trainer)
         finally:
             trainer.cleanup()
         return trainer
+
+    def check(self, args) -> None:
+        if not args.load:
+            raise DataError(f"--stage {self.name} scores a model: pass it with --load (and --finetune for a "
+                            "training checkpoint)")
+
+    def score(self, trainer) -> None:
+        for docs in trainer.source.docs:
+            self.score_prefix(trainer, docs)
 
     def score_prefix(self, trainer, docs) -> str:
         from mindspeed_pack.training.trainer import to_packed_batch

@@ -13,54 +13,32 @@ import logging
 import os
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.training.stages.reference import ReferenceScoringStage
 
 log = logging.getLogger(__name__)
 
-SCORE_FIELDS = ("old_logprobs", "ref_logprobs")
 
-
-class ScoreStage:
-    """``--stage score``: one forward pass over every rollout; no training."""
+class ScoreStage(ReferenceScoringStage):
+    """``--stage score``: one forward pass over every rollout (the reference scorer's run); no training."""
 
     name = "score"
-    metric_names: tuple = ()
-    normaliser = "none (forward only)"
-
-    def __init__(self, args):
-        self.args = args
 
     def batch_source(self, args):
         from mindspeed_pack.data.rollouts import RolloutBatchSource
 
         return RolloutBatchSource(need_advantages=False)
 
-    def setup(self, trainer) -> None:
-        pass
-
-    def run(self, args):
+    def check(self, args) -> None:
         from mindspeed_pack.data.rollouts import rollout_file_format
-        from mindspeed_pack.training.trainer import Trainer
 
-        if not args.load:
-            raise DataError("--stage score scores rollouts under a model: pass it with --load (and --finetune for a "
-                            "training checkpoint)")
+        super().check(args)
         if not args.score_output:
             raise DataError("--stage score needs --score-output (a .jsonl or .parquet file)")
         rollout_file_format(args.score_output)
-        trainer = Trainer(args, self.batch_source(args), self)
-        trainer.setup()
-        try:
-            for chunk in trainer.model:
-                chunk.eval()
-            self.score(trainer)
-        finally:
-            trainer.cleanup()
-        return trainer
 
     def score(self, trainer) -> dict:
         """{rollout index: log-probs of its response tokens} of this rank, gathered and written on one rank."""
