@@ -31,12 +31,13 @@ def models(converted):
     return converted_model_pair(converted, S)
 
 
-def _hf_logps(hf, row):
-    """Log-prob of every response token, one sample alone, no padding."""
+def _hf_logps(hf, row, entropy=False):
+    """Log-prob of every response token (and the entropy where it is predicted), one sample alone, no padding."""
     p = len(row["prompt_ids"])
     ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
-    logits = hf(ids[None]).logits[0, p - 1:-1].float()
-    return F.log_softmax(logits, -1).gather(1, ids[p:, None]).squeeze(1)
+    logits = F.log_softmax(hf(ids[None]).logits[0, p - 1:-1].float(), -1)
+    logp = logits.gather(1, ids[p:, None]).squeeze(1)
+    return (logp, -(logits.exp() * logits).sum(-1)) if entropy else logp
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +54,9 @@ def rows(models):
     return out
 
 
-def _stage(mode):
+def _stage(mode, entropy_coef=0.0):
     return GRPOStage(types.SimpleNamespace(loss_agg=mode, clip_ratio=[CLIP_LOW, CLIP_HIGH], kl_coef=KL,
-                                           kl_estimator="k3", seq_length=S))
+                                           kl_estimator="k3", seq_length=S, entropy_coef=entropy_coef))
 
 
 def _packed(model, rows, groups, stage=None):
@@ -65,11 +66,12 @@ def _packed(model, rows, groups, stage=None):
     for group in groups:
         mb = rollout_row([rollouts[i] for i in group], S, every_response_token=stage is None)  # scoring: every token
         batch = build_packed_batch(mb["input_ids"], mb["labels"], mb["segment_ids"])
-        out = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+        logits = stage is not None and stage.needs_logits
+        out = model(batch.tokens, batch.position_ids, None, labels=None if logits else batch.target,
                     packed_seq_params=packed_seq_params(batch))
-        scores = token_logps(batch, out)[0]
+        scores = None if logits else token_logps(batch, out)[0]
         for i, start in zip(group, mb["response_starts"]):
-            logps[i] = scores[start:start + len(rows[i]["response_ids"])]
+            logps[i] = None if scores is None else scores[start:start + len(rows[i]["response_ids"])]
         if stage is not None:
             batch, = stage.prepare(None, [batch], [mb], "train", S)
             s, n, _ = stage.loss_func(batch, out)
@@ -77,17 +79,17 @@ def _packed(model, rows, groups, stage=None):
     return logps, loss, count
 
 
-def _expected_loss(hf, rows, mode):
+def _expected_loss(hf, rows, mode, entropy_coef=0.0):
     """The per-sample, unpadded PPO-clip loss (written out here, independently of the stage)."""
     sums, counts = [], []
     for row in rows:
-        logp = _hf_logps(hf, row)
+        logp, entropy = _hf_logps(hf, row, entropy=True)
         old, ref, adv = (torch.tensor(row[k], dtype=torch.float32) for k in ("old_logprobs", "ref_logprobs", "advantages"))
         mask = torch.tensor(row["response_mask"], dtype=torch.float32)
         ratio = torch.exp(logp - old)
         pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
         kl = torch.exp(ref - logp) - (ref - logp) - 1
-        sums.append(((pg + KL * kl) * mask).sum())
+        sums.append(((pg + KL * kl - entropy_coef * entropy) * mask).sum())
         counts.append(mask.sum())
     sums, counts = torch.stack(sums), torch.stack(counts)
     if mode == "token-mean":
@@ -106,15 +108,16 @@ def test_packed_logprobs_equal_transformers_per_sample(models, rows):
             assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode):
+@pytest.mark.parametrize("mode,entropy_coef", [("token-mean", 0.0), ("seq-mean-token-mean", 0.0),
+                                               ("seq-mean-token-sum-norm", 0.0), ("token-mean", 0.05)])
+def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode, entropy_coef):
     mg, hf = models
-    stage = _stage(mode)
+    stage = _stage(mode, entropy_coef)
     mg.zero_grad()
     _, loss, n = _packed(mg, rows, [[0, 3, 5], [1, 2, 4]], stage)
     (loss / n).backward()
     hf.zero_grad()
-    expected = _expected_loss(hf, rows, mode)
+    expected = _expected_loss(hf, rows, mode, entropy_coef)
     expected.backward()
     assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
     assert_same_gradients(mg, hf)

@@ -262,7 +262,9 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            output = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+            # a stage that needs the distribution (entropy) gets the vocab-parallel logits, not the loss
+            labels = None if getattr(self.stage, "needs_logits", False) else batch.target
+            output = model(batch.tokens, batch.position_ids, None, labels=labels,
                            packed_seq_params=packed_seq_params(batch))
             return output, partial(self.stage.loss_func, batch)
 

@@ -55,6 +55,9 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL penalty against ref_logprobs")
     g.add_argument("--kl-estimator", default="k3", choices=["k1", "k3"],
                    help="per-token KL estimator: k1 = logp - ref, k3 = exp(ref - logp) - (ref - logp) - 1")
+    g.add_argument("--entropy-coef", type=float, default=0.0,
+                   help="weight of an entropy bonus (the policy's entropy at every trained position; needs the "
+                        "full logits)")
     g.add_argument("--loss-agg", default="token-mean",
                    choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                    help="how per-token losses become the step's loss (normalised over the whole global step)")

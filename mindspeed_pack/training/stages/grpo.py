@@ -7,7 +7,7 @@ that token's old log-prob, reference log-prob and advantage at the same position
     ratio = exp(logp - old)                     (old = logp.detach() when the file has none: ratio 1)
     pg    = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high))
     kl    = logp - ref (k1)  or  exp(ref - logp) - (ref - logp) - 1 (k3)     (--kl-coef > 0)
-    loss  = pg + kl_coef kl
+    loss  = pg + kl_coef kl - entropy_coef H            (H: the policy's entropy at that position)
 
 Aggregated over the *global step* (each micro-batch returns (sum, count); megatron divides by
 the step's total count, whatever the packing or DP/PP layout):
@@ -20,6 +20,8 @@ the step's total count, whatever the packing or DP/PP layout):
 from __future__ import annotations
 
 import torch
+
+from megatron.core import parallel_state as ps
 
 from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
@@ -40,6 +42,24 @@ def policy_losses(logp, old, adv, ref, clip_low: float, clip_high: float, kl_coe
         kl = -diff if kl_estimator == "k1" else torch.exp(diff) - diff - 1
         loss = pg + kl_coef * kl
     return loss, pg2 > pg1, ratio, pg, kl
+
+
+def vocab_parallel_logp_entropy(logits: torch.Tensor, target: torch.Tensor):
+    """(log-prob of ``target``, entropy) per position from vocab-parallel logits ``[..., V/TP]``,
+    the sums over the vocabulary all-reduced over the TP group (the backward stays per shard)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    logits = logits.float()
+    logp = -vocab_parallel_cross_entropy(logits.clone(), target)  # it works in place on the logits it is given
+    top = logits.detach().max(-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - top
+    exp = torch.exp(shifted)
+    total = tp_sum(exp.sum(-1, keepdim=True))
+    entropy = torch.log(total) - tp_sum((exp * shifted).sum(-1, keepdim=True)) / total
+    return logp, entropy.squeeze(-1)
 
 
 def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: float):
@@ -65,7 +85,9 @@ class GRPOStage:
         self.args = args
         low, high = (list(args.clip_ratio) + list(args.clip_ratio))[:2]
         self.clip_low, self.clip_high = float(low), float(high)
-        self.metric_names = GRPO_METRICS + (("ref kl",) if args.kl_coef else ())
+        self.needs_logits = bool(args.entropy_coef)  # the trainer then hands loss_func the logits
+        self.metric_names = GRPO_METRICS + (("ref kl",) if args.kl_coef else ()) + \
+            (("entropy",) if args.entropy_coef else ())
         self.normaliser = {"token-mean": "trained response tokens"}.get(args.loss_agg, "samples") + \
             " in the global batch"
 
@@ -91,12 +113,19 @@ class GRPOStage:
     def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
         args = self.args
         mask = batch.loss_mask
-        logp = -output_tensor.float().reshape(mask.shape)
+        entropy = None
+        if self.needs_logits:
+            logp, entropy = vocab_parallel_logp_entropy(output_tensor, batch.target.reshape(output_tensor.shape[:-1]))
+            logp, entropy = logp.reshape(mask.shape), entropy.reshape(mask.shape)
+        else:
+            logp = -output_tensor.float().reshape(mask.shape)
         old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs.to(logp.dtype)
         ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(logp.dtype)
         adv = batch.advantages.to(logp.dtype)
         per_token, clipped, ratio, pg, kl = policy_losses(logp, old, adv, ref, self.clip_low, self.clip_high,
                                                           args.kl_coef, args.kl_estimator)
+        if entropy is not None:
+            per_token = per_token - args.entropy_coef * entropy
         loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length))
         with torch.no_grad():
             tokens = mask.sum()
@@ -112,4 +141,6 @@ class GRPOStage:
             }
             if kl is not None:
                 reports["ref kl"] = torch.stack([(kl * mask).sum(), tokens])
+            if entropy is not None:
+                reports["entropy"] = torch.stack([(entropy * mask).sum(), tokens])
         return loss, count, reports
