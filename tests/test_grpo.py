@@ -160,7 +160,7 @@ def test_scored_rollouts_give_ratio_one_and_dp2_equals_one_process(converted, mo
                                 "--loss-agg", "seq-mean-token-mean", "--train-iters", "1", *common],
                                nproc=2, metrics=str(tmp_path / "m.jsonl"))
     step, = [r for r in records if r["split"] == "train"]
-    assert step["ratio mean"] == 1.0 and step["clip fraction"] == 0.0 and step["approx kl"] == 0.0
+    assert step["ratio mean"] == step["ratio max"] == 1.0 and step["clip fraction"] == 0.0 and step["approx kl"] == 0.0
     assert step["response length"] == pytest.approx(sum(sum(r["response_mask"]) for r in rows) / 8)
     # one process, each rollout alone: the same loss and gradient
     for row in out:

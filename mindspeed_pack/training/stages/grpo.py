@@ -27,7 +27,7 @@ from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-GRPO_METRICS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "response length")
+GRPO_METRICS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max", "response length")
 
 
 def policy_losses(logp, old, adv, ref, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str):
@@ -75,6 +75,7 @@ def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: floa
 
 class GRPOStage:
     name = "grpo"
+    max_metrics = ("ratio max",)  # reduced by MAX over micro-batches and ranks (the trainer)
 
     def __init__(self, args):
         if args.loss_agg not in LOSS_AGGS:
@@ -137,6 +138,7 @@ class GRPOStage:
                 "clip fraction": torch.stack([(clipped.float() * mask).sum(), tokens]),
                 "approx kl": torch.stack([((torch.exp(log_ratio) - log_ratio - 1) * mask).sum(), tokens]),
                 "ratio mean": torch.stack([(ratio * mask).sum(), tokens]),
+                "ratio max": torch.stack([ratio.masked_fill(mask == 0, -torch.inf).max(), (tokens > 0).float()]),
                 "response length": torch.stack([tokens, samples]),
             }
             if kl is not None:
