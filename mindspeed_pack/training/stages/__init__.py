@@ -11,7 +11,10 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
   trainer divides by the *global step's* total ``count`` (megatron-core's
   ``calculate_per_token_loss``), so ``normaliser`` (tokens, samples, pairs) never depends on
   packing or on the DP/PP/CP layout; every report is a ``[sum, count]`` pair reduced the same way;
-* ``metric_names``: the reports logged besides ``lm loss`` (console, TensorBoard, JSONL).
+* ``metric_names``: the reports logged besides ``lm loss`` (console, TensorBoard, JSONL);
+  optional ``max_metrics``: those reported as ``[max, 1]`` and reduced by MAX instead;
+* optional ``needs_logits``: ``loss_func`` gets the vocab-parallel logits instead of the per-token
+  loss (an entropy term needs the whole distribution).
 
 Per-sequence quantities come from the packed batch's segment ids in one place:
 :func:`mindspeed_pack.training.stages.sequences.sequence_logps`.
