@@ -1,8 +1,9 @@
-"""Post-training on packed data (MindSpeed-LLM's posttrain_gpt.py): ``--stage sft`` (default) or ``dpo``.
+"""Post-training on packed data (MindSpeed-LLM's posttrain_gpt.py): ``--stage sft`` (default), ``dpo``, ``grpo``.
 
     torchrun --nproc-per-node N posttrain.py --data-path P --neat-pack ... (Megatron-LM flags)
     posttrain.py --train-data-path P --valid-data-path V ...   (a separately preprocessed validation set)
     posttrain.py --stage dpo --dpo-beta 0.1 --data-path PAIRS ...   (preference pairs; see README)
+    posttrain.py --stage score|grpo --rollout-path ROLLOUTS.jsonl ...   (RL rollouts; see README)
 """
 from mindspeed_pack.data.packed_dataset import resolve_vocab_size
 from mindspeed_pack.training.arguments import parse_args, per_split_data_args
@@ -14,7 +15,7 @@ from mindspeed_pack.training.trainer import run
 def main(argv=None):
     setup_logging()
     args = parse_args(argv, extra_args_provider=lambda p: stage_args(per_split_data_args(p)),
-                      description="mindspeed-pack post-training (SFT, DPO) on packed data")
+                      description="mindspeed-pack post-training (SFT, DPO, GRPO) on packed data")
     resolve_vocab_size(args)
     stage = get_stage(args)
     if hasattr(stage, "run"):  # a pass that is not a training loop (scoring)

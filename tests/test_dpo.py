@@ -11,7 +11,7 @@ from mindspeed_pack.packing.segments import build_packed_batch
 from mindspeed_pack.training.stages.dpo import DPOStage, pair_segments, preference_losses
 from mindspeed_pack.training.stages.sequences import sequence_logps
 from mindspeed_pack.training.trainer import packed_seq_params
-from tests.model_utils import init_single_process, tiny_args, write_converted_tiny_qwen2
+from tests.model_utils import assert_same_gradients, converted_model_pair, write_converted_tiny_qwen2
 from tests.pair_utils import pack_rows, random_pairs, sequence
 
 S = 128
@@ -26,20 +26,7 @@ def converted(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models(converted):
     """(megatron GPTModel with the converted weights, the transformers model they came from)."""
-    import os
-
-    import transformers
-
-    from mindspeed_pack.model.gpt import build_gpt_model
-    from mindspeed_pack.training.checkpointing import load_weights
-
-    init_single_process()
-    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    mg = build_gpt_model(args)
-    load_weights(args, converted, mg)
-    hf = transformers.Qwen2ForCausalLM.from_pretrained(os.path.join(os.path.dirname(converted), "hf"),
-                                                       torch_dtype=torch.float32, attn_implementation="eager")
-    return mg, hf
+    return converted_model_pair(converted, S)
 
 
 def _stage(loss_type="sigmoid", ftx=0.0, smoothing=0.0):
@@ -71,10 +58,6 @@ def _hf_logp(hf, prompt, answer):
     return F.log_softmax(logits, -1)[mask].gather(1, target[mask][:, None]).sum()
 
 
-def _grads(params):
-    return {n: p.grad.detach().clone() for n, p in params}
-
-
 @pytest.mark.parametrize("loss_type,ftx,smoothing", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.5, 0.1), ("ipo", 0.0, 0.0),
                                                      ("hinge", 0.0, 0.0)])
 def test_packed_dpo_equals_per_pair_transformers(models, loss_type, ftx, smoothing):
@@ -103,15 +86,7 @@ def test_packed_dpo_equals_per_pair_transformers(models, loss_type, ftx, smoothi
     assert n == 5
     assert float((logps - hf_logps.detach()).abs().max() / hf_logps.abs().max()) <= 1e-5
     assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
-    g_mg, g_hf = _grads(mg.named_parameters()), _grads(hf.named_parameters())
-    for mine, theirs in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
-                         ("output_layer.weight", "lm_head.weight"), ("decoder.final_layernorm.weight", "model.norm.weight")):
-        rel = float((g_mg[mine] - g_hf[theirs]).abs().max() / g_hf[theirs].abs().max())
-        assert rel <= 1e-4, (mine, rel)
-    # all gradients: fused QKV / gate-up only reorder elements, so the global norm must agree
-    norm_mg = torch.sqrt(sum((g.double() ** 2).sum() for g in g_mg.values()))
-    norm_hf = torch.sqrt(sum((g.double() ** 2).sum() for g in g_hf.values()))
-    assert abs(float(norm_mg / norm_hf) - 1) <= 1e-4
+    assert_same_gradients(mg, hf)
 
 
 def test_packing_the_same_pairs_differently_gives_the_same_loss(models):

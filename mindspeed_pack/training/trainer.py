@@ -262,7 +262,9 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            output = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+            # a stage that needs the distribution (entropy) gets the vocab-parallel logits, not the loss
+            labels = None if getattr(self.stage, "needs_logits", False) else batch.target
+            output = model(batch.tokens, batch.position_ids, None, labels=labels,
                            packed_seq_params=packed_seq_params(batch))
             return output, partial(self.stage.loss_func, batch)
 
@@ -271,11 +273,14 @@ class Trainer:
             num_microbatches=num_micro_batches, seq_length=tokens_per_micro_batch,
             micro_batch_size=1, forward_only=forward_only,
         )
-        sums = {name: torch.zeros(2, dtype=torch.float64) for name in ("lm loss", *self.stage.metric_names)}
+        maxima = getattr(self.stage, "max_metrics", ())  # reported as [max, 1] and reduced by MAX
+        sums = {name: torch.tensor([-math.inf if name in maxima else 0.0, 0.0], dtype=torch.float64)
+                for name in ("lm loss", *self.stage.metric_names)}
         if ps.is_pipeline_last_stage():
             for r in results:
                 for name in sums:
-                    sums[name] += r[name].detach().double().cpu()
+                    value = r[name].detach().double().cpu()
+                    sums[name] = torch.maximum(sums[name], value) if name in maxima else sums[name] + value
         loss_sum = sums.pop("lm loss")
         self.stage_reports = sums  # the stage's other metrics, [sum, count] on this rank
         return loss_sum, stats
@@ -295,15 +300,21 @@ class Trainer:
         """Each ``[sum, count]`` of ``sums`` reduced over the whole job, as a mean (every rank knows it)."""
         if not sums:
             return {}
-        t = torch.stack([sums[k] for k in sums])
-        device = torch.cuda.current_device() if cuda_usable() else "cpu"
-        t = t.to(device)
-        # each CP rank holds its share of the tokens' losses
-        dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=True))
-        # the last pipeline stage holds the loss: share it with the whole pipeline
-        dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
-        t = t.cpu()
-        return {k: float(v[0] / v[1]) if v[1] > 0 else float("nan") for k, v in zip(sums, t)}
+        maxima = [k for k in sums if k in getattr(self.stage, "max_metrics", ())]
+        out = {}
+        for names, op in (([k for k in sums if k not in maxima], dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+            if not names:
+                continue
+            t = torch.stack([sums[k] for k in names])
+            device = torch.cuda.current_device() if cuda_usable() else "cpu"
+            t = t.to(device)
+            # each CP rank holds its share of the tokens' losses
+            dist.all_reduce(t, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
+            # the last pipeline stage holds the loss: share it with the whole pipeline
+            dist.all_reduce(t, op=op, group=ps.get_pipeline_model_parallel_group())
+            t = t.cpu()
+            out.update({k: float(v[0] / v[1]) if v[1] > 0 else float("nan") for k, v in zip(names, t)})
+        return {k: out[k] for k in sums}
 
     def train_step(self):
         args = self.args

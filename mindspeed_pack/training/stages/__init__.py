@@ -11,7 +11,10 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
   trainer divides by the *global step's* total ``count`` (megatron-core's
   ``calculate_per_token_loss``), so ``normaliser`` (tokens, samples, pairs) never depends on
   packing or on the DP/PP/CP layout; every report is a ``[sum, count]`` pair reduced the same way;
-* ``metric_names``: the reports logged besides ``lm loss`` (console, TensorBoard, JSONL).
+* ``metric_names``: the reports logged besides ``lm loss`` (console, TensorBoard, JSONL);
+  optional ``max_metrics``: those reported as ``[max, 1]`` and reduced by MAX instead;
+* optional ``needs_logits``: ``loss_func`` gets the vocab-parallel logits instead of the per-token
+  loss (an entropy term needs the whole distribution).
 
 Per-sequence quantities come from the packed batch's segment ids in one place:
 :func:`mindspeed_pack.training.stages.sequences.sequence_logps`.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-STAGES = ("sft", "dpo", "dpo_reference")
+STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo")
 
 
 def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -38,6 +41,29 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ref-logps", action="store_true",
                    help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
                         "(P_dpo_reference.pt): no reference model in memory")
+    g = p.add_argument_group("RL rollouts (--stage score, --stage grpo)")
+    g.add_argument("--rollout-path", default=None,
+                   help="rollout file or directory (.jsonl/.json/.parquet, one sample a row; see README)")
+    g.add_argument("--rollout-overlong", default="refuse", choices=["refuse", "drop"],
+                   help="a rollout longer than --max-seqlen-per-dp-cp-rank stops the run, or is dropped and counted "
+                        "(never truncated)")
+    g.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo"],
+                   help="advantages of rows with a scalar reward and a group: group-normalised (grpo) or "
+                        "leave-one-out (rloo)")
+    g.add_argument("--score-output", default=None, help="--stage score: where the scored rollouts go (.jsonl/.parquet)")
+    g.add_argument("--score-field", default="old_logprobs", choices=["old_logprobs", "ref_logprobs"],
+                   help="--stage score: the field the per-token log-probs are written to")
+    g.add_argument("--clip-ratio", type=float, nargs="+", default=[0.2],
+                   help="PPO clip range: eps (both sides) or eps_low eps_high")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL penalty against ref_logprobs")
+    g.add_argument("--kl-estimator", default="k3", choices=["k1", "k3"],
+                   help="per-token KL estimator: k1 = logp - ref, k3 = exp(ref - logp) - (ref - logp) - 1")
+    g.add_argument("--entropy-coef", type=float, default=0.0,
+                   help="weight of an entropy bonus (the policy's entropy at every trained position; needs the "
+                        "full logits)")
+    g.add_argument("--loss-agg", default="token-mean",
+                   choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+                   help="how per-token losses become the step's loss (normalised over the whole global step)")
     return p
 
 
@@ -51,6 +77,14 @@ def get_stage(args):
         from mindspeed_pack.training.stages.reference import ReferenceScoringStage
 
         return ReferenceScoringStage(args)
+    if args.stage == "grpo":
+        from mindspeed_pack.training.stages.grpo import GRPOStage
+
+        return GRPOStage(args)
+    if args.stage == "score":
+        from mindspeed_pack.training.stages.score import ScoreStage
+
+        return ScoreStage(args)
     from mindspeed_pack.training.stages.sft import SFTStage
 
     return SFTStage(args)

@@ -33,6 +33,17 @@ FORMAT = "mindspeed-pack dpo reference log-probs"
 def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
     """Per-segment log-prob sums of every micro-batch under ``model_chunks`` (forward only, the
     same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere."""
+    return score_batches(model_chunks, batches, tokens_per_micro_batch, lambda b, out: sequence_logps(b, out)[0])
+
+
+def token_logps(batch, output_tensor: torch.Tensor) -> torch.Tensor:
+    """Log-prob of every position's target [1, T] (the model's per-token loss is ``-log p``)."""
+    return -output_tensor.float().reshape(batch.loss_mask.shape)
+
+
+def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score) -> list:
+    """``score(batch, per-token loss)`` of every micro-batch under ``model_chunks`` (forward only, the
+    same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere."""
     from mindspeed_pack.training.trainer import packed_seq_params
 
     def forward_step(data_iterator, model):
@@ -41,8 +52,8 @@ def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
                        packed_seq_params=packed_seq_params(batch))
 
         def collect(output_tensor):
-            sums, _ = sequence_logps(batch, output_tensor)
-            return sums.sum() * 0, torch.tensor(0, dtype=torch.int), {"sequence logps": sums.detach()}
+            scores = score(batch, output_tensor)
+            return scores.sum() * 0, torch.tensor(0, dtype=torch.int), {"scores": scores.detach()}
 
         return output, collect
 
@@ -52,7 +63,7 @@ def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
             num_microbatches=len(batches), seq_length=tokens_per_micro_batch, micro_batch_size=1, forward_only=True)
     if not ps.is_pipeline_last_stage():
         return [None] * len(batches)
-    return [r["sequence logps"].double() for r in results]
+    return [r["scores"].double() for r in results]
 
 
 def data_identity(docs) -> dict:
@@ -124,21 +135,28 @@ class ReferenceScoringStage:
         pass
 
     def run(self, args):
+        """The trainer's setup (model, ``--load``, data), then :meth:`score` in eval mode (forward only)."""
         from mindspeed_pack.training.trainer import Trainer
 
-        if not args.load:
-            raise DataError("--stage dpo_reference scores the reference model: pass it with --load (and --finetune "
-                            "for a training checkpoint)")
+        self.check(args)
         trainer = Trainer(args, self.batch_source(args), self)
         trainer.setup()
         try:
             for chunk in trainer.model:
                 chunk.eval()
-            for docs in trainer.source.docs:
-                self.score_prefix(trainer, docs)
+            self.score(trainer)
         finally:
             trainer.cleanup()
         return trainer
+
+    def check(self, args) -> None:
+        if not args.load:
+            raise DataError(f"--stage {self.name} scores a model: pass it with --load (and --finetune for a "
+                            "training checkpoint)")
+
+    def score(self, trainer) -> None:
+        for docs in trainer.source.docs:
+            self.score_prefix(trainer, docs)
 
     def score_prefix(self, trainer, docs) -> str:
         from mindspeed_pack.training.trainer import to_packed_batch
