@@ -52,8 +52,9 @@ def make_samples(lengths, vocab, seed=0):
     return out
 
 
-def packed_rows(samples, seq_length, isolate=True):
-    plan = pack_lengths([len(s[0]) for s in samples], seq_length)
+def packed_rows(samples, seq_length, isolate=True, plan=None):
+    """One row per pack of ``plan`` (default: the packer's over the samples' lengths)."""
+    plan = plan or pack_lengths([len(s[0]) for s in samples], seq_length)
     rows = []
     for items in plan.bins():
         ids = torch.zeros(seq_length, dtype=torch.long)

@@ -104,3 +104,36 @@ def forward_pipeline(model, args, tokens, position_ids, **kwargs):
     if "labels" not in kwargs:
         out = gather_from_tensor_model_parallel_region(out)
     return out
+
+
+def converted_model_pair(converted: str, seq_length: int):
+    """(megatron GPTModel with the converted weights at TP1, the transformers model they came from)."""
+    import torch
+    import transformers
+
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from mindspeed_pack.training.checkpointing import load_weights
+
+    init_single_process()
+    args = tiny_args(seq_length=seq_length, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    mg = build_gpt_model(args)
+    load_weights(args, converted, mg)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(os.path.join(os.path.dirname(converted), "hf"),
+                                                       torch_dtype=torch.float32, attn_implementation="eager")
+    return mg, hf
+
+
+def assert_same_gradients(mg, hf, rel: float = 1e-4) -> None:
+    """The gradients held by the megatron model equal those of the transformers model: the tensors
+    that map one to one, and the global norm (fused QKV / gate-up only reorder elements)."""
+    import torch
+
+    g_mg = {n: p.grad.detach() for n, p in mg.named_parameters()}
+    g_hf = {n: p.grad.detach() for n, p in hf.named_parameters()}
+    for mine, theirs in (("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+                         ("output_layer.weight", "lm_head.weight"), ("decoder.final_layernorm.weight", "model.norm.weight")):
+        err = float((g_mg[mine] - g_hf[theirs]).abs().max() / g_hf[theirs].abs().max())
+        assert err <= rel, (mine, err)
+    norm_mg = torch.sqrt(sum((g.double() ** 2).sum() for g in g_mg.values()))
+    norm_hf = torch.sqrt(sum((g.double() ** 2).sum() for g in g_hf.values()))
+    assert abs(float(norm_mg / norm_hf) - 1) <= rel

@@ -285,6 +285,38 @@ def test_template_probe_records_what_it_renders():
     assert caps == {"tools": True, "tool_calls": "object", "tool_results": True, "reasoning": "field"}
 
 
+
+def test_compiled_renderer_answers_attribute_lookups_as_the_sandbox_does():
+    """template_renderer's shortcut lookups give what transformers' sandboxed render gives: dict keys named like
+    dict methods, missing keys, loop counters, and unsafe attributes still refused."""
+    from jinja2.exceptions import SecurityError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from mindspeed_pack.data import template_renderer
+
+    source = ("{% for m in messages %}{{ loop.index0 }}/{{ loop.length }}{{ loop.first }}{{ loop.last }}:{{ m.role }}"
+              "|{{ m.items is defined }}|{{ m.get('content') }}|{{ m.missing is defined }}|{{ m.missing }}"
+              "|{{ m['keys'] if 'keys' in m else '-' }}|{{ m.copy is defined }}|{{ m.tool_calls[0].function.name "
+              "if m.tool_calls else '' }}|{{ (m.__class__ is defined) }}|{{ m.__len__ is defined }}\n{% endfor %}"
+              "{{ bos_token }}{{ add_generation_prompt }}{{ tools | length if tools else 0 }}")
+    messages = [{"role": "user", "content": "u", "items": "ITEMS", "keys": "KEYS"},
+                {"role": "assistant", "content": "a", "copy": "COPY",
+                 "tool_calls": [{"type": "function", "function": {"name": "fn", "arguments": {}}}]}]
+    tools = [{"type": "function", "function": {"name": "t"}}]
+    template = template_renderer.compile_template(source)
+    plain, alias, _ = template_renderer.transformers_steps()
+    shared = template_renderer.shared_variables(template, {"bos_token": "<s>"})
+    for gen in (False, True):
+        ours = template_renderer.render(template, {**shared, "tools": tools, "messages": alias(plain(messages)),
+                                                   "add_generation_prompt": gen})
+        theirs = render_jinja_template([messages], tools=tools, chat_template=source, add_generation_prompt=gen,
+                                       bos_token="<s>")[0][0]
+        assert ours == theirs
+    assert "0/2TrueFalse:user|True|u|False||KEYS|True||False|False" in ours  # dict methods win, as in the sandbox
+    unsafe = template_renderer.compile_template("{{ messages.__class__.__subclasses__() }}")
+    with pytest.raises(SecurityError):
+        template_renderer.render(unsafe, {**shared, "tools": None, "messages": [], "add_generation_prompt": False})
+
 WHY_ROW = {  # the issue's row: LLaMA-Factory ShareGPT with a tools column, a call (parallel) and its results
     "conversations": [{"from": "human", "value": "U9_0 weather in Paris and Rome?"},
                       {"from": "function_call", "value": '[{"name": "fn9_0", "arguments": {"q": "Paris"}}, '

@@ -170,9 +170,19 @@ def test_pretrain_gpt_loads_hf_directly_like_the_converted_checkpoint(tiny, tmp_
 
 
 # --------------------------------------------------------------------------- --save-hf
-def test_load_hf_train_and_save_hf_round_trips_at_pp2(tiny, tmp_path, toy_tokenizer_dir):
+def test_load_hf_train_and_save_hf_round_trips_at_pp2(tiny, tmp_path):
     """torchrun PP2: --load HF_DIR, two steps, --save (Megatron) and --save-hf; the HF output equals the
     converter's mg->hf of the saved checkpoint bit for bit, and transformers loads it."""
+    import tokenizers
+    import transformers
+
+    # a tokenizer the model's 256 rows can embed (the export refuses a larger one)
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<|im_end|>", *[f"w{i}" for i in range(40)]])}
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    toy_tokenizer_dir = str(tmp_path / "tokenizer")
+    transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<|im_end|>",
+                                         pad_token="<|endoftext|>").save_pretrained(toy_tokenizer_dir)
     out, mg = str(tmp_path / "hf_out"), str(tmp_path / "mg_out")
     flags = list(RUN_FLAGS)
     flags[flags.index("--train-iters") + 1] = "2"
@@ -234,3 +244,14 @@ def test_failed_save_hf_leaves_no_output_and_no_staging_files(tiny, tmp_path, mo
         posttrain.main([*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["hf"],
                         "--save-hf", str(tmp_path / "exports" / "out")])
     assert os.listdir(tmp_path / "exports") == []
+
+
+def test_a_hf_model_keeps_its_own_dropout_unless_the_flags_are_given(tiny):
+    """Megatron-LM's 0.1 dropout defaults are not the HF model's: omitted, dropout comes from config.json."""
+    from mindspeed_pack.training.arguments import parse_args
+
+    base = ["--seq-length", "128", "--train-iters", "1", "--data-path", tiny["data"], "--load", tiny["hf"]]
+    args = parse_args(base, world_size=1)
+    assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
+    args = parse_args([*base, "--attention-dropout", "0.2", "--hidden-dropout", "0.1"], world_size=1)
+    assert (args.attention_dropout, args.hidden_dropout) == (0.2, 0.1)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from mindspeed_pack.data import template_renderer
 from mindspeed_pack.data.errors import PreprocessError, RowError
 from mindspeed_pack.data.templates import REASON_TOOLS
 
@@ -125,6 +126,7 @@ class ChatTemplate:
         self._render_kwargs = {**special_tokens, **self.kwargs}  # kwargs win, as in apply_chat_template
         self.has_generation_markers = bool(_GENERATION_MARKER.search(source))
         self._plain_kwargs = None
+        self._compiled = None  # (compiled template, variables every render shares), built on first use
         self.sha256 = hashlib.sha256(source.encode("utf-8")).hexdigest()
         try:
             self.render([[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]], None, False)
@@ -155,28 +157,30 @@ class ChatTemplate:
         transformers' renderer turns every conversation into plain template data and aliases the
         reasoning fields before the compiled template runs; for the prefixes of one conversation
         that work is the same, so it is done once here and the compiled template called per prefix
-        (the tests compare every sample with ``apply_chat_template``).
+        through :mod:`template_renderer` (the tests compare every sample with ``apply_chat_template``).
         """
-        fast = _fast_renderer()
-        if fast is None:
+        steps = template_renderer.transformers_steps()
+        if steps is None:
             prompts = self.render([messages[:k] for k in stops], tools, True)[0]
             return (prompts, *self.render([messages[:k + 1] for k in stops], tools, False))
-        compile_template, plain, alias, with_indices = fast
-        template = compile_template(self.source)
+        plain, alias, with_indices = steps
+        if self._compiled is None:
+            template = template_renderer.compile_template(self.source)
+            self._plain_kwargs = plain(self._render_kwargs)
+            self._compiled = (template, template_renderer.shared_variables(template, self._plain_kwargs))
+        template, shared = self._compiled
         chat, tools = alias(plain(messages)), plain(tools)
-        kwargs = self._plain_kwargs
-        if kwargs is None:
-            kwargs = self._plain_kwargs = plain(self._render_kwargs)
+        variables = {**shared, "tools": tools}
         prompts, fulls, marks = [], [], []
         for k in stops:
-            prompts.append(template.render(messages=chat[:k], tools=tools, documents=None, add_generation_prompt=True,
-                                           **kwargs))
+            prompts.append(template_renderer.render(template, {**variables, "messages": chat[:k],
+                                                               "add_generation_prompt": True}))
             if self.has_generation_markers:
-                text, spans = with_indices(template, chat[:k + 1], tools, None, False, **kwargs)
+                text, spans = with_indices(template, chat[:k + 1], tools, None, False, **self._plain_kwargs)
                 marks.append(spans)
             else:
-                text = template.render(messages=chat[:k + 1], tools=tools, documents=None, add_generation_prompt=False,
-                                       **kwargs)
+                text = template_renderer.render(template, {**variables, "messages": chat[:k + 1],
+                                                           "add_generation_prompt": False})
             fulls.append(text)
         return prompts, fulls, marks
 
@@ -310,16 +314,6 @@ class ChatTemplate:
             sample.turns.append((turns[t], base + len(prompt), base + ends[t]))
         sample.trained = [(start, end) for _, start, end in sample.turns if end > start]
         return sample
-
-
-def _fast_renderer():
-    """transformers' own steps of ``render_jinja_template`` (None where this version lacks them)."""
-    try:
-        from transformers.utils.chat_template_utils import (_alias_reasoning_fields, _compile_jinja_template,
-                                                            _plain_template_data, _render_with_assistant_indices)
-    except ImportError:
-        return None
-    return _compile_jinja_template, _plain_template_data, _alias_reasoning_fields, _render_with_assistant_indices
 
 
 def fold_reasoning(reasoning: str, content: str) -> str:

@@ -51,7 +51,11 @@ from mindspeed_pack.data.tokenizer import TextTokenizer
 ALPACA = "AlpacaStyleInstructionHandler"
 SHAREGPT = "SharegptStyleInstructionHandler"
 PRETRAIN = "GeneralPretrainHandler"
-HANDLERS = (ALPACA, SHAREGPT, PRETRAIN)
+# preference pairs (mindspeed_pack/data/pairwise.py): the same rows with ``chosen``/``rejected`` answers
+ALPACA_PAIRWISE = "AlpacaStylePairwiseHandler"
+SHAREGPT_PAIRWISE = "SharegptStylePairwiseHandler"
+PAIRWISE_BASE = {ALPACA_PAIRWISE: ALPACA, SHAREGPT_PAIRWISE: SHAREGPT}
+HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE)
 
 DEFAULT_MAP_KEYS = {
     ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
@@ -65,6 +69,11 @@ REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRE
 # which map-keys name columns (the others name fields inside a message or role values)
 COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history", "tools"), SHAREGPT: ("messages", "system", "tools"),
                PRETRAIN: ("text",)}
+for _pairwise, _base in PAIRWISE_BASE.items():  # the base handler's keys, its answer column replaced by the pair's
+    DEFAULT_MAP_KEYS[_pairwise] = {**{k: v for k, v in DEFAULT_MAP_KEYS[_base].items() if k != "response"},
+                                   "chosen": "chosen", "rejected": "rejected"}
+    REQUIRED_COLUMNS[_pairwise] = tuple(k for k in REQUIRED_COLUMNS[_base] if k != "response") + ("chosen", "rejected")
+    COLUMN_KEYS[_pairwise] = tuple(k for k in COLUMN_KEYS[_base] if k != "response") + ("chosen", "rejected")
 _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
                    "tool": "observation_tag"}
 
@@ -82,7 +91,7 @@ def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]
     mapping = dict(DEFAULT_MAP_KEYS[handler])
     explicit = set()
     for key, value in (map_keys or {}).items():
-        key = _OPENAI_ALIASES.get(key, key) if handler == SHAREGPT else key
+        key = _OPENAI_ALIASES.get(key, key) if SHAREGPT in (handler, PAIRWISE_BASE.get(handler)) else key
         if key not in mapping:
             raise PreprocessError(f"--map-keys: unknown key {key!r} for {handler}; known keys: {', '.join(mapping)}")
         if not isinstance(value, str):
@@ -157,9 +166,14 @@ class SampleEncoder:
 
     # ---------------------------------------------------------------- row -> messages
     def _alpaca_messages(self, row, where):
+        response = self._field(row, "response", where, required=True)
+        messages, system = self._alpaca_prompt(row, where)
+        return messages + [(ASSISTANT, response)], system
+
+    def _alpaca_prompt(self, row, where):
+        """The row's history and its own prompt, without the answer (pairs add two answers)."""
         prompt = self._field(row, "prompt", where, required=True)
         query = self._field(row, "query", where, required=False)
-        response = self._field(row, "response", where, required=True)
         system = self._field(row, "system", where, required=False)
         messages = []
         for n, pair in enumerate(self._field(row, "history", where, required=False, kind=list)):
@@ -167,7 +181,7 @@ class SampleEncoder:
                 raise RowError(f"{where}: field {self.keys['history']!r} item {n} must be a "
                                f"[prompt, answer] pair of strings, got {pair!r}", BAD_TYPE)
             messages += [(USER, pair[0]), (ASSISTANT, pair[1])]
-        messages += [(USER, f"{prompt}\n{query}" if query else prompt), (ASSISTANT, response)]
+        messages.append((USER, f"{prompt}\n{query}" if query else prompt))
         return messages, system
 
     def _sharegpt_messages(self, row, where):
@@ -239,8 +253,6 @@ class SampleEncoder:
         out = []
         for sample, text_index in samples:
             ids, offsets = encoded[text_index]
-            ids = np.asarray(ids, dtype=np.int32)
-            offsets = np.array(offsets, dtype=np.int64).reshape(-1, 2)
             starts, ends = offsets[:, 0], offsets[:, 1]
             trained = np.zeros(len(ids), np.uint8)
             for s, e in sample.trained:
@@ -382,6 +394,11 @@ class SampleEncoder:
             return None, SKIP_NO_TRAINABLE, truncated
         return (flat, mask), None, truncated
 
+    def finish_row(self, plan, encoded: list) -> tuple[list, Optional[str], bool]:
+        """A row's samples (one here; a preference pair gives two), or [] with a skip reason; truncated?"""
+        sample, skip, truncated = self.finish(plan, encoded)
+        return ([] if sample is None else [sample]), skip, truncated
+
     @staticmethod
     def _arrays(sample):
         return None if sample is None else (np.array(sample[0], dtype=np.int32), np.array(sample[1], dtype=np.uint8))
@@ -435,16 +452,17 @@ class SampleEncoder:
         encoded = self.tokenizer.encode_batch(texts)
         ids, trained, lengths = [], [], []
         for plan, skip, where in plans:
-            sample, truncated = None, False
+            samples, truncated = [], False
             if plan is not None:
-                sample, skip, truncated = self.finish(plan, encoded)
+                samples, skip, truncated = self.finish_row(plan, encoded)
             chunk.truncated += int(truncated)
-            if sample is None:
+            if not samples:
                 chunk.skip(skip, where)
                 continue
-            ids += sample[0]
-            trained += sample[1]
-            lengths.append(len(sample[0]))
+            for sample in samples:
+                ids += sample[0]
+                trained += sample[1]
+                lengths.append(len(sample[0]))
         if lengths:
             chunk.input_ids = np.array(ids, dtype=np.int32)
             chunk.trained = np.array(trained, dtype=np.uint8)

@@ -281,6 +281,18 @@ def output_files(prefixes) -> list[str]:
     return [p + ext for p in prefixes for ext in (".bin", ".idx")]
 
 
+def content_fingerprint(prefixes: dict) -> str:
+    """sha256 of the written datasets' bytes (.bin and .idx, in key order): names exactly these packs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in output_files({k: prefixes[k] for k in sorted(prefixes)}):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
 def remove_quietly(paths) -> None:
     for p in paths:
         try:

@@ -268,7 +268,10 @@ def micro_batches(dataset: SplitDataset, consumed_samples: int, args, dp_rank: i
     pos = consumed_samples
     while pos + mbs * dp_size <= len(dataset):
         first = pos + dp_rank * mbs
-        yield micro_batch([dataset[i] for i in range(first, first + mbs)], args)
+        batch = micro_batch([dataset[i] for i in range(first, first + mbs)], args)
+        # which packs these are (documents of the prefix): per-pack data kept beside it (reference log-probs)
+        batch["documents"] = [dataset.start + int(dataset.index[i]) for i in range(first, first + mbs)]
+        yield batch
         pos += mbs * dp_size
 
 

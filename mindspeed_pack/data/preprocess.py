@@ -42,7 +42,7 @@ from typing import Optional
 
 
 from mindspeed_pack.data import chat_template as hf_chat
-from mindspeed_pack.data import pack_writer, readers
+from mindspeed_pack.data import pack_writer, pairwise, readers
 from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
                                           resolve_map_keys)
@@ -144,6 +144,12 @@ def validate_args(args) -> None:
                                   "the start of the next sample")
         if args.prompt_type is None:
             raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json, or hf)")
+        if pairwise.is_pairwise(args.handler_name) and not (args.pack and args.neat_pack):
+            raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a preference pair is a unit of "
+                                  "packing, its chosen and rejected answers told apart by their segment ids")
+        if pairwise.is_pairwise(args.handler_name) and args.prompt_type == HF_PROMPT_TYPE:
+            raise PreprocessError(f"{args.handler_name} takes a JSON template (--prompt-type qwen, llama3, ...): "
+                                  "preference pairs are not rendered with --prompt-type hf yet")
     if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
         raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
     if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
@@ -180,6 +186,7 @@ class EncoderConfig:
     chat_template: Optional[str] = None  # --prompt-type hf: --chat-template FILE (None: the tokenizer's)
     chat_template_kwargs: Optional[dict] = None
     reasoning_history: str = "split"
+    pad_to_multiple_of: int = 1  # pairs: a pair's padded length must fit --seq-length
 
     def build(self, tokenizer=None) -> SampleEncoder:
         tokenizer = tokenizer or load_tokenizer(self.tokenizer)
@@ -190,6 +197,9 @@ class EncoderConfig:
                                         self.reasoning_history, origin)
         elif self.handler != PRETRAIN:
             template = get_template(self.prompt_type, self.templates_path)
+        if pairwise.is_pairwise(self.handler):
+            return pairwise.PairwiseEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length,
+                                            self.append_eod, self.pad_to_multiple_of, self.skip_bad_rows)
         return SampleEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length, self.append_eod,
                              self.skip_bad_rows, self.add_bos, chat)
 
@@ -360,7 +370,7 @@ def run(args) -> dict:
     add_bos = resolve_add_bos(args, tokenizer)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
                            args.seq_length, args.append_eod, args.skip_bad_rows, add_bos, args.chat_template,
-                           args.chat_template_kwargs, args.reasoning_history)
+                           args.chat_template_kwargs, args.reasoning_history, args.pad_to_multiple_of)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
     if encoder.chat is not None and encoder.chat.reasoning_history == "keep":
         print("warning: --reasoning-history keep: turns are trained after a history that keeps earlier reasoning, "
@@ -449,6 +459,8 @@ def _layout(args, tokenizer, encoder) -> dict:
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
             "pad_to_multiple_of": args.pad_to_multiple_of,
+            **({"pairs": "segments 2k-1 (chosen) and 2k (rejected) of a pack are its k-th preference pair"}
+               if pairwise.is_pairwise(args.handler_name) else {}),
             **({"sample_lengths": Path(pack_writer.sample_lengths_prefix(args.output_prefix)).name}
                if args.pack and not args.neat_pack else {})}
 
@@ -502,7 +514,9 @@ def _write_outputs(args, store, tokenizer, prefixes) -> dict:
 
     t = time.time()
     try:
-        plan = pack_lengths(store.lengths, args.seq_length)
+        pairs = pairwise.is_pairwise(args.handler_name)
+        plan = pairwise.pair_plan(store.lengths, args.seq_length) if pairs else pack_lengths(store.lengths,
+                                                                                              args.seq_length)
     except ValueError as exc:  # lengths are truncated to seq_length, so this is a bug, not bad input
         raise PreprocessError(f"internal error: packer refused the sample lengths: {exc}") from exc
     pack_seconds = time.time() - t
@@ -512,8 +526,11 @@ def _write_outputs(args, store, tokenizer, prefixes) -> dict:
     progress.close()
     # lower bound: of the padded lengths the packer packs; fill rate: the samples' own tokens (CP pads are waste too)
     fill_rate = (store.num_tokens - store.pad_tokens) / (plan.num_bins * args.seq_length)
-    return {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
-            "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
+    out = {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
+           "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
+    if pairs:  # what a precomputed reference must have scored (mindspeed_pack/stages/reference.py)
+        out.update(pairs=len(store) // 2, data_fingerprint=pack_writer.content_fingerprint(prefixes))
+    return out
 
 
 def _publish(args, tmp_prefixes: dict, meta: dict, tmp_tokenizer: Optional[Path] = None) -> None:
@@ -538,6 +555,11 @@ def print_summary(meta: dict) -> None:
     skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
     lines = [f"samples read {s['samples_read']}, written {s['samples_written']}, skipped {skipped}, truncated {s['truncated']}"]
     lines += [f"  first skipped ({why}): {example}" for why, example in s.get("first_skipped", {}).items()]
+    if "pairs" in s:
+        lines.append(f"preference pairs {s['pairs']} (data fingerprint {s['data_fingerprint']})")
+    if s["skipped"].get(pairwise.SKIP_IDENTICAL):
+        print(f"warning: {s['skipped'][pairwise.SKIP_IDENTICAL]} rows with identical chosen and rejected answers "
+              "skipped (they teach no preference)", file=sys.stderr)
     if "packs" in s:
         lines.append(f"packs {s['packs']} (lower bound {s['lower_bound']}), fill rate {s['fill_rate']:.4f}")
     else:

@@ -21,8 +21,11 @@ import copy
 import hashlib
 import os
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 from typing import Optional
+
+import numpy as np
 
 from mindspeed_pack.data.digest import sha256_of_files
 from mindspeed_pack.data.errors import PreprocessError
@@ -125,12 +128,18 @@ class HFTokenizer(TextTokenizer):
             return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
         return self.hf(list(texts), add_special_tokens=False, truncation=False, padding=False)["input_ids"]
 
-    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """Ids and character offsets of each text (the same ids as :meth:`encode_batch`)."""
+    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Ids (int32) and character offsets (int64, one ``[start, end)`` row per token) of each text, the same ids
+        as :meth:`encode_batch`."""
         if self._backend is None:
             raise PreprocessError(f"tokenizer {self.name} is not a fast tokenizer: --prompt-type hf needs character "
                                   "offsets (a tokenizer.json)")
-        return [(e.ids, e.offsets) for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+        out = []
+        for e in self._backend.encode_batch(list(texts), add_special_tokens=False):
+            ids = np.array(e.ids, dtype=np.int32)
+            offsets = np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64, count=2 * len(ids))
+            out.append((ids, offsets.reshape(-1, 2)))
+        return out
 
     def add_special_tokens(self, tokens: list[str]) -> None:
         """Add ``tokens`` as special tokens (kept whole, never split), as LLaMA-Factory does for templates."""

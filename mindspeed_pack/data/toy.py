@@ -97,6 +97,23 @@ def generate_sharegpt(n: int, seed: int = 0, *, turns: tuple[int, int] = (1, 3),
     return rows
 
 
+def generate_preference(n: int, seed: int = 0, *, max_words: int = 40, sharegpt: bool = False) -> list[dict]:
+    """``n`` preference rows with a learnable rule: the chosen answer is the task's answer in lower case,
+    the rejected one the same words upper-cased. Alpaca ranking rows ``{"instruction", "input", "chosen",
+    "rejected"}``, or ShareGPT ones ``{"conversations", "chosen": {"from": "gpt", ...}, "rejected"}``."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        instruction, query, answer = _task(rng, max_words)
+        chosen, rejected = answer.lower(), answer.upper()
+        if sharegpt:
+            rows.append({"conversations": [{"from": "human", "value": f"{instruction}\n{query}"}],
+                         "chosen": {"from": "gpt", "value": chosen}, "rejected": {"from": "gpt", "value": rejected}})
+        else:
+            rows.append({"instruction": instruction, "input": query, "chosen": chosen, "rejected": rejected})
+    return rows
+
+
 def generate_pretrain_text(n: int, seed: int = 0, *, max_words: int = 200) -> list[dict]:
     """``n`` plain documents ``{"text"}`` for the pretraining handler."""
     rng = random.Random(seed)

@@ -80,10 +80,16 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
         return out
 
     zero = torch.zeros(1, dtype=torch.int32, device=device)
+    labels = batch.segment_labels
+    if labels is not None and len(padded) > len(labels):  # the appended padding segment
+        labels = torch.cat([labels, labels.new_zeros(len(padded) - len(labels))])
     return replace(
         batch,
         tokens=spread(batch.tokens), target=spread(batch.target), loss_mask=spread(batch.loss_mask),
         position_ids=spread(batch.position_ids), loss_weights=spread(batch.loss_weights),
+        segment_index=None if batch.segment_index is None else torch.repeat_interleave(
+            torch.arange(len(padded), device=device), padded).view(1, new_total),
+        segment_labels=labels,
         cu_seqlens=torch.cat([zero, torch.cumsum(lengths, 0).to(torch.int32)]),
         cu_seqlens_padded=torch.cat([zero, torch.cumsum(padded, 0).to(torch.int32)]),
         max_seqlen=int(padded.max()),
@@ -126,6 +132,7 @@ def split_for_rank(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatc
         batch,
         tokens=take(batch.tokens), target=take(batch.target), loss_mask=take(batch.loss_mask),
         position_ids=take(batch.position_ids), loss_weights=take(batch.loss_weights),
+        segment_index=take(batch.segment_index),
         # per-sample loss normaliser: counted once, on CP rank 0, so a DP x CP sum counts each sample once
         num_samples=batch.num_samples if cp_rank == 0 else 0,
     )

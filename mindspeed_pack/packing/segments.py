@@ -50,6 +50,10 @@ class PackedBatch:
     # [1, T] int64: the sample each token belongs to, 1..num_samples over the micro-batch, 0 for
     # padding (what a mixture-of-experts router groups its statistics by, :mod:`mindspeed_pack.model.moe`)
     routing_segments: Optional[torch.Tensor] = None
+    # per-sequence quantities (log-prob sums of preference pairs, rollouts): which segment of
+    # ``cu_seqlens`` every token belongs to, and each segment's stored id (0 = padding)
+    segment_index: Optional[torch.Tensor] = None  # [1, T] int64
+    segment_labels: Optional[torch.Tensor] = None  # [num_segments] int64
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +62,15 @@ class PackedBatch:
     def to(self, device) -> "PackedBatch":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
         return PackedBatch(**moved)
+
+
+def sequence_sums(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """``values`` [1, T] summed per segment of ``batch`` -> [num_segments] (differentiable).
+
+    The one place per-sequence quantities come from: a token counts for the segment it
+    sits in, whatever the packing or this rank's share of a context-parallel split."""
+    out = values.new_zeros(len(batch.segment_labels))
+    return out.index_add(0, batch.segment_index.reshape(-1), values.reshape(-1))
 
 
 def segment_ids_from_eod(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
@@ -146,6 +159,7 @@ def build_packed_batch(
     start_pos = torch.nonzero(flat_starts, as_tuple=False).squeeze(1)
     cu_seqlens = torch.cat([start_pos, torch.tensor([total], device=input_ids.device)]).to(torch.int32)
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
+    segment_index = (torch.cumsum(flat_starts.long(), 0) - 1).view(1, total)
 
     if reset_position_ids and isolated:
         seg_start = torch.cummax(torch.where(flat_starts, idx, torch.zeros_like(idx)), dim=0).values
@@ -183,4 +197,6 @@ def build_packed_batch(
         num_pad_tokens=num_pad,
         loss_weights=loss_weights,
         routing_segments=routing_segments.view(1, total),
+        segment_index=segment_index,
+        segment_labels=segment_ids.reshape(-1)[flat_starts],
     )

@@ -274,7 +274,10 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per packed row under --sequence-packing-scheduler dp_balanced (default --seq-length)")
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
-    g.add_argument("--stage", default="sft", choices=["sft"], help="post-training stage")
+    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "dpo_reference", "score", "grpo"],
+                   help="post-training stage (mindspeed_pack/training/stages): sft, dpo (preference pairs), "
+                        "dpo_reference (score a reference model's log-probs beside the data, once), "
+                        "score (per-token log-probs of rollouts), grpo (PPO-clip on rollouts)")
     g.add_argument("--variable-seq-lengths", action="store_true",
                    help="accepted no-op: packs have a fixed length and unpacked rows are padded to --seq-length")
     g.add_argument("--tokenizer-type", default=None, help="only PretrainedFromHF (with --tokenizer-name-or-path)")
@@ -457,7 +460,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     _check_schedule_flags(args)
     _check_data_flags(args)
     _check_moe_flags(args)
-    if not args.skip_train and not args.train_iters:
+    if not args.skip_train and not args.train_iters and args.stage not in ("dpo_reference", "score"):  # scoring
         raise ArgumentError("--train-iters is required (or --skip-train for evaluation only)")
     if args.skip_train and not args.eval_iters:
         raise ArgumentError("--skip-train needs --eval-iters > 0")
@@ -467,7 +470,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.data_path and any(per_split):
         raise ArgumentError("give --data-path (divided by --split) or --train-data-path/--valid-data-path/"
                             "--test-data-path, not both")
-    if not args.data_path and not any(per_split):
+    rollouts = args.stage in ("score", "grpo")
+    if rollouts and (args.data_path or any(per_split) or not getattr(args, "rollout_path", None)):
+        raise ArgumentError(f"--stage {args.stage} reads rollouts: give --rollout-path (and no --data-path)")
+    if not rollouts and getattr(args, "rollout_path", None):
+        raise ArgumentError("--rollout-path is read by --stage score and --stage grpo only")
+    if not args.data_path and not any(per_split) and not rollouts:
         raise ArgumentError("--data-path is required" + (" (or --train-data-path)" if hasattr(args, "train_data_path") else ""))
     return args
 

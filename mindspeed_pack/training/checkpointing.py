@@ -331,26 +331,9 @@ def _load_hf_weights(args, model, optimizer):
     return 0, 0
 
 
-def load_checkpoint(args, model, optimizer, scheduler):
-    """Restore from ``--load``; returns (iteration, consumed_samples).
-
-    ``--load D --save D`` on a first launch (D empty or absent, or holding only a first save that
-    died before its tracker was written) starts from scratch, so a job script can always pass both;
-    any other ``--load`` without a checkpoint is an error.
-    """
-    if getattr(args, "load_format", None) == "hf":
-        return _load_hf_weights(args, model, optimizer)
-    root = args.load
-    same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
-    if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
-            and not os.path.isdir(os.path.join(root, layout.RELEASE)):
-        # the tracker is a save's commit point: an iteration directory without it (a crash between the
-        # first save's rename and its tracker) was never committed, and is re-saved over
-        uncommitted = _saved_iterations(root) if os.path.isdir(root) else []
-        log.warning("--load %s (= --save) holds no checkpoint yet%s: starting from scratch", root,
-                    f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
-                    if uncommitted else "")
-        return 0, 0
+def load_weights(args, root: str, module) -> tuple:
+    """The model weights of checkpoint ``root`` (its tracked iteration) into ``module``, checked
+    against this run's TP/PP layout and shapes; returns (iteration, its directory, rank file, state)."""
     if not os.path.isdir(root):
         raise CheckpointError(f"--load {root}: no such directory")
     try:
@@ -378,10 +361,33 @@ def load_checkpoint(args, model, optimizer, scheduler):
         raise CheckpointError(f"{path}: the model's sliding_window={args.loaded_sliding_window} (config.json) is "
                               f"below --seq-length {args.seq_length}: the model attends to the whole sample, so "
                               f"train with --seq-length <= {args.loaded_sliding_window}")
-    module = model[0].module
     weights = layout.to_backend_names(state["model"], module.attention_backend, module.state_dict().keys())
-    _check_shapes(path, module, weights, state.get("args") or {}, args)
+    _check_shapes(path, module, weights, saved_args, args)
     module.load_state_dict(weights, strict=False)
+    return iteration, it_dir, path, state
+
+
+def load_checkpoint(args, model, optimizer, scheduler):
+    """Restore from ``--load``; returns (iteration, consumed_samples).
+
+    ``--load D --save D`` on a first launch (D empty or absent, or holding only a first save that
+    died before its tracker was written) starts from scratch, so a job script can always pass both;
+    any other ``--load`` without a checkpoint is an error.
+    """
+    if getattr(args, "load_format", None) == "hf":
+        return _load_hf_weights(args, model, optimizer)
+    root = args.load
+    same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
+    if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
+            and not os.path.isdir(os.path.join(root, layout.RELEASE)):
+        # the tracker is a save's commit point: an iteration directory without it (a crash between the
+        # first save's rename and its tracker) was never committed, and is re-saved over
+        uncommitted = _saved_iterations(root) if os.path.isdir(root) else []
+        log.warning("--load %s (= --save) holds no checkpoint yet%s: starting from scratch", root,
+                    f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
+                    if uncommitted else "")
+        return 0, 0
+    iteration, it_dir, path, state = load_weights(args, root, model[0].module)
     release = iteration == layout.RELEASE
     if args.finetune or release or args.no_load_optim:
         refresh_master_weights(optimizer)

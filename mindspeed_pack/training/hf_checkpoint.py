@@ -126,6 +126,12 @@ def fill_model_args(args, explicit: set) -> argparse.Namespace:
     if disagree:
         raise ArgumentError("model flags disagree with the Hugging Face config (drop them, or pass the config's "
                             "values): " + "; ".join(disagree))
+    # dropout is the HF model's own (its config's attention_dropout; transformers' decoders have no hidden
+    # dropout), not Megatron-LM's 0.1 defaults, unless the flags are given
+    if "attention_dropout" not in explicit:
+        args.attention_dropout = float(config.get("attention_dropout", 0.0) or 0.0)
+    if "hidden_dropout" not in explicit:
+        args.hidden_dropout = 0.0
     args.hf_config = config
     args.loaded_sliding_window = getattr(model, "sliding_window", None)  # kept in the checkpoints this run saves
     log.info("--load %s: Hugging Face %s, model flags from config.json", args.load, model.model_type_hf)
@@ -316,7 +322,8 @@ def check_exportable(args) -> None:
 
     mine = _export_args(args)
     spec = get_spec(mine["model_type_hf"])
-    config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_dict()
+    # what save_pretrained writes into config.json (to_diff_dict), as the converter reads it back
+    config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_diff_dict()
     try:
         back = args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
                                    mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],

@@ -19,11 +19,18 @@ import time
 from mindspeed_pack.training import metrics_history
 
 
+def _finite_mean(values) -> float:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
 class MetricsLogger:
-    def __init__(self, args, enabled: bool, start_iteration: int = 0):
+    def __init__(self, args, enabled: bool, start_iteration: int = 0, extra_metrics: tuple = ()):
         """``start_iteration``: where training starts; on a resume the records after it are
-        replaced (:mod:`mindspeed_pack.training.metrics_history`); ``replaced`` lists them."""
+        replaced (:mod:`mindspeed_pack.training.metrics_history`); ``replaced`` lists them.
+        ``extra_metrics``: a stage's own metrics, printed as interval means."""
         self.args = args
+        self.extra_metrics = tuple(extra_metrics)  # a stage's own metrics: interval means on the console
         self.enabled = enabled
         self.log_throughput = bool(getattr(args, "log_throughput", False))
         self.world_size = max(1, int(os.environ.get("WORLD_SIZE", "1")))
@@ -109,7 +116,8 @@ class MetricsLogger:
             f" tokens/s: {real / seconds if seconds > 0 else 0.0:.1f} |"
             f" samples per pack: {sum(s for _, _, s, *_ in steps) / max(1.0, sum(r for *_, r, _, _ in steps)):.2f} |"
             f" padding ratio: {(total - real) / total if total else 0.0:.4f} |"
-            f" number of skipped iterations: {skipped:3d} |",
+            f" number of skipped iterations: {skipped:3d} |"
+            + "".join(f" {k}: {_finite_mean([r.get(k) for r, *_ in steps]):.6E} |" for k in self.extra_metrics),
             flush=True,
         )
 

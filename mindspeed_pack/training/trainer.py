@@ -3,7 +3,8 @@
 Reads top to bottom: :meth:`Trainer.setup` (model, optimizer, data, checkpoint),
 :meth:`Trainer.train` (the loop), :meth:`Trainer.evaluate`, :meth:`Trainer.cleanup`.
 The scripts differ only in the :class:`BatchSource` they pass: how a rank gets its
-micro-batches (rows of tokens, aligned labels and segment ids) for a split.
+micro-batches (rows of tokens, aligned labels and segment ids) for a split, and the stages
+(``--stage``, :mod:`mindspeed_pack.training.stages`) in their loss and per-step inputs.
 
 Every micro-batch becomes a :class:`~mindspeed_pack.packing.segments.PackedBatch` (THD,
 ``cu_seqlens``) on every device, so CPU and GPU, packed and unpacked data run one path.
@@ -42,6 +43,7 @@ from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
 from mindspeed_pack.training.precision import loss_scale, precision_record, scaler_owns_overflow
 from mindspeed_pack.training.schedule import build_scheduler
+from mindspeed_pack.training.stages.sft import SFTStage, loss_func  # noqa: F401  (loss_func: tests)
 
 log = logging.getLogger(__name__)
 
@@ -87,23 +89,12 @@ def packed_seq_params(batch: PackedBatch) -> PackedSeqParams:
     )
 
 
-def loss_func(batch: PackedBatch, per_sample: bool, output_tensor: torch.Tensor):
-    """Summed loss and its normaliser; megatron divides by the global batch's total."""
-    losses = output_tensor.float().reshape(batch.loss_mask.shape)
-    if per_sample:
-        loss = (losses * batch.loss_weights).sum()
-        count = torch.tensor(batch.num_samples, dtype=torch.int, device=loss.device)
-    else:
-        loss = (losses * batch.loss_mask).sum()
-        count = batch.loss_mask.sum().to(torch.int)
-    report = torch.stack([loss.detach(), count.to(loss.dtype)])
-    return loss, count, {"lm loss": report}
-
-
 class Trainer:
-    def __init__(self, args, batch_source: BatchSource):
+    def __init__(self, args, batch_source: BatchSource, stage=None):
         self.args = args
         self.source = batch_source
+        self.stage = stage or SFTStage(args)
+        self.stage_reports = {}
         self.iteration = 0
         self.consumed_samples = 0
         self.consumed_valid_samples = 0  # where the next validation starts in its split
@@ -139,7 +130,7 @@ class Trainer:
         # validation goes on through its split (cycling) from evaluation to evaluation, as in
         # Megatron-LM: every --eval-interval and once at the end; its place after a resume
         # follows from the iteration. --skip-train reads from the split's start, as does test.
-        evaluations = 1 if args.skip_train else (args.train_iters // args.eval_interval + 1)
+        evaluations = 1 if args.skip_train or not args.train_iters else (args.train_iters // args.eval_interval + 1)
         self.consumed_valid_samples = 0 if args.skip_train else self.iteration // args.eval_interval * eval_samples
         num_samples = {"train": self.consumed_samples + remaining * args.global_batch_size if remaining else 0,
                        "valid": max(evaluations * eval_samples, self.consumed_valid_samples + eval_samples),
@@ -147,7 +138,9 @@ class Trainer:
         self.source.setup(args, num_samples)
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
             preflight.check_data(docs, args)
-        self.metrics = MetricsLogger(args, enabled=self._is_logging_rank(), start_iteration=self.iteration)
+        self.stage.setup(self)
+        self.metrics = MetricsLogger(args, enabled=self._is_logging_rank(), start_iteration=self.iteration,
+                                     extra_metrics=self.stage.metric_names)
         self._log_resume()
         self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
         if args.exit_signal_handler:
@@ -242,7 +235,7 @@ class Trainer:
         num_micro_batches, tokens_per_micro_batch, plan_stats = self._step_shape(split, consumed)
         source = self.source.micro_batches(split, consumed)
         stats = {"rows": 0, "samples": 0, "tokens": 0, **plan_stats}
-        batches = []
+        batches, raw = [], []
         for _ in range(num_micro_batches):
             try:
                 mb = next(source)
@@ -255,6 +248,7 @@ class Trainer:
             stats["tokens"] += b.num_tokens
             throughput.add_micro_batch(stats, mb)
             batches.append(b)
+            raw.append(mb)
         if args.context_parallel_size > 1:  # this rank's zigzag share of every sample (packing/context_parallel.py)
             multiple = cp_view.padding_multiple(args.context_parallel_size, args.tensor_model_parallel_size,
                                                 args.sequence_parallel)
@@ -265,25 +259,34 @@ class Trainer:
             # the tokens the CP group really runs (its per-sample padding counts as padding)
             stats["tokens"] = sum(b.num_tokens for b in batches) * args.context_parallel_size
         stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
+        batches = self.stage.prepare(self, batches, raw, split, tokens_per_micro_batch)
         data = iter(batches)
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             if args.num_experts:  # the routers group their statistics by sample, skip pads
                 moe.set_routing_segments(model, batch.routing_segments)
-            output = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+            # a stage that needs the distribution (entropy) gets the vocab-parallel logits, not the loss
+            labels = None if getattr(self.stage, "needs_logits", False) else batch.target
+            output = model(batch.tokens, batch.position_ids, None, labels=labels,
                            packed_seq_params=packed_seq_params(batch))
-            return output, partial(loss_func, batch, args.per_sample_loss)
+            return output, partial(self.stage.loss_func, batch)
 
         results = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=self.model,
             num_microbatches=num_micro_batches, seq_length=tokens_per_micro_batch,
             micro_batch_size=1, forward_only=forward_only,
         )
-        loss_sum = torch.zeros(2, dtype=torch.float64)
+        maxima = getattr(self.stage, "max_metrics", ())  # reported as [max, 1] and reduced by MAX
+        sums = {name: torch.tensor([-math.inf if name in maxima else 0.0, 0.0], dtype=torch.float64)
+                for name in ("lm loss", *self.stage.metric_names)}
         if ps.is_pipeline_last_stage():
             for r in results:
-                loss_sum += r["lm loss"].detach().double().cpu()
+                for name in sums:
+                    value = r[name].detach().double().cpu()
+                    sums[name] = torch.maximum(sums[name], value) if name in maxima else sums[name] + value
+        loss_sum = sums.pop("lm loss")
+        self.stage_reports = sums  # the stage's other metrics, [sum, count] on this rank
         return loss_sum, stats
 
     def _step_shape(self, split: str, consumed: int):
@@ -295,15 +298,27 @@ class Trainer:
 
     def _global_mean(self, loss_sum: torch.Tensor) -> float:
         """Per-token mean over the global batch, known on every rank."""
-        t = loss_sum.clone()
-        device = torch.cuda.current_device() if cuda_usable() else "cpu"
-        t = t.to(device)
-        # each CP rank holds its share of the tokens' losses
-        dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=True))
-        # the last pipeline stage holds the loss: share it with the whole pipeline
-        dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
-        t = t.cpu()
-        return float(t[0] / t[1]) if t[1] > 0 else float("nan")
+        return self._global_means({"lm loss": loss_sum})["lm loss"]
+
+    def _global_means(self, sums: dict) -> dict:
+        """Each ``[sum, count]`` of ``sums`` reduced over the whole job, as a mean (every rank knows it)."""
+        if not sums:
+            return {}
+        maxima = [k for k in sums if k in getattr(self.stage, "max_metrics", ())]
+        out = {}
+        for names, op in (([k for k in sums if k not in maxima], dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
+            if not names:
+                continue
+            t = torch.stack([sums[k] for k in names])
+            device = torch.cuda.current_device() if cuda_usable() else "cpu"
+            t = t.to(device)
+            # each CP rank holds its share of the tokens' losses
+            dist.all_reduce(t, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
+            # the last pipeline stage holds the loss: share it with the whole pipeline
+            dist.all_reduce(t, op=op, group=ps.get_pipeline_model_parallel_group())
+            t = t.cpu()
+            out.update({k: float(v[0] / v[1]) if v[1] > 0 else float("nan") for k, v in zip(names, t)})
+        return {k: out[k] for k in sums}
 
     def train_step(self):
         args = self.args
@@ -435,6 +450,7 @@ class Trainer:
         args = self.args
         # the balanced plan's figure is the whole job's already: keep it out of the DP sum
         plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance"}
+        stage_metrics = self._global_means(self.stage_reports)
         stats = self._dp_sum(stats)
         total = int(stats["tokens"])
         real = int(stats["real tokens"])
@@ -456,6 +472,7 @@ class Trainer:
             "loss scale": loss_scale(self.optimizer),
             **throughput.step_fields(args, stats, elapsed, 1, dist.get_world_size()),
             **(moe.step_statistics(self.model, args.num_layers, args.num_experts) if args.num_experts else {}),
+            **stage_metrics,
         }, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
 
     def evaluate(self, split: str = "valid", label: Optional[str] = None) -> Optional[float]:
@@ -503,8 +520,8 @@ class Trainer:
             dist.barrier()
 
 
-def run(args, batch_source: BatchSource, before_train: Optional[Callable] = None) -> Trainer:
-    trainer = Trainer(args, batch_source)
+def run(args, batch_source: BatchSource, before_train: Optional[Callable] = None, stage=None) -> Trainer:
+    trainer = Trainer(args, batch_source, stage)
     with peers.waiting_for(lambda: trainer.phase, args.distributed_timeout_minutes):
         try:
             trainer.setup()

@@ -1,0 +1,293 @@
+"""RL rollouts: read, checked, and laid out in packed rows (``--stage score`` / ``--stage grpo``).
+
+A rollout file (``.jsonl``, ``.json``, ``.parquet``; one row per sample) holds the exact sampled
+ids, never re-tokenised::
+
+    prompt_ids      [int]      the prompt as the generator saw it
+    response_ids    [int]      the sampled response
+    response_mask   [0/1]      optional: 0 for response tokens that are not actions (tool output)
+    old_logprobs    [float]    optional: log-probs of the response under the sampling policy
+    ref_logprobs    [float]    optional: log-probs under the reference (for --kl-coef)
+    advantages      [float]    per response token, or
+    reward, group   float, any scalar reward; advantages normalised within the group
+                               (--advantage-estimator grpo: (r - mean) / (std + 1e-6); rloo: r - mean of the others)
+
+Each row is checked on load (lengths agree with ``response_ids``, ids fit the vocabulary); a bad
+row stops the run with a :class:`DataError` naming the file and line/row and the field. A sample
+longer than ``--max-seqlen-per-dp-cp-rank`` is refused (``--rollout-overlong refuse``) or dropped
+and counted (``drop``), never truncated.
+
+One sample is one segment of a row. Token ``P + j`` (response token ``j``, ``P`` prompt tokens)
+is predicted at position ``P + j - 1``, so the per-token fields of response token ``j`` are stored
+there, where the shifted target and the model's per-token loss of that token sit::
+
+    position       0   1   2   3   4   5
+    input_ids      p0  p1  p2  r0  r1  r2        (P = 3)
+    labels         -   -   -   r0  r1  r2        (stored unshifted, as every pack)
+    advantages     0   0   a0  a1  a2  0         (a_j at P + j - 1; the last position predicts nothing)
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from mindspeed_pack.data.errors import PreprocessError
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.data.readers import FORMATS, chunk_rows, iter_chunks
+from mindspeed_pack.packing.segments import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
+
+TOKEN_FIELDS = ("old_logprobs", "ref_logprobs", "advantages")  # float per response token
+ESTIMATORS = ("grpo", "rloo")
+
+
+@dataclass
+class Rollout:
+    prompt_ids: np.ndarray  # int64 [P]
+    response_ids: np.ndarray  # int64 [R]
+    response_mask: np.ndarray  # bool [R]
+    where: str  # "FILE: line N" for error messages and the written-back file
+    row: dict  # the row as read (written back with new fields by --stage score)
+    old_logprobs: Optional[np.ndarray] = None  # float64 [R]
+    ref_logprobs: Optional[np.ndarray] = None
+    advantages: Optional[np.ndarray] = None
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def _ids(row: dict, field: str, where: str, vocab_size: int) -> np.ndarray:
+    value = row.get(field)
+    if not isinstance(value, (list, tuple, np.ndarray)) or len(value) == 0:
+        raise DataError(f"{where}: field {field!r} must be a non-empty list of token ids, got {_show(value)}")
+    if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in value):
+        raise DataError(f"{where}: field {field!r} must hold integer token ids (never text: rollouts are not "
+                        "re-tokenised)")
+    ids = np.asarray(value, dtype=np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        raise DataError(f"{where}: field {field!r}[{int(bad[0])}] = {int(ids[bad[0]])} does not fit the vocabulary "
+                        f"of {vocab_size} tokens")
+    return ids
+
+
+def _per_token(row: dict, field: str, where: str, length: int) -> Optional[np.ndarray]:
+    value = row.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple, np.ndarray)):
+        raise DataError(f"{where}: field {field!r} must be a list (one value per response token), got {_show(value)}")
+    if len(value) != length:
+        raise DataError(f"{where}: field {field!r} has {len(value)} values but response_ids has {length} tokens")
+    try:
+        out = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: field {field!r} must hold numbers") from None
+    if not np.all(np.isfinite(out)):
+        raise DataError(f"{where}: field {field!r}[{int(np.flatnonzero(~np.isfinite(out))[0])}] is not finite")
+    return out
+
+
+def _show(value) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict, str, int, float, type(None))) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def parse_rollout(row, where: str, vocab_size: int) -> Rollout:
+    """One checked row (its advantages may still come from ``reward`` and ``group``)."""
+    if isinstance(row, Exception):
+        raise DataError(str(row)) from None
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a rollout row must be an object, got {type(row).__name__}")
+    prompt = _ids(row, "prompt_ids", where, vocab_size)
+    response = _ids(row, "response_ids", where, vocab_size)
+    mask = _per_token(row, "response_mask", where, len(response))
+    if mask is not None and not np.all((mask == 0) | (mask == 1)):
+        raise DataError(f"{where}: field 'response_mask' must hold 0 or 1")
+    out = Rollout(prompt, response, np.ones(len(response), bool) if mask is None else mask.astype(bool), where, row)
+    for field in TOKEN_FIELDS:
+        setattr(out, field, _per_token(row, field, where, len(response)))
+    if out.advantages is None and row.get("reward") is not None:
+        reward = row["reward"]
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise DataError(f"{where}: field 'reward' must be a finite number, got {_show(reward)}")
+        if row.get("group") is None:
+            raise DataError(f"{where}: field 'reward' needs a 'group' (the prompt's id) for group-normalised "
+                            "advantages; or give per-token 'advantages'")
+    return out
+
+
+def group_advantages(rewards: np.ndarray, groups: list, estimator: str, where: list) -> np.ndarray:
+    """Scalar advantage of every sample from its reward and its group's (GRPO or RLOO)."""
+    out = np.zeros(len(rewards))
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(json.dumps(g, sort_keys=True), []).append(i)
+    for idx in members.values():
+        r = rewards[idx]
+        if estimator == "grpo":
+            std = r.std(ddof=1) if len(r) > 1 else 0.0
+            out[idx] = (r - r.mean()) / (std + 1e-6)
+        else:
+            if len(r) < 2:
+                raise DataError(f"{where[idx[0]]}: group {groups[idx[0]]!r} has one sample: leave-one-out (rloo) "
+                                "needs at least two per group")
+            out[idx] = r - (r.sum() - r) / (len(r) - 1)
+    return out
+
+
+def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "refuse",
+                  estimator: str = "grpo", need_advantages: bool = True) -> tuple[List[Rollout], dict]:
+    """Checked rollouts of ``path`` (file or directory) and counts {'rollouts', 'dropped over-long'}."""
+    from mindspeed_pack.data.readers import resolve_input_files
+
+    try:
+        files = resolve_input_files(path)
+        rollouts = []
+        dropped = 0
+        for chunk in iter_chunks(files, 4096):
+            for where, row in chunk_rows(chunk):
+                r = parse_rollout(row, where, vocab_size)
+                if len(r) > max_length:
+                    if overlong == "drop":
+                        dropped += 1
+                        continue
+                    raise DataError(f"{where}: {len(r.prompt_ids)} prompt + {len(r.response_ids)} response tokens "
+                                    f"= {len(r)} > --max-seqlen-per-dp-cp-rank {max_length} (rollouts are never "
+                                    "truncated: raise it, or --rollout-overlong drop to drop and count such samples)")
+                rollouts.append(r)
+    except PreprocessError as exc:  # unreadable files, malformed JSON lines
+        raise DataError(str(exc)) from None
+    if not rollouts:
+        raise DataError(f"{path}: no rollouts" + (f" ({dropped} dropped as over-long)" if dropped else ""))
+    if need_advantages:
+        missing = [r for r in rollouts if r.advantages is None and r.row.get("reward") is None]
+        if missing:
+            raise DataError(f"{missing[0].where}: neither 'advantages' (per response token) nor 'reward' with "
+                            "'group': the policy step needs one of them")
+        scalar = [r for r in rollouts if r.advantages is None]
+        if scalar:
+            adv = group_advantages(np.array([float(r.row["reward"]) for r in scalar]), [r.row["group"] for r in scalar],
+                                   estimator, [r.where for r in scalar])
+            for r, a in zip(scalar, adv):
+                r.advantages = np.full(len(r.response_ids), a)
+    if dropped:
+        log.warning("%s: %d over-long rollouts dropped (> --max-seqlen-per-dp-cp-rank %d tokens)", path, dropped,
+                    max_length)
+    return rollouts, {"rollouts": len(rollouts), "dropped over-long": dropped}
+
+
+def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bool = False) -> dict:
+    """One packed row of ``capacity`` tokens (a micro-batch ``[1, capacity]``), one sample per segment.
+
+    Besides the pack arrays the trainer reads (``input_ids``, ``labels``, ``segment_ids``) it
+    holds the per-token fields at the position that predicts each response token (float
+    ``[1, capacity]``; NaN where a field is absent) and ``response_starts`` (each sample's
+    first such position) for writing scores back. ``every_response_token`` trains (scores)
+    every response token, ``response_mask`` ignored."""
+    ids = np.zeros(capacity, np.int64)
+    labels = np.full(capacity, IGNORE_INDEX, np.int64)
+    seg = np.zeros(capacity, np.int64)
+    fields = {f: np.zeros(capacity) for f in TOKEN_FIELDS}
+    present = {f: all(getattr(r, f) is not None for r in rollouts) for f in TOKEN_FIELDS}
+    starts, pos = [], 0
+    for k, r in enumerate(rollouts, start=1):
+        p, n = len(r.prompt_ids), len(r)
+        if pos + n > capacity:
+            raise ValueError(f"rollouts of {pos + n} tokens do not fit a row of {capacity}")
+        ids[pos:pos + p], ids[pos + p:pos + n] = r.prompt_ids, r.response_ids
+        trained = np.ones(len(r.response_ids), bool) if every_response_token else r.response_mask
+        labels[pos + p:pos + n] = np.where(trained, r.response_ids, IGNORE_INDEX)
+        seg[pos:pos + n] = k
+        for f in TOKEN_FIELDS:
+            if present[f]:
+                fields[f][pos + p - 1:pos + n - 1] = getattr(r, f)
+        starts.append(pos + p - 1)
+        pos += n
+    out = {"input_ids": torch.from_numpy(ids[None]), "labels": torch.from_numpy(labels[None]),
+           "segment_ids": torch.from_numpy(seg[None]), "sample_ids": None,
+           "segment_lengths": np.array([len(r) for r in rollouts], np.int64), "response_starts": starts}
+    for f in TOKEN_FIELDS:
+        out[f] = torch.from_numpy(fields[f][None]) if present[f] else None
+    return out
+
+
+def rollout_file_format(path: str) -> str:
+    """'jsonl' or 'parquet': how ``--stage score`` writes ``path`` (from its extension)."""
+    from pathlib import Path
+
+    fmt = FORMATS.get(Path(path).suffix.lower())
+    if fmt not in ("jsonl", "parquet"):
+        raise DataError(f"{path}: scored rollouts are written as .jsonl or .parquet")
+    return fmt
+
+
+class RolloutBatchSource:
+    """The trainer's data under ``--stage grpo`` (and the rows of ``--stage score``).
+
+    Global batch ``g`` is rollouts ``[g*GBS, (g+1)*GBS)`` of the file (in file order, cycling).
+    Every rank derives the same plan from the samples' lengths: spread over DP ranks by
+    attention cost, each share packed with the C++ best-fit-decreasing packer into rows of
+    ``--max-seqlen-per-dp-cp-rank`` tokens (a hard cap), the same number of rows on every rank
+    (:func:`mindspeed_pack.packing.balance.plan_online_packing`). A micro-batch is one row."""
+
+    docs: list = []  # no packed prefixes (the trainer's preflight checks those)
+
+    def __init__(self, need_advantages: bool = True):
+        self.need_advantages = need_advantages
+
+    def setup(self, args, num_samples: dict) -> None:
+        from megatron.core import parallel_state as ps
+
+        from mindspeed_pack.packing.balance import cost_model
+
+        if args.context_parallel_size > 1:
+            raise DataError("rollout stages do not run under --context-parallel-size > 1 yet")
+        if args.micro_batch_size != 1:
+            raise DataError("rollout stages: a micro-batch is one packed row of --max-seqlen-per-dp-cp-rank tokens; "
+                            "use --micro-batch-size 1")
+        self.args = args
+        self.capacity = args.max_seqlen_per_dp_cp_rank
+        self.rollouts, self.counts = load_rollouts(
+            args.rollout_path, args.vocab_size or args.padded_vocab_size, self.capacity, args.rollout_overlong,
+            args.advantage_estimator, self.need_advantages)
+        self.cost = cost_model(args)
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self._plans: dict = {}
+
+    def has_split(self, split: str) -> bool:
+        return split == "train"
+
+    def plan(self, indices: np.ndarray):
+        """(this rank's rows as lists of rollout indices, rank imbalance) for the given rollouts."""
+        from mindspeed_pack.packing.balance import imbalance, plan_online_packing
+
+        lengths = np.array([len(self.rollouts[i]) for i in indices], np.int64)
+        ranks = plan_online_packing(lengths, self.dp_size, self.capacity, self.cost)
+        return [indices[row] for row in ranks[self.dp_rank].rows], imbalance([r.cost for r in ranks])
+
+    def _step(self, consumed: int):
+        if consumed not in self._plans:
+            n = len(self.rollouts)
+            indices = np.arange(consumed, consumed + self.args.global_batch_size) % n
+            self._plans = {consumed: self.plan(indices)}
+        return self._plans[consumed]
+
+    def step_shape(self, split: str, consumed: int):
+        rows, imbalance = self._step(consumed)
+        return len(rows), self.capacity, {"rank imbalance": imbalance}
+
+    def micro_batches(self, split: str, consumed: int):
+        rows, _ = self._step(consumed)
+        for row in rows:
+            mb = rollout_row([self.rollouts[int(i)] for i in row], self.capacity,
+                             every_response_token=not self.need_advantages)
+            mb["rollouts"] = [int(i) for i in row]
+            yield mb

@@ -1,0 +1,90 @@
+"""Training stages: what differs between supervised fine-tuning, preference training, scoring.
+
+The :class:`~mindspeed_pack.training.trainer.Trainer` is one loop for every stage. A stage
+supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)``):
+
+* ``batch_source(args)``: how rows and their per-token / per-sequence fields reach a rank;
+* ``setup(trainer)``: what it needs besides the policy (a frozen reference model, a table);
+* ``prepare(trainer, batches, micro_batches, split, tokens_per_micro_batch)``: per-step inputs
+  attached to this rank's micro-batches (after the context-parallel split);
+* ``loss_func(batch, output) -> (sum, count, reports)``: what ``forward_step`` returns. The
+  trainer divides by the *global step's* total ``count`` (megatron-core's
+  ``calculate_per_token_loss``), so ``normaliser`` (tokens, samples, pairs) never depends on
+  packing or on the DP/PP/CP layout; every report is a ``[sum, count]`` pair reduced the same way;
+* ``metric_names``: the reports logged besides ``lm loss`` (console, TensorBoard, JSONL);
+  optional ``max_metrics``: those reported as ``[max, 1]`` and reduced by MAX instead;
+* optional ``needs_logits``: ``loss_func`` gets the vocab-parallel logits instead of the per-token
+  loss (an entropy term needs the whole distribution).
+
+Per-sequence quantities come from the packed batch's segment ids in one place:
+:func:`mindspeed_pack.training.stages.sequences.sequence_logps`.
+"""
+from __future__ import annotations
+
+import argparse
+
+STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo")
+
+
+def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Flags of the post-training stages (LLaMA-Factory / MindSpeed-LLM names)."""
+    g = p.add_argument_group("preference training (--stage dpo)")
+    g.add_argument("--dpo-beta", type=float, default=0.1, help="strength of the KL term (temperature of the reward)")
+    g.add_argument("--dpo-loss-type", default="sigmoid", choices=["sigmoid", "ipo", "hinge"])
+    g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
+                   help="conservative DPO: the probability that a pair's preference is flipped (sigmoid loss)")
+    g.add_argument("--dpo-ftx", type=float, default=0.0,
+                   help="weight of an SFT term on the chosen answer (its per-token mean NLL; LLaMA-Factory pref_ftx)")
+    g.add_argument("--ref-load", default=None,
+                   help="checkpoint of the frozen reference model, run in this job (default: a copy of the "
+                        "starting policy)")
+    g.add_argument("--ref-logps", action="store_true",
+                   help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
+                        "(P_dpo_reference.pt): no reference model in memory")
+    g = p.add_argument_group("RL rollouts (--stage score, --stage grpo)")
+    g.add_argument("--rollout-path", default=None,
+                   help="rollout file or directory (.jsonl/.json/.parquet, one sample a row; see README)")
+    g.add_argument("--rollout-overlong", default="refuse", choices=["refuse", "drop"],
+                   help="a rollout longer than --max-seqlen-per-dp-cp-rank stops the run, or is dropped and counted "
+                        "(never truncated)")
+    g.add_argument("--advantage-estimator", default="grpo", choices=["grpo", "rloo"],
+                   help="advantages of rows with a scalar reward and a group: group-normalised (grpo) or "
+                        "leave-one-out (rloo)")
+    g.add_argument("--score-output", default=None, help="--stage score: where the scored rollouts go (.jsonl/.parquet)")
+    g.add_argument("--score-field", default="old_logprobs", choices=["old_logprobs", "ref_logprobs"],
+                   help="--stage score: the field the per-token log-probs are written to")
+    g.add_argument("--clip-ratio", type=float, nargs="+", default=[0.2],
+                   help="PPO clip range: eps (both sides) or eps_low eps_high")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL penalty against ref_logprobs")
+    g.add_argument("--kl-estimator", default="k3", choices=["k1", "k3"],
+                   help="per-token KL estimator: k1 = logp - ref, k3 = exp(ref - logp) - (ref - logp) - 1")
+    g.add_argument("--entropy-coef", type=float, default=0.0,
+                   help="weight of an entropy bonus (the policy's entropy at every trained position; needs the "
+                        "full logits)")
+    g.add_argument("--loss-agg", default="token-mean",
+                   choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+                   help="how per-token losses become the step's loss (normalised over the whole global step)")
+    return p
+
+
+def get_stage(args):
+    """The stage object ``--stage`` selects."""
+    if args.stage == "dpo":
+        from mindspeed_pack.training.stages.dpo import DPOStage
+
+        return DPOStage(args)
+    if args.stage == "dpo_reference":
+        from mindspeed_pack.training.stages.reference import ReferenceScoringStage
+
+        return ReferenceScoringStage(args)
+    if args.stage == "grpo":
+        from mindspeed_pack.training.stages.grpo import GRPOStage
+
+        return GRPOStage(args)
+    if args.stage == "score":
+        from mindspeed_pack.training.stages.score import ScoreStage
+
+        return ScoreStage(args)
+    from mindspeed_pack.training.stages.sft import SFTStage
+
+    return SFTStage(args)

@@ -1,0 +1,175 @@
+"""Direct preference optimisation on packed pairs (``posttrain.py --stage dpo``).
+
+A pack holds whole pairs (``mindspeed_pack/data/pairwise.py``): segments ``2k-1`` (chosen)
+and ``2k`` (rejected). Per pair, from the per-sequence log-prob sums of the policy
+(:func:`~mindspeed_pack.training.stages.sequences.sequence_logps`) and of the reference::
+
+    z = (logp_c - logp_r) - (ref_c - ref_r)
+    sigmoid  -(1 - s) log sigmoid(beta z) - s log sigmoid(-beta z)      (s = --dpo-label-smoothing)
+    hinge    relu(1 - beta z)
+    ipo      (z - 1 / (2 beta))^2          (log-probs as per-token means, as IPO defines them)
+    + ftx x (chosen answer's per-token mean NLL)                          (--dpo-ftx)
+
+The step's loss is the sum over the global batch's pairs divided by their number: each
+micro-batch returns (sum, pairs) and megatron divides by the total, whatever the packing or
+the DP/PP/CP layout (under CP the sums are all-reduced first and the pairs counted once).
+
+The reference: a frozen copy run in the same job (``--ref-load DIR``, default the starting
+policy), through the same pipeline, or log-probs precomputed once (``--ref-logps``,
+:mod:`.reference`) and looked up by (pack, pair).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.packing.segments import PackedBatch
+from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training.stages.sequences import sequence_logps
+
+log = logging.getLogger(__name__)
+
+DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+               "logps/chosen", "logps/rejected")
+
+
+def pair_segments(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (into the batch's segments) of every pair's chosen and rejected sequence."""
+    labels = batch.segment_labels
+    chosen = torch.nonzero((labels > 0) & (labels % 2 == 1)).squeeze(1)
+    rejected = chosen + 1
+    if len(chosen) and (int(rejected.max()) >= len(labels) or bool((labels[rejected] != labels[chosen] + 1).any())):
+        raise DataError("a preference pair is not whole in its micro-batch (segment 2k-1 without 2k): the data was "
+                        "not written by preprocess_data.py with a pairwise handler")
+    return chosen, rejected
+
+
+def preference_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float, loss_type: str,
+                      label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-pair loss of DPO (sigmoid), IPO or the hinge loss from the four log-probs."""
+    z = (chosen - rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        return -(1 - label_smoothing) * F.logsigmoid(beta * z) - label_smoothing * F.logsigmoid(-beta * z)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * z)
+    if loss_type == "ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown --dpo-loss-type {loss_type!r}")
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+class DPOStage:
+    name = "dpo"
+    metric_names = DPO_METRICS
+    normaliser = "preference pairs in the global batch"
+
+    def __init__(self, args):
+        if args.ref_load and args.ref_logps:
+            raise DataError("--ref-load and --ref-logps both given: the reference is either a model run in this job "
+                            "or log-probs precomputed by --stage dpo_reference, not both")
+        self.args = args
+        self.reference = None  # frozen model chunks (in-job reference)
+        self.tables = None  # {prefix: ReferenceTable} (precomputed reference)
+
+    def batch_source(self, args):
+        if args.sequence_packing_scheduler != "none":
+            raise DataError("--stage dpo reads offline packs of whole pairs: drop --sequence-packing-scheduler")
+        from mindspeed_pack.data.packed_dataset import PackedBatchSource
+
+        return PackedBatchSource()
+
+    # ---------------------------------------------------------------- setup
+    def setup(self, trainer) -> None:
+        args = self.args
+        for docs in trainer.source.docs:
+            if not ((docs.meta or {}).get("layout") or {}).get("pairs"):
+                raise DataError(f"--stage dpo: {docs.prefix!r} holds no preference pairs (its sidecar records no "
+                                "pairing): preprocess with --handler-name AlpacaStylePairwiseHandler or "
+                                "SharegptStylePairwiseHandler --pack --neat-pack")
+        if args.ref_logps:
+            from mindspeed_pack.training.stages.reference import ReferenceTable
+
+            self.tables = {docs.prefix: ReferenceTable.load_for(docs) for docs in trainer.source.docs}
+            log.info("dpo: precomputed reference log-probs (%s)", ", ".join(t.path for t in self.tables.values()))
+            return
+        self.reference = [self._reference_model(trainer)]
+
+    def _reference_model(self, trainer):
+        from megatron.core.transformer.module import Float16Module
+        from megatron.core.utils import get_model_config
+
+        from mindspeed_pack.model.gpt import build_gpt_model
+        from mindspeed_pack.training import checkpointing
+
+        args = self.args
+        model = build_gpt_model(args, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+        if args.ref_load:
+            checkpointing.load_weights(args, args.ref_load, model)
+            log.info("dpo: reference model loaded from %s (frozen)", args.ref_load)
+        elif trainer.iteration > 0:
+            raise DataError(f"--stage dpo resumes at iteration {trainer.iteration}: the reference is the *starting* "
+                            "policy, which the checkpoint no longer holds; pass --ref-load (the model the run "
+                            "started from) or --ref-logps")
+        else:
+            model.load_state_dict(_unwrap(trainer.model[0]).state_dict(), strict=True)
+            log.info("dpo: reference model = a frozen copy of the starting policy")
+        if cuda_usable():
+            model.cuda(torch.cuda.current_device())
+        if args.bf16 or args.fp16:
+            model = Float16Module(get_model_config(model), model)
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return model
+
+    # ---------------------------------------------------------------- per step
+    def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
+        if self.reference is not None:
+            from mindspeed_pack.training.stages.reference import score_sequences
+
+            scores = score_sequences(self.reference, batches, tokens_per_micro_batch)
+            for batch, seq in zip(batches, scores):
+                if seq is not None:
+                    chosen, rejected = pair_segments(batch)
+                    batch.ref_logps = torch.stack([seq[chosen], seq[rejected]], dim=1)
+            return batches
+        prefix = trainer.source.splits[split].docs.prefix
+        for batch, mb in zip(batches, micro_batches):
+            batch.ref_logps = self.tables[prefix].lookup(mb).to(batch.loss_mask.device)
+        return batches
+
+    def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
+        args = self.args
+        logps, counts = sequence_logps(batch, output_tensor)
+        chosen, rejected = pair_segments(batch)
+        pc, pr = logps[chosen], logps[rejected]
+        ref = batch.ref_logps.to(pc.dtype)
+        rc, rr = ref[:, 0], ref[:, 1]
+        if args.dpo_loss_type == "ipo":  # IPO compares per-token means
+            nc, nr = counts[chosen].clamp(min=1), counts[rejected].clamp(min=1)
+            pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
+        losses = preference_losses(pc, pr, rc, rr, args.dpo_beta, args.dpo_loss_type, args.dpo_label_smoothing)
+        if args.dpo_ftx:
+            losses = losses + args.dpo_ftx * (-logps[chosen] / counts[chosen].clamp(min=1))
+        loss = losses.sum()
+        # every CP rank holds the same pairs' loss (its backward carries that rank's share of the
+        # gradient); they are counted and reported once, on CP rank 0
+        once = float(ps.get_context_parallel_rank() == 0)
+        n = torch.tensor(len(chosen) if once else 0, dtype=torch.int, device=loss.device)
+        nf = n.to(torch.float32)
+        with torch.no_grad():
+            reward_c, reward_r = args.dpo_beta * (pc - rc), args.dpo_beta * (pr - rr)
+            reports = {name: torch.stack([value.sum() * once, nf]) for name, value in (
+                ("lm loss", losses), ("rewards/chosen", reward_c), ("rewards/rejected", reward_r),
+                ("rewards/accuracies", (reward_c > reward_r).float()), ("rewards/margins", reward_c - reward_r),
+                ("logps/chosen", logps[chosen]), ("logps/rejected", logps[rejected]))}
+        return loss, n, reports

@@ -1,0 +1,148 @@
+"""Policy-gradient step on packed rollouts (``posttrain.py --stage grpo``): PPO-clip with given advantages.
+
+Rollouts (:mod:`mindspeed_pack.data.rollouts`) are packed one per segment; the model's per-token
+loss at the position that predicts response token ``j`` is ``-log pi(r_j)``, and the row holds
+that token's old log-prob, reference log-prob and advantage at the same position. Per token::
+
+    ratio = exp(logp - old)                     (old = logp.detach() when the file has none: ratio 1)
+    pg    = max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high))
+    kl    = logp - ref (k1)  or  exp(ref - logp) - (ref - logp) - 1 (k3)     (--kl-coef > 0)
+    loss  = pg + kl_coef kl - entropy_coef H            (H: the policy's entropy at that position)
+
+Aggregated over the *global step* (each micro-batch returns (sum, count); megatron divides by
+the step's total count, whatever the packing or DP/PP layout):
+
+* ``token-mean``: sum over trained tokens / trained tokens;
+* ``seq-mean-token-mean``: sum over samples of the sample's token mean / samples;
+* ``seq-mean-token-sum-norm``: sum over samples of the sample's token sum / ``--seq-length`` / samples
+  (Dr. GRPO: a constant length normaliser).
+"""
+from __future__ import annotations
+
+import torch
+
+from megatron.core import parallel_state as ps
+
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+GRPO_METRICS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max", "response length")
+
+
+def policy_losses(logp, old, adv, ref, clip_low: float, clip_high: float, kl_coef: float, kl_estimator: str):
+    """(per-token loss, clipped [bool], ratio, pg loss, kl to the reference or None), all [1, T]."""
+    ratio = torch.exp(logp - old)
+    pg1 = -adv * ratio
+    pg2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    pg = torch.maximum(pg1, pg2)
+    loss, kl = pg, None
+    if kl_coef:
+        diff = ref - logp
+        kl = -diff if kl_estimator == "k1" else torch.exp(diff) - diff - 1
+        loss = pg + kl_coef * kl
+    return loss, pg2 > pg1, ratio, pg, kl
+
+
+def vocab_parallel_logp_entropy(logits: torch.Tensor, target: torch.Tensor):
+    """(log-prob of ``target``, entropy) per position from vocab-parallel logits ``[..., V/TP]``,
+    the sums over the vocabulary all-reduced over the TP group (the backward stays per shard)."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
+
+    logits = logits.float()
+    logp = -vocab_parallel_cross_entropy(logits.clone(), target)  # it works in place on the logits it is given
+    top = logits.detach().max(-1, keepdim=True).values
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(top, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group())
+    shifted = logits - top
+    exp = torch.exp(shifted)
+    total = tp_sum(exp.sum(-1, keepdim=True))
+    entropy = torch.log(total) - tp_sum((exp * shifted).sum(-1, keepdim=True)) / total
+    return logp, entropy.squeeze(-1)
+
+
+def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: float):
+    """(sum, count) of ``per_token`` [1, T] over ``batch``'s trained tokens under ``--loss-agg mode``."""
+    mask = batch.loss_mask
+    if mode == "token-mean":
+        return (per_token * mask).sum(), mask.sum().to(torch.int)
+    sums, counts = sequence_sums(per_token * mask, batch), sequence_sums(mask, batch)
+    samples = (batch.segment_labels > 0) & (counts > 0)
+    per_sample = sums / counts.clamp(min=1) if mode == "seq-mean-token-mean" else sums / norm
+    return per_sample[samples].sum(), samples.sum().to(torch.int)
+
+
+class GRPOStage:
+    name = "grpo"
+    max_metrics = ("ratio max",)  # reduced by MAX over micro-batches and ranks (the trainer)
+
+    def __init__(self, args):
+        if args.loss_agg not in LOSS_AGGS:
+            raise DataError(f"--loss-agg {args.loss_agg!r}: one of {', '.join(LOSS_AGGS)}")
+        if len(args.clip_ratio) > 2 or not 0 < args.clip_ratio[0] < 1 or not 0 < args.clip_ratio[-1]:
+            raise DataError(f"--clip-ratio {' '.join(map(str, args.clip_ratio))}: give eps, or eps_low eps_high "
+                            "(0 < eps_low < 1, eps_high > 0)")
+        self.args = args
+        low, high = (list(args.clip_ratio) + list(args.clip_ratio))[:2]
+        self.clip_low, self.clip_high = float(low), float(high)
+        self.needs_logits = bool(args.entropy_coef)  # the trainer then hands loss_func the logits
+        self.metric_names = GRPO_METRICS + (("ref kl",) if args.kl_coef else ()) + \
+            (("entropy",) if args.entropy_coef else ())
+        self.normaliser = {"token-mean": "trained response tokens"}.get(args.loss_agg, "samples") + \
+            " in the global batch"
+
+    def batch_source(self, args):
+        from mindspeed_pack.data.rollouts import RolloutBatchSource
+
+        return RolloutBatchSource(need_advantages=True)
+
+    def setup(self, trainer) -> None:
+        source = trainer.source
+        if self.args.kl_coef and any(r.ref_logprobs is None for r in source.rollouts):
+            where = next(r.where for r in source.rollouts if r.ref_logprobs is None)
+            raise DataError(f"{where}: --kl-coef {self.args.kl_coef} needs 'ref_logprobs' in every rollout (score "
+                            "them with posttrain.py --stage score --score-field ref_logprobs)")
+
+    def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
+        for batch, mb in zip(batches, micro_batches):
+            for field in ("old_logprobs", "ref_logprobs", "advantages"):
+                value = mb.get(field)
+                setattr(batch, field, None if value is None else value.reshape(1, -1).to(batch.loss_mask.device))
+        return batches
+
+    def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
+        args = self.args
+        mask = batch.loss_mask
+        entropy = None
+        if self.needs_logits:
+            logp, entropy = vocab_parallel_logp_entropy(output_tensor, batch.target.reshape(output_tensor.shape[:-1]))
+            logp, entropy = logp.reshape(mask.shape), entropy.reshape(mask.shape)
+        else:
+            logp = -output_tensor.float().reshape(mask.shape)
+        old = logp.detach() if batch.old_logprobs is None else batch.old_logprobs.to(logp.dtype)
+        ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(logp.dtype)
+        adv = batch.advantages.to(logp.dtype)
+        per_token, clipped, ratio, pg, kl = policy_losses(logp, old, adv, ref, self.clip_low, self.clip_high,
+                                                          args.kl_coef, args.kl_estimator)
+        if entropy is not None:
+            per_token = per_token - args.entropy_coef * entropy
+        loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length))
+        with torch.no_grad():
+            tokens = mask.sum()
+            samples = ((batch.segment_labels > 0) & (sequence_sums(mask, batch) > 0)).sum().float()
+            log_ratio = old - logp
+            reports = {
+                "lm loss": torch.stack([loss.detach(), count.float()]),
+                "pg loss": torch.stack([(pg * mask).sum(), tokens]),
+                "clip fraction": torch.stack([(clipped.float() * mask).sum(), tokens]),
+                "approx kl": torch.stack([((torch.exp(log_ratio) - log_ratio - 1) * mask).sum(), tokens]),
+                "ratio mean": torch.stack([(ratio * mask).sum(), tokens]),
+                "ratio max": torch.stack([ratio.masked_fill(mask == 0, -torch.inf).max(), (tokens > 0).float()]),
+                "response length": torch.stack([tokens, samples]),
+            }
+            if kl is not None:
+                reports["ref kl"] = torch.stack([(kl * mask).sum(), tokens])
+            if entropy is not None:
+                reports["entropy"] = torch.stack([(entropy * mask).sum(), tokens])
+        return loss, count, reports

@@ -1,0 +1,219 @@
+"""Reference log-probs: scored by a frozen model, in the job or once beforehand.
+
+``posttrain.py --stage dpo_reference --load REF --data-path P ...`` runs the reference over
+every pack of ``P`` (forward only, any TP/PP/CP/DP layout) and writes ``P_dpo_reference.pt``
+beside the data: per pack, its pairs' (chosen, rejected) log-prob sums, and the data's
+identity (content fingerprint of the packs, tokenizer, template) from its sidecar.
+``--stage dpo --ref-logps`` then trains with no reference model in memory; a file scored on
+other data, another tokenizer or template is refused, naming both identities.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from mindspeed_pack.data.packed_dataset import DataError, micro_batch
+from mindspeed_pack.packing import context_parallel as cp_view
+from mindspeed_pack.training.stages.sequences import sequence_logps
+
+log = logging.getLogger(__name__)
+
+SUFFIX = "_dpo_reference.pt"
+FORMAT = "mindspeed-pack dpo reference log-probs"
+
+
+def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
+    """Per-segment log-prob sums of every micro-batch under ``model_chunks`` (forward only, the
+    same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere."""
+    return score_batches(model_chunks, batches, tokens_per_micro_batch, lambda b, out: sequence_logps(b, out)[0])
+
+
+def token_logps(batch, output_tensor: torch.Tensor) -> torch.Tensor:
+    """Log-prob of every position's target [1, T] (the model's per-token loss is ``-log p``)."""
+    return -output_tensor.float().reshape(batch.loss_mask.shape)
+
+
+def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score) -> list:
+    """``score(batch, per-token loss)`` of every micro-batch under ``model_chunks`` (forward only, the
+    same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere."""
+    from mindspeed_pack.training.trainer import packed_seq_params
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+                       packed_seq_params=packed_seq_params(batch))
+
+        def collect(output_tensor):
+            scores = score(batch, output_tensor)
+            return scores.sum() * 0, torch.tensor(0, dtype=torch.int), {"scores": scores.detach()}
+
+        return output, collect
+
+    with torch.no_grad():
+        results = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=model_chunks,
+            num_microbatches=len(batches), seq_length=tokens_per_micro_batch, micro_batch_size=1, forward_only=True)
+    if not ps.is_pipeline_last_stage():
+        return [None] * len(batches)
+    return [r["scores"].double() for r in results]
+
+
+def data_identity(docs) -> dict:
+    """What reference log-probs are valid for: the packs' content, tokenizer and template."""
+    meta = docs.meta or {}
+    key = meta.get("cache_key") or {}
+    fingerprint = (meta.get("statistics") or {}).get("data_fingerprint")
+    if not fingerprint:
+        raise DataError(f"{docs.prefix}_packed_meta.json records no data_fingerprint: re-run preprocess_data.py "
+                        "with a pairwise handler")
+    tokenizer = hashlib.sha256(json.dumps(key.get("tokenizer"), sort_keys=True).encode()).hexdigest()[:16]
+    template = (key.get("template") or {}).get("name")
+    return {"data": fingerprint, "tokenizer": tokenizer, "template": template}
+
+
+def _describe(identity: dict) -> str:
+    return f"data fingerprint {identity['data']} (tokenizer {identity['tokenizer']}, template {identity['template']})"
+
+
+class ReferenceTable:
+    """Pairs' reference log-probs of one data prefix, keyed by (pack, pair in the pack)."""
+
+    def __init__(self, path: str, pair_offsets: torch.Tensor, logps: torch.Tensor):
+        self.path, self.pair_offsets, self.logps = path, pair_offsets.long(), logps.double()
+
+    @classmethod
+    def load_for(cls, docs) -> "ReferenceTable":
+        path = docs.prefix + SUFFIX
+        if not os.path.isfile(path):
+            raise DataError(f"--ref-logps: {path} not found; score the reference first: posttrain.py --stage "
+                            f"dpo_reference --load REF_CHECKPOINT --data-path {docs.prefix} ...")
+        saved = torch.load(path, weights_only=True)
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            raise DataError(f"{path}: not a reference log-prob file of --stage dpo_reference")
+        mine = data_identity(docs)
+        if saved["identity"] != mine:
+            raise DataError(f"{path} was scored on {_describe(saved['identity'])}, but {docs.prefix!r} holds "
+                            f"{_describe(mine)}: re-run --stage dpo_reference on this data")
+        return cls(path, saved["pair_offsets"], saved["logps"])
+
+    def lookup(self, micro_batch: dict) -> torch.Tensor:
+        """[pairs, 2] (chosen, rejected) of a micro-batch's rows, in segment order."""
+        out = []
+        for doc, seg in zip(micro_batch["documents"], micro_batch["segment_ids"]):
+            first, last = int(self.pair_offsets[doc]), int(self.pair_offsets[doc + 1])
+            if last - first != int(seg.max()) // 2:
+                raise DataError(f"{self.path}: pack {doc} has {int(seg.max()) // 2} pairs but the file "
+                                f"{last - first}: it belongs to other data")
+            out.append(self.logps[first:last])
+        return torch.cat(out)
+
+
+class ReferenceScoringStage:
+    """``--stage dpo_reference``: one forward pass of ``--load`` over every pack, written beside the data."""
+
+    name = "dpo_reference"
+    metric_names: tuple = ()
+    normaliser = "none (forward only)"
+
+    def __init__(self, args):
+        self.args = args
+
+    def batch_source(self, args):
+        from mindspeed_pack.data.packed_dataset import PackedBatchSource
+
+        return PackedBatchSource()
+
+    def setup(self, trainer) -> None:
+        pass
+
+    def run(self, args):
+        """The trainer's setup (model, ``--load``, data), then :meth:`score` in eval mode (forward only)."""
+        from mindspeed_pack.training.trainer import Trainer
+
+        self.check(args)
+        trainer = Trainer(args, self.batch_source(args), self)
+        trainer.setup()
+        try:
+            for chunk in trainer.model:
+                chunk.eval()
+            self.score(trainer)
+        finally:
+            trainer.cleanup()
+        return trainer
+
+    def check(self, args) -> None:
+        if not args.load:
+            raise DataError(f"--stage {self.name} scores a model: pass it with --load (and --finetune for a "
+                            "training checkpoint)")
+
+    def score(self, trainer) -> None:
+        for docs in trainer.source.docs:
+            self.score_prefix(trainer, docs)
+
+    def score_prefix(self, trainer, docs) -> str:
+        from mindspeed_pack.training.trainer import to_packed_batch
+
+        args = self.args
+        identity = data_identity(docs)
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        mbs, n = args.micro_batch_size, len(docs)
+        per_step = mbs * dp * args.num_micro_batches
+        mine = {}  # pack -> [pairs, 2]
+        for start in range(0, n, per_step):
+            order = [(start + i) % n for i in range(per_step)]  # the last step wraps round (duplicates dropped)
+            batches, raw = [], []
+            for m in range(args.num_micro_batches):
+                first = (m * dp + dp_rank) * mbs
+                chosen_docs = order[first:first + mbs]
+                mb = micro_batch([docs.get(d) for d in chosen_docs], args, isolate=True)
+                mb["documents"] = chosen_docs
+                raw.append(mb)
+                batches.append(to_packed_batch(mb, args))
+            tokens = args.seq_length * mbs
+            if args.context_parallel_size > 1:
+                multiple = cp_view.padding_multiple(args.context_parallel_size, args.tensor_model_parallel_size,
+                                                    args.sequence_parallel)
+                batches, tokens = cp_view.step_views(batches, args.context_parallel_size,
+                                                     ps.get_context_parallel_rank(), multiple,
+                                                     same_length=ps.get_pipeline_model_parallel_world_size() > 1)
+            from mindspeed_pack.training.stages.dpo import pair_segments
+
+            for batch, mb, seq in zip(batches, raw, score_sequences(trainer.model, batches, tokens)):
+                if seq is None:
+                    continue
+                chosen, rejected = pair_segments(batch)
+                pairs = torch.stack([seq[chosen], seq[rejected]], dim=1).cpu()
+                for doc, seg in zip(mb["documents"], mb["segment_ids"]):
+                    k = int(seg.max()) // 2
+                    mine[doc], pairs = pairs[:k], pairs[k:]
+        path = docs.prefix + SUFFIX
+        writer = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                  and ps.get_context_parallel_rank() == 0)
+        if writer:
+            gathered = [None] * dp
+            dist.all_gather_object(gathered, mine, group=ps.get_data_parallel_group())
+            if dp_rank == 0:
+                table = {}
+                for part in gathered:
+                    table.update(part)
+                counts = np.array([len(table[d]) for d in range(n)], dtype=np.int64)
+                offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]))
+                logps = torch.cat([table[d] for d in range(n)]).double()
+                tmp = f"{path}.tmp-{os.getpid()}"
+                torch.save({"format": FORMAT, "identity": identity, "reference": str(args.load),
+                            "pair_offsets": offsets, "logps": logps}, tmp)
+                os.replace(tmp, path)
+                log.info("dpo_reference: %d pairs of %d packs scored by %s -> %s (%s)", len(logps), n, args.load,
+                         path, _describe(identity))
+                print(f" reference log-probs of {len(logps)} pairs written to {path} ({_describe(identity)})",
+                      flush=True)
+        dist.barrier()
+        return path

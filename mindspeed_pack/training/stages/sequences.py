@@ -1,0 +1,39 @@
+"""Per-sequence log-prob sums of a packed micro-batch, for every stage that needs them.
+
+A pack's segments are its sequences (:func:`mindspeed_pack.packing.segments.sequence_sums`).
+The model's output is the per-token cross entropy of the shifted targets (``-log p``), so a
+sequence's log-prob is minus its trained tokens' sum. Under context parallelism each rank
+holds a zigzag share of every sequence: the sums are all-reduced over the CP group; the
+backward is the identity, since each rank's tokens contribute to the sum once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
+
+
+class _SumOverContextParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        out = x.clone()
+        dist.all_reduce(out, group=ps.get_context_parallel_group())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def sequence_logps(batch: PackedBatch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob sum, trained tokens) of every segment of ``batch``, over the whole CP group."""
+    mask = batch.loss_mask
+    logp = -output_tensor.float().reshape(mask.shape) * mask
+    sums, counts = sequence_sums(logp, batch), sequence_sums(mask, batch)
+    if ps.get_context_parallel_world_size() > 1:
+        sums = _SumOverContextParallel.apply(sums)
+        counts = counts.clone()
+        dist.all_reduce(counts, group=ps.get_context_parallel_group())
+    return sums, counts

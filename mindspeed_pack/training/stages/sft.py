@@ -1,0 +1,42 @@
+"""Supervised fine-tuning: the per-token mean over the global batch (or ``--per-sample-loss``)."""
+from __future__ import annotations
+
+import torch
+
+from mindspeed_pack.packing.segments import PackedBatch
+
+
+def loss_func(batch: PackedBatch, per_sample: bool, output_tensor: torch.Tensor):
+    """Summed loss and its normaliser; megatron divides by the global batch's total."""
+    losses = output_tensor.float().reshape(batch.loss_mask.shape)
+    if per_sample:
+        loss = (losses * batch.loss_weights).sum()
+        count = torch.tensor(batch.num_samples, dtype=torch.int, device=loss.device)
+    else:
+        loss = (losses * batch.loss_mask).sum()
+        count = batch.loss_mask.sum().to(torch.int)
+    report = torch.stack([loss.detach(), count.to(loss.dtype)])
+    return loss, count, {"lm loss": report}
+
+
+class SFTStage:
+    name = "sft"
+    metric_names: tuple = ()
+
+    def __init__(self, args):
+        self.per_sample = bool(getattr(args, "per_sample_loss", False))
+        self.normaliser = "samples" if self.per_sample else "trained tokens"
+
+    def batch_source(self, args):
+        from mindspeed_pack.data.online_packing import batch_source
+
+        return batch_source(args)
+
+    def setup(self, trainer) -> None:
+        pass
+
+    def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
+        return batches
+
+    def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
+        return loss_func(batch, self.per_sample, output_tensor)

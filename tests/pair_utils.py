@@ -1,0 +1,86 @@
+"""Packed preference pairs for the DPO tests, written as preprocess_data.py writes them.
+
+A pair = a prompt and two answers; in a pack, segment 2k-1 is prompt + chosen, 2k prompt +
+rejected. Tokens are random ids (the tiny models' vocabulary), so no tokenizer is needed.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from mindspeed_pack.data.pack_writer import content_fingerprint, packed_prefixes
+from tests.data_utils import IGNORE_INDEX, _builder
+
+
+def random_pairs(num_pairs: int, seed: int = 0, vocab: int = 250, prompt=(3, 10), answer=(2, 12)):
+    """[(prompt ids, chosen ids, rejected ids)]; a rejected answer repeats a token the chosen never
+    uses (id 3), so a tiny model can learn to prefer chosen answers."""
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(num_pairs):
+        p = rng.integers(4, vocab, int(rng.integers(*prompt)))
+        c = rng.integers(4, vocab, int(rng.integers(*answer)))
+        r = rng.integers(4, vocab, int(rng.integers(*answer)))
+        r[::2] = 3
+        pairs.append((p, c, r))
+    return pairs
+
+
+def sequence(prompt, answer):
+    """(ids, aligned labels) of prompt + answer; the first token is never labelled."""
+    ids = np.concatenate([prompt, answer]).astype(np.int64)
+    labels = np.full(len(ids), IGNORE_INDEX, np.int64)
+    labels[len(prompt):] = answer
+    labels[0] = IGNORE_INDEX
+    return ids, labels
+
+
+def pack_rows(pairs, groups, seq_length):
+    """Rows (ids, labels, segment ids) [len(groups), seq_length]: pack g holds pairs ``groups[g]``."""
+    ids = np.zeros((len(groups), seq_length), np.int64)
+    labels = np.full((len(groups), seq_length), IGNORE_INDEX, np.int64)
+    seg = np.zeros((len(groups), seq_length), np.int64)
+    for row, group in enumerate(groups):
+        pos, k = 0, 0
+        for j in group:
+            p, c, r = pairs[j]
+            for answer in (c, r):
+                i, lab = sequence(p, answer)
+                k += 1
+                assert pos + len(i) <= seq_length, "pairs do not fit the pack"
+                ids[row, pos:pos + len(i)], labels[row, pos:pos + len(i)], seg[row, pos:pos + len(i)] = i, lab, k
+                pos += len(i)
+    return ids, labels, seg
+
+
+def greedy_groups(pairs, seq_length):
+    groups, room = [], 0
+    for j, (p, c, r) in enumerate(pairs):
+        n = 2 * len(p) + len(c) + len(r)
+        if not groups or n > room:
+            groups.append([])
+            room = seq_length
+        groups[-1].append(j)
+        room -= n
+    return groups
+
+
+def write_pair_dataset(prefix: str, pairs, seq_length: int = 128, groups=None, tokenizer="toy", template="qwen"):
+    """Packs of ``pairs`` (``groups``: pair indices per pack, default greedy) with their sidecar."""
+    groups = groups or greedy_groups(pairs, seq_length)
+    ids, labels, seg = pack_rows(pairs, groups, seq_length)
+    prefixes = packed_prefixes(prefix)
+    arrays = {"input_ids": ids, "labels": labels, "attention_mask": seg}
+    for key, path in prefixes.items():
+        b = _builder(path + ".bin")
+        for row in arrays[key]:
+            b.add_document(row.astype(np.int32), [seq_length])
+        b.finalize(path + ".idx")
+    meta = {"layout": {"kind": "packed", "seq_length": seq_length, "neat_pack": True, "pad_id": 0,
+                       "pad_to_multiple_of": 1, "pairs": "segments 2k-1 (chosen) and 2k (rejected)"},
+            "cache_key": {"tokenizer": {"name": tokenizer}, "template": {"name": template}},
+            "statistics": {"pairs": len(pairs), "data_fingerprint": content_fingerprint(prefixes)}}
+    with open(f"{prefix}_packed_meta.json", "w") as f:
+        json.dump(meta, f)
+    return prefix

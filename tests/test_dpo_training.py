@@ -1,0 +1,134 @@
+"""posttrain.py --stage dpo end to end: every parallel layout equals TP1, both reference modes
+agree, resume is exact, a learnable preference is learned (multi-process runs)."""
+import json
+import math
+import os
+import shutil
+
+import pytest
+
+from tests.pair_utils import random_pairs, write_pair_dataset
+from tests.train_utils import run_posttrain
+
+STEPS = 4
+BASE = ["--stage", "dpo", "--dpo-beta", "0.5", "--seq-length", "128", "--neat-pack", "--micro-batch-size", "1",
+        "--global-batch-size", "4", "--lr", "5e-3", "--min-lr", "5e-3", "--lr-warmup-iters", "0",
+        "--train-iters", str(STEPS), "--seed", "7"]
+DPO_KEYS = ("lm loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from mindspeed_pack.convert import hf_to_megatron
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("dpo_training")
+    mg = write_converted_tiny_qwen2(root / "qwen")
+    mg_tp2pp2 = str(root / "qwen" / "mg_tp2pp2")
+    hf_to_megatron(str(root / "qwen" / "hf"), mg_tp2pp2, 2, 2, padded_vocab_size=256)
+    data = write_pair_dataset(str(root / "pairs"), random_pairs(60, seed=11))
+    return {"root": root, "mg": mg, "mg_tp2pp2": mg_tp2pp2, "data": data}
+
+
+def _run(setup, name, extra, nproc=1):
+    metrics = str(setup["root"] / f"{name}.jsonl")
+    proc, records = run_posttrain([*BASE, "--data-path", setup["data"], *extra], nproc=nproc, metrics=metrics)
+    return proc, [r for r in records if r["split"] == "train"]
+
+
+def _close(a, b, rel=1e-5, atol=1e-6):
+    return abs(a - b) <= atol + rel * max(abs(a), abs(b))
+
+
+def _same_steps(a, b, keys=DPO_KEYS + ("grad norm",), rel=1e-5):
+    """Equal step by step; rewards are beta x differences of log-probs ~50 in size (fp32: atol 1e-4)."""
+    assert [r["iteration"] for r in a] == [r["iteration"] for r in b]
+    for ra, rb in zip(a, b):
+        for k in keys:
+            atol = 1e-4 if k.startswith("rewards/") else 1e-6
+            assert _close(ra[k], rb[k], rel, atol), (ra["iteration"], k, ra[k], rb[k])
+
+
+@pytest.fixture(scope="module")
+def baseline(setup):
+    """TP1, the in-job reference (a frozen copy of the converted model), a checkpoint at step 2."""
+    proc, steps = _run(setup, "tp1", ["--load", setup["mg"], "--finetune", "--save", str(setup["root"] / "ckpt"),
+                                      "--save-interval", "2"])
+    assert "reference model = a frozen copy of the starting policy" in proc.stderr
+    assert "rewards/margins:" in proc.stdout and "logps/chosen:" in proc.stdout  # the console line
+    return steps
+
+
+def test_step_one_is_log2_with_zero_margin(baseline):
+    first = baseline[0]
+    assert first["rewards/margins"] == 0.0 and first["rewards/chosen"] == 0.0
+    assert first["lm loss"] == pytest.approx(math.log(2), rel=1e-7)
+    assert len(baseline) == STEPS and baseline[-1]["lm loss"] < math.log(2)
+
+
+def test_tp2_pp2_matches_tp1(setup, baseline):
+    _, steps = _run(setup, "tp2pp2", ["--load", setup["mg_tp2pp2"], "--finetune", "--tensor-model-parallel-size", "2",
+                                      "--pipeline-model-parallel-size", "2"], nproc=4)
+    _same_steps(baseline, steps)
+
+
+def test_cp2_dp2_matches_tp1(setup, baseline):
+    _, steps = _run(setup, "cp2dp2", ["--load", setup["mg"], "--finetune", "--context-parallel-size", "2"], nproc=4)
+    _same_steps(baseline, steps)
+
+
+def test_precomputed_reference_gives_the_same_losses_and_resume_is_exact(setup, baseline):
+    from mindspeed_pack.training.stages.reference import SUFFIX
+
+    # scored at DP2, 3 micro-batches a step (the last step wraps round the packs)
+    proc, _ = run_posttrain(["--stage", "dpo_reference", "--seq-length", "128", "--neat-pack", "--micro-batch-size", "1",
+                             "--global-batch-size", "6", "--data-path", setup["data"],
+                             "--load", setup["mg"], "--finetune"], nproc=2)
+    assert os.path.isfile(setup["data"] + SUFFIX) and "reference log-probs of 60 pairs" in proc.stdout
+    _, steps = _run(setup, "ref_logps", ["--load", setup["mg"], "--finetune", "--ref-logps"])
+    _same_steps(baseline, steps, rel=1e-6)
+    # resume at step 2 (mid-epoch) with the reference precomputed: steps 3 and 4 are the baseline's
+    from mindspeed_pack.checkpoint_layout import write_tracker
+
+    write_tracker(str(setup["root"] / "ckpt"), 2)  # the baseline saved iterations 2 and 4
+    _, resumed = _run(setup, "resumed", ["--load", str(setup["root"] / "ckpt"), "--ref-logps"])
+    _same_steps(baseline[2:], resumed, rel=1e-6)
+    # a resume without a reference of the starting weights is refused (the checkpoint moved on)
+    proc, _ = run_posttrain([*BASE, "--data-path", setup["data"], "--load", str(setup["root"] / "ckpt")], check=False)
+    assert proc.returncode == 2 and "--ref-load" in proc.stderr
+
+
+def test_reference_from_other_data_or_tokenizer_is_refused(setup, tmp_path):
+    from mindspeed_pack.data.packed_dataset import DataError, PackedDocuments
+    from mindspeed_pack.training.stages.reference import SUFFIX, ReferenceTable
+
+    other = write_pair_dataset(str(tmp_path / "other"), random_pairs(60, seed=12))
+    retokenized = write_pair_dataset(str(tmp_path / "retok"), random_pairs(60, seed=11), tokenizer="another")
+    ref = tmp_path / "scored.pt"
+    _write_fake_reference(ref, PackedDocuments(setup["data"]))
+    for prefix in (other, retokenized):
+        shutil.copy(ref, prefix + SUFFIX)
+        with pytest.raises(DataError) as err:
+            ReferenceTable.load_for(PackedDocuments(prefix))
+        mine = json.load(open(prefix + "_packed_meta.json"))["statistics"]["data_fingerprint"]
+        theirs = json.load(open(setup["data"] + "_packed_meta.json"))["statistics"]["data_fingerprint"]
+        assert f"data fingerprint {mine}" in str(err.value) and f"data fingerprint {theirs}" in str(err.value)
+    assert "tokenizer" in str(err.value)
+
+
+def _write_fake_reference(path, docs):
+    import torch
+
+    from mindspeed_pack.training.stages.reference import FORMAT, data_identity
+
+    torch.save({"format": FORMAT, "identity": data_identity(docs), "reference": "x",
+                "pair_offsets": torch.zeros(len(docs) + 1, dtype=torch.long), "logps": torch.zeros(0, 2)}, path)
+
+
+def test_a_learnable_preference_is_learned(setup):
+    """Rejected answers repeat one token: reward accuracy passes 0.9 and the margin grows."""
+    _, steps = _run(setup, "learn", ["--train-iters", "24", "--global-batch-size", "8", "--micro-batch-size", "2",
+                                     "--lr", "2e-3", "--min-lr", "2e-3"])
+    late = steps[-6:]
+    assert sum(r["rewards/accuracies"] for r in late) / len(late) > 0.9
+    assert sum(r["rewards/margins"] for r in late) / len(late) > 2 * max(1e-3, abs(steps[1]["rewards/margins"]))

@@ -1,0 +1,173 @@
+"""Packed rollouts are exact: per-token log-probs equal transformers' per-sample ones, and the
+PPO-clip loss and its gradients equal a per-sample unpadded computation, whatever the packing."""
+import json
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mindspeed_pack.data.rollouts import parse_rollout, rollout_row
+from mindspeed_pack.packing.segments import build_packed_batch
+from mindspeed_pack.training.stages.grpo import GRPOStage
+from mindspeed_pack.training.stages.reference import token_logps
+from mindspeed_pack.training.trainer import packed_seq_params
+from tests.model_utils import assert_same_gradients, converted_model_pair, write_converted_tiny_qwen2
+from tests.rollout_utils import random_rollouts, write_jsonl
+from tests.train_utils import run_posttrain
+
+S = 128
+CLIP_LOW, CLIP_HIGH, KL = 0.1, 0.3, 0.05
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return write_converted_tiny_qwen2(tmp_path_factory.mktemp("grpo_qwen2"))
+
+
+@pytest.fixture(scope="module")
+def models(converted):
+    """(megatron GPTModel with the converted weights, the transformers model they came from)."""
+    return converted_model_pair(converted, S)
+
+
+def _hf_logps(hf, row, entropy=False):
+    """Log-prob of every response token (and the entropy where it is predicted), one sample alone, no padding."""
+    p = len(row["prompt_ids"])
+    ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
+    logits = F.log_softmax(hf(ids[None]).logits[0, p - 1:-1].float(), -1)
+    logp = logits.gather(1, ids[p:, None]).squeeze(1)
+    return (logp, -(logits.exp() * logits).sum(-1)) if entropy else logp
+
+
+@pytest.fixture(scope="module")
+def rows(models):
+    """Rollouts whose old and reference log-probs are the model's own, perturbed so that clipping happens."""
+    _, hf = models
+    out = random_rollouts(6, seed=2)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for row in out:
+            logp = _hf_logps(hf, row).double()
+            row["old_logprobs"] = (logp + 0.3 * torch.randn(len(logp), generator=g, dtype=torch.float64)).tolist()
+            row["ref_logprobs"] = (logp + 0.2 * torch.randn(len(logp), generator=g, dtype=torch.float64)).tolist()
+    return out
+
+
+def _stage(mode, entropy_coef=0.0):
+    return GRPOStage(types.SimpleNamespace(loss_agg=mode, clip_ratio=[CLIP_LOW, CLIP_HIGH], kl_coef=KL,
+                                           kl_estimator="k3", seq_length=S, entropy_coef=entropy_coef))
+
+
+def _packed(model, rows, groups, stage=None):
+    """(per-token log-probs of every row's response in input order, loss sum, count) with ``rows`` packed as ``groups``."""
+    rollouts = [parse_rollout(row, f"row {i}", 256) for i, row in enumerate(rows)]
+    logps, loss, count = [None] * len(rows), 0.0, 0
+    for group in groups:
+        mb = rollout_row([rollouts[i] for i in group], S, every_response_token=stage is None)  # scoring: every token
+        batch = build_packed_batch(mb["input_ids"], mb["labels"], mb["segment_ids"])
+        logits = stage is not None and stage.needs_logits
+        out = model(batch.tokens, batch.position_ids, None, labels=None if logits else batch.target,
+                    packed_seq_params=packed_seq_params(batch))
+        scores = None if logits else token_logps(batch, out)[0]
+        for i, start in zip(group, mb["response_starts"]):
+            logps[i] = None if scores is None else scores[start:start + len(rows[i]["response_ids"])]
+        if stage is not None:
+            batch, = stage.prepare(None, [batch], [mb], "train", S)
+            s, n, _ = stage.loss_func(batch, out)
+            loss, count = loss + s, count + int(n)
+    return logps, loss, count
+
+
+def _expected_loss(hf, rows, mode, entropy_coef=0.0):
+    """The per-sample, unpadded PPO-clip loss (written out here, independently of the stage)."""
+    sums, counts = [], []
+    for row in rows:
+        logp, entropy = _hf_logps(hf, row, entropy=True)
+        old, ref, adv = (torch.tensor(row[k], dtype=torch.float32) for k in ("old_logprobs", "ref_logprobs", "advantages"))
+        mask = torch.tensor(row["response_mask"], dtype=torch.float32)
+        ratio = torch.exp(logp - old)
+        pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        sums.append(((pg + KL * kl - entropy_coef * entropy) * mask).sum())
+        counts.append(mask.sum())
+    sums, counts = torch.stack(sums), torch.stack(counts)
+    if mode == "token-mean":
+        return sums.sum() / counts.sum()
+    if mode == "seq-mean-token-mean":
+        return (sums / counts).mean()
+    return (sums / S).mean()
+
+
+def test_packed_logprobs_equal_transformers_per_sample(models, rows):
+    mg, hf = models
+    with torch.no_grad():
+        logps, _, _ = _packed(mg, rows, [[0, 1, 2], [3, 4, 5]])
+        for row, mine in zip(rows, logps):
+            theirs = _hf_logps(hf, row)
+            assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("mode,entropy_coef", [("token-mean", 0.0), ("seq-mean-token-mean", 0.0),
+                                               ("seq-mean-token-sum-norm", 0.0), ("token-mean", 0.05)])
+def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode, entropy_coef):
+    mg, hf = models
+    stage = _stage(mode, entropy_coef)
+    mg.zero_grad()
+    _, loss, n = _packed(mg, rows, [[0, 3, 5], [1, 2, 4]], stage)
+    (loss / n).backward()
+    hf.zero_grad()
+    expected = _expected_loss(hf, rows, mode, entropy_coef)
+    expected.backward()
+    assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
+    assert_same_gradients(mg, hf)
+
+
+def test_packing_the_same_rollouts_differently_gives_the_same_loss(models, rows):
+    mg, _ = models
+    stage = _stage("seq-mean-token-mean")
+    results = []
+    for groups in ([[0, 1, 2, 3, 4, 5]], [[5, 4], [3], [2, 1, 0]], [[i] for i in range(6)]):
+        mg.zero_grad()
+        _, loss, n = _packed(mg, rows, groups, stage)
+        (loss / n).backward()
+        results.append((float(loss / n), torch.cat([p.grad.reshape(-1) for p in mg.parameters()])))
+    for loss, grad in results[1:]:
+        assert abs(loss - results[0][0]) <= 1e-6 * abs(results[0][0])
+        assert float((grad - results[0][1]).abs().max() / results[0][1].abs().max()) <= 1e-5
+
+
+def test_scored_rollouts_give_ratio_one_and_dp2_equals_one_process(converted, models, tmp_path):
+    """CLI at DP2: --stage score writes the model's own log-probs (== transformers'); --stage grpo
+    then starts at ratio 1 with no clipping, and its loss and gradient norm equal one process's."""
+    mg, hf = models
+    rows = random_rollouts(8, seed=5)
+    src = write_jsonl(tmp_path / "rollouts.jsonl", rows)
+    scored = str(tmp_path / "scored.jsonl")
+    common = ["--seq-length", str(S), "--micro-batch-size", "1", "--load", converted, "--finetune",
+              "--max-seqlen-per-dp-cp-rank", "64", "--lr", "1e-4", "--clip-grad", "1.0"]
+    run_posttrain(["--stage", "score", "--rollout-path", src, "--score-output", scored, "--global-batch-size", "4",
+                   *common], nproc=2)
+    with open(scored) as f:
+        out = [json.loads(line) for line in f]
+    assert [r["response_ids"] for r in out] == [r["response_ids"] for r in rows]
+    with torch.no_grad():
+        for row in out:
+            theirs = _hf_logps(hf, row).double()
+            mine = torch.tensor(row["old_logprobs"], dtype=torch.float64)
+            assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+    _, records = run_posttrain(["--stage", "grpo", "--rollout-path", scored, "--global-batch-size", "8",
+                                "--loss-agg", "seq-mean-token-mean", "--train-iters", "1", *common],
+                               nproc=2, metrics=str(tmp_path / "m.jsonl"))
+    step, = [r for r in records if r["split"] == "train"]
+    assert step["ratio mean"] == step["ratio max"] == 1.0 and step["clip fraction"] == 0.0 and step["approx kl"] == 0.0
+    assert step["response length"] == pytest.approx(sum(sum(r["response_mask"]) for r in rows) / 8)
+    # one process, each rollout alone: the same loss and gradient
+    for row in out:
+        row["ref_logprobs"] = row["old_logprobs"]
+    mg.zero_grad()
+    _, loss, n = _packed(mg, out, [[i] for i in range(8)], _stage("seq-mean-token-mean"))
+    (loss / n).backward()
+    norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in mg.parameters())))
+    assert step["lm loss"] == pytest.approx(float(loss / n), rel=1e-5)
+    assert step["grad norm"] == pytest.approx(norm, rel=1e-5)

@@ -1,0 +1,74 @@
+"""Preference pairs through preprocessing: a pair is one unit of packing, never cut."""
+import json
+
+import numpy as np
+import pytest
+
+from mindspeed_pack.data import toy
+
+PAIRS = 120
+
+
+@pytest.fixture(scope="module")
+def pref_rows():
+    return toy.generate_preference(PAIRS, seed=3, max_words=30)
+
+
+def _packs(read_indexed, prefix):
+    return [read_indexed(f"{prefix}_packed_{k}_document") for k in ("input_ids", "attention_mask", "labels")]
+
+
+@pytest.mark.parametrize("sharegpt", [False, True])
+def test_pairs_are_neighbours_in_one_pack(tmp_path, run_preprocess, read_indexed, toy_tokenizer_dir, sharegpt):
+    from transformers import AutoTokenizer
+
+    rows = toy.generate_preference(PAIRS, seed=3, max_words=30, sharegpt=sharegpt)
+    data = toy.write_dataset(tmp_path / "pref.jsonl", rows)
+    handler = "SharegptStylePairwiseHandler" if sharegpt else "AlpacaStylePairwiseHandler"
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "p", handler_name=handler,
+                                    prompt_type="qwen", seq_length=256, pack=True, neat_pack=True)
+    assert code == 0, err
+    meta = json.load(open(tmp_path / "p_packed_meta.json"))
+    assert meta["statistics"]["pairs"] == PAIRS and len(meta["statistics"]["data_fingerprint"]) == 16
+    assert "2k-1 (chosen)" in meta["layout"]["pairs"]
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer_dir)
+    seen = []
+    for ids, seg, labels in zip(*_packs(read_indexed, tmp_path / "p")):
+        k = int(seg.max())
+        assert k % 2 == 0 and set(np.unique(seg)) - {0} == set(range(1, k + 1))
+        for j in range(1, k, 2):
+            c, r = seg == j, seg == j + 1
+            chosen = tok.decode(ids[c][labels[c] != -100])
+            rejected = tok.decode(ids[r][labels[r] != -100])
+            prompt_c = ids[c][labels[c] == -100]
+            prompt_r = ids[r][labels[r] == -100]
+            # same prompt, answers of the same row (the rule: chosen lower case, rejected upper case)
+            assert np.array_equal(prompt_c, prompt_r)
+            assert chosen.replace("<|im_end|>", "").upper() == rejected.replace("<|im_end|>", "")
+            seen.append(chosen)
+    assert len(seen) == PAIRS
+
+
+def test_pair_bad_inputs(tmp_path, run_preprocess, pref_rows):
+    rows = [dict(r) for r in pref_rows[:20]]
+    rows[3]["rejected"] = rows[3]["chosen"]  # identical: warned, counted
+    rows[5]["input"] = " ".join(["apple"] * 200)  # too long for the pair: dropped, counted (never cut)
+    data = toy.write_dataset(tmp_path / "pref.jsonl", rows)
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "p", handler_name="AlpacaStylePairwiseHandler",
+                                    prompt_type="qwen", seq_length=256, pack=True, neat_pack=True)
+    assert code == 0, err
+    stats = json.load(open(tmp_path / "p_packed_meta.json"))["statistics"]
+    assert stats["skipped"] == {"identical chosen and rejected": 1, "pair longer than --seq-length": 1}
+    assert stats["pairs"] == 18 and stats["truncated"] == 0
+    assert "1 rows with identical chosen and rejected answers skipped" in err
+
+    del rows[7]["rejected"]  # a malformed row: an error naming file, row and field
+    data = toy.write_dataset(tmp_path / "bad.jsonl", rows)
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "b", handler_name="AlpacaStylePairwiseHandler",
+                                    prompt_type="qwen", seq_length=256, pack=True, neat_pack=True)
+    assert code == 2
+    assert "bad.jsonl" in err and "line 8" in err and "'rejected'" in err, err
+
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "c", handler_name="AlpacaStylePairwiseHandler",
+                                    prompt_type="qwen", seq_length=256, pack=True)
+    assert code == 2 and "needs --pack --neat-pack" in err
