@@ -29,23 +29,12 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch
 from mindspeed_pack.platform import cuda_usable
-from mindspeed_pack.training.stages.sequences import sequence_logps
+from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
 
 log = logging.getLogger(__name__)
 
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                "logps/chosen", "logps/rejected")
-
-
-def pair_segments(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices (into the batch's segments) of every pair's chosen and rejected sequence."""
-    labels = batch.segment_labels
-    chosen = torch.nonzero((labels > 0) & (labels % 2 == 1)).squeeze(1)
-    rejected = chosen + 1
-    if len(chosen) and (int(rejected.max()) >= len(labels) or bool((labels[rejected] != labels[chosen] + 1).any())):
-        raise DataError("a preference pair is not whole in its micro-batch (segment 2k-1 without 2k): the data was "
-                        "not written by preprocess_data.py with a pairwise handler")
-    return chosen, rejected
 
 
 def preference_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float, loss_type: str,

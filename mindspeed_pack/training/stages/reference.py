@@ -22,7 +22,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed_pack.data.packed_dataset import DataError, micro_batch
 from mindspeed_pack.packing import context_parallel as cp_view
-from mindspeed_pack.training.stages.sequences import sequence_logps
+from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,6 @@ class ReferenceScoringStage:
                 batches, tokens = cp_view.step_views(batches, args.context_parallel_size,
                                                      ps.get_context_parallel_rank(), multiple,
                                                      same_length=ps.get_pipeline_model_parallel_world_size() > 1)
-            from mindspeed_pack.training.stages.dpo import pair_segments
 
             for batch, mb, seq in zip(batches, raw, score_sequences(trainer.model, batches, tokens)):
                 if seq is None:

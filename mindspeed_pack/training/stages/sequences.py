@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
 
 
@@ -37,3 +38,14 @@ def sequence_logps(batch: PackedBatch, output_tensor: torch.Tensor) -> tuple[tor
         counts = counts.clone()
         dist.all_reduce(counts, group=ps.get_context_parallel_group())
     return sums, counts
+
+
+def pair_segments(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices (into the batch's segments) of every pair's chosen and rejected sequence."""
+    labels = batch.segment_labels
+    chosen = torch.nonzero((labels > 0) & (labels % 2 == 1)).squeeze(1)
+    rejected = chosen + 1
+    if len(chosen) and (int(rejected.max()) >= len(labels) or bool((labels[rejected] != labels[chosen] + 1).any())):
+        raise DataError("a preference pair is not whole in its micro-batch (segment 2k-1 without 2k): the data was "
+                        "not written by preprocess_data.py with a pairwise handler")
+    return chosen, rejected
