@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mindspeed_pack.model.packed_attention import bucket_width, segment_causal_attention
+from mindspeed_pack.model.packed_attention import segment_causal_attention
+from mindspeed_pack.model.segment_buckets import bucket_width
 
 
 def dense_reference(q, k, v, cu):

@@ -395,6 +395,18 @@ def args_to_dict(args) -> dict:
             **{k: getattr(args, k, default) for k, default in OPTIONAL_MODEL_ARGS.items()}}
 
 
+def training_model_args(args) -> dict:
+    """The model-shape arguments a training run's checkpoint records (those of :func:`args_to_dict`), with
+    the loaded model's sliding window and family, or the family the flags describe."""
+    out = {k: getattr(args, k, None) for k in MODEL_ARG_NAMES}
+    out.update({k: getattr(args, k, default) for k, default in OPTIONAL_MODEL_ARGS.items()})
+    out["sliding_window"] = getattr(args, "loaded_sliding_window", None)
+    if out.get("model_type_hf") is None:
+        # kept from a converted checkpoint when there was one; else the family the flags describe
+        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None) or spec_for_args(args).name
+    return out
+
+
 def args_from_dict(stored: dict, where: str) -> argparse.Namespace:
     missing = [k for k in MODEL_ARG_NAMES if k not in stored]
     if missing:

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from mindspeed_pack.model.packed_attention import bucket_width
+from mindspeed_pack.model.segment_buckets import bucket_width
 from mindspeed_pack.packing.context_parallel import zigzag_index
 
 

@@ -23,11 +23,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
-
-def bucket_width(length: int) -> int:
-    """Round a segment length up to its bucket: at most 1/8 longer (16 below 128 tokens)."""
-    step = 1 << max(4, length.bit_length() - 4)  # the largest power of two <= length / 8, at least 16
-    return -(-length // step) * step
+from mindspeed_pack.model.context_parallel_attention import context_parallel_attention
+from mindspeed_pack.model.segment_buckets import bucket_width
 
 
 def segment_causal_attention(
@@ -109,8 +106,6 @@ class PackedDotProductAttention(MegatronModule):
         tp = pg_collection.tp.size()
         self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
         if self.cp_group is not None:
-            from mindspeed_pack.model.context_parallel_attention import context_parallel_attention  # imports us
-
             self._cp_attention = context_parallel_attention
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)

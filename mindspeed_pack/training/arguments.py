@@ -20,6 +20,8 @@ import warnings
 from mindspeed_pack.model.gpt import padded_vocab_size
 from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
 from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training import hf_checkpoint
+from mindspeed_pack.training.errors import ArgumentError
 
 log = logging.getLogger(__name__)
 
@@ -336,10 +338,6 @@ def build_parser(description: str = "mindspeed-pack training") -> argparse.Argum
     return p
 
 
-class ArgumentError(ValueError):
-    """An invalid flag or combination of flags."""
-
-
 def _warn_unavailable(args) -> None:
     if cuda_usable():
         return
@@ -487,8 +485,6 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
     args = parser.parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    from mindspeed_pack.training import hf_checkpoint  # imports this module
-
     try:
         hf_checkpoint.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
         validate_args(args, world_size)

@@ -34,7 +34,10 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack import faults
+from mindspeed_pack.convert.model_specs import training_model_args
 from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training.errors import CheckpointError, all_ranks_ok
+from mindspeed_pack.training.hf_checkpoint import read_rank_units
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +46,6 @@ SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "padded_vocab_size", "add_qkv_bias", "swiglu", "untie_embeddings_and_output_weights", "kv_channels",
               "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def _ranks():
@@ -99,19 +98,6 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _model_args(args) -> dict:
-    """The model-shape arguments convert_ckpt.py reads back (its MODEL_ARG_NAMES, all of them)."""
-    from mindspeed_pack.convert.model_specs import MODEL_ARG_NAMES, OPTIONAL_MODEL_ARGS, spec_for_args
-
-    out = {k: getattr(args, k, None) for k in MODEL_ARG_NAMES}
-    out.update({k: getattr(args, k, default) for k, default in OPTIONAL_MODEL_ARGS.items()})
-    out["sliding_window"] = getattr(args, "loaded_sliding_window", None)
-    if out.get("model_type_hf") is None:
-        # kept from a converted checkpoint when there was one; else the family the flags describe
-        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None) or spec_for_args(args).name
-    return out
-
-
 def _fsync_dir(path: str) -> None:
     """Make renames inside ``path`` durable (a no-op where directories cannot be opened)."""
     try:
@@ -124,13 +110,6 @@ def _fsync_dir(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _all_ok(error) -> bool:
-    """True when no rank failed (every rank must agree, or the others would hang in a barrier)."""
-    failed = torch.tensor([int(error is not None)], device=torch.cuda.current_device() if cuda_usable() else "cpu")
-    dist.all_reduce(failed)
-    return not failed.item()
 
 
 def _save_failed(root: str, iteration: int, error, tmp_dir: str) -> CheckpointError:
@@ -167,7 +146,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "checkpoint_version": layout.CHECKPOINT_VERSION,
-        "args": _model_args(args),
+        "args": training_model_args(args),
         "model": layout.model_state_for_save(model[0]),
     }
     if not args.no_save_optim:
@@ -186,7 +165,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         faults.fire("written", iteration, tmp_dir)
     except OSError as e:  # a full disk, a quota, a lost mount
         error = e
-    if not _all_ok(error):
+    if not all_ranks_ok(error):
         raise _save_failed(root, iteration, error, tmp_dir)
     error = None
     if dist.get_rank() == 0:
@@ -194,7 +173,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
             _publish(root, iteration, final_dir, tmp_dir)
         except OSError as e:
             error = e
-    if not _all_ok(error):
+    if not all_ranks_ok(error):
         raise _save_failed(root, iteration, error, tmp_dir)
     if dist.get_rank() == 0:
         log.info("saved checkpoint at iteration %d to %s", iteration, root)
@@ -313,8 +292,6 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
 
 def _load_hf_weights(args, model, optimizer):
     """A Hugging Face model directory: each rank reads its own slice, and training starts at iteration 0."""
-    from mindspeed_pack.training.hf_checkpoint import read_rank_units
-
     module = model[0].module
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     loaded = {}  # name -> a shape-only stand-in, for the final check

@@ -29,10 +29,10 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 
 from mindspeed_pack.convert import hf_io
-from mindspeed_pack.convert.model_specs import ConversionError, args_from_hf_config, get_spec
+from mindspeed_pack.convert.model_specs import ConversionError, args_from_hf_config, get_spec, training_model_args
 from mindspeed_pack.convert.sharding import shard_state_dict, stage_units
 from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit, hf_unit_shapes, is_ignorable_hf_tensor
-from mindspeed_pack.training.arguments import ArgumentError
+from mindspeed_pack.training.errors import ArgumentError, CheckpointError, all_ranks_ok
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,6 @@ def read_rank_units(args) -> Iterator[Dict[str, torch.Tensor]]:
     """
     from megatron.core import parallel_state as ps
 
-    from mindspeed_pack.training.checkpointing import CheckpointError
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     try:
@@ -284,7 +283,7 @@ def _data_prefixes(args) -> list:
 def tokenizer_dir(args) -> Optional[str]:
     """Where the tokenizer of this run lives: the data's extended ``P_tokenizer/`` (it holds the
     template's added tokens), else ``--tokenizer-name-or-path``, else the HF ``--load`` directory."""
-    from mindspeed_pack.data.packed_dataset import read_meta
+    from mindspeed_pack.data.packed_documents import read_meta
 
     candidates = []
     for prefix in _data_prefixes(args)[:1]:
@@ -300,9 +299,7 @@ def tokenizer_dir(args) -> Optional[str]:
 
 def _export_args(args) -> dict:
     """The model-shape arguments a saved checkpoint records, with the defaults the flags left open."""
-    from mindspeed_pack.training.checkpointing import _model_args
-
-    out = _model_args(args)
+    out = training_model_args(args)
     if out["vocab_size"] is None:  # only --padded-vocab-size given: every row is a real row
         out["vocab_size"] = args.padded_vocab_size
     if out["kv_channels"] is None:
@@ -318,7 +315,6 @@ def check_exportable(args) -> None:
     would be lost in the HF model.
     """
     from mindspeed_pack.convert.model_specs import hf_config_from_args
-    from mindspeed_pack.training.checkpointing import CheckpointError
 
     mine = _export_args(args)
     spec = get_spec(mine["model_type_hf"])
@@ -358,7 +354,6 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
 
     from mindspeed_pack import checkpoint_layout as layout
     from mindspeed_pack.convert.convert import megatron_to_hf
-    from mindspeed_pack.training.checkpointing import CheckpointError, _all_ok
 
     out_dir = os.path.abspath(out_dir or args.save_hf)
     staging = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.megatron-staging")
@@ -374,7 +369,7 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
                                     layout.checkpoint_file(staging, layout.RELEASE, tp_rank, pp_rank, pp))
     except OSError as e:
         error = e
-    ok = _all_ok(error)
+    ok = all_ranks_ok(error)
     # the merge runs on rank 0 alone and may outlast the collective timeout: the others wait on a
     # CPU group of their own with a long one
     wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(

@@ -1,0 +1,91 @@
+"""The three aligned indexed datasets of one preprocessed prefix, opened and checked.
+
+Below both the training view (``packed_dataset``) and the deep checks (``validation``), so
+neither has to import the other for the shared types.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+KEYS = ("input_ids", "attention_mask", "labels")
+
+
+def dataset_paths(prefix: str) -> dict:
+    return {k: f"{prefix}_packed_{k}_document" for k in KEYS}
+
+
+def read_meta(prefix: str) -> Optional[dict]:
+    """The preprocessing sidecar (arguments, tokenizer, statistics), if present."""
+    for name in (f"{prefix}_packed_meta.json", f"{prefix}_meta.json"):
+        if os.path.isfile(name):
+            with open(name) as f:
+                return json.load(f)
+    return None
+
+
+class DataError(ValueError):
+    """Missing or inconsistent training data."""
+
+
+def check_index_header(path: str) -> None:
+    """``path.idx`` starts like a Megatron index (megatron-core would only assert, mid-construction)."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+
+    with open(path + ".idx", "rb") as f:
+        if f.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
+            raise DataError(f"{path}.idx: not a readable Megatron index (it does not start with "
+                            f"{_INDEX_HEADER!r}); re-run preprocess_data.py")
+
+
+class PackedDocuments:
+    """The three aligned indexed datasets of one prefix."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.datasets = {}
+        for key, path in dataset_paths(prefix).items():
+            missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
+            if missing:
+                raise DataError(f"data prefix {prefix!r}: missing {', '.join(missing)} "
+                                f"(run preprocess_data.py with --output-prefix {prefix})")
+            check_index_header(path)
+            self.datasets[key] = IndexedDataset(path, mmap=True)
+        sizes = {k: len(d) for k, d in self.datasets.items()}
+        if len(set(sizes.values())) != 1:
+            odd = next(k for k, n in sizes.items() if n != sizes["input_ids"])
+            raise DataError(f"{dataset_paths(prefix)[odd]}.idx holds {sizes[odd]} documents but "
+                            f"{dataset_paths(prefix)['input_ids']}.idx {sizes['input_ids']}: the files come from "
+                            "different preprocessing runs (an .idx of another dataset?); re-run preprocess_data.py")
+        self.meta = read_meta(prefix)
+        self.sample_lengths = self._recorded_sample_lengths()
+
+    def _recorded_sample_lengths(self) -> Optional[IndexedDataset]:
+        """Plain ``--pack`` data: each pack's sample lengths, if the sidecar names the file that holds them."""
+        name = ((self.meta or {}).get("layout") or {}).get("sample_lengths")
+        if not name:
+            return None
+        path = os.path.join(os.path.dirname(self.prefix), name)
+        missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
+        if missing:
+            raise DataError(f"{self.prefix}_packed_meta.json names the packs' sample boundaries {name}, but "
+                            f"{', '.join(missing)} cannot be found; copy it with the packs or re-run preprocess_data.py")
+        check_index_header(path)
+        return IndexedDataset(path, mmap=True)
+
+    def __len__(self) -> int:
+        return len(self.datasets["input_ids"])
+
+    def get(self, doc: int) -> dict:
+        """The document's arrays; plain packs with recorded boundaries add ``sample_ids`` (1..k, 0 = padding)."""
+        out = {k: np.asarray(d[doc], dtype=np.int64) for k, d in self.datasets.items()}
+        if self.sample_lengths is not None:
+            lengths = np.asarray(self.sample_lengths[doc], dtype=np.int64)
+            ids = np.zeros(len(out["input_ids"]), np.int64)
+            ids[:int(lengths.sum())] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+            out["sample_ids"] = ids
+        return out
