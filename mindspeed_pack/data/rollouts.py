@@ -14,7 +14,7 @@ ids, never re-tokenised::
 
 Each row is checked on load (lengths agree with ``response_ids``, ids fit the vocabulary); a bad
 row stops the run with a :class:`DataError` naming the file and line/row and the field. A sample
-longer than ``--max-seqlen-per-dp-cp-rank`` is refused (``--rollout-overlong refuse``) or dropped
+longer than a row (``--max-seqlen-per-dp-cp-rank`` x CP) is refused (``--rollout-overlong refuse``) or dropped
 and counted (``drop``), never truncated.
 
 One sample is one segment of a row. Token ``P + j`` (response token ``j``, ``P`` prompt tokens)
@@ -241,7 +241,8 @@ class RolloutBatchSource:
     Global batch ``g`` is rollouts ``[g*GBS, (g+1)*GBS)`` of the file (in file order, cycling).
     Every rank derives the same plan from the samples' lengths: spread over DP ranks by
     attention cost, each share packed with the C++ best-fit-decreasing packer into rows of
-    ``--max-seqlen-per-dp-cp-rank`` tokens (a hard cap), the same number of rows on every rank
+    ``--max-seqlen-per-dp-cp-rank`` x CP tokens (a hard cap; under CP at the samples' CP-padded
+    lengths, so each CP rank holds at most the cap), the same number of rows on every rank
     (:func:`mindspeed_pack.packing.balance.plan_online_packing`). A micro-batch is one row."""
 
     docs: list = []  # no packed prefixes (the trainer's preflight checks those)
