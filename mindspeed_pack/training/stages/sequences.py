@@ -19,7 +19,9 @@ from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
 class _SumOverContextParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
-        return _cp_sum(x)
+        out = x.clone()
+        dist.all_reduce(out, group=ps.get_context_parallel_group())
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -33,12 +35,6 @@ def whole_sequence_sums(values: torch.Tensor, batch: PackedBatch) -> torch.Tenso
     if ps.get_context_parallel_world_size() > 1:
         sums = _SumOverContextParallel.apply(sums)
     return sums
-
-
-def _cp_sum(x: torch.Tensor) -> torch.Tensor:
-    x = x.clone()
-    dist.all_reduce(x, group=ps.get_context_parallel_group())
-    return x
 
 
 def sequence_logps(batch: PackedBatch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
