@@ -34,7 +34,7 @@ class ScoreStage(ReferenceScoringStage):
 
     def __init__(self, args):
         super().__init__(args)
-        self.entropy = bool(args.score_entropy)
+        self.entropy = bool(getattr(args, "score_entropy", False))
         self.fields = (args.score_field,) + (("entropy",) if self.entropy else ())
 
     def batch_source(self, args):
