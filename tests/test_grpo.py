@@ -138,7 +138,7 @@ def test_packing_the_same_rollouts_differently_gives_the_same_loss(models, rows)
 
 
 def test_scored_rollouts_give_ratio_one_and_dp2_equals_one_process(converted, models, tmp_path):
-    """CLI at DP2: --stage score writes the model's own log-probs (== transformers'); --stage grpo
+    """CLI at DP2: --stage score writes the model's own log-probs and entropies (== transformers'); --stage grpo
     then starts at ratio 1 with no clipping, and its loss and gradient norm equal one process's."""
     mg, hf = models
     rows = random_rollouts(8, seed=5)
@@ -147,15 +147,15 @@ def test_scored_rollouts_give_ratio_one_and_dp2_equals_one_process(converted, mo
     common = ["--seq-length", str(S), "--micro-batch-size", "1", "--load", converted, "--finetune",
               "--max-seqlen-per-dp-cp-rank", "64", "--lr", "1e-4", "--clip-grad", "1.0"]
     run_posttrain(["--stage", "score", "--rollout-path", src, "--score-output", scored, "--global-batch-size", "4",
-                   *common], nproc=2)
+                   "--score-entropy", *common], nproc=2)
     with open(scored) as f:
         out = [json.loads(line) for line in f]
     assert [r["response_ids"] for r in out] == [r["response_ids"] for r in rows]
     with torch.no_grad():
         for row in out:
-            theirs = _hf_logps(hf, row).double()
-            mine = torch.tensor(row["old_logprobs"], dtype=torch.float64)
-            assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+            for field, theirs in zip(("old_logprobs", "entropy"), _hf_logps(hf, row, entropy=True)):
+                mine, theirs = torch.tensor(row[field], dtype=torch.float64), theirs.double()
+                assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5, field
     _, records = run_posttrain(["--stage", "grpo", "--rollout-path", scored, "--global-batch-size", "8",
                                 "--loss-agg", "seq-mean-token-mean", "--train-iters", "1", *common],
                                nproc=2, metrics=str(tmp_path / "m.jsonl"))

@@ -95,3 +95,26 @@ def test_response_token_fields_sit_where_the_token_is_predicted(tmp_path):
         pos += len(r)
     assert float(batch.loss_mask[0, pos:].sum()) == 0
     assert torch.equal(batch.position_ids[0, :len(rollouts[0])], torch.arange(len(rollouts[0])))
+
+
+def test_response_token_fields_follow_their_tokens_to_each_cp_rank(tmp_path):
+    """At CP2 each rank holds, at every trained position, the advantage of the very token that position predicts."""
+    from mindspeed_pack.packing.context_parallel import context_parallel_view, rank_share, whole_from_shares
+
+    rows = random_rollouts(5, seed=4)
+    for s, row in enumerate(rows):  # advantage = 1000 x sample + j: names the token it belongs to
+        row["advantages"] = [1000.0 * s + j for j in range(len(row["response_ids"]))]
+    rollouts, _ = load_rollouts(write_jsonl(tmp_path / "r.jsonl", rows), 256, 128)
+    mb = rollout_row(rollouts, 128, multiple=4)
+    batch = build_packed_batch(mb["input_ids"], mb["labels"], mb["segment_ids"])
+    shares, trained = [], 0
+    for rank in (0, 1):
+        view = context_parallel_view(batch, 2, rank, 4)
+        adv = rank_share(mb["advantages"], view, 2, rank)
+        shares.append(adv)
+        for at in torch.nonzero(view.loss_mask[0]).flatten().tolist():
+            s, j = divmod(int(adv[0, at]), 1000)
+            assert int(view.target[0, at]) == rollouts[s].response_ids[j]
+            trained += 1
+    assert trained == int(batch.loss_mask.sum()) == sum(int(r.response_mask.sum()) for r in rollouts)
+    assert torch.equal(whole_from_shares(shares, view, 128), mb["advantages"])

@@ -14,7 +14,7 @@ ids, never re-tokenised::
 
 Each row is checked on load (lengths agree with ``response_ids``, ids fit the vocabulary); a bad
 row stops the run with a :class:`DataError` naming the file and line/row and the field. A sample
-longer than ``--max-seqlen-per-dp-cp-rank`` is refused (``--rollout-overlong refuse``) or dropped
+longer than a row (``--max-seqlen-per-dp-cp-rank`` x CP) is refused (``--rollout-overlong refuse``) or dropped
 and counted (``drop``), never truncated.
 
 One sample is one segment of a row. Token ``P + j`` (response token ``j``, ``P`` prompt tokens)
@@ -40,6 +40,7 @@ import torch
 from mindspeed_pack.data.errors import PreprocessError
 from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.data.readers import FORMATS, chunk_rows, iter_chunks
+from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 from mindspeed_pack.packing.segments import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -160,8 +161,9 @@ def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "
                         dropped += 1
                         continue
                     raise DataError(f"{where}: {len(r.prompt_ids)} prompt + {len(r.response_ids)} response tokens "
-                                    f"= {len(r)} > --max-seqlen-per-dp-cp-rank {max_length} (rollouts are never "
-                                    "truncated: raise it, or --rollout-overlong drop to drop and count such samples)")
+                                    f"= {len(r)} > {max_length}, the tokens of a row (--max-seqlen-per-dp-cp-rank x "
+                                    "--context-parallel-size; rollouts are never truncated: raise it, or "
+                                    "--rollout-overlong drop to drop and count such samples)")
                 rollouts.append(r)
     except PreprocessError as exc:  # unreadable files, malformed JSON lines
         raise DataError(str(exc)) from None
@@ -184,14 +186,17 @@ def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "
     return rollouts, {"rollouts": len(rollouts), "dropped over-long": dropped}
 
 
-def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bool = False) -> dict:
+def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bool = False,
+                multiple: int = 1) -> dict:
     """One packed row of ``capacity`` tokens (a micro-batch ``[1, capacity]``), one sample per segment.
 
     Besides the pack arrays the trainer reads (``input_ids``, ``labels``, ``segment_ids``) it
     holds the per-token fields at the position that predicts each response token (float
-    ``[1, capacity]``; NaN where a field is absent) and ``response_starts`` (each sample's
-    first such position) for writing scores back. ``every_response_token`` trains (scores)
-    every response token, ``response_mask`` ignored."""
+    ``[1, capacity]``; zero where a field is absent or nothing is trained) and ``response_starts``
+    (each sample's first such position) for writing scores back. ``every_response_token`` trains
+    (scores) every response token, ``response_mask`` ignored. Under context parallelism each
+    sample's segment spans its length rounded up to ``multiple`` (the CP split's; the pads end
+    the segment, untrained), so the CP view splits the row as laid out here."""
     ids = np.zeros(capacity, np.int64)
     labels = np.full(capacity, IGNORE_INDEX, np.int64)
     seg = np.zeros(capacity, np.int64)
@@ -200,17 +205,18 @@ def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bo
     starts, pos = [], 0
     for k, r in enumerate(rollouts, start=1):
         p, n = len(r.prompt_ids), len(r)
-        if pos + n > capacity:
-            raise ValueError(f"rollouts of {pos + n} tokens do not fit a row of {capacity}")
+        span = round_up(n, multiple)
+        if pos + span > capacity:
+            raise ValueError(f"rollouts of {pos + span} tokens do not fit a row of {capacity}")
         ids[pos:pos + p], ids[pos + p:pos + n] = r.prompt_ids, r.response_ids
         trained = np.ones(len(r.response_ids), bool) if every_response_token else r.response_mask
         labels[pos + p:pos + n] = np.where(trained, r.response_ids, IGNORE_INDEX)
-        seg[pos:pos + n] = k
+        seg[pos:pos + span] = k
         for f in TOKEN_FIELDS:
             if present[f]:
                 fields[f][pos + p - 1:pos + n - 1] = getattr(r, f)
         starts.append(pos + p - 1)
-        pos += n
+        pos += span
     out = {"input_ids": torch.from_numpy(ids[None]), "labels": torch.from_numpy(labels[None]),
            "segment_ids": torch.from_numpy(seg[None]), "sample_ids": None,
            "segment_lengths": np.array([len(r) for r in rollouts], np.int64), "response_starts": starts}
@@ -235,7 +241,8 @@ class RolloutBatchSource:
     Global batch ``g`` is rollouts ``[g*GBS, (g+1)*GBS)`` of the file (in file order, cycling).
     Every rank derives the same plan from the samples' lengths: spread over DP ranks by
     attention cost, each share packed with the C++ best-fit-decreasing packer into rows of
-    ``--max-seqlen-per-dp-cp-rank`` tokens (a hard cap), the same number of rows on every rank
+    ``--max-seqlen-per-dp-cp-rank`` x CP tokens (a hard cap; under CP at the samples' CP-padded
+    lengths, so each CP rank holds at most the cap), the same number of rows on every rank
     (:func:`mindspeed_pack.packing.balance.plan_online_packing`). A micro-batch is one row."""
 
     docs: list = []  # no packed prefixes (the trainer's preflight checks those)
@@ -248,13 +255,19 @@ class RolloutBatchSource:
 
         from mindspeed_pack.packing.balance import cost_model
 
-        if args.context_parallel_size > 1:
-            raise DataError("rollout stages do not run under --context-parallel-size > 1 yet")
         if args.micro_batch_size != 1:
             raise DataError("rollout stages: a micro-batch is one packed row of --max-seqlen-per-dp-cp-rank tokens; "
                             "use --micro-batch-size 1")
+        # under context parallelism a row is split over the CP group (each rank holds
+        # --max-seqlen-per-dp-cp-rank tokens of it); samples are planned and laid out at their CP-padded length
+        cp = args.context_parallel_size
+        self.multiple = padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel) if cp > 1 else 1
+        self.capacity = args.max_seqlen_per_dp_cp_rank * cp
+        if self.capacity % self.multiple:
+            raise DataError(f"--max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank} x --context-parallel-size "
+                            f"{cp} must be a multiple of {self.multiple} (every sample is padded to it for the CP "
+                            "split)")
         self.args = args
-        self.capacity = args.max_seqlen_per_dp_cp_rank
         self.rollouts, self.counts = load_rollouts(
             args.rollout_path, args.vocab_size or args.padded_vocab_size, self.capacity, args.rollout_overlong,
             args.advantage_estimator, self.need_advantages)
@@ -269,7 +282,7 @@ class RolloutBatchSource:
         """(this rank's rows as lists of rollout indices, rank imbalance) for the given rollouts."""
         from mindspeed_pack.packing.balance import imbalance, plan_online_packing
 
-        lengths = np.array([len(self.rollouts[i]) for i in indices], np.int64)
+        lengths = round_up(np.array([len(self.rollouts[i]) for i in indices], np.int64), self.multiple)
         ranks = plan_online_packing(lengths, self.dp_size, self.capacity, self.cost)
         return [indices[row] for row in ranks[self.dp_rank].rows], imbalance([r.cost for r in ranks])
 
@@ -280,6 +293,16 @@ class RolloutBatchSource:
             self._plans = {consumed: self.plan(indices)}
         return self._plans[consumed]
 
+    @property
+    def max_tokens_per_cp_rank(self) -> int:
+        """Megatron-LM's cap on a micro-batch's tokens per CP rank, checked by the trainer."""
+        return self.args.max_seqlen_per_dp_cp_rank
+
+    def row(self, indices, every_response_token: bool) -> dict:
+        """The packed row of the given rollouts (laid out for this job's CP split)."""
+        return rollout_row([self.rollouts[int(i)] for i in indices], self.capacity, every_response_token,
+                           self.multiple)
+
     def step_shape(self, split: str, consumed: int):
         rows, imbalance = self._step(consumed)
         return len(rows), self.capacity, {"rank imbalance": imbalance}
@@ -287,7 +310,6 @@ class RolloutBatchSource:
     def micro_batches(self, split: str, consumed: int):
         rows, _ = self._step(consumed)
         for row in rows:
-            mb = rollout_row([self.rollouts[int(i)] for i in row], self.capacity,
-                             every_response_token=not self.need_advantages)
+            mb = self.row(row, every_response_token=not self.need_advantages)
             mb["rollouts"] = [int(i) for i in row]
             yield mb

@@ -66,11 +66,8 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
             padded = torch.cat([padded, padded.new_tensor([total - new_total])])
             new_total = total
     device = cu.device
-    new_starts = torch.cumsum(padded, 0) - padded
-    # where each stored token goes: its segment's new start + its offset in the segment
     t = batch.tokens.shape[1]
-    seg_of = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), (cu[1:] - cu[:-1]))
-    dest = new_starts[seg_of] + torch.arange(t, device=device) - cu[:-1][seg_of]
+    dest = _destinations(cu, torch.cat([cu.new_zeros(1), torch.cumsum(padded, 0)]))[:t]
 
     def spread(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if x is None:
@@ -95,6 +92,32 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
         max_seqlen=int(padded.max()),
         num_pad_tokens=batch.num_pad_tokens + new_total - t,
     )
+
+
+def _destinations(cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> torch.Tensor:
+    """Where each stored token goes once every segment is padded: its segment's padded start +
+    its offset in the segment (real lengths ``cu_seqlens``, padded ``cu_seqlens_padded``)."""
+    cu, cu_padded = cu_seqlens.long(), cu_seqlens_padded.long()
+    seg_of = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device), cu[1:] - cu[:-1])
+    return cu_padded[:-1][seg_of] + torch.arange(int(cu[-1]), device=cu.device) - cu[:-1][seg_of]
+
+
+def rank_share(x: torch.Tensor, view: PackedBatch, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """This CP rank's part of per-token values ``x`` [k, T] laid out as the batch ``view`` was
+    cut from (a stage's per-token inputs: advantages, old log-probs), placed as ``view``'s tokens."""
+    dest = _destinations(view.cu_seqlens, view.cu_seqlens_padded)[:x.shape[1]]
+    full = x.new_zeros((x.shape[0], int(view.cu_seqlens_padded[-1])))
+    full[:, dest] = x
+    return full[:, zigzag_index(view.cu_seqlens_padded, cp_size, cp_rank)]
+
+
+def whole_from_shares(shares: List[torch.Tensor], view: PackedBatch, length: int) -> torch.Tensor:
+    """The inverse of :func:`rank_share`: per-token values [k, T_local] of every CP rank (by rank)
+    back in the layout of the batch ``view`` was cut from, its first ``length`` tokens."""
+    full = shares[0].new_zeros((shares[0].shape[0], int(view.cu_seqlens_padded[-1])))
+    for rank, share in enumerate(shares):
+        full[:, zigzag_index(view.cu_seqlens_padded, len(shares), rank)] = share
+    return full[:, _destinations(view.cu_seqlens, view.cu_seqlens_padded)[:length]]
 
 
 def zigzag_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:

@@ -53,6 +53,9 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--score-output", default=None, help="--stage score: where the scored rollouts go (.jsonl/.parquet)")
     g.add_argument("--score-field", default="old_logprobs", choices=["old_logprobs", "ref_logprobs"],
                    help="--stage score: the field the per-token log-probs are written to")
+    g.add_argument("--score-entropy", action="store_true",
+                   help="--stage score: also write 'entropy', the policy's entropy at the position that predicts each "
+                        "response token (needs the full logits)")
     g.add_argument("--clip-ratio", type=float, nargs="+", default=[0.2],
                    help="PPO clip range: eps (both sides) or eps_low eps_high")
     g.add_argument("--kl-coef", type=float, default=0.0, help="weight of the KL penalty against ref_logprobs")

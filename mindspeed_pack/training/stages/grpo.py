@@ -24,7 +24,9 @@ import torch
 from megatron.core import parallel_state as ps
 
 from mindspeed_pack.data.packed_dataset import DataError
-from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
+from mindspeed_pack.packing import context_parallel as cp_view
+from mindspeed_pack.packing.segments import PackedBatch
+from mindspeed_pack.training.stages.sequences import whole_sequence_sums
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 GRPO_METRICS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max", "response length")
@@ -62,15 +64,26 @@ def vocab_parallel_logp_entropy(logits: torch.Tensor, target: torch.Tensor):
     return logp, entropy.squeeze(-1)
 
 
+def trained_samples(batch: PackedBatch) -> torch.Tensor:
+    """[segments] bool: the samples of ``batch`` with a trained token (on any CP rank)."""
+    return (batch.segment_labels > 0) & (whole_sequence_sums(batch.loss_mask, batch) > 0)
+
+
 def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: float):
-    """(sum, count) of ``per_token`` [1, T] over ``batch``'s trained tokens under ``--loss-agg mode``."""
+    """(sum, count) of ``per_token`` [1, T] over ``batch``'s trained tokens under ``--loss-agg mode``.
+
+    Under context parallelism each rank holds a zigzag share of every sample: token sums are
+    this rank's share (the DP x CP reduction adds them up); a sample's mean needs its whole sum
+    and count (reduced over the CP group), so every CP rank holds the same per-sample terms,
+    whose backward carries that rank's share of the gradient, and counts them on CP rank 0 only."""
     mask = batch.loss_mask
     if mode == "token-mean":
         return (per_token * mask).sum(), mask.sum().to(torch.int)
-    sums, counts = sequence_sums(per_token * mask, batch), sequence_sums(mask, batch)
+    sums, counts = whole_sequence_sums(per_token * mask, batch), whole_sequence_sums(mask, batch)
     samples = (batch.segment_labels > 0) & (counts > 0)
     per_sample = sums / counts.clamp(min=1) if mode == "seq-mean-token-mean" else sums / norm
-    return per_sample[samples].sum(), samples.sum().to(torch.int)
+    once = ps.get_context_parallel_rank() == 0
+    return per_sample[samples].sum(), (samples.sum() if once else samples.new_zeros(())).to(torch.int)
 
 
 class GRPOStage:
@@ -105,10 +118,16 @@ class GRPOStage:
                             "them with posttrain.py --stage score --score-field ref_logprobs)")
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
+        """Each micro-batch's per-token fields, as this rank holds its tokens (its CP share)."""
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         for batch, mb in zip(batches, micro_batches):
             for field in ("old_logprobs", "ref_logprobs", "advantages"):
                 value = mb.get(field)
-                setattr(batch, field, None if value is None else value.reshape(1, -1).to(batch.loss_mask.device))
+                if value is not None:
+                    value = value.reshape(1, -1).to(batch.loss_mask.device)
+                    if cp > 1:
+                        value = cp_view.rank_share(value, batch, cp, cp_rank)
+                setattr(batch, field, value)
         return batches
 
     def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
@@ -130,10 +149,13 @@ class GRPOStage:
         loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length))
         with torch.no_grad():
             tokens = mask.sum()
-            samples = ((batch.segment_labels > 0) & (sequence_sums(mask, batch) > 0)).sum().float()
+            once = float(ps.get_context_parallel_rank() == 0)  # a CP group's samples are counted once
+            samples = trained_samples(batch).sum().float() * once
+            # token-mean: this rank's share; per-sample modes: the CP group's whole terms, on CP rank 0
+            shown = loss.detach() * (once if args.loss_agg != "token-mean" else 1.0)
             log_ratio = old - logp
             reports = {
-                "lm loss": torch.stack([loss.detach(), count.float()]),
+                "lm loss": torch.stack([shown, count.float()]),
                 "pg loss": torch.stack([(pg * mask).sum(), tokens]),
                 "clip fraction": torch.stack([(clipped.float() * mask).sum(), tokens]),
                 "approx kl": torch.stack([((torch.exp(log_ratio) - log_ratio - 1) * mask).sum(), tokens]),

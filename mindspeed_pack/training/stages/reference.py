@@ -41,14 +41,15 @@ def token_logps(batch, output_tensor: torch.Tensor) -> torch.Tensor:
     return -output_tensor.float().reshape(batch.loss_mask.shape)
 
 
-def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score) -> list:
+def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score, needs_logits: bool = False) -> list:
     """``score(batch, per-token loss)`` of every micro-batch under ``model_chunks`` (forward only, the
-    same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere."""
+    same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere.
+    ``needs_logits``: ``score`` gets the vocab-parallel logits instead of the per-token loss."""
     from mindspeed_pack.training.trainer import packed_seq_params
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+        output = model(batch.tokens, batch.position_ids, None, labels=None if needs_logits else batch.target,
                        packed_seq_params=packed_seq_params(batch))
 
         def collect(output_tensor):

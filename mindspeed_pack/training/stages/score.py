@@ -2,10 +2,13 @@
 
 ``posttrain.py --stage score --load CKPT --rollout-path IN.jsonl --score-output OUT.jsonl
 --score-field old_logprobs`` runs ``--load`` forward over the rollouts, packed as ``--stage grpo``
-packs them (:class:`~mindspeed_pack.data.rollouts.RolloutBatchSource`, any TP/PP/DP layout),
+packs them (:class:`~mindspeed_pack.data.rollouts.RolloutBatchSource`, any TP/PP/CP/DP layout),
 and writes every row back with the log-prob of each response token under ``--score-field``
 (``old_logprobs`` for the sampling policy, ``ref_logprobs`` for the reference), rows in input
-order. The forward pass is the reference scorer's (:func:`.reference.score_batches`).
+order; ``--score-entropy`` adds ``entropy``, the policy's entropy where each response token is
+predicted (from the full vocab-parallel logits). Under context parallelism every rank scores its
+zigzag share of each row and the CP group puts the tokens back together before writing. The
+forward pass is the reference scorer's (:func:`.reference.score_batches`).
 """
 from __future__ import annotations
 
@@ -13,10 +16,12 @@ import logging
 import os
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.training.stages.reference import ReferenceScoringStage
 
 log = logging.getLogger(__name__)
@@ -26,6 +31,11 @@ class ScoreStage(ReferenceScoringStage):
     """``--stage score``: one forward pass over every rollout (the reference scorer's run); no training."""
 
     name = "score"
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.entropy = bool(getattr(args, "score_entropy", False))
+        self.fields = (args.score_field,) + (("entropy",) if self.entropy else ())
 
     def batch_source(self, args):
         from mindspeed_pack.data.rollouts import RolloutBatchSource
@@ -41,29 +51,39 @@ class ScoreStage(ReferenceScoringStage):
         rollout_file_format(args.score_output)
 
     def score(self, trainer) -> dict:
-        """{rollout index: log-probs of its response tokens} of this rank, gathered and written on one rank."""
-        from mindspeed_pack.data.rollouts import rollout_row
-        from mindspeed_pack.training.stages.reference import score_batches, token_logps
+        """{rollout index: {field: values of its response tokens}} of this rank, gathered and written on one rank."""
+        from mindspeed_pack.training.stages.reference import score_batches
         from mindspeed_pack.training.trainer import to_packed_batch
 
         args, source = self.args, trainer.source
+        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
         n = len(source.rollouts)
         per_step = args.global_batch_size
         mine = {}
         for start in range(0, n, per_step):
             rows, _ = source.plan(np.arange(start, min(n, start + per_step)))
-            raw = [rollout_row([source.rollouts[int(i)] for i in row], source.capacity, every_response_token=True)
-                   for row in rows]
-            batches = [to_packed_batch(mb, args) for mb in raw]
+            raw = [source.row(row, every_response_token=True) for row in rows]
+            views, tokens = [to_packed_batch(mb, args) for mb in raw], source.capacity
+            if cp > 1:  # this rank's zigzag share of every row, as training splits it
+                multiple = cp_view.padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel)
+                views, tokens = cp_view.step_views(views, cp, cp_rank, multiple,
+                                                   same_length=ps.get_pipeline_model_parallel_world_size() > 1,
+                                                   max_per_rank=source.max_tokens_per_cp_rank)
             # every DP rank runs the same number of rows (empty ones where it has fewer samples)
-            for row, mb, logp in zip(rows, raw, score_batches(trainer.model, batches, source.capacity, token_logps)):
-                if logp is None:
+            scored = score_batches(trainer.model, views, tokens, self.token_values, needs_logits=self.entropy)
+            for row, mb, view, values in zip(rows, raw, views, scored):
+                if values is None:
                     continue
-                logp = logp.reshape(-1).cpu()
+                values = values.reshape(len(self.fields), -1)
+                if cp > 1:  # every token back where the row holds it
+                    shares = [torch.empty_like(values) for _ in range(cp)]
+                    dist.all_gather(shares, values.contiguous(), group=ps.get_context_parallel_group())
+                    values = cp_view.whole_from_shares(shares, view, mb["input_ids"].shape[1])
+                values = values.cpu()
                 for i, first in zip(row, mb["response_starts"]):
-                    r = source.rollouts[int(i)]
-                    mine[int(i)] = logp[first:first + len(r.response_ids)].tolist()
-        writer = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+                    end = first + len(source.rollouts[int(i)].response_ids)
+                    mine[int(i)] = {f: values[k, first:end].tolist() for k, f in enumerate(self.fields)}
+        writer = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0)
         if writer:
             gathered = [None] * ps.get_data_parallel_world_size()
             dist.all_gather_object(gathered, mine, group=ps.get_data_parallel_group())
@@ -75,15 +95,25 @@ class ScoreStage(ReferenceScoringStage):
         dist.barrier()
         return mine
 
+    def token_values(self, batch, output_tensor: torch.Tensor) -> torch.Tensor:
+        """[fields, T]: the log-prob of every position's target (and the policy's entropy there)."""
+        from mindspeed_pack.training.stages.grpo import vocab_parallel_logp_entropy
+        from mindspeed_pack.training.stages.reference import token_logps
+
+        if not self.entropy:
+            return token_logps(batch, output_tensor)
+        logp, entropy = vocab_parallel_logp_entropy(output_tensor, batch.target.reshape(output_tensor.shape[:-1]))
+        return torch.stack([logp.reshape(-1), entropy.reshape(-1)])
+
     def write(self, rollouts, table: dict) -> None:
         from mindspeed_pack.data.rollouts import rollout_file_format
 
         args = self.args
-        path, field = args.score_output, args.score_field
+        path, field = args.score_output, " and ".join(self.fields)
         rows = []
         for i, r in enumerate(rollouts):
             row = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.row.items()}
-            row[field] = table[i]
+            row.update(table[i])
             rows.append(row)
         tmp = f"{path}.tmp-{os.getpid()}"
         if rollout_file_format(path) == "parquet":

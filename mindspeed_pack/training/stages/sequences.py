@@ -28,16 +28,20 @@ class _SumOverContextParallel(torch.autograd.Function):
         return grad
 
 
+def whole_sequence_sums(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """``values`` [1, T] summed per segment of ``batch`` over the whole CP group (differentiable:
+    each rank's backward carries its own tokens' share)."""
+    sums = sequence_sums(values, batch)
+    if ps.get_context_parallel_world_size() > 1:
+        sums = _SumOverContextParallel.apply(sums)
+    return sums
+
+
 def sequence_logps(batch: PackedBatch, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob sum, trained tokens) of every segment of ``batch``, over the whole CP group."""
     mask = batch.loss_mask
     logp = -output_tensor.float().reshape(mask.shape) * mask
-    sums, counts = sequence_sums(logp, batch), sequence_sums(mask, batch)
-    if ps.get_context_parallel_world_size() > 1:
-        sums = _SumOverContextParallel.apply(sums)
-        counts = counts.clone()
-        dist.all_reduce(counts, group=ps.get_context_parallel_group())
-    return sums, counts
+    return whole_sequence_sums(logp, batch), whole_sequence_sums(mask, batch)
 
 
 def pair_segments(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
