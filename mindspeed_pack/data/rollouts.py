@@ -143,30 +143,24 @@ def group_advantages(rewards: np.ndarray, groups: list, estimator: str, where: l
     return out
 
 
-def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "refuse",
-                  estimator: str = "grpo", need_advantages: bool = True) -> tuple[List[Rollout], dict]:
-    """Checked rollouts of ``path`` (file or directory) and counts {'rollouts', 'dropped over-long'}."""
-    from mindspeed_pack.data.readers import resolve_input_files
-
-    try:
-        files = resolve_input_files(path)
-        rollouts = []
-        dropped = 0
-        for chunk in iter_chunks(files, 4096):
-            for where, row in chunk_rows(chunk):
-                r = parse_rollout(row, where, vocab_size)
-                if len(r) > max_length:
-                    if overlong == "drop":
-                        dropped += 1
-                        continue
-                    raise DataError(f"{where}: {len(r.prompt_ids)} prompt + {len(r.response_ids)} response tokens "
-                                    f"= {len(r)} > --max-seqlen-per-dp-cp-rank {max_length} (rollouts are never "
-                                    "truncated: raise it, or --rollout-overlong drop to drop and count such samples)")
-                rollouts.append(r)
-    except PreprocessError as exc:  # unreadable files, malformed JSON lines
-        raise DataError(str(exc)) from None
+def check_rollouts(rows, vocab_size: int, max_length: int, overlong: str = "refuse", estimator: str = "grpo",
+                   need_advantages: bool = True, name: str = "rollouts") -> tuple[List[Rollout], dict]:
+    """Checked rollouts of ``rows`` ((where, row) pairs: a file's lines, or rows handed over in
+    memory) and counts {'rollouts', 'dropped over-long'}; advantages from reward and group."""
+    rollouts = []
+    dropped = 0
+    for where, row in rows:
+        r = parse_rollout(row, where, vocab_size)
+        if len(r) > max_length:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            raise DataError(f"{where}: {len(r.prompt_ids)} prompt + {len(r.response_ids)} response tokens "
+                            f"= {len(r)} > --max-seqlen-per-dp-cp-rank {max_length} (rollouts are never "
+                            "truncated: raise it, or --rollout-overlong drop to drop and count such samples)")
+        rollouts.append(r)
     if not rollouts:
-        raise DataError(f"{path}: no rollouts" + (f" ({dropped} dropped as over-long)" if dropped else ""))
+        raise DataError(f"{name}: no rollouts" + (f" ({dropped} dropped as over-long)" if dropped else ""))
     if need_advantages:
         missing = [r for r in rollouts if r.advantages is None and r.row.get("reward") is None]
         if missing:
@@ -179,9 +173,24 @@ def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "
             for r, a in zip(scalar, adv):
                 r.advantages = np.full(len(r.response_ids), a)
     if dropped:
-        log.warning("%s: %d over-long rollouts dropped (> --max-seqlen-per-dp-cp-rank %d tokens)", path, dropped,
+        log.warning("%s: %d over-long rollouts dropped (> --max-seqlen-per-dp-cp-rank %d tokens)", name, dropped,
                     max_length)
     return rollouts, {"rollouts": len(rollouts), "dropped over-long": dropped}
+
+
+def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "refuse",
+                  estimator: str = "grpo", need_advantages: bool = True) -> tuple[List[Rollout], dict]:
+    """Checked rollouts of ``path`` (file or directory): :func:`check_rollouts` over its rows."""
+    from mindspeed_pack.data.readers import resolve_input_files
+
+    def rows():
+        for chunk in iter_chunks(resolve_input_files(path), 4096):
+            yield from chunk_rows(chunk)
+
+    try:
+        return check_rollouts(rows(), vocab_size, max_length, overlong, estimator, need_advantages, name=path)
+    except PreprocessError as exc:  # unreadable files, malformed JSON lines
+        raise DataError(str(exc)) from None
 
 
 def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bool = False) -> dict:
@@ -255,12 +264,15 @@ class RolloutBatchSource:
                             "use --micro-batch-size 1")
         self.args = args
         self.capacity = args.max_seqlen_per_dp_cp_rank
-        self.rollouts, self.counts = load_rollouts(
-            args.rollout_path, args.vocab_size or args.padded_vocab_size, self.capacity, args.rollout_overlong,
-            args.advantage_estimator, self.need_advantages)
+        self.rollouts, self.counts = self.read(args)
         self.cost = cost_model(args)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self._plans: dict = {}
+
+    def read(self, args) -> tuple[List[Rollout], dict]:
+        """The checked rollouts of ``--rollout-path`` and their counts."""
+        return load_rollouts(args.rollout_path, args.vocab_size or args.padded_vocab_size, self.capacity,
+                             args.rollout_overlong, args.advantage_estimator, self.need_advantages)
 
     def has_split(self, split: str) -> bool:
         return split == "train"
