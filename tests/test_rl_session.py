@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 
 import posttrain
 from mindspeed_pack.checkpoint_layout import checkpoint_file
@@ -56,6 +57,18 @@ def test_session_score_and_step_equal_posttrain_on_the_same_file(converted, tmp_
             row["old_logprobs"] = mine.tolist()
         records = session.step(rows)
         session.save(str(tmp_path / "session"))
+        # the HF export is the current step's model: transformers' log-probs equal the session's
+        session.export_hf(str(tmp_path / "hf"))
+        now = session.score(rows)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                                           attn_implementation="eager")
+    with torch.no_grad():
+        for row, mine in zip(rows, now):
+            p = len(row["prompt_ids"])
+            ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
+            theirs = torch.log_softmax(hf(ids[None]).logits[0, p - 1:-1].double(), -1).gather(1, ids[p:, None])[:, 0]
+            assert float((torch.from_numpy(mine) - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+        assert not np.allclose(now[0], logps[0])  # the weights did change
     assert [r["iteration"] for r in records] == [1, 2]
     assert records[0]["ratio mean"] == records[0]["ratio max"] == 1.0 and records[0]["clip fraction"] == 0.0
     assert records[1]["ratio max"] != 1.0  # the second step sees the first one's update

@@ -49,12 +49,14 @@ class HandedRollouts(RolloutBatchSource):
     def read(self, args):
         return [], {"rollouts": 0, "dropped over-long": 0}
 
-    def hand_over(self, rows: List[dict], consumed_samples: int, need_advantages: bool) -> List[Rollout]:
-        """Check ``rows`` (errors name ``rollout I``, the row's index) and make them the data from
-        ``consumed_samples`` on."""
+    def hand_over(self, rows: List[dict], consumed_samples: int, need_advantages: bool,
+                  where: Optional[List[str]] = None) -> List[Rollout]:
+        """Check ``rows`` and make them the data from ``consumed_samples`` on; an error names the row
+        by ``where[i]`` ("FILE: line N") if given, else as ``rollout I`` (its index)."""
         args = self.args
+        where = where or [f"rollout {i}" for i in range(len(rows))]
         self.rollouts, self.counts = check_rollouts(
-            ((f"rollout {i}", row) for i, row in enumerate(rows)), args.vocab_size or args.padded_vocab_size,
+            zip(where, rows), args.vocab_size or args.padded_vocab_size,
             self.capacity, args.rollout_overlong, args.advantage_estimator, need_advantages, name="handed rollouts")
         self.first_sample = consumed_samples
         self._plans = {}
@@ -132,11 +134,12 @@ class RLSession:
     def iteration(self) -> int:
         return self.trainer.iteration
 
-    def score(self, rows: List[dict]) -> List[np.ndarray]:
+    def score(self, rows: List[dict], where: Optional[List[str]] = None) -> List[np.ndarray]:
         """Log-prob of every response token of every row under the current weights (eval mode), in
-        row order, on every rank: what ``--stage score`` writes as ``old_logprobs``/``ref_logprobs``."""
+        row order, on every rank: what ``--stage score`` writes as ``old_logprobs``/``ref_logprobs``.
+        ``where``: each row's name in error messages (default ``rollout I``)."""
         trainer = self.trainer
-        self.source.hand_over(rows, trainer.consumed_samples, need_advantages=False)
+        self.source.hand_over(rows, trainer.consumed_samples, need_advantages=False, where=where)
         with self._phase(f"scoring {len(rows)} rollouts at iteration {trainer.iteration}"):
             for chunk in trainer.model:
                 chunk.eval()
@@ -152,11 +155,12 @@ class RLSession:
         table = next(t for t in tables if t is not None)
         return [np.asarray(table[i], dtype=np.float64) for i in range(len(rows))]
 
-    def step(self, rows: List[dict], steps: Optional[int] = None) -> List[dict]:
-        """GRPO optimizer steps on ``rows`` (``steps``, default all of them once: ceil(rows / GBS)),
-        each packed and reduced as ``--stage grpo`` does; returns each step's logged record."""
+    def step(self, rows: List[dict], steps: Optional[int] = None, where: Optional[List[str]] = None) -> List[dict]:
+        """GRPO optimizer steps on ``rows`` (``steps`` global batches of them, cycling; default each
+        row once: ceil(rows / GBS)), packed and reduced as ``--stage grpo`` does; returns each
+        step's logged record. ``where``: each row's name in error messages (default ``rollout I``)."""
         trainer, args = self.trainer, self.args
-        self.source.hand_over(rows, trainer.consumed_samples, need_advantages=True)
+        self.source.hand_over(rows, trainer.consumed_samples, need_advantages=True, where=where)
         trainer.stage.setup(trainer)  # its checks of the rollouts (ref_logprobs under --kl-coef)
         steps = math.ceil(len(self.source.rollouts) / args.global_batch_size) if steps is None else steps
         with self._phase(None):  # the trainer names each iteration
