@@ -12,6 +12,10 @@ ids, never re-tokenised::
     reward, group   float, any scalar reward; advantages normalised within the group
                                (--advantage-estimator grpo: (r - mean) / (std + 1e-6); rloo: r - mean of the others)
 
+A row may give text instead of ids (``prompt`` or OpenAI ``messages``, and ``response``): it is
+tokenised through the template path of ``--prompt-type`` (:mod:`mindspeed_pack.data.rollout_text`)
+and keeps a record of it; exact ids stay the recommended form.
+
 Each row is checked on load (lengths agree with ``response_ids``, ids fit the vocabulary); a bad
 row stops the run with a :class:`DataError` naming the file and line/row and the field. A sample
 longer than ``--max-seqlen-per-dp-cp-rank`` is refused (``--rollout-overlong refuse``) or dropped
@@ -68,8 +72,8 @@ def _ids(row: dict, field: str, where: str, vocab_size: int) -> np.ndarray:
     if not isinstance(value, (list, tuple, np.ndarray)) or len(value) == 0:
         raise DataError(f"{where}: field {field!r} must be a non-empty list of token ids, got {_show(value)}")
     if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in value):
-        raise DataError(f"{where}: field {field!r} must hold integer token ids (never text: rollouts are not "
-                        "re-tokenised)")
+        raise DataError(f"{where}: field {field!r} must hold integer token ids (the exact sampled ids; a text "
+                        "rollout gives 'prompt' or 'messages' and 'response' instead)")
     ids = np.asarray(value, dtype=np.int64)
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if bad.size:
@@ -179,13 +183,15 @@ def check_rollouts(rows, vocab_size: int, max_length: int, overlong: str = "refu
 
 
 def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "refuse",
-                  estimator: str = "grpo", need_advantages: bool = True) -> tuple[List[Rollout], dict]:
-    """Checked rollouts of ``path`` (file or directory): :func:`check_rollouts` over its rows."""
+                  estimator: str = "grpo", need_advantages: bool = True, text_args=None) -> tuple[List[Rollout], dict]:
+    """Checked rollouts of ``path`` (file or directory): :func:`check_rollouts` over its rows; with
+    ``text_args`` (the run's flags) text rows are tokenised (:mod:`mindspeed_pack.data.rollout_text`)."""
     from mindspeed_pack.data.readers import resolve_input_files
+    from mindspeed_pack.data.rollout_text import tokenize_text_rows
 
     def rows():
         for chunk in iter_chunks(resolve_input_files(path), 4096):
-            yield from chunk_rows(chunk)
+            yield from chunk_rows(chunk) if text_args is None else tokenize_text_rows(chunk_rows(chunk), text_args, path)
 
     try:
         return check_rollouts(rows(), vocab_size, max_length, overlong, estimator, need_advantages, name=path)
@@ -272,7 +278,7 @@ class RolloutBatchSource:
     def read(self, args) -> tuple[List[Rollout], dict]:
         """The checked rollouts of ``--rollout-path`` and their counts."""
         return load_rollouts(args.rollout_path, args.vocab_size or args.padded_vocab_size, self.capacity,
-                             args.rollout_overlong, args.advantage_estimator, self.need_advantages)
+                             args.rollout_overlong, args.advantage_estimator, self.need_advantages, text_args=args)
 
     def has_split(self, split: str) -> bool:
         return split == "train"

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.data.rollout_text import tokenize_text_rows
 from mindspeed_pack.data.rollouts import Rollout, RolloutBatchSource, check_rollouts
 from mindspeed_pack.training import hf_checkpoint, peers
 from mindspeed_pack.training.stages.score import ScoreStage
@@ -56,7 +57,7 @@ class HandedRollouts(RolloutBatchSource):
         args = self.args
         where = where or [f"rollout {i}" for i in range(len(rows))]
         self.rollouts, self.counts = check_rollouts(
-            zip(where, rows), args.vocab_size or args.padded_vocab_size,
+            tokenize_text_rows(zip(where, rows), args, "handed rollouts"), args.vocab_size or args.padded_vocab_size,
             self.capacity, args.rollout_overlong, args.advantage_estimator, need_advantages, name="handed rollouts")
         self.first_sample = consumed_samples
         self._plans = {}
