@@ -32,7 +32,7 @@ LOGGED = ("lm loss", "grad norm", "clip fraction", "approx kl", "ratio mean", "r
           "padding ratio")
 
 
-def replay_args(p):
+def script_args(p):
     g = p.add_argument_group("rollout replay (examples/rl/replay_rollouts.py)")
     g.add_argument("--rollout-rounds", nargs="+", required=True, help="one rollout file per round, in order")
     g.add_argument("--rl-output-dir", required=True, help="HF exports of each round (hf/iter_N) go here")
@@ -60,7 +60,7 @@ def read_round(path: str) -> tuple[list, list]:
 
 def main(argv=None):
     setup_logging()
-    session = RLSession.from_argv(argv, extra_args_provider=replay_args)
+    session = RLSession.from_argv(argv, extra_args_provider=script_args)
     args = session.args
     with session:
         for k, path in enumerate(args.rollout_rounds):

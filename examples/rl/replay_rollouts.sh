@@ -4,6 +4,7 @@
 #
 #   ROLLOUT_DIR=rollouts/ CKPT_LOAD_DIR=<HF dir or Megatron checkpoint> bash examples/rl/replay_rollouts.sh
 #   DRY_RUN=1 bash examples/rl/replay_rollouts.sh     # parse + validate the flags, no GPU, data or weights
+#   PRINT_ARGS=1 bash examples/rl/replay_rollouts.sh  # print the entry point and its arguments, one per line
 #
 # ROLLOUT_DIR holds one .jsonl/.parquet file per round, replayed in name order (round_000.jsonl, ...);
 # the format is docs/rl.md's. The model is Qwen3-8B (MODEL_ARGS_FILE: another model's MODEL_ARGS array).
@@ -37,7 +38,7 @@ if [[ -d "$ROLLOUT_DIR" ]]; then
         \( -name '*.jsonl' -o -name '*.parquet' -o -name '*.json' \) | sort)
 fi
 if [[ ${#ROLLOUT_FILES[@]} -eq 0 ]]; then
-    [[ "${DRY_RUN:-0}" == 1 ]] || { echo "replay_rollouts.sh: no rollout files in $ROLLOUT_DIR" >&2; exit 2; }
+    [[ "${DRY_RUN:-0}${PRINT_ARGS:-0}" != 00 ]] || { echo "replay_rollouts.sh: no rollout files in $ROLLOUT_DIR" >&2; exit 2; }
     ROLLOUT_FILES=("$ROLLOUT_DIR/round_000.jsonl")   # a dry run checks the flags only
 fi
 
@@ -54,6 +55,10 @@ ARGS=(
     --rollout-rounds "${ROLLOUT_FILES[@]}" --rl-output-dir "$OUT_DIR"
 )
 
+if [[ "${PRINT_ARGS:-0}" == 1 ]]; then   # tests/test_example_flags.py
+    printf '#@ examples/rl/replay_rollouts.py world_size=%s\n' "$WORLD_SIZE"; printf '%s\n' "${ARGS[@]}"
+    exit 0
+fi
 source "$HERE/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # One plain process that believes it is one of WORLD_SIZE ranks: the TP/PP/batch-size checks are real.

@@ -35,7 +35,7 @@ BOS = 1
 FIRST_WORD = 2  # tokens FIRST_WORD .. vocab-1 are the task's words
 
 
-def loop_args(p):
+def script_args(p):
     g = p.add_argument_group("reward loop (examples/rl/reward_loop.py)")
     g.add_argument("--rl-output-dir", required=True, help="HF exports per round and rounds.jsonl go here")
     g.add_argument("--rounds", type=int, default=8)
@@ -93,7 +93,7 @@ def generate_round(hf_dir: str, args, k: int) -> tuple[list, float]:
 
 def main(argv=None):
     setup_logging()
-    session = RLSession.from_argv(argv, extra_args_provider=loop_args)
+    session = RLSession.from_argv(argv, extra_args_provider=script_args)
     args = session.args
     out = os.path.abspath(args.rl_output_dir)
     history = []

@@ -5,6 +5,7 @@
 #   bash examples/rl/run_reward_loop.sh              # one process (~1 min on 2 idle cores)
 #   NPROC=2 bash examples/rl/run_reward_loop.sh      # torchrun, 2 data-parallel ranks
 #   DRY_RUN=1 bash examples/rl/run_reward_loop.sh    # parse + validate the flags only
+#   PRINT_ARGS=1 bash examples/rl/run_reward_loop.sh # print the entry point and its arguments, one per line
 #
 # Environment: OUT (runs/rl_reward_loop), NPROC (1), ROUNDS (8), PYTHON (see scripts/python_env.sh).
 set -euo pipefail
@@ -36,6 +37,10 @@ LOOP_ARGS=(
 )
 ARGS=("${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${LOOP_ARGS[@]}")
 
+if [[ "${PRINT_ARGS:-0}" == 1 ]]; then   # tests/test_example_flags.py
+    printf '#@ examples/rl/reward_loop.py world_size=%s\n' "$NPROC"; printf '%s\n' "${ARGS[@]}"
+    exit 0
+fi
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     WORLD_SIZE=$NPROC "$PYTHON" examples/rl/reward_loop.py "${ARGS[@]}" --dry-run
     exit 0

@@ -76,10 +76,9 @@ class _ScoresInMemory(ScoreStage):
         self.table = table
 
 
-def session_args(argv=None, extra_args_provider=None):
-    """posttrain.py's flags (``--stage grpo``, no ``--rollout-path``), plus a script's own."""
-    from mindspeed_pack.data.packed_dataset import resolve_vocab_size
-    from mindspeed_pack.training.arguments import parse_args, per_split_data_args
+def session_arg_provider(extra_args_provider=None):
+    """posttrain.py's flags for a session (``--stage grpo``, no ``--rollout-path``), plus a script's own."""
+    from mindspeed_pack.training.arguments import per_split_data_args
     from mindspeed_pack.training.stages import stage_args
 
     def provider(p):
@@ -89,7 +88,15 @@ def session_args(argv=None, extra_args_provider=None):
         p.set_defaults(stage="grpo", rollouts_in_process=True)
         return p
 
-    args = parse_args(argv, extra_args_provider=provider,
+    return provider
+
+
+def session_args(argv=None, extra_args_provider=None):
+    """The parsed and checked flags of a session (``--dry-run`` prints them and exits)."""
+    from mindspeed_pack.data.packed_dataset import resolve_vocab_size
+    from mindspeed_pack.training.arguments import parse_args
+
+    args = parse_args(argv, extra_args_provider=session_arg_provider(extra_args_provider),
                       description="mindspeed-pack in-process RL session (GRPO on rollouts handed over)")
     if args.stage != "grpo":
         raise DataError(f"an RL session trains with --stage grpo, not --stage {args.stage}")
