@@ -87,9 +87,12 @@ def _model_release(converted):
     return torch.load(checkpoint_file(converted, "release", 0, 0, 1), weights_only=False)["model"]
 
 
-def test_session_names_a_bad_handed_rollout(converted):
-    with RLSession.from_argv(_flags(converted)) as session:
+def test_session_names_a_bad_handed_rollout_and_keeps_row_order_when_dropping(converted):
+    with RLSession.from_argv([*_flags(converted), "--rollout-overlong", "drop"]) as session:
         good = {"prompt_ids": [1, 2], "response_ids": [3, 4], "advantages": [1.0, -1.0]}
+        long = {"prompt_ids": [1] * 40, "response_ids": [2] * 20, "advantages": [0.0] * 20}
+        scores = session.score([long, good, long, {**good, "response_ids": [5, 6, 7], "advantages": [0, 0, 0]}])
+        assert scores[0] is None and scores[2] is None and [len(scores[1]), len(scores[3])] == [2, 3]
         with pytest.raises(DataError, match=r"rollout 1: field 'response_ids'\[0\] = 999 does not fit"):
             session.step([good, {**good, "response_ids": [999, 4]}])
         with pytest.raises(DataError, match="rollout 0: neither 'advantages'"):

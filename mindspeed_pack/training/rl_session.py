@@ -29,7 +29,6 @@ from typing import List, Optional
 
 import numpy as np
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.data.rollout_text import tokenize_text_rows
@@ -142,12 +141,14 @@ class RLSession:
     def iteration(self) -> int:
         return self.trainer.iteration
 
-    def score(self, rows: List[dict], where: Optional[List[str]] = None) -> List[np.ndarray]:
+    def score(self, rows: List[dict], where: Optional[List[str]] = None) -> List[Optional[np.ndarray]]:
         """Log-prob of every response token of every row under the current weights (eval mode), in
-        row order, on every rank: what ``--stage score`` writes as ``old_logprobs``/``ref_logprobs``.
-        ``where``: each row's name in error messages (default ``rollout I``)."""
+        row order, on every rank: what ``--stage score`` writes as ``old_logprobs``/``ref_logprobs``
+        (None for a row dropped as over-long under ``--rollout-overlong drop``). ``where``: each
+        row's name in error messages (default ``rollout I``)."""
         trainer = self.trainer
-        self.source.hand_over(rows, trainer.consumed_samples, need_advantages=False, where=where)
+        where = where or [f"rollout {i}" for i in range(len(rows))]
+        kept = self.source.hand_over(rows, trainer.consumed_samples, need_advantages=False, where=where)
         with self._phase(f"scoring {len(rows)} rollouts at iteration {trainer.iteration}"):
             for chunk in trainer.model:
                 chunk.eval()
@@ -161,7 +162,11 @@ class RLSession:
             tables = [None] * dist.get_world_size()
             dist.all_gather_object(tables, self.scorer.table)
         table = next(t for t in tables if t is not None)
-        return [np.asarray(table[i], dtype=np.float64) for i in range(len(rows))]
+        out: List[Optional[np.ndarray]] = [None] * len(rows)
+        row_of = {name: i for i, name in enumerate(where)}
+        for k, rollout in enumerate(kept):
+            out[row_of[rollout.where]] = np.asarray(table[k], dtype=np.float64)
+        return out
 
     def step(self, rows: List[dict], steps: Optional[int] = None, where: Optional[List[str]] = None) -> List[dict]:
         """GRPO optimizer steps on ``rows`` (``steps`` global batches of them, cycling; default each
