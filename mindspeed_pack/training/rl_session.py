@@ -99,6 +99,9 @@ def session_args(argv=None, extra_args_provider=None):
                       description="mindspeed-pack in-process RL session (GRPO on rollouts handed over)")
     if args.stage != "grpo":
         raise DataError(f"an RL session trains with --stage grpo, not --stage {args.stage}")
+    if args.save_hf:
+        raise DataError("an RL session writes Hugging Face weights when asked, with export_hf(DIR) (a new directory "
+                        "per iteration): drop --save-hf")
     resolve_vocab_size(args)
     return args
 
