@@ -98,6 +98,10 @@ def _training_parser(entry: str) -> tuple[argparse.ArgumentParser, Optional[Call
     from mindspeed_pack.training.arguments import build_parser
 
     provider = getattr(_load_entry_module(entry), "pretrain_args", None) if entry == "pretrain_gpt.py" else None
+    if entry.startswith("examples/rl/"):  # in-process RL sessions: posttrain.py's flags and the script's own
+        from mindspeed_pack.training.rl_session import session_arg_provider
+
+        provider = session_arg_provider(_load_entry_module(entry).script_args)
     parser = build_parser()
     if provider is not None:
         provider(parser)
@@ -153,6 +157,8 @@ PARSERS: Dict[str, Callable[[Command], argparse.Namespace]] = {
     "pretrain_gpt.py": _check_training,
     "preprocess_data.py": _check_preprocess,
     "convert_ckpt.py": _check_convert,
+    "examples/rl/replay_rollouts.py": _check_training,
+    "examples/rl/reward_loop.py": _check_training,
 }
 
 

@@ -12,6 +12,10 @@ ids, never re-tokenised::
     reward, group   float, any scalar reward; advantages normalised within the group
                                (--advantage-estimator grpo: (r - mean) / (std + 1e-6); rloo: r - mean of the others)
 
+A row may give text instead of ids (``prompt`` or OpenAI ``messages``, and ``response``): it is
+tokenised through the template path of ``--prompt-type`` (:mod:`mindspeed_pack.data.rollout_text`)
+and keeps a record of it; exact ids stay the recommended form.
+
 Each row is checked on load (lengths agree with ``response_ids``, ids fit the vocabulary); a bad
 row stops the run with a :class:`DataError` naming the file and line/row and the field. A sample
 longer than a row (``--max-seqlen-per-dp-cp-rank`` x CP) is refused (``--rollout-overlong refuse``) or dropped
@@ -69,8 +73,8 @@ def _ids(row: dict, field: str, where: str, vocab_size: int) -> np.ndarray:
     if not isinstance(value, (list, tuple, np.ndarray)) or len(value) == 0:
         raise DataError(f"{where}: field {field!r} must be a non-empty list of token ids, got {_show(value)}")
     if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in value):
-        raise DataError(f"{where}: field {field!r} must hold integer token ids (never text: rollouts are not "
-                        "re-tokenised)")
+        raise DataError(f"{where}: field {field!r} must hold integer token ids (the exact sampled ids; a text "
+                        "rollout gives 'prompt' or 'messages' and 'response' instead)")
     ids = np.asarray(value, dtype=np.int64)
     bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
     if bad.size:
@@ -144,31 +148,25 @@ def group_advantages(rewards: np.ndarray, groups: list, estimator: str, where: l
     return out
 
 
-def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "refuse",
-                  estimator: str = "grpo", need_advantages: bool = True) -> tuple[List[Rollout], dict]:
-    """Checked rollouts of ``path`` (file or directory) and counts {'rollouts', 'dropped over-long'}."""
-    from mindspeed_pack.data.readers import resolve_input_files
-
-    try:
-        files = resolve_input_files(path)
-        rollouts = []
-        dropped = 0
-        for chunk in iter_chunks(files, 4096):
-            for where, row in chunk_rows(chunk):
-                r = parse_rollout(row, where, vocab_size)
-                if len(r) > max_length:
-                    if overlong == "drop":
-                        dropped += 1
-                        continue
-                    raise DataError(f"{where}: {len(r.prompt_ids)} prompt + {len(r.response_ids)} response tokens "
-                                    f"= {len(r)} > {max_length}, the tokens of a row (--max-seqlen-per-dp-cp-rank x "
-                                    "--context-parallel-size; rollouts are never truncated: raise it, or "
-                                    "--rollout-overlong drop to drop and count such samples)")
-                rollouts.append(r)
-    except PreprocessError as exc:  # unreadable files, malformed JSON lines
-        raise DataError(str(exc)) from None
+def check_rollouts(rows, vocab_size: int, max_length: int, overlong: str = "refuse", estimator: str = "grpo",
+                   need_advantages: bool = True, name: str = "rollouts") -> tuple[List[Rollout], dict]:
+    """Checked rollouts of ``rows`` ((where, row) pairs: a file's lines, or rows handed over in
+    memory) and counts {'rollouts', 'dropped over-long'}; advantages from reward and group."""
+    rollouts = []
+    dropped = 0
+    for where, row in rows:
+        r = parse_rollout(row, where, vocab_size)
+        if len(r) > max_length:
+            if overlong == "drop":
+                dropped += 1
+                continue
+            raise DataError(f"{where}: {len(r.prompt_ids)} prompt + {len(r.response_ids)} response tokens "
+                            f"= {len(r)} > {max_length}, the tokens of a row (--max-seqlen-per-dp-cp-rank x "
+                            "--context-parallel-size; rollouts are never truncated: raise it, or "
+                            "--rollout-overlong drop to drop and count such samples)")
+        rollouts.append(r)
     if not rollouts:
-        raise DataError(f"{path}: no rollouts" + (f" ({dropped} dropped as over-long)" if dropped else ""))
+        raise DataError(f"{name}: no rollouts" + (f" ({dropped} dropped as over-long)" if dropped else ""))
     if need_advantages:
         missing = [r for r in rollouts if r.advantages is None and r.row.get("reward") is None]
         if missing:
@@ -181,9 +179,26 @@ def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "
             for r, a in zip(scalar, adv):
                 r.advantages = np.full(len(r.response_ids), a)
     if dropped:
-        log.warning("%s: %d over-long rollouts dropped (> --max-seqlen-per-dp-cp-rank %d tokens)", path, dropped,
+        log.warning("%s: %d over-long rollouts dropped (> --max-seqlen-per-dp-cp-rank %d tokens)", name, dropped,
                     max_length)
     return rollouts, {"rollouts": len(rollouts), "dropped over-long": dropped}
+
+
+def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "refuse",
+                  estimator: str = "grpo", need_advantages: bool = True, text_args=None) -> tuple[List[Rollout], dict]:
+    """Checked rollouts of ``path`` (file or directory): :func:`check_rollouts` over its rows; with
+    ``text_args`` (the run's flags) text rows are tokenised (:mod:`mindspeed_pack.data.rollout_text`)."""
+    from mindspeed_pack.data.readers import resolve_input_files
+    from mindspeed_pack.data.rollout_text import tokenize_text_rows
+
+    def rows():
+        for chunk in iter_chunks(resolve_input_files(path), 4096):
+            yield from chunk_rows(chunk) if text_args is None else tokenize_text_rows(chunk_rows(chunk), text_args, path)
+
+    try:
+        return check_rollouts(rows(), vocab_size, max_length, overlong, estimator, need_advantages, name=path)
+    except PreprocessError as exc:  # unreadable files, malformed JSON lines
+        raise DataError(str(exc)) from None
 
 
 def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bool = False,
@@ -268,12 +283,15 @@ class RolloutBatchSource:
                             f"{cp} must be a multiple of {self.multiple} (every sample is padded to it for the CP "
                             "split)")
         self.args = args
-        self.rollouts, self.counts = load_rollouts(
-            args.rollout_path, args.vocab_size or args.padded_vocab_size, self.capacity, args.rollout_overlong,
-            args.advantage_estimator, self.need_advantages)
+        self.rollouts, self.counts = self.read(args)
         self.cost = cost_model(args)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self._plans: dict = {}
+
+    def read(self, args) -> tuple[List[Rollout], dict]:
+        """The checked rollouts of ``--rollout-path`` and their counts."""
+        return load_rollouts(args.rollout_path, args.vocab_size or args.padded_vocab_size, self.capacity,
+                             args.rollout_overlong, args.advantage_estimator, self.need_advantages, text_args=args)
 
     def has_split(self, split: str) -> bool:
         return split == "train"

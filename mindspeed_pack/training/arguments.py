@@ -469,8 +469,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError("give --data-path (divided by --split) or --train-data-path/--valid-data-path/"
                             "--test-data-path, not both")
     rollouts = args.stage in ("score", "grpo")
-    if rollouts and (args.data_path or any(per_split) or not getattr(args, "rollout_path", None)):
+    # an in-process RL session (training/rl_session.py) is handed its rollouts, not a file
+    handed = getattr(args, "rollouts_in_process", False)
+    if rollouts and (args.data_path or any(per_split) or not (getattr(args, "rollout_path", None) or handed)):
         raise ArgumentError(f"--stage {args.stage} reads rollouts: give --rollout-path (and no --data-path)")
+    if handed and getattr(args, "rollout_path", None):
+        raise ArgumentError("an in-process RL session is handed its rollouts: drop --rollout-path")
     if not rollouts and getattr(args, "rollout_path", None):
         raise ArgumentError("--rollout-path is read by --stage score and --stage grpo only")
     if not args.data_path and not any(per_split) and not rollouts:

@@ -396,14 +396,7 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         while self.iteration < args.train_iters:
-            self.phase = f"iteration {self.iteration + 1}"
-            start = time.perf_counter()
-            loss, grad_norm, stats, _ = self.train_step()
-            elapsed = time.perf_counter() - start
-            self.slowest_step_s = max(self.slowest_step_s, elapsed)
-            self.iteration += 1
-            self.consumed_samples += args.global_batch_size
-            self._log_step(loss, grad_norm, stats, elapsed)
+            self.train_iteration()
             if args.eval_iters and self.iteration % args.eval_interval == 0 and self.source.has_split("valid"):
                 self.evaluate()
             save_now = args.save and args.save_interval and self.iteration % args.save_interval == 0
@@ -418,6 +411,17 @@ class Trainer:
             self.phase = f"the save of iteration {self.iteration}"
             self.save()
         self._evaluate_at_end()
+
+    def train_iteration(self) -> dict:
+        """One optimizer step on the next global batch, counted and logged; returns the logged record."""
+        self.phase = f"iteration {self.iteration + 1}"
+        start = time.perf_counter()
+        loss, grad_norm, stats, _ = self.train_step()
+        elapsed = time.perf_counter() - start
+        self.slowest_step_s = max(self.slowest_step_s, elapsed)
+        self.iteration += 1
+        self.consumed_samples += self.args.global_batch_size
+        return self._log_step(loss, grad_norm, stats, elapsed)
 
     def _evaluate_at_end(self) -> None:
         """Megatron-LM's end of training: validation on the next ``--eval-iters`` global batches
@@ -446,7 +450,7 @@ class Trainer:
         dist.all_reduce(t, group=ps.get_data_parallel_group())
         return {k: float(v) for k, v in zip(keys, t.cpu().tolist())}
 
-    def _log_step(self, loss, grad_norm, stats, elapsed) -> None:
+    def _log_step(self, loss, grad_norm, stats, elapsed) -> dict:
         args = self.args
         # the balanced plan's figure is the whole job's already: keep it out of the DP sum
         plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance"}
@@ -455,7 +459,7 @@ class Trainer:
         total = int(stats["tokens"])
         real = int(stats["real tokens"])
         stats.update(plan)
-        self.metrics.step({
+        record = {
             "iteration": self.iteration,
             "split": "train",
             "lm loss": loss,
@@ -473,7 +477,9 @@ class Trainer:
             **throughput.step_fields(args, stats, elapsed, 1, dist.get_world_size()),
             **(moe.step_statistics(self.model, args.num_layers, args.num_experts) if args.num_experts else {}),
             **stage_metrics,
-        }, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
+        }
+        self.metrics.step(record, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
+        return record
 
     def evaluate(self, split: str = "valid", label: Optional[str] = None) -> Optional[float]:
         """Loss over ``--eval-iters`` global batches of ``split``: valid continues where its last

@@ -1,0 +1,99 @@
+"""The in-process RL session is the file path's twin: scoring and GRPO steps on rollouts handed
+over in memory equal ``posttrain.py --stage score`` / ``--stage grpo`` on the same rollouts in a file."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import posttrain
+from mindspeed_pack.checkpoint_layout import checkpoint_file
+from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.training.rl_session import RLSession
+from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
+from tests.rollout_utils import random_rollouts, write_jsonl
+
+DETERMINISTIC = ("lm loss", "grad norm", "lr", "pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max",
+                 "response length", "padding ratio", "tokens", "consumed samples", "samples per pack")
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    return write_converted_tiny_qwen2(tmp_path_factory.mktemp("rl_session_qwen2"))
+
+
+def _flags(converted):
+    return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--load", converted, "--finetune", "--max-seqlen-per-dp-cp-rank", "48", "--lr", "3e-3",
+            "--clip-grad", "1.0", "--train-iters", "2", "--clip-ratio", "0.1", "0.2"]
+
+
+def _model(ckpt, iteration):
+    return torch.load(checkpoint_file(ckpt, iteration, 0, 0, 1), weights_only=False)["model"]
+
+
+def test_session_score_and_step_equal_posttrain_on_the_same_file(converted, tmp_path):
+    rows = random_rollouts(8, seed=11)
+    for row in rows[4:]:  # half with a scalar reward and a group instead of per-token advantages
+        row["reward"], row["group"] = float(len(row["response_ids"]) % 3), len(row["prompt_ids"]) % 2
+        del row["advantages"]
+    flags = _flags(converted)
+    scored = str(tmp_path / "scored.jsonl")
+    posttrain.main(["--stage", "score", "--rollout-path", write_jsonl(tmp_path / "r.jsonl", rows),
+                    "--score-output", scored, *flags])
+    posttrain.main(["--stage", "grpo", "--rollout-path", scored, "--save", str(tmp_path / "file"),
+                    "--metrics-file", str(tmp_path / "file.jsonl"), *flags])
+    with open(tmp_path / "file.jsonl") as f:
+        expected = [r for r in map(json.loads, f) if r["split"] == "train"]
+    with open(scored) as f:
+        file_logps = [r["old_logprobs"] for r in map(json.loads, f)]
+
+    with RLSession.from_argv(flags) as session:
+        logps = session.score(rows)
+        for row, mine, theirs in zip(rows, logps, file_logps):
+            assert len(mine) == len(row["response_ids"])
+            np.testing.assert_array_equal(mine, theirs)
+            row["old_logprobs"] = mine.tolist()
+        records = session.step(rows)
+        session.save(str(tmp_path / "session"))
+        # the HF export is the current step's model: transformers' log-probs equal the session's
+        session.export_hf(str(tmp_path / "hf"))
+        now = session.score(rows)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32,
+                                                           attn_implementation="eager")
+    with torch.no_grad():
+        for row, mine in zip(rows, now):
+            p = len(row["prompt_ids"])
+            ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
+            theirs = torch.log_softmax(hf(ids[None]).logits[0, p - 1:-1].double(), -1).gather(1, ids[p:, None])[:, 0]
+            assert float((torch.from_numpy(mine) - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+        assert not np.allclose(now[0], logps[0])  # the weights did change
+    assert [r["iteration"] for r in records] == [1, 2]
+    assert records[0]["ratio mean"] == records[0]["ratio max"] == 1.0 and records[0]["clip fraction"] == 0.0
+    assert records[1]["ratio max"] != 1.0  # the second step sees the first one's update
+    for mine, theirs in zip(records, expected):
+        assert {k: mine[k] for k in DETERMINISTIC} == {k: theirs[k] for k in DETERMINISTIC}
+    a, b = _model(str(tmp_path / "file"), 2), _model(str(tmp_path / "session"), 2)
+    assert a.keys() == b.keys()
+    for name in a:
+        if isinstance(a[name], torch.Tensor):
+            assert torch.equal(a[name], b[name]), name
+    assert not torch.equal(a["embedding.word_embeddings.weight"],
+                           _model_release(converted)["embedding.word_embeddings.weight"])
+
+
+def _model_release(converted):
+    return torch.load(checkpoint_file(converted, "release", 0, 0, 1), weights_only=False)["model"]
+
+
+def test_session_names_a_bad_handed_rollout_and_keeps_row_order_when_dropping(converted):
+    with RLSession.from_argv([*_flags(converted), "--rollout-overlong", "drop"]) as session:
+        good = {"prompt_ids": [1, 2], "response_ids": [3, 4], "advantages": [1.0, -1.0]}
+        long = {"prompt_ids": [1] * 40, "response_ids": [2] * 20, "advantages": [0.0] * 20}
+        scores = session.score([long, good, long, {**good, "response_ids": [5, 6, 7], "advantages": [0, 0, 0]}])
+        assert scores[0] is None and scores[2] is None and [len(scores[1]), len(scores[3])] == [2, 3]
+        with pytest.raises(DataError, match=r"rollout 1: field 'response_ids'\[0\] = 999 does not fit"):
+            session.step([good, {**good, "response_ids": [999, 4]}])
+        with pytest.raises(DataError, match="rollout 0: neither 'advantages'"):
+            session.step([{"prompt_ids": [1], "response_ids": [2]}])
