@@ -168,7 +168,7 @@ class RLSession:
         out: List[Optional[np.ndarray]] = [None] * len(rows)
         row_of = {name: i for i, name in enumerate(where)}
         for k, rollout in enumerate(kept):
-            out[row_of[rollout.where]] = np.asarray(table[k], dtype=np.float64)
+            out[row_of[rollout.where]] = np.asarray(table[k][self.scorer.fields[0]], dtype=np.float64)
         return out
 
     def step(self, rows: List[dict], steps: Optional[int] = None, where: Optional[List[str]] = None) -> List[dict]:
