@@ -253,32 +253,42 @@ def test_shared_expert_family_is_refused_by_name(tmp_path):
 MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--qk-layernorm",
              "--moe-layer-freq", "[0,1]", "--moe-router-load-balancing-type", "seq_aux_loss",
              "--moe-aux-loss-coeff", "0.01", "--seq-length", "128", "--micro-batch-size", "2",
-             "--global-batch-size", "4", "--neat-pack", "--train-iters", "5", "--lr", "1e-3"]
+             "--global-batch-size", "4", "--neat-pack", "--train-iters", "3", "--lr", "1e-3"]
+# build_hf_model()'s shape as flags (a Megatron --load needs them; a HF --load checks them against config.json)
+QWEN3_MOE_FLAGS = (
+    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --group-query-attention "
+    "--num-query-groups 2 --kv-channels 24 --qk-layernorm --disable-bias-linear --swiglu --normalization RMSNorm "
+    "--norm-epsilon 1e-6 --rotary-base 1000000 --untie-embeddings-and-output-weights --padded-vocab-size 256 "
+    "--position-embedding-type rope --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+    "--moe-layer-freq [0,1] --attention-dropout 0.0 --hidden-dropout 0.0 --lr-decay-style cosine "
+    "--log-interval 1 --eval-iters 0 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 "
+    "--seq-length 128 --micro-batch-size 2 --global-batch-size 4 --neat-pack --train-iters 5 --lr 1e-3"
+).split()
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 
 
-def test_ep2_tp2xep2_pp2_match_one_process_and_ep2_resumes_exactly(tmp_path):
-    """Expert parallelism (alltoall dispatcher over gloo), TP2 x EP2 with sequence parallelism (4
-    processes; allgather dispatcher, see the README) and PP2 (a dense stage, then an MoE stage) train the
-    same model on the same packs as one process over 5 steps: losses, aux losses, grad norms and expert
-    loads. The EP2 run saves at step 3 (one file per EP rank); resumed from there, steps 4-5 are bit-equal."""
+def test_ep2_tp2xep2_pp2_match_one_process_and_ep2_resumes_exactly(converted, tmp_path):
+    """The tiny Qwen3-MoE loaded straight from its HF directory (each rank reads its own experts)
+    trains the same at EP2 (alltoall dispatcher over gloo), TP2 x EP2 with sequence parallelism (4
+    processes) and PP2 (a dense stage, then an MoE stage) as in one process over 5 steps: losses, aux
+    losses, grad norms and expert loads. The EP2 run saves at step 3 (one directory per EP rank);
+    resumed from there, steps 4-5 are bit-equal."""
     from tests.train_utils import run_posttrain, write_copy_task
 
     data = write_copy_task(str(tmp_path / "data"), num_packs=24)
-    ckpt = str(tmp_path / "ckpt_ep2")
+    hf, ckpt = str(converted["root"] / "hf"), str(tmp_path / "ckpt_ep2")
     runs = {}
     for name, nproc, extra in (
-            ("one", 1, []),
-            ("ep2", 2, [*EP2, "--save", ckpt, "--save-interval", "3"]),
+            ("one", 1, ["--load", hf]),
+            ("ep2", 2, [*EP2, "--load", hf, "--save", ckpt, "--save-interval", "3"]),
             ("ep2_resumed", 2, [*EP2, "--load", ckpt]),
-            ("tp2xep2", 4, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather",
-                            "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-            ("pp2", 2, ["--pipeline-model-parallel-size", "2"])):
+            ("tp2xep2", 4, [*EP2, "--load", hf, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+            ("pp2", 2, ["--load", hf, "--pipeline-model-parallel-size", "2"])):
         if name == "ep2_resumed":
             assert sorted(os.listdir(os.path.join(ckpt, "iter_0000003"))) == ["mp_rank_00_000", "mp_rank_00_001"]
             with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
                 f.write("3")  # resume from step 3 (the run also saved its last step)
-        proc, records = run_posttrain([*MOE_FLAGS, "--data-path", data, *extra], nproc=nproc,
+        proc, records = run_posttrain(["--data-path", data, *extra], nproc=nproc, model_flags=QWEN3_MOE_FLAGS,
                                       metrics=str(tmp_path / f"{name}.jsonl"))
         runs[name] = [r for r in records if r["split"] == "train"]
         if name == "one":  # the console line carries the MoE fields
