@@ -281,7 +281,7 @@ def test_ep2_tp2xep2_pp2_match_one_process_and_ep2_resumes_exactly(converted, tm
     for name, nproc, extra in (
             ("one", 1, ["--load", hf]),
             ("ep2", 2, [*EP2, "--load", hf, "--save", ckpt, "--save-interval", "3"]),
-            ("ep2_resumed", 2, [*EP2, "--load", ckpt]),
+            ("ep2_resumed", 2, [*EP2, "--load", ckpt, "--save-hf", str(tmp_path / "hf_out")]),
             ("tp2xep2", 4, [*EP2, "--load", hf, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
             ("pp2", 2, ["--load", hf, "--pipeline-model-parallel-size", "2"])):
         if name == "ep2_resumed":
@@ -305,6 +305,14 @@ def test_ep2_tp2xep2_pp2_match_one_process_and_ep2_resumes_exactly(converted, tm
     for got, want in zip(runs["ep2_resumed"], runs["ep2"][3:], strict=True):
         for key in ("lm loss", "moe aux loss", "grad norm", "tokens per expert"):
             assert got[key] == want[key], (got["iteration"], key)
+    # --save-hf at EP2 merges every EP rank's experts: the resumed run's model is the uninterrupted one's
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+    megatron_to_hf(ckpt, str(tmp_path / "hf_at_5"))
+    exported, uninterrupted = load_file(tmp_path / "hf_out" / "model.safetensors"), \
+        load_file(tmp_path / "hf_at_5" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported and sorted(exported) == sorted(uninterrupted)
+    assert all(torch.equal(exported[k], uninterrupted[k]) for k in exported)
 
 
 def test_model_flops_count_the_active_experts():
