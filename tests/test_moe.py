@@ -267,12 +267,13 @@ QWEN3_MOE_FLAGS = (
 EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 
 
-def test_ep2_tp2xep2_pp2_match_one_process_and_ep2_resumes_exactly(converted, tmp_path):
+def test_ep2_tp2xep2_pp2xcp2_match_one_process_and_ep2_resumes_exactly(converted, tmp_path):
     """The tiny Qwen3-MoE loaded straight from its HF directory (each rank reads its own experts)
-    trains the same at EP2 (alltoall dispatcher over gloo), TP2 x EP2 with sequence parallelism (4
-    processes) and PP2 (a dense stage, then an MoE stage) as in one process over 5 steps: losses, aux
-    losses, grad norms and expert loads. The EP2 run saves at step 3 (one directory per EP rank);
-    resumed from there, steps 4-5 are bit-equal."""
+    trains the same at EP2 (alltoall dispatcher over gloo), TP2 x EP2 with sequence parallelism and
+    PP2 (a dense stage, then an MoE stage) x CP2 (4 processes each) as in one process over 5 steps:
+    losses, aux losses, grad norms and expert loads. Under CP every sample is split over two ranks, so
+    equal seq_aux_loss means each sample's statistic is taken over the whole sample. The EP2 run saves
+    at step 3 (one directory per EP rank); resumed from there, steps 4-5 are bit-equal."""
     from tests.train_utils import run_posttrain, write_copy_task
 
     data = write_copy_task(str(tmp_path / "data"), num_packs=24)
@@ -283,7 +284,7 @@ def test_ep2_tp2xep2_pp2_match_one_process_and_ep2_resumes_exactly(converted, tm
             ("ep2", 2, [*EP2, "--load", hf, "--save", ckpt, "--save-interval", "3"]),
             ("ep2_resumed", 2, [*EP2, "--load", ckpt, "--save-hf", str(tmp_path / "hf_out")]),
             ("tp2xep2", 4, [*EP2, "--load", hf, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-            ("pp2", 2, ["--load", hf, "--pipeline-model-parallel-size", "2"])):
+            ("pp2xcp2", 4, ["--load", hf, "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"])):
         if name == "ep2_resumed":
             assert sorted(os.listdir(os.path.join(ckpt, "iter_0000003"))) == ["mp_rank_00_000", "mp_rank_00_001"]
             with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -295,7 +296,7 @@ def test_ep2_tp2xep2_pp2_match_one_process_and_ep2_resumes_exactly(converted, tm
             assert "moe aux loss:" in proc.stdout and "expert load max/mean:" in proc.stdout
     ref = runs["one"]
     assert len(ref) == 5
-    for name in ("ep2", "tp2xep2", "pp2"):
+    for name in ("ep2", "tp2xep2", "pp2xcp2"):
         for got, want in zip(runs[name], ref, strict=True):
             for key in ("lm loss", "moe aux loss", "grad norm", "expert load max/mean"):
                 assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (name, got["iteration"], key)
@@ -346,11 +347,10 @@ def test_te_names_keep_moe_layers_own_norm_and_map_grouped_experts():
 
 
 @pytest.mark.parametrize("extra,world,message", [
-    (["--context-parallel-size", "2"], 2, "--context-parallel-size > 1 is not supported"),
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--expert-model-parallel-size", "3", "--global-batch-size", "6"], 3, "must divide --num-experts 4"),
     (["--moe-layer-freq", "[0,1,1]"], 1, "--moe-layer-freq lists 3 layers"),
-], ids=["cp", "tp-without-sp", "ep-experts", "layer-freq"])
+], ids=["tp-without-sp", "ep-experts", "layer-freq"])
 def test_moe_flag_combinations_are_refused_by_name(extra, world, message, capsys):
     from mindspeed_pack.training.arguments import parse_args
     from tests.model_utils import TINY_FLAGS
