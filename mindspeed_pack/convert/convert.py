@@ -467,7 +467,8 @@ def main(argv=None) -> int:
         elif args.load_model_type == "mg" and args.save_model_type == "mg":
             megatron_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                                  args.target_pipeline_parallel_size, args.padded_vocab_size,
-                                 args.allow_unsafe_checkpoint_load, args.tokenizer_dir, args.target_expert_parallel_size)
+                                 args.allow_unsafe_checkpoint_load, args.tokenizer_dir,
+                                 args.target_expert_parallel_size)
         else:
             raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
     except ConversionError as e:

@@ -221,7 +221,8 @@ def experts_of_rank(num_experts: int, ep_rank: int, ep_size: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def expert_shard(state: Dict[str, torch.Tensor], num_experts: int, ep_rank: int, ep_size: int) -> Dict[str, torch.Tensor]:
+def expert_shard(state: Dict[str, torch.Tensor], num_experts: int, ep_rank: int, ep_size: int
+                 ) -> Dict[str, torch.Tensor]:
     """The part of ``state`` (global expert indices) expert-parallel rank ``ep_rank`` holds: every
     non-expert tensor, and its experts renumbered from 0."""
     if ep_size == 1:
