@@ -5,6 +5,12 @@
     SAVE/latest_checkpointed_iteration.txt       "N" (or "release" for converted weights)
     SAVE/iter_000000N/mp_rank_TT/model_optim_rng.pt          (PP = 1)
     SAVE/iter_000000N/mp_rank_TT_PPP/model_optim_rng.pt      (PP > 1)
+    SAVE/iter_000000N/mp_rank_TT[_PPP]_EEE/model_optim_rng.pt (expert parallel, EP > 1)
+
+As Megatron-LM's ``get_checkpoint_name``: with EP > 1 the expert-parallel rank is appended,
+and each file holds the non-expert weights plus that rank's experts under *local* indices
+(``local_experts.j`` is global expert ``ep_rank * num_experts / EP + j``). ``mp_rank_TT_XXX``
+is PP or EP: the file's ``args`` (``expert_model_parallel_size``) say which.
 
 Each file holds ``{"model": state_dict, "iteration", "args", "checkpoint_version", ...}``
 with parameter names of megatron-core's *local* layer spec (the canonical names); the TE
@@ -44,12 +50,15 @@ def iteration_dir(root: str, iteration) -> str:
     return os.path.join(root, name)
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name + (f"_{ep_rank:03d}" if ep_size > 1 else "")
 
 
-def checkpoint_file(root: str, iteration, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    return os.path.join(iteration_dir(root, iteration), rank_dir_name(tp_rank, pp_rank, pp_size), "model_optim_rng.pt")
+def checkpoint_file(root: str, iteration, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
+                    ep_size: int = 1) -> str:
+    return os.path.join(iteration_dir(root, iteration), rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
+                        "model_optim_rng.pt")
 
 
 def read_tracker(root: str):
@@ -194,22 +203,38 @@ def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
         return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
 
 
-def saved_parallel_sizes(root: str, iteration) -> tuple[int, int]:
-    """(tp, pp) of a saved checkpoint, read from its rank directory names."""
+def saved_parallel_sizes(root: str, iteration) -> tuple[int, int, int]:
+    """(tp, pp, ep) of a saved checkpoint, read from its rank directory names."""
     return parallel_sizes_in(iteration_dir(root, iteration))
 
 
-def parallel_sizes_in(it_dir: str) -> tuple[int, int]:
-    """(tp, pp) from the ``mp_rank_TT[_PPP]`` directories of one iteration directory."""
-    tp_ranks, pp_ranks = set(), set()
+def parallel_sizes_in(it_dir: str, allow_unsafe: bool = False) -> tuple[int, int, int]:
+    """(tp, pp, ep) from the ``mp_rank_TT[_PPP][_EEE]`` directories of one iteration directory.
+
+    A second number alone is the pipeline rank unless the checkpoint's args say it was saved
+    with expert parallelism (Megatron-LM's names do not tell the two apart)."""
+    ranks, with_ep = [], False
     for name in os.listdir(it_dir):
-        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", name)
+        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?", name)
         if m:
-            tp_ranks.add(int(m.group(1)))
-            pp_ranks.add(int(m.group(2) or 0))
-    if not tp_ranks:
+            ranks.append(tuple(int(g or 0) for g in m.groups()))
+            with_ep = with_ep or m.group(3) is not None
+    if not ranks:
         raise FileNotFoundError(f"{it_dir}: no mp_rank_* directories")
-    return max(tp_ranks) + 1, max(pp_ranks) + 1
+    tp, second = max(r[0] for r in ranks) + 1, max(r[1] for r in ranks) + 1
+    if with_ep:
+        return tp, second, max(r[2] for r in ranks) + 1
+    if second > 1 and _saved_expert_parallel_size(os.path.join(it_dir, "mp_rank_00_000", "model_optim_rng.pt"),
+                                                  allow_unsafe) > 1:
+        return tp, 1, second
+    return tp, second, 1
+
+
+def _saved_expert_parallel_size(path: str, allow_unsafe: bool) -> int:
+    if not os.path.isfile(path):
+        return 1
+    stored = (load_file(path, allow_unsafe=allow_unsafe, mmap=True) or {}).get("args") or {}
+    return int((stored if isinstance(stored, dict) else vars(stored)).get("expert_model_parallel_size") or 1)
 
 
 def remove_tree(path: str) -> None:

@@ -10,7 +10,10 @@ initialisation and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` whe
 - a :class:`torch.overrides.TorchFunctionMode` rewrites any CUDA ``device`` argument of
   tensor factories and ``.to()``/``.cuda()`` calls to the CPU;
 - the same rewrite applies inside custom autograd ``backward`` methods;
-- ``Tensor.type()`` reports ``torch.cuda.*`` names so megatron's dtype checks pass.
+- ``Tensor.type()`` reports ``torch.cuda.*`` names so megatron's dtype checks pass;
+- ``torch.distributed.all_gather`` of pieces of different sizes (gloo gathers equal ones
+  only) goes through padded pieces: megatron's alltoall MoE dispatcher gathers each
+  tensor-parallel rank's routed tokens this way under TP x EP.
 
 Everything CPU-specific lives here; nothing else in the project checks for it.
 """
@@ -170,6 +173,7 @@ def enable() -> None:
     _MODE = _CudaToCpuMode()
     _MODE.__enter__()  # stays active for the life of the process
     _redirect_in_backward()
+    _gather_uneven_pieces()
     _ENABLED = True
     log.info("CUDA not available: megatron-core runs on the CPU (gloo backend)")
 
@@ -190,6 +194,28 @@ def _redirect_in_backward() -> None:
             return original_apply(self, *args)
 
     BackwardCFunction.apply = apply
+
+
+def _gather_uneven_pieces() -> None:
+    """``dist.all_gather`` into pieces of different first dimensions: gather them padded to the
+    largest, then copy each piece's rows out (gloo refuses unequal sizes; NCCL takes them)."""
+    import torch.distributed as dist
+
+    original_all_gather = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or len({tuple(t.shape) for t in tensor_list}) <= 1:
+            return original_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = [t.new_empty((rows, *t.shape[1:])) for t in tensor_list]
+        mine = tensor.new_zeros((rows, *tensor.shape[1:]))
+        mine[: tensor.shape[0]] = tensor
+        original_all_gather(padded, mine, group=group)
+        for out, piece in zip(tensor_list, padded):
+            out.copy_(piece[: out.shape[0]])
+        return None
+
+    dist.all_gather = all_gather
 
 
 def default_backend() -> str:

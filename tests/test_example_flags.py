@@ -286,7 +286,7 @@ QWEN3_30B_A3B_CONFIG = {
 
 def test_qwen3_moe_training_flags_are_the_models_config():
     """The MoE tune script's model and expert flags are what the converter derives from Qwen3-30B-A3B's
-    config.json, and the conversion script shards for the training's TP x PP."""
+    config.json, and the conversion script shards for the training's TP x PP x EP."""
     from mindspeed_pack.convert.model_specs import args_from_hf_config
 
     (tune,) = check_script(QWEN3_MOE / "tune_qwen3_30b_a3b_4k_full_pack.sh")
@@ -301,8 +301,11 @@ def test_qwen3_moe_training_flags_are_the_models_config():
     assert expected.moe_layer_freq == [1] * 48 and tune.moe_layer_freq == 1
     assert (tune.num_experts, tune.moe_router_topk, tune.sequence_parallel) == (128, 8, True)
     assert hf2mg.model_type_hf == "qwen3_moe" and (hf2mg.save_dir, hf2mg.target_tensor_parallel_size,
-                                                   hf2mg.target_pipeline_parallel_size) == \
-        (tune.load, tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size)
+                                                   hf2mg.target_pipeline_parallel_size,
+                                                   hf2mg.target_expert_parallel_size) == \
+        (tune.load, tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size,
+         tune.expert_model_parallel_size)
+    assert tune.expert_model_parallel_size == 2
 
 
 def test_qwen3_scripts_agree_with_each_other():

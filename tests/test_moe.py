@@ -13,6 +13,7 @@ One tiny random transformers Qwen3-MoE (8 experts, top-2, 2 layers, layer 0 dens
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -121,6 +122,62 @@ def test_qwen3_moe_hf_megatron_hf_is_bit_exact(converted):
             config["mlp_only_layers"]) == (EXPERTS, TOPK, 32, True, [0])
 
 
+@pytest.fixture(scope="module")
+def converted_ep2(converted):
+    """The same HF model through convert_ckpt.py at --target-expert-parallel-size 2."""
+    from mindspeed_pack.convert.convert import main as convert_main
+
+    root = converted["root"]
+    assert convert_main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(root / "hf"),
+                         "--save-dir", str(root / "mg_ep2"), "--target-expert-parallel-size", "2",
+                         "--padded-vocab-size", str(VOCAB)]) == 0
+    return str(root / "mg_ep2")
+
+
+def test_convert_at_ep2_is_megatron_lm_layout_and_round_trips_bit_exact(converted, converted_ep2):
+    """Megatron-LM's per-EP-rank directories, each with its own experts under local indices; back to HF
+    bit-exact, and resharded to EP1 it equals the direct EP1 conversion tensor for tensor."""
+    from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file, load_file
+    from mindspeed_pack.convert.convert import main as convert_main
+
+    root = converted["root"]
+    assert sorted(p.name for p in (root / "mg_ep2" / RELEASE).iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
+    direct = load_file(checkpoint_file(str(root / "mg"), RELEASE, 0, 0, 1))["model"]
+    expert = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc1.weight"
+    for ep_rank in range(2):
+        record = load_file(checkpoint_file(converted_ep2, RELEASE, 0, 0, 1, ep_rank, 2))
+        assert record["args"]["expert_model_parallel_size"] == 2
+        assert sorted(k for k in record["model"] if ".local_experts." in k and k.endswith("fc1.weight")) == [
+            expert.format(j) for j in range(EXPERTS // 2)]
+        for j in range(EXPERTS // 2):  # local expert j of EP rank e is global expert e * 4 + j
+            assert torch.equal(record["model"][expert.format(j)], direct[expert.format(ep_rank * 4 + j)])
+    megatron_to_hf(converted_ep2, str(root / "back_ep2"))
+    original, back = load_file(root / "hf" / "model.safetensors"), load_file(root / "back_ep2" / "model.safetensors")
+    assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)
+    assert convert_main(["--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", converted_ep2,
+                         "--save-dir", str(root / "mg_ep1"), "--target-expert-parallel-size", "1"]) == 0
+    resharded = load_file(checkpoint_file(str(root / "mg_ep1"), RELEASE, 0, 0, 1))["model"]
+    assert sorted(resharded) == sorted(direct) and all(torch.equal(resharded[k], direct[k]) for k in direct)
+
+
+def test_ep2_checkpoint_loads_into_an_ep1_run(converted, converted_ep2, megatron):
+    """A run at another --expert-model-parallel-size regroups the experts from the files holding them."""
+    import copy
+
+    from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file, load_file
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from mindspeed_pack.training.checkpointing import load_weights
+
+    _, args = megatron
+    args = copy.copy(args)
+    args.allow_unsafe_checkpoint_load = False
+    model = build_gpt_model(args)
+    load_weights(args, converted_ep2, model)
+    direct = load_file(checkpoint_file(str(converted["root"] / "mg"), RELEASE, 0, 0, 1))["model"]
+    loaded = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    assert sorted(loaded) == sorted(direct) and all(torch.equal(loaded[k], direct[k]) for k in direct)
+
+
 def test_packed_loss_equals_transformers_per_sample(converted, megatron):
     model, _ = megatron
     hf = converted["model"]
@@ -197,34 +254,66 @@ MOE_FLAGS = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
              "--moe-layer-freq", "[0,1]", "--moe-router-load-balancing-type", "seq_aux_loss",
              "--moe-aux-loss-coeff", "0.01", "--seq-length", "128", "--micro-batch-size", "2",
              "--global-batch-size", "4", "--neat-pack", "--train-iters", "3", "--lr", "1e-3"]
+# build_hf_model()'s shape as flags (a Megatron --load needs them; a HF --load checks them against config.json)
+QWEN3_MOE_FLAGS = (
+    "--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --group-query-attention "
+    "--num-query-groups 2 --kv-channels 24 --qk-layernorm --disable-bias-linear --swiglu --normalization RMSNorm "
+    "--norm-epsilon 1e-6 --rotary-base 1000000 --untie-embeddings-and-output-weights --padded-vocab-size 256 "
+    "--position-embedding-type rope --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 32 "
+    "--moe-layer-freq [0,1] --attention-dropout 0.0 --hidden-dropout 0.0 --lr-decay-style cosine "
+    "--log-interval 1 --eval-iters 0 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 "
+    "--seq-length 128 --micro-batch-size 2 --global-batch-size 4 --neat-pack --train-iters 5 --lr 1e-3"
+).split()
+EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
 
 
-def test_ep2_tp2_pp2_match_one_process(tmp_path):
-    """Expert parallelism (alltoall dispatcher over gloo), TP2 with sequence parallelism and PP2
-    (a dense stage, then an MoE stage) train the same model on the same packs as one process:
-    losses, aux losses, grad norms and expert loads per step."""
+def test_ep2_tp2xep2_pp2xcp2_match_one_process_and_ep2_resumes_exactly(converted, tmp_path):
+    """The tiny Qwen3-MoE loaded straight from its HF directory (each rank reads its own experts)
+    trains the same at EP2 (alltoall dispatcher over gloo), TP2 x EP2 with sequence parallelism and
+    PP2 (a dense stage, then an MoE stage) x CP2 (4 processes each) as in one process over 5 steps:
+    losses, aux losses, grad norms and expert loads. Under CP every sample is split over two ranks, so
+    equal seq_aux_loss means each sample's statistic is taken over the whole sample. The EP2 run saves
+    at step 3 (one directory per EP rank); resumed from there, steps 4-5 are bit-equal."""
     from tests.train_utils import run_posttrain, write_copy_task
 
-    data = write_copy_task(str(tmp_path / "data"), num_packs=16)
+    data = write_copy_task(str(tmp_path / "data"), num_packs=24)
+    hf, ckpt = str(converted["root"] / "hf"), str(tmp_path / "ckpt_ep2")
     runs = {}
-    for name, nproc, extra in (("one", 1, []),
-                               ("ep2", 2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                                           "alltoall"]),
-                               ("tp2", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                               ("pp2", 2, ["--pipeline-model-parallel-size", "2"])):
-        proc, records = run_posttrain([*MOE_FLAGS, "--data-path", data, *extra], nproc=nproc,
+    for name, nproc, extra in (
+            ("one", 1, ["--load", hf]),
+            ("ep2", 2, [*EP2, "--load", hf, "--save", ckpt, "--save-interval", "3"]),
+            ("ep2_resumed", 2, [*EP2, "--load", ckpt, "--save-hf", str(tmp_path / "hf_out")]),
+            ("tp2xep2", 4, [*EP2, "--load", hf, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+            ("pp2xcp2", 4, ["--load", hf, "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2"])):
+        if name == "ep2_resumed":
+            assert sorted(os.listdir(os.path.join(ckpt, "iter_0000003"))) == ["mp_rank_00_000", "mp_rank_00_001"]
+            with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("3")  # resume from step 3 (the run also saved its last step)
+        proc, records = run_posttrain(["--data-path", data, *extra], nproc=nproc, model_flags=QWEN3_MOE_FLAGS,
                                       metrics=str(tmp_path / f"{name}.jsonl"))
         runs[name] = [r for r in records if r["split"] == "train"]
         if name == "one":  # the console line carries the MoE fields
             assert "moe aux loss:" in proc.stdout and "expert load max/mean:" in proc.stdout
     ref = runs["one"]
-    assert len(ref) == 3
-    for name in ("ep2", "tp2", "pp2"):
+    assert len(ref) == 5
+    for name in ("ep2", "tp2xep2", "pp2xcp2"):
         for got, want in zip(runs[name], ref, strict=True):
             for key in ("lm loss", "moe aux loss", "grad norm", "expert load max/mean"):
                 assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (name, got["iteration"], key)
             assert got["tokens per expert"] == want["tokens per expert"], (name, got["iteration"])
     assert sum(ref[0]["tokens per expert"][0]) == 2 * ref[0]["tokens"]  # top-2 of every real token, no pad
+    assert [r["iteration"] for r in runs["ep2_resumed"]] == [4, 5]
+    for got, want in zip(runs["ep2_resumed"], runs["ep2"][3:], strict=True):
+        for key in ("lm loss", "moe aux loss", "grad norm", "tokens per expert"):
+            assert got[key] == want[key], (got["iteration"], key)
+    # --save-hf at EP2 merges every EP rank's experts: the resumed run's model is the uninterrupted one's
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+    megatron_to_hf(ckpt, str(tmp_path / "hf_at_5"))
+    exported, uninterrupted = load_file(tmp_path / "hf_out" / "model.safetensors"), \
+        load_file(tmp_path / "hf_at_5" / "model.safetensors")
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported and sorted(exported) == sorted(uninterrupted)
+    assert all(torch.equal(exported[k], uninterrupted[k]) for k in exported)
 
 
 def test_model_flops_count_the_active_experts():
@@ -258,12 +347,10 @@ def test_te_names_keep_moe_layers_own_norm_and_map_grouped_experts():
 
 
 @pytest.mark.parametrize("extra,world,message", [
-    (["--expert-model-parallel-size", "2", "--save", "ckpt"], 2, "--expert-model-parallel-size > 1 with --save/--load"),
-    (["--context-parallel-size", "2"], 2, "--context-parallel-size > 1 is not supported"),
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--expert-model-parallel-size", "3", "--global-batch-size", "6"], 3, "must divide --num-experts 4"),
     (["--moe-layer-freq", "[0,1,1]"], 1, "--moe-layer-freq lists 3 layers"),
-], ids=["ep-save", "cp", "tp-without-sp", "ep-experts", "layer-freq"])
+], ids=["tp-without-sp", "ep-experts", "layer-freq"])
 def test_moe_flag_combinations_are_refused_by_name(extra, world, message, capsys):
     from mindspeed_pack.training.arguments import parse_args
     from tests.model_utils import TINY_FLAGS

@@ -20,6 +20,7 @@ MODEL_TYPE_HF=${MODEL_TYPE_HF:-qwen2}   # the family (convert_ckpt.py --model-ty
 # --save-model-type mg reshards an existing Megatron checkpoint if you change them later).
 TP=${TP:-4}
 PP=${PP:-1}
+EP=${EP:-1}   # expert-parallel ranks (MoE models)
 
 CONVERT_ARGS=(
     --load-model-type hf
@@ -29,6 +30,7 @@ CONVERT_ARGS=(
     --save-dir "$CKPT_SAVE_DIR"
     --target-tensor-parallel-size "$TP"
     --target-pipeline-parallel-size "$PP"
+    --target-expert-parallel-size "$EP"
     --params-dtype bf16            # Qwen2.5 is published in bf16: no precision is lost
 )
 

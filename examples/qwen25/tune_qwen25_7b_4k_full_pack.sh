@@ -42,9 +42,11 @@ MASTER_ADDR=${MASTER_ADDR:-localhost}   # address of the node with NODE_RANK=0, 
 MASTER_PORT=${MASTER_PORT:-6000}
 WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
 
-# Must equal --target-tensor/pipeline-parallel-size of ckpt_convert_qwen25_hf2mcore.sh.
+# Must equal --target-tensor/pipeline/expert-parallel-size of ckpt_convert_qwen25_hf2mcore.sh.
 TP=${TP:-4}
 PP=${PP:-1}
+# Expert parallelism (MoE models: examples/qwen3_moe/): each EP rank holds num_experts / EP experts.
+EP=${EP:-1}
 # Context parallelism: every pack split over CP ranks (zigzag per sample). The data script's
 # PAD_MULTIPLE should then be 2 x CP x TP (sequence parallel), else training pads the samples itself.
 CP=${CP:-1}
@@ -91,6 +93,7 @@ PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
     --pipeline-model-parallel-size "$PP"
     --context-parallel-size "$CP"
+    --expert-model-parallel-size "$EP"
     --sequence-parallel            # shards layer-norm/dropout activations over TP: needed to fit 4k x 7B
     --use-distributed-optimizer    # shards Adam state over data-parallel ranks
 )

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Convert Hugging Face Qwen3-30B-A3B weights into a Megatron checkpoint sharded for TP 4 x PP 4.
+# Convert Hugging Face Qwen3-30B-A3B weights into a Megatron checkpoint sharded for TP 4 x PP 2 x EP 2.
 #
 #   bash examples/qwen3_moe/ckpt_convert_qwen3_moe_hf2mcore.sh
 #   DRY_RUN=1 bash examples/qwen3_moe/ckpt_convert_qwen3_moe_hf2mcore.sh   # check the flags only
@@ -13,9 +13,10 @@ set -euo pipefail
 
 export MODEL_TYPE_HF=qwen3_moe
 export TP=${TP:-4}
-export PP=${PP:-4}
+export PP=${PP:-2}
+export EP=${EP:-2}   # each expert-parallel rank's files hold its 64 experts (Megatron-LM's layout)
 export HF_MODEL_DIR=${HF_MODEL_DIR:-./model_from_hf/qwen3-30b-a3b}                   # config.json + *.safetensors
-export CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./model_weights/qwen3-30b-a3b-mcore-tp4pp4}     # the training's CKPT_LOAD_DIR
+export CKPT_SAVE_DIR=${CKPT_SAVE_DIR:-./model_weights/qwen3-30b-a3b-mcore-tp4pp2ep2}     # the training's CKPT_LOAD_DIR
 export RUN_NAME=${RUN_NAME:-ckpt_convert_qwen3_moe_hf2mcore}
 
 exec bash "$(dirname "${BASH_SOURCE[0]}")/../qwen25/ckpt_convert_qwen25_hf2mcore.sh" "$@"

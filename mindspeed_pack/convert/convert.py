@@ -46,7 +46,14 @@ from mindspeed_pack.convert.model_specs import (
     hf_config_from_args,
     resolve_padded_vocab,
 )
-from mindspeed_pack.convert.sharding import merge_state_dicts, shard_state_dict, stage_of_layer, stage_units
+from mindspeed_pack.convert.sharding import (
+    expert_shard,
+    merge_expert_shards,
+    merge_state_dicts,
+    shard_state_dict,
+    stage_of_layer,
+    stage_units,
+)
 from mindspeed_pack.convert.weight_map import (
     EMBEDDING,
     FINAL,
@@ -136,32 +143,36 @@ class MegatronCheckpoint:
         it_dir = layout.iteration_dir(load_dir, iteration)
         if not os.path.isdir(it_dir):
             raise ConversionError(f"{os.path.join(load_dir, layout.TRACKER)} names {iteration!r}, but {it_dir} does not exist")
-        self.tp, self.pp = layout.saved_parallel_sizes(load_dir, iteration)
+        self.tp, self.pp, self.ep = layout.parallel_sizes_in(it_dir, allow_unsafe)
         self.iteration = iteration
         self.files = {}
         for pp_rank in range(self.pp):
             for tp_rank in range(self.tp):
-                path = layout.checkpoint_file(load_dir, iteration, tp_rank, pp_rank, self.pp)
-                if not os.path.isfile(path):
-                    raise ConversionError(f"{path}: missing (checkpoint has TP={self.tp}, PP={self.pp})")
-                self.files[(tp_rank, pp_rank)] = path
+                for ep_rank in range(self.ep):
+                    path = layout.checkpoint_file(load_dir, iteration, tp_rank, pp_rank, self.pp, ep_rank, self.ep)
+                    if not os.path.isfile(path):
+                        raise ConversionError(f"{path}: missing (checkpoint has TP={self.tp}, PP={self.pp}"
+                                              + (f", EP={self.ep})" if self.ep > 1 else ")"))
+                    self.files[(tp_rank, pp_rank, ep_rank)] = path
         self._loaded: Dict[tuple, dict] = {}
         first = self._file(0, 0)
+        first_path = self.files[(0, 0, 0)]
         stored = first.get("args")
         if stored is None:
-            raise ConversionError(f"{self.files[(0, 0)]}: no 'args' entry")
+            raise ConversionError(f"{first_path}: no 'args' entry")
         if isinstance(stored, argparse.Namespace):
             stored = vars(stored)
-        self.args = args_from_dict(stored, self.files[(0, 0)])
-        if (self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size) != (self.tp, self.pp):
+        self.args = args_from_dict(stored, first_path)
+        saved = (self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size,
+                 self.args.expert_model_parallel_size)
+        if saved != (self.tp, self.pp, self.ep):
             raise ConversionError(
-                f"{self.files[(0, 0)]}: args say TP={self.args.tensor_model_parallel_size}, "
-                f"PP={self.args.pipeline_model_parallel_size}, but the directory holds TP={self.tp}, PP={self.pp} ranks"
-            )
+                f"{first_path}: args say TP={saved[0]}, PP={saved[1]}, EP={saved[2]}, but the directory holds "
+                f"TP={self.tp}, PP={self.pp}, EP={self.ep} ranks")
         self.hf_config = first.get("hf_config")
 
-    def _file(self, tp_rank: int, pp_rank: int) -> dict:
-        key = (tp_rank, pp_rank)
+    def _file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
+        key = (tp_rank, pp_rank, ep_rank)
         if key not in self._loaded:
             record = _load_rank_file(self.files[key], self.allow_unsafe)
             if "model" not in record:
@@ -170,8 +181,8 @@ class MegatronCheckpoint:
         return self._loaded[key]
 
     def release_stage(self, pp_rank: int) -> None:
-        for tp_rank in range(self.tp):
-            self._loaded.pop((tp_rank, pp_rank), None)
+        for key in [k for k in self._loaded if k[1] == pp_rank]:
+            del self._loaded[key]
 
     def unit(self, unit) -> Dict[str, torch.Tensor]:
         """The canonical full tensors of ``unit`` (vocabulary still padded)."""
@@ -185,8 +196,10 @@ class MegatronCheckpoint:
             pick = lambda name: name.startswith(prefix)  # noqa: E731
         shards = {}
         for tp_rank in range(self.tp):
-            model = self._file(tp_rank, stage)["model"]
-            shards[(tp_rank, stage)] = {k: v for k, v in model.items() if pick(k) and v is not None}
+            experts = isinstance(unit, int) and self.ep > 1  # a layer's experts are spread over EP ranks
+            by_ep = {ep_rank: {k: v for k, v in self._file(tp_rank, stage, ep_rank)["model"].items()
+                               if pick(k) and v is not None} for ep_rank in (range(self.ep) if experts else [0])}
+            shards[(tp_rank, stage)] = merge_expert_shards(by_ep, self.args.num_experts, self.ep if experts else 1)
         return merge_state_dicts(shards, self.args, self.tp, self.pp)
 
 
@@ -231,7 +244,7 @@ def vocab_rows(source: MegatronCheckpoint, tokenizer_dir: Optional[str]) -> int:
         trained = torch.nonzero(embedding[rows:].abs().sum(dim=1)).flatten()
         if len(trained):
             raise ConversionError(
-                f"{source.files[(0, 0)]}: word-embedding rows {rows}..{rows + int(trained[-1])} past the vocab_size "
+                f"{source.files[(0, 0, 0)]}: word-embedding rows {rows}..{rows + int(trained[-1])} past the vocab_size "
                 f"{rows} were trained (tokens added at preprocessing): pass --tokenizer-dir with the tokenizer used "
                 "in training (P_tokenizer/ of preprocess_data.py) so they are kept")
     return rows
@@ -247,23 +260,26 @@ def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict]
     }
 
 
-def _write_stage(root: str, rank_dicts: List[Dict[str, torch.Tensor]], args, hf_config, pp_rank: int) -> None:
-    for tp_rank, model in enumerate(rank_dicts):
-        path = layout.checkpoint_file(root, layout.RELEASE, tp_rank, pp_rank, args.pipeline_model_parallel_size)
+def _write_stage(root: str, rank_dicts: Dict[tuple, Dict[str, torch.Tensor]], args, hf_config, pp_rank: int) -> None:
+    pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    for (tp_rank, ep_rank), model in rank_dicts.items():
+        path = layout.checkpoint_file(root, layout.RELEASE, tp_rank, pp_rank, pp, ep_rank, ep)
         layout.save_file_atomic(_rank_record(model, args, hf_config), path)
 
 
 def _write_sharded(root: str, args, hf_config, full_unit, desc: str) -> None:
-    """Shard the units produced by ``full_unit(unit)`` stage by stage and write them."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    """Shard the units produced by ``full_unit(unit)`` stage by stage (TP, then EP) and write them."""
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     stages = [stage_units(args, p, pp) for p in range(pp)]
     with _progress(sum(len(s) for s in stages), desc) as bar:
         for pp_rank, stage in enumerate(stages):
-            rank_dicts: List[Dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+            rank_dicts: Dict[tuple, Dict[str, torch.Tensor]] = {(t, e): {} for t in range(tp) for e in range(ep)}
             for unit in stage:
                 full = full_unit(unit)
                 for tp_rank in range(tp):
-                    rank_dicts[tp_rank].update(shard_state_dict(full, args, tp_rank, tp, pp_rank, pp))
+                    shard = shard_state_dict(full, args, tp_rank, tp, pp_rank, pp)
+                    for ep_rank in range(ep):
+                        rank_dicts[(tp_rank, ep_rank)].update(expert_shard(shard, args.num_experts, ep_rank, ep))
                 del full
                 bar.update()
             _write_stage(root, rank_dicts, args, hf_config, pp_rank)
@@ -283,8 +299,10 @@ def hf_to_megatron(
     padded_vocab_size: Optional[int] = None,
     allow_unsafe: bool = False,
     seq_length: Optional[int] = None,
+    ep: int = 1,
 ) -> None:
-    """Convert a HF model directory into a Megatron ``release`` checkpoint at TP=``tp``, PP=``pp``.
+    """Convert a HF model directory into a Megatron ``release`` checkpoint at TP=``tp``, PP=``pp``
+    (and EP=``ep``: each expert-parallel rank's file holds its experts).
 
     ``seq_length`` (default: the config's ``max_position_embeddings``) is the longest training
     sequence; a sliding window below it is refused.
@@ -294,7 +312,7 @@ def hf_to_megatron(
     with hf_io.HFCheckpointReader(load_dir, allow_unsafe) as reader:
         config_path = os.path.join(load_dir, hf_io.CONFIG)
         args = args_from_hf_config(reader.config, model_type_hf, tp, pp, make_vocab_size_divisible_by,
-                                   padded_vocab_size, where=config_path, seq_length=seq_length)
+                                   padded_vocab_size, where=config_path, seq_length=seq_length, ep=ep)
         spec = get_spec(args.model_type_hf)
         reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
 
@@ -302,8 +320,9 @@ def hf_to_megatron(
             return {k: v.to(dtype) for k, v in hf_to_mg_unit(unit, reader.get, args, spec).items()}
 
         with staged_output(save_dir) as tmp:
-            _write_sharded(tmp, args, reader.config, full_unit, f"hf->mg TP{tp} PP{pp}")
-    log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, padded vocab %d)", save_dir, tp, pp, args.padded_vocab_size)
+            _write_sharded(tmp, args, reader.config, full_unit, f"hf->mg TP{tp} PP{pp} EP{ep}")
+    log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d, padded vocab %d)", save_dir, tp, pp, ep,
+             args.padded_vocab_size)
 
 
 def megatron_to_hf(
@@ -341,7 +360,7 @@ def megatron_to_hf(
     with staged_output(save_dir) as tmp:
         writer = hf_io.ShardedSafetensorsWriter(tmp, max_shard_bytes)
         all_units = units(args)
-        with _progress(len(all_units), f"mg->hf from TP{source.tp} PP{source.pp}") as bar:
+        with _progress(len(all_units), f"mg->hf from TP{source.tp} PP{source.pp} EP{source.ep}") as bar:
             for unit in all_units:
                 hf = mg_to_hf_unit(unit, source.unit(unit), args, spec)
                 writer.add_all({k: v.to(dtype) for k, v in hf.items()})
@@ -365,9 +384,9 @@ def megatron_to_hf(
 
 def megatron_to_megatron(
     load_dir: str, save_dir: str, tp: int, pp: int, padded_vocab_size: Optional[int] = None,
-    allow_unsafe: bool = False, tokenizer_dir: Optional[str] = None,
+    allow_unsafe: bool = False, tokenizer_dir: Optional[str] = None, ep: int = 1,
 ) -> None:
-    """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp`` (dtype kept).
+    """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp``, EP=``ep`` (dtype kept).
 
     The padded vocabulary follows Megatron's rule for the new TP size
     (``make_vocab_size_divisible_by * tp``) when the source used that rule, else the
@@ -377,14 +396,14 @@ def megatron_to_megatron(
     check_save_dir(save_dir, load_dir)
     source = MegatronCheckpoint(load_dir, allow_unsafe)
     args = copy.copy(source.args)
-    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = tp, pp
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size = tp, pp, ep
     args.vocab_size = vocab_rows(source, tokenizer_dir)
     divisible = args.make_vocab_size_divisible_by
     source_rule = megatron_padded_vocab_size(args.vocab_size, divisible, source.tp)
     if padded_vocab_size is None and source.args.padded_vocab_size != source_rule:
         padded_vocab_size = source.args.padded_vocab_size  # explicit at conversion: keep it
     args.padded_vocab_size = resolve_padded_vocab(args.vocab_size, tp, divisible, padded_vocab_size)
-    check_parallel_sizes(args, tp, pp)
+    check_parallel_sizes(args, tp, pp, ep=ep)
 
     same_padding = args.padded_vocab_size == source.args.padded_vocab_size
 
@@ -396,8 +415,9 @@ def megatron_to_megatron(
         return full  # same size: padded rows kept as trained, so resharding is exact
 
     with staged_output(save_dir) as tmp:
-        _write_sharded(tmp, args, source.hf_config, full_unit, f"mg TP{source.tp} PP{source.pp} -> TP{tp} PP{pp}")
-    log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d)", save_dir, tp, pp)
+        _write_sharded(tmp, args, source.hf_config, full_unit,
+                       f"mg TP{source.tp} PP{source.pp} EP{source.ep} -> TP{tp} PP{pp} EP{ep}")
+    log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d)", save_dir, tp, pp, ep)
 
 
 # --------------------------------------------------------------------------- command line
@@ -412,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-dir", required=True, help="must not exist or be empty")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-parallel-size", type=int, default=1,
+                   help="expert-parallel ranks of the written Megatron checkpoint (MoE models)")
     p.add_argument("--params-dtype", choices=sorted(DTYPES), default="fp32",
                    help="dtype of the written weights (hf->mg, mg->hf)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -438,14 +460,15 @@ def main(argv=None) -> int:
             hf_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                            args.target_pipeline_parallel_size, args.params_dtype, args.model_type_hf,
                            args.make_vocab_size_divisible_by, args.padded_vocab_size,
-                           args.allow_unsafe_checkpoint_load, args.seq_length)
+                           args.allow_unsafe_checkpoint_load, args.seq_length, args.target_expert_parallel_size)
         elif args.load_model_type == "mg" and args.save_model_type == "hf":
             megatron_to_hf(args.load_dir, args.save_dir, args.params_dtype, args.model_type_hf,
                            args.tokenizer_dir, args.max_shard_size_mb * 1024**2, args.allow_unsafe_checkpoint_load)
         elif args.load_model_type == "mg" and args.save_model_type == "mg":
             megatron_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                                  args.target_pipeline_parallel_size, args.padded_vocab_size,
-                                 args.allow_unsafe_checkpoint_load, args.tokenizer_dir)
+                                 args.allow_unsafe_checkpoint_load, args.tokenizer_dir,
+                                 args.target_expert_parallel_size)
         else:
             raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
     except ConversionError as e:

@@ -150,7 +150,7 @@ OPTIONAL_MODEL_ARGS = {
     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "sliding_window": None,
     # mixture of experts (qwen3_moe); a dense model has num_experts None
     "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
-    "moe_layer_freq": 1,
+    "moe_layer_freq": 1, "expert_model_parallel_size": 1,
 }
 
 
@@ -270,10 +270,15 @@ def resolve_padded_vocab(
     return padded_vocab_size
 
 
-def check_parallel_sizes(args, tp: int, pp: int, where: str = "") -> None:
-    """TP must divide heads and query groups (and the padded vocab); PP must split layers evenly."""
-    if tp < 1 or pp < 1:
-        raise ConversionError(f"{where}parallel sizes must be >= 1, got TP={tp}, PP={pp}")
+def check_parallel_sizes(args, tp: int, pp: int, where: str = "", ep: int = 1) -> None:
+    """TP must divide heads and query groups (and the padded vocab); PP must split layers evenly;
+    EP must split the experts evenly."""
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ConversionError(f"{where}parallel sizes must be >= 1, got TP={tp}, PP={pp}, EP={ep}")
+    if ep > 1 and not getattr(args, "num_experts", None):
+        raise ConversionError(f"{where}expert parallel size {ep} needs a mixture-of-experts model; this one is dense")
+    if ep > 1 and args.num_experts % ep:
+        raise ConversionError(f"{where}expert parallel size {ep} does not divide num_experts={args.num_experts}")
     if args.num_attention_heads % tp:
         raise ConversionError(
             f"{where}tensor parallel size {tp} does not divide num_attention_heads={args.num_attention_heads}"
@@ -305,6 +310,7 @@ def args_from_hf_config(
     padded_vocab_size: Optional[int] = None,
     where: str = "config.json",
     seq_length: Optional[int] = None,
+    ep: int = 1,
 ) -> argparse.Namespace:
     """Megatron-LM arguments (names as ``build_gpt_model`` reads them) for a HF config.
 
@@ -351,7 +357,8 @@ def args_from_hf_config(
     )
     if spec.moe:
         vars(args).update(moe_args_from_hf_config(hf_config, args.num_layers, where))
-    check_parallel_sizes(args, tp, pp, where=f"{where}: ")
+    args.expert_model_parallel_size = ep
+    check_parallel_sizes(args, tp, pp, where=f"{where}: ", ep=ep)
     return args
 
 
@@ -402,8 +409,14 @@ def training_model_args(args) -> dict:
     out.update({k: getattr(args, k, default) for k, default in OPTIONAL_MODEL_ARGS.items()})
     out["sliding_window"] = getattr(args, "loaded_sliding_window", None)
     if out.get("model_type_hf") is None:
-        # kept from a converted checkpoint when there was one; else the family the flags describe
-        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None) or spec_for_args(args).name
+        # kept from a converted checkpoint when there was one; else the family the flags describe, if any
+        # (a model no family describes still saves and resumes; only its conversion to HF is refused)
+        out["model_type_hf"] = getattr(args, "loaded_model_type_hf", None)
+        if out["model_type_hf"] is None:
+            try:
+                out["model_type_hf"] = spec_for_args(args).name
+            except ConversionError:
+                pass
     return out
 
 

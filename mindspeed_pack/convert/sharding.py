@@ -14,6 +14,9 @@ linear_fc1 weight/bias (SwiGLU)                 gate and up halves split separat
 linear_proj / linear_fc2 weight                 columns (row-parallel), dim 1
 MoE experts' fc1 / fc2                          as the dense MLP's (expert TP = TP)
 MoE router                                      replicated
+MoE experts over expert-parallel ranks          whole experts: EP rank e holds experts
+                                                ``[e*n, (e+1)*n)``, ``n = num_experts/EP``,
+                                                renumbered ``local_experts.0..n-1``
 norms, row-parallel biases, learned_absolute     replicated
 position embeddings (first stage only)
 ==============================================  ======================================
@@ -21,7 +24,9 @@ position embeddings (first stage only)
 With tied embeddings and PP > 1, the last stage holds its own copy of the word
 embeddings as ``output_layer.weight`` (megatron-core keeps the two in sync), so
 :func:`shard_state_dict` writes it there and :func:`merge_state_dicts` reads the first
-stage's copy. Both functions accept partial dicts (any subset of layers), which is how
+stage's copy. :func:`expert_shard` / :func:`merge_expert_shards` do the same over
+expert-parallel ranks (every other tensor is the same on all of them). All functions
+accept partial dicts (any subset of layers), which is how
 the converter streams one layer at a time.
 """
 from __future__ import annotations
@@ -38,6 +43,7 @@ from mindspeed_pack.convert.weight_map import EMBEDDING, FINAL, MG_EMBEDDING, MG
 log = logging.getLogger(__name__)
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(.*\.experts\.local_experts\.)(\d+)(\..+)$")
 POSITION_EMBEDDING = "embedding.position_embeddings.weight"
 
 VOCAB, COLUMN, ROW, GLU, REPLICATED = "vocab", "column", "row", "glu", "replicated"
@@ -205,6 +211,46 @@ def merge_state_dicts(
         log.warning("tied embeddings: the last stage's output_layer copy differs from the first stage's "
                     "word embeddings; using the first stage's")
     return full
+
+
+def experts_of_rank(num_experts: int, ep_rank: int, ep_size: int) -> range:
+    """Global indices of the experts expert-parallel rank ``ep_rank`` holds (Megatron's contiguous split)."""
+    if not num_experts or num_experts % ep_size:
+        raise ConversionError(f"expert parallel size {ep_size} does not divide the number of experts {num_experts}")
+    per_rank = num_experts // ep_size
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def expert_shard(state: Dict[str, torch.Tensor], num_experts: int, ep_rank: int, ep_size: int
+                 ) -> Dict[str, torch.Tensor]:
+    """The part of ``state`` (global expert indices) expert-parallel rank ``ep_rank`` holds: every
+    non-expert tensor, and its experts renumbered from 0."""
+    if ep_size == 1:
+        return state
+    mine = experts_of_rank(num_experts, ep_rank, ep_size)
+    out = {}
+    for name, tensor in state.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            out[name] = tensor
+        elif int(m.group(2)) in mine:
+            out[f"{m.group(1)}{int(m.group(2)) - mine.start}{m.group(3)}"] = tensor
+    return out
+
+
+def merge_expert_shards(shards: Dict[int, Dict[str, torch.Tensor]], num_experts: int, ep_size: int
+                        ) -> Dict[str, torch.Tensor]:
+    """Inverse of :func:`expert_shard` for the expert-parallel ranks in ``shards`` (``ep_rank -> state``):
+    experts back to their global indices, every other tensor from the lowest rank given."""
+    if ep_size == 1:
+        return shards[0]
+    out = {}
+    for ep_rank in sorted(shards, reverse=True):  # the lowest rank's non-expert tensors last, so they win
+        first = experts_of_rank(num_experts, ep_rank, ep_size).start
+        for name, tensor in shards[ep_rank].items():
+            m = _EXPERT.match(name)
+            out[f"{m.group(1)}{first + int(m.group(2))}{m.group(3)}" if m else name] = tensor
+    return out
 
 
 def stage_units(args, pp_rank: int, pp_size: int) -> list:

@@ -24,7 +24,7 @@ norm + output layer) so that only one unit's tensors are in memory at a time.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -150,8 +150,10 @@ def unpad_vocab(weight: torch.Tensor, vocab_size: int, name: str = "") -> torch.
 
 
 # --------------------------------------------------------------------------- HF -> megatron
-def hf_to_mg_unit(unit: Unit, get: Callable[[str], torch.Tensor], args, spec: ModelSpec) -> Dict[str, torch.Tensor]:
-    """Canonical megatron tensors of ``unit``, reading HF tensors with ``get(name)``."""
+def hf_to_mg_unit(unit: Unit, get: Callable[[str], torch.Tensor], args, spec: ModelSpec,
+                  experts: Optional[range] = None) -> Dict[str, torch.Tensor]:
+    """Canonical megatron tensors of ``unit``, reading HF tensors with ``get(name)``; of an MoE
+    layer's experts only ``experts`` (global indices; default all) are read."""
     if unit == EMBEDDING:
         return {MG_EMBEDDING: pad_vocab(get(HF_EMBEDDING), args.padded_vocab_size, HF_EMBEDDING)}
     if unit == FINAL:
@@ -171,7 +173,8 @@ def hf_to_mg_unit(unit: Unit, get: Callable[[str], torch.Tensor], args, spec: Mo
     mlps = [(hp + "mlp.", mp + "mlp.")]
     if unit in moe_layers(args):
         out[mp + "mlp.router.weight"] = get(hp + "mlp.gate.weight")
-        mlps = [(f"{hp}mlp.experts.{j}.", f"{mp}mlp.experts.local_experts.{j}.") for j in range(args.num_experts)]
+        mlps = [(f"{hp}mlp.experts.{j}.", f"{mp}mlp.experts.local_experts.{j}.")
+                for j in (experts if experts is not None else range(args.num_experts))]
     for hf_mlp, mg_mlp in mlps:
         out[mg_mlp + "linear_fc1.weight"] = torch.cat([get(hf_mlp + "gate_proj.weight"), get(hf_mlp + "up_proj.weight")], 0)
         out[mg_mlp + "linear_fc2.weight"] = get(hf_mlp + "down_proj.weight")

@@ -17,6 +17,10 @@ so that
   takes a THD micro-batch as one sequence);
 - ``aux_loss`` is computed over the micro-batch's real tokens.
 
+Under sequence or context parallelism a rank holds part of every sample: the per-sample
+expert counts are summed over the TP x CP group, so each sample's statistic is that of the
+whole sample, whatever the split.
+
 Routing is dropless unless ``--moe-expert-capacity-factor`` is set, so a token's experts do
 not depend on its pack-mates. The trainer hands each micro-batch's segments to the routers
 (:func:`set_routing_segments`) just before the forward, and reads the step's statistics
@@ -154,7 +158,7 @@ class PackedTopKRouter(TopKRouter):
         counts = torch.zeros(n, experts, dtype=torch.float32, device=scores.device).index_add(
             0, groups, (top.float() * real))
         tp_cp = self.tp_cp_group
-        if tp_cp.size() > 1:  # sequence parallel: each rank holds part of every sample
+        if tp_cp.size() > 1:  # sequence / context parallel: each rank holds part of every sample
             counts = _all_reduce(counts, tp_cp)
         tokens = counts.sum(-1) / self.topk  # real tokens per group (all ranks)
         per_group = (prob_sums * counts).sum(-1) / (tokens.clamp(min=1) ** 2)

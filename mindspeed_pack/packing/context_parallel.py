@@ -84,6 +84,7 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
         batch,
         tokens=spread(batch.tokens), target=spread(batch.target), loss_mask=spread(batch.loss_mask),
         position_ids=spread(batch.position_ids), loss_weights=spread(batch.loss_weights),
+        routing_segments=spread(batch.routing_segments),  # added padding: 0, routed nowhere
         segment_index=None if batch.segment_index is None else torch.repeat_interleave(
             torch.arange(len(padded), device=device), padded).view(1, new_total),
         segment_labels=labels,
@@ -155,7 +156,7 @@ def split_for_rank(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatc
         batch,
         tokens=take(batch.tokens), target=take(batch.target), loss_mask=take(batch.loss_mask),
         position_ids=take(batch.position_ids), loss_weights=take(batch.loss_weights),
-        segment_index=take(batch.segment_index),
+        routing_segments=take(batch.routing_segments), segment_index=take(batch.segment_index),
         # per-sample loss normaliser: counted once, on CP rank 0, so a DP x CP sum counts each sample once
         num_samples=batch.num_samples if cp_rank == 0 else 0,
     )

@@ -138,13 +138,6 @@ def _check_moe_flags(args) -> None:
     if args.data_parallel_size % ep:
         raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the data-parallel size "
                             f"{args.data_parallel_size}")
-    if ep > 1 and (args.save or args.load):
-        raise ArgumentError("--expert-model-parallel-size > 1 with --save/--load: checkpoints are written per "
-                            "TP x PP shard and would lose the other expert-parallel ranks' experts; train with "
-                            "--expert-model-parallel-size 1 to checkpoint")
-    if args.context_parallel_size > 1:
-        raise ArgumentError("--num-experts with --context-parallel-size > 1 is not supported: the router's "
-                            "per-sample statistics are not split over CP ranks")
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ArgumentError("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                             "(megatron-core's MoE layer)")

@@ -36,6 +36,7 @@ from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack import faults
 from mindspeed_pack.convert.model_specs import training_model_args
 from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training.checkpoint_ranks import is_shard_writer, rank_dir_name_here, tp_pp_ranks
 from mindspeed_pack.training.errors import CheckpointError, all_ranks_ok
 from mindspeed_pack.training.hf_checkpoint import read_rank_units
 
@@ -46,11 +47,6 @@ SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "padded_vocab_size", "add_qkv_bias", "swiglu", "untie_embeddings_and_output_weights", "kv_channels",
               "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings")
-
-
-def _ranks():
-    return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(),
-            ps.get_pipeline_model_parallel_world_size())
 
 
 def _rng_state() -> dict:
@@ -141,7 +137,6 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         for stale in glob.glob(os.path.join(root, "iter_*.tmp")):  # left by a crashed save
             layout.remove_tree(stale)
     dist.barrier()
-    tp_rank, pp_rank, pp_size = _ranks()
     state = {
         "iteration": iteration,
         "consumed_samples": consumed_samples,
@@ -154,10 +149,10 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         state["opt_param_scheduler"] = scheduler.state_dict()
     if not args.no_save_rng:
         state["rng_state"] = _rng_states_by_dp_rank()  # a collective: every rank takes part
-    rank_dir = os.path.join(tmp_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size))
+    rank_dir = os.path.join(tmp_dir, rank_dir_name_here())
     error = None
     try:
-        if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # one writer per TP x PP shard
+        if is_shard_writer():
             layout.save_file_atomic(state, os.path.join(rank_dir, "model_optim_rng.pt"), iteration)
         if args.use_distributed_optimizer and not args.no_save_optim:
             # the distributed optimizer's parameter state is sharded over data-parallel ranks
@@ -206,26 +201,51 @@ def _iteration_dir_for_load(root: str, iteration) -> str:
     return it_dir
 
 
-def _saved_parallel_sizes(it_dir: str) -> tuple:
+def _saved_parallel_sizes(args, it_dir: str) -> tuple:
     try:
-        return layout.parallel_sizes_in(it_dir)
+        return layout.parallel_sizes_in(it_dir, getattr(args, "allow_unsafe_checkpoint_load", False))
     except FileNotFoundError as e:
         raise CheckpointError(f"{it_dir}: no mp_rank_* directories; not a Megatron checkpoint") from e
+    except layout.UnsafeCheckpointError as e:
+        raise CheckpointError(str(e)) from None
 
 
-def _read_rank_file(args, root: str, it_dir: str) -> tuple:
-    tp_rank, pp_rank, pp_size = _ranks()
-    path = os.path.join(it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size), "model_optim_rng.pt")
+def _read_file(args, root: str, path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: the checkpoint in {root} is incomplete")
     try:
-        return path, layout.load_file(path, allow_unsafe=getattr(args, "allow_unsafe_checkpoint_load", False))
+        return layout.load_file(path, allow_unsafe=getattr(args, "allow_unsafe_checkpoint_load", False))
     except layout.UnsafeCheckpointError as e:
         raise CheckpointError(str(e)) from None
     except Exception as e:  # truncated or corrupt
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); the file is truncated or "
                               "corrupt: load an earlier iteration (edit the number in "
                               f"{os.path.join(root, layout.TRACKER)})") from e
+
+
+def _read_rank_file(args, root: str, it_dir: str, saved_ep: int) -> tuple:
+    """(path, record) of this rank's file. Saved at another expert-parallel size, the record's model
+    is this rank's experts gathered from the files that hold them (every other tensor is the same in
+    all of them); the rest of the record (optimizer, RNG) is the first such file's."""
+    from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, merge_expert_shards
+
+    ep, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
+    if saved_ep == ep:
+        path = os.path.join(it_dir, rank_dir_name_here(), "model_optim_rng.pt")
+        return path, _read_file(args, root, path)
+    mine = experts_of_rank(args.num_experts, ep_rank, ep)
+    holders = [e for e in range(saved_ep) if set(experts_of_rank(args.num_experts, e, saved_ep)) & set(mine)]
+    paths, models, record = [], {}, None
+    for saved_rank in holders:
+        path = os.path.join(it_dir, layout.rank_dir_name(*tp_pp_ranks(), saved_rank, saved_ep), "model_optim_rng.pt")
+        loaded = _read_file(args, root, path)
+        record = record or loaded
+        models[saved_rank] = loaded["model"]
+        paths.append(path)
+    merged = merge_expert_shards(models, args.num_experts, saved_ep)
+    record["model"] = expert_shard(merged, args.num_experts, ep_rank, ep)
+    record["saved_expert_parallel_size"] = saved_ep
+    return " + ".join(paths), record
 
 
 def _check_shapes(path: str, module, state: dict, saved_args: dict, args) -> None:
@@ -323,14 +343,19 @@ def load_weights(args, root: str, module) -> tuple:
                 if found else "")
         raise CheckpointError(f"--load {root}: no checkpoint found ({layout.TRACKER} is missing){hint}")
     it_dir = _iteration_dir_for_load(root, iteration)
-    saved_tp, saved_pp = _saved_parallel_sizes(it_dir)
+    saved_tp, saved_pp, saved_ep = _saved_parallel_sizes(args, it_dir)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = getattr(args, "expert_model_parallel_size", 1)
     if (saved_tp, saved_pp) != (tp, pp):
         raise CheckpointError(
             f"--load {root}: checkpoint saved at TP={saved_tp}, PP={saved_pp} but this run uses TP={tp}, PP={pp}; "
             f"reshard it first: python convert_ckpt.py --load-model-type mg --save-model-type mg --load-dir {root} "
-            f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}")
-    path, state = _read_rank_file(args, root, it_dir)
+            f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
+            + (f" --target-expert-parallel-size {ep}" if getattr(args, "num_experts", None) else ""))
+    if saved_ep != ep and not getattr(args, "num_experts", None):
+        raise CheckpointError(f"--load {root}: checkpoint saved with expert parallelism (EP={saved_ep}) but this run "
+                              "has no --num-experts: pass the model flags it was trained with")
+    path, state = _read_rank_file(args, root, it_dir, saved_ep)
     saved_args = state.get("args") or {}
     args.loaded_model_type_hf = saved_args.get("model_type_hf")
     args.loaded_sliding_window = saved_args.get("sliding_window")
@@ -372,14 +397,19 @@ def load_checkpoint(args, model, optimizer, scheduler):
         log.info("loaded weights from %s (%s): iteration reset to 0", root, "release" if release else "finetune")
         return 0, 0
     if not args.no_load_optim:
+        saved_ep = state.get("saved_expert_parallel_size")
+        if saved_ep is not None:
+            raise CheckpointError(
+                f"--load {root}: checkpoint saved at --expert-model-parallel-size {saved_ep}, this run uses "
+                f"{args.expert_model_parallel_size}: its weights are regrouped on load but its optimizer state is "
+                f"not; resume at --expert-model-parallel-size {saved_ep}, or pass --no-load-optim (the run goes on "
+                "from the saved step with fresh Adam moments) or --finetune")
         if "optimizer" not in state:
             raise CheckpointError(f"{path}: no optimizer state saved (--no-save-optim); pass --no-load-optim "
                                   "or --finetune")
         optimizer.load_state_dict(state["optimizer"])
         if args.use_distributed_optimizer:
-            tp_rank, pp_rank, pp_size = _ranks()
-            load_distributed_parameter_state(optimizer, os.path.join(
-                it_dir, layout.rank_dir_name(tp_rank, pp_rank, pp_size), "distrib_optim.pt"))
+            load_distributed_parameter_state(optimizer, os.path.join(it_dir, rank_dir_name_here(), "distrib_optim.pt"))
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if not args.no_load_rng:
         if "rng_state" in state:

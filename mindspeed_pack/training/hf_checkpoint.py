@@ -9,7 +9,8 @@ with ``--load-format hf``) needs no offline ``convert_ckpt.py`` step:
 2. at load, every rank reads only its own TP/PP slice (:func:`rank_units`): the rows or
    columns of each HF tensor that its shard holds, through ``safe_open(...).get_slice``, then
    the converter's weight map (``hf_to_mg_unit``) turns them into that rank's Megatron tensors.
-   No rank ever holds the full model, nor a full tensor that TP splits;
+   No rank ever holds the full model, nor a full tensor that TP splits, nor another expert-parallel
+   rank's experts;
 3. the run starts at iteration 0 with a fresh optimizer (``--finetune`` semantics).
 
 ``--save-hf DIR`` writes a transformers-loadable model when training ends: every TP x PP
@@ -30,8 +31,9 @@ import torch
 
 from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert.model_specs import ConversionError, args_from_hf_config, get_spec, training_model_args
-from mindspeed_pack.convert.sharding import shard_state_dict, stage_units
+from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, shard_state_dict, stage_units
 from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit, hf_unit_shapes, is_ignorable_hf_tensor
+from mindspeed_pack.training.checkpoint_ranks import is_shard_writer, rank_dir_name_here
 from mindspeed_pack.training.errors import ArgumentError, CheckpointError, all_ranks_ok
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ MERGE_TIMEOUT_MINUTES = 240  # how long the other ranks wait for rank 0's --save
 
 # conversion arguments that are inputs of the run (its layout), not properties of the model
 _RUN_LAYOUT_ARGS = ("seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "make_vocab_size_divisible_by")
+                    "expert_model_parallel_size", "make_vocab_size_divisible_by")
 
 
 # --------------------------------------------------------------------------- which --load
@@ -111,7 +113,8 @@ def fill_model_args(args, explicit: set) -> argparse.Namespace:
             config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
             padded_vocab_size=args.padded_vocab_size, where=config_path,
-            seq_length=args.seq_length)  # a sliding window shorter than the run's sequences is refused
+            seq_length=args.seq_length,  # a sliding window shorter than the run's sequences is refused
+            ep=args.expert_model_parallel_size)
     except ConversionError as e:
         raise ArgumentError(f"--load {args.load}: {e}") from None
     disagree = []
@@ -214,8 +217,8 @@ def _slice_plan(unit, model, local, spec, tp_rank: int, tp: int) -> Dict[str, Op
 
 
 def rank_units(open_reader: Callable[[], hf_io.HFCheckpointReader], model: argparse.Namespace, tp_rank: int,
-               tp: int, pp_rank: int, pp: int) -> Iterator[Dict[str, torch.Tensor]]:
-    """Rank ``(tp_rank, pp_rank)``'s Megatron tensors (canonical names), one unit at a time.
+               tp: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> Iterator[Dict[str, torch.Tensor]]:
+    """Rank ``(tp_rank, pp_rank, ep_rank)``'s Megatron tensors (canonical names), one unit at a time.
 
     ``model`` is the converter's argument namespace at this TP/PP (:func:`fill_model_args`).
     Together the units equal ``shard_state_dict`` of the offline conversion's full tensors.
@@ -236,7 +239,9 @@ def rank_units(open_reader: Callable[[], hf_io.HFCheckpointReader], model: argpa
                 stored = reader.shape(name)[dim]
                 return reader.get_range(name, dim, min(start, stored), min(stop, stored)).contiguous()
 
-            yield shard_state_dict(hf_to_mg_unit(unit, get, local, spec), local, 0, 1, pp_rank, pp)
+            mine = experts_of_rank(model.num_experts, ep_rank, ep) if ep > 1 else None  # only its experts are read
+            yield expert_shard(shard_state_dict(hf_to_mg_unit(unit, get, local, spec, mine), local, 0, 1, pp_rank, pp),
+                               model.num_experts, ep_rank, ep)
 
 
 def rank_state_dict(open_reader, model, tp_rank: int, tp: int, pp_rank: int, pp: int) -> Dict[str, torch.Tensor]:
@@ -254,16 +259,16 @@ def read_rank_units(args) -> Iterator[Dict[str, torch.Tensor]]:
     """
     from megatron.core import parallel_state as ps
 
-
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     try:
         with hf_io.HFCheckpointReader(args.load) as reader:
             model = args_from_hf_config(reader.config, args.model_type_hf, tp, pp, args.make_vocab_size_divisible_by,
-                                        args.padded_vocab_size, where=os.path.join(args.load, hf_io.CONFIG))
+                                        args.padded_vocab_size, where=os.path.join(args.load, hf_io.CONFIG), ep=ep)
             spec = get_spec(model.model_type_hf)
             reader.check_shapes(expected_hf_shapes(model, spec), lambda n: is_ignorable_hf_tensor(n, model))
         yield from rank_units(lambda: hf_io.HFCheckpointReader(args.load), model,
-                              ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp)
+                              ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp,
+                              ps.get_expert_model_parallel_rank(), ep)
     except ConversionError as e:
         raise CheckpointError(f"--load {args.load}: {e}") from None
 
@@ -314,10 +319,13 @@ def check_exportable(args) -> None:
     back): any field that does not come back (LayerNorm, learned positions, no SwiGLU, ...)
     would be lost in the HF model.
     """
-    from mindspeed_pack.convert.model_specs import hf_config_from_args
+    from mindspeed_pack.convert.model_specs import hf_config_from_args, spec_for_args
 
     mine = _export_args(args)
-    spec = get_spec(mine["model_type_hf"])
+    try:
+        spec = get_spec(mine["model_type_hf"]) if mine["model_type_hf"] else spec_for_args(args)
+    except ConversionError as e:
+        raise CheckpointError(f"--save-hf {args.save_hf}: {e}") from None
     # what save_pretrained writes into config.json (to_diff_dict), as the converter reads it back
     config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_diff_dict()
     try:
@@ -350,23 +358,20 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     absent; the staging files are removed either way.
     """
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from mindspeed_pack import checkpoint_layout as layout
     from mindspeed_pack.convert.convert import megatron_to_hf
 
     out_dir = os.path.abspath(out_dir or args.save_hf)
     staging = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.megatron-staging")
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    pp = ps.get_pipeline_model_parallel_world_size()
     if dist.get_rank() == 0:
         layout.remove_tree(staging)
     dist.barrier()
     error = None
     try:
-        if ps.get_data_parallel_rank(with_context_parallel=True) == 0:  # one writer per TP x PP shard
-            layout.save_file_atomic(_weights_record(args, model),
-                                    layout.checkpoint_file(staging, layout.RELEASE, tp_rank, pp_rank, pp))
+        if is_shard_writer():  # one writer per TP x PP (x EP) shard
+            layout.save_file_atomic(_weights_record(args, model), os.path.join(
+                layout.iteration_dir(staging, layout.RELEASE), rank_dir_name_here(), "model_optim_rng.pt"))
     except OSError as e:
         error = e
     ok = all_ranks_ok(error)
