@@ -104,8 +104,9 @@ def _openai_messages(row: dict) -> list:
         {"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]} for m in row["conversations"]]
 
 
-def pipeline(tmp: Path, tok, args) -> None:
-    """Rows in, packed rows of ``--seq-length`` out: TRL's SFT data preparation against ``preprocess_data.py``."""
+def pipeline(tmp: Path, args) -> None:
+    """Rows in, packed rows of ``--seq-length`` out: TRL's SFT data preparation against ``preprocess_data.py``,
+    alternately ``--pipeline-repeats`` times, the best wall and the best CPU time of each kept."""
     from bench_preprocess import _child, has_trl, run_ours, write_jsonl
 
     from mindspeed_pack.data import toy
@@ -113,24 +114,33 @@ def pipeline(tmp: Path, tok, args) -> None:
     rows = toy.generate_sharegpt(args.pipeline_rows, seed=5, turns=(1, 3))
     data = write_jsonl(tmp / "messages.jsonl", ({"messages": _openai_messages(r)} for r in rows))
     print(f"pipeline: {args.pipeline_rows} conversations ({data.stat().st_size / 2**20:.1f} MiB of JSONL) -> packs of "
-          f"{args.seq_length} tokens, one process each", flush=True)
-    ours = run_ours(tmp / "tok", data, tmp / "ours", args.seq_length, workers=1,
-                    handler=("--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "hf",
-                             "--map-keys", OPENAI_KEYS))
-    s = ours["stats"]
-    rows_line = f"{'':<2}{{:<34}} {{:>8.2f}} s {{:>8.2f}} s cpu {{:>8.0f}} rows/s {{:>9.0f}} tokens/s  {{}}"
-    print(rows_line.format("ours (preprocess_data.py)", ours["seconds"], ours["cpu_s"], args.pipeline_rows / ours["seconds"],
-                           s["tokens"] / ours["seconds"], f"{s['packs']} packs, {s['tokens']} tokens, "
-                           f"{s['samples_written']} samples, {s['trained_tokens']} trained"), flush=True)
-    if not has_trl():
+          f"{args.seq_length} tokens, one process each, best of {args.pipeline_repeats}", flush=True)
+    trl_installed = has_trl()
+    best = {}
+    for i in range(args.pipeline_repeats):
+        runs = {"ours": run_ours(tmp / "tok", data, tmp / "ours", args.seq_length, workers=1,
+                                 handler=("--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "hf",
+                                          "--map-keys", OPENAI_KEYS))}
+        runs["ours"].update(runs["ours"].pop("stats"))
+        if trl_installed:  # a fresh datasets cache each time
+            runs["trl"] = _child(_TRL_PIPELINE, tmp / "tok", data, args.seq_length, tmp / f"trl{i}")
+        for name, r in runs.items():
+            b = best.setdefault(name, r)
+            b["seconds"], b["cpu_s"] = min(b["seconds"], r["seconds"]), min(b["cpu_s"], r["cpu_s"])
+    line = f"{'':<2}{{:<34}} {{:>7.2f}} s {{:>7.2f}} s cpu {{:>7.0f}} rows/s {{:>8.0f}} tokens/s  {{}}"
+    ours = best["ours"]
+    print(line.format("ours (preprocess_data.py)", ours["seconds"], ours["cpu_s"], args.pipeline_rows / ours["seconds"],
+                      ours["tokens"] / ours["seconds"], f"{ours['packs']} packs, {ours['tokens']} tokens, "
+                      f"{ours['samples_written']} samples, {ours['trained_tokens']} trained"))
+    if not trl_installed:
         print("  trl pipeline: skipped (trl and datasets are not installed: pip install trl; never a dependency of "
               "the project)")
         return
-    trl = _child(_TRL_PIPELINE, tmp / "tok", data, args.seq_length, tmp / "trl")
-    print(rows_line.format("trl (SFTTrainer._prepare_dataset)", trl["seconds"], trl["cpu_s"],
-                           args.pipeline_rows / trl["seconds"], trl["tokens"] / trl["seconds"],
-                           f"{trl['packs']} packs, {trl['tokens']} tokens, {trl['trained']} trained; template: "
-                           f"{trl['template']}"))
+    trl = best["trl"]
+    print(line.format("trl (SFTTrainer._prepare_dataset)", trl["seconds"], trl["cpu_s"],
+                      args.pipeline_rows / trl["seconds"], trl["tokens"] / trl["seconds"],
+                      f"{trl['packs']} packs, {trl['tokens']} tokens, {trl['trained']} trained; template: "
+                      f"{trl['template']}"))
     print(f"trl_pipeline / ours: {trl['seconds'] / ours['seconds']:.2f}x wall, {trl['cpu_s'] / ours['cpu_s']:.2f}x cpu "
           "(target >= 2)", flush=True)
 
@@ -141,6 +151,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pipeline-rows", type=int, default=4000,
                         help="conversations of the end-to-end case against TRL's pipeline (0: skip it)")
+    parser.add_argument("--pipeline-repeats", type=int, default=3, help="runs of each side in the end-to-end case")
     parser.add_argument("--seq-length", type=int, default=2048, help="pack length of the end-to-end case")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -162,11 +173,7 @@ def main(argv=None) -> int:
     json_enc = EncoderConfig(SHAREGPT, spec, "qwen2_5", None, keys, None, False).build()
     hf_enc = EncoderConfig(SHAREGPT, spec, "hf", None, keys, None, False).build()
     training = (TEMPLATES / "qwen2_5_training.jinja").read_text()
-    conversations = []
-    for r in rows:
-        msgs = [{"role": "system", "content": r["system"]}] + [
-            {"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]} for m in r["conversations"]]
-        conversations.append(msgs)
+    conversations = [_openai_messages(r) for r in rows]
 
     counts = {}
 
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
             hf_enc.tokenizer.encode_batch(texts[s:s + 1000])
 
     if args.pipeline_rows:
-        pipeline(tmp, tok, args)
+        pipeline(tmp, args)
     results = _best_round_robin({"json": run(json_enc, "json"), "hf": run(hf_enc, "hf"), "trl": trl,
                                  "tokenize": tokenize}, args.repeats)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -200,7 +207,8 @@ def main(argv=None) -> int:
         print(f"{name:<8} {wall:>8.3f} {cpu:>8.3f} {args.rows / wall:>9.0f}")
     (jw, jc), (hw, hc), (tw, tc), (kw, kc) = (results[k] for k in ("json", "hf", "trl", "tokenize"))
     print(f"hf / json: {hw / jw:.2f}x wall, {hc / jc:.2f}x cpu (target <= 1.5)")
-    print(f"trl / hf:  {tw / hw:.2f}x wall, {tc / hc:.2f}x cpu (target >= 2)")
+    print(f"trl / hf:  {tw / hw:.2f}x wall, {tc / hc:.2f}x cpu (trl's per-row tokenization only, a lower bound of its "
+          "pipeline; the >= 2 target is trl_pipeline / ours above)")
     print(f"trl / tokenize: {tw / kw:.2f}x wall, {tc / kc:.2f}x cpu (the most trl / hf can reach)")
     return 0
 
