@@ -458,6 +458,9 @@ def test_reasoning_history_keep_trains_every_turn_once_in_one_sample(family, fam
     assert checked >= 30
 
 
+REJECTED_TAILS = ["pear moon", "你好", "  rock\n"]
+
+
 def _pair_rows():
     """Preference rows from the corpus: every conversation ending with a plain assistant answer, its history
     as the prompt, that answer as chosen and another one as rejected."""
@@ -466,11 +469,8 @@ def _pair_rows():
         *prompt, last = row["messages"]
         if last["role"] == "assistant" and isinstance(last.get("content"), str) and set(last) == {"role", "content"}:
             rows.append((i, {**{k: v for k, v in row.items() if k != "messages"}, "messages": prompt,
-                             "chosen": last["content"], "rejected": f"{last['content']} no, {WORDS_REJECTED[i % 3]}"}))
+                             "chosen": last["content"], "rejected": f"{last['content']} no, {REJECTED_TAILS[i % 3]}"}))
     return rows
-
-
-WORDS_REJECTED = ["pear moon", "你好", "  rock\n"]
 
 
 @pytest.mark.parametrize("family", ["qwen2_5", "llama3_1"])
