@@ -104,6 +104,26 @@ def _openai_messages(row: dict) -> list:
         {"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]} for m in row["conversations"]]
 
 
+def prose_conversations(n: int, seed: int, max_words: int = 200) -> list:
+    """Conversations of 1-3 turns of English prose (bench_preprocess's rows: short questions, answers of
+    Pareto-distributed length up to ``max_words`` words), a system prompt first."""
+    import random
+
+    from bench_preprocess import SYSTEM, english_words, generate_rows
+
+    rng = random.Random(seed)
+    turns = generate_rows(3 * n, seed, english_words(), max_words)
+    out = []
+    for _ in range(n):
+        messages = [{"role": "system", "content": SYSTEM}]
+        for _ in range(rng.randint(1, 3)):
+            t = next(turns)
+            messages += [{"role": "user", "content": f"{t['instruction']}\n{t['input']}" if t["input"] else t["instruction"]},
+                         {"role": "assistant", "content": t["output"]}]
+        out.append(messages)
+    return out
+
+
 def pipeline(tmp: Path, args) -> None:
     """Rows in, packed rows of ``--seq-length`` out: TRL's SFT data preparation against ``preprocess_data.py``,
     alternately ``--pipeline-repeats`` times, the best wall and the best CPU time of each kept."""
@@ -111,10 +131,13 @@ def pipeline(tmp: Path, args) -> None:
 
     from mindspeed_pack.data import toy
 
-    rows = toy.generate_sharegpt(args.pipeline_rows, seed=5, turns=(1, 3))
-    data = write_jsonl(tmp / "messages.jsonl", ({"messages": _openai_messages(r)} for r in rows))
-    print(f"pipeline: {args.pipeline_rows} conversations ({data.stat().st_size / 2**20:.1f} MiB of JSONL) -> packs of "
-          f"{args.seq_length} tokens, one process each, best of {args.pipeline_repeats}", flush=True)
+    if args.pipeline_data == "toy":
+        conversations = (_openai_messages(r) for r in toy.generate_sharegpt(args.pipeline_rows, seed=5, turns=(1, 3)))
+    else:
+        conversations = prose_conversations(args.pipeline_rows, seed=5)
+    data = write_jsonl(tmp / "messages.jsonl", ({"messages": m} for m in conversations))
+    print(f"pipeline: {args.pipeline_rows} {args.pipeline_data} conversations ({data.stat().st_size / 2**20:.1f} MiB of "
+          f"JSONL) -> packs of {args.seq_length} tokens, one process each, best of {args.pipeline_repeats}", flush=True)
     trl_installed = has_trl()
     best = {}
     for i in range(args.pipeline_repeats):
@@ -152,7 +175,10 @@ def main(argv=None) -> int:
     parser.add_argument("--pipeline-rows", type=int, default=4000,
                         help="conversations of the end-to-end case against TRL's pipeline (0: skip it)")
     parser.add_argument("--pipeline-repeats", type=int, default=3, help="runs of each side in the end-to-end case")
-    parser.add_argument("--seq-length", type=int, default=2048, help="pack length of the end-to-end case")
+    parser.add_argument("--pipeline-data", choices=("toy", "prose"), default="toy",
+                        help="conversations of the end-to-end case: the toy word tasks of the rows above (~70 tokens "
+                             "each), or English prose with a heavy tail of long answers (bench_preprocess.py's rows)")
+    parser.add_argument("--seq-length", type=int, default=4096, help="pack length of the end-to-end case")
     args = parser.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers import AutoTokenizer
