@@ -1,6 +1,6 @@
-"""``--prompt-type hf`` (the model's own Jinja template) against the JSON-template path and TRL's tokenization.
+"""``--prompt-type hf`` (the model's own Jinja template) against the JSON-template path and TRL's SFT pipeline.
 
-    python bench/bench_chat_template.py [--rows 4000] [--repeats 5]
+    python bench/bench_chat_template.py [--rows 4000] [--repeats 5] [--pipeline-rows 4000] [--pipeline-data toy|prose]
 
 Same rows for all of them (generated ShareGPT conversations, 1-3 turns, a system prompt), the
 toy tokenizer with Qwen2.5's official chat template, one process:
