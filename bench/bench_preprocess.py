@@ -180,10 +180,12 @@ def _child(code: str, *argv, threads: bool = False) -> dict:
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
-def run_ours(tokenizer: Path, data: Path, prefix: Path, seq_length: int, workers: int = 2) -> dict:
-    argv = ["--input", data, "--tokenizer-name-or-path", tokenizer, "--output-prefix", prefix,
-            "--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "qwen", "--seq-length", seq_length,
-            "--pack", "--neat-pack", "--workers", workers, "--overwrite-cache", "--log-interval", "0"]
+def run_ours(tokenizer: Path, data: Path, prefix: Path, seq_length: int, workers: int = 2,
+             handler: tuple = ("--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "qwen")) -> dict:
+    """``preprocess_data.py --pack --neat-pack`` in a child process; ``handler``: the handler/template flags."""
+    argv = ["--input", data, "--tokenizer-name-or-path", tokenizer, "--output-prefix", prefix, *handler,
+            "--seq-length", seq_length, "--pack", "--neat-pack", "--workers", workers, "--overwrite-cache",
+            "--log-interval", "0"]
     r = _child(_OURS, tokenizer, *argv)
     stats = json.loads(Path(f"{prefix}_packed_meta.json").read_text())["statistics"]
     return r | {"seconds": stats["elapsed_seconds"], "stats": stats}

@@ -456,3 +456,82 @@ def test_reasoning_history_keep_trains_every_turn_once_in_one_sample(family, fam
             assert (m.get("reasoning_content") or "").strip() in text and text.count(m["content"].strip() or "\0") <= 1
         checked += 1
     assert checked >= 30
+
+
+REJECTED_TAILS = ["pear moon", "你好", "  rock\n"]
+
+
+def _pair_rows():
+    """Preference rows from the corpus: every conversation ending with a plain assistant answer, its history
+    as the prompt, that answer as chosen and another one as rejected."""
+    rows = []
+    for i, row in enumerate(CORPUS):
+        *prompt, last = row["messages"]
+        if last["role"] == "assistant" and isinstance(last.get("content"), str) and set(last) == {"role", "content"}:
+            rows.append((i, {**{k: v for k, v in row.items() if k != "messages"}, "messages": prompt,
+                             "chosen": last["content"], "rejected": f"{last['content']} no, {REJECTED_TAILS[i % 3]}"}))
+    return rows
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3_1"])
+def test_preference_pairs_are_the_official_template_and_train_only_the_answer(family, family_tokenizer_dir):
+    """--prompt-type hf pairs: chosen and rejected are apply_chat_template(prompt + [answer]) token for token,
+    the prompt's tokens are the same in both, and exactly the answer incl. its end-of-turn token is trained."""
+    from mindspeed_pack.data.handlers import SHAREGPT_PAIRWISE
+
+    encoder = _encoder(family_tokenizer_dir(family), handler=SHAREGPT_PAIRWISE, seq_length=4096)
+    hf, kwargs = encoder.tokenizer.hf, encoder.chat.kwargs
+    eot_id = encoder.tokenizer.token_to_id(chat_corpus.FAMILIES[family][3])
+    written = 0
+    for i, row in _pair_rows():
+        try:
+            samples = encoder.encode_chat_row(row, f"row {i}")
+        except RowError as exc:
+            assert exc.reason in ALLOWED_REFUSALS.get(family, set()), exc
+            continue
+        prompt, tools = encoder._chat_messages(row, f"row {i}", answer=False)
+        prompt, _ = encoder.chat.adapt(prompt, tools)
+        context = _apply(hf, prompt, tools, kwargs, add_generation_prompt=True)["input_ids"]
+        assert len(samples) == 2, f"row {i}"
+        for (ids, trained), answer in zip(samples, (row["chosen"], row["rejected"])):
+            full = _apply(hf, prompt + [{"role": "assistant", "content": answer}], tools, kwargs)["input_ids"]
+            assert ids.tolist() == full, f"row {i}"
+            assert ids[:len(context)].tolist() == context, f"row {i}"
+            end = max(np.flatnonzero(ids == eot_id)) + 1  # the answer's end-of-turn token, trained; no separator
+            expected = np.zeros(len(ids), np.uint8)
+            expected[len(context):end] = 1
+            assert trained.tolist() == expected.tolist(), f"row {i}"
+        written += 1
+    assert written >= 30
+
+
+def test_preference_pairs_with_prompt_type_hf_preprocess_and_train_dpo(tmp_path, family_tokenizer_dir, run_preprocess):
+    """SharegptStylePairwiseHandler --prompt-type hf -> packed pairs -> posttrain --stage dpo (first loss log 2);
+    a bad pair row stops the run naming file, line and field."""
+    import json
+    import math
+
+    from mindspeed_pack.data import toy
+    from tests.train_utils import run_posttrain
+
+    rows = [row for _, row in _pair_rows() if len(json.dumps(row)) < 300][:12]
+    data = toy.write_dataset(tmp_path / "pairs.jsonl", rows)
+    prefix = str(tmp_path / "dpo")
+    flags = dict(tokenizer_name_or_path=family_tokenizer_dir("qwen2_5"), handler_name="SharegptStylePairwiseHandler",
+                 prompt_type="hf", map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=256, pack=True, neat_pack=True)
+    code, out, err = run_preprocess(input=data, output_prefix=prefix, **flags)
+    assert code == 0, err
+    stats = json.loads(open(f"{prefix}_packed_meta.json").read())["statistics"]
+    assert stats["pairs"] == len(rows) and stats["samples_written"] == 2 * len(rows), stats
+    metrics = str(tmp_path / "dpo.jsonl")
+    _, records = run_posttrain(["--stage", "dpo", "--dpo-beta", "0.5", "--data-path", prefix, "--seq-length", "256",
+                                "--padded-vocab-size", "1152", "--neat-pack", "--micro-batch-size", "1",
+                                "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-4", "--min-lr", "1e-5",
+                                "--lr-warmup-iters", "0"], metrics=metrics)
+    losses = [r["lm loss"] for r in records if r["split"] == "train"]
+    assert len(losses) == 2 and math.isclose(losses[0], math.log(2), rel_tol=1e-5)
+
+    rows[5] = {**rows[5], "messages": rows[5]["messages"] + [{"role": "moderator", "content": "x"}]}
+    data = toy.write_dataset(tmp_path / "bad.jsonl", rows)
+    code, out, err = run_preprocess(input=data, output_prefix=str(tmp_path / "bad"), **flags)
+    assert code == 2 and "bad.jsonl" in err and "line 6" in err and "'moderator'" in err, err

@@ -251,9 +251,13 @@ class ChatTemplate:
             out.append({k: v for k, v in m.items() if v is not None})  # as apply_chat_template does
         return out, expected
 
-    def plan(self, messages: list[dict], tools, expected: Optional[dict] = None) -> list[SamplePlan]:
-        """The samples of one conversation (already :meth:`adapt`-ed); [] when it has no assistant turn."""
-        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    def plan(self, messages: list[dict], tools, expected: Optional[dict] = None,
+             trained: Optional[list] = None) -> list[SamplePlan]:
+        """The samples of one conversation (already :meth:`adapt`-ed); [] when it has no assistant turn.
+
+        ``trained``: the indices of the assistant messages to train (default: all of them); a
+        preference pair trains only its final answer, the earlier turns being context."""
+        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant" and (trained is None or k in trained)]
         if not turns:
             return []
         try:

@@ -212,11 +212,12 @@ class SampleEncoder:
             messages.append((self._role_of[tag], content))
         return messages, system
 
-    def _chat_messages(self, row, where):
-        """(OpenAI-style messages, tools) of a row, for ``--prompt-type hf``."""
+    def _chat_messages(self, row, where, answer: bool = True):
+        """(OpenAI-style messages, tools) of a row, for ``--prompt-type hf``; ``answer=False``: an Alpaca row
+        without its answer column (a preference pair brings two answers of its own)."""
         try:
             if self.handler == ALPACA:
-                pairs, system = self._alpaca_messages(row, where)
+                pairs, system = (self._alpaca_messages if answer else self._alpaca_prompt)(row, where)
                 messages = [{"role": "system", "content": system}] if system else []
                 messages += [{"role": role, "content": content} for role, content in pairs]
             else:
@@ -234,11 +235,7 @@ class SampleEncoder:
         if not isinstance(row, dict):
             raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
         messages, tools = self._chat_messages(row, where)
-        try:
-            adapted, expected = self.chat.adapt(messages, tools)
-            samples = self.chat.plan(adapted, tools, expected)
-        except RowError as exc:
-            raise RowError(f"{where}: {exc}", exc.reason) from None
+        samples = self.chat_samples(messages, tools, where)
         if not samples:
             return None, SKIP_NO_ANSWER if messages else SKIP_EMPTY
         plan = []
@@ -246,6 +243,14 @@ class SampleEncoder:
             plan.append((sample, len(texts)))
             texts.append(sample.text)
         return (where, plan), None
+
+    def chat_samples(self, messages: list, tools, where: str, trained: Optional[list] = None) -> list:
+        """The chat template's sample plans of a conversation (RowError naming ``where`` when it cannot be rendered)."""
+        try:
+            adapted, expected = self.chat.adapt(messages, tools)
+            return self.chat.plan(adapted, tools, expected, trained)
+        except RowError as exc:
+            raise RowError(f"{where}: {exc}", exc.reason) from None
 
     def finish_chat(self, plan, encoded: list) -> list:
         """[(ids, trained, truncated) or (None, skip reason, False)] per sample of a row (RowError on bad turns)."""

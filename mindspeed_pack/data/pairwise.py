@@ -7,7 +7,12 @@ Handlers (MindSpeed-LLM's names; LLaMA-Factory's ranking format):
 * ``SharegptStylePairwiseHandler``: ``conversations`` ending with the user's turn, and
   ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}`` or a string.
 
-Both samples go through the same template as supervised data. The pair is the unit of
+Both samples go through the same template as supervised data. Under ``--prompt-type hf`` the
+prompt plus each answer is rendered by the model's own chat template and the trained span
+derived from the renders as for supervised data (``chat_template.py``), for the final answer only
+(earlier turns of the prompt are context): ``render(prompt + [answer])[len(render(prompt,
+add_generation_prompt=True)):]`` up to and including the end-of-turn token. The prompt's tokens
+are checked identical in both samples (a RowError otherwise). The pair is the unit of
 packing (``preprocess_data.py --pack --neat-pack``): the packer places pair lengths, so
 chosen and rejected are always neighbours in one pack, segment ``2k-1`` the chosen and
 ``2k`` the rejected answer of the pack's ``k``-th pair::
@@ -25,8 +30,10 @@ from typing import Optional
 
 import numpy as np
 
+from mindspeed_pack.data.chat_template import REASON_TOKEN_BOUNDARY
 from mindspeed_pack.data.errors import RowError
-from mindspeed_pack.data.handlers import ALPACA, ASSISTANT, PAIRWISE_BASE, SampleEncoder
+from mindspeed_pack.data.handlers import (ALPACA, ASSISTANT, PAIRWISE_BASE, SKIP_EMPTY, SKIP_ROLE_ORDER,
+                                          SampleEncoder)
 from mindspeed_pack.data.readers import not_an_object
 
 SKIP_TOO_LONG = "pair longer than --seq-length"
@@ -57,9 +64,15 @@ class PairwiseEncoder(SampleEncoder):
     """Row -> (chosen, rejected) samples; ``seq_length`` bounds the pair, never cuts it."""
 
     def __init__(self, handler: str, tokenizer, template, map_keys: dict, seq_length: Optional[int],
-                 append_eod: bool, pad_to_multiple_of: int = 1, skip_bad_rows: bool = False):
-        super().__init__(PAIRWISE_BASE[handler], tokenizer, template, map_keys, None, append_eod, skip_bad_rows)
+                 append_eod: bool, pad_to_multiple_of: int = 1, skip_bad_rows: bool = False, chat=None):
+        super().__init__(PAIRWISE_BASE[handler], tokenizer, template, map_keys, None, append_eod, skip_bad_rows,
+                         chat=chat)
         self.pair_handler, self.budget, self.multiple = handler, seq_length, pad_to_multiple_of
+
+    def _fits(self, samples) -> bool:
+        """Whether the pair, each sample padded to ``--pad-to-multiple-of``, fits ``--seq-length``."""
+        padded = sum(-(-len(ids) // self.multiple) * self.multiple for ids, _ in samples)
+        return self.budget is None or padded <= self.budget
 
     def _answer(self, row: dict, key: str, where: str) -> str:
         column = self.keys[key]
@@ -93,6 +106,45 @@ class PairwiseEncoder(SampleEncoder):
             plans.append(plan)
         return tuple(plans), None
 
+    def plan_chat_row(self, row, where: str, texts: list):
+        """``--prompt-type hf``: ((where, [(chosen plan, text index), (rejected plan, text index)]), None)
+        or (None, skip reason); each answer's render is appended to ``texts``."""
+        if isinstance(row, RowError):  # the reader could not parse it
+            raise row
+        if not isinstance(row, dict):
+            raise not_an_object(where, row)
+        chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
+        prompt, tools = self._chat_messages(row, where, answer=False)
+        if all(m["role"] == "system" for m in prompt):
+            return None, SKIP_EMPTY
+        if prompt[-1]["role"] == "assistant":  # the pair's answers must answer the prompt's last turn
+            return None, SKIP_ROLE_ORDER
+        if chosen == rejected:
+            return None, SKIP_IDENTICAL
+        plan = []
+        for answer in (chosen, rejected):
+            messages = prompt + [{"role": "assistant", "content": answer}]
+            sample, = self.chat_samples(messages, tools, where, trained=[len(messages) - 1])
+            plan.append((sample, len(texts)))
+            texts.append(sample.text)
+        return (where, plan), None
+
+    def finish_chat(self, plan, encoded: list) -> list:
+        """[chosen, rejected] as supervised samples, or one (None, skip reason, False) for the pair: a pair is
+        never truncated, and its prompt must be the same tokens before both answers."""
+        out = super().finish_chat(plan, encoded)
+        for sample, skip, _ in out:
+            if sample is None:
+                return [(None, skip, False)]
+        (chosen, chosen_mask), (rejected, rejected_mask) = (sample for sample, _, _ in out)
+        start = int(np.argmax(chosen_mask))
+        if start != int(np.argmax(rejected_mask)) or not np.array_equal(chosen[:start], rejected[:start]):
+            raise RowError(f"{plan[0]}: the prompt is not the same tokens before the chosen and the rejected answer "
+                           "(the answers merge with the prompt's last token)", REASON_TOKEN_BOUNDARY)
+        if not self._fits([s for s, _, _ in out]):
+            return [(None, SKIP_TOO_LONG, False)]
+        return out
+
     def finish_row(self, plan, encoded: list):
         """([chosen, rejected], None, False), or ([], skip reason, False): a pair is never truncated."""
         samples = []
@@ -101,7 +153,6 @@ class PairwiseEncoder(SampleEncoder):
             if sample is None:
                 return [], skip, False
             samples.append(sample)
-        padded = sum(-(-len(s[0]) // self.multiple) * self.multiple for s in samples)
-        if self.budget is not None and padded > self.budget:
+        if not self._fits(samples):
             return [], SKIP_TOO_LONG, False
         return samples, None, False

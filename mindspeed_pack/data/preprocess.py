@@ -147,9 +147,6 @@ def validate_args(args) -> None:
         if pairwise.is_pairwise(args.handler_name) and not (args.pack and args.neat_pack):
             raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a preference pair is a unit of "
                                   "packing, its chosen and rejected answers told apart by their segment ids")
-        if pairwise.is_pairwise(args.handler_name) and args.prompt_type == HF_PROMPT_TYPE:
-            raise PreprocessError(f"{args.handler_name} takes a JSON template (--prompt-type qwen, llama3, ...): "
-                                  "preference pairs are not rendered with --prompt-type hf yet")
     if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
         raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
     if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
@@ -199,7 +196,7 @@ class EncoderConfig:
             template = get_template(self.prompt_type, self.templates_path)
         if pairwise.is_pairwise(self.handler):
             return pairwise.PairwiseEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length,
-                                            self.append_eod, self.pad_to_multiple_of, self.skip_bad_rows)
+                                            self.append_eod, self.pad_to_multiple_of, self.skip_bad_rows, chat)
         return SampleEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length, self.append_eod,
                              self.skip_bad_rows, self.add_bos, chat)
 
