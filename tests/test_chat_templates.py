@@ -535,3 +535,42 @@ def test_preference_pairs_with_prompt_type_hf_preprocess_and_train_dpo(tmp_path,
     data = toy.write_dataset(tmp_path / "bad.jsonl", rows)
     code, out, err = run_preprocess(input=data, output_prefix=str(tmp_path / "bad"), **flags)
     assert code == 2 and "bad.jsonl" in err and "line 6" in err and "'moderator'" in err, err
+
+
+def _full_offsets_answers(offsets, s, e):
+    hit = np.flatnonzero((offsets[:, 1] > s) & (offsets[:, 0] < e))
+    return hit.tolist(), (int(offsets[hit[0], 0]), int(offsets[hit[-1], 1])) if len(hit) else None
+
+
+def test_token_boundaries_asked_per_span_equal_full_offsets(family_tokenizer_dir):
+    """The hf path asks the encoding for a span's tokens (EncodedText) instead of converting every token's
+    offsets: for every span of texts with CJK/emoji (several byte tokens per character), special and added
+    tokens, the overlapping tokens, the span's token bounds and the token starts equal the full offsets'; a
+    normaliser that drops characters falls back to the full offsets with the same answers."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    from mindspeed_pack.data.tokenizer import EncodedText, load_tokenizer
+
+    tok = load_tokenizer(TokenizerSpec("PretrainedFromHF", str(family_tokenizer_dir("qwen2_5"))))
+    texts = ["<|im_start|>user\n你好，世界 🙂<|im_end|>\n", "a 日本語 b<think>é</think>\n\n猫と犬。", "中국어 x"]
+    plain = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    plain.normalizer, plain.pre_tokenizer = normalizers.Replace("-", ""), pre_tokenizers.Whitespace()
+    cases = [(t, e) for t, e in zip(texts, tok.encode_batch_offsets(texts))]
+    enc = plain.encode("a -b- a--b")
+    cases.append(("a -b- a--b", EncodedText(np.array(enc.ids, np.int32), enc)))
+    shared = 0
+    for text, encoded in cases:
+        full = np.array(encoded._encoding.offsets, np.int64).reshape(-1, 2)
+        shared += int(np.sum((full[1:] == full[:-1]).all(axis=1)))
+        for s in range(len(text)):
+            assert encoded.starts_token(s) == bool(np.any(full[:, 0] == s)), (text, s)
+            for e in range(s + 1, len(text) + 1):
+                index, head, tail = encoded.overlapping(s, e)
+                hit, bounds = _full_offsets_answers(full, s, e)
+                assert np.arange(len(full))[index].tolist() == hit, (text, s, e)
+                got = None if head is None else (encoded.token_start(head), encoded.token_end(tail))
+                assert got == bounds, (text, s, e)
+        # byte-level: every character is in a token, so the full offsets were never needed; "-" is in none
+        assert (encoded._offsets is not None) == ("-" in text)
+        assert np.array_equal(encoded.offsets, full) and not encoded.starts_token(len(text))
+    assert shared > 5  # the corpus has characters split into several byte tokens

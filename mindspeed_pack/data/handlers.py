@@ -257,23 +257,25 @@ class SampleEncoder:
         where, samples = plan
         out = []
         for sample, text_index in samples:
-            ids, offsets = encoded[text_index]
-            starts, ends = offsets[:, 0], offsets[:, 1]
+            text = encoded[text_index]
+            ids = text.ids
             trained = np.zeros(len(ids), np.uint8)
             for s, e in sample.trained:
-                hit = np.flatnonzero((ends > s) & (starts < e))
-                if not self.chat.has_generation_markers and (not len(hit) or starts[hit[0]] != s or ends[hit[-1]] != e):
+                hit, head, tail = text.overlapping(s, e)
+                if not self.chat.has_generation_markers and (
+                        head is None or text.token_start(head) != s or text.token_end(tail) != e):
                     raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, so "
                                    "its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
                 trained[hit] = 1
             for message, start, end in sample.turns:
-                if end > start and not np.any(starts == start):
+                if end > start and not text.starts_token(start):
                     raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
                                    f"{start}): its generation prompt is not a token prefix of the sample",
                                    hf_chat.REASON_TOKEN_BOUNDARY)
             truncated = False
             if self.seq_length is not None and len(ids) > self.seq_length:
                 if trained[self.seq_length:].any():
+                    starts = text.offsets[:, 0]
                     first = next((m for m, _, e in sample.turns if np.searchsorted(starts, e) > self.seq_length),
                                  sample.turns[-1][0])
                     raise RowError(f"{where}: assistant turn (message {first}) would be truncated at --seq-length "

@@ -21,7 +21,6 @@ import copy
 import hashlib
 import os
 from dataclasses import dataclass
-from itertools import chain
 from pathlib import Path
 from typing import Optional
 
@@ -128,18 +127,14 @@ class HFTokenizer(TextTokenizer):
             return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
         return self.hf(list(texts), add_special_tokens=False, truncation=False, padding=False)["input_ids"]
 
-    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Ids (int32) and character offsets (int64, one ``[start, end)`` row per token) of each text, the same ids
-        as :meth:`encode_batch`."""
+    def encode_batch_offsets(self, texts: list[str]) -> list["EncodedText"]:
+        """Each text's ids (int32, the same as :meth:`encode_batch`) with its token boundaries, asked of the
+        backend's encoding per span (:class:`EncodedText`) rather than converted for every token."""
         if self._backend is None:
             raise PreprocessError(f"tokenizer {self.name} is not a fast tokenizer: --prompt-type hf needs character "
                                   "offsets (a tokenizer.json)")
-        out = []
-        for e in self._backend.encode_batch(list(texts), add_special_tokens=False):
-            ids = np.array(e.ids, dtype=np.int32)
-            offsets = np.fromiter(chain.from_iterable(e.offsets), dtype=np.int64, count=2 * len(ids))
-            out.append((ids, offsets.reshape(-1, 2)))
-        return out
+        return [EncodedText(np.array(e.ids, dtype=np.int32), e)
+                for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def add_special_tokens(self, tokens: list[str]) -> None:
         """Add ``tokens`` as special tokens (kept whole, never split), as LLaMA-Factory does for templates."""
@@ -238,3 +233,55 @@ def hash_tokenizer_files(path: str) -> str:
         return hashlib.sha256(str(path).encode()).hexdigest()
     files = sorted(f for f in p.iterdir() if f.is_file() and any(h in f.name for h in _TOKENIZER_FILE_HINTS))
     return sha256_of_files(files)
+
+
+class EncodedText:
+    """A text's ids and its tokens' character offsets, read from the backend's encoding only where a span needs
+    them: a sample's spans need a few token boundaries, and converting every token's offsets costs more than
+    all the span checks together.
+
+    Same answers as the full ``(n, 2)`` offsets: a backend encoding's offsets are non-decreasing in both start
+    and end (byte-level tokens of one character share its offsets), so the tokens overlapping ``[s, e)`` are
+    the contiguous run from the first token holding character ``s`` through the last one starting before
+    ``e``. Where the encoding cannot answer (a character that no token holds, e.g. one a normaliser drops,
+    or an empty span) the full offsets are built once and asked instead."""
+
+    __slots__ = ("ids", "_encoding", "_offsets")
+
+    def __init__(self, ids: np.ndarray, encoding):
+        self.ids, self._encoding, self._offsets = ids, encoding, None
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """``[start, end)`` of every token (int64, ``(n, 2)``), built on first use."""
+        if self._offsets is None:
+            self._offsets = np.array(self._encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return self._offsets
+
+    def overlapping(self, s: int, e: int):
+        """The tokens with ``end > s`` and ``start < e``: ``(index, first, last)``, ``index`` a slice or an
+        index array for ``mask[index]``, ``first``/``last`` ``None`` when there is none."""
+        enc = self._encoding
+        lo = enc.char_to_token(s) if e > s else None
+        last = enc.char_to_token(e - 1) if lo is not None else None
+        if last is None:
+            hit = np.flatnonzero((self.offsets[:, 1] > s) & (self.offsets[:, 0] < e))
+            return (hit, int(hit[0]), int(hit[-1])) if len(hit) else (hit, None, None)
+        n = len(self.ids)
+        while last + 1 < n and enc.token_to_chars(last + 1)[0] < e:  # further byte tokens of character e - 1
+            last += 1
+        return slice(lo, last + 1), lo, last
+
+    def token_start(self, i: int) -> int:
+        return self._encoding.token_to_chars(i)[0] if self._offsets is None else int(self._offsets[i, 0])
+
+    def token_end(self, i: int) -> int:
+        return self._encoding.token_to_chars(i)[1] if self._offsets is None else int(self._offsets[i, 1])
+
+    def starts_token(self, pos: int) -> bool:
+        """Whether a token starts at character ``pos``."""
+        t = self._encoding.char_to_token(pos)
+        if t is None:
+            return bool(np.any(self.offsets[:, 0] == pos))
+        return self._encoding.token_to_chars(t)[0] == pos
+
