@@ -20,6 +20,9 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One intra-op thread (before torch is imported; every run the tests start inherits it): the tiny
+# models gain nothing from more, and OpenMP threads spinning for a busy core make a step ~10x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from mindspeed_pack.data import toy  # noqa: E402
 

@@ -84,11 +84,11 @@ def run_distributed(
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return their results by rank.
 
-    ``threads_per_process`` defaults to the CPU count split evenly over the ranks, so two
-    ranks on a 2-core machine do not oversubscribe it. ``env`` adds environment variables
-    (set before ``fn`` runs, after torchrun's).
+    ``threads_per_process`` defaults to ``OMP_NUM_THREADS`` (the tests set 1: tiny models gain
+    nothing from more threads, and ranks sharing a core must not oversubscribe it). ``env`` adds
+    environment variables (set before ``fn`` runs, after torchrun's).
     """
-    threads = threads_per_process or max(1, (os.cpu_count() or 1) // world_size)
+    threads = threads_per_process or max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
     ctx = preloaded_context()
     with tempfile.TemporaryDirectory(prefix="dist_harness_") as out_dir:
         port = free_port()

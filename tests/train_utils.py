@@ -25,7 +25,7 @@ def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=Non
     tiny model (``model_flags``, another family's flags for its tests) in preloaded processes
     (:mod:`tests.preloaded`); returns (completed process, metrics records)."""
     argv = [*model_flags, *extra] + (["--metrics-file", metrics] if metrics else [])
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", **(env or {})}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = run_script(script, argv, nproc=nproc, env=full_env, cwd=ROOT, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
