@@ -11,6 +11,7 @@ the interpreter start:
 * :func:`preloaded_context`: the ``multiprocessing`` context whose processes start this way.
 * :func:`run_script`: ``python SCRIPT ARGV`` (or ``torchrun --nproc-per-node N SCRIPT ARGV``)
   as a :class:`subprocess.CompletedProcess` with the exit code and the captured text.
+* :class:`ScriptProcess`: one such process started in the background, Popen-like (poll, wait, signals).
 
 Launchers themselves (torchrun's restarts and rendezvous, the example shell scripts) are tested
 with real processes in ``test_elastic.py``, ``test_multinode.py`` and ``test_example_*.py``.
@@ -58,7 +59,7 @@ def _threads(env: Dict[str, str]) -> int:
 
 def _script_child(script: str, argv: Sequence[str], env: Dict[str, str], cwd: str, out: str, err: str) -> None:
     for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(f, fd)
         os.close(f)
     adopt(env, cwd, _threads(env))
@@ -68,6 +69,45 @@ def _script_child(script: str, argv: Sequence[str], env: Dict[str, str], cwd: st
         runpy.run_path(script, run_name="__main__")
     finally:
         atexit._run_exitfuncs()  # what the interpreter runs at exit; multiprocessing's children skip it
+
+
+class ScriptProcess:
+    """``python SCRIPT ARGV`` started in a preloaded process, its stdout and stderr appended to files
+    (the same file for both, as ``stderr=STDOUT`` does), with the part of :class:`subprocess.Popen`'s
+    interface the tests use (``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``)."""
+
+    def __init__(self, script: str, argv: Sequence[str], *, env: Optional[Dict[str, str]] = None, cwd: str = ROOT,
+                 stdout: str = os.devnull, stderr: Optional[str] = None):
+        script = script if os.path.isabs(script) else os.path.join(ROOT, script)
+        self.args = [sys.executable, script, *argv]
+        self._process = preloaded_context().Process(
+            target=_script_child, args=(script, list(argv), dict(os.environ if env is None else env), cwd, stdout,
+                                        stderr or stdout))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def poll(self) -> Optional[int]:
+        return self._process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self._process.terminate()
+
+    def kill(self) -> None:
+        self._process.kill()
 
 
 def _torchrun_env(rank: int, nproc: int, port: int) -> Dict[str, str]:
@@ -87,51 +127,45 @@ def run_script(script: str, argv: Sequence[str], *, nproc: int = 1, env: Optiona
     from tests.dist_harness import free_port
 
     env = dict(os.environ if env is None else env)
-    script = os.path.join(ROOT, script) if not os.path.isabs(script) else script
-    ctx = preloaded_context()
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="preloaded_run_") as tmp:
-        procs, files = [], []
-        for rank in range(nproc):
-            rank_env = env if nproc == 1 else {**env, **_torchrun_env(rank, nproc, port)}
-            out, err = os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")
-            p = ctx.Process(target=_script_child, args=(script, list(argv), rank_env, cwd, out, err))
-            p.start()
-            procs.append(p)
-            files.append((out, err))
+        files = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(nproc)]
+        procs = [ScriptProcess(script, argv, env=env if nproc == 1 else {**env, **_torchrun_env(rank, nproc, port)},
+                               cwd=cwd, stdout=out, stderr=err) for rank, (out, err) in enumerate(files)]
         timed_out = not _wait(procs, timeout)
 
         def read(i):
             return "".join(open(f[i], errors="replace").read() if os.path.exists(f[i]) else "" for f in files)
 
         stdout, stderr = read(0), read(1)
-    cmd = [sys.executable, script, *argv] if nproc == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", script, *argv]
+    cmd = procs[0].args if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *procs[0].args[1:]]
     if timed_out:
         raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
-    codes = [p.exitcode for p in procs]
+    codes = [p.returncode for p in procs]
     code = codes[0] if nproc == 1 else int(any(c != 0 for c in codes))
     return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
 def _wait(procs, timeout: float) -> bool:
-    """Join every process; once one fails, SIGTERM the rest (as torchrun does). False when time ran out."""
+    """Wait for every process; once one fails, SIGTERM the rest (as torchrun does). False when time ran out."""
     deadline = time.monotonic() + timeout
-    while any(p.is_alive() for p in procs):
+    while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
             for p in procs:
                 p.kill()
-                p.join()
+                p.wait()
             return False
-        if any(p.exitcode not in (None, 0) for p in procs):
+        if any(p.poll() not in (None, 0) for p in procs):
             for p in procs:
-                if p.is_alive():
+                if p.poll() is None:
                     p.terminate()
             for p in procs:
-                p.join(30)
-                if p.is_alive():
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
                     p.kill()
-                    p.join()
+                    p.wait()
             return True
         time.sleep(0.02)
     return True
