@@ -8,8 +8,9 @@ PY := $(VENV)/bin/python
 setup:
 	bash scripts/setup_env.sh $(VENV)
 
+# two workers (pytest-xdist), a file per worker at a time; conftest.py starts the multi-process files first
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 quickstart: setup
 	bash examples/quickstart/run.sh

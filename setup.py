@@ -45,7 +45,7 @@ setup(
     extras_require={
         # the range megatron-core 0.16.1 itself is tested with (its "dev" extra)
         "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
-        "dev": ["pytest>=7", "pytest-timeout"],
+        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist"],
     },
     entry_points={
         "console_scripts": [

@@ -4,14 +4,15 @@ Two ways, both with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RA
 ``MASTER_ADDR``, ``MASTER_PORT``) so code under test initialises exactly as it would under
 ``torchrun`` (e.g. ``initialize_distributed(tp, pp)``):
 
-- :func:`run_distributed` spawns ``fn(*args)`` in fresh interpreters (``spawn``, never
-  ``fork``: forking a process whose OpenMP pool is live can hang) and returns every rank's
-  return value; an exception in any rank is re-raised here with that rank's traceback, and
-  the other ranks are stopped instead of waiting forever in a collective.
+- :func:`run_distributed` runs ``fn(*args)`` in fresh processes (forked from a server that has
+  only imported torch and megatron, :mod:`tests.preloaded`; never ``fork`` of this process:
+  forking a process whose OpenMP pool is live can hang) and returns every rank's return value;
+  an exception in any rank is re-raised here with that rank's traceback, and the other ranks
+  are stopped instead of waiting forever in a collective.
 - :func:`run_torchrun` runs a script/module under ``python -m torch.distributed.run``, for
   end-to-end tests of command-line entry points.
 
-``fn`` must be importable by name (a module-level function), as ``spawn`` pickles it.
+``fn`` must be importable by name (a module-level function), as it is pickled to the ranks.
 Return values travel through files (``torch.save``), so tensors of any size are fine.
 """
 from __future__ import annotations
@@ -26,7 +27,8 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
-import torch.multiprocessing as mp
+
+from tests.preloaded import adopt, preloaded_context
 
 
 def free_port() -> int:
@@ -48,10 +50,9 @@ def torchrun_env(rank: int, world_size: int, port: int) -> Dict[str, str]:
     }
 
 
-def _child(rank: int, world_size: int, port: int, threads: int, env: Dict[str, str], out_dir: str, fn, args, kwargs):
-    os.environ.update(torchrun_env(rank, world_size, port))
-    os.environ.update(env)
-    torch.set_num_threads(threads)
+def _child(rank: int, world_size: int, port: int, threads: int, parent_env: Dict[str, str], env: Dict[str, str],
+           cwd: str, out_dir: str, fn, args, kwargs):
+    adopt({**parent_env, **torchrun_env(rank, world_size, port), **env}, cwd, threads)
     try:
         result = fn(*args, **kwargs)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -83,19 +84,20 @@ def run_distributed(
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return their results by rank.
 
-    ``threads_per_process`` defaults to the CPU count split evenly over the ranks, so two
-    ranks on a 2-core machine do not oversubscribe it. ``env`` adds environment variables
-    (set before ``fn`` runs, after torchrun's).
+    ``threads_per_process`` defaults to ``OMP_NUM_THREADS`` (the tests set 1: tiny models gain
+    nothing from more threads, and ranks sharing a core must not oversubscribe it). ``env`` adds
+    environment variables (set before ``fn`` runs, after torchrun's).
     """
-    threads = threads_per_process or max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context("spawn")
+    threads = threads_per_process or max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
+    ctx = preloaded_context()
     with tempfile.TemporaryDirectory(prefix="dist_harness_") as out_dir:
         port = free_port()
         procs = []
         for rank in range(world_size):
             p = ctx.Process(
                 target=_child,
-                args=(rank, world_size, port, threads, dict(env or {}), out_dir, fn, args, kwargs),
+                args=(rank, world_size, port, threads, dict(os.environ), dict(env or {}), os.getcwd(), out_dir, fn, args,
+                      kwargs),
                 daemon=False,
             )
             p.start()

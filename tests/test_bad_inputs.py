@@ -108,10 +108,15 @@ def _apply(edit, case_dir):
         torch.save({"model": {}, "args": _RunsCommand(os.path.join(case_dir, "MARKER"))}, path)
 
 
+SCRIPTS = {"preprocess": "preprocess_data.py", "convert": "convert_ckpt.py", "posttrain": "posttrain.py",
+           "pretrain": "pretrain_gpt.py"}
+
+
 def _run_tool(tool, argv, capsys):
-    """(exit code, stderr) of one tool run in this process."""
+    """(exit code, stderr) of one tool run in this process, named as its script (argparse's ``prog``)."""
     capsys.readouterr()
     code = None
+    saved_argv, sys.argv = sys.argv, [SCRIPTS[tool]]
     try:
         if tool == "preprocess":
             from mindspeed_pack.data.preprocess import main
@@ -129,6 +134,8 @@ def _run_tool(tool, argv, capsys):
             code = 0
     except SystemExit as e:
         code = e.code
+    finally:
+        sys.argv = saved_argv
     return code, capsys.readouterr().err
 
 

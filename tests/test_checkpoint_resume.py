@@ -7,8 +7,6 @@ the point (each Trainer.setup re-seeds every RNG, as a new process would).
 """
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -17,8 +15,7 @@ from mindspeed_pack import checkpoint_layout as layout
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.dist_harness import free_port, run_distributed
 from tests.model_utils import TINY_FLAGS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.preloaded import run_script
 ITERS = 10
 
 
@@ -70,9 +67,7 @@ def test_resume_in_fresh_process_is_exact(tmp_path, data, reference, stopped_at_
     ref_train, ref_valid, _ = reference
     ckpt = stopped_at_5
     metrics = str(tmp_path / "resumed.jsonl")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "posttrain.py"),
-                           *base_argv(data, metrics, "--load", ckpt)],
-                          capture_output=True, text=True, cwd=ROOT, env=fresh_process_env(), timeout=300)
+    proc = run_script("posttrain.py", base_argv(data, metrics, "--load", ckpt), env=fresh_process_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "resumed from" in proc.stderr
     assert_steps_match(read_metrics(metrics), ref_train, range(6, ITERS + 1))
@@ -86,10 +81,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data, reference, s
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(stopped_at_5, ckpt)
     env = fresh_process_env(MINDSPEED_PACK_KILL_DURING_SAVE="7")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "posttrain.py"),
-                           *base_argv(data, str(tmp_path / "killed.jsonl"), "--load", ckpt, "--save", ckpt,
-                                      "--exit-interval", "7")],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    proc = run_script("posttrain.py", base_argv(data, str(tmp_path / "killed.jsonl"), "--load", ckpt, "--save", ckpt,
+                                                "--exit-interval", "7"), env=env, timeout=300)
     assert proc.returncode == -9, (proc.returncode, proc.stderr[-3000:])
     assert sorted(read_metrics(str(tmp_path / "killed.jsonl"))) == [6, 7]  # killed while saving 7
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "5"

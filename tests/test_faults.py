@@ -5,10 +5,9 @@ again and again, some kills armed at a phase of a save through ``MINDSPEED_PACK_
 by a timer from outside, resumes each time with ``--load D --save D``, and ends with the
 weights and every step's loss of an uninterrupted run. Timer kills strike a random moment
 (0-0.3 s) after a run's first logged step. Runs are forked from a server that
-has already imported torch and megatron, so a run starts in about a second.
+has already imported torch and megatron (:mod:`tests.preloaded`), so a run starts in about a second.
 """
 import json
-import multiprocessing
 import os
 import random
 import resource
@@ -24,6 +23,7 @@ from mindspeed_pack.training.checkpointing import CheckpointError
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.dist_harness import free_port
 from tests.model_utils import TINY_FLAGS
+from tests.preloaded import preloaded_context
 
 ITERS = 32
 SEQ = 64
@@ -60,8 +60,7 @@ def _child(args, fault, log_path, fsize_limit=None):
 
 @pytest.fixture(scope="module")
 def launcher():
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "megatron.core", "posttrain", "tests.test_faults"])
+    ctx = preloaded_context()
 
     def launch(args, fault=None, log_path=os.devnull, kill_after_step=None, fsize_limit=None, timeout=300):
         """Run; returns the exit code (-9 when killed). ``kill_after_step``: SIGKILL it that many seconds

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.data_utils import write_packed_instruction_dataset
 from tests.dist_harness import free_port
 from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
@@ -73,6 +75,7 @@ def _wait(nodes, timeout: float) -> list:
     return [p.returncode for p in nodes]
 
 
+@pytest.mark.slow
 def test_two_node_launch_trains_tp2_dp2(tmp_path):
     data = write_packed_instruction_dataset(str(tmp_path / "data" / "toy"), num_packs=32, seq_length=SEQ_LENGTH)
     logs = tmp_path / "logs"

@@ -115,17 +115,15 @@ def test_no_shuffle_reads_packs_in_order_and_padded_samples_complete_the_batch(d
 
 def test_trained_checkpoint_resharded_to_tp2_gives_the_same_validation_loss(tmp_path, data):
     """train (TP1, --save) -> convert_ckpt.py mg->mg TP2 -> --skip-train at TP2: same valid loss."""
-    import subprocess
-    import sys
-
-    from tests.train_utils import ROOT
+    from tests.preloaded import run_script
 
     common = BASE + ["--data-path", data, "--split", "80,20,0", "--eval-iters", "1", "--global-batch-size", "2"]
     _, trained = run_posttrain(common + ["--train-iters", "2", "--eval-interval", "2", "--save", str(tmp_path / "tp1")],
                                metrics=str(tmp_path / "train.jsonl"))
-    subprocess.run([sys.executable, os.path.join(ROOT, "convert_ckpt.py"), "--load-model-type", "mg",
-                    "--save-model-type", "mg", "--load-dir", str(tmp_path / "tp1"), "--save-dir", str(tmp_path / "tp2"),
-                    "--target-tensor-parallel-size", "2"], check=True, capture_output=True, cwd=ROOT)
+    converted = run_script("convert_ckpt.py", ["--load-model-type", "mg", "--save-model-type", "mg", "--load-dir",
+                                               str(tmp_path / "tp1"), "--save-dir", str(tmp_path / "tp2"),
+                                               "--target-tensor-parallel-size", "2"])
+    assert converted.returncode == 0, converted.stderr[-3000:]
     _, evaluated = run_posttrain(common + ["--skip-train", "--load", str(tmp_path / "tp2"),
                                            "--tensor-model-parallel-size", "2"], nproc=2,
                                  metrics=str(tmp_path / "eval.jsonl"))

@@ -1,14 +1,10 @@
 """Tiny packed datasets and posttrain runs for the training tests."""
 import json
 import os
-import subprocess
-import sys
 
 from tests.data_utils import write_packed_instruction_dataset
-from tests.dist_harness import free_port
 from tests.model_utils import TINY_FLAGS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.preloaded import ROOT, run_script
 
 
 def write_copy_task(prefix, num_packs=48, seq_length=128, seed=0, neat_pack=True, meta=True):
@@ -25,16 +21,12 @@ def tiny_argv(data, *extra):
 
 def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=None, script="posttrain.py",
                   model_flags=TINY_FLAGS):
-    """Run posttrain.py (or ``script``, e.g. pretrain_gpt.py; torchrun for nproc > 1) with the tiny model
-    (``model_flags``, another family's flags for its tests); returns (completed process, metrics records)."""
-    cmd = [sys.executable]
-    if nproc > 1:
-        cmd += ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(free_port())]
-    cmd += [os.path.join(ROOT, script), *model_flags, *extra]
-    if metrics:
-        cmd += ["--metrics-file", metrics]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1" if nproc > 1 else "2", **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    """Run posttrain.py (or ``script``, e.g. pretrain_gpt.py; ``nproc`` ranks as torchrun starts them) with the
+    tiny model (``model_flags``, another family's flags for its tests) in preloaded processes
+    (:mod:`tests.preloaded`); returns (completed process, metrics records)."""
+    argv = [*model_flags, *extra] + (["--metrics-file", metrics] if metrics else [])
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = run_script(script, argv, nproc=nproc, env=full_env, cwd=ROOT, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     records = []
