@@ -54,13 +54,15 @@ def rows(models):
     return out
 
 
-def _stage(mode, entropy_coef=0.0):
+def _stage(mode, entropy_coef=0.0, log_entropy=False):
     return GRPOStage(types.SimpleNamespace(loss_agg=mode, clip_ratio=[CLIP_LOW, CLIP_HIGH], kl_coef=KL,
-                                           kl_estimator="k3", seq_length=S, entropy_coef=entropy_coef))
+                                           kl_estimator="k3", seq_length=S, entropy_coef=entropy_coef,
+                                           log_entropy=log_entropy))
 
 
-def _packed(model, rows, groups, stage=None):
-    """(per-token log-probs of every row's response in input order, loss sum, count) with ``rows`` packed as ``groups``."""
+def _packed(model, rows, groups, stage=None, reports=None):
+    """(per-token log-probs of every row's response in input order, loss sum, count) with ``rows`` packed as ``groups``;
+    the stage's metric sums are added into ``reports`` when given."""
     rollouts = [parse_rollout(row, f"row {i}", 256) for i, row in enumerate(rows)]
     logps, loss, count = [None] * len(rows), 0.0, 0
     for group in groups:
@@ -74,8 +76,10 @@ def _packed(model, rows, groups, stage=None):
             logps[i] = None if scores is None else scores[start:start + len(rows[i]["response_ids"])]
         if stage is not None:
             batch, = stage.prepare(None, [batch], [mb], "train", S)
-            s, n, _ = stage.loss_func(batch, out)
+            s, n, shown = stage.loss_func(batch, out)
             loss, count = loss + s, count + int(n)
+            for name, value in (shown.items() if reports is not None else ()):
+                reports[name] = reports.get(name, 0) + value.detach().double()
     return logps, loss, count
 
 
@@ -121,6 +125,22 @@ def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode, entropy_co
     expected.backward()
     assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
     assert_same_gradients(mg, hf)
+
+
+def test_log_entropy_reports_the_entropy_without_a_bonus(models, rows):
+    mg, hf = models
+    reports = {}
+    with torch.no_grad():
+        _, loss, n = _packed(mg, rows, [[0, 3, 5], [1, 2, 4]], _stage("token-mean", log_entropy=True), reports)
+        expected = _expected_loss(hf, rows, "token-mean", entropy_coef=0.0)
+        entropy_sum = count = 0.0
+        for row in rows:
+            _, entropy = _hf_logps(hf, row, entropy=True)
+            mask = torch.tensor(row["response_mask"], dtype=torch.float32)
+            entropy_sum, count = entropy_sum + float((entropy * mask).sum()), count + float(mask.sum())
+    assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))  # the loss has no bonus
+    mine = float(reports["entropy"][0] / reports["entropy"][1])
+    assert abs(mine - entropy_sum / count) <= 1e-5 * entropy_sum / count
 
 
 def test_packing_the_same_rollouts_differently_gives_the_same_loss(models, rows):

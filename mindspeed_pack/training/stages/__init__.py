@@ -64,6 +64,9 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--entropy-coef", type=float, default=0.0,
                    help="weight of an entropy bonus (the policy's entropy at every trained position; needs the "
                         "full logits)")
+    g.add_argument("--log-entropy", action="store_true",
+                   help="--stage grpo: log the policy's entropy over the trained tokens without an entropy bonus "
+                        "(needs the full logits; --entropy-coef logs it too)")
     g.add_argument("--loss-agg", default="token-mean",
                    choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
                    help="how per-token losses become the step's loss (normalised over the whole global step)")

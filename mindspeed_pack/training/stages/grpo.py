@@ -99,9 +99,10 @@ class GRPOStage:
         self.args = args
         low, high = (list(args.clip_ratio) + list(args.clip_ratio))[:2]
         self.clip_low, self.clip_high = float(low), float(high)
-        self.needs_logits = bool(args.entropy_coef)  # the trainer then hands loss_func the logits
+        # the entropy needs the full logits (the trainer then hands loss_func them instead of the per-token loss)
+        self.needs_logits = bool(args.entropy_coef) or bool(getattr(args, "log_entropy", False))
         self.metric_names = GRPO_METRICS + (("ref kl",) if args.kl_coef else ()) + \
-            (("entropy",) if args.entropy_coef else ())
+            (("entropy",) if self.needs_logits else ())
         self.normaliser = {"token-mean": "trained response tokens"}.get(args.loss_agg, "samples") + \
             " in the global batch"
 
@@ -144,7 +145,7 @@ class GRPOStage:
         adv = batch.advantages.to(logp.dtype)
         per_token, clipped, ratio, pg, kl = policy_losses(logp, old, adv, ref, self.clip_low, self.clip_high,
                                                           args.kl_coef, args.kl_estimator)
-        if entropy is not None:
+        if args.entropy_coef:
             per_token = per_token - args.entropy_coef * entropy
         loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length))
         with torch.no_grad():
