@@ -97,3 +97,39 @@ def test_session_names_a_bad_handed_rollout_and_keeps_row_order_when_dropping(co
             session.step([good, {**good, "response_ids": [999, 4]}])
         with pytest.raises(DataError, match="rollout 0: neither 'advantages'"):
             session.step([{"prompt_ids": [1], "response_ids": [2]}])
+
+
+def _session_run(flags, rows, save_dir):
+    """One rank of a session job: score the rows, step on them, save; every rank returns what it saw."""
+    with RLSession.from_argv(flags) as session:
+        logps = session.score(rows)
+        for row, mine in zip(rows, logps):
+            row["old_logprobs"] = mine.tolist()
+        records = session.step(rows)
+        session.save(save_dir)
+    return [lp.tolist() for lp in logps], records
+
+
+def test_session_at_dp2_equals_the_file_path_at_dp2(converted, tmp_path):
+    from tests.dist_harness import run_distributed
+    from tests.train_utils import run_posttrain
+
+    rows = random_rollouts(8, seed=5)
+    flags = _flags(converted)
+    extra = flags[len(TINY_FLAGS):]  # run_posttrain adds the tiny model's flags itself
+    scored = str(tmp_path / "scored.jsonl")
+    run_posttrain(["--stage", "score", "--rollout-path", write_jsonl(tmp_path / "r.jsonl", rows),
+                   "--score-output", scored, *extra], nproc=2)
+    _, expected = run_posttrain(["--stage", "grpo", "--rollout-path", scored, "--save", str(tmp_path / "file"),
+                                 *extra], nproc=2, metrics=str(tmp_path / "file.jsonl"))
+    with open(scored) as f:
+        file_logps = [r["old_logprobs"] for r in map(json.loads, f)]
+    results = run_distributed(_session_run, 2, flags, rows, str(tmp_path / "session"), timeout=300)
+    for logps, records in results:  # every rank holds the whole table and the same step records
+        assert logps == file_logps
+        assert [{k: r[k] for k in DETERMINISTIC} for r in records] == \
+            [{k: r[k] for k in DETERMINISTIC} for r in expected if r["split"] == "train"]
+    a, b = _model(str(tmp_path / "file"), 2), _model(str(tmp_path / "session"), 2)
+    for name in a:
+        if isinstance(a[name], torch.Tensor):
+            assert torch.equal(a[name], b[name]), name
