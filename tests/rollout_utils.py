@@ -2,6 +2,8 @@
 import json
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 
 def random_rollouts(n, seed=0, vocab=256, prompt=(3, 12), response=(2, 20), advantages=True):
@@ -24,3 +26,33 @@ def write_jsonl(path, rows):
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return str(path)
+
+
+def hf_logps_entropy(hf, row):
+    """Log-prob of every response token and the entropy where it is predicted: transformers, one sample alone,
+    no padding (the reference the packed stages are held to)."""
+    p = len(row["prompt_ids"])
+    ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
+    logits = F.log_softmax(hf(ids[None]).logits[0, p - 1:-1].float(), -1)
+    return logits.gather(1, ids[p:, None]).squeeze(1), -(logits.exp() * logits).sum(-1)
+
+
+def per_sample_grpo_loss(hf, rows, mode, *, clip_low, clip_high, kl_coef, entropy_coef, seq_length):
+    """The per-sample, unpadded PPO-clip + k3 KL - entropy loss of ``rows`` under ``hf``, aggregated as
+    ``--loss-agg mode`` over all of them; written out here, independently of the stage's code."""
+    sums, counts = [], []
+    for row in rows:
+        logp, entropy = hf_logps_entropy(hf, row)
+        old, ref, adv = (torch.tensor(row[k], dtype=torch.float32) for k in ("old_logprobs", "ref_logprobs", "advantages"))
+        mask = torch.tensor(row["response_mask"], dtype=torch.float32)
+        ratio = torch.exp(logp - old)
+        pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + clip_high))
+        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        sums.append(((pg + kl_coef * kl - entropy_coef * entropy) * mask).sum())
+        counts.append(mask.sum())
+    sums, counts = torch.stack(sums), torch.stack(counts)
+    if mode == "token-mean":
+        return sums.sum() / counts.sum()
+    if mode == "seq-mean-token-mean":
+        return (sums / counts).mean()
+    return (sums / seq_length).mean()

@@ -5,7 +5,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mindspeed_pack.data.rollouts import parse_rollout, rollout_row
 from mindspeed_pack.packing.segments import build_packed_batch
@@ -13,7 +12,7 @@ from mindspeed_pack.training.stages.grpo import GRPOStage
 from mindspeed_pack.training.stages.reference import token_logps
 from mindspeed_pack.training.trainer import packed_seq_params
 from tests.model_utils import assert_same_gradients, converted_model_pair, write_converted_tiny_qwen2
-from tests.rollout_utils import random_rollouts, write_jsonl
+from tests.rollout_utils import hf_logps_entropy, per_sample_grpo_loss, random_rollouts, write_jsonl
 from tests.train_utils import run_posttrain
 
 S = 128
@@ -32,12 +31,8 @@ def models(converted):
 
 
 def _hf_logps(hf, row, entropy=False):
-    """Log-prob of every response token (and the entropy where it is predicted), one sample alone, no padding."""
-    p = len(row["prompt_ids"])
-    ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
-    logits = F.log_softmax(hf(ids[None]).logits[0, p - 1:-1].float(), -1)
-    logp = logits.gather(1, ids[p:, None]).squeeze(1)
-    return (logp, -(logits.exp() * logits).sum(-1)) if entropy else logp
+    logp, ent = hf_logps_entropy(hf, row)
+    return (logp, ent) if entropy else logp
 
 
 @pytest.fixture(scope="module")
@@ -84,23 +79,8 @@ def _packed(model, rows, groups, stage=None, reports=None):
 
 
 def _expected_loss(hf, rows, mode, entropy_coef=0.0):
-    """The per-sample, unpadded PPO-clip loss (written out here, independently of the stage)."""
-    sums, counts = [], []
-    for row in rows:
-        logp, entropy = _hf_logps(hf, row, entropy=True)
-        old, ref, adv = (torch.tensor(row[k], dtype=torch.float32) for k in ("old_logprobs", "ref_logprobs", "advantages"))
-        mask = torch.tensor(row["response_mask"], dtype=torch.float32)
-        ratio = torch.exp(logp - old)
-        pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        sums.append(((pg + KL * kl - entropy_coef * entropy) * mask).sum())
-        counts.append(mask.sum())
-    sums, counts = torch.stack(sums), torch.stack(counts)
-    if mode == "token-mean":
-        return sums.sum() / counts.sum()
-    if mode == "seq-mean-token-mean":
-        return (sums / counts).mean()
-    return (sums / S).mean()
+    return per_sample_grpo_loss(hf, rows, mode, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL,
+                                entropy_coef=entropy_coef, seq_length=S)
 
 
 def test_packed_logprobs_equal_transformers_per_sample(models, rows):

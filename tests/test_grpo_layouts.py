@@ -14,11 +14,10 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.dist_harness import run_distributed
 from tests.model_utils import TINY_FLAGS
-from tests.rollout_utils import random_rollouts, write_jsonl
+from tests.rollout_utils import hf_logps_entropy, per_sample_grpo_loss, random_rollouts, write_jsonl
 
 S = 128
 CLIP_LOW, CLIP_HIGH, KL, ENTROPY = 0.1, 0.3, 0.05, 0.01
@@ -89,14 +88,6 @@ def _layout_rank(ckpt: str, rollouts: str, out: str, flags: list) -> dict:
     return results
 
 
-def _hf_logps(hf, row):
-    """Log-prob of every response token and the entropy where it is predicted: one sample alone, no padding."""
-    p = len(row["prompt_ids"])
-    ids = torch.tensor(row["prompt_ids"] + row["response_ids"])
-    logits = F.log_softmax(hf(ids[None]).logits[0, p - 1:-1].float(), -1)
-    return logits.gather(1, ids[p:, None]).squeeze(1), -(logits.exp() * logits).sum(-1)
-
-
 def _hf_group_norms(hf) -> list:
     squares = dict.fromkeys(GROUPS, 0.0)
     for name, p in hf.named_parameters():
@@ -107,23 +98,8 @@ def _hf_group_norms(hf) -> list:
 
 
 def _expected(hf, rows, mode, entropy_coef):
-    """The per-sample, unpadded PPO-clip + k3 KL - entropy loss, written out here (not the stage's code)."""
-    sums, counts = [], []
-    for row in rows:
-        logp, entropy = _hf_logps(hf, row)
-        old, ref, adv = (torch.tensor(row[k], dtype=torch.float32) for k in ("old_logprobs", "ref_logprobs", "advantages"))
-        mask = torch.tensor(row["response_mask"], dtype=torch.float32)
-        ratio = torch.exp(logp - old)
-        pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
-        sums.append(((pg + KL * kl - entropy_coef * entropy) * mask).sum())
-        counts.append(mask.sum())
-    sums, counts = torch.stack(sums), torch.stack(counts)
-    if mode == "token-mean":
-        return sums.sum() / counts.sum()
-    if mode == "seq-mean-token-mean":
-        return (sums / counts).mean()
-    return (sums / S).mean()
+    return per_sample_grpo_loss(hf, rows, mode, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, kl_coef=KL,
+                                entropy_coef=entropy_coef, seq_length=S)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +124,7 @@ def setup(tmp_path_factory):
     scores = []
     with torch.no_grad():
         for row in rows:
-            logp, entropy = _hf_logps(hf, row)
+            logp, entropy = hf_logps_entropy(hf, row)
             scores.append((logp.double(), entropy.double()))
             noise = torch.randn(2, len(logp), generator=g, dtype=torch.float64)
             row["old_logprobs"] = (logp.double() + 0.3 * noise[0]).tolist()
