@@ -621,7 +621,7 @@ def test_byte_level_boundaries_equal_the_offsets_path(family, family_tokenizer_d
 
     encoder = _encoder(family_tokenizer_dir(family))
     tok = encoder.tokenizer
-    assert tok._byte_lengths is not None and not tok._byte_lengths.needs_nfc
+    assert tok.byte_level_lengths() is not None and not tok.byte_level_lengths().needs_nfc
     for text, fast in zip(BYTE_EDGE_TEXTS, tok.encode_batch_offsets(BYTE_EDGE_TEXTS)):
         full = tok._encode_with_offsets([text])[0].offsets
         assert isinstance(fast, ByteEncodedText) and np.array_equal(fast.offsets, full), text
@@ -666,11 +666,11 @@ def test_byte_level_boundaries_fall_back_where_the_text_may_change(family_tokeni
 
     source = family_tokenizer_dir("qwen2_5")
     lower = _edited_tokenizer(source, tmp_path / "lower", _normalised({"type": "Lowercase"}))
-    assert lower._byte_lengths is None
+    assert lower.byte_level_lengths() is None
     assert all(isinstance(e, EncodedText) for e in lower.encode_batch_offsets(["Ab 你好", "x"]))
 
     nfc = _edited_tokenizer(source, tmp_path / "nfc", _normalised({"type": "NFC"}))
-    assert nfc._byte_lengths is not None and nfc._byte_lengths.needs_nfc
+    assert nfc.byte_level_lengths() is not None and nfc.byte_level_lengths().needs_nfc
     texts = ["caf\u00e9 你好 🙂", "cafe\u0301 x", "plain words  \n"]
     got, full = nfc.encode_batch_offsets(texts), nfc._encode_with_offsets(texts)
     assert [type(e) for e in got] == [ByteEncodedText, EncodedText, ByteEncodedText]
@@ -678,7 +678,7 @@ def test_byte_level_boundaries_fall_back_where_the_text_may_change(family_tokeni
         assert np.array_equal(g.ids, f.ids) and np.array_equal(g.offsets, f.offsets)
 
     tok = _encoder(source).tokenizer
-    tok._byte_lengths.lengths[tok.encode("a b")[-1]] += 1  # a wrong table entry (" b" read as 3 bytes)
+    tok.byte_level_lengths().lengths[tok.encode("a b")[-1]] += 1  # a wrong table entry (" b" read as 3 bytes)
     got = tok.encode_batch_offsets(["a b", "ab"])
     assert [type(e) for e in got] == [EncodedText, ByteEncodedText]
     assert got[0].ids.tolist() == tok.encode("a b")
