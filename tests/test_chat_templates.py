@@ -15,8 +15,9 @@ import re
 import numpy as np
 import pytest
 
-from mindspeed_pack.data.chat_template import (REASON_DROPPED, REASON_NOT_PREFIX, REASON_REASONING, REASON_RENDER, REASON_TOOLS,
-                                               REASON_TRUNCATED, ChatTemplate, DEFAULT_DATE_STRING)
+from mindspeed_pack.data.chat_template import (REASON_DROPPED, REASON_NOT_PREFIX, REASON_REASONING, REASON_RENDER,
+                                               REASON_TOKEN_BOUNDARY, REASON_TOOLS, REASON_TRUNCATED, ChatTemplate,
+                                               DEFAULT_DATE_STRING)
 from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_ROLE
 from mindspeed_pack.data.errors import RowError
 from mindspeed_pack.data.handlers import ALPACA, SHAREGPT, resolve_map_keys
@@ -555,7 +556,7 @@ def test_token_boundaries_asked_per_span_equal_full_offsets(family_tokenizer_dir
     texts = ["<|im_start|>user\n你好，世界 🙂<|im_end|>\n", "a 日本語 b<think>é</think>\n\n猫と犬。", "中국어 x"]
     plain = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     plain.normalizer, plain.pre_tokenizer = normalizers.Replace("-", ""), pre_tokenizers.Whitespace()
-    cases = [(t, e) for t, e in zip(texts, tok.encode_batch_offsets(texts))]
+    cases = [(t, e) for t, e in zip(texts, tok._encode_with_offsets(texts))]
     enc = plain.encode("a -b- a--b")
     cases.append(("a -b- a--b", EncodedText(np.array(enc.ids, np.int32), enc)))
     shared = 0
@@ -574,3 +575,137 @@ def test_token_boundaries_asked_per_span_equal_full_offsets(family_tokenizer_dir
         assert (encoded._offsets is not None) == ("-" in text)
         assert np.array_equal(encoded.offsets, full) and not encoded.starts_token(len(text))
     assert shared > 5  # the corpus has characters split into several byte tokens
+
+
+BYTE_EDGE_TEXTS = ["<|im_start|>user\n你好，世界 🙂<|im_end|>\n", "a 日本語 b<think>é</think>\n\n猫と犬。", "中국어 x",
+                   "👍🏽👨‍👩‍👧 ok", "say <|eot_id|> and <|im_end|>", "  \n\n\t \r\n  ", "x\u00a0y\u3000z", "", "\u0301e"]
+
+
+def _edited_tokenizer(source_dir, out_dir, edit):
+    """A copy of a fixture tokenizer whose tokenizer.json ``edit(spec)`` changed."""
+    import json
+    import shutil
+
+    from mindspeed_pack.data.tokenizer import HFTokenizer
+
+    shutil.copytree(source_dir, out_dir)
+    spec = json.loads((out_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    edit(spec)
+    (out_dir / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    return HFTokenizer(str(out_dir))
+
+
+def _normalised(normalizer):
+    """An edit: ``normalizer`` and Qwen's pre-tokenizer layout (a Split, then ByteLevel without its regex)."""
+    def edit(spec):
+        spec["normalizer"] = normalizer
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "\\s+|\\p{L}+|[^\\s\\p{L}]+"}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}]}
+    return edit
+
+
+def _merge_across_characters(spec):
+    """An edit: one BPE token holding the last byte of 你 and the first of 好 (a token inside two characters)."""
+    model = spec["model"]
+    model["vocab"]["łå"] = 5000  # past every id in use
+    model["merges"].append(["ł", "å"] if model["merges"] and isinstance(model["merges"][0], list) else "ł å")
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "llama3_1"])
+def test_byte_level_boundaries_equal_the_offsets_path(family, family_tokenizer_dir):
+    """Byte-level BPE tokenizers skip offsets (ids' byte lengths give the token starts): on edge texts every
+    span's tokens, bounds and token starts equal the offsets path's, and on the whole chat corpus the samples,
+    trained tokens and refusals (a span boundary inside a character's bytes included) are the same."""
+    from mindspeed_pack.data.byte_boundaries import ByteEncodedText
+
+    encoder = _encoder(family_tokenizer_dir(family))
+    tok = encoder.tokenizer
+    assert tok.byte_level_lengths() is not None and not tok.byte_level_lengths().needs_nfc
+    for text, fast in zip(BYTE_EDGE_TEXTS, tok.encode_batch_offsets(BYTE_EDGE_TEXTS)):
+        full = tok._encode_with_offsets([text])[0].offsets
+        assert isinstance(fast, ByteEncodedText) and np.array_equal(fast.offsets, full), text
+        for s in range(len(text) + 1):
+            assert fast.starts_token(s) == bool(np.any(full[:, 0] == s)), (text, s)
+            for e in range(s, len(text) + 1):
+                index, head, tail = fast.overlapping(s, e)
+                hit, bounds = _full_offsets_answers(full, s, e)
+                assert np.arange(len(full))[index].tolist() == hit, (text, s, e)
+                assert (None if head is None else (fast.token_start(head), fast.token_end(tail))) == bounds, (text, s, e)
+
+    def finished(encode, row, where):
+        texts = []
+        plan, skip = encoder.plan_chat_row(row, where, texts)
+        if plan is None:
+            return skip
+        try:
+            out = encoder.finish_chat(plan, encode(texts))
+        except RowError as exc:
+            return exc.reason, str(exc)
+        return [(s[0].tolist(), s[1].tolist(), truncated) if s else (s, skip, truncated) for s, skip, truncated in out]
+
+    compared = trained = 0
+    rows = [*CORPUS, {"messages": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "猫と犬"}]}]
+    for i, row in enumerate(rows):
+        try:
+            expected = finished(tok._encode_with_offsets, row, f"row {i}")
+        except RowError:
+            continue  # refused before encoding: the same either way
+        got = finished(tok.encode_batch_offsets, row, f"row {i}")
+        assert got == expected, f"row {i}"
+        compared += 1
+        trained += isinstance(got, list) and any(isinstance(s[1], list) and sum(s[1]) for s in got)
+    assert compared >= 200 and trained >= 150, (compared, trained)
+
+
+def test_byte_level_boundaries_fall_back_where_the_text_may_change(family_tokenizer_dir, tmp_path):
+    """A normaliser that changes text (Lowercase) keeps the offsets path for every text; under NFC only a text
+    that is not NFC takes it; a wrong byte length is caught by the length check and takes it too."""
+    from mindspeed_pack.data.byte_boundaries import ByteEncodedText
+    from mindspeed_pack.data.tokenizer import EncodedText
+
+    source = family_tokenizer_dir("qwen2_5")
+    lower = _edited_tokenizer(source, tmp_path / "lower", _normalised({"type": "Lowercase"}))
+    assert lower.byte_level_lengths() is None
+    assert all(isinstance(e, EncodedText) for e in lower.encode_batch_offsets(["Ab 你好", "x"]))
+
+    nfc = _edited_tokenizer(source, tmp_path / "nfc", _normalised({"type": "NFC"}))
+    assert nfc.byte_level_lengths() is not None and nfc.byte_level_lengths().needs_nfc
+    texts = ["caf\u00e9 你好 🙂", "cafe\u0301 x", "plain words  \n"]
+    got, full = nfc.encode_batch_offsets(texts), nfc._encode_with_offsets(texts)
+    assert [type(e) for e in got] == [ByteEncodedText, EncodedText, ByteEncodedText]
+    for g, f in zip(got, full):
+        assert np.array_equal(g.ids, f.ids) and np.array_equal(g.offsets, f.offsets)
+
+    tok = _encoder(source).tokenizer
+    tok.byte_level_lengths().lengths[tok.encode("a b")[-1]] += 1  # a wrong table entry (" b" read as 3 bytes)
+    got = tok.encode_batch_offsets(["a b", "ab"])
+    assert [type(e) for e in got] == [EncodedText, ByteEncodedText]
+    assert got[0].ids.tolist() == tok.encode("a b")
+
+
+def test_span_boundary_inside_a_characters_bytes_is_inside_a_token(family_tokenizer_dir, tmp_path):
+    """With a token that holds bytes of two CJK characters, spans and turns at every position get the same trained
+    tokens, or the same "inside a token" refusal, from byte lengths as from offsets."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.data.byte_boundaries import ByteEncodedText
+
+    encoder = _encoder(family_tokenizer_dir("qwen2_5"))
+    tok = _edited_tokenizer(family_tokenizer_dir("qwen2_5"), tmp_path / "merged", _merge_across_characters)
+    text = "你好 ok猫好"
+    fast, full = tok.encode_batch_offsets([text]), tok._encode_with_offsets([text])
+    assert isinstance(fast[0], ByteEncodedText) and "łå" in tok.hf.convert_ids_to_tokens(fast[0].ids.tolist())
+    refused = 0
+    for s in range(len(text)):
+        for e in range(s + 1, len(text) + 1):
+            plan = ("row x", [(SimpleNamespace(trained=[(s, e)], turns=[(1, s, e)]), 0)])
+            answers = []
+            for encoded in (fast, full):
+                try:
+                    answers.append([x[0][1].tolist() if x[0] else x[1] for x in encoder.finish_chat(plan, encoded)])
+                except RowError as exc:
+                    answers.append(exc.reason)
+            assert answers[0] == answers[1], (s, e)
+            refused += answers[0] == REASON_TOKEN_BOUNDARY
+    assert refused >= len(text)  # every span starting or ending at 好 (after 你)

@@ -26,10 +26,12 @@ from typing import Optional
 
 import numpy as np
 
+from mindspeed_pack.data.byte_boundaries import byte_length_table
 from mindspeed_pack.data.digest import sha256_of_files
 from mindspeed_pack.data.errors import PreprocessError
 
 TOKENIZER_TYPES = ("PretrainedFromHF", "SentencePiece")
+_NOT_READ = object()
 # files that define a tokenizer (a model dir also holds weights, which must not be hashed)
 _TOKENIZER_FILE_HINTS = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", ".model", ".tiktoken")
 
@@ -112,6 +114,7 @@ class HFTokenizer(TextTokenizer):
     def _plain_backend(self):
         """A copy of the Rust backend with the saved truncation/padding switched off (None: slow tokenizer)."""
         backend = getattr(self.hf, "backend_tokenizer", None)
+        self._byte_lengths = _NOT_READ  # read on first use (only the chat path needs it)
         if backend is None:
             return None
         backend = copy.deepcopy(backend)  # the transformers object keeps its own settings
@@ -119,6 +122,13 @@ class HFTokenizer(TextTokenizer):
         backend.no_padding()
         backend.encode_special_tokens = bool(getattr(self.hf, "split_special_tokens", False))
         return backend
+
+    def byte_level_lengths(self):
+        """The per-id byte lengths when this tokenizer's token boundaries can be read without offsets, else None
+        (:func:`byte_length_table`, decided once)."""
+        if self._byte_lengths is _NOT_READ:
+            self._byte_lengths = None if self._backend is None else byte_length_table(self._backend.to_str())
+        return self._byte_lengths
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         if not texts:
@@ -128,11 +138,29 @@ class HFTokenizer(TextTokenizer):
         return self.hf(list(texts), add_special_tokens=False, truncation=False, padding=False)["input_ids"]
 
     def encode_batch_offsets(self, texts: list[str]) -> list["EncodedText"]:
-        """Each text's ids (int32, the same as :meth:`encode_batch`) with its token boundaries, asked of the
-        backend's encoding per span (:class:`EncodedText`) rather than converted for every token."""
+        """Each text's ids (int32, the same as :meth:`encode_batch`) with its token boundaries: from the ids'
+        byte lengths where the tokenizer is byte-level BPE that keeps the text (:mod:`byte_boundaries`, no
+        offsets computed), else asked of the backend's encoding per span (:class:`EncodedText`)."""
         if self._backend is None:
             raise PreprocessError(f"tokenizer {self.name} is not a fast tokenizer: --prompt-type hf needs character "
                                   "offsets (a tokenizer.json)")
+        lengths = self.byte_level_lengths()
+        if lengths is None:
+            return self._encode_with_offsets(texts)
+        out, by_offsets = [], []
+        readable = [i for i, t in enumerate(texts) if lengths.accepts(t)]
+        fast = self._backend.encode_batch_fast([texts[i] for i in readable], add_special_tokens=False)
+        encoded = dict(zip(readable, fast))
+        for i, text in enumerate(texts):
+            e = encoded.get(i)
+            out.append(None if e is None else lengths.encoded(text, np.array(e.ids, dtype=np.int32)))
+            if out[-1] is None:
+                by_offsets.append(i)
+        for i, e in zip(by_offsets, self._encode_with_offsets([texts[i] for i in by_offsets])):
+            out[i] = e
+        return out
+
+    def _encode_with_offsets(self, texts: list[str]) -> list["EncodedText"]:
         return [EncodedText(np.array(e.ids, dtype=np.int32), e)
                 for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
