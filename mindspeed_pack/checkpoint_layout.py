@@ -9,7 +9,7 @@
 
 As Megatron-LM's ``get_checkpoint_name``: with EP > 1 the expert-parallel rank is appended,
 and each file holds the non-expert weights plus that rank's experts under *local* indices
-(``local_experts.j`` is global expert ``ep_rank * num_experts / EP + j``). ``mp_rank_TT_XXX``
+(``local_experts.j`` is global expert ``ep_rank * num_experts / EP + j``). ``mp_rank_TT_NNN``
 is PP or EP: the file's ``args`` (``expert_model_parallel_size``) say which.
 
 Each file holds ``{"model": state_dict, "iteration", "args", "checkpoint_version", ...}``

@@ -137,3 +137,14 @@ def assert_same_gradients(mg, hf, rel: float = 1e-4) -> None:
     norm_mg = torch.sqrt(sum((g.double() ** 2).sum() for g in g_mg.values()))
     norm_hf = torch.sqrt(sum((g.double() ** 2).sum() for g in g_hf.values()))
     assert abs(float(norm_mg / norm_hf) - 1) <= rel
+
+
+def spread_weights(model):
+    """Fill a transformers model's weights far from any initialisation (norms near 1, the rest random), so a
+    converted tensor in the wrong place shows in the logits; returns the model."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    return model

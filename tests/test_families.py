@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from mindspeed_pack.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from tests.dist_harness import run_distributed
-from tests.model_utils import forward_pipeline, load_release_checkpoint
+from tests.model_utils import forward_pipeline, load_release_checkpoint, spread_weights
 
 VOCAB = 300
 SAMPLE_LENGTHS = (21, 9, 30, 17)  # longer than llama3's original context (16) for three of them
@@ -46,11 +46,7 @@ def build_hf_model(name: str):
     arch, kwargs = FAMILIES[name]
     config = getattr(transformers, f"{arch}Config")(**COMMON, **kwargs)
     torch.manual_seed(len(name))
-    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
-    with torch.no_grad():  # far from any initialisation, so a misplaced tensor shows
-        for pname, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in pname else 0.15 * torch.randn_like(p))
-    return model
+    return spread_weights(getattr(transformers, f"{arch}ForCausalLM")(config).eval())
 
 
 def pack():

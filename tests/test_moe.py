@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from mindspeed_pack.convert import ConversionError, hf_to_megatron, megatron_to_hf
+from tests.model_utils import spread_weights
 
 VOCAB, EXPERTS, TOPK = 256, 8, 2
 EOS = 2  # also the pad id
@@ -36,11 +37,7 @@ def build_hf_model():
         norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False, max_position_embeddings=128,
         rms_norm_eps=1e-6, rope_theta=1e6, bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)
     torch.manual_seed(5)
-    model = transformers.Qwen3MoeForCausalLM(config).eval()
-    with torch.no_grad():  # far from any initialisation, so a misplaced tensor shows
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
-    return model
+    return spread_weights(transformers.Qwen3MoeForCausalLM(config).eval())
 
 
 def samples():
