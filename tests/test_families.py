@@ -106,6 +106,8 @@ def _packed_worker(jobs):
             whole = torch.tensor([0, PACK_LEN], dtype=torch.int32)  # the pack as one sequence: no isolation
             psp.cu_seqlens_q = psp.cu_seqlens_kv = psp.cu_seqlens_q_padded = psp.cu_seqlens_kv_padded = whole
             psp.max_seqlen_q = psp.max_seqlen_kv = PACK_LEN
+            psp.host_cu_seqlens = whole.numpy().astype("int64")  # the host's copy, which attention plans read
+            psp.rope_positions = torch.arange(PACK_LEN)
         with torch.no_grad():
             logits = forward_pipeline(model, args, batch.tokens, batch.position_ids, packed_seq_params=psp)
         stage = ps.get_pipeline_model_parallel_rank()
@@ -272,7 +274,7 @@ def test_the_transformer_engine_path_is_handed_the_family(monkeypatch):
         handed.append((backend, config.qk_layernorm, qk_layernorm, config.kv_channels))
         return spec_module.layer_spec("local", config, qk_layernorm, vp_stage)
 
-    monkeypatch.setattr(gpt, "resolve_backend", lambda requested: "te")
+    monkeypatch.setattr(gpt, "resolve_backend", lambda requested, *dtype_and_dropout: "te")
     monkeypatch.setattr(gpt, "layer_spec", te_layer_spec)
     args = tiny_args(add_qkv_bias=False, qk_layernorm=True, kv_channels=24, use_rope_scaling=True,
                      rope_scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -14,81 +14,89 @@ then attend causally within their own sample, masked by *global* positions::
 This is the all-gather flavour of CP (Transformer Engine's ``--cp-comm-type all_gather``):
 memory for one layer's full keys/values, exact by construction, one implementation for
 every CP size. Samples of similar padded length share one batched SDPA call; the index
-plan is built once per batch and reused by every layer.
+plan is built on the host once per micro-batch and reused by every layer (nothing waits on
+the device, and the gathers' backward is a gather: :mod:`.row_gather`).
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from mindspeed_pack.model.row_gather import RowPlan, gather_rows, row_plan
 from mindspeed_pack.model.segment_buckets import bucket_width
-from mindspeed_pack.packing.context_parallel import zigzag_index
+from mindspeed_pack.model.thd import cached, host_cu_seqlens, local_rows, segment_positions, to_device
 
 
-class _Plan:
-    """Index work that depends only on the batch layout, shared by every layer of a forward.
+@dataclass
+class CPPlan:
+    """Index work that depends only on the batch layout, built on the host once per micro-batch.
 
-    ``gathered_to_global`` reorders the all-gathered (rank-major) keys/values into global
-    order; each bucket holds the rows, validity and causal mask of its batched SDPA call.
+    ``queries``: local rows -> bucketed query rows; ``keys``: all-gathered (rank-major) rows -> bucketed
+    key rows, in global order; ``scatter``: bucketed outputs -> local rows; per bucket its first query and
+    key row, segments, query and key widths, and causal mask by global position.
     """
 
-    def __init__(self, cu: torch.Tensor, cp: int, rank: int, t: int, device):
-        owner = torch.cat([zigzag_index(cu, cp, r) for r in range(cp)])  # global index of each gathered row
-        self.gathered_to_global = torch.empty_like(owner)
-        self.gathered_to_global[owner] = torch.arange(len(owner), device=device)
-        q_global = zigzag_index(cu, cp, rank)
-        starts, lengths = cu[:-1].tolist(), (cu[1:] - cu[:-1]).tolist()
-        by_width: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            if n:
-                by_width.setdefault(bucket_width(n), []).append(i)
-        self.buckets, rows = [], []
-        for width, segs in by_width.items():
-            seg_start = torch.tensor([starts[i] for i in segs], device=device)
-            seg_len = torch.tensor([lengths[i] for i in segs], device=device)
-            q_off = torch.arange(-(-width // cp), device=device)
-            q_valid = q_off[None] < (seg_len // cp)[:, None]  # [n, width / cp]
-            q_rows = torch.where(q_valid, seg_start[:, None] // cp + q_off[None], t)  # t: a zero row
-            q_pos = torch.where(q_valid, q_global[q_rows.clamp(max=t - 1)] - seg_start[:, None], 0)
-            k_off = torch.arange(width, device=device)
-            k_valid = k_off[None] < seg_len[:, None]  # [n, width]
-            k_rows = torch.where(k_valid, seg_start[:, None] + k_off[None], t * cp)  # t * cp: a zero row
-            # causal by global position; a padded query row sees key 0 (every row attends somewhere: no NaN)
-            mask = (k_off[None, None, :] <= q_pos[:, :, None]) & k_valid[:, None, :]  # [n, width / cp, width]
-            self.buckets.append((q_rows, q_valid, k_rows, mask[:, None]))
-            rows.append(q_rows[q_valid])
-        order = torch.cat(rows)
-        self.inverse = torch.empty_like(order)
-        self.inverse[order] = torch.arange(len(order), device=device)
+    queries: RowPlan
+    keys: RowPlan
+    scatter: RowPlan
+    buckets: List[Tuple[int, int, int, int, int, torch.Tensor]]
 
 
-_last_plan: tuple = (None, None)  # (cu_seqlens_padded tensor, its plan): one batch at a time
-
-
-def _plan_for(cu_seqlens_padded: torch.Tensor, cp: int, rank: int, t: int, device) -> _Plan:
-    global _last_plan
-    key = (cp, rank, t)
-    held, plan = _last_plan
-    # the tensor object itself is the key (held here, so its id cannot be reused): every layer of a
-    # forward passes the same PackedSeqParams
-    if held is not None and held[0] is cu_seqlens_padded and held[1] == key:
-        return plan
-    cu = cu_seqlens_padded.to(device=device, dtype=torch.long)
+def cp_plan(cu: np.ndarray, cp: int, rank: int, t: int, device) -> CPPlan:
     if int(cu[-1]) != t * cp:
         raise ValueError(f"CP attention: cu_seqlens_padded ends at {int(cu[-1])}, expected {t} local x {cp} ranks")
-    plan = _Plan(cu, cp, rank, t, device)
-    _last_plan = ((cu_seqlens_padded, key), plan)
-    return plan
+    gathered = np.concatenate([local_rows(cu, cp, r) for r in range(cp)])  # global row of each gathered row
+    global_to_gathered = np.empty_like(gathered)
+    global_to_gathered[gathered] = np.arange(len(gathered))
+    q_pos = segment_positions(cu, cp, rank)  # each local query's position in its segment
+    lengths = np.diff(cu)
+    by_width: dict = {}
+    for i, n in enumerate(lengths.tolist()):
+        if n:
+            by_width.setdefault(bucket_width(n), []).append(i)
+    q_rows, k_rows, slots, buckets = [], [], np.empty(t, dtype=np.int64), []
+    q_first = k_first = 0
+    for width in sorted(by_width):
+        segs = np.asarray(by_width[width])
+        q_width = -(-width // cp)
+        q_off, k_off = np.arange(q_width), np.arange(width)
+        q_valid = q_off[None] < (lengths[segs] // cp)[:, None]
+        q_index = np.where(q_valid, (cu[segs] // cp)[:, None] + q_off[None], t)  # t: the zero row
+        k_valid = k_off[None] < lengths[segs][:, None]
+        k_index = np.where(k_valid, global_to_gathered[np.minimum(cu[segs][:, None] + k_off[None], t * cp - 1)],
+                           t * cp)  # t * cp: the zero row
+        pos = np.where(q_valid, q_pos[np.minimum(q_index, t - 1)], 0)
+        # causal by global position; a padded query row sees key 0 (every row attends somewhere: no NaN)
+        mask = (k_off[None, None, :] <= pos[:, :, None]) & k_valid[:, None, :]  # [n, q_width, width]
+        q_rows.append(q_index.reshape(-1))
+        k_rows.append(k_index.reshape(-1))
+        slots[q_index[q_valid]] = (q_first + np.arange(q_index.size).reshape(q_index.shape))[q_valid]
+        buckets.append((q_first, k_first, len(segs), q_width, width, to_device(mask[:, None], device)))
+        q_first += q_index.size
+        k_first += k_index.size
+    return CPPlan(row_plan(np.concatenate(q_rows), t, device), row_plan(np.concatenate(k_rows), t * cp, device),
+                  row_plan(slots, q_first, device), buckets)
+
+
+def gather_keys_values(key: torch.Tensor, value: torch.Tensor, cp_group) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every CP rank's keys and values, rank-major ``[t * cp, g, d]`` (the backward reduce-scatters their
+    gradients back to the ranks that own the tokens)."""
+    groups = key.shape[1]
+    kv = gather_from_sequence_parallel_region(torch.cat([key, value], dim=1), True, group=cp_group)
+    return kv[:, :groups], kv[:, groups:]
 
 
 def context_parallel_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
+    layout,
     cp_group,
     *,
     scale: Optional[float] = None,
@@ -96,23 +104,25 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     """Local queries ``[t, h, d]`` against the CP group's keys/values ``[t, g, d]`` -> ``[t, h, d]``.
 
-    ``cu_seqlens_padded`` are the *global* offsets of the padded segments (each a multiple of
-    ``2 x CP``); ``t`` = global tokens / CP.
+    ``layout``: the micro-batch's ``PackedSeqParams`` (plan cached there for every layer) or the
+    ``cu_seqlens_padded`` tensor: *global* offsets of the padded segments (each a multiple of ``2 x CP``);
+    ``t`` = global tokens / CP.
     """
     cp = cp_group.size()
     t, heads, dim = query.shape
     groups = key.shape[1]
-    plan = _plan_for(cu_seqlens_padded, cp, cp_group.rank(), t, query.device)
-    # all ranks' keys/values, rank-major, then back in global token order (+ a zero row for bucket padding)
-    kv = gather_from_sequence_parallel_region(torch.cat([key, value], dim=1), True, group=cp_group)
-    kv = torch.cat([kv[plan.gathered_to_global], kv.new_zeros(1, 2 * groups, dim)])
-    k_all, v_all = kv[:, :groups], kv[:, groups:]
-    q_ext = torch.cat([query, query.new_zeros(1, heads, dim)])
+    if isinstance(layout, torch.Tensor):
+        layout = PackedSeqParams(qkv_format="thd", cu_seqlens_q_padded=layout, cu_seqlens_kv_padded=layout)
+    plan = cached(layout, ("cp buckets", cp, cp_group.rank(), t, str(query.device)),
+                  lambda: cp_plan(host_cu_seqlens(layout), cp, cp_group.rank(), t, query.device))
+    k_all, v_all = gather_keys_values(key, value, cp_group)
+    q_b = gather_rows(query, plan.queries)
+    k_b, v_b = gather_rows(k_all, plan.keys), gather_rows(v_all, plan.keys)
     outputs = []
-    for q_rows, q_valid, k_rows, mask in plan.buckets:
-        o = F.scaled_dot_product_attention(
-            q_ext[q_rows].transpose(1, 2), k_all[k_rows].transpose(1, 2), v_all[k_rows].transpose(1, 2),
-            attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=groups != heads,
-        ).transpose(1, 2)
-        outputs.append(o[q_valid])
-    return torch.cat(outputs)[plan.inverse]
+    for q_first, k_first, n, q_width, width, mask in plan.buckets:
+        q = q_b[q_first:q_first + n * q_width].view(n, q_width, heads, dim).transpose(1, 2)
+        k, v = (x[k_first:k_first + n * width].view(n, width, groups, dim).transpose(1, 2) for x in (k_b, v_b))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p,
+                                           enable_gqa=groups != heads)
+        outputs.append(o.transpose(1, 2).reshape(n * q_width, heads, dim))
+    return gather_rows(torch.cat(outputs) if len(outputs) > 1 else outputs[0], plan.scatter)

@@ -11,10 +11,10 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mindspeed_pack.model.moe import moe_config_kwargs
+from mindspeed_pack.model.packed_gpt import PackedGPTModel
 from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
 from mindspeed_pack.model.spec import layer_spec, resolve_backend
 from mindspeed_pack.model.te_spec import HAVE_TE
@@ -111,11 +111,12 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
     )
 
 
-def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> GPTModel:
-    backend = resolve_backend(getattr(args, "attention_backend", "auto"))
+def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> PackedGPTModel:
+    backend = resolve_backend(getattr(args, "attention_backend", "auto"), params_dtype(args),
+                              getattr(args, "attention_dropout", 0.0))
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)
-    model = GPTModel(
+    model = PackedGPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=args.padded_vocab_size,
@@ -129,6 +130,9 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
         rotary_percent=getattr(args, "rotary_percent", 1.0),
         vp_stage=vp_stage,
         **gpt_model_rope_kwargs(args),
+        rope_in_attention=backend in ("local", "flash"),
+        real_vocab_size=getattr(args, "vocab_size", None),
+        loss_chunk=getattr(args, "cross_entropy_chunk_size", None),
     )
     if model.position_embedding_type == "rope":
         scale_rotary_embedding(model, args)

@@ -1,21 +1,36 @@
-"""Exact packed (THD) core attention without Transformer Engine.
+"""Exact packed (THD) core attention without Transformer Engine: the ``local`` backend (any device).
 
 Fills the ``core_attention`` slot of megatron-core's local layer spec. Under
-``PackedSeqParams(qkv_format="thd")`` megatron-core hands this module query
-``[t, heads, dim]`` and key/value ``[t, groups, dim]`` for the whole flattened micro-batch
-(RoPE already applied per segment from ``cu_seqlens``). Attention is causal *within each
-segment* and zero across segments; segments of similar length are batched into one SDPA
-call, so the cost follows the sum of squared segment lengths (each at most 1/8 longer),
-never the square of the pack length, and the Python loop runs once per length bucket.
+``PackedSeqParams(qkv_format="thd")`` megatron-core hands this module query ``[t, heads, dim]``
+and key/value ``[t, groups, dim]`` for the whole flattened micro-batch. Attention is causal
+*within each segment* and zero across segments. When the model left RoPE to attention
+(:class:`~.packed_gpt.PackedGPTModel`), q and k are rotated here first, by position
+(:mod:`.packed_rope`).
+
+The local kernel batches segments of similar length into one SDPA call each (lengths rounded
+up to :func:`~.segment_buckets.bucket_width`, at most 1/8 longer), so the cost follows the sum
+of squared segment lengths, never the square of the pack::
+
+    segments   a a a a a | b b | c c c            (t = 10)
+    bucket 16  a a a a a 0 .. 0 | b b 0 .. 0 | c c c 0 .. 0    one SDPA call, [3, 16] rows
+
+The padding is exact: under a causal mask a real query never sees keys after it, so only
+padded queries (whose outputs are dropped) read padded keys. The bucket layout is an index
+plan built on the host once per micro-batch (:func:`~.thd.cached`) and applied with
+:func:`~.row_gather.gather_rows` in every layer: no device-to-host synchronisation, no
+boolean indexing, and a backward that gathers instead of accumulating.
 
 Without packed parameters (``[s, b, heads, dim]``) every row is one causal sequence.
-Under context parallelism the CP variant (:mod:`.context_parallel_attention`) takes over.
+Under context parallelism :mod:`.context_parallel_attention` takes over. The ``flash``
+backend (:mod:`.flash_attention`) subclasses this module and swaps the kernel.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -24,68 +39,86 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from mindspeed_pack.model.context_parallel_attention import context_parallel_attention
+from mindspeed_pack.model.packed_rope import apply_packed_rope
+from mindspeed_pack.model.row_gather import RowPlan, gather_rows, row_plan
 from mindspeed_pack.model.segment_buckets import bucket_width
+from mindspeed_pack.model.thd import cached, host_cu_seqlens
+
+
+@dataclass
+class BucketPlan:
+    """Rows of the flat micro-batch -> the bucketed layout (``gather``) and back (``scatter``)."""
+
+    gather: Optional[RowPlan]
+    scatter: Optional[RowPlan]
+    buckets: List[Tuple[int, int, int]]  # (first row in the bucketed layout, segments, width)
+    whole: bool  # one segment covering every token: plain causal attention
+
+
+def bucket_plan(cu: np.ndarray, t: int, device) -> BucketPlan:
+    lengths = np.diff(cu)
+    if int(cu[-1]) != t:
+        raise ValueError(f"packed attention: cu_seqlens end at {int(cu[-1])} but the micro-batch holds {t} tokens")
+    if len(lengths) == 1:
+        return BucketPlan(None, None, [], True)
+    by_width: dict = {}
+    for i, n in enumerate(lengths.tolist()):
+        if n:
+            by_width.setdefault(bucket_width(n), []).append(i)
+    rows, slots, buckets, offset = [], np.empty(t, dtype=np.int64), [], 0
+    for width in sorted(by_width):
+        segs = np.asarray(by_width[width])
+        steps = np.arange(width)
+        valid = steps[None, :] < lengths[segs][:, None]
+        index = np.where(valid, cu[segs][:, None] + steps[None, :], t)  # t: the zero row
+        rows.append(index.reshape(-1))
+        slots[index[valid]] = (offset + np.arange(index.size).reshape(index.shape))[valid]
+        buckets.append((offset, len(segs), width))
+        offset += index.size
+    return BucketPlan(row_plan(np.concatenate(rows), t, device), row_plan(slots, offset, device), buckets, False)
 
 
 def segment_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cu_seqlens: torch.Tensor,
+    layout,
     *,
     scale: Optional[float] = None,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention restricted to segments. q ``[t, h, d]``, k/v ``[t, g, d]`` -> ``[t, h, d]``.
 
-    Segments are grouped into buckets of similar length (:func:`bucket_width`) and each
-    bucket is one batched causal SDPA call, its shorter segments padded at the end. The
-    padding is exact: under a causal mask a real query never sees keys after it, so only
-    the padded queries (whose outputs are dropped) read padded keys. Query head ``i``
-    reads key/value group ``i // (h // g)`` (megatron's GQA grouping).
+    ``layout``: the micro-batch's ``PackedSeqParams`` (its plan is cached there for every layer) or a
+    ``cu_seqlens`` tensor. Query head ``i`` reads key/value group ``i // (h // g)`` (megatron's GQA grouping).
     """
     t, heads, dim = query.shape
     groups = key.shape[1]
-    bounds = cu_seqlens.tolist()
-    buckets: dict[int, list[tuple[int, int]]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            buckets.setdefault(bucket_width(end - start), []).append((start, end - start))
-    if len(buckets) == 1 and len(next(iter(buckets.values()))) == 1 and bounds[-1] - bounds[0] == t:
-        # one segment covering everything: plain causal attention, no gathering
+    if isinstance(layout, torch.Tensor):
+        layout = PackedSeqParams(qkv_format="thd", cu_seqlens_q=layout, cu_seqlens_kv=layout)
+    plan = cached(layout, ("buckets", t, str(query.device)),
+                  lambda: bucket_plan(host_cu_seqlens(layout), t, query.device))
+    gqa = groups != heads
+    if plan.whole:
         o = F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
                                            value.transpose(0, 1)[None], is_causal=True, scale=scale,
-                                           dropout_p=dropout_p, enable_gqa=groups != heads)
+                                           dropout_p=dropout_p, enable_gqa=gqa)
         return o[0].transpose(0, 1)
-    device = query.device
-    pad_row = t  # index of an all-zero row appended below
-    q_ext = torch.cat([query, query.new_zeros(1, heads, dim)])
-    k_ext = torch.cat([key, key.new_zeros(1, groups, dim)])
-    v_ext = torch.cat([value, value.new_zeros(1, groups, dim)])
-    outputs, positions = [], []
-    for width, segs in buckets.items():
-        starts = torch.tensor([s for s, _ in segs], device=device)
-        lengths = torch.tensor([n for _, n in segs], device=device)
-        offsets = torch.arange(width, device=device)
-        valid = offsets[None, :] < lengths[:, None]  # [n, width]
-        index = torch.where(valid, starts[:, None] + offsets[None, :], pad_row)
-        # [n, width, h, d] -> [n, h, width, d]
-        q = q_ext[index].transpose(1, 2)
-        k = k_ext[index].transpose(1, 2)
-        v = v_ext[index].transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=groups != heads
-        ).transpose(1, 2)
-        outputs.append(o[valid])
-        positions.append(index[valid])
-    order = torch.cat(positions)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(len(order), device=device)
-    return torch.cat(outputs)[inverse]
+    q_all, k_all, v_all = (gather_rows(x, plan.gather) for x in (query, key, value))
+    outputs = []
+    for first, n, width in plan.buckets:
+        # [n * width, h, d] -> [n, h, width, d]
+        q, k, v = (x[first:first + n * width].view(n, width, x.shape[1], dim).transpose(1, 2)
+                   for x in (q_all, k_all, v_all))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
+        outputs.append(o.transpose(1, 2).reshape(n * width, heads, dim))
+    return gather_rows(torch.cat(outputs) if len(outputs) > 1 else outputs[0], plan.scatter)
 
 
 class PackedDotProductAttention(MegatronModule):
-    """Drop-in ``core_attention`` for the local spec that honours ``PackedSeqParams``."""
+    """Drop-in ``core_attention`` for the local spec that honours ``PackedSeqParams`` (the ``local`` backend)."""
+
+    backend = "local"
 
     def __init__(
         self,
@@ -105,8 +138,6 @@ class PackedDotProductAttention(MegatronModule):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         tp = pg_collection.tp.size()
         self.cp_group = getattr(pg_collection, "cp", None) if config.context_parallel_size > 1 else None
-        if self.cp_group is not None:
-            self._cp_attention = context_parallel_attention
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups or config.num_attention_heads, tp)
         head_dim = config.kv_channels
@@ -124,26 +155,17 @@ class PackedDotProductAttention(MegatronModule):
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by PackedDotProductAttention")
+            raise ValueError(f"attention_bias is not supported by the {self.backend} packed attention")
         dropout_p = self.dropout if self.training else 0.0
-        out_dtype = query.dtype
-        if self.config.attention_softmax_in_fp32 and out_dtype != torch.float32:
-            # --attention-softmax-in-fp32: scores, softmax and the weighted sum in fp32 (SDPA has no fp32-softmax
-            # option for half inputs), the result back in the model precision
-            query, key, value = query.float(), key.float(), value.float()
         if packed_seq_params is not None:
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed attention expects qkv_format='thd', got {packed_seq_params.qkv_format!r}")
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
-            if self.cp_group is not None:
-                out = self._cp_attention(query, key, value, cu, self.cp_group, scale=self.scale, dropout_p=dropout_p)
-            else:
-                out = segment_causal_attention(query, key, value, cu, scale=self.scale, dropout_p=dropout_p)
-            return out.to(out_dtype)  # [t, h, d]; megatron reshapes to [t, 1, h*d]
+            query, key = apply_packed_rope(query, key, packed_seq_params)
+            return self.thd_attention(query, key, value, packed_seq_params, dropout_p)  # [t, h, d]
         if self.cp_group is not None:
             raise ValueError("context parallelism needs packed (THD) batches: PackedSeqParams with cu_seqlens_padded")
+        out_dtype = query.dtype
+        query, key, value = self._softmax_dtype(query, key, value)
         # [s, b, h, d] -> [b, h, s, d]
         s, b = query.shape[:2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
@@ -151,3 +173,21 @@ class PackedDotProductAttention(MegatronModule):
             q, k, v, is_causal=True, scale=self.scale, dropout_p=dropout_p, enable_gqa=self.groups != self.heads
         )
         return o.permute(2, 0, 1, 3).reshape(s, b, -1).to(out_dtype)
+
+    def _softmax_dtype(self, *tensors):
+        """--attention-softmax-in-fp32: scores, softmax and the weighted sum in fp32 (SDPA has no fp32-softmax
+        option for half inputs), the result back in the model precision."""
+        if self.config.attention_softmax_in_fp32 and tensors[0].dtype != torch.float32:
+            return tuple(x.float() for x in tensors)
+        return tensors
+
+    def thd_attention(self, query, key, value, params: PackedSeqParams, dropout_p: float) -> torch.Tensor:
+        """Segment-causal attention of a THD micro-batch (this backend's kernel)."""
+        out_dtype = query.dtype
+        query, key, value = self._softmax_dtype(query, key, value)
+        if self.cp_group is not None:
+            out = context_parallel_attention(query, key, value, params, self.cp_group, scale=self.scale,
+                                             dropout_p=dropout_p)
+        else:
+            out = segment_causal_attention(query, key, value, params, scale=self.scale, dropout_p=dropout_p)
+        return out.to(out_dtype)

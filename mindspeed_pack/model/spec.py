@@ -1,8 +1,11 @@
-"""Choose the transformer layer spec once, at model build: TE on CUDA, else local + packed.
+"""Choose the transformer layer spec once, at model build: TE, flash or local packed attention.
 
-Both specs accept ``PackedSeqParams(qkv_format="thd")``; the local one gets the project's
-exact segment-causal core attention (:mod:`.packed_attention`) in its ``core_attention``
-slot, so CPU runs are packed exactly like GPU runs. With ``--num-experts`` the MLP slot of
+Every spec accepts ``PackedSeqParams(qkv_format="thd")``. ``te``: Transformer Engine's layer
+spec (fused THD attention). ``flash`` and ``local``: megatron-core's local spec with the
+project's exact segment-causal core attention in its ``core_attention`` slot, PyTorch's varlen
+FlashAttention (:mod:`.flash_attention`, CUDA) or bucketed SDPA (:mod:`.packed_attention`, any
+device), so CPU runs are packed exactly like GPU runs. ``auto`` takes the first that can run
+(TE, then flash, then local) and logs why. With ``--num-experts`` the MLP slot of
 the MoE layers (``config.moe_layer_freq``) is megatron-core's ``MoELayer`` (local experts,
 or TE grouped GEMM with ``--moe-grouped-gemm``) whose router slot holds the packing-aware
 :class:`~.moe.PackedTopKRouter`.
@@ -16,6 +19,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from mindspeed_pack.model.flash_attention import FlashPackedAttention, flash_unavailable_reason
 from mindspeed_pack.model.moe import PackedTopKRouter
 from mindspeed_pack.model.norm import SequenceParallelTorchNorm
 from mindspeed_pack.model.packed_attention import PackedDotProductAttention
@@ -24,15 +28,17 @@ from mindspeed_pack.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "te", "local")
+BACKENDS = ("auto", "te", "flash", "local")
+CORE_ATTENTION = {"local": PackedDotProductAttention, "flash": FlashPackedAttention}
 
 
-def local_packed_layer_spec(normalization: str = "RMSNorm", qk_layernorm: bool = False, num_experts=None):
+def local_packed_layer_spec(normalization: str = "RMSNorm", qk_layernorm: bool = False, num_experts=None,
+                            backend: str = "local"):
     spec = copy.deepcopy(get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm,
                                                   num_experts=num_experts))
     if num_experts:
         spec.submodules.mlp.submodules.router = PackedTopKRouter
-    spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
+    spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[backend]
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     if qk_layernorm:
@@ -41,10 +47,11 @@ def local_packed_layer_spec(normalization: str = "RMSNorm", qk_layernorm: bool =
     return spec
 
 
-def local_packed_block_spec(config, qk_layernorm: bool = False, vp_stage=None) -> TransformerBlockSubmodules:
+def local_packed_block_spec(config, qk_layernorm: bool = False, vp_stage=None,
+                            backend: str = "local") -> TransformerBlockSubmodules:
     """This pipeline stage's layers plus the final norm, all with the sequence-parallel-capable norm."""
-    dense = local_packed_layer_spec(config.normalization, qk_layernorm)
-    moe = local_packed_layer_spec(config.normalization, qk_layernorm, config.num_moe_experts) \
+    dense = local_packed_layer_spec(config.normalization, qk_layernorm, backend=backend)
+    moe = local_packed_layer_spec(config.normalization, qk_layernorm, config.num_moe_experts, backend) \
         if config.num_moe_experts else dense
     return TransformerBlockSubmodules(layer_specs=_stage_layers(config, dense, moe, vp_stage),
                                       layer_norm=SequenceParallelTorchNorm)
@@ -58,22 +65,31 @@ def _stage_layers(config, dense, moe, vp_stage=None) -> list:
             for i in range(get_num_layers_to_build(config, vp_stage))]
 
 
-def resolve_backend(requested: str = "auto") -> str:
-    """The attention backend to build; logs the choice and the reason."""
+def resolve_backend(requested: str = "auto", dtype=None, attention_dropout: float = 0.0) -> str:
+    """The attention backend to build for a model of ``dtype``; logs the choice and the reason."""
+    import torch
+
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; choose one of {BACKENDS}")
     on_gpu = cuda_usable()
+    no_flash = flash_unavailable_reason(dtype or torch.float32, on_gpu, attention_dropout)
     if requested == "te" and not (HAVE_TE and on_gpu):
         raise RuntimeError("--attention-backend te needs Transformer Engine and a CUDA device")
+    if requested == "flash" and no_flash:
+        raise RuntimeError(f"--attention-backend flash: {no_flash}")
     if requested != "auto":
         why = "requested with --attention-backend"
     elif HAVE_TE and on_gpu:
         requested, why = "te", "auto: Transformer Engine imports and a CUDA device is present"
+    elif not no_flash:
+        requested, why = "flash", "auto: CUDA without Transformer Engine, varlen FlashAttention available"
     else:
-        requested, why = "local", "auto: " + ("no CUDA device" if not on_gpu else
-                                              "Transformer Engine is not importable (pip install -e .[gpu])")
+        requested = "local"
+        why = "auto: " + ("no CUDA device" if not on_gpu else
+                          f"Transformer Engine is not importable (pip install -e .[gpu]) and flash cannot run: {no_flash}")
     desc = {"te": "Transformer Engine fused attention (THD)",
-            "local": "local spec with exact segment-causal SDPA (THD)"}[requested]
+            "flash": "varlen FlashAttention (torch.nn.attention.varlen, THD), RoPE by position",
+            "local": "local spec with exact segment-causal SDPA (THD), RoPE by position"}[requested]
     log.info("attention backend %s: %s (%s)", requested, desc, why)
     return requested
 
@@ -88,4 +104,4 @@ def layer_spec(backend: str, config, qk_layernorm: bool = False, vp_stage=None):
             if hasattr(spec.submodules.mlp.submodules, "router"):
                 spec.submodules.mlp.submodules.router = PackedTopKRouter
         return block
-    return local_packed_block_spec(config, qk_layernorm, vp_stage)
+    return local_packed_block_spec(config, qk_layernorm, vp_stage, backend)

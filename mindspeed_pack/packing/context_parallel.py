@@ -92,6 +92,7 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
         cu_seqlens_padded=torch.cat([zero, torch.cumsum(padded, 0).to(torch.int32)]),
         max_seqlen=int(padded.max()),
         num_pad_tokens=batch.num_pad_tokens + new_total - t,
+        host_cu_seqlens=None,  # the padded offsets, taken when the batch moves to the device
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100
@@ -54,14 +55,35 @@ class PackedBatch:
     # ``cu_seqlens`` every token belongs to, and each segment's stored id (0 = padding)
     segment_index: Optional[torch.Tensor] = None  # [1, T] int64
     segment_labels: Optional[torch.Tensor] = None  # [num_segments] int64
+    # the offsets attention runs on (``cu_seqlens_padded`` under CP), kept on the host by :meth:`to` so
+    # that nothing in the step reads them back from the device (:mod:`mindspeed_pack.model.thd`)
+    host_cu_seqlens: Optional[np.ndarray] = None
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.numel()
 
     def to(self, device) -> "PackedBatch":
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
-        return PackedBatch(**moved)
+        """This batch on ``device``; from the host, asynchronously (pinned memory) on a GPU."""
+        fields = dict(vars(self))
+        if fields["host_cu_seqlens"] is None and self.cu_seqlens.device.type == "cpu":
+            fields["host_cu_seqlens"] = attention_offsets(self)
+        asynchronous = torch.device(device).type == "cuda"
+
+        def move(v):
+            if not isinstance(v, torch.Tensor):
+                return v
+            if asynchronous and v.device.type == "cpu":
+                return v.pin_memory().to(device, non_blocking=True)
+            return v.to(device)
+
+        return PackedBatch(**{k: move(v) for k, v in fields.items()})
+
+
+def attention_offsets(batch: PackedBatch) -> np.ndarray:
+    """The segment offsets attention runs on (``cu_seqlens_padded`` under CP), as host integers."""
+    cu = batch.cu_seqlens_padded if batch.cu_seqlens_padded is not None else batch.cu_seqlens
+    return cu.detach().cpu().numpy().astype(np.int64)
 
 
 def sequence_sums(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

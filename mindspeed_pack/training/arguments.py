@@ -72,9 +72,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-parallel-invariant-init", action="store_true",
                    help="use megatron's per-rank initialisation (faster for huge from-scratch models) instead "
                         "of drawing the same full weights at every TP/PP layout")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "te", "local"],
-                   help="te = Transformer Engine fused THD attention (CUDA); local = exact segment-causal "
-                        "SDPA (any device); auto picks te when available")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "te", "flash", "local"],
+                   help="te = Transformer Engine fused THD attention (CUDA); flash = PyTorch's varlen "
+                        "FlashAttention (CUDA, bf16/fp16, no TE needed); local = exact segment-causal SDPA (any "
+                        "device); auto picks the first of te, flash, local that can run and logs why")
+    g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
+                   help="tokens per chunk of the fused output-layer cross-entropy, which never holds the whole "
+                        "micro-batch's fp32 logits (default: sized to the vocabulary, 256 MiB of logits per chunk); "
+                        "0 = megatron-core's unfused loss")
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted no-op: megatron-core models are the only models (always on)")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],

@@ -48,7 +48,7 @@ def _context_parallel(config, backend) -> str:
     cp = config.context_parallel_size
     if cp == 1:
         return "none"
-    how = f"TE {config.cp_comm_type}" if backend == "te" else "all-gather keys/values (local attention)"
+    how = f"TE {config.cp_comm_type}" if backend == "te" else f"all-gather keys/values ({backend} attention)"
     return f"{cp} ranks, zigzag per sample, {how}"
 
 

@@ -25,19 +25,20 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from mindspeed_pack import faults
 from mindspeed_pack.model import moe
+from mindspeed_pack.model import thd
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing import context_parallel as cp_view
-from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
+from mindspeed_pack.packing.segments import PackedBatch, attention_offsets, build_packed_batch
 from mindspeed_pack.training import checkpointing, hf_checkpoint, peers, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.exit_signal import ExitSignal
+from mindspeed_pack.training.fused_adam import use_fused_adam
 from mindspeed_pack.training.init_weights import parallel_invariant_init
 from mindspeed_pack.training.initialize import initialize_distributed
 from mindspeed_pack.training.metrics import MetricsLogger
@@ -68,7 +69,8 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-def to_packed_batch(mb: dict, args) -> PackedBatch:
+def host_packed_batch(mb: dict, args) -> PackedBatch:
+    """A micro-batch's :class:`PackedBatch`, on the host (layout work happens there, once per micro-batch)."""
     batch = build_packed_batch(
         mb["input_ids"], mb["labels"], mb["segment_ids"],
         reset_position_ids=args.reset_position_ids, per_sample_loss=args.per_sample_loss,
@@ -76,17 +78,20 @@ def to_packed_batch(mb: dict, args) -> PackedBatch:
     )
     if "loss_mask" in mb:  # e.g. --eod-mask-loss: extra untrained targets from the data side
         batch.loss_mask = batch.loss_mask * mb["loss_mask"].reshape(batch.loss_mask.shape).float()
-    return batch.to(torch.cuda.current_device() if cuda_usable() else "cpu")
+    return batch
 
 
-def packed_seq_params(batch: PackedBatch) -> PackedSeqParams:
-    """THD parameters; under CP ``cu_seqlens`` are the real lengths and ``*_padded`` the physical ones."""
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
-        cu_seqlens_q_padded=batch.cu_seqlens_padded, cu_seqlens_kv_padded=batch.cu_seqlens_padded,
-        max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen,
-    )
+def model_device():
+    return torch.cuda.current_device() if cuda_usable() else "cpu"
+
+
+def to_packed_batch(mb: dict, args) -> PackedBatch:
+    return host_packed_batch(mb, args).to(model_device())
+
+
+def packed_seq_params(batch: PackedBatch) -> thd.ThdParams:
+    """THD parameters of a micro-batch (:mod:`mindspeed_pack.model.thd`), for this rank's CP share."""
+    return thd.packed_seq_params(batch, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
 
 
 class Trainer:
@@ -123,6 +128,7 @@ class Trainer:
         if args.load:
             self.iteration, self.consumed_samples = checkpointing.load_checkpoint(
                 args, self.model, self.optimizer, self.scheduler)
+            use_fused_adam(self.optimizer)  # a loaded optimizer takes the saved groups' settings
         # what this run reads from here on: a resume with another global batch size continues
         # from the checkpoint's consumed samples
         remaining = max(0, (args.train_iters or 0) - self.iteration)
@@ -206,6 +212,7 @@ class Trainer:
             hysteresis=args.hysteresis,
         )
         optimizer = get_megatron_optimizer(opt_config, self.model)
+        use_fused_adam(optimizer)
         scheduler = build_scheduler(args, optimizer)  # counted in samples, as Megatron-LM does
         config = get_model_config(self.model[0])
         config.grad_scale_func = optimizer.scale_loss
@@ -230,7 +237,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _run_batches(self, split: str, consumed: int, forward_only: bool):
-        """Forward (and backward) over one global batch; returns (loss sum, count, stats)."""
+        """Forward (and backward) over one global batch; returns (loss sum, stats)."""
+        step = self._host_step(split, consumed)
+        return self._device_step(step, split, forward_only), step["stats"]
+
+    def _host_step(self, split: str, consumed: int) -> dict:
+        """This rank's micro-batches of a global batch, laid out on the host: packed batches (THD), the
+        context-parallel share, statistics. Nothing here touches the device."""
         args = self.args
         num_micro_batches, tokens_per_micro_batch, plan_stats = self._step_shape(split, consumed)
         source = self.source.micro_batches(split, consumed)
@@ -242,7 +255,7 @@ class Trainer:
             except StopIteration:
                 raise RuntimeError(f"{split} data exhausted at consumed samples {consumed}: the sample index "
                                    "is shorter than train-iters x global-batch-size") from None
-            b = to_packed_batch(mb, args)
+            b = host_packed_batch(mb, args)
             stats["rows"] += mb["input_ids"].shape[0]
             stats["samples"] += b.num_samples
             stats["tokens"] += b.num_tokens
@@ -259,7 +272,19 @@ class Trainer:
             # the tokens the CP group really runs (its per-sample padding counts as padding)
             stats["tokens"] = sum(b.num_tokens for b in batches) * args.context_parallel_size
         stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
-        batches = self.stage.prepare(self, batches, raw, split, tokens_per_micro_batch)
+        for b in batches:
+            b.host_cu_seqlens = attention_offsets(b)
+        return {"batches": batches, "raw": raw, "stats": stats, "tokens_per_micro_batch": tokens_per_micro_batch}
+
+    def _device_step(self, step: dict, split: str, forward_only: bool) -> torch.Tensor:
+        """Forward (and backward) of the host-built micro-batches; the loss sum [sum, count] on the host.
+
+        Nothing in it waits on the device but the one read of the step's summed reports at its end
+        (``tests/test_host_syncs.py`` counts)."""
+        args = self.args
+        device = model_device()
+        batches = [b.to(device) for b in step["batches"]]  # asynchronous copies from pinned memory on a GPU
+        batches = self.stage.prepare(self, batches, step["raw"], split, step["tokens_per_micro_batch"])
         data = iter(batches)
 
         def forward_step(data_iterator, model):
@@ -274,20 +299,23 @@ class Trainer:
 
         results = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data, model=self.model,
-            num_microbatches=num_micro_batches, seq_length=tokens_per_micro_batch,
+            num_microbatches=len(batches), seq_length=step["tokens_per_micro_batch"],
             micro_batch_size=1, forward_only=forward_only,
         )
+        # every micro-batch's [sum, count] reports, reduced on the device and read back once per step
         maxima = getattr(self.stage, "max_metrics", ())  # reported as [max, 1] and reduced by MAX
+        names = ("lm loss", *self.stage.metric_names)
         sums = {name: torch.tensor([-math.inf if name in maxima else 0.0, 0.0], dtype=torch.float64)
-                for name in ("lm loss", *self.stage.metric_names)}
-        if ps.is_pipeline_last_stage():
-            for r in results:
-                for name in sums:
-                    value = r[name].detach().double().cpu()
-                    sums[name] = torch.maximum(sums[name], value) if name in maxima else sums[name] + value
+                for name in names}
+        if ps.is_pipeline_last_stage() and results:
+            stacked = torch.stack([torch.stack([r[name].detach().double().reshape(2) for name in names])
+                                   for r in results])  # [micro-batches, metrics, 2]
+            largest, total = torch.stack([stacked.max(dim=0).values, stacked.sum(dim=0)]).cpu()
+            sums = {name: torch.maximum(sums[name], largest[i]) if name in maxima else total[i]
+                    for i, name in enumerate(names)}
         loss_sum = sums.pop("lm loss")
         self.stage_reports = sums  # the stage's other metrics, [sum, count] on this rank
-        return loss_sum, stats
+        return loss_sum
 
     def _step_shape(self, split: str, consumed: int):
         """(micro-batches, tokens per micro-batch, plan statistics) of a step; online packing varies them."""

@@ -1,0 +1,103 @@
+"""megatron-core's ``GPTModel``, changed only where packed training pays for its generality.
+
+* **RoPE by position, inside attention** (local and flash backends): megatron-core's unfused
+  THD RoPE splits the tokens per segment with a ``.tolist()`` in every layer. Here the
+  rotary table is gathered once per micro-batch at each token's position in its segment
+  (:attr:`~.thd.ThdParams.rope_positions`, from the host) and the core attention rotates q and k
+  (:func:`~.packed_rope.apply_packed_rope`), after the q/k norms as megatron-core does. Transformer Engine's
+  spec keeps megatron-core's own (fused) RoPE.
+* **The loss without full logits** (:mod:`.vocab_cross_entropy`) when labels are given.
+* **Padded vocabulary rows out of the softmax**: the embedding holds ``--padded-vocab-size`` rows
+  (a multiple of ``--make-vocab-size-divisible-by`` x TP) but only ``vocab_size`` are the model's;
+  the others get no probability in every path (the fused loss: ``-inf`` logits; logits handed to a
+  stage, for scored log-probs and entropies: the dtype's lowest finite value, so ``p log p`` stays 0),
+  so a model loaded from Hugging Face gives transformers' numbers.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from mindspeed_pack.model.packed_rope import ROPE_TABLE
+from mindspeed_pack.model.thd import ThdParams
+from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy
+
+log = logging.getLogger(__name__)
+
+
+class PackedGPTModel(GPTModel):
+    """``GPTModel`` for THD batches; see the module docstring. Extra keywords:
+
+    ``rope_in_attention``: the core attention applies RoPE (local and flash backends);
+    ``real_vocab_size``: the model's own vocabulary (rows past it are padding, masked);
+    ``loss_chunk``: tokens per chunk of the fused output-layer loss (0 = megatron-core's unfused loss,
+    ``None`` = sized to the vocabulary).
+    """
+
+    def __init__(self, *args, rope_in_attention: bool = False, real_vocab_size: Optional[int] = None,
+                 loss_chunk: Optional[int] = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rope_in_attention = rope_in_attention and self.position_embedding_type == "rope"
+        if self.rope_in_attention and self.config.rotary_interleaved:
+            raise ValueError("interleaved RoPE is not supported by the packed attention backends")
+        self.real_vocab_size = real_vocab_size if real_vocab_size and real_vocab_size < self.vocab_size else None
+        self.loss_chunk = loss_chunk
+        if self.post_process and self.real_vocab_size:
+            self.output_layer.register_forward_hook(self._mask_padded_vocab)
+
+    # ------------------------------------------------------------------ RoPE
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, *args, **kwargs):
+        out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context, packed_seq_params,
+                                  *args, **kwargs)
+        rotary = out[1]
+        if (self.rope_in_attention and rotary is not None and isinstance(packed_seq_params, ThdParams)
+                and packed_seq_params.rope_positions is not None):
+            packed_seq_params.__dict__[ROPE_TABLE] = rotary
+            out = (out[0], None, *out[2:])
+        return out
+
+    # ------------------------------------------------------------------ vocabulary
+    def _vocab_range(self, width: int) -> tuple:
+        """(first global row, rows) of logits ``width`` wide: this TP rank's shard, or the gathered whole."""
+        if width == self.vocab_size:
+            return 0, width
+        return ps.get_tensor_model_parallel_rank() * width, width
+
+    def _mask_padded_vocab(self, module, inputs, output):
+        logits, bias = output
+        start, width = self._vocab_range(logits.shape[-1])
+        first_pad = self.real_vocab_size - start
+        if first_pad < width:
+            logits = logits.clone()
+            logits[..., max(0, first_pad):] = torch.finfo(logits.dtype).min
+        return logits, bias
+
+    # ------------------------------------------------------------------ loss
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        fused = (self.post_process and labels is not None and self.loss_chunk != 0
+                 and not self.config.mtp_num_layers and not kwargs.get("mtp_in_postprocess")
+                 and kwargs.get("inference_context") is None)
+        if not fused:
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+            else self.output_layer.weight
+        tp_group = self.pg_collection.tp
+        if self.config.sequence_parallel:
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, True, group=tp_group)
+        elif tp_group.size() > 1:
+            hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
+        s, b, h = hidden_states.shape
+        start, _ = self._vocab_range(weight.shape[0])
+        loss = linear_cross_entropy(hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(-1),
+                                    vocab_start=start, vocab_limit=self.real_vocab_size, chunk=self.loss_chunk,
+                                    group=tp_group)
+        return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s], as compute_language_model_loss returns

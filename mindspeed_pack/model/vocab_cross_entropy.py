@@ -1,0 +1,105 @@
+"""The output layer and the cross-entropy in one, chunked over tokens: no full fp32 logits ever exist.
+
+megatron-core's path materialises the logits of the whole micro-batch (``4096 x 151936`` fp32 is
+2.5 GB for a Qwen2.5 pack) and runs its softmax as separate passes over all of them. Here the
+tokens are taken ``chunk`` at a time: the chunk's logits are computed, reduced to each token's
+``logsumexp`` and target logit, and dropped; the backward recomputes them chunk by chunk (one
+more matmul of the output layer) and applies ``softmax - onehot``. Per token it is the same
+arithmetic as megatron's ``vocab_parallel_cross_entropy`` (logits in fp32 after the matmul,
+max-shifted, summed over the tensor-parallel vocabulary shards), so the loss and gradients are
+those of the unfused path; nothing waits on the device.
+
+Vocabulary rows at or past ``vocab_limit`` (padding to a multiple of ``--make-vocab-size-divisible-by``
+x TP) take no part in the softmax: a model loaded from Hugging Face keeps transformers' numbers.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# fp32 logits of one chunk stay below this many elements (256 MiB)
+CHUNK_ELEMENTS = 1 << 26
+
+
+def chunk_tokens(vocab_local: int, requested: Optional[int] = None) -> int:
+    """Tokens per chunk: ``requested``, else as many as keep one chunk's fp32 logits under 256 MiB."""
+    if requested:
+        return int(requested)
+    return max(1, CHUNK_ELEMENTS // max(1, vocab_local))
+
+
+def _reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, invalid_from: int) -> torch.Tensor:
+    """fp32 logits of a chunk, this shard's padded vocabulary rows at -inf (never the max: real rows exist)."""
+    logits = torch.matmul(hidden, weight.t()).float()
+    if invalid_from < logits.shape[-1]:
+        logits[:, invalid_from:] = float("-inf")
+    return logits
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, vocab_start, invalid_from, chunk, group):
+        t = hidden.shape[0]
+        vocab_local = weight.shape[0]
+        lse = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        loss = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        local_target = target - vocab_start
+        owned = (local_target >= 0) & (local_target < vocab_local)
+        local_target = torch.where(owned, local_target, torch.zeros_like(local_target))
+        for start in range(0, t, chunk):
+            end = min(t, start + chunk)
+            logits = _chunk_logits(hidden[start:end], weight, invalid_from)
+            top = _reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+            logits -= top[:, None]
+            picked = logits.gather(1, local_target[start:end, None])[:, 0]
+            picked = _reduce(torch.where(owned[start:end], picked, torch.zeros_like(picked)), dist.ReduceOp.SUM,
+                             group)
+            sum_exp = _reduce(logits.exp_().sum(dim=-1), dist.ReduceOp.SUM, group)
+            log_sum = torch.log(sum_exp)
+            loss[start:end] = log_sum - picked
+            lse[start:end] = log_sum + top
+        ctx.save_for_backward(hidden, weight, local_target, owned, lse)
+        ctx.chunk, ctx.invalid_from = chunk, invalid_from
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, local_target, owned, lse = ctx.saved_tensors
+        chunk = ctx.chunk
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight)
+        grad_loss = grad_loss.float()
+        for start in range(0, hidden.shape[0], chunk):
+            end = min(hidden.shape[0], start + chunk)
+            h = hidden[start:end]
+            probs = _chunk_logits(h, weight, ctx.invalid_from)
+            probs = probs.sub_(lse[start:end, None]).exp_()  # softmax over the whole (all-shard) vocabulary
+            rows = torch.arange(end - start, device=probs.device)
+            probs[rows, local_target[start:end]] -= owned[start:end].float()
+            probs.mul_(grad_loss[start:end, None])
+            g = probs.to(weight.dtype)
+            grad_hidden[start:end] = torch.matmul(g, weight)
+            grad_weight.addmm_(g.t(), h)
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
+                         vocab_limit: Optional[int] = None, chunk: Optional[int] = None, group=None) -> torch.Tensor:
+    """Per-token ``-log softmax(hidden @ weight.T)[target]`` over the vocabulary sharded across ``group``.
+
+    ``hidden`` [t, h] (identical on every rank of ``group``), ``weight`` [V_local, h] this rank's rows
+    ``[vocab_start, vocab_start + V_local)``, ``target`` [t] global ids. Rows ``>= vocab_limit`` are padding.
+    Returns fp32 [t].
+    """
+    vocab_local = weight.shape[0]
+    invalid_from = vocab_local if vocab_limit is None else min(vocab_local, max(0, vocab_limit - vocab_start))
+    return _LinearCrossEntropy.apply(hidden, weight, target.long(), vocab_start, invalid_from,
+                                     chunk_tokens(vocab_local, chunk), group)

@@ -1,0 +1,99 @@
+"""Count the calls that make the host wait for the device, for tests and benchmarks.
+
+On a GPU the CPU queues kernels ahead of the device; any call that reads a device value back
+(``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``) or whose output size depends on values
+(``nonzero``, boolean-mask indexing, ``masked_select``, ``repeat_interleave`` without an output
+size, ``unique``) makes the CPU stop until the queue drains, and the GPU idles while the CPU
+catches up. On a CPU nothing blocks, but the code makes the same calls, so counting them on the
+CPU tells what a GPU step would wait for::
+
+    with HostSyncCounter() as syncs:
+        trainer.train_step()
+    print(syncs.total, syncs.by_name)
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Tensor methods that read a value back to the host
+READS = {
+    torch.Tensor.item: "item", torch.Tensor.tolist: "tolist", torch.Tensor.__bool__: "bool",
+    torch.Tensor.__int__: "int", torch.Tensor.__float__: "float", torch.Tensor.__index__: "index",
+    torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu",
+}
+# aten ops whose output shape or result needs the values first
+_VALUE_SHAPED = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "_unique", "bincount",
+                 "_local_scalar_dense", "equal", "is_nonzero", "allclose"}
+
+
+def _aten_name(func) -> str:
+    return func._overloadpacket.__name__ if hasattr(func, "_overloadpacket") else str(func)
+
+
+def _has_bool_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
+
+
+class _Reads(TorchFunctionMode):
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = READS.get(func)
+        if name is None:
+            return func(*args, **(kwargs or {}))
+        self.counter.by_name[name] += 1
+        self.counter.inside += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.counter.inside -= 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.counter.inside:  # a read counted above dispatches its own _local_scalar_dense
+            name = _aten_name(func)
+            if name in _VALUE_SHAPED:
+                self.counter.by_name[name] += 1
+            elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and _has_bool_index(args):
+                self.counter.by_name[f"{name} (boolean mask)"] += 1
+            elif name == "repeat_interleave" and kwargs.get("output_size") is None and \
+                    isinstance(args[0], torch.Tensor) and not isinstance(args[1] if len(args) > 1 else None, int):
+                self.counter.by_name["repeat_interleave (no output_size)"] += 1
+        return func(*args, **kwargs)
+
+
+class HostSyncCounter:
+    """Context manager counting host-device synchronisation points (:attr:`total`, :attr:`by_name`)."""
+
+    def __init__(self):
+        self.by_name: Counter = Counter()
+        self.inside = 0
+        self._modes = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_name.values())
+
+    def __enter__(self) -> "HostSyncCounter":
+        self._modes = [_Ops(self), _Reads(self)]
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+        return False
