@@ -24,6 +24,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # models gain nothing from more, and OpenMP threads spinning for a busy core make a step ~10x slower.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch  # noqa: E402
+
+if torch.cuda.is_available():  # does not initialise CUDA in this process
+    # On a GPU machine the suite checks the CPU path as everywhere else (its multi-process tests run gloo
+    # ranks side by side, and NCCL refuses two ranks on one GPU): the project is told to leave CUDA alone in
+    # every test and every process the tests start. tests/test_cuda.py runs the exactness checks on the GPU,
+    # each in a fresh process that sees it.
+    os.environ["MINDSPEED_PACK_FORCE_CPU"] = "1"
+
 from mindspeed_pack.data import toy  # noqa: E402
 
 TOY_ALPACA_SAMPLES = 300

@@ -17,6 +17,7 @@ Return values travel through files (``torch.save``), so tensors of any size are 
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import subprocess
@@ -80,16 +81,20 @@ def run_distributed(
     timeout: float = 300.0,
     threads_per_process: Optional[int] = None,
     env: Optional[Dict[str, str]] = None,
+    start_method: Optional[str] = None,
     **kwargs: Any,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return their results by rank.
+
+    ``start_method``: ``"spawn"`` for ranks that must start from nothing (the CUDA tests), else the
+    preloaded server's processes.
 
     ``threads_per_process`` defaults to ``OMP_NUM_THREADS`` (the tests set 1: tiny models gain
     nothing from more threads, and ranks sharing a core must not oversubscribe it). ``env`` adds
     environment variables (set before ``fn`` runs, after torchrun's).
     """
     threads = threads_per_process or max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
-    ctx = preloaded_context()
+    ctx = multiprocessing.get_context(start_method) if start_method else preloaded_context()
     with tempfile.TemporaryDirectory(prefix="dist_harness_") as out_dir:
         port = free_port()
         procs = []

@@ -34,7 +34,14 @@ PRELOAD = ["torch", "megatron.core", "transformers", "mindspeed_pack.training.tr
 
 
 def preloaded_context():
-    """The ``forkserver`` context, its server preloaded with :data:`PRELOAD` (started on first use)."""
+    """The ``forkserver`` context, its server preloaded with :data:`PRELOAD` (started on first use).
+
+    Where CUDA is present, ``spawn`` instead: a process that may have initialised CUDA while importing
+    must not be forked (a forked child cannot use CUDA, and megatron's imports may touch it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx

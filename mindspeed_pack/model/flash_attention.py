@@ -105,6 +105,14 @@ def cp_flash_plan(cu: np.ndarray, cp: int, rank: int, t: int, device) -> CPFlash
     return CPFlashPlan(passes, row_plan(slots, t, device))
 
 
+def cp_flash_attention(query, k_all, v_all, plan: CPFlashPlan, scale: Optional[float]) -> torch.Tensor:
+    """Local queries ``[t, h, d]`` against the CP group's gathered (rank-major) keys/values ``[t * cp, g, d]``."""
+    outputs = [_kernel(gather_rows(query, q_plan), gather_rows(k_all, k_plan), gather_rows(v_all, k_plan),
+                       cu_q, cu_k, max_q, max_k, scale)
+               for q_plan, k_plan, cu_q, cu_k, max_q, max_k in plan.passes]
+    return gather_rows(torch.cat(outputs), plan.scatter)
+
+
 class FlashPackedAttention(PackedDotProductAttention):
     """``core_attention`` of the ``flash`` backend: :class:`PackedDotProductAttention` with varlen FlashAttention."""
 
@@ -120,7 +128,4 @@ class FlashPackedAttention(PackedDotProductAttention):
         plan = cached(params, ("cp flash", cp, rank, t, str(query.device)),
                       lambda: cp_flash_plan(host_cu_seqlens(params), cp, rank, t, query.device))
         k_all, v_all = gather_keys_values(key, value, self.cp_group)
-        outputs = [_kernel(gather_rows(query, q_plan), gather_rows(k_all, k_plan), gather_rows(v_all, k_plan),
-                           cu_q, cu_k, max_q, max_k, self.scale)
-                   for q_plan, k_plan, cu_q, cu_k, max_q, max_k in plan.passes]
-        return gather_rows(torch.cat(outputs), plan.scatter)
+        return cp_flash_attention(query, k_all, v_all, plan, self.scale)

@@ -52,6 +52,10 @@ class PackedGPTModel(GPTModel):
         self.loss_chunk = loss_chunk
         if self.post_process and self.real_vocab_size:
             self.output_layer.register_forward_hook(self._mask_padded_vocab)
+            log.info("vocabulary: %d rows, padded to %d (--make-vocab-size-divisible-by x TP); the %d padded rows are "
+                     "masked out of the softmax, so losses and log-probs are those of the %d-row model",
+                     self.real_vocab_size, self.vocab_size, self.vocab_size - self.real_vocab_size,
+                     self.real_vocab_size)
 
     # ------------------------------------------------------------------ RoPE
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
@@ -74,6 +78,8 @@ class PackedGPTModel(GPTModel):
 
     def _mask_padded_vocab(self, module, inputs, output):
         logits, bias = output
+        if self.real_vocab_size is None:
+            return output
         start, width = self._vocab_range(logits.shape[-1])
         first_pad = self.real_vocab_size - start
         if first_pad < width:

@@ -46,7 +46,7 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = READS.get(func)
-        if name is None:
+        if name is None or self.counter.inside:
             return func(*args, **(kwargs or {}))
         self.counter.by_name[name] += 1
         self.counter.inside += 1
@@ -82,6 +82,20 @@ class HostSyncCounter:
         self.by_name: Counter = Counter()
         self.inside = 0
         self._modes = []
+
+    def paused(self):
+        """A context in which nothing is counted (host-side work inside a counted region)."""
+        counter = self
+
+        class _Paused:
+            def __enter__(self):
+                counter.inside += 1
+
+            def __exit__(self, *exc):
+                counter.inside -= 1
+                return False
+
+        return _Paused()
 
     @property
     def total(self) -> int:

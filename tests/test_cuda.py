@@ -1,0 +1,96 @@
+"""Exactness on a GPU (skipped without CUDA): the checks of the CPU suite, on the device the product runs on.
+
+The rest of the suite runs the CPU path even where a GPU is present (tests/conftest.py). Here each check
+runs in a fresh spawned process that sees the GPU: fp32 with TF32 off for the exactness of packing (the
+local backend and the fused loss against megatron-core's unfused one), bf16 for the flash backend, whose
+packed logits must equal transformers' per sample run alone.
+"""
+import pytest
+import torch
+
+from tests.dist_harness import run_distributed
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+ON_GPU = {"MINDSPEED_PACK_FORCE_CPU": "0"}
+
+
+def _exact_fp32():
+    import torch
+
+    from tests import test_packed_exactness as t
+    from tests.model_utils import init_single_process, tiny_args
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    init_single_process()
+    torch.manual_seed(0)
+    model = t.build_gpt_model(tiny_args(seq_length=t.S)).cuda()
+    assert model.attention_backend == "local"  # fp32: flash runs half precision only
+    out = {}
+    for lengths in ([10, 25, 7, 30], [1, 2, 90]):
+        samples = [(i.cuda(), l.cuda()) for i, l in t._samples(lengths)]
+        model.zero_grad()
+        loss, n = t._loss_sum(model, *(x.cuda() for x in t._pack(samples)))
+        (loss / n).backward()
+        packed = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        total, count = 0.0, 0
+        for ids, labels in samples:
+            l, c = t._loss_sum(model, ids[None], labels[None], torch.ones_like(ids)[None])
+            total, count = total + l, count + c
+        (total / count).backward()
+        alone = [p.grad.clone() for p in model.parameters()]
+        out[str(lengths)] = (float(abs(loss / n - total / count) / (total / count)),
+                             max(t._rel(a, b) for a, b in zip(packed, alone)))
+    return out
+
+
+def test_packed_equals_unpacked_on_cuda_fp32():
+    results = run_distributed(_exact_fp32, 1, env=ON_GPU, start_method="spawn", timeout=600)[0]
+    for lengths, (loss_rel, grad_rel) in results.items():
+        assert loss_rel <= 1e-5 and grad_rel <= 1e-5, (lengths, loss_rel, grad_rel)
+
+
+def _flash_logits(root):
+    import torch
+    import transformers
+
+    from mindspeed_pack.convert import hf_to_megatron
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from mindspeed_pack.packing.segments import build_packed_batch
+    from mindspeed_pack.training.checkpointing import load_weights
+    from mindspeed_pack.training.trainer import packed_seq_params
+    from tests.model_utils import init_single_process, spread_weights, tiny_args
+
+    init_single_process()
+    config = transformers.Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=256)
+    torch.manual_seed(0)
+    hf = spread_weights(transformers.Qwen2ForCausalLM(config))
+    hf.save_pretrained(f"{root}/hf")
+    hf_to_megatron(f"{root}/hf", f"{root}/mg", 1, 1, padded_vocab_size=256)
+    hf = hf.to("cuda", torch.bfloat16).eval()
+    args = tiny_args(hidden_size=128, ffn_hidden_size=256, seq_length=256, bf16=True, attention_backend="flash",
+                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    model = build_gpt_model(args)
+    load_weights(args, f"{root}/mg", model)
+    model = model.to("cuda", torch.bfloat16).eval()
+    lengths = (37, 5, 90, 61)
+    g = torch.Generator().manual_seed(1)
+    samples = [torch.randint(3, 256, (n,), generator=g) for n in lengths]
+    ids = torch.cat(samples + [torch.zeros(256 - sum(lengths), dtype=torch.long)])
+    seg = torch.cat([torch.full((n,), k + 1) for k, n in enumerate(lengths)] + [torch.zeros(256 - sum(lengths))])
+    batch = build_packed_batch(ids[None], ids[None], seg.long()[None]).to("cuda")
+    with torch.no_grad():
+        packed = model(batch.tokens, batch.position_ids, None, packed_seq_params=packed_seq_params(batch))[0]
+        ref = torch.cat([hf(s[None].cuda()).logits[0] for s in samples])
+    real = packed[:sum(lengths)].float()
+    return model.attention_backend, float((real - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def test_flash_backend_logits_equal_transformers_per_sample(tmp_path):
+    backend, rel = run_distributed(_flash_logits, 1, str(tmp_path), env=ON_GPU, start_method="spawn",
+                                   timeout=600)[0]
+    assert backend == "flash"
+    assert rel <= 2e-2, rel  # bf16 on both sides, different kernels

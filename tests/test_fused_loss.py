@@ -1,0 +1,135 @@
+"""The fused output-layer loss equals megatron-core's unfused loss, and padded vocabulary rows take no probability.
+
+* The chunked loss (:mod:`mindspeed_pack.model.vocab_cross_entropy`) gives megatron-core's per-token
+  losses and every gradient (fp32, rel <= 1e-6) at any chunk size, without full logits.
+* A Hugging Face model whose vocabulary (250) is padded to 256 rows gives transformers' per-token
+  losses and log-probs: the 6 padded rows are out of the softmax (issue 32, items 3 and 9), at TP1 and
+  in the vocab-parallel loss at TP2; without the mask the loss is off by about log(256/250) per token.
+"""
+import os
+
+import pytest
+import torch
+import transformers
+
+from mindspeed_pack.convert import hf_to_megatron
+from mindspeed_pack.model.gpt import build_gpt_model
+from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch
+from mindspeed_pack.training.trainer import packed_seq_params
+from tests.dist_harness import run_distributed
+from tests.model_utils import init_single_process, load_release_checkpoint, spread_weights, tiny_args
+
+S = 96
+LENGTHS = (23, 9, 31, 17)  # + 16 pads, a fifth segment
+HF_VOCAB, PADDED = 250, 256
+
+
+def _pack(vocab=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(S, dtype=torch.long)
+    labels = torch.full((S,), IGNORE_INDEX)
+    seg = torch.zeros(S, dtype=torch.long)
+    pos, samples = 0, []
+    for k, n in enumerate(LENGTHS, start=1):
+        x = torch.randint(3, vocab, (n,), generator=g)
+        ids[pos:pos + n], labels[pos + 1:pos + n], seg[pos:pos + n] = x, x[1:], k
+        samples.append(x)
+        pos += n
+    return build_packed_batch(ids[None], labels[None], seg[None]), samples
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+@pytest.fixture(scope="module")
+def model():
+    init_single_process()
+    torch.manual_seed(0)
+    return build_gpt_model(tiny_args(seq_length=S))
+
+
+def _losses_and_grads(model, batch, chunk):
+    model.loss_chunk = chunk
+    model.zero_grad()
+    out = model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=packed_seq_params(batch))
+    ((out * batch.loss_mask).sum() / batch.loss_mask.sum()).backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk", [1, 7, None])
+def test_chunked_loss_and_gradients_equal_megatron_unfused(model, chunk):
+    batch, _ = _pack()
+    ref_loss, ref_grads = _losses_and_grads(model, batch, 0)  # megatron-core's output layer + cross-entropy
+    loss, grads = _losses_and_grads(model, batch, chunk)
+    assert loss.shape == ref_loss.shape == (1, S)
+    assert _rel(loss, ref_loss) <= 1e-6
+    assert grads.keys() == ref_grads.keys()
+    worst = max(_rel(grads[n], ref_grads[n]) for n in grads)
+    assert worst <= 1e-6, worst
+
+
+@pytest.fixture(scope="module")
+def padded_vocab(tmp_path_factory):
+    """A transformers Qwen2 with a 250-row vocabulary, converted to Megatron at 256 rows, TP1 and TP2."""
+    root = tmp_path_factory.mktemp("padded_vocab")
+    config = transformers.Qwen2Config(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=128)
+    torch.manual_seed(1)
+    hf = spread_weights(transformers.Qwen2ForCausalLM(config)).eval()
+    hf.save_pretrained(root / "hf")
+    for tp in (1, 2):
+        hf_to_megatron(str(root / "hf"), str(root / f"tp{tp}"), tp, 1, padded_vocab_size=PADDED)
+    batch, samples = _pack(HF_VOCAB, seed=3)
+    with torch.no_grad():
+        logp = [torch.log_softmax(hf(x[None]).logits[0].double(), -1) for x in samples]
+    ref = torch.cat([-lp[:-1].gather(1, x[1:, None])[:, 0] for lp, x in zip(logp, samples)])  # per trained token
+    return {"root": root, "batch": batch, "ref_loss": ref, "ref_logp": torch.cat(logp)}
+
+
+def _trained(values, batch):
+    return values.reshape(-1)[batch.loss_mask.reshape(-1) > 0]
+
+
+def test_padded_vocabulary_rows_take_no_probability(padded_vocab):
+    init_single_process()
+    model, args = load_release_checkpoint(str(padded_vocab["root"] / "tp1"))
+    assert (args.vocab_size, args.padded_vocab_size, model.real_vocab_size) == (HF_VOCAB, PADDED, HF_VOCAB)
+    batch, ref = padded_vocab["batch"], padded_vocab["ref_loss"]
+    with torch.no_grad():
+        params = packed_seq_params(batch)
+        fused = model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=params)
+        logits = model(batch.tokens, batch.position_ids, None, packed_seq_params=packed_seq_params(batch))[0]
+        model.real_vocab_size = None  # negative control: the padded rows in the softmax
+        model.loss_chunk = 0
+        leaky = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+                      packed_seq_params=packed_seq_params(batch))
+    assert _rel(_trained(fused, batch).double(), ref) <= 1e-5
+    # the logits a stage scores or takes entropies from: padded rows at the lowest value, no probability
+    logp = torch.log_softmax(logits.double(), -1)
+    assert torch.all(logp[:, HF_VOCAB:].exp() == 0)
+    real = sum(LENGTHS)
+    assert _rel(logp[:real, :HF_VOCAB], padded_vocab["ref_logp"]) <= 1e-5
+    shift = float((_trained(leaky, batch).double() - ref).mean())
+    assert shift > 1e-3, shift  # about log(256/250) = 0.024 per token, less where the padded rows score low
+
+
+def _tp2_losses(root, batch):
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.training.initialize import initialize_distributed
+
+    initialize_distributed(2, 1)
+    model, _ = load_release_checkpoint(str(root / "tp2"))
+    assert model.output_layer.weight.shape[0] == PADDED // 2  # rank 1 holds rows 128..255, 250..255 padding
+    with torch.no_grad():
+        loss = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+                     packed_seq_params=packed_seq_params(batch))
+    return loss if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def test_vocab_parallel_loss_masks_padded_rows_at_tp2(padded_vocab):
+    loss = run_distributed(_tp2_losses, 2, padded_vocab["root"], padded_vocab["batch"], timeout=300)[0]
+    batch = padded_vocab["batch"]
+    assert _rel(_trained(loss, batch).double(), padded_vocab["ref_loss"]) <= 1e-5
