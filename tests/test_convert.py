@@ -189,26 +189,11 @@ def test_resharded_checkpoint_gives_same_logits(work, megatron_outputs, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("job", ["qwen2_packed_tp2", "qwen2_packed_pp2"])
 def test_packed_loss_equals_transformers_per_sample(work, megatron_outputs, job):
+    # the PP2 checkpoint pads the vocabulary 300 -> 384 rows: they are out of the softmax (issue 32, item 3),
+    # so both layouts give transformers' own per-sample losses
     got, ref = megatron_outputs[job], work["ref"]["qwen2_samples"]
-    if job == "qwen2_packed_pp2":
-        # vocab padded 300 -> 384 with zero rows: their logits are 0 and join the softmax,
-        # so the model's loss is that of a 384-way softmax (see _padded_softmax_reference)
-        ref = _padded_softmax_reference(work, 384)
     rel = ((got - ref).abs() / ref.abs()).max().item()
     assert rel <= 1e-5, (got, ref)
-
-
-def _padded_softmax_reference(work, padded: int) -> torch.Tensor:
-    """HF per-sample losses as if the vocabulary had ``padded - VOCAB`` extra zero logits."""
-    model = work["model"]["qwen2"]
-    samples, _, _, _ = _pack()
-    losses = []
-    with torch.no_grad():
-        for s in samples:
-            logits = model(s[None]).logits[0, :-1]
-            logits = torch.cat([logits, logits.new_zeros(logits.shape[0], padded - VOCAB)], -1)
-            losses.append(torch.nn.functional.cross_entropy(logits, s[1:]))
-    return torch.stack(losses)
 
 
 @pytest.mark.parametrize("tp,pp", LAYOUTS)
