@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mindspeed_pack.model import compiled
 from mindspeed_pack.model.moe import moe_config_kwargs
 from mindspeed_pack.model.packed_gpt import PackedGPTModel
 from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
@@ -114,6 +115,7 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> PackedGPTModel:
     backend = resolve_backend(getattr(args, "attention_backend", "auto"), params_dtype(args),
                               getattr(args, "attention_dropout", 0.0))
+    compiled.set_enabled(getattr(args, "torch_compile_kernels", "auto") != "off")
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)
     model = PackedGPTModel(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from mindspeed_pack.model.compiled import fused
 from mindspeed_pack.model.thd import ThdParams, cached
 
 ROPE_TABLE = "_rope_table"  # where PackedGPTModel leaves the micro-batch's rotary table in its ThdParams
@@ -26,6 +27,7 @@ def rope_cos_sin(params: ThdParams, dtype: torch.dtype):
     return store["cos"], store["sin"]
 
 
+@fused
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     rot = cos.shape[-1]
     x, rest = x[..., :rot], x[..., rot:]

@@ -19,12 +19,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# fp32 logits of one chunk stay below this many elements (256 MiB)
-CHUNK_ELEMENTS = 1 << 26
+from mindspeed_pack.model.compiled import fused
+
+# fp32 logits of one chunk stay below this many elements (512 MiB)
+CHUNK_ELEMENTS = 1 << 27
 
 
 def chunk_tokens(vocab_local: int, requested: Optional[int] = None) -> int:
-    """Tokens per chunk: ``requested``, else as many as keep one chunk's fp32 logits under 256 MiB."""
+    """Tokens per chunk: ``requested``, else as many as keep one chunk's fp32 logits under 512 MiB."""
     if requested:
         return int(requested)
     return max(1, CHUNK_ELEMENTS // max(1, vocab_local))
@@ -44,6 +46,23 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, invalid_from: int)
     return logits
 
 
+@fused
+def _shifted_stats(logits: torch.Tensor, top: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor):
+    """(target logit - max, sum of exp(logit - max)) per token: one pass over the chunk's logits."""
+    shifted = logits - top[:, None]
+    picked = shifted.gather(1, local_target[:, None])[:, 0]
+    return torch.where(owned, picked, torch.zeros_like(picked)), shifted.exp().sum(dim=-1)
+
+
+@fused
+def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor,
+                 grad_loss: torch.Tensor, dtype_like: torch.Tensor) -> torch.Tensor:
+    """``(softmax - onehot(target)) * grad`` in the weight's dtype: one pass over the chunk's logits."""
+    probs = (logits - lse[:, None]).exp()
+    onehot = torch.zeros_like(probs).scatter_(1, local_target[:, None], owned.to(probs.dtype)[:, None])
+    return ((probs - onehot) * grad_loss[:, None]).to(dtype_like.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, vocab_start, invalid_from, chunk, group):
@@ -58,11 +77,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(t, start + chunk)
             logits = _chunk_logits(hidden[start:end], weight, invalid_from)
             top = _reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            logits -= top[:, None]
-            picked = logits.gather(1, local_target[start:end, None])[:, 0]
-            picked = _reduce(torch.where(owned[start:end], picked, torch.zeros_like(picked)), dist.ReduceOp.SUM,
-                             group)
-            sum_exp = _reduce(logits.exp_().sum(dim=-1), dist.ReduceOp.SUM, group)
+            picked, sum_exp = _shifted_stats(logits, top, local_target[start:end], owned[start:end])
+            picked = _reduce(picked, dist.ReduceOp.SUM, group)
+            sum_exp = _reduce(sum_exp, dist.ReduceOp.SUM, group)
             log_sum = torch.log(sum_exp)
             loss[start:end] = log_sum - picked
             lse[start:end] = log_sum + top
@@ -80,12 +97,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             end = min(hidden.shape[0], start + chunk)
             h = hidden[start:end]
-            probs = _chunk_logits(h, weight, ctx.invalid_from)
-            probs = probs.sub_(lse[start:end, None]).exp_()  # softmax over the whole (all-shard) vocabulary
-            rows = torch.arange(end - start, device=probs.device)
-            probs[rows, local_target[start:end]] -= owned[start:end].float()
-            probs.mul_(grad_loss[start:end, None])
-            g = probs.to(weight.dtype)
+            # softmax over the whole (all-shard) vocabulary, minus the target's one-hot, times the loss's gradient
+            g = _logits_grad(_chunk_logits(h, weight, ctx.invalid_from), lse[start:end], local_target[start:end],
+                             owned[start:end], grad_loss[start:end], weight)
             grad_hidden[start:end] = torch.matmul(g, weight)
             grad_weight.addmm_(g.t(), h)
         return grad_hidden, grad_weight, None, None, None, None, None

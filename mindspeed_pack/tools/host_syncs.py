@@ -46,7 +46,7 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = READS.get(func)
-        if name is None or self.counter.inside:
+        if name is None or self.counter.inside or not self.counter.counts(args):
             return func(*args, **(kwargs or {}))
         self.counter.by_name[name] += 1
         self.counter.inside += 1
@@ -63,7 +63,7 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.counter.inside:  # a read counted above dispatches its own _local_scalar_dense
+        if not self.counter.inside and self.counter.counts(args):  # a read counted above dispatches its own
             name = _aten_name(func)
             if name in _VALUE_SHAPED:
                 self.counter.by_name[name] += 1
@@ -76,12 +76,21 @@ class _Ops(TorchDispatchMode):
 
 
 class HostSyncCounter:
-    """Context manager counting host-device synchronisation points (:attr:`total`, :attr:`by_name`)."""
+    """Context manager counting host-device synchronisation points (:attr:`total`, :attr:`by_name`).
 
-    def __init__(self):
+    ``device_only``: count only calls on tensors off the CPU (on a GPU: exactly the calls that wait for it;
+    host-side work on CPU tensors is free). By default every call counts, which on a CPU is the proxy."""
+
+    def __init__(self, device_only: bool = False):
         self.by_name: Counter = Counter()
         self.inside = 0
+        self.device_only = device_only
         self._modes = []
+
+    def counts(self, args) -> bool:
+        if not self.device_only:
+            return True
+        return any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
 
     def paused(self):
         """A context in which nothing is counted (host-side work inside a counted region)."""
