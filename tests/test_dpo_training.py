@@ -98,6 +98,21 @@ def test_precomputed_reference_gives_the_same_losses_and_resume_is_exact(setup, 
     assert proc.returncode == 2 and "--ref-load" in proc.stderr
 
 
+def test_a_run_started_from_a_hf_directory_resumes_with_it_as_ref_load(setup, baseline):
+    """--load HF_DIR (the README's path), a checkpoint at step 2, then a resume whose reference is that
+    directory (--ref-load HF_DIR, read slice by slice as --load reads it): steps 3 and 4 are the
+    uninterrupted run's, which are the converted checkpoint's."""
+    from mindspeed_pack.checkpoint_layout import write_tracker
+
+    hf, ckpt = str(setup["root"] / "qwen" / "hf"), str(setup["root"] / "ckpt_from_hf")
+    _, full = _run(setup, "from_hf", ["--load", hf, "--save", ckpt, "--save-interval", "2"])
+    _same_steps(baseline, full, rel=1e-6)
+    write_tracker(ckpt, 2)
+    proc, resumed = _run(setup, "from_hf_resumed", ["--load", ckpt, "--ref-load", hf])
+    assert f"reference model loaded from {hf}" in proc.stderr
+    _same_steps(full[2:], resumed, rel=1e-6)
+
+
 def test_reference_from_other_data_or_tokenizer_is_refused(setup, tmp_path):
     from mindspeed_pack.data.packed_dataset import DataError, PackedDocuments
     from mindspeed_pack.training.stages.reference import SUFFIX, ReferenceTable
