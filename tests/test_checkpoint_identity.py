@@ -96,6 +96,19 @@ def test_load_refuses_a_checkpoint_of_another_rope_base_and_norm_epsilon(made):
         "pass the flags the checkpoint was trained with")
 
 
+def test_load_hf_dir_refuses_flags_that_differ_from_its_config(made, capsys):
+    """--load HF_DIR fills the model flags from config.json; given ones are compared by the same function."""
+    from mindspeed_pack.training.arguments import parse_args
+
+    hf = os.path.join(os.path.dirname(made["rope"]), "hf")
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", made["data"], "--load", hf,
+                    "--norm-epsilon", "1e-6", "--rotary-base", "1000000"], world_size=1)
+    config = os.path.join(hf, "config.json")
+    assert (f"--norm-epsilon 1e-06 but {config} gives --norm-epsilon 0.1; --rotary-base 1000000 but {config} gives "
+            "--rotary-base 10000") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("form", ["megatron", "hf"])
 def test_ref_load_refuses_a_reference_of_another_model(made, form):
     """As a DPO reference the same checkpoint silently took the policy's settings."""

@@ -67,8 +67,12 @@ def test_step_one_is_log2_with_zero_margin(baseline):
 
 
 def test_tp2_pp2_matches_tp1(setup, baseline):
-    _, steps = _run(setup, "tp2pp2", ["--load", setup["mg_tp2pp2"], "--finetune", "--tensor-model-parallel-size", "2",
-                                      "--pipeline-model-parallel-size", "2"], nproc=4)
+    """The reference here is the HF directory the checkpoints came from (--ref-load HF_DIR), each rank reading
+    its TP/PP slice: the same reference as the baseline's frozen copy."""
+    hf = str(setup["root"] / "qwen" / "hf")
+    proc, steps = _run(setup, "tp2pp2", ["--load", setup["mg_tp2pp2"], "--finetune", "--tensor-model-parallel-size",
+                                         "2", "--pipeline-model-parallel-size", "2", "--ref-load", hf], nproc=4)
+    assert f"reference model loaded from {hf}" in proc.stderr
     _same_steps(baseline, steps)
 
 
