@@ -60,6 +60,9 @@ def test_every_setting_that_changes_the_function_is_compared():
     recorded = {k: getattr(run, k) for k in FUNCTION_ARGS if hasattr(run, k)}
     recorded.update(kv_channels=16, rotary_base=1000000)  # the head size run's None means; 1e6 as an int
     assert model_differences(recorded, run) == []
+    # Megatron-LM keeps --num-query-groups' default (1) when it has no GQA: it means one group per head
+    assert model_differences({**recorded, "group_query_attention": False, "num_query_groups": 1},
+                             tiny_args(group_query_attention=False, num_query_groups=4)) == []
     changed = {"num_layers": 3, "hidden_size": 32, "ffn_hidden_size": 96, "num_attention_heads": 2,
                "num_query_groups": 1, "kv_channels": 32, "add_qkv_bias": False, "disable_bias_linear": False,
                "swiglu": False, "normalization": "LayerNorm", "norm_epsilon": 0.1, "qk_layernorm": True,

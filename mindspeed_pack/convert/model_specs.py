@@ -181,8 +181,8 @@ def _setting(values, key: str, num_layers=None):
     value = get(key)
     if key == "kv_channels" and value is None and get("hidden_size") and get("num_attention_heads"):
         return get("hidden_size") // get("num_attention_heads")
-    if key == "num_query_groups" and value is None:
-        return get("num_attention_heads")
+    if key == "num_query_groups" and (value is None or get("group_query_attention") is False):
+        return get("num_attention_heads")  # Megatron-LM keeps --num-query-groups' default 1 without GQA
     if key == "moe_ffn_hidden_size" and value is None and get("num_experts"):
         return get("ffn_hidden_size")
     if key == "moe_layer_freq" and value is not None and (get("num_layers") or num_layers):

@@ -6,7 +6,9 @@ leaves the previous checkpoint complete and pointed to (re-saving an existing ``
 parks the old one as ``iter_N.old`` for the two renames; a load falls back to it). A
 checkpoint holds the model (canonical names), optimizer, scheduler, RNG states and
 ``consumed_samples`` (the position in the sample index), so a resumed run continues
-exactly as the uninterrupted one.
+exactly as the uninterrupted one; and the model's arguments and its tokenizer's record, which
+every load (``--load``, ``--ref-load``; a Hugging Face directory too) checks against the flags
+and this run's tokenizer (:mod:`~mindspeed_pack.training.preflight`).
 
 Files hold only tensors, numbers, strings and plain containers (RNG states included), so
 they load back with ``weights_only`` and no allow-list; every read goes through
