@@ -34,10 +34,12 @@ def init_single_process(seed=1234):
     initialize_distributed(1, 1, seed)
 
 
-def write_converted_tiny_qwen2(root, tp=1, seed=0):
-    """A random transformers Qwen2 of the TINY shape, saved, then converted to a Megatron release
-    checkpoint at TP=``tp``; returns the checkpoint directory. Weights (norms and biases too) are
-    drawn far from megatron's initialisation, so a load that does not stick shows."""
+def write_converted_tiny_qwen2(root, tp=1, seed=0, tokenizer=None, **config):
+    """A random transformers Qwen2 of the TINY shape (``config``: other config.json values), saved with the
+    files of the ``tokenizer`` directory if given, then converted to a Megatron release checkpoint at
+    TP=``tp``; returns the checkpoint directory. Weights (norms and biases too) are drawn far from
+    megatron's initialisation, so a load that does not stick shows."""
+    import shutil
     from pathlib import Path
 
     import torch
@@ -46,17 +48,38 @@ def write_converted_tiny_qwen2(root, tp=1, seed=0):
     from mindspeed_pack.convert import hf_to_megatron
 
     root = Path(root)
-    config = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                                      rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=128)
+    config = transformers.Qwen2Config(**{**dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6,
+        max_position_embeddings=128), **config})
     torch.manual_seed(seed)
     model = transformers.Qwen2ForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.save_pretrained(root / "hf")
+    if tokenizer:
+        for f in os.listdir(tokenizer):
+            shutil.copy(os.path.join(tokenizer, f), root / "hf" / f)
     hf_to_megatron(str(root / "hf"), str(root / "mg"), tp, 1, padded_vocab_size=256)
     return str(root / "mg")
+
+
+def save_word_tokenizer(path, words, added=()):
+    """A word-level HF fast tokenizer of ``words`` (ids in order; the first pads, the second ends) plus the
+    special tokens ``added``, saved in ``path``; returns ``path``."""
+    import tokenizers
+    import transformers
+
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
+                                                                  unk_token=words[0]))
+    word_level.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, pad_token=words[0],
+                                                     eos_token=words[1])
+    if added:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(added)})
+    tokenizer.save_pretrained(str(path))
+    return str(path)
 
 
 def load_release_checkpoint(ckpt_dir: str):

@@ -67,8 +67,12 @@ def test_step_one_is_log2_with_zero_margin(baseline):
 
 
 def test_tp2_pp2_matches_tp1(setup, baseline):
-    _, steps = _run(setup, "tp2pp2", ["--load", setup["mg_tp2pp2"], "--finetune", "--tensor-model-parallel-size", "2",
-                                      "--pipeline-model-parallel-size", "2"], nproc=4)
+    """The reference here is the HF directory the checkpoints came from (--ref-load HF_DIR), each rank reading
+    its TP/PP slice: the same reference as the baseline's frozen copy."""
+    hf = str(setup["root"] / "qwen" / "hf")
+    proc, steps = _run(setup, "tp2pp2", ["--load", setup["mg_tp2pp2"], "--finetune", "--tensor-model-parallel-size",
+                                         "2", "--pipeline-model-parallel-size", "2", "--ref-load", hf], nproc=4)
+    assert f"reference model loaded from {hf}" in proc.stderr
     _same_steps(baseline, steps)
 
 
@@ -96,6 +100,21 @@ def test_precomputed_reference_gives_the_same_losses_and_resume_is_exact(setup, 
     # a resume without a reference of the starting weights is refused (the checkpoint moved on)
     proc, _ = run_posttrain([*BASE, "--data-path", setup["data"], "--load", str(setup["root"] / "ckpt")], check=False)
     assert proc.returncode == 2 and "--ref-load" in proc.stderr
+
+
+def test_a_run_started_from_a_hf_directory_resumes_with_it_as_ref_load(setup, baseline):
+    """--load HF_DIR (the README's path), a checkpoint at step 2, then a resume whose reference is that
+    directory (--ref-load HF_DIR, read slice by slice as --load reads it): steps 3 and 4 are the
+    uninterrupted run's, which are the converted checkpoint's."""
+    from mindspeed_pack.checkpoint_layout import write_tracker
+
+    hf, ckpt = str(setup["root"] / "qwen" / "hf"), str(setup["root"] / "ckpt_from_hf")
+    _, full = _run(setup, "from_hf", ["--load", hf, "--save", ckpt, "--save-interval", "2"])
+    _same_steps(baseline, full, rel=1e-6)
+    write_tracker(ckpt, 2)
+    proc, resumed = _run(setup, "from_hf_resumed", ["--load", ckpt, "--ref-load", hf])
+    assert f"reference model loaded from {hf}" in proc.stderr
+    _same_steps(full[2:], resumed, rel=1e-6)
 
 
 def test_reference_from_other_data_or_tokenizer_is_refused(setup, tmp_path):

@@ -16,8 +16,9 @@ Converted Megatron checkpoints are ``release`` checkpoints (iteration 0) in Mega
 layout (:mod:`mindspeed_pack.checkpoint_layout`), each file holding ``model``
 (canonical local-spec names, no ``_extra_state`` entries), ``args`` (the model-shape
 arguments, :data:`~.model_specs.MODEL_ARG_NAMES`), ``iteration``, ``checkpoint_version``
-and ``hf_config`` (the source config.json, for the way back). Padded vocabulary rows are
-zero.
+``hf_config`` (the source config.json, for the way back) and ``tokenizer`` (the vocabulary of
+the source directory's tokenizer, :mod:`.tokenizer_record`, or None without one: training checks
+it at ``--load``/``--ref-load``). Padded vocabulary rows are zero.
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ from mindspeed_pack.convert.sharding import (
     stage_of_layer,
     stage_units,
 )
+from mindspeed_pack.convert.tokenizer_record import describe, read_tokenizer_record
 from mindspeed_pack.convert.weight_map import (
     EMBEDDING,
     FINAL,
@@ -170,6 +172,7 @@ class MegatronCheckpoint:
                 f"{first_path}: args say TP={saved[0]}, PP={saved[1]}, EP={saved[2]}, but the directory holds "
                 f"TP={self.tp}, PP={self.pp}, EP={self.ep} ranks")
         self.hf_config = first.get("hf_config")
+        self.tokenizer = first.get("tokenizer")
 
     def _file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
         key = (tp_rank, pp_rank, ep_rank)
@@ -250,24 +253,26 @@ def vocab_rows(source: MegatronCheckpoint, tokenizer_dir: Optional[str]) -> int:
     return rows
 
 
-def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict]) -> dict:
+def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict], tokenizer: Optional[dict]) -> dict:
     return {
         "model": model,
         "args": args_to_dict(args),
         "iteration": 0,
         "checkpoint_version": layout.CHECKPOINT_VERSION,
         "hf_config": hf_config,
+        "tokenizer": tokenizer,
     }
 
 
-def _write_stage(root: str, rank_dicts: Dict[tuple, Dict[str, torch.Tensor]], args, hf_config, pp_rank: int) -> None:
+def _write_stage(root: str, rank_dicts: Dict[tuple, Dict[str, torch.Tensor]], args, hf_config, tokenizer,
+                 pp_rank: int) -> None:
     pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
     for (tp_rank, ep_rank), model in rank_dicts.items():
         path = layout.checkpoint_file(root, layout.RELEASE, tp_rank, pp_rank, pp, ep_rank, ep)
-        layout.save_file_atomic(_rank_record(model, args, hf_config), path)
+        layout.save_file_atomic(_rank_record(model, args, hf_config, tokenizer), path)
 
 
-def _write_sharded(root: str, args, hf_config, full_unit, desc: str) -> None:
+def _write_sharded(root: str, args, hf_config, tokenizer, full_unit, desc: str) -> None:
     """Shard the units produced by ``full_unit(unit)`` stage by stage (TP, then EP) and write them."""
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     stages = [stage_units(args, p, pp) for p in range(pp)]
@@ -282,7 +287,7 @@ def _write_sharded(root: str, args, hf_config, full_unit, desc: str) -> None:
                         rank_dicts[(tp_rank, ep_rank)].update(expert_shard(shard, args.num_experts, ep_rank, ep))
                 del full
                 bar.update()
-            _write_stage(root, rank_dicts, args, hf_config, pp_rank)
+            _write_stage(root, rank_dicts, args, hf_config, tokenizer, pp_rank)
             del rank_dicts
     layout.write_tracker(root, layout.RELEASE)
 
@@ -319,10 +324,12 @@ def hf_to_megatron(
         def full_unit(unit):
             return {k: v.to(dtype) for k, v in hf_to_mg_unit(unit, reader.get, args, spec).items()}
 
+        tokenizer = read_tokenizer_record(load_dir)
         with staged_output(save_dir) as tmp:
-            _write_sharded(tmp, args, reader.config, full_unit, f"hf->mg TP{tp} PP{pp} EP{ep}")
-    log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d, padded vocab %d)", save_dir, tp, pp, ep,
-             args.padded_vocab_size)
+            _write_sharded(tmp, args, reader.config, tokenizer, full_unit, f"hf->mg TP{tp} PP{pp} EP{ep}")
+    log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d, padded vocab %d); tokenizer %s", save_dir, tp, pp,
+             ep, args.padded_vocab_size, describe(tokenizer) if tokenizer else
+             f"not recorded ({load_dir} holds none): training cannot check that data or a reference use this model's")
 
 
 def megatron_to_hf(
@@ -414,8 +421,9 @@ def megatron_to_megatron(
                 full[name] = full[name][: args.vocab_size]
         return full  # same size: padded rows kept as trained, so resharding is exact
 
+    tokenizer = read_tokenizer_record(tokenizer_dir) if tokenizer_dir else source.tokenizer
     with staged_output(save_dir) as tmp:
-        _write_sharded(tmp, args, source.hf_config, full_unit,
+        _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit,
                        f"mg TP{source.tp} PP{source.pp} EP{source.ep} -> TP{tp} PP{pp} EP{ep}")
     log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d)", save_dir, tp, pp, ep)
 

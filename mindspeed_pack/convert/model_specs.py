@@ -147,11 +147,94 @@ MODEL_ARG_NAMES = (
 # added with the Qwen3/Llama-3.1 families; checkpoints written before them hold the defaults
 OPTIONAL_MODEL_ARGS = {
     "qk_layernorm": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0, "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "sliding_window": None,
+    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "sliding_window": None, "rotary_percent": 1.0,
     # mixture of experts (qwen3_moe); a dense model has num_experts None
     "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
     "moe_layer_freq": 1, "expert_model_parallel_size": 1,
 }
+
+
+# recorded arguments that change the function the weights compute, not only their shapes: a checkpoint
+# used under flags that differ in one of them trains or scores another model (model_differences)
+FUNCTION_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "add_qkv_bias", "disable_bias_linear", "swiglu", "normalization", "norm_epsilon", "qk_layernorm",
+    "untie_embeddings_and_output_weights", "padded_vocab_size", "position_embedding_type", "rotary_base",
+    "rotary_percent", "use_rope_scaling", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
+    "original_max_position_embeddings", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+    "moe_router_pre_softmax",
+)
+# arguments the model reads only when another one is on (in the recorded model): argument -> (that one, value)
+_READ_ONLY_WITH = {
+    **{k: ("position_embedding_type", "rope") for k in ("rotary_base", "rotary_percent", "use_rope_scaling")},
+    **{k: ("use_rope_scaling", True) for k in ("rope_scaling_factor", "low_freq_factor", "high_freq_factor",
+                                               "original_max_position_embeddings")},
+    **{k: ("num_experts", "any") for k in ("moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                                           "moe_router_pre_softmax")},
+}
+
+
+def _setting(values, key: str, num_layers=None):
+    """The value ``key`` takes in the model built from ``values`` (a dict or a namespace; None: not recorded),
+    with the defaults the builder fills in (head size, query groups, expert width, MoE layer pattern)."""
+    get = values.get if isinstance(values, dict) else lambda k: getattr(values, k, None)
+    value = get(key)
+    if key == "kv_channels" and value is None and get("hidden_size") and get("num_attention_heads"):
+        return get("hidden_size") // get("num_attention_heads")
+    if key == "num_query_groups" and (value is None or get("group_query_attention") is False):
+        return get("num_attention_heads")  # Megatron-LM keeps --num-query-groups' default 1 without GQA
+    if key == "moe_ffn_hidden_size" and value is None and get("num_experts"):
+        return get("ffn_hidden_size")
+    if key == "moe_layer_freq" and value is not None and (get("num_layers") or num_layers):
+        return moe_layer_pattern(argparse.Namespace(moe_layer_freq=value, num_layers=get("num_layers") or num_layers))
+    return value
+
+
+def same_setting(a, b) -> bool:
+    """Equal as the model reads them: booleans as booleans, numbers by value (1e6 == 1000000)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return bool(a) == bool(b)
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return float(a) == float(b)
+    return a == b
+
+
+def model_differences(recorded: dict, args, keys=FUNCTION_ARGS) -> list:
+    """``[(argument, recorded value, value in args)]`` for each of ``keys`` where the model ``recorded``
+    describes (a checkpoint's ``args``, a converted config.json) differs from the one ``args`` builds.
+
+    A key the record lacks is not compared (checkpoints of other tools record other things; the tensor
+    shapes are checked apart); nor is one the recorded model does not read (RoPE scaling factors without
+    RoPE scaling, expert settings of a dense model)."""
+    out = []
+    for key in keys:
+        if key not in recorded:
+            continue
+        gate = _READ_ONLY_WITH.get(key)
+        if gate:
+            on = _setting(recorded, gate[0])
+            if (not on) if gate[1] == "any" else (on is not None and not same_setting(on, gate[1])):
+                continue
+        layers = recorded.get("num_layers")
+        theirs, mine = _setting(recorded, key), _setting(args, key, layers)
+        if key != "num_experts" and (theirs is None or mine is None):
+            continue
+        if not same_setting(theirs, mine):
+            out.append((key, theirs, mine))
+    return out
+
+
+def flag_of(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def show_setting(value) -> str:
+    """A flag's value as the user types it: booleans as set / not set."""
+    if isinstance(value, bool) or value is None:
+        return "set" if value else "not set"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+        return str(int(value))  # --rotary-base 1000000, not 1000000.0
+    return str(value)
 
 
 def get_spec(model_type_hf: str) -> ModelSpec:

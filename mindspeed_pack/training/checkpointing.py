@@ -6,7 +6,9 @@ leaves the previous checkpoint complete and pointed to (re-saving an existing ``
 parks the old one as ``iter_N.old`` for the two renames; a load falls back to it). A
 checkpoint holds the model (canonical names), optimizer, scheduler, RNG states and
 ``consumed_samples`` (the position in the sample index), so a resumed run continues
-exactly as the uninterrupted one.
+exactly as the uninterrupted one; and the model's arguments and its tokenizer's record, which
+every load (``--load``, ``--ref-load``; a Hugging Face directory too) checks against the flags
+and this run's tokenizer (:mod:`~mindspeed_pack.training.preflight`).
 
 Files hold only tensors, numbers, strings and plain containers (RNG states included), so
 they load back with ``weights_only`` and no allow-list; every read goes through
@@ -35,18 +37,13 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack import faults
 from mindspeed_pack.convert.model_specs import training_model_args
+from mindspeed_pack.convert.tokenizer_record import read_tokenizer_record
 from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training import hf_checkpoint, preflight
 from mindspeed_pack.training.checkpoint_ranks import is_shard_writer, rank_dir_name_here, tp_pp_ranks
 from mindspeed_pack.training.errors import CheckpointError, all_ranks_ok
-from mindspeed_pack.training.hf_checkpoint import read_rank_units
 
 log = logging.getLogger(__name__)
-
-# model-shape arguments that must match between a checkpoint and the flags
-SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "padded_vocab_size", "add_qkv_bias", "swiglu", "untie_embeddings_and_output_weights", "kv_channels",
-              "qk_layernorm", "use_rope_scaling", "rope_scaling_factor", "low_freq_factor", "high_freq_factor",
-              "original_max_position_embeddings")
 
 
 def _rng_state() -> dict:
@@ -142,6 +139,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         "consumed_samples": consumed_samples,
         "checkpoint_version": layout.CHECKPOINT_VERSION,
         "args": training_model_args(args),
+        "tokenizer": hf_checkpoint.run_tokenizer_record(args),
         "model": layout.model_state_for_save(model[0]),
     }
     if not args.no_save_optim:
@@ -189,14 +187,14 @@ def _publish(root: str, iteration: int, final_dir: str, tmp_dir: str) -> None:
     layout.remove_tree(old)
 
 
-def _iteration_dir_for_load(root: str, iteration) -> str:
+def _iteration_dir_for_load(root: str, iteration, flag: str = "--load") -> str:
     """``iter_N``, or ``iter_N.old`` when a crash hit between the two renames of a re-save."""
     it_dir = layout.iteration_dir(root, iteration)
     if not os.path.isdir(it_dir) and os.path.isdir(it_dir + ".old"):
         log.warning("%s is missing but %s.old is complete (a re-save was interrupted): loading it", it_dir, it_dir)
         return it_dir + ".old"
     if not os.path.isdir(it_dir):
-        raise CheckpointError(f"--load {root}: {layout.TRACKER} names iteration {iteration} but {it_dir} "
+        raise CheckpointError(f"{flag} {root}: {layout.TRACKER} names iteration {iteration} but {it_dir} "
                               "does not exist")
     return it_dir
 
@@ -248,25 +246,21 @@ def _read_rank_file(args, root: str, it_dir: str, saved_ep: int) -> tuple:
     return " + ".join(paths), record
 
 
-def _check_shapes(path: str, module, state: dict, saved_args: dict, args) -> None:
+def _check_shapes(path: str, module, state: dict) -> None:
+    """Every tensor of ``state`` has the name and shape of the model built from the flags (what the recorded
+    arguments cannot tell: checkpoints of other tools record other things)."""
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
                 and not k.endswith("_extra_state")}
-    differing = [k for k in SHAPE_ARGS if saved_args.get(k) is not None and getattr(args, k, None) is not None
-                 and saved_args[k] != getattr(args, k)]
-    flags = ", ".join(f"{k}: checkpoint {saved_args[k]}, flags {getattr(args, k)}" for k in differing)
     for name, tensor in state.items():
         if name in expected and tuple(tensor.shape) != tuple(expected[name]):
             raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but "
-                                  f"{tuple(expected[name])} in the model built from the flags"
-                                  + (f" ({flags})" if flags else "")
-                                  + ": pass the model-shape flags the checkpoint was trained with")
+                                  f"{tuple(expected[name])} in the model built from the flags: pass the model-shape "
+                                  "flags the checkpoint was trained with")
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"{path}: parameter names differ from the model built from the flags: missing "
-                              f"{missing[:5]}, unexpected {unexpected[:5]}" + (f" ({flags})" if flags else ""))
-    if differing:
-        raise CheckpointError(f"{path}: model flags differ from the checkpoint's ({flags})")
+                              f"{missing[:5]}, unexpected {unexpected[:5]}")
 
 
 def _saved_iterations(root: str) -> list:
@@ -310,63 +304,100 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
             state["step"] = step.clone()
 
 
-def _load_hf_weights(args, model, optimizer):
-    """A Hugging Face model directory: each rank reads its own slice, and training starts at iteration 0."""
-    module = model[0].module
+def recorded_args(state: dict) -> dict:
+    """The model arguments a checkpoint file records (Megatron-LM's files hold a Namespace)."""
+    saved = state.get("args") or {}
+    return saved if isinstance(saved, dict) else vars(saved)
+
+
+def _check_tokenizer(args, record, source: str, policy: bool) -> None:
+    """The checkpoint's tokenizer against this run's; a run that knows none takes the policy checkpoint's."""
+    run_record = hf_checkpoint.run_tokenizer_record(args)
+    preflight.check_tokenizer(record, run_record, source)
+    if policy and run_record is None:
+        args.tokenizer_record = record  # the model's tokenizer: what this run's checkpoints record in turn
+
+
+def load_hf_weights(args, path: str, module, flag: str = "--load") -> None:
+    """The weights of Hugging Face directory ``path`` into ``module``, each rank reading only its own slice,
+    one unit at a time (:func:`~mindspeed_pack.training.hf_checkpoint.read_rank_units`), after the model and
+    tokenizer checks of every load."""
+    source = f"{flag} {path}"
+    model_args = hf_checkpoint.hf_model_args(args, path, flag)
+    preflight.check_model_settings(vars(model_args), args, source, os.path.join(path, "config.json"))
+    _check_tokenizer(args, read_tokenizer_record(path), source, policy=flag == "--load")
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     loaded = {}  # name -> a shape-only stand-in, for the final check
-    for unit in read_rank_units(args):  # one unit in memory at a time
+    for unit in hf_checkpoint.read_rank_units(args, path, flag):  # one unit in memory at a time
         weights = layout.to_backend_names(unit, module.attention_backend, expected)
         loaded.update({k: torch.empty(v.shape, device="meta") for k, v in weights.items()})
         if any(k in expected and tuple(v.shape) != tuple(expected[k]) for k, v in weights.items()):
             break  # named by the check below
         module.load_state_dict(weights, strict=False)
-    _check_shapes(args.load, module, loaded, {}, args)
+    _check_shapes(path, module, loaded)
+
+
+def _load_hf_weights(args, model, optimizer):
+    """``--load HF_DIR``: training starts at iteration 0."""
+    load_hf_weights(args, args.load, model[0].module)
     refresh_master_weights(optimizer)
     args.loaded_model_type_hf = args.model_type_hf
     log.info("loaded Hugging Face weights from %s: iteration 0", args.load)
     return 0, 0
 
 
-def load_weights(args, root: str, module) -> tuple:
-    """The model weights of checkpoint ``root`` (its tracked iteration) into ``module``, checked
-    against this run's TP/PP layout and shapes; returns (iteration, its directory, rank file, state)."""
+def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
+    """The model weights of Megatron checkpoint ``root`` (its tracked iteration) into ``module``, checked
+    against this run's TP/PP layout, model flags and tokenizer; returns (iteration, its directory, rank
+    file, state). ``flag`` (``--load``, ``--ref-load``) names the checkpoint in errors."""
+    source = f"{flag} {root}"
     if not os.path.isdir(root):
-        raise CheckpointError(f"--load {root}: no such directory")
+        raise CheckpointError(f"{source}: no such directory")
     try:
         iteration = layout.read_tracker(root)
     except ValueError as e:
-        raise CheckpointError(f"--load {root}: {e}") from None
+        raise CheckpointError(f"{source}: {e}") from None
     if iteration is None:
         found = _saved_iterations(root)
         hint = (f"; it holds {', '.join(found[-3:])}: write the iteration to load into {layout.TRACKER}"
-                if found else "")
-        raise CheckpointError(f"--load {root}: no checkpoint found ({layout.TRACKER} is missing){hint}")
-    it_dir = _iteration_dir_for_load(root, iteration)
+                if found else "; nor is it a Hugging Face model (config.json and *.safetensors)")
+        raise CheckpointError(f"{source}: no checkpoint found ({layout.TRACKER} is missing){hint}")
+    it_dir = _iteration_dir_for_load(root, iteration, flag)
     saved_tp, saved_pp, saved_ep = _saved_parallel_sizes(args, it_dir)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     ep = getattr(args, "expert_model_parallel_size", 1)
     if (saved_tp, saved_pp) != (tp, pp):
         raise CheckpointError(
-            f"--load {root}: checkpoint saved at TP={saved_tp}, PP={saved_pp} but this run uses TP={tp}, PP={pp}; "
+            f"{source}: checkpoint saved at TP={saved_tp}, PP={saved_pp} but this run uses TP={tp}, PP={pp}; "
             f"reshard it first: python convert_ckpt.py --load-model-type mg --save-model-type mg --load-dir {root} "
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
             + (f" --target-expert-parallel-size {ep}" if getattr(args, "num_experts", None) else ""))
     if saved_ep != ep and not getattr(args, "num_experts", None):
-        raise CheckpointError(f"--load {root}: checkpoint saved with expert parallelism (EP={saved_ep}) but this run "
+        raise CheckpointError(f"{source}: checkpoint saved with expert parallelism (EP={saved_ep}) but this run "
                               "has no --num-experts: pass the model flags it was trained with")
     path, state = _read_rank_file(args, root, it_dir, saved_ep)
-    saved_args = state.get("args") or {}
-    args.loaded_model_type_hf = saved_args.get("model_type_hf")
-    args.loaded_sliding_window = saved_args.get("sliding_window")
-    if args.loaded_sliding_window is not None and args.seq_length > args.loaded_sliding_window:
-        raise CheckpointError(f"{path}: the model's sliding_window={args.loaded_sliding_window} (config.json) is "
-                              f"below --seq-length {args.seq_length}: the model attends to the whole sample, so "
-                              f"train with --seq-length <= {args.loaded_sliding_window}")
+    saved_args = recorded_args(state)
+    window = saved_args.get("sliding_window")
+    if window is not None and args.seq_length > window:
+        raise CheckpointError(f"{path}: the model's sliding_window={window} (config.json) is below --seq-length "
+                              f"{args.seq_length}: the model attends to the whole sample, so train with "
+                              f"--seq-length <= {window}")
+    preflight.check_model_settings(saved_args, args, source, path)
+    _check_tokenizer(args, state.get("tokenizer"), source, policy=flag == "--load")
     weights = layout.to_backend_names(state["model"], module.attention_backend, module.state_dict().keys())
-    _check_shapes(path, module, weights, saved_args, args)
+    _check_shapes(path, module, weights)
     module.load_state_dict(weights, strict=False)
     return iteration, it_dir, path, state
+
+
+def load_model_weights(args, path: str, module, flag: str) -> None:
+    """A frozen model's weights (``--ref-load``): a Megatron checkpoint or a Hugging Face directory, through
+    the loaders and checks of ``--load``."""
+    if hf_checkpoint.looks_like_hf(path):
+        hf_checkpoint.check_hf_dir(path, flag, error=CheckpointError)
+        load_hf_weights(args, path, module, flag)
+    else:
+        load_weights(args, path, module, flag)
 
 
 def load_checkpoint(args, model, optimizer, scheduler):
@@ -390,6 +421,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
                     if uncommitted else "")
         return 0, 0
     iteration, it_dir, path, state = load_weights(args, root, model[0].module)
+    args.loaded_model_type_hf = recorded_args(state).get("model_type_hf")
+    args.loaded_sliding_window = recorded_args(state).get("sliding_window")
     release = iteration == layout.RELEASE
     if args.finetune or release or args.no_load_optim:
         refresh_master_weights(optimizer)

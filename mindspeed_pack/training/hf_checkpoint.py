@@ -30,8 +30,10 @@ from typing import Callable, Dict, Iterator, Optional
 import torch
 
 from mindspeed_pack.convert import hf_io
-from mindspeed_pack.convert.model_specs import ConversionError, args_from_hf_config, get_spec, training_model_args
+from mindspeed_pack.convert.model_specs import (ConversionError, args_from_hf_config, flag_of, get_spec, model_differences,
+                                                same_setting, show_setting, training_model_args)
 from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, shard_state_dict, stage_units
+from mindspeed_pack.convert.tokenizer_record import has_tokenizer, read_tokenizer_record
 from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit, hf_unit_shapes, is_ignorable_hf_tensor
 from mindspeed_pack.training.checkpoint_ranks import is_shard_writer, rank_dir_name_here
 from mindspeed_pack.training.errors import ArgumentError, CheckpointError, all_ranks_ok
@@ -50,7 +52,7 @@ def _has_safetensors(path: str) -> bool:
     return any(name.endswith(".safetensors") for name in os.listdir(path))
 
 
-def _looks_like_hf(path: str) -> bool:
+def looks_like_hf(path: str) -> bool:
     """A directory holding HF files (config.json or safetensors) and no Megatron tracker."""
     from mindspeed_pack import checkpoint_layout as layout
 
@@ -59,18 +61,19 @@ def _looks_like_hf(path: str) -> bool:
     return os.path.isfile(os.path.join(path, hf_io.CONFIG)) or _has_safetensors(path)
 
 
-def _check_hf_dir(path: str) -> None:
+def check_hf_dir(path: str, flag: str = "--load", error=ArgumentError) -> None:
+    """``path`` holds what direct loading reads (config.json, safetensors); ``flag`` names it in the error."""
     if not os.path.isdir(path):
-        raise ArgumentError(f"--load {path}: no such directory")
+        raise error(f"{flag} {path}: no such directory")
     if not os.path.isfile(os.path.join(path, hf_io.CONFIG)):
-        raise ArgumentError(f"--load {path}: no config.json; a Hugging Face model directory needs config.json "
-                            "next to its *.safetensors weights")
+        raise error(f"{flag} {path}: no config.json; a Hugging Face model directory needs config.json "
+                    "next to its *.safetensors weights")
     if not _has_safetensors(path):
         found = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth")))
         hint = f" (found {found[:3]}: re-save with save_pretrained(..., safe_serialization=True), or convert " \
                "it offline with convert_ckpt.py)" if found else ""
-        raise ArgumentError(f"--load {path}: no *.safetensors weights; direct loading reads each rank's slice "
-                            f"from safetensors{hint}")
+        raise error(f"{flag} {path}: no *.safetensors weights; direct loading reads each rank's slice "
+                    f"from safetensors{hint}")
 
 
 def loads_hf(args) -> bool:
@@ -91,14 +94,6 @@ def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set:
     return set(vars(given))
 
 
-def _same(flag_value, model_value) -> bool:
-    if isinstance(model_value, bool) or isinstance(flag_value, bool):
-        return bool(flag_value) == bool(model_value)
-    if isinstance(model_value, (int, float)) and isinstance(flag_value, (int, float)):
-        return float(flag_value) == float(model_value)
-    return flag_value == model_value
-
-
 def fill_model_args(args, explicit: set) -> argparse.Namespace:
     """Set the model-shape arguments of ``args`` from ``args.load``'s config.json.
 
@@ -117,14 +112,11 @@ def fill_model_args(args, explicit: set) -> argparse.Namespace:
             ep=args.expert_model_parallel_size)
     except ConversionError as e:
         raise ArgumentError(f"--load {args.load}: {e}") from None
-    disagree = []
+    given = [k for k in vars(model) if k in explicit and k not in _RUN_LAYOUT_ARGS]
+    disagree = [f"{flag_of(key)} {show_setting(mine)} but {config_path} gives {flag_of(key)} {show_setting(theirs)}"
+                for key, theirs, mine in model_differences(vars(model), args, given)]
     for key, value in vars(model).items():
-        if key in _RUN_LAYOUT_ARGS:
-            continue
-        if key in explicit and not _same(getattr(args, key), value):
-            flag = "--" + key.replace("_", "-")
-            disagree.append(f"{flag} {getattr(args, key)} but {config_path} gives {flag} {value}")
-        else:
+        if key not in _RUN_LAYOUT_ARGS:
             setattr(args, key, value)
     if disagree:
         raise ArgumentError("model flags disagree with the Hugging Face config (drop them, or pass the config's "
@@ -155,8 +147,8 @@ def apply_hf_flags(args, parser: argparse.ArgumentParser, argv) -> None:
     Runs before the flags are validated (``--num-layers`` and friends may come from config.json).
     """
     fmt = getattr(args, "load_format", "auto")
-    if args.load and (fmt == "hf" or (fmt == "auto" and _looks_like_hf(args.load))):
-        _check_hf_dir(args.load)
+    if args.load and (fmt == "hf" or (fmt == "auto" and looks_like_hf(args.load))):
+        check_hf_dir(args.load)
         if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
             raise ArgumentError(f"--save {args.save} is the Hugging Face --load directory: checkpoints would be "
                                 "written into the model's files; choose another --save directory")
@@ -252,30 +244,42 @@ def rank_state_dict(open_reader, model, tp_rank: int, tp: int, pp_rank: int, pp:
     return out
 
 
-def read_rank_units(args) -> Iterator[Dict[str, torch.Tensor]]:
-    """This rank's weights from the HF directory ``args.load``, unit by unit (canonical names).
+def hf_model_args(args, path: str, flag: str = "--load", config: Optional[dict] = None) -> argparse.Namespace:
+    """The converter's arguments for the HF model in ``path`` at this run's layout (vocabulary padded as the run's)."""
+    try:
+        config = config if config is not None else hf_io.read_config(path)
+        return args_from_hf_config(config, None, args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                   args.make_vocab_size_divisible_by, args.padded_vocab_size,
+                                   where=os.path.join(path, hf_io.CONFIG), seq_length=args.seq_length,
+                                   ep=getattr(args, "expert_model_parallel_size", 1))
+    except ConversionError as e:
+        raise CheckpointError(f"{flag} {path}: {e}") from None
+
+
+def read_rank_units(args, path: Optional[str] = None, flag: str = "--load") -> Iterator[Dict[str, torch.Tensor]]:
+    """This rank's weights from the HF directory ``path`` (default ``args.load``), unit by unit (canonical names).
 
     Every tensor's name and shape is checked against config.json first (file headers only).
     """
     from megatron.core import parallel_state as ps
 
+    path = path or args.load
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     try:
-        with hf_io.HFCheckpointReader(args.load) as reader:
-            model = args_from_hf_config(reader.config, args.model_type_hf, tp, pp, args.make_vocab_size_divisible_by,
-                                        args.padded_vocab_size, where=os.path.join(args.load, hf_io.CONFIG), ep=ep)
+        with hf_io.HFCheckpointReader(path) as reader:
+            model = hf_model_args(args, path, flag, reader.config)
             spec = get_spec(model.model_type_hf)
             reader.check_shapes(expected_hf_shapes(model, spec), lambda n: is_ignorable_hf_tensor(n, model))
-        yield from rank_units(lambda: hf_io.HFCheckpointReader(args.load), model,
+        yield from rank_units(lambda: hf_io.HFCheckpointReader(path), model,
                               ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp,
                               ps.get_expert_model_parallel_rank(), ep)
     except ConversionError as e:
-        raise CheckpointError(f"--load {args.load}: {e}") from None
+        raise CheckpointError(f"{flag} {path}: {e}") from None
 
 
 # --------------------------------------------------------------------------- --save-hf
 def _data_prefixes(args) -> list:
-    paths = list(args.data_path or getattr(args, "train_data_path", None) or [])
+    paths = list(getattr(args, "data_path", None) or getattr(args, "train_data_path", None) or [])
     out = []
     for p in paths:
         try:
@@ -295,11 +299,17 @@ def tokenizer_dir(args) -> Optional[str]:
         extended = (read_meta(prefix) or {}).get("extended_tokenizer")
         if extended:
             candidates.append(os.path.join(os.path.dirname(os.path.abspath(prefix)), extended["path"]))
-    candidates += [args.tokenizer_name_or_path, args.load if loads_hf(args) else None]
-    for path in candidates:
-        if path and os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in hf_io.TOKENIZER_FILES):
-            return path
-    return None
+    candidates += [getattr(args, "tokenizer_name_or_path", None), args.load if loads_hf(args) else None]
+    return next((path for path in candidates if has_tokenizer(path)), None)
+
+
+def run_tokenizer_record(args) -> Optional[dict]:
+    """The record (:mod:`~mindspeed_pack.convert.tokenizer_record`) of the tokenizer this run's ids come from:
+    :func:`tokenizer_dir`'s, read once, else the one the ``--load`` checkpoint recorded; None when unknown.
+    Checkpoints this run saves record it; loaded checkpoints are checked against it."""
+    if not hasattr(args, "tokenizer_record"):
+        args.tokenizer_record = read_tokenizer_record(tokenizer_dir(args))
+    return args.tokenizer_record
 
 
 def _export_args(args) -> dict:
@@ -335,7 +345,7 @@ def check_exportable(args) -> None:
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
     lost = [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in vars(back).items()
-            if k in mine and k not in _RUN_LAYOUT_ARGS and not _same(mine[k], v)]
+            if k in mine and k not in _RUN_LAYOUT_ARGS and not same_setting(mine[k], v)]
     if lost:
         raise CheckpointError(f"--save-hf {args.save_hf}: this model cannot be written as a Hugging Face "
                               f"{spec.hf_architecture}: {'; '.join(lost)}; drop --save-hf and keep the Megatron "

@@ -4,6 +4,10 @@ One place for every check that compares a flag with what an earlier step of the 
 wrote down, so a mismatch stops the run with a message naming the flag, the file and what
 to do, instead of silently training something else:
 
+* the model a checkpoint holds (``--load`` and ``--ref-load``, Megatron or Hugging Face alike): every
+  setting that changes its function (:data:`~mindspeed_pack.convert.model_specs.FUNCTION_ARGS`: shape,
+  RoPE base and scaling, norm epsilon, biases, tying, vocabulary, MoE) must be the flags', and its
+  tokenizer (:mod:`~mindspeed_pack.convert.tokenizer_record`) this run's;
 * the checkpoint's learning-rate schedule, counted in samples (Megatron-LM's rule: a resume
   whose ``--lr``, ``--min-lr``, warmup, decay samples or decay style differ from the checkpoint's is
   refused unless ``--override-opt_param-scheduler`` (follow the flags from the checkpoint's
@@ -21,9 +25,11 @@ import warnings
 
 import numpy as np
 
+from mindspeed_pack.convert import tokenizer_record
+from mindspeed_pack.convert.model_specs import flag_of, model_differences, show_setting
 from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.training import schedule
-from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.training.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,39 @@ SCHEDULE_FIELDS = {
 
 
 # ---------------------------------------------------------------------------- checkpoint
+def check_model_settings(recorded: dict, args, source: str, where: str) -> None:
+    """Refuse a checkpoint whose model (``recorded``: its args, or a HF config mapped by the converter) is not
+    the one these flags build. ``source`` is the flag and the path given (``--ref-load DIR``), ``where`` the
+    file read."""
+    differing = model_differences(recorded, args)
+    if not differing:
+        return
+    what = "; ".join(f"{flag_of(key)} {show_setting(mine)} here, {show_setting(theirs)} in the checkpoint"
+                     for key, theirs, mine in differing)
+    hint = ("the reference model is built with the policy's flags, so it must be the same model: pass a reference "
+            "of this model" if source.startswith("--ref-load") else "pass the flags the checkpoint was trained with")
+    raise CheckpointError(f"{source}: the model flags differ from the checkpoint's ({where}): {what}; {hint}")
+
+
+def check_tokenizer(record, run_record, source: str) -> None:
+    """Refuse a checkpoint trained with another tokenizer than ``run_record`` (this run's: its ids must mean the
+    same tokens to it); a checkpoint that records none is warned about, not refused."""
+    if record is None:
+        if run_record is not None:
+            log.warning("%s records no tokenizer (written before checkpoints recorded one, or converted from a "
+                        "directory without tokenizer files): it cannot be checked against this run's (%s)", source,
+                        tokenizer_record.describe(run_record))
+        return
+    if run_record is None:
+        return
+    why = tokenizer_record.disagreement(record, run_record)
+    if why:
+        raise CheckpointError(f"{source} was trained with another tokenizer than this run's ({why}): the "
+                              f"checkpoint's is {tokenizer_record.describe(record)}; this run's is "
+                              f"{tokenizer_record.describe(run_record)}; use a checkpoint of this tokenizer, or data "
+                              "preprocessed with the checkpoint's")
+
+
 def schedule_mismatches(saved: dict, scheduler) -> list:
     """``[(flag, checkpoint value, value of these flags)]`` where the schedules differ."""
     out = []

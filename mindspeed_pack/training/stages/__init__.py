@@ -36,8 +36,9 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dpo-ftx", type=float, default=0.0,
                    help="weight of an SFT term on the chosen answer (its per-token mean NLL; LLaMA-Factory pref_ftx)")
     g.add_argument("--ref-load", default=None,
-                   help="checkpoint of the frozen reference model, run in this job (default: a copy of the "
-                        "starting policy)")
+                   help="the frozen reference model, run in this job: a Megatron checkpoint or a Hugging Face "
+                        "directory (read as --load reads it; its model and tokenizer must be the run's). Default: a "
+                        "copy of the starting policy")
     g.add_argument("--ref-logps", action="store_true",
                    help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
                         "(P_dpo_reference.pt): no reference model in memory")

@@ -14,9 +14,10 @@ The step's loss is the sum over the global batch's pairs divided by their number
 micro-batch returns (sum, pairs) and megatron divides by the total, whatever the packing or
 the DP/PP/CP layout (under CP the sums are all-reduced first and the pairs counted once).
 
-The reference: a frozen copy run in the same job (``--ref-load DIR``, default the starting
-policy), through the same pipeline, or log-probs precomputed once (``--ref-logps``,
-:mod:`.reference`) and looked up by (pack, pair).
+The reference: a frozen copy run in the same job (``--ref-load DIR``: a Megatron checkpoint or a
+Hugging Face directory, loaded and checked as ``--load``; default the starting policy), through
+the same pipeline, or log-probs precomputed once (``--ref-logps``, :mod:`.reference`) and looked
+up by (pack, pair).
 """
 from __future__ import annotations
 
@@ -102,12 +103,12 @@ class DPOStage:
         args = self.args
         model = build_gpt_model(args, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
         if args.ref_load:
-            checkpointing.load_weights(args, args.ref_load, model)
+            checkpointing.load_model_weights(args, args.ref_load, model, "--ref-load")
             log.info("dpo: reference model loaded from %s (frozen)", args.ref_load)
         elif trainer.iteration > 0:
             raise DataError(f"--stage dpo resumes at iteration {trainer.iteration}: the reference is the *starting* "
                             "policy, which the checkpoint no longer holds; pass --ref-load (the model the run "
-                            "started from) or --ref-logps")
+                            "started from: its Megatron checkpoint or Hugging Face directory) or --ref-logps")
         else:
             model.load_state_dict(_unwrap(trainer.model[0]).state_dict(), strict=True)
             log.info("dpo: reference model = a frozen copy of the starting policy")

@@ -1,0 +1,181 @@
+"""A checkpoint is used only as the model and with the tokenizer it was trained as.
+
+``--load`` and ``--ref-load`` (a Megatron checkpoint or a Hugging Face directory alike) refuse flags that
+differ from the checkpoint's in any setting that changes the model's function, naming the flag, both values
+and the checkpoint; a checkpoint records its tokenizer's vocabulary, and one of another tokenizer is refused
+(one that records none is warned about). Errors name the flag the user passed.
+"""
+import logging
+import os
+
+import pytest
+import torch
+
+import posttrain
+from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack.convert.model_specs import FUNCTION_ARGS, model_differences
+from mindspeed_pack.convert.tokenizer_record import read_tokenizer_record
+from mindspeed_pack.training.errors import CheckpointError
+from tests.model_utils import TINY_FLAGS, save_word_tokenizer, write_converted_tiny_qwen2
+from tests.pair_utils import random_pairs, write_pair_dataset
+
+WORDS = ["<pad>", "<eos>", *[f"w{i}" for i in range(248)]]  # 250 ids: the pairs' ids, in the 256 rows
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    import transformers
+
+    root = tmp_path_factory.mktemp("ckpt_identity")
+    tok = {"a": save_word_tokenizer(root / "tok_a", WORDS),
+           "b": save_word_tokenizer(root / "tok_b", [*WORDS[:100], "other", *WORDS[101:]])}
+    policy = write_converted_tiny_qwen2(root / "policy", tokenizer=tok["a"])
+    # the policy's tokenizer as preprocessing extends it for a template: a marker added after its ids
+    extended = transformers.AutoTokenizer.from_pretrained(root / "policy" / "hf")
+    extended.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    extended.save_pretrained(root / "tok_a_ext")
+    tok["a_extended"] = str(root / "tok_a_ext")
+    return {"root": root, "tok": tok, "policy": policy,
+            # rope_theta 10000 and eps 0.1 where the flags say 1e6 and 1e-6
+            "rope": write_converted_tiny_qwen2(root / "rope", seed=1, rope_theta=1e4, rms_norm_eps=0.1),
+            "other_tokenizer": write_converted_tiny_qwen2(root / "other_tok", seed=2, tokenizer=tok["b"]),
+            "data": write_pair_dataset(str(root / "pairs"), random_pairs(8, seed=3))}
+
+
+def dpo(made, *extra):
+    return [*TINY_FLAGS, "--stage", "dpo", "--seq-length", "128", "--neat-pack", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--train-iters", "1", "--data-path", made["data"], *extra]
+
+
+def _rank_file(ckpt, iteration=layout.RELEASE):
+    return layout.checkpoint_file(ckpt, iteration, 0, 0, 1)
+
+
+def test_every_setting_that_changes_the_function_is_compared():
+    from tests.model_utils import tiny_args
+
+    run = tiny_args(kv_channels=None, num_experts=None, qk_layernorm=False, position_embedding_type="rope",
+                    rotary_percent=1.0, use_rope_scaling=True, rope_scaling_factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=8192)
+    recorded = {k: getattr(run, k) for k in FUNCTION_ARGS if hasattr(run, k)}
+    recorded.update(kv_channels=16, rotary_base=1000000)  # the head size run's None means; 1e6 as an int
+    assert model_differences(recorded, run) == []
+    # Megatron-LM keeps --num-query-groups' default (1) when it has no GQA: it means one group per head
+    assert model_differences({**recorded, "group_query_attention": False, "num_query_groups": 1},
+                             tiny_args(group_query_attention=False, num_query_groups=4)) == []
+    changed = {"num_layers": 3, "hidden_size": 32, "ffn_hidden_size": 96, "num_attention_heads": 2,
+               "num_query_groups": 1, "kv_channels": 32, "add_qkv_bias": False, "disable_bias_linear": False,
+               "swiglu": False, "normalization": "LayerNorm", "norm_epsilon": 0.1, "qk_layernorm": True,
+               "untie_embeddings_and_output_weights": False, "padded_vocab_size": 384,
+               "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 0.5,
+               "use_rope_scaling": False, "rope_scaling_factor": 32.0, "low_freq_factor": 2.0,
+               "high_freq_factor": 2.0, "original_max_position_embeddings": 4096, "num_experts": 4}
+    assert set(changed) | {"moe_router_topk", "moe_ffn_hidden_size", "moe_layer_freq",
+                           "moe_router_pre_softmax"} == set(FUNCTION_ARGS)
+    for key, value in changed.items():
+        assert [d[0] for d in model_differences({**recorded, key: value}, run)] == [key], key
+    # the expert settings of an MoE checkpoint, compared as the builder reads them
+    moe = {**recorded, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_layer_freq": [1, 1],
+           "moe_router_pre_softmax": False}
+    run_moe = tiny_args(**{**vars(run), "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 128,
+                           "moe_layer_freq": 1, "moe_router_pre_softmax": False})
+    assert model_differences(moe, run_moe) == []
+    for key, value in {"moe_router_topk": 1, "moe_ffn_hidden_size": 64, "moe_layer_freq": [0, 1],
+                       "moe_router_pre_softmax": True}.items():
+        assert [d[0] for d in model_differences({**moe, key: value}, run_moe)] == [key], key
+    # what the recorded model does not read is not compared: scaling factors without scaling, experts of a dense one
+    unscaled = {**recorded, "use_rope_scaling": False, "rope_scaling_factor": 32.0}
+    assert [d[0] for d in model_differences(unscaled, run)] == ["use_rope_scaling"]
+    assert model_differences({**recorded, "moe_router_topk": 8}, run) == []
+
+
+def test_load_refuses_a_checkpoint_of_another_rope_base_and_norm_epsilon(made):
+    """The issue's case: a converted checkpoint with rope_theta 10000 / eps 0.1 trained under 1e6 / 1e-6 flags."""
+    with pytest.raises(CheckpointError) as e:
+        posttrain.main(dpo(made, "--load", made["rope"], "--finetune"))
+    assert str(e.value).startswith(
+        f"--load {made['rope']}: the model flags differ from the checkpoint's ({_rank_file(made['rope'])}): "
+        "--norm-epsilon 1e-06 here, 0.1 in the checkpoint; --rotary-base 1000000 here, 10000 in the checkpoint; "
+        "pass the flags the checkpoint was trained with")
+
+
+def test_load_hf_dir_refuses_flags_that_differ_from_its_config(made, capsys):
+    """--load HF_DIR fills the model flags from config.json; given ones are compared by the same function."""
+    from mindspeed_pack.training.arguments import parse_args
+
+    hf = os.path.join(os.path.dirname(made["rope"]), "hf")
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", made["data"], "--load", hf,
+                    "--norm-epsilon", "1e-6", "--rotary-base", "1000000"], world_size=1)
+    config = os.path.join(hf, "config.json")
+    assert (f"--norm-epsilon 1e-06 but {config} gives --norm-epsilon 0.1; --rotary-base 1000000 but {config} gives "
+            "--rotary-base 10000") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form", ["megatron", "hf"])
+def test_ref_load_refuses_a_reference_of_another_model(made, form):
+    """As a DPO reference the same checkpoint silently took the policy's settings."""
+    ref = made["rope"] if form == "megatron" else os.path.join(os.path.dirname(made["rope"]), "hf")
+    where = _rank_file(ref) if form == "megatron" else os.path.join(ref, "config.json")
+    with pytest.raises(CheckpointError) as e:
+        posttrain.main(dpo(made, "--load", made["policy"], "--finetune", "--ref-load", ref))
+    assert str(e.value) == (
+        f"--ref-load {ref}: the model flags differ from the checkpoint's ({where}): --norm-epsilon 1e-06 here, "
+        "0.1 in the checkpoint; --rotary-base 1000000 here, 10000 in the checkpoint; the reference model is built "
+        "with the policy's flags, so it must be the same model: pass a reference of this model")
+
+
+def test_ref_load_errors_name_the_flag(made, tmp_path):
+    with pytest.raises(CheckpointError, match=f"^--ref-load {tmp_path}/absent: no such directory$"):
+        posttrain.main(dpo(made, "--load", made["policy"], "--finetune", "--ref-load", str(tmp_path / "absent")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=f"^--ref-load {tmp_path}/empty: no checkpoint found "
+                                              r"\(latest_checkpointed_iteration.txt is missing\); nor is it a Hugging "
+                                              r"Face model \(config.json and \*.safetensors\)$"):
+        posttrain.main(dpo(made, "--load", made["policy"], "--finetune", "--ref-load", str(tmp_path / "empty")))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(CheckpointError, match=f"^--ref-load {tmp_path}/hf: no \\*.safetensors weights"):
+        posttrain.main(dpo(made, "--load", made["policy"], "--finetune", "--ref-load", str(tmp_path / "hf")))
+
+
+def test_conversion_and_training_record_the_tokenizers_vocabulary(made, tmp_path):
+    import transformers
+
+    record = torch.load(_rank_file(made["policy"]), weights_only=True)["tokenizer"]
+    loaded = transformers.AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(made["policy"]), "hf"))
+    assert record["base_size"] == len(WORDS) == loaded.vocab_size
+    assert record["added"] == {str(i): t for t, i in loaded.get_added_vocab().items() if i >= len(WORDS)}
+    # the same vocabulary saved with other files records the same; one token changed does not
+    resaved = transformers.AutoTokenizer.from_pretrained(made["tok"]["a"])
+    resaved.chat_template = "{{ messages }}"
+    resaved.save_pretrained(tmp_path / "resaved")
+    first, again = read_tokenizer_record(made["tok"]["a"]), read_tokenizer_record(str(tmp_path / "resaved"))
+    assert first["base_sha256"] == again["base_sha256"] == record["base_sha256"] and first["added"] == again["added"]
+    assert read_tokenizer_record(made["tok"]["b"])["base_sha256"] != record["base_sha256"]
+    # a training save records the run's tokenizer: here one extended by an added marker, which the
+    # checkpoint of the tokenizer it extends agrees with (no refusal)
+    save = str(tmp_path / "saved")
+    posttrain.main(dpo(made, "--load", made["policy"], "--finetune", "--tokenizer-name-or-path",
+                       made["tok"]["a_extended"], "--save", save))
+    saved = torch.load(_rank_file(save, 1), weights_only=True)["tokenizer"]
+    assert saved == read_tokenizer_record(made["tok"]["a_extended"])
+    assert saved["base_sha256"] == record["base_sha256"]
+    assert saved["added"] == {**record["added"], str(len(WORDS) + len(record["added"])): "<|im_start|>"}
+
+
+def test_a_reference_of_another_tokenizer_is_refused_and_one_without_a_record_warned(made, caplog):
+    ref = made["other_tokenizer"]
+    with pytest.raises(CheckpointError) as e:
+        posttrain.main(dpo(made, "--load", made["policy"], "--finetune", "--ref-load", ref))
+    msg = str(e.value)
+    assert msg.startswith(f"--ref-load {ref} was trained with another tokenizer than this run's (the base "
+                          "vocabularies differ): the checkpoint's is ")
+    # the reference's, converted with tokenizer b; this run's, none given: the policy's (converted with a)
+    assert f"{os.path.dirname(ref)}/hf: 250 base tokens" in msg and f"{os.path.dirname(made['policy'])}/hf: 250 base" in msg
+    # the same tokenizer, and a reference converted from a directory without one (warned, trained)
+    bare = os.path.join(str(made["root"]), "bare")
+    write_converted_tiny_qwen2(bare)
+    with caplog.at_level(logging.WARNING):
+        posttrain.main(dpo(made, "--load", made["policy"], "--finetune", "--ref-load", os.path.join(bare, "mg")))
+    assert f"--ref-load {bare}/mg records no tokenizer" in caplog.text
