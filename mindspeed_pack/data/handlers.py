@@ -226,7 +226,7 @@ class SampleEncoder:
                 messages = sharegpt_messages(raw, system, self.keys, self.keys["messages"])
             return messages, parse_tools(row.get(self.keys["tools"]), self.keys["tools"])
         except RowError as exc:
-            raise RowError(f"{where}: {exc}", exc.reason) from None
+            raise exc.at(where) from None
 
     def plan_chat_row(self, row: dict, where: str, texts: list):
         """(samples, None) or (None, skip reason); each sample's text is appended to ``texts``."""
@@ -250,7 +250,7 @@ class SampleEncoder:
             adapted, expected = self.chat.adapt(messages, tools)
             return self.chat.plan(adapted, tools, expected, trained)
         except RowError as exc:
-            raise RowError(f"{where}: {exc}", exc.reason) from None
+            raise exc.at(where) from None
 
     def finish_chat(self, plan, encoded: list) -> list:
         """[(ids, trained, truncated) or (None, skip reason, False)] per sample of a row (RowError on bad turns)."""
@@ -365,7 +365,7 @@ class SampleEncoder:
         try:
             return self.plan_messages(messages, system, texts, parse_tools(row.get(self.keys["tools"]), self.keys["tools"]))
         except RowError as exc:
-            raise RowError(f"{where}: {exc}", exc.reason) from None
+            raise exc.at(where) from None
 
     def finish(self, plan, encoded: list) -> tuple[Optional[tuple[list, list]], Optional[str], bool]:
         """(ids, trained) as lists, or None with a skip reason; plus whether the sample was truncated."""

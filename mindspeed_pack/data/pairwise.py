@@ -30,11 +30,13 @@ from typing import Optional
 
 import numpy as np
 
-from mindspeed_pack.data.chat_template import REASON_TOKEN_BOUNDARY
+from mindspeed_pack.data.chat_messages import REASONING_FIELDS
+from mindspeed_pack.data.chat_template import REASON_REASONING, REASON_TOKEN_BOUNDARY
 from mindspeed_pack.data.errors import RowError
 from mindspeed_pack.data.handlers import (ALPACA, ASSISTANT, PAIRWISE_BASE, SKIP_EMPTY, SKIP_ROLE_ORDER,
                                           SampleEncoder)
 from mindspeed_pack.data.readers import not_an_object
+from mindspeed_pack.data.templates import REASON_TOOLS
 
 SKIP_TOO_LONG = "pair longer than --seq-length"
 SKIP_IDENTICAL = "identical chosen and rejected"
@@ -75,14 +77,25 @@ class PairwiseEncoder(SampleEncoder):
         return self.budget is None or padded <= self.budget
 
     def _answer(self, row: dict, key: str, where: str) -> str:
-        column = self.keys[key]
+        """The ``chosen``/``rejected`` answer's text: a string, or a ShareGPT/OpenAI message holding it."""
+        column, content_tag = self.keys[key], self.keys.get("content_tag", "value")
         value = row.get(column)
-        if isinstance(value, dict):  # a ShareGPT message
-            value = value.get(self.keys.get("content_tag", "value"), value.get("content"))
+        if isinstance(value, dict):  # a message: its text, and nothing it would lose
+            for name, reason in (("tool_calls", REASON_TOOLS), *((f, REASON_REASONING) for f in REASONING_FIELDS)):
+                if value.get(name):
+                    raise RowError(f"{where}: field {column!r} (--map-keys {key}) has {name!r}, which a preference "
+                                   "answer cannot carry (refused, not dropped): give the answer as text", reason)
+            text = value.get(content_tag, value.get("content"))
+            if not isinstance(text, str):
+                got = "no text" if text is None else f"a {type(text).__name__}"
+                raise RowError(f"{where}: field {column!r} (--map-keys {key}) is a message with {got} in "
+                               f"{content_tag!r} (--map-keys content_tag); the message has: "
+                               f"{', '.join(map(str, value)) or 'no fields'}", MISSING_ANSWER)
+            return text
         if not isinstance(value, str):
-            got = "missing" if value is None else f"a {type(value).__name__}"
+            got = "missing" if column not in row else "null" if value is None else f"a {type(value).__name__}"
             raise RowError(f"{where}: field {column!r} (--map-keys {key}) must be the {key} answer (a string or a "
-                           f"message with {self.keys.get('content_tag', 'value')!r}), got {got}; "
+                           f"message with {content_tag!r}), got {got}; "
                            f"the row has: {', '.join(map(str, row)) or 'no fields'}", MISSING_ANSWER)
         return value
 
