@@ -10,6 +10,7 @@ conversations with the edge cases (tests/chat_corpus.py):
 (4) at most one BOS; every tool call and reasoning trace is in the text (and trained);
 (5) a Qwen3 conversation with reasoning in two turns trains both traces, neither as untrained history.
 """
+import json
 import re
 
 import numpy as np
@@ -709,3 +710,34 @@ def test_span_boundary_inside_a_characters_bytes_is_inside_a_token(family_tokeni
             assert answers[0] == answers[1], (s, e)
             refused += answers[0] == REASON_TOKEN_BOUNDARY
     assert refused >= len(text)  # every span starting or ending at 好 (after 你)
+
+
+def test_json_qwen2_5_writes_openai_tool_calls_as_the_official_template(family_tokenizer_dir):
+    """OpenAI rows on --prompt-type qwen2_5: tool calls (parallel ones, string arguments, text beside the calls) and
+    consecutive tool results are written as Qwen2.5's own template renders them, never trained as empty answers or
+    skipped; reasoning, which no JSON template writes, is refused naming the row, message and field."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    hf_encoder = _encoder(family_tokenizer_dir("qwen2_5"))
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    json_encoder = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("qwen2_5"), keys, None, False)
+    rows = [(i, row) for i, row in enumerate(CORPUS) if i % 13 in (7, 8, 9)]
+    texted = json.loads(json.dumps(rows[0][1]))
+    texted["messages"][1]["content"] = "A7_0 let me look that up"  # text before the call
+    rows.append((999, texted))
+    for i, row in rows:
+        ((official, official_trained),) = hf_encoder.encode_chat_row(row, f"row {i}")
+        (ids, trained), skip, _ = json_encoder.encode_row(row, f"row {i}")
+        assert skip is None, f"row {i}"
+        # the JSON path ends the sample on <|im_end|>; the official render adds the newline after it (untrained)
+        assert ids.tolist() == official[:-1].tolist() and trained.tolist() == official_trained[:-1].tolist(), f"row {i}"
+    assert "A7_0 let me look that up\n<tool_call>" in hf_encoder.tokenizer.decode(ids[trained.astype(bool)])
+    reasoning = CORPUS[12]
+    with pytest.raises(RowError, match=r"row 12: message 1 has 'reasoning_content', which template 'qwen2_5' does not "
+                                       r"write \(refused, not dropped\)") as err:
+        json_encoder.encode_row(reasoning, "row 12")
+    assert err.value.reason == REASON_REASONING
+    chatml = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("chatml"), keys, None, False)
+    with pytest.raises(RowError, match=r"row 5: message 1 has text beside its tool_calls, which template 'chatml'"):
+        chatml.encode_row({"messages": texted["messages"]}, "row 5")

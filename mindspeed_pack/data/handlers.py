@@ -9,7 +9,10 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
   human/gpt/observation/function_call and an optional leading system message (or a
   ``system`` column). OpenAI-style ``{"role", "content"}`` with user/assistant works with
   ``--map-keys '{"role_tag": "role", "content_tag": "content", "user_tag": "user",
-  "assistant_tag": "assistant"}'`` (or the short keys ``role/content/user/assistant``).
+  "assistant_tag": "assistant"}'`` (or the short keys ``role/content/user/assistant/tool``); an assistant
+  message's ``tool_calls`` are a function answer, consecutive ``tool`` results one observation turn where
+  the template joins them (``templates.py``), and reasoning (``reasoning_content``) is refused: no JSON
+  template writes it.
 * ``GeneralPretrainHandler``: the ``text`` column, tokenized whole, BOS first when the
   tokenizer adds one (Llama's ``add_bos_token``, as Megatron-LM's and MindSpeed-LLM's
   preprocessing write it; ``--add-bos``/``--no-add-bos`` override), EOS appended with
@@ -41,11 +44,12 @@ from typing import Optional
 import numpy as np
 
 from mindspeed_pack.data import chat_template as hf_chat
-from mindspeed_pack.data.chat_messages import parse_tools, sharegpt_messages
+from mindspeed_pack.data.chat_messages import REASONING_FIELDS, normalize_tool_calls, parse_tools, sharegpt_messages
 from mindspeed_pack.data.errors import BAD_JSON, BAD_MISSING_FIELD, BAD_ROLE, BAD_TYPE, PreprocessError, RowError
 from mindspeed_pack.data.readers import not_an_object
-from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, USER,
-                                           Template, render_turns, special_token_text)
+from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, REASON_TOOLS,
+                                           USER, Template, ToolCalls, merge_observations, render_turns,
+                                           special_token_text)
 from mindspeed_pack.data.tokenizer import TextTokenizer
 
 ALPACA = "AlpacaStyleInstructionHandler"
@@ -185,20 +189,26 @@ class SampleEncoder:
         return messages, system
 
     def _sharegpt_messages(self, row, where):
+        """(role, content) messages for a JSON template. An assistant message with OpenAI ``tool_calls`` is a function
+        answer (:class:`ToolCalls`); what the template cannot write (reasoning, text beside calls where it has no
+        call format) is refused, never dropped."""
         raw = self._field(row, "messages", where, required=True, kind=list)
         system = self._field(row, "system", where, required=False)
         role_tag, content_tag = self.keys["role_tag"], self.keys["content_tag"]
         messages = []
         for n, message in enumerate(raw):
-            if not isinstance(message, dict) or role_tag not in message or content_tag not in message:
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            if (not isinstance(message, dict) or role_tag not in message
+                    or (message.get(content_tag) is None and not calls)):
                 got = list(message) if isinstance(message, dict) else type(message).__name__
                 raise RowError(f"{where}: field {self.keys['messages']!r} message {n} must have "
                                f"{role_tag!r} and {content_tag!r} (--map-keys role_tag/content_tag), got {got}",
                                BAD_MISSING_FIELD)
-            tag, content = message[role_tag], message[content_tag]
-            if not isinstance(content, str):
+            tag, content = message[role_tag], message.get(content_tag)
+            if content is not None and not isinstance(content, str):
                 raise RowError(f"{where}: message {n} field {content_tag!r} must be a string, "
                                f"got {type(content).__name__}", BAD_TYPE)
+            self._refuse_unwritable(message, n, where, calls and tag == self.keys["assistant_tag"])
             if tag == self.keys["system_tag"]:
                 if n > 0:  # a known role in the wrong place: the row is unusable (a skip reason), not malformed
                     return SKIP_SYSTEM_NOT_FIRST, system
@@ -209,8 +219,30 @@ class SampleEncoder:
                 raise RowError(f"{where}: message {n} has unknown {role_tag!r} {tag!r}; known: {known} "
                                f"and {self.keys['system_tag']!r} as the first message "
                                "(set them with --map-keys user_tag/assistant_tag/...)", BAD_ROLE)
-            messages.append((self._role_of[tag], content))
+            if calls:
+                try:
+                    calls = normalize_tool_calls(calls, f"message {n}")
+                except RowError as exc:
+                    raise exc.at(where) from None
+                messages.append((FUNCTION, ToolCalls(content or "", tuple(calls))))
+            else:
+                messages.append((self._role_of[tag], content))
         return messages, system
+
+    def _refuse_unwritable(self, message: dict, n: int, where: str, calls_allowed: bool) -> None:
+        """RowError for what a message holds that this JSON template would drop."""
+        name = self.template.name
+        reasoning = next((f for f in REASONING_FIELDS if message.get(f)), None)
+        if reasoning:
+            raise RowError(f"{where}: message {n} has {reasoning!r}, which template {name!r} does not write (refused, "
+                           "not dropped); use --prompt-type hf with a chat template that renders reasoning",
+                           hf_chat.REASON_REASONING)
+        if message.get("tool_calls") and not calls_allowed:
+            raise RowError(f"{where}: message {n} has 'tool_calls' but is not an assistant message "
+                           f"({self.keys['assistant_tag']!r})", BAD_TYPE)
+        if calls_allowed and message.get(self.keys["content_tag"]) and not self.template.format_tool_call:
+            raise RowError(f"{where}: message {n} has text beside its tool_calls, which template {name!r} does not "
+                           "write (refused, not dropped); use --prompt-type hf", REASON_TOOLS)
 
     def _chat_messages(self, row, where, answer: bool = True):
         """(OpenAI-style messages, tools) of a row, for ``--prompt-type hf``; ``answer=False``: an Alpaca row
@@ -342,6 +374,7 @@ class SampleEncoder:
         """(plan, None) or (None, skip reason); text runs are appended to ``texts``."""
         if not messages:
             return None, SKIP_EMPTY
+        messages = merge_observations(self.template, messages)
         for i, (role, _) in enumerate(messages):
             if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
                 return None, SKIP_ROLE_ORDER
