@@ -7,7 +7,8 @@ Handlers (MindSpeed-LLM's names; LLaMA-Factory's ranking format):
 * ``SharegptStylePairwiseHandler``: ``conversations`` ending with the user's turn, and
   ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}`` or a string.
 
-Both samples go through the same template as supervised data. Under ``--prompt-type hf`` the
+Both samples go through the same template as supervised data; only the final answer is trained (the
+answers of a ``history`` are context, as in LLaMA-Factory). Under ``--prompt-type hf`` the
 prompt plus each answer is rendered by the model's own chat template and the trained span
 derived from the renders as for supervised data (``chat_template.py``), for the final answer only
 (earlier turns of the prompt are context): ``render(prompt + [answer])[len(render(prompt,
@@ -60,6 +61,13 @@ def pair_plan(lengths: np.ndarray, seq_length: int):
     pairs = np.asarray(plan.item_order, dtype=np.int64)
     samples = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
     return PackPlan(samples, 2 * np.asarray(plan.bin_offsets, dtype=np.int64), plan.capacity)
+
+
+def final_answer_only(plan: list) -> list:
+    """A conversation's turns as one: everything before the final answer is its prompt, so the answers of the
+    history are context, as under ``--prompt-type hf`` (and in LLaMA-Factory): only the pair's answers differ."""
+    prompt = [part for p, a in plan[:-1] for part in p + a] + plan[-1][0]
+    return [(prompt, plan[-1][1])]
 
 
 class PairwiseEncoder(SampleEncoder):
@@ -116,7 +124,7 @@ class PairwiseEncoder(SampleEncoder):
             plan, skip = self.plan_messages(prompt + [(ASSISTANT, answer)], system, texts)
             if plan is None:
                 return None, skip
-            plans.append(plan)
+            plans.append(final_answer_only(plan))
         return tuple(plans), None
 
     def plan_chat_row(self, row, where: str, texts: list):
