@@ -741,3 +741,21 @@ def test_json_qwen2_5_writes_openai_tool_calls_as_the_official_template(family_t
     chatml = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("chatml"), keys, None, False)
     with pytest.raises(RowError, match=r"row 5: message 1 has text beside its tool_calls, which template 'chatml'"):
         chatml.encode_row({"messages": texted["messages"]}, "row 5")
+
+
+@pytest.mark.parametrize("prompt_type", ["llama3", "hf"])
+def test_pairs_identical_after_the_template_are_dropped(prompt_type, tmp_path, family_tokenizer_dir, run_preprocess):
+    """Llama 3's template trims answers: "hello  " and "hello" are the same tokens, so the pair teaches nothing and
+    is dropped, counted and warned like a pair of equal strings (JSON template and the official one alike)."""
+    from mindspeed_pack.data import toy
+
+    rows = [{"instruction": "U1 greet", "chosen": "hello", "rejected": "hello  "},
+            {"instruction": "U2 greet", "chosen": "hello", "rejected": "goodbye"}]
+    data = toy.write_dataset(tmp_path / "pairs.jsonl", rows)
+    code, _, err = run_preprocess(input=data, output_prefix=str(tmp_path / "p"), prompt_type=prompt_type,
+                                  tokenizer_name_or_path=family_tokenizer_dir("llama3_1"),
+                                  handler_name="AlpacaStylePairwiseHandler", seq_length=256, pack=True, neat_pack=True)
+    assert code == 0, err
+    stats = json.loads((tmp_path / "p_packed_meta.json").read_text())["statistics"]
+    assert stats["pairs"] == 1 and stats["skipped"] == {"identical chosen and rejected": 1}, stats
+    assert "1 rows with identical chosen and rejected answers skipped" in err

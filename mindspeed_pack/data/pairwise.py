@@ -22,7 +22,8 @@ chosen and rejected are always neighbours in one pack, segment ``2k-1`` the chos
 
 A pair is never truncated (a one-sided cut would bias the preference): a pair longer than
 ``--seq-length`` (its padded lengths under ``--pad-to-multiple-of``) is dropped and counted,
-and so is a pair whose answers are identical (it cannot teach a preference; warned).
+and so is a pair whose answers are the same tokens once the template is applied (it cannot teach a
+preference; warned): ``"hello  "`` against ``"hello"`` under Llama 3's trimming template.
 A row without ``chosen`` or ``rejected`` is a :class:`RowError`.
 """
 from __future__ import annotations
@@ -158,6 +159,8 @@ class PairwiseEncoder(SampleEncoder):
             if sample is None:
                 return [(None, skip, False)]
         (chosen, chosen_mask), (rejected, rejected_mask) = (sample for sample, _, _ in out)
+        if np.array_equal(chosen, rejected):  # the template made the answers the same (Llama 3 trims them)
+            return [(None, SKIP_IDENTICAL, False)]
         start = int(np.argmax(chosen_mask))
         if start != int(np.argmax(rejected_mask)) or not np.array_equal(chosen[:start], rejected[:start]):
             raise RowError(f"{plan[0]}: the prompt is not the same tokens before the chosen and the rejected answer "
@@ -174,6 +177,8 @@ class PairwiseEncoder(SampleEncoder):
             if sample is None:
                 return [], skip, False
             samples.append(sample)
+        if samples[0][0] == samples[1][0]:  # the same tokens once the template is applied (Llama 3 trims answers)
+            return [], SKIP_IDENTICAL, False
         if not self._fits(samples):
             return [], SKIP_TOO_LONG, False
         return samples, None, False
