@@ -759,3 +759,29 @@ def test_pairs_identical_after_the_template_are_dropped(prompt_type, tmp_path, f
     stats = json.loads((tmp_path / "p_packed_meta.json").read_text())["statistics"]
     assert stats["pairs"] == 1 and stats["skipped"] == {"identical chosen and rejected": 1}, stats
     assert "1 rows with identical chosen and rejected answers skipped" in err
+
+
+@pytest.mark.parametrize("prompt_type", ["hf", "qwen2_5"])
+def test_parquet_tool_rows_give_the_jsonl_documents(prompt_type, tmp_path, family_tokenizer_dir, run_preprocess):
+    """The same tool rows written with pyarrow to Parquet (struct columns hold every row's keys, null where a row had
+    none) and to JSON lines give byte-identical packs: no row gains another row's keys as nulls."""
+    from mindspeed_pack.data import toy
+
+    rows = [CORPUS[i] for i in range(len(CORPUS)) if i % 13 in (7, 8)][:30]
+    rows.append({"messages": [{"role": "user", "content": "U1 weather in Paris?"},
+                              {"role": "assistant", "content": "",
+                               "tool_calls": [{"type": "function", "function": {"name": "fn_w",
+                                                                                "arguments": {"city": "Paris"}}}]},
+                              {"role": "tool", "content": "T1 sunny"}, {"role": "assistant", "content": "A1 sunny"}],
+                 "tools": [{"type": "function", "function": {"name": "fn_w", "description": "D1 weather", "parameters": {
+                     "type": "object", "properties": {"city": {"type": "string"}, "tz": {"type": "string"}}}}}]})
+    written = {}
+    for ext in ("jsonl", "parquet"):
+        data = toy.write_dataset(tmp_path / f"rows.{ext}", rows)
+        code, _, err = run_preprocess(input=data, output_prefix=str(tmp_path / ext), prompt_type=prompt_type,
+                                      tokenizer_name_or_path=family_tokenizer_dir("qwen2_5"), handler_name=SHAREGPT,
+                                      map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=1024, pack=True,
+                                      neat_pack=True)
+        assert code == 0, err
+        written[ext] = {p.name[len(ext):]: p.read_bytes() for p in tmp_path.glob(f"{ext}_packed_*_document.bin")}
+    assert len(written["jsonl"]) == 3 and written["parquet"] == written["jsonl"]
