@@ -785,3 +785,46 @@ def test_parquet_tool_rows_give_the_jsonl_documents(prompt_type, tmp_path, famil
         assert code == 0, err
         written[ext] = {p.name[len(ext):]: p.read_bytes() for p in tmp_path.glob(f"{ext}_packed_*_document.bin")}
     assert len(written["jsonl"]) == 3 and written["parquet"] == written["jsonl"]
+
+
+def _call(n):
+    return {"role": "assistant", "content": "", "reasoning_content": f"R{n}",
+            "tool_calls": [{"type": "function", "function": {"name": f"fn{n}", "arguments": {"q": f"V{n}"}}}]}
+
+
+MULTI_STEP = {"messages": [{"role": "user", "content": "U0"}, _call(1), {"role": "tool", "content": "T2"}, _call(3),
+                           {"role": "tool", "content": "T4"}, {"role": "assistant", "content": "A5", "reasoning_content": "R5"},
+                           {"role": "user", "content": "U6"}, {"role": "assistant", "content": "A7", "reasoning_content": "R7"}]}
+KEEP_TEXTS = {  # every turn as the template renders a final turn, joined by what it puts between turns
+    "qwen3": ("<|im_start|>user\nU0<|im_end|>\n"
+              + "".join(f"<|im_start|>assistant\n<think>\nR{n}\n</think>\n\n<tool_call>\n{{\"name\": \"fn{n}\", \"arguments\": "
+                        f"{{\"q\": \"V{n}\"}}}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nT{n + 1}\n"
+                        "</tool_response><|im_end|>\n" for n in (1, 3))
+              + "<|im_start|>assistant\n<think>\nR5\n</think>\n\nA5<|im_end|>\n<|im_start|>user\nU6<|im_end|>\n"
+                "<|im_start|>assistant\n<think>\nR7\n</think>\n\nA7<|im_end|>\n"),
+    "glm4": ("[gMASK]<sop><|user|>\nU0"
+             + "".join(f"<|assistant|>\n<think>R{n}</think>\n<tool_call>fn{n}\n<arg_key>q</arg_key>\n<arg_value>V{n}"
+                       f"</arg_value>\n</tool_call><|observation|>\n<tool_response>\nT{n + 1}\n</tool_response>" for n in (1, 3))
+             + "<|assistant|>\n<think>R5</think>\nA5<|user|>\nU6<|assistant|>\n<think>R7</think>\nA7"),
+    "phi3_5": "".join(f"<|user|>\nU{n}<|end|>\n<|assistant|>\nA{n + 1}<|end|>\n<|endoftext|>" for n in (0, 2, 4)),
+}
+
+
+@pytest.mark.parametrize("family", list(KEEP_TEXTS))
+def test_reasoning_history_keep_rebuilds_a_history_rewritten_in_several_turns_at_once(family, family_tokenizer_dir):
+    """Multi-step tool use, then a new query: Qwen3 and GLM-4 rewrite three earlier turns in one prompt, Phi-3.5 drops
+    the EOS of every earlier turn. keep's sample is exactly each turn as rendered last, joined by what the template
+    puts between turns (no cut-off fragment, no repeated history), every turn trained once."""
+    encoder = _encoder(family_tokenizer_dir(family), reasoning_history="keep")
+    tok = encoder.tokenizer
+    row = MULTI_STEP if family != "phi3_5" else {"messages": [
+        {"role": role, "content": f"{role[0].upper()}{n}"} for n, role in enumerate(["user", "assistant"] * 3)]}
+    ((ids, trained),) = encoder.encode_chat_row(row, "row 0")
+    expected = KEEP_TEXTS[family]
+    assert tok.decode(ids) == expected and ids.tolist() == tok.encode(expected)
+    assistant = [m for m in row["messages"] if m["role"] == "assistant"]
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], trained.astype(np.int8), [0]])) == 1)
+    assert len(runs) == len(assistant)
+    trained_text = tok.decode(ids[trained.astype(bool)])
+    for m in assistant:
+        assert trained_text.count(m["reasoning_content"] if family != "phi3_5" else m["content"]) == 1

@@ -191,7 +191,7 @@ class EncoderConfig:
         if self.handler != PRETRAIN and self.prompt_type == HF_PROMPT_TYPE:
             source, origin = hf_chat.load_chat_template(tokenizer.hf, self.chat_template)
             chat = hf_chat.ChatTemplate(source, tokenizer.hf.special_tokens_map, self.chat_template_kwargs or {},
-                                        self.reasoning_history, origin)
+                                        self.reasoning_history, origin, atoms=tuple(tokenizer.hf.get_added_vocab()))
         elif self.handler != PRETRAIN:
             template = get_template(self.prompt_type, self.templates_path)
         if pairwise.is_pairwise(self.handler):
