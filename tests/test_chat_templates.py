@@ -700,7 +700,7 @@ def test_span_boundary_inside_a_characters_bytes_is_inside_a_token(family_tokeni
     refused = 0
     for s in range(len(text)):
         for e in range(s + 1, len(text) + 1):
-            plan = ("row x", [(SimpleNamespace(trained=[(s, e)], turns=[(1, s, e)]), 0)])
+            plan = ("row x", [(SimpleNamespace(text=text, trained=[(s, e)], turns=[(1, s, e)]), 0)])
             answers = []
             for encoded in (fast, full):
                 try:
@@ -828,3 +828,41 @@ def test_reasoning_history_keep_rebuilds_a_history_rewritten_in_several_turns_at
     trained_text = tok.decode(ids[trained.astype(bool)])
     for m in assistant:
         assert trained_text.count(m["reasoning_content"] if family != "phi3_5" else m["content"]) == 1
+
+
+def _wordpiece_tokenizer(out_dir):
+    """A WordPiece tokenizer (BERT's normaliser and pre-tokenizer: whitespace is dropped, not a token) with Qwen's
+    markers and Qwen2.5's chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("[PAD] [UNK] you are qwen , created by alibaba cloud . a helpful assistant system user q lead ##ing "
+             "spaces tab ##s").split()
+    backend = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")],
+                   special_tokens=True)
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = (chat_corpus.TEMPLATES / "qwen2_5.jinja").read_text(encoding="utf-8")
+    tok.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def test_tokenizer_that_drops_whitespace_trains_the_answer_it_can_tell(tmp_path):
+    """WordPiece drops the spaces of "  leading spaces": no token starts at the answer's first character, yet the
+    prompt's tokens are exactly the sample's first ones. The turn is trained (compared as token sequences), exactly
+    tok(F)[len(tok(P)) : len(tok(F.rstrip()))]; no false "turn boundary inside a token" refusal."""
+    encoder = _encoder(_wordpiece_tokenizer(tmp_path / "wordpiece"))
+    hf = encoder.tokenizer.hf
+    for answer in ("  leading spaces", "\tleading tabs", "leading spaces  "):
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
+        ((ids, trained),) = encoder.encode_chat_row({"messages": messages}, "row 1")
+        prompt = hf.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+        full = hf.apply_chat_template(messages, tokenize=False)
+        expected = np.zeros(len(ids), np.uint8)
+        expected[len(hf.encode(prompt, add_special_tokens=False)):len(hf.encode(full.rstrip(), add_special_tokens=False))] = 1
+        assert ids.tolist() == hf.encode(full, add_special_tokens=False) and trained.tolist() == expected.tolist()
+        assert hf.decode(ids[trained.astype(bool)]) == f"{answer.split()[0]} {answer.split()[1]} <|im_end|>"

@@ -32,7 +32,8 @@ render that drops the reasoning) cannot be trained without shifting its mask: su
 refused with a :class:`RowError` naming the turn, never trained on a guess. So are rows the
 template cannot render (probed once: tool schemas, calls, results, reasoning) or whose render
 drops a call or a reasoning trace; the handler also refuses a turn that starts or ends inside a
-token of the sample (checked on the tokenizer's offsets).
+token of the sample (checked on the tokenizer's offsets, or as token sequences where a tokenizer
+drops characters and its offsets cannot tell).
 """
 from __future__ import annotations
 

@@ -296,11 +296,13 @@ class SampleEncoder:
                 hit, head, tail = text.overlapping(s, e)
                 if not self.chat.has_generation_markers and (
                         head is None or text.token_start(head) != s or text.token_end(tail) != e):
-                    raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, so "
-                                   "its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
+                    hit = self._span_by_tokens(sample.text, ids, s, e)
+                    if hit is None:
+                        raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, "
+                                       "so its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
                 trained[hit] = 1
             for message, start, end in sample.turns:
-                if end > start and not text.starts_token(start):
+                if end > start and not text.starts_token(start) and self._token_prefix(sample.text, ids, start) is None:
                     raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
                                    f"{start}): its generation prompt is not a token prefix of the sample",
                                    hf_chat.REASON_TOKEN_BOUNDARY)
@@ -316,6 +318,20 @@ class SampleEncoder:
             trained[0] = 0  # no label crosses into a sample from the one before it
             out.append(((ids, trained), None, truncated) if trained.any() else (None, SKIP_NO_TRAINABLE, truncated))
         return out
+
+    def _token_prefix(self, text: str, ids: np.ndarray, pos: int) -> Optional[int]:
+        """How many tokens ``text[:pos]`` encodes to, when they are the first tokens of the sample (else None).
+
+        The check that a turn starts or ends between tokens, where the offsets cannot tell: a tokenizer that
+        drops whitespace (WordPiece) gives an answer ``"  leading spaces"`` no token starting at its first
+        character, yet the prompt's tokens are exactly the sample's first ones."""
+        prefix = self.tokenizer.encode(text[:pos])
+        return len(prefix) if np.array_equal(ids[:len(prefix)], prefix) else None
+
+    def _span_by_tokens(self, text: str, ids: np.ndarray, s: int, e: int) -> Optional[slice]:
+        """The tokens of the span ``[s, e)`` compared as token sequences (:meth:`_token_prefix`), or None."""
+        lo, hi = self._token_prefix(text, ids, s), self._token_prefix(text, ids, e)
+        return None if lo is None or hi is None or hi < lo else slice(lo, hi)
 
     def _bad_row(self, exc: RowError, chunk: "EncodedChunk") -> None:
         """A malformed row met while encoding a chunk: the row policy of ``errors.py`` (stop, or
