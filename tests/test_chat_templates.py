@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from mindspeed_pack.data.chat_template import (REASON_DROPPED, REASON_NOT_PREFIX, REASON_REASONING, REASON_RENDER,
-                                               REASON_TOKEN_BOUNDARY, REASON_TOOLS, REASON_TRUNCATED, ChatTemplate,
+                                               REASON_TOKEN_BOUNDARY, REASON_TOOLS, ChatTemplate,
                                                DEFAULT_DATE_STRING)
 from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_ROLE
 from mindspeed_pack.data.errors import RowError
@@ -241,8 +241,6 @@ def test_bad_rows_name_row_message_and_field(family_tokenizer_dir):
          r"row 3: field 'messages' message 1 has unknown 'role' 'wizard'", REASON_ROLE),
         (_encoder(family_tokenizer_dir("gemma3")), CORPUS[7],
          r"row 3: the row has tool schemas, which this chat template does not render \(refused, not dropped\)", REASON_TOOLS),
-        (_encoder(family_tokenizer_dir("qwen2_5"), seq_length=24), CORPUS[0],
-         r"row 3: assistant turn \(message \d\) would be truncated at --seq-length 24", REASON_TRUNCATED),
     ]
     for encoder, row, message, reason in cases:
         with pytest.raises(RowError, match=message) as err:
@@ -866,3 +864,26 @@ def test_tokenizer_that_drops_whitespace_trains_the_answer_it_can_tell(tmp_path)
         expected[len(hf.encode(prompt, add_special_tokens=False)):len(hf.encode(full.rstrip(), add_special_tokens=False))] = 1
         assert ids.tolist() == hf.encode(full, add_special_tokens=False) and trained.tolist() == expected.tolist()
         assert hf.decode(ids[trained.astype(bool)]) == f"{answer.split()[0]} {answer.split()[1]} <|im_end|>"
+
+
+def test_over_long_conversation_is_truncated_per_sample_not_refused(family_tokenizer_dir):
+    """--prompt-type hf follows the project's rule for an over-long sample: cut at --seq-length and counted; the
+    turns before the cut keep their training, and a sample left with nothing trained is dropped and counted. Each
+    sample of a row on its own (Qwen3 splits one here): nothing stops the run, no turn that fits is lost."""
+    long_answer = "A2_0 " + " ".join(["red blue cat"] * 40)
+    row = {"messages": [{"role": "user", "content": "U0 q"}, {"role": "assistant", "content": "A0 short"},
+                        {"role": "user", "content": "U1 q"}, {"role": "assistant", "content": "A1 short",
+                                                             "reasoning_content": "R1 thought"},
+                        {"role": "user", "content": "U2 q"}, {"role": "assistant", "content": long_answer}]}
+    for family, seq_length in (("qwen2_5", 70), ("qwen3", 70), ("qwen3", 20)):
+        full = _encoder(family_tokenizer_dir(family)).encode_chat_row(row, "row 0")
+        chunk = _encoder(family_tokenizer_dir(family), seq_length=seq_length).encode_rows([("row 0", row)])
+        kept = [(ids[:seq_length], trained[:seq_length]) for ids, trained in full]
+        for _, trained in kept:
+            trained[0] = 0
+        kept = [(ids, trained) for ids, trained in kept if trained.any()]
+        assert chunk.rows == 1 and chunk.truncated == sum(len(ids) > seq_length for ids, _ in full), family
+        assert sum(chunk.skipped.values()) == len(full) - len(kept) and chunk.lengths.tolist() == [len(i) for i, _ in kept]
+        assert chunk.input_ids.tolist() == [t for ids, _ in kept for t in ids.tolist()], family
+        assert chunk.trained.tolist() == [t for _, trained in kept for t in trained.tolist()], family
+    assert len(full) == 3 and len(kept) == 1  # Qwen3 at 20 tokens: only the first sample keeps a trained token

@@ -58,7 +58,6 @@ REASON_NOT_PREFIX = "template renders a turn differently after its generation pr
 REASON_REASONING = "reasoning the template drops"
 REASON_RENDER = "template raised an error"
 REASON_DROPPED = "template drops a tool call or reasoning"
-REASON_TRUNCATED = "assistant turn longer than --seq-length"
 REASON_TOKEN_BOUNDARY = "turn boundary inside a token"
 REASON_KEEP = "history --reasoning-history keep cannot rebuild"
 

@@ -21,8 +21,9 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
 Both instruction handlers read an optional ``tools`` column. Under ``--prompt-type hf`` a row
 becomes OpenAI-style messages (``chat_messages.py``: tool calls, tool results, reasoning) rendered
 by the model's own chat template (``chat_template.py``), possibly as several samples; rows it
-cannot render are refused with a ``RowError``. The budget rules below are the JSON templates';
-under ``hf`` a sample whose trained tokens would be cut by ``seq_length`` is refused instead.
+cannot render are refused with a ``RowError``. The budget rules below are the JSON templates'; an
+``hf`` sample longer than ``seq_length`` is cut at its end (each sample of a row on its own), the
+turn that crosses the cut trained up to it, and counted as truncated like the JSON templates' samples.
 
 Instruction samples are truncated to ``seq_length`` turn by turn: each turn gets the budget
 the previous turns left; when a turn does not fit, its answer keeps all of its tokens if
@@ -306,15 +307,9 @@ class SampleEncoder:
                     raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
                                    f"{start}): its generation prompt is not a token prefix of the sample",
                                    hf_chat.REASON_TOKEN_BOUNDARY)
-            truncated = False
-            if self.seq_length is not None and len(ids) > self.seq_length:
-                if trained[self.seq_length:].any():
-                    starts = text.offsets[:, 0]
-                    first = next((m for m, _, e in sample.turns if np.searchsorted(starts, e) > self.seq_length),
-                                 sample.turns[-1][0])
-                    raise RowError(f"{where}: assistant turn (message {first}) would be truncated at --seq-length "
-                                   f"{self.seq_length} (the sample needs {len(ids)} tokens)", hf_chat.REASON_TRUNCATED)
-                ids, trained, truncated = ids[:self.seq_length], trained[:self.seq_length], True
+            truncated = self.seq_length is not None and len(ids) > self.seq_length
+            if truncated:  # the project's rule, per sample: cut at --seq-length and count it
+                ids, trained = ids[:self.seq_length], trained[:self.seq_length]
             trained[0] = 0  # no label crosses into a sample from the one before it
             out.append(((ids, trained), None, truncated) if trained.any() else (None, SKIP_NO_TRAINABLE, truncated))
         return out
