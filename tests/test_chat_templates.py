@@ -887,3 +887,28 @@ def test_over_long_conversation_is_truncated_per_sample_not_refused(family_token
         assert chunk.input_ids.tolist() == [t for ids, _ in kept for t in ids.tolist()], family
         assert chunk.trained.tolist() == [t for _, trained in kept for t in trained.tolist()], family
     assert len(full) == 3 and len(kept) == 1  # Qwen3 at 20 tokens: only the first sample keeps a trained token
+
+
+def test_llama_tool_call_turn_without_its_text_is_written_warned_and_counted(tmp_path, family_tokenizer_dir,
+                                                                              run_preprocess):
+    """Llama 3.1's template writes only the call of a turn that also has text (as apply_chat_template does): the
+    sample is that render, and the run warns and counts the turn (statistics.notes) instead of saying nothing."""
+    from mindspeed_pack.data import toy
+    from mindspeed_pack.data.chat_template import NOTE_TEXT_DROPPED
+
+    texted = json.loads(json.dumps(CORPUS[7]))
+    texted["messages"][1]["content"] = "A7_0 let me look that up"
+    data = toy.write_dataset(tmp_path / "rows.jsonl", [CORPUS[0], texted])
+    code, _, err = run_preprocess(input=data, output_prefix=str(tmp_path / "p"), prompt_type="hf",
+                                  tokenizer_name_or_path=family_tokenizer_dir("llama3_1"), handler_name=SHAREGPT,
+                                  map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=2048)
+    assert code == 0, err
+    stats = json.loads((tmp_path / "p_packed_meta.json").read_text())["statistics"]
+    assert stats["notes"] == {NOTE_TEXT_DROPPED: 1} and stats["samples_written"] == 2
+    assert stats["first_notes"][NOTE_TEXT_DROPPED] == f"{data}: line 2: message 1"
+    assert f"warning: 1 {NOTE_TEXT_DROPPED} (written as the template renders them" in err
+    encoder = _encoder(family_tokenizer_dir("llama3_1"))
+    ((ids, _),) = encoder.encode_chat_row(texted, "row 2")
+    assert ids.tolist() == _apply(encoder.tokenizer.hf, texted["messages"], texted["tools"],
+                                  encoder.chat.kwargs)["input_ids"]
+    assert "let me look" not in encoder.tokenizer.decode(ids)

@@ -31,7 +31,8 @@ what follows its own generation prompt, e.g. DeepSeek-R1's ``<think>\\n`` prompt
 render that drops the reasoning) cannot be trained without shifting its mask: such rows are
 refused with a :class:`RowError` naming the turn, never trained on a guess. So are rows the
 template cannot render (probed once: tool schemas, calls, results, reasoning) or whose render
-drops a call or a reasoning trace; the handler also refuses a turn that starts or ends inside a
+drops a call or a reasoning trace (a tool-call turn whose *text* the template leaves out, as
+Llama 3.1 does, is written as rendered and counted in ``SamplePlan.text_dropped``); the handler also refuses a turn that starts or ends inside a
 token of the sample (checked on the tokenizer's offsets, or as token sequences where a tokenizer
 drops characters and its offsets cannot tell).
 """
@@ -60,6 +61,8 @@ REASON_RENDER = "template raised an error"
 REASON_DROPPED = "template drops a tool call or reasoning"
 REASON_TOKEN_BOUNDARY = "turn boundary inside a token"
 REASON_KEEP = "history --reasoning-history keep cannot rebuild"
+# written, but warned and counted (statistics.notes)
+NOTE_TEXT_DROPPED = "tool-call turns whose text the template drops"
 
 
 def load_chat_template(tokenizer_hf, path: Optional[str]) -> tuple[str, str]:
@@ -106,6 +109,7 @@ class SamplePlan:
     text: str
     turns: list = field(default_factory=list)  # (message index, start char, trained end char) per trained turn
     trained: list = field(default_factory=list)  # trained char spans [start, end)
+    text_dropped: list = field(default_factory=list)  # trained tool-call turns whose text the template leaves out
 
 
 def _lcp(a: str, b: str) -> int:
@@ -283,8 +287,11 @@ class ChatTemplate:
             if missing:
                 raise RowError(f"assistant turn (message {k}): the chat template drops {missing[0][:60]!r} from it "
                                "(refused, not trained without it)", REASON_DROPPED)
+        dropped = {k for t, k in enumerate(turns) if _text_dropped(messages[k], fulls[t][len(prompts[t]):])}
         if self.reasoning_history == "keep":
-            return [self._keep(turns, prompts, fulls, ends)]
+            samples = [self._keep(turns, prompts, fulls, ends)]
+            samples[0].text_dropped = sorted(dropped)
+            return samples
         samples, i = [], 0
         while i < len(turns):
             j = i
@@ -295,6 +302,7 @@ class ChatTemplate:
             for t in range(i, j + 1):
                 sample.turns.append((turns[t], len(prompts[t]), ends[t]))
             sample.trained = self._trained_spans(sample.turns, marks[j] if marks else None)
+            sample.text_dropped = [turns[t] for t in range(i, j + 1) if turns[t] in dropped]
             samples.append(sample)
             i = j + 1
         return samples
@@ -369,6 +377,13 @@ class ChatTemplate:
             if m.start() >= pos:
                 break
         return None
+
+
+def _text_dropped(message: dict, render: str) -> bool:
+    """Whether a tool-call turn's text is missing from its render: Llama 3.1/3.2 write only the call, as
+    ``apply_chat_template`` does. Written so (it is what inference shows), warned and counted."""
+    text = (message.get("content") or "").strip()
+    return bool(message.get("tool_calls") and text and text not in render)
 
 
 def fold_reasoning(reasoning: str, content: str) -> str:

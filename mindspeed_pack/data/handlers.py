@@ -117,10 +117,16 @@ class EncodedChunk:
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)
     first_skipped: dict = field(default_factory=dict)  # reason -> where (and why) its first row was
+    notes: Counter = field(default_factory=Counter)  # written, but with something the template left out: warned
+    first_notes: dict = field(default_factory=dict)
 
     def skip(self, reason: str, example: str) -> None:
         self.skipped[reason] += 1
         self.first_skipped.setdefault(reason, example)
+
+    def note(self, what: str, example: str) -> None:
+        self.notes[what] += 1
+        self.first_notes.setdefault(what, example)
 
 
 class SampleEncoder:
@@ -354,12 +360,14 @@ class SampleEncoder:
             except RowError as exc:
                 self._bad_row(exc, chunk)
                 continue
-            for sample, skip, truncated in finished:
+            for (plan_sample, _), (sample, skip, truncated) in zip(plan[1], finished):
                 chunk.truncated += int(truncated)
                 if sample is None:
                     chunk.skip(skip, where)
-                else:
-                    samples.append(sample)
+                    continue
+                samples.append(sample)
+                for message in getattr(plan_sample, "text_dropped", ()):
+                    chunk.note(hf_chat.NOTE_TEXT_DROPPED, f"{where}: message {message}")
         return samples
 
     # ---------------------------------------------------------------- messages -> ids
