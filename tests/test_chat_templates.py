@@ -10,13 +10,14 @@ conversations with the edge cases (tests/chat_corpus.py):
 (4) at most one BOS; every tool call and reasoning trace is in the text (and trained);
 (5) a Qwen3 conversation with reasoning in two turns trains both traces, neither as untrained history.
 """
+import json
 import re
 
 import numpy as np
 import pytest
 
 from mindspeed_pack.data.chat_template import (REASON_DROPPED, REASON_NOT_PREFIX, REASON_REASONING, REASON_RENDER,
-                                               REASON_TOKEN_BOUNDARY, REASON_TOOLS, REASON_TRUNCATED, ChatTemplate,
+                                               REASON_TOKEN_BOUNDARY, REASON_TOOLS, ChatTemplate,
                                                DEFAULT_DATE_STRING)
 from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_ROLE
 from mindspeed_pack.data.errors import RowError
@@ -240,8 +241,6 @@ def test_bad_rows_name_row_message_and_field(family_tokenizer_dir):
          r"row 3: field 'messages' message 1 has unknown 'role' 'wizard'", REASON_ROLE),
         (_encoder(family_tokenizer_dir("gemma3")), CORPUS[7],
          r"row 3: the row has tool schemas, which this chat template does not render \(refused, not dropped\)", REASON_TOOLS),
-        (_encoder(family_tokenizer_dir("qwen2_5"), seq_length=24), CORPUS[0],
-         r"row 3: assistant turn \(message \d\) would be truncated at --seq-length 24", REASON_TRUNCATED),
     ]
     for encoder, row, message, reason in cases:
         with pytest.raises(RowError, match=message) as err:
@@ -699,7 +698,7 @@ def test_span_boundary_inside_a_characters_bytes_is_inside_a_token(family_tokeni
     refused = 0
     for s in range(len(text)):
         for e in range(s + 1, len(text) + 1):
-            plan = ("row x", [(SimpleNamespace(trained=[(s, e)], turns=[(1, s, e)]), 0)])
+            plan = ("row x", [(SimpleNamespace(text=text, trained=[(s, e)], turns=[(1, s, e)]), 0)])
             answers = []
             for encoded in (fast, full):
                 try:
@@ -709,3 +708,207 @@ def test_span_boundary_inside_a_characters_bytes_is_inside_a_token(family_tokeni
             assert answers[0] == answers[1], (s, e)
             refused += answers[0] == REASON_TOKEN_BOUNDARY
     assert refused >= len(text)  # every span starting or ending at 好 (after 你)
+
+
+def test_json_qwen2_5_writes_openai_tool_calls_as_the_official_template(family_tokenizer_dir):
+    """OpenAI rows on --prompt-type qwen2_5: tool calls (parallel ones, string arguments, text beside the calls) and
+    consecutive tool results are written as Qwen2.5's own template renders them, never trained as empty answers or
+    skipped; reasoning, which no JSON template writes, is refused naming the row, message and field."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    hf_encoder = _encoder(family_tokenizer_dir("qwen2_5"))
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    json_encoder = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("qwen2_5"), keys, None, False)
+    rows = [(i, row) for i, row in enumerate(CORPUS) if i % 13 in (7, 8, 9)]
+    texted = json.loads(json.dumps(rows[0][1]))
+    texted["messages"][1]["content"] = "A7_0 let me look that up"  # text before the call
+    rows.append((999, texted))
+    for i, row in rows:
+        ((official, official_trained),) = hf_encoder.encode_chat_row(row, f"row {i}")
+        (ids, trained), skip, _ = json_encoder.encode_row(row, f"row {i}")
+        assert skip is None, f"row {i}"
+        # the JSON path ends the sample on <|im_end|>; the official render adds the newline after it (untrained)
+        assert ids.tolist() == official[:-1].tolist() and trained.tolist() == official_trained[:-1].tolist(), f"row {i}"
+    assert "A7_0 let me look that up\n<tool_call>" in hf_encoder.tokenizer.decode(ids[trained.astype(bool)])
+    reasoning = CORPUS[12]
+    with pytest.raises(RowError, match=r"row 12: message 1 has 'reasoning_content', which template 'qwen2_5' does not "
+                                       r"write \(refused, not dropped\)") as err:
+        json_encoder.encode_row(reasoning, "row 12")
+    assert err.value.reason == REASON_REASONING
+    chatml = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("chatml"), keys, None, False)
+    with pytest.raises(RowError, match=r"row 5: message 1 has text beside its tool_calls, which template 'chatml'"):
+        chatml.encode_row({"messages": texted["messages"]}, "row 5")
+
+
+@pytest.mark.parametrize("prompt_type", ["llama3", "hf"])
+def test_pairs_identical_after_the_template_are_dropped(prompt_type, tmp_path, family_tokenizer_dir, run_preprocess):
+    """Llama 3's template trims answers: "hello  " and "hello" are the same tokens, so the pair teaches nothing and
+    is dropped, counted and warned like a pair of equal strings (JSON template and the official one alike)."""
+    from mindspeed_pack.data import toy
+
+    rows = [{"instruction": "U1 greet", "chosen": "hello", "rejected": "hello  "},
+            {"instruction": "U2 greet", "chosen": "hello", "rejected": "goodbye"}]
+    data = toy.write_dataset(tmp_path / "pairs.jsonl", rows)
+    code, _, err = run_preprocess(input=data, output_prefix=str(tmp_path / "p"), prompt_type=prompt_type,
+                                  tokenizer_name_or_path=family_tokenizer_dir("llama3_1"),
+                                  handler_name="AlpacaStylePairwiseHandler", seq_length=256, pack=True, neat_pack=True)
+    assert code == 0, err
+    stats = json.loads((tmp_path / "p_packed_meta.json").read_text())["statistics"]
+    assert stats["pairs"] == 1 and stats["skipped"] == {"identical chosen and rejected": 1}, stats
+    assert "1 rows with identical chosen and rejected answers skipped" in err
+
+
+@pytest.mark.parametrize("prompt_type", ["hf", "qwen2_5"])
+def test_parquet_tool_rows_give_the_jsonl_documents(prompt_type, tmp_path, family_tokenizer_dir, run_preprocess):
+    """The same tool rows written with pyarrow to Parquet (struct columns hold every row's keys, null where a row had
+    none) and to JSON lines give byte-identical packs: no row gains another row's keys as nulls."""
+    from mindspeed_pack.data import toy
+
+    rows = [CORPUS[i] for i in range(len(CORPUS)) if i % 13 in (7, 8)][:30]
+    rows.append({"messages": [{"role": "user", "content": "U1 weather in Paris?"},
+                              {"role": "assistant", "content": "",
+                               "tool_calls": [{"type": "function", "function": {"name": "fn_w",
+                                                                                "arguments": {"city": "Paris"}}}]},
+                              {"role": "tool", "content": "T1 sunny"}, {"role": "assistant", "content": "A1 sunny"}],
+                 "tools": [{"type": "function", "function": {"name": "fn_w", "description": "D1 weather", "parameters": {
+                     "type": "object", "properties": {"city": {"type": "string"}, "tz": {"type": "string"}}}}}]})
+    written = {}
+    for ext in ("jsonl", "parquet"):
+        data = toy.write_dataset(tmp_path / f"rows.{ext}", rows)
+        code, _, err = run_preprocess(input=data, output_prefix=str(tmp_path / ext), prompt_type=prompt_type,
+                                      tokenizer_name_or_path=family_tokenizer_dir("qwen2_5"), handler_name=SHAREGPT,
+                                      map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=1024, pack=True,
+                                      neat_pack=True)
+        assert code == 0, err
+        written[ext] = {p.name[len(ext):]: p.read_bytes() for p in tmp_path.glob(f"{ext}_packed_*_document.bin")}
+    assert len(written["jsonl"]) == 3 and written["parquet"] == written["jsonl"]
+
+
+def _call(n):
+    return {"role": "assistant", "content": "", "reasoning_content": f"R{n}",
+            "tool_calls": [{"type": "function", "function": {"name": f"fn{n}", "arguments": {"q": f"V{n}"}}}]}
+
+
+MULTI_STEP = {"messages": [{"role": "user", "content": "U0"}, _call(1), {"role": "tool", "content": "T2"}, _call(3),
+                           {"role": "tool", "content": "T4"}, {"role": "assistant", "content": "A5", "reasoning_content": "R5"},
+                           {"role": "user", "content": "U6"}, {"role": "assistant", "content": "A7", "reasoning_content": "R7"}]}
+KEEP_TEXTS = {  # every turn as the template renders a final turn, joined by what it puts between turns
+    "qwen3": ("<|im_start|>user\nU0<|im_end|>\n"
+              + "".join(f"<|im_start|>assistant\n<think>\nR{n}\n</think>\n\n<tool_call>\n{{\"name\": \"fn{n}\", \"arguments\": "
+                        f"{{\"q\": \"V{n}\"}}}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nT{n + 1}\n"
+                        "</tool_response><|im_end|>\n" for n in (1, 3))
+              + "<|im_start|>assistant\n<think>\nR5\n</think>\n\nA5<|im_end|>\n<|im_start|>user\nU6<|im_end|>\n"
+                "<|im_start|>assistant\n<think>\nR7\n</think>\n\nA7<|im_end|>\n"),
+    "glm4": ("[gMASK]<sop><|user|>\nU0"
+             + "".join(f"<|assistant|>\n<think>R{n}</think>\n<tool_call>fn{n}\n<arg_key>q</arg_key>\n<arg_value>V{n}"
+                       f"</arg_value>\n</tool_call><|observation|>\n<tool_response>\nT{n + 1}\n</tool_response>" for n in (1, 3))
+             + "<|assistant|>\n<think>R5</think>\nA5<|user|>\nU6<|assistant|>\n<think>R7</think>\nA7"),
+    "phi3_5": "".join(f"<|user|>\nU{n}<|end|>\n<|assistant|>\nA{n + 1}<|end|>\n<|endoftext|>" for n in (0, 2, 4)),
+}
+
+
+@pytest.mark.parametrize("family", list(KEEP_TEXTS))
+def test_reasoning_history_keep_rebuilds_a_history_rewritten_in_several_turns_at_once(family, family_tokenizer_dir):
+    """Multi-step tool use, then a new query: Qwen3 and GLM-4 rewrite three earlier turns in one prompt, Phi-3.5 drops
+    the EOS of every earlier turn. keep's sample is exactly each turn as rendered last, joined by what the template
+    puts between turns (no cut-off fragment, no repeated history), every turn trained once."""
+    encoder = _encoder(family_tokenizer_dir(family), reasoning_history="keep")
+    tok = encoder.tokenizer
+    row = MULTI_STEP if family != "phi3_5" else {"messages": [
+        {"role": role, "content": f"{role[0].upper()}{n}"} for n, role in enumerate(["user", "assistant"] * 3)]}
+    ((ids, trained),) = encoder.encode_chat_row(row, "row 0")
+    expected = KEEP_TEXTS[family]
+    assert tok.decode(ids) == expected and ids.tolist() == tok.encode(expected)
+    assistant = [m for m in row["messages"] if m["role"] == "assistant"]
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], trained.astype(np.int8), [0]])) == 1)
+    assert len(runs) == len(assistant)
+    trained_text = tok.decode(ids[trained.astype(bool)])
+    for m in assistant:
+        assert trained_text.count(m["reasoning_content"] if family != "phi3_5" else m["content"]) == 1
+
+
+def _wordpiece_tokenizer(out_dir):
+    """A WordPiece tokenizer (BERT's normaliser and pre-tokenizer: whitespace is dropped, not a token) with Qwen's
+    markers and Qwen2.5's chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("[PAD] [UNK] you are qwen , created by alibaba cloud . a helpful assistant system user q lead ##ing "
+             "spaces tab ##s").split()
+    backend = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", pad_token="[PAD]")
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<|im_start|>", "<|im_end|>")],
+                   special_tokens=True)
+    tok.eos_token = "<|im_end|>"
+    tok.chat_template = (chat_corpus.TEMPLATES / "qwen2_5.jinja").read_text(encoding="utf-8")
+    tok.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def test_tokenizer_that_drops_whitespace_trains_the_answer_it_can_tell(tmp_path):
+    """WordPiece drops the spaces of "  leading spaces": no token starts at the answer's first character, yet the
+    prompt's tokens are exactly the sample's first ones. The turn is trained (compared as token sequences), exactly
+    tok(F)[len(tok(P)) : len(tok(F.rstrip()))]; no false "turn boundary inside a token" refusal."""
+    encoder = _encoder(_wordpiece_tokenizer(tmp_path / "wordpiece"))
+    hf = encoder.tokenizer.hf
+    for answer in ("  leading spaces", "\tleading tabs", "leading spaces  "):
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
+        ((ids, trained),) = encoder.encode_chat_row({"messages": messages}, "row 1")
+        prompt = hf.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+        full = hf.apply_chat_template(messages, tokenize=False)
+        expected = np.zeros(len(ids), np.uint8)
+        expected[len(hf.encode(prompt, add_special_tokens=False)):len(hf.encode(full.rstrip(), add_special_tokens=False))] = 1
+        assert ids.tolist() == hf.encode(full, add_special_tokens=False) and trained.tolist() == expected.tolist()
+        assert hf.decode(ids[trained.astype(bool)]) == f"{answer.split()[0]} {answer.split()[1]} <|im_end|>"
+
+
+def test_over_long_conversation_is_truncated_per_sample_not_refused(family_tokenizer_dir):
+    """--prompt-type hf follows the project's rule for an over-long sample: cut at --seq-length and counted; the
+    turns before the cut keep their training, and a sample left with nothing trained is dropped and counted. Each
+    sample of a row on its own (Qwen3 splits one here): nothing stops the run, no turn that fits is lost."""
+    long_answer = "A2_0 " + " ".join(["red blue cat"] * 40)
+    row = {"messages": [{"role": "user", "content": "U0 q"}, {"role": "assistant", "content": "A0 short"},
+                        {"role": "user", "content": "U1 q"}, {"role": "assistant", "content": "A1 short",
+                                                             "reasoning_content": "R1 thought"},
+                        {"role": "user", "content": "U2 q"}, {"role": "assistant", "content": long_answer}]}
+    for family, seq_length in (("qwen2_5", 70), ("qwen3", 70), ("qwen3", 20)):
+        full = _encoder(family_tokenizer_dir(family)).encode_chat_row(row, "row 0")
+        chunk = _encoder(family_tokenizer_dir(family), seq_length=seq_length).encode_rows([("row 0", row)])
+        kept = [(ids[:seq_length], trained[:seq_length]) for ids, trained in full]
+        for _, trained in kept:
+            trained[0] = 0
+        kept = [(ids, trained) for ids, trained in kept if trained.any()]
+        assert chunk.rows == 1 and chunk.truncated == sum(len(ids) > seq_length for ids, _ in full), family
+        assert sum(chunk.skipped.values()) == len(full) - len(kept) and chunk.lengths.tolist() == [len(i) for i, _ in kept]
+        assert chunk.input_ids.tolist() == [t for ids, _ in kept for t in ids.tolist()], family
+        assert chunk.trained.tolist() == [t for _, trained in kept for t in trained.tolist()], family
+    assert len(full) == 3 and len(kept) == 1  # Qwen3 at 20 tokens: only the first sample keeps a trained token
+
+
+def test_llama_tool_call_turn_without_its_text_is_written_warned_and_counted(tmp_path, family_tokenizer_dir,
+                                                                              run_preprocess):
+    """Llama 3.1's template writes only the call of a turn that also has text (as apply_chat_template does): the
+    sample is that render, and the run warns and counts the turn (statistics.notes) instead of saying nothing."""
+    from mindspeed_pack.data import toy
+    from mindspeed_pack.data.chat_template import NOTE_TEXT_DROPPED
+
+    texted = json.loads(json.dumps(CORPUS[7]))
+    texted["messages"][1]["content"] = "A7_0 let me look that up"
+    data = toy.write_dataset(tmp_path / "rows.jsonl", [CORPUS[0], texted])
+    code, _, err = run_preprocess(input=data, output_prefix=str(tmp_path / "p"), prompt_type="hf",
+                                  tokenizer_name_or_path=family_tokenizer_dir("llama3_1"), handler_name=SHAREGPT,
+                                  map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=2048)
+    assert code == 0, err
+    stats = json.loads((tmp_path / "p_packed_meta.json").read_text())["statistics"]
+    assert stats["notes"] == {NOTE_TEXT_DROPPED: 1} and stats["samples_written"] == 2
+    assert stats["first_notes"][NOTE_TEXT_DROPPED] == f"{data}: line 2: message 1"
+    assert f"warning: 1 {NOTE_TEXT_DROPPED} (written as the template renders them" in err
+    encoder = _encoder(family_tokenizer_dir("llama3_1"))
+    ((ids, _),) = encoder.encode_chat_row(texted, "row 2")
+    assert ids.tolist() == _apply(encoder.tokenizer.hf, texted["messages"], texted["tools"],
+                                  encoder.chat.kwargs)["input_ids"]
+    assert "let me look" not in encoder.tokenizer.decode(ids)

@@ -72,3 +72,34 @@ def test_pair_bad_inputs(tmp_path, run_preprocess, pref_rows):
     code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "c", handler_name="AlpacaStylePairwiseHandler",
                                     prompt_type="qwen", seq_length=256, pack=True)
     assert code == 2 and "needs --pack --neat-pack" in err
+
+
+@pytest.mark.parametrize("sharegpt", [False, True])
+def test_pair_history_answers_are_context_not_trained(tmp_path, run_preprocess, read_indexed, toy_tokenizer_dir,
+                                                       sharegpt):
+    """With a history, each side trains exactly its own final answer and end-of-turn token (as --prompt-type hf and
+    LLaMA-Factory do); the history's answers are identical untrained context in both samples."""
+    from transformers import AutoTokenizer
+
+    history = [["hi there", "hello friend"], ["and then", "then this"]]
+    rows = [{"instruction": f"question {i}", "input": "", "history": history[:1 + i % 2],
+             "chosen": f"good answer {i}", "rejected": f"bad answer {i}"} for i in range(6)]
+    handler = "AlpacaStylePairwiseHandler"
+    if sharegpt:
+        handler = "SharegptStylePairwiseHandler"
+        rows = [{"conversations": [{"from": f, "value": v} for q, a in r["history"] for f, v in (("human", q), ("gpt", a))]
+                 + [{"from": "human", "value": r["instruction"]}], "chosen": r["chosen"], "rejected": r["rejected"]}
+                for r in rows]
+    data = toy.write_dataset(tmp_path / "pref.jsonl", rows)
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "p", handler_name=handler, prompt_type="qwen",
+                                  seq_length=512, pack=True, neat_pack=True)
+    assert code == 0, err
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer_dir)
+    trained = []
+    for ids, seg, labels in zip(*_packs(read_indexed, tmp_path / "p")):
+        for j in range(1, int(seg.max()) + 1):
+            s = seg == j
+            trained.append(tok.decode(ids[s][labels[s] != -100]))
+            assert "<|im_start|>assistant\nhello friend<|im_end|>" in tok.decode(ids[s][labels[s] == -100])
+    expected = [f"{kind} answer {i}<|im_end|>" for i in range(6) for kind in ("good", "bad")]
+    assert sorted(trained) == sorted(expected)

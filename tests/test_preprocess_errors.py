@@ -1,10 +1,14 @@
 """Bad input: a clear ``error: ...`` naming file, row and field, exit code 2, and no files left behind."""
 import json
+import os
 import shutil
 
 import pytest
 
 from mindspeed_pack.data import toy
+from tests.chat_corpus import TEMPLATES
+
+CHATML_JINJA = str(TEMPLATES / "qwen2_5.jinja")  # --prompt-type hf rows below: Qwen2.5's own template
 
 
 def _assert_failed_cleanly(result, out_dir, *needles):
@@ -156,3 +160,44 @@ def test_failed_rebuild_keeps_previous_complete_output(tmp_path, run_preprocess,
     code, _, err = run_preprocess(**_flags(alpaca_file, out))
     assert code == 2 and "a.jsonl: line 21" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_row_errors_name_the_location_once_and_what_a_message_lacks(tmp_path, run_preprocess, toy_tokenizer_dir):
+    """The hf path's row errors name file and line once; a rejected answer given as a message without text says
+    so (not "missing"), and one that carries tool calls is refused rather than trained without them."""
+    rows = [{"instruction": "a", "output": "b"}, {"instruction": "a"}]
+    data = toy.write_dataset(tmp_path / "a.jsonl", rows)
+    out = tmp_path / "out"
+    code, _, err = run_preprocess(**_flags(data, out, prompt_type="hf", chat_template=CHATML_JINJA))
+    _assert_failed_cleanly((code, "", err), out, f"{data}: line 2: missing field 'output'")
+    assert err.count(f"{data}: line 2") == 1, err
+    pair = {"conversations": [{"from": "human", "value": "q"}], "chosen": {"from": "gpt", "value": "a"},
+            "rejected": {"from": "gpt"}}
+    called = dict(pair, rejected={"from": "gpt", "value": "", "tool_calls": [{"name": "f", "arguments": {}}]})
+    for row, needle in ((pair, "field 'rejected' (--map-keys rejected) is a message with no text in 'value' "
+                                "(--map-keys content_tag); the message has: from"),
+                        (called, "field 'rejected' (--map-keys rejected) has 'tool_calls', which a preference answer "
+                                  "cannot carry (refused, not dropped)")):
+        for prompt_type in ("qwen", "hf"):
+            data = toy.write_dataset(tmp_path / "p.jsonl", [row])
+            extra = {"chat_template": CHATML_JINJA} if prompt_type == "hf" else {}
+            result = run_preprocess(**_flags(data, out, prompt_type=prompt_type,
+                                             handler_name="SharegptStylePairwiseHandler", **extra))
+            _assert_failed_cleanly(result, out, f"{data}: line 1: {needle}")
+
+
+def test_preprocessing_prints_no_megatron_kernel_warnings(tmp_path, toy_alpaca_rows, toy_tokenizer_dir):
+    """A fresh preprocessing process imports megatron-core only to write indexed datasets: none of its Transformer
+    Engine/Apex fallback warnings (they concern training kernels) reach the user."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = toy.write_dataset(tmp_path / "a.jsonl", toy_alpaca_rows[:5])
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "preprocess_data.py"), "--input", str(data), "--output-prefix",
+                           str(tmp_path / "o"), "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--prompt-type",
+                           "qwen", "--seq-length", "128", "--pack", "--neat-pack"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr
+    assert "packs " in proc.stdout and proc.stderr.strip() == "", proc.stderr

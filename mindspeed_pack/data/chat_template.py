@@ -23,15 +23,18 @@ assistant turn exactly once, each in exactly the context inference shows
 (``reasoning_history="split"``). ``"keep"`` instead trains one sample in which every turn is
 rendered as the template renders a final turn (earlier reasoning kept): one sample, but its
 history differs from what the template shows at inference. It assumes the template's rewrite
-of an earlier turn deletes text (as Qwen3, GLM-4 and Phi-3.5 do).
+of an earlier turn deletes text (as Qwen3, GLM-4 and Phi-3.5 do), from any number of turns at once,
+and refuses a row whose history it cannot read so.
 
 A turn whose ``P_k`` is not a prefix of ``F_k`` (the template renders the turn differently from
 what follows its own generation prompt, e.g. DeepSeek-R1's ``<think>\\n`` prompt against a
 render that drops the reasoning) cannot be trained without shifting its mask: such rows are
 refused with a :class:`RowError` naming the turn, never trained on a guess. So are rows the
 template cannot render (probed once: tool schemas, calls, results, reasoning) or whose render
-drops a call or a reasoning trace; the handler also refuses a turn that starts or ends inside a
-token of the sample (checked on the tokenizer's offsets).
+drops a call or a reasoning trace (a tool-call turn whose *text* the template leaves out, as
+Llama 3.1 does, is written as rendered and counted in ``SamplePlan.text_dropped``); the handler also refuses a turn that starts or ends inside a
+token of the sample (checked on the tokenizer's offsets, or as token sequences where a tokenizer
+drops characters and its offsets cannot tell).
 """
 from __future__ import annotations
 
@@ -56,8 +59,10 @@ REASON_NOT_PREFIX = "template renders a turn differently after its generation pr
 REASON_REASONING = "reasoning the template drops"
 REASON_RENDER = "template raised an error"
 REASON_DROPPED = "template drops a tool call or reasoning"
-REASON_TRUNCATED = "assistant turn longer than --seq-length"
 REASON_TOKEN_BOUNDARY = "turn boundary inside a token"
+REASON_KEEP = "history --reasoning-history keep cannot rebuild"
+# written, but warned and counted (statistics.notes)
+NOTE_TEXT_DROPPED = "tool-call turns whose text the template drops"
 
 
 def load_chat_template(tokenizer_hf, path: Optional[str]) -> tuple[str, str]:
@@ -104,6 +109,7 @@ class SamplePlan:
     text: str
     turns: list = field(default_factory=list)  # (message index, start char, trained end char) per trained turn
     trained: list = field(default_factory=list)  # trained char spans [start, end)
+    text_dropped: list = field(default_factory=list)  # trained tool-call turns whose text the template leaves out
 
 
 def _lcp(a: str, b: str) -> int:
@@ -118,13 +124,17 @@ class ChatTemplate:
     """A Jinja chat template bound to a tokenizer's special tokens and pinned kwargs."""
 
     def __init__(self, source: str, special_tokens: dict, kwargs: dict, reasoning_history: str = "split",
-                 origin: str = "tokenizer"):
+                 origin: str = "tokenizer", atoms=()):
+        """``atoms``: the tokenizer's added tokens, which its encoding never splits (``keep`` aligns texts on them)."""
         if reasoning_history not in REASONING_HISTORY:
             raise PreprocessError(f"--reasoning-history must be one of {', '.join(REASONING_HISTORY)}, got {reasoning_history!r}")
         self.source, self.origin, self.reasoning_history = source, origin, reasoning_history
         self.kwargs = pinned_kwargs(source, kwargs)
         self._render_kwargs = {**special_tokens, **self.kwargs}  # kwargs win, as in apply_chat_template
         self.has_generation_markers = bool(_GENERATION_MARKER.search(source))
+        atoms = sorted((a for a in atoms if a), key=len, reverse=True)
+        self._atoms = re.compile("|".join(map(re.escape, atoms))) if atoms else None
+        self._atom_length = max(map(len, atoms), default=0)
         self._plain_kwargs = None
         self._compiled = None  # (compiled template, variables every render shares), built on first use
         self.sha256 = hashlib.sha256(source.encode("utf-8")).hexdigest()
@@ -277,8 +287,11 @@ class ChatTemplate:
             if missing:
                 raise RowError(f"assistant turn (message {k}): the chat template drops {missing[0][:60]!r} from it "
                                "(refused, not trained without it)", REASON_DROPPED)
+        dropped = {k for t, k in enumerate(turns) if _text_dropped(messages[k], fulls[t][len(prompts[t]):])}
         if self.reasoning_history == "keep":
-            return [self._keep(turns, prompts, fulls, ends)]
+            samples = [self._keep(turns, prompts, fulls, ends)]
+            samples[0].text_dropped = sorted(dropped)
+            return samples
         samples, i = [], 0
         while i < len(turns):
             j = i
@@ -289,6 +302,7 @@ class ChatTemplate:
             for t in range(i, j + 1):
                 sample.turns.append((turns[t], len(prompts[t]), ends[t]))
             sample.trained = self._trained_spans(sample.turns, marks[j] if marks else None)
+            sample.text_dropped = [turns[t] for t in range(i, j + 1) if turns[t] in dropped]
             samples.append(sample)
             i = j + 1
         return samples
@@ -300,24 +314,76 @@ class ChatTemplate:
         return [(s, e) for s, e in (marked or []) if any(s < end and e > start for _, start, end in turns)]
 
     def _keep(self, turns, prompts, fulls, ends) -> SamplePlan:
-        """One sample: each turn as rendered last, joined by what the template puts between turns."""
-        text = fulls[0]
-        sample = SamplePlan(text, [(turns[0], len(prompts[0]), ends[0])])
+        """One sample: each turn as rendered last, joined by what the template puts between turns.
+
+        The sample is built of pieces: the first turn's render ``fulls[0]``, then per turn what precedes it
+        and the turn as rendered last. ``prompts[t]`` shows the earlier pieces as history, where the template
+        may have deleted text from any number of them at once (Qwen3 the ``<think>`` blocks of every turn
+        before a new query, GLM-4 the traces inside them, Phi-3.5 each final EOS). Each piece is found there
+        in order, with at most one block deleted and never its head; what follows the last one is what the
+        template puts before turn ``t``. A prompt that cannot be read so is refused, never guessed."""
+        pieces = [fulls[0]]
+        sample = SamplePlan(fulls[0], [(turns[0], len(prompts[0]), ends[0])])
         for t in range(1, len(turns)):
-            prev, prompt = fulls[t - 1], prompts[t]
-            if prompt.startswith(prev):
-                between = prompt[len(prev):]
-            else:  # the template rewrote turn t-1 in the history by deleting text from it (Qwen3 its
-                # <think> block, GLM-4 the trace inside it, Phi-3.5 its final EOS): the longest tail of the
-                # turn as rendered last that follows the common prefix in the history ends the turn there
-                c = _lcp(prev, prompt)
-                j = next(j for j in range(c, len(prev) + 1) if prompt.startswith(prev[j:], c))
-                between = prompt[c + len(prev) - j:]
+            prompt, at = prompts[t], 0
+            for piece in pieces:
+                at = self._after_history_form(piece, prompt, at)
+                if at is None:
+                    raise RowError(f"assistant turn (message {turns[t]}): the template rewrites the history before it "
+                                   "in more than deleting text, so --reasoning-history keep cannot tell what comes "
+                                   "between the turns; use --reasoning-history split", REASON_KEEP)
+            between, turn = prompt[at:], fulls[t][len(prompt):]
             base = len(sample.text) + len(between) - len(prompt)
-            sample.text += between + fulls[t][len(prompt):]
+            sample.text += between + turn
             sample.turns.append((turns[t], base + len(prompt), base + ends[t]))
+            pieces.append(between + turn)
         sample.trained = [(start, end) for _, start, end in sample.turns if end > start]
         return sample
+
+    def _after_history_form(self, piece: str, text: str, at: int) -> Optional[int]:
+        """Where ``piece``, with at most one block deleted (not its head), ends in ``text`` from ``at``; None when it
+        is not there. The kept head is the longest common prefix and the kept tail the longest rest of the piece
+        that follows it, neither cut inside a token that never splits (``<|endoftext|>`` against ``<|user|>``
+        share ``<|``, which is no common text)."""
+        a = _lcp(piece, text[at:at + len(piece)])
+        while True:  # back off to a boundary of the atoms in both texts
+            in_piece, in_text = self._atom_start(piece, a), self._atom_start(text, at + a, at)
+            if in_piece is None and in_text is None:
+                break
+            a = in_piece if in_text is None else in_text - at if in_piece is None else min(in_piece, in_text - at)
+        if a == len(piece):
+            return at + a
+        if a == 0:
+            return None
+        resume = at + a
+        b = a + 1
+        while b < len(piece) and resume < len(text):
+            b = piece.find(text[resume], b)
+            if b < 0:
+                break
+            if self._atom_start(piece, b) is None and text.startswith(piece[b:], resume):
+                return resume + len(piece) - b
+            b += 1
+        return resume  # the whole rest of the piece deleted (Phi-3.5's final EOS)
+
+    def _atom_start(self, text: str, pos: int, floor: int = 0) -> Optional[int]:
+        """The start of the atom (a token that never splits) that ``pos`` falls strictly inside, if any."""
+        if self._atoms is None or pos <= floor:
+            return None
+        lo = max(floor, pos - self._atom_length + 1)
+        for m in self._atoms.finditer(text, lo, pos + self._atom_length):
+            if m.start() < pos < m.end():
+                return m.start()
+            if m.start() >= pos:
+                break
+        return None
+
+
+def _text_dropped(message: dict, render: str) -> bool:
+    """Whether a tool-call turn's text is missing from its render: Llama 3.1/3.2 write only the call, as
+    ``apply_chat_template`` does. Written so (it is what inference shows), warned and counted."""
+    text = (message.get("content") or "").strip()
+    return bool(message.get("tool_calls") and text and text not in render)
 
 
 def fold_reasoning(reasoning: str, content: str) -> str:

@@ -26,6 +26,12 @@ class RowError(PreprocessError):
     def __reduce__(self):  # raised in a worker process, re-raised in the main one
         return type(self), (str(self), self.reason)
 
+    def at(self, where: str) -> "RowError":
+        """This error prefixed with the row's location ``where``, once: a nested reader may have named it already."""
+        if str(self).startswith(f"{where}: "):
+            return self
+        return RowError(f"{where}: {self}", self.reason)
+
 
 SKIP_BAD_ROWS_HINT = "pass --skip-bad-rows to skip such rows and count them by reason"
 # RowError reasons of the readers and handlers

@@ -9,7 +9,10 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
   human/gpt/observation/function_call and an optional leading system message (or a
   ``system`` column). OpenAI-style ``{"role", "content"}`` with user/assistant works with
   ``--map-keys '{"role_tag": "role", "content_tag": "content", "user_tag": "user",
-  "assistant_tag": "assistant"}'`` (or the short keys ``role/content/user/assistant``).
+  "assistant_tag": "assistant"}'`` (or the short keys ``role/content/user/assistant/tool``); an assistant
+  message's ``tool_calls`` are a function answer, consecutive ``tool`` results one observation turn where
+  the template joins them (``templates.py``), and reasoning (``reasoning_content``) is refused: no JSON
+  template writes it.
 * ``GeneralPretrainHandler``: the ``text`` column, tokenized whole, BOS first when the
   tokenizer adds one (Llama's ``add_bos_token``, as Megatron-LM's and MindSpeed-LLM's
   preprocessing write it; ``--add-bos``/``--no-add-bos`` override), EOS appended with
@@ -18,8 +21,9 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
 Both instruction handlers read an optional ``tools`` column. Under ``--prompt-type hf`` a row
 becomes OpenAI-style messages (``chat_messages.py``: tool calls, tool results, reasoning) rendered
 by the model's own chat template (``chat_template.py``), possibly as several samples; rows it
-cannot render are refused with a ``RowError``. The budget rules below are the JSON templates';
-under ``hf`` a sample whose trained tokens would be cut by ``seq_length`` is refused instead.
+cannot render are refused with a ``RowError``. The budget rules below are the JSON templates'; an
+``hf`` sample longer than ``seq_length`` is cut at its end (each sample of a row on its own), the
+turn that crosses the cut trained up to it, and counted as truncated like the JSON templates' samples.
 
 Instruction samples are truncated to ``seq_length`` turn by turn: each turn gets the budget
 the previous turns left; when a turn does not fit, its answer keeps all of its tokens if
@@ -41,11 +45,12 @@ from typing import Optional
 import numpy as np
 
 from mindspeed_pack.data import chat_template as hf_chat
-from mindspeed_pack.data.chat_messages import parse_tools, sharegpt_messages
+from mindspeed_pack.data.chat_messages import REASONING_FIELDS, normalize_tool_calls, parse_tools, sharegpt_messages
 from mindspeed_pack.data.errors import BAD_JSON, BAD_MISSING_FIELD, BAD_ROLE, BAD_TYPE, PreprocessError, RowError
 from mindspeed_pack.data.readers import not_an_object
-from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, USER,
-                                           Template, render_turns, special_token_text)
+from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, REASON_TOOLS,
+                                           USER, Template, ToolCalls, merge_observations, render_turns,
+                                           special_token_text)
 from mindspeed_pack.data.tokenizer import TextTokenizer
 
 ALPACA = "AlpacaStyleInstructionHandler"
@@ -112,10 +117,16 @@ class EncodedChunk:
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)
     first_skipped: dict = field(default_factory=dict)  # reason -> where (and why) its first row was
+    notes: Counter = field(default_factory=Counter)  # written, but with something the template left out: warned
+    first_notes: dict = field(default_factory=dict)
 
     def skip(self, reason: str, example: str) -> None:
         self.skipped[reason] += 1
         self.first_skipped.setdefault(reason, example)
+
+    def note(self, what: str, example: str) -> None:
+        self.notes[what] += 1
+        self.first_notes.setdefault(what, example)
 
 
 class SampleEncoder:
@@ -185,20 +196,26 @@ class SampleEncoder:
         return messages, system
 
     def _sharegpt_messages(self, row, where):
+        """(role, content) messages for a JSON template. An assistant message with OpenAI ``tool_calls`` is a function
+        answer (:class:`ToolCalls`); what the template cannot write (reasoning, text beside calls where it has no
+        call format) is refused, never dropped."""
         raw = self._field(row, "messages", where, required=True, kind=list)
         system = self._field(row, "system", where, required=False)
         role_tag, content_tag = self.keys["role_tag"], self.keys["content_tag"]
         messages = []
         for n, message in enumerate(raw):
-            if not isinstance(message, dict) or role_tag not in message or content_tag not in message:
+            calls = message.get("tool_calls") if isinstance(message, dict) else None
+            if (not isinstance(message, dict) or role_tag not in message
+                    or (message.get(content_tag) is None and not calls)):
                 got = list(message) if isinstance(message, dict) else type(message).__name__
                 raise RowError(f"{where}: field {self.keys['messages']!r} message {n} must have "
                                f"{role_tag!r} and {content_tag!r} (--map-keys role_tag/content_tag), got {got}",
                                BAD_MISSING_FIELD)
-            tag, content = message[role_tag], message[content_tag]
-            if not isinstance(content, str):
+            tag, content = message[role_tag], message.get(content_tag)
+            if content is not None and not isinstance(content, str):
                 raise RowError(f"{where}: message {n} field {content_tag!r} must be a string, "
                                f"got {type(content).__name__}", BAD_TYPE)
+            self._refuse_unwritable(message, n, where, calls and tag == self.keys["assistant_tag"])
             if tag == self.keys["system_tag"]:
                 if n > 0:  # a known role in the wrong place: the row is unusable (a skip reason), not malformed
                     return SKIP_SYSTEM_NOT_FIRST, system
@@ -209,8 +226,30 @@ class SampleEncoder:
                 raise RowError(f"{where}: message {n} has unknown {role_tag!r} {tag!r}; known: {known} "
                                f"and {self.keys['system_tag']!r} as the first message "
                                "(set them with --map-keys user_tag/assistant_tag/...)", BAD_ROLE)
-            messages.append((self._role_of[tag], content))
+            if calls:
+                try:
+                    calls = normalize_tool_calls(calls, f"message {n}")
+                except RowError as exc:
+                    raise exc.at(where) from None
+                messages.append((FUNCTION, ToolCalls(content or "", tuple(calls))))
+            else:
+                messages.append((self._role_of[tag], content))
         return messages, system
+
+    def _refuse_unwritable(self, message: dict, n: int, where: str, calls_allowed: bool) -> None:
+        """RowError for what a message holds that this JSON template would drop."""
+        name = self.template.name
+        reasoning = next((f for f in REASONING_FIELDS if message.get(f)), None)
+        if reasoning:
+            raise RowError(f"{where}: message {n} has {reasoning!r}, which template {name!r} does not write (refused, "
+                           "not dropped); use --prompt-type hf with a chat template that renders reasoning",
+                           hf_chat.REASON_REASONING)
+        if message.get("tool_calls") and not calls_allowed:
+            raise RowError(f"{where}: message {n} has 'tool_calls' but is not an assistant message "
+                           f"({self.keys['assistant_tag']!r})", BAD_TYPE)
+        if calls_allowed and message.get(self.keys["content_tag"]) and not self.template.format_tool_call:
+            raise RowError(f"{where}: message {n} has text beside its tool_calls, which template {name!r} does not "
+                           "write (refused, not dropped); use --prompt-type hf", REASON_TOOLS)
 
     def _chat_messages(self, row, where, answer: bool = True):
         """(OpenAI-style messages, tools) of a row, for ``--prompt-type hf``; ``answer=False``: an Alpaca row
@@ -226,7 +265,7 @@ class SampleEncoder:
                 messages = sharegpt_messages(raw, system, self.keys, self.keys["messages"])
             return messages, parse_tools(row.get(self.keys["tools"]), self.keys["tools"])
         except RowError as exc:
-            raise RowError(f"{where}: {exc}", exc.reason) from None
+            raise exc.at(where) from None
 
     def plan_chat_row(self, row: dict, where: str, texts: list):
         """(samples, None) or (None, skip reason); each sample's text is appended to ``texts``."""
@@ -250,7 +289,7 @@ class SampleEncoder:
             adapted, expected = self.chat.adapt(messages, tools)
             return self.chat.plan(adapted, tools, expected, trained)
         except RowError as exc:
-            raise RowError(f"{where}: {exc}", exc.reason) from None
+            raise exc.at(where) from None
 
     def finish_chat(self, plan, encoded: list) -> list:
         """[(ids, trained, truncated) or (None, skip reason, False)] per sample of a row (RowError on bad turns)."""
@@ -264,26 +303,36 @@ class SampleEncoder:
                 hit, head, tail = text.overlapping(s, e)
                 if not self.chat.has_generation_markers and (
                         head is None or text.token_start(head) != s or text.token_end(tail) != e):
-                    raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, so "
-                                   "its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
+                    hit = self._span_by_tokens(sample.text, ids, s, e)
+                    if hit is None:
+                        raise RowError(f"{where}: a trained span (characters {s}-{e}) starts or ends inside a token, "
+                                       "so its prompt is not a token prefix of the sample", hf_chat.REASON_TOKEN_BOUNDARY)
                 trained[hit] = 1
             for message, start, end in sample.turns:
-                if end > start and not text.starts_token(start):
+                if end > start and not text.starts_token(start) and self._token_prefix(sample.text, ids, start) is None:
                     raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
                                    f"{start}): its generation prompt is not a token prefix of the sample",
                                    hf_chat.REASON_TOKEN_BOUNDARY)
-            truncated = False
-            if self.seq_length is not None and len(ids) > self.seq_length:
-                if trained[self.seq_length:].any():
-                    starts = text.offsets[:, 0]
-                    first = next((m for m, _, e in sample.turns if np.searchsorted(starts, e) > self.seq_length),
-                                 sample.turns[-1][0])
-                    raise RowError(f"{where}: assistant turn (message {first}) would be truncated at --seq-length "
-                                   f"{self.seq_length} (the sample needs {len(ids)} tokens)", hf_chat.REASON_TRUNCATED)
-                ids, trained, truncated = ids[:self.seq_length], trained[:self.seq_length], True
+            truncated = self.seq_length is not None and len(ids) > self.seq_length
+            if truncated:  # the project's rule, per sample: cut at --seq-length and count it
+                ids, trained = ids[:self.seq_length], trained[:self.seq_length]
             trained[0] = 0  # no label crosses into a sample from the one before it
             out.append(((ids, trained), None, truncated) if trained.any() else (None, SKIP_NO_TRAINABLE, truncated))
         return out
+
+    def _token_prefix(self, text: str, ids: np.ndarray, pos: int) -> Optional[int]:
+        """How many tokens ``text[:pos]`` encodes to, when they are the first tokens of the sample (else None).
+
+        The check that a turn starts or ends between tokens, where the offsets cannot tell: a tokenizer that
+        drops whitespace (WordPiece) gives an answer ``"  leading spaces"`` no token starting at its first
+        character, yet the prompt's tokens are exactly the sample's first ones."""
+        prefix = self.tokenizer.encode(text[:pos])
+        return len(prefix) if np.array_equal(ids[:len(prefix)], prefix) else None
+
+    def _span_by_tokens(self, text: str, ids: np.ndarray, s: int, e: int) -> Optional[slice]:
+        """The tokens of the span ``[s, e)`` compared as token sequences (:meth:`_token_prefix`), or None."""
+        lo, hi = self._token_prefix(text, ids, s), self._token_prefix(text, ids, e)
+        return None if lo is None or hi is None or hi < lo else slice(lo, hi)
 
     def _bad_row(self, exc: RowError, chunk: "EncodedChunk") -> None:
         """A malformed row met while encoding a chunk: the row policy of ``errors.py`` (stop, or
@@ -311,12 +360,14 @@ class SampleEncoder:
             except RowError as exc:
                 self._bad_row(exc, chunk)
                 continue
-            for sample, skip, truncated in finished:
+            for (plan_sample, _), (sample, skip, truncated) in zip(plan[1], finished):
                 chunk.truncated += int(truncated)
                 if sample is None:
                     chunk.skip(skip, where)
-                else:
-                    samples.append(sample)
+                    continue
+                samples.append(sample)
+                for message in getattr(plan_sample, "text_dropped", ()):
+                    chunk.note(hf_chat.NOTE_TEXT_DROPPED, f"{where}: message {message}")
         return samples
 
     # ---------------------------------------------------------------- messages -> ids
@@ -342,6 +393,7 @@ class SampleEncoder:
         """(plan, None) or (None, skip reason); text runs are appended to ``texts``."""
         if not messages:
             return None, SKIP_EMPTY
+        messages = merge_observations(self.template, messages)
         for i, (role, _) in enumerate(messages):
             if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
                 return None, SKIP_ROLE_ORDER
@@ -365,7 +417,7 @@ class SampleEncoder:
         try:
             return self.plan_messages(messages, system, texts, parse_tools(row.get(self.keys["tools"]), self.keys["tools"]))
         except RowError as exc:
-            raise RowError(f"{where}: {exc}", exc.reason) from None
+            raise exc.at(where) from None
 
     def finish(self, plan, encoded: list) -> tuple[Optional[tuple[list, list]], Optional[str], bool]:
         """(ids, trained) as lists, or None with a skip reason; plus whether the sample was truncated."""

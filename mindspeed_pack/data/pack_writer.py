@@ -49,6 +49,7 @@ the memory-mapped store.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -144,10 +145,17 @@ class TokenStore:
         return np.asarray(self.ids[s:e]), np.asarray(self.trained[s:e])
 
 
-def _builder(prefix: str, dtype=np.int32):
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+def indexed_dataset_module():
+    """megatron-core's ``indexed_dataset``, imported without the warnings its package prints on a machine without
+    Transformer Engine and Apex: they name training kernels, nothing that writing data uses."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
 
-    return IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+
+def _builder(prefix: str, dtype=np.int32):
+    return indexed_dataset_module().IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
 
 
 def _finalize(builders: dict, prefixes: dict) -> None:
@@ -265,9 +273,7 @@ def write_unpacked(store: TokenStore, prefixes: dict, *, progress=None) -> None:
 
 def write_text_documents(store: TokenStore, prefix: str, vocab_size: int, *, progress=None) -> None:
     """Pretraining output: one document per row, in the smallest dtype that holds the vocab."""
-    from megatron.core.datasets.indexed_dataset import DType
-
-    builder = _builder(prefix, dtype=DType.optimal_dtype(vocab_size))
+    builder = _builder(prefix, dtype=indexed_dataset_module().DType.optimal_dtype(vocab_size))
     for i in range(len(store)):
         ids, _ = store.sample(i)
         builder.add_document(ids, [len(ids)])

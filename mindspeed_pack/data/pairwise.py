@@ -7,7 +7,8 @@ Handlers (MindSpeed-LLM's names; LLaMA-Factory's ranking format):
 * ``SharegptStylePairwiseHandler``: ``conversations`` ending with the user's turn, and
   ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}`` or a string.
 
-Both samples go through the same template as supervised data. Under ``--prompt-type hf`` the
+Both samples go through the same template as supervised data; only the final answer is trained (the
+answers of a ``history`` are context, as in LLaMA-Factory). Under ``--prompt-type hf`` the
 prompt plus each answer is rendered by the model's own chat template and the trained span
 derived from the renders as for supervised data (``chat_template.py``), for the final answer only
 (earlier turns of the prompt are context): ``render(prompt + [answer])[len(render(prompt,
@@ -21,7 +22,8 @@ chosen and rejected are always neighbours in one pack, segment ``2k-1`` the chos
 
 A pair is never truncated (a one-sided cut would bias the preference): a pair longer than
 ``--seq-length`` (its padded lengths under ``--pad-to-multiple-of``) is dropped and counted,
-and so is a pair whose answers are identical (it cannot teach a preference; warned).
+and so is a pair whose answers are the same tokens once the template is applied (it cannot teach a
+preference; warned): ``"hello  "`` against ``"hello"`` under Llama 3's trimming template.
 A row without ``chosen`` or ``rejected`` is a :class:`RowError`.
 """
 from __future__ import annotations
@@ -30,11 +32,13 @@ from typing import Optional
 
 import numpy as np
 
-from mindspeed_pack.data.chat_template import REASON_TOKEN_BOUNDARY
+from mindspeed_pack.data.chat_messages import REASONING_FIELDS
+from mindspeed_pack.data.chat_template import REASON_REASONING, REASON_TOKEN_BOUNDARY
 from mindspeed_pack.data.errors import RowError
 from mindspeed_pack.data.handlers import (ALPACA, ASSISTANT, PAIRWISE_BASE, SKIP_EMPTY, SKIP_ROLE_ORDER,
                                           SampleEncoder)
 from mindspeed_pack.data.readers import not_an_object
+from mindspeed_pack.data.templates import REASON_TOOLS
 
 SKIP_TOO_LONG = "pair longer than --seq-length"
 SKIP_IDENTICAL = "identical chosen and rejected"
@@ -60,6 +64,13 @@ def pair_plan(lengths: np.ndarray, seq_length: int):
     return PackPlan(samples, 2 * np.asarray(plan.bin_offsets, dtype=np.int64), plan.capacity)
 
 
+def final_answer_only(plan: list) -> list:
+    """A conversation's turns as one: everything before the final answer is its prompt, so the answers of the
+    history are context, as under ``--prompt-type hf`` (and in LLaMA-Factory): only the pair's answers differ."""
+    prompt = [part for p, a in plan[:-1] for part in p + a] + plan[-1][0]
+    return [(prompt, plan[-1][1])]
+
+
 class PairwiseEncoder(SampleEncoder):
     """Row -> (chosen, rejected) samples; ``seq_length`` bounds the pair, never cuts it."""
 
@@ -75,14 +86,25 @@ class PairwiseEncoder(SampleEncoder):
         return self.budget is None or padded <= self.budget
 
     def _answer(self, row: dict, key: str, where: str) -> str:
-        column = self.keys[key]
+        """The ``chosen``/``rejected`` answer's text: a string, or a ShareGPT/OpenAI message holding it."""
+        column, content_tag = self.keys[key], self.keys.get("content_tag", "value")
         value = row.get(column)
-        if isinstance(value, dict):  # a ShareGPT message
-            value = value.get(self.keys.get("content_tag", "value"), value.get("content"))
+        if isinstance(value, dict):  # a message: its text, and nothing it would lose
+            for name, reason in (("tool_calls", REASON_TOOLS), *((f, REASON_REASONING) for f in REASONING_FIELDS)):
+                if value.get(name):
+                    raise RowError(f"{where}: field {column!r} (--map-keys {key}) has {name!r}, which a preference "
+                                   "answer cannot carry (refused, not dropped): give the answer as text", reason)
+            text = value.get(content_tag, value.get("content"))
+            if not isinstance(text, str):
+                got = "no text" if text is None else f"a {type(text).__name__}"
+                raise RowError(f"{where}: field {column!r} (--map-keys {key}) is a message with {got} in "
+                               f"{content_tag!r} (--map-keys content_tag); the message has: "
+                               f"{', '.join(map(str, value)) or 'no fields'}", MISSING_ANSWER)
+            return text
         if not isinstance(value, str):
-            got = "missing" if value is None else f"a {type(value).__name__}"
+            got = "missing" if column not in row else "null" if value is None else f"a {type(value).__name__}"
             raise RowError(f"{where}: field {column!r} (--map-keys {key}) must be the {key} answer (a string or a "
-                           f"message with {self.keys.get('content_tag', 'value')!r}), got {got}; "
+                           f"message with {content_tag!r}), got {got}; "
                            f"the row has: {', '.join(map(str, row)) or 'no fields'}", MISSING_ANSWER)
         return value
 
@@ -103,7 +125,7 @@ class PairwiseEncoder(SampleEncoder):
             plan, skip = self.plan_messages(prompt + [(ASSISTANT, answer)], system, texts)
             if plan is None:
                 return None, skip
-            plans.append(plan)
+            plans.append(final_answer_only(plan))
         return tuple(plans), None
 
     def plan_chat_row(self, row, where: str, texts: list):
@@ -137,6 +159,8 @@ class PairwiseEncoder(SampleEncoder):
             if sample is None:
                 return [(None, skip, False)]
         (chosen, chosen_mask), (rejected, rejected_mask) = (sample for sample, _, _ in out)
+        if np.array_equal(chosen, rejected):  # the template made the answers the same (Llama 3 trims them)
+            return [(None, SKIP_IDENTICAL, False)]
         start = int(np.argmax(chosen_mask))
         if start != int(np.argmax(rejected_mask)) or not np.array_equal(chosen[:start], rejected[:start]):
             raise RowError(f"{plan[0]}: the prompt is not the same tokens before the chosen and the rejected answer "
@@ -153,6 +177,8 @@ class PairwiseEncoder(SampleEncoder):
             if sample is None:
                 return [], skip, False
             samples.append(sample)
+        if samples[0][0] == samples[1][0]:  # the same tokens once the template is applied (Llama 3 trims answers)
+            return [], SKIP_IDENTICAL, False
         if not self._fits(samples):
             return [], SKIP_TOO_LONG, False
         return samples, None, False

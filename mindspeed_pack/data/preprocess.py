@@ -23,7 +23,9 @@ must match for a rebuild to be skipped (``--overwrite-cache`` forces it).
 Errors in the input raise :class:`PreprocessError`; ``main`` prints ``error: ...`` and exits 2.
 A malformed row (:class:`RowError`) does the same unless ``--skip-bad-rows``, which skips it
 and counts it by reason next to the unusable rows (summary and sidecar ``statistics.skipped``,
-with the first row of each reason in ``statistics.first_skipped``).
+with the first row of each reason in ``statistics.first_skipped``). What a sample is written without,
+as its template renders it (a tool-call turn's text under Llama 3.1), is warned and counted in
+``statistics.notes`` (first row in ``statistics.first_notes``).
 """
 from __future__ import annotations
 
@@ -191,7 +193,7 @@ class EncoderConfig:
         if self.handler != PRETRAIN and self.prompt_type == HF_PROMPT_TYPE:
             source, origin = hf_chat.load_chat_template(tokenizer.hf, self.chat_template)
             chat = hf_chat.ChatTemplate(source, tokenizer.hf.special_tokens_map, self.chat_template_kwargs or {},
-                                        self.reasoning_history, origin)
+                                        self.reasoning_history, origin, atoms=tuple(tokenizer.hf.get_added_vocab()))
         elif self.handler != PRETRAIN:
             template = get_template(self.prompt_type, self.templates_path)
         if pairwise.is_pairwise(self.handler):
@@ -466,7 +468,7 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
                 encoder: Optional[SampleEncoder] = None) -> dict:
     store = pack_writer.TokenStore(tmp_store, args.pad_to_multiple_of, pad_id)
     rows = truncated = trained = max_len = 0
-    skipped, first_skipped = Counter(), {}
+    skipped, first_skipped, notes, first_notes = Counter(), {}, Counter(), {}
     progress = _Progress("tokenize", "rows", args.log_interval)
     try:
         for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers, encoder):
@@ -476,6 +478,9 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
             skipped.update(chunk.skipped)
             for reason, example in chunk.first_skipped.items():
                 first_skipped.setdefault(reason, example)
+            notes.update(chunk.notes)
+            for what, example in chunk.first_notes.items():
+                first_notes.setdefault(what, example)
             trained += int(chunk.trained.sum())
             if len(chunk.lengths):
                 max_len = max(max_len, int(chunk.lengths.max()))
@@ -491,6 +496,7 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
     tokens = store.num_tokens - store.pad_tokens  # the samples' own tokens
     return {"samples_read": rows, "samples_written": len(store), "skipped": dict(sorted(skipped.items())),
             "first_skipped": dict(sorted(first_skipped.items())),
+            "notes": dict(sorted(notes.items())), "first_notes": dict(sorted(first_notes.items())),
             "truncated": truncated, "tokens": tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
             "cp_pad_tokens": store.pad_tokens, "max_sample_length": max_len,
             "mean_sample_length": round(tokens / len(store), 2), "_store": store}
@@ -554,6 +560,9 @@ def print_summary(meta: dict) -> None:
     lines += [f"  first skipped ({why}): {example}" for why, example in s.get("first_skipped", {}).items()]
     if "pairs" in s:
         lines.append(f"preference pairs {s['pairs']} (data fingerprint {s['data_fingerprint']})")
+    for what, n in s.get("notes", {}).items():
+        print(f"warning: {n} {what} (written as the template renders them, as apply_chat_template does; "
+              f"first: {s['first_notes'][what]})", file=sys.stderr)
     if s["skipped"].get(pairwise.SKIP_IDENTICAL):
         print(f"warning: {s['skipped'][pairwise.SKIP_IDENTICAL]} rows with identical chosen and rejected answers "
               "skipped (they teach no preference)", file=sys.stderr)

@@ -12,10 +12,12 @@ line and byte offset. An empty CSV file holds no rows (like an empty JSON-lines 
 
 The main process only cuts the input into chunks; rows are materialised (JSON parsed, Arrow
 batches converted) by the worker that encodes them, so parsing scales with ``--workers``.
-Every row carries its location, ``"FILE: line N"`` for line formats and ``"FILE: row N"``
-otherwise (1-based), for error messages. A line that is not valid JSON comes as its
-:class:`RowError` in place of the row, so the row policy (stop, or ``--skip-bad-rows``)
-decides where it is encoded.
+Nested Parquet/Arrow columns (messages, tool schemas, arguments) are read without the null
+fields a struct column adds for keys other rows have (:func:`without_merged_keys`), so a Parquet
+file gives the same rows as the JSON lines it was written from. Every row carries its location,
+``"FILE: line N"`` for line formats and ``"FILE: row N"`` otherwise (1-based), for error messages.
+A line that is not valid JSON comes as its :class:`RowError` in place of the row, so the row
+policy (stop, or ``--skip-bad-rows``) decides where it is encoded.
 """
 from __future__ import annotations
 
@@ -266,5 +268,37 @@ def chunk_rows(chunk: Chunk) -> Iterator[tuple[str, Any]]:
         for n, row in enumerate(chunk.payload, chunk.first):
             yield f"{chunk.file}: row {n}", row
     else:
+        nested = [name for name, kind in zip(chunk.payload.schema.names, chunk.payload.schema.types) if _has_struct(kind)]
         for n, row in enumerate(chunk.payload.to_pylist(), chunk.first):
+            for name in nested:
+                row[name] = without_merged_keys(row[name])
             yield f"{chunk.file}: row {n}", row
+
+
+def _has_struct(kind) -> bool:
+    """Whether an Arrow type holds a struct at any depth (lists of messages, tool schemas, arguments)."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(kind):
+        return True
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _has_struct(kind.value_type)
+    if pa.types.is_map(kind):
+        return _has_struct(kind.key_type) or _has_struct(kind.item_type)
+    return False
+
+
+def without_merged_keys(value):
+    """A nested value read from Parquet/Arrow without its null struct fields.
+
+    An Arrow struct column has the union of every row's keys: writing ``{"city": "Paris"}`` and
+    ``{"tz": "CET"}`` gives both rows ``city`` and ``tz``, null where a row had none. Read back as
+    they are, tool arguments and schemas would gain keys their rows never had (``"tz": null``) and
+    render differently from the same rows in JSON. A null field is therefore read as an absent
+    key (an explicit ``null`` in the source cannot be told apart from it: put such data in JSON
+    lines, or a JSON string column, to keep it)."""
+    if isinstance(value, dict):
+        return {k: without_merged_keys(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_merged_keys(v) for v in value]
+    return value

@@ -21,10 +21,14 @@ turn (untrained), so a sample ends on its EOS ``<|im_end|>`` (trained). A 2-turn
 
 (``[...]`` trained). Tools, where a template has ``format_tools``: a row's tool schemas go into
 the system prompt (``{{content}}`` = the system text, ``{{tools}}`` = each schema as one JSON line
-after a newline), and a ``function`` message's calls (a ``{"name", "arguments"}`` object or a list
-of them) are written with ``format_tool_call`` (``{{name}}``, ``{{arguments}}`` as JSON) joined by
-``tool_call_separator``, which is what Qwen2.5's official template renders. A template without
-``format_tools`` refuses rows with tools (:class:`RowError`): they are never silently dropped.
+after a newline). An assistant message that calls tools (a ShareGPT ``function_call`` message, or
+OpenAI ``tool_calls``, read as :class:`ToolCalls`) is a ``function`` answer: its text, then each call
+written with ``format_tool_call`` (``{{name}}``, ``{{arguments}}`` as JSON), joined by
+``tool_call_separator``; consecutive tool results are one observation turn, joined by
+``observation_separator``. That is what Qwen2.5's official template renders. A template without
+``format_tools`` refuses rows with tools, one without ``format_tool_call`` writes the calls as
+LLaMA-Factory's JSON and refuses text beside them, and no JSON template writes reasoning: such rows
+are refused (:class:`RowError`), never silently dropped.
 ``qwen`` keeps MindSpeed-LLM's default system prompt "You are a helpful
 assistant."; ``qwen2_5`` uses the one Qwen2.5's own template inserts.
 """
@@ -46,10 +50,22 @@ USER, ASSISTANT, OBSERVATION, FUNCTION = "user", "assistant", "observation", "fu
 PROMPT_ROLES = (USER, OBSERVATION)
 ANSWER_ROLES = (ASSISTANT, FUNCTION)
 _SPECIAL_SLOTS = ("eos_token", "bos_token")
-_TOOL_FIELDS = ("format_tools", "format_tool_call", "tool_call_separator")
+_TOOL_FIELDS = ("format_tools", "format_tool_call", "tool_call_separator", "observation_separator")
 REASON_TOOLS = "tools the template cannot render"
 _FIELDS = ("format_prefix", "format_system", "format_user", "format_assistant", "format_observation",
            "format_function", "format_separator")
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """The content of an assistant message that calls tools: its text and its calls
+    (``{"type": "function", "function": {"name", "arguments"}}``, as ``chat_messages.normalize_tool_calls`` gives)."""
+
+    text: str
+    calls: tuple
+
+    def stripped(self) -> "ToolCalls":
+        return ToolCalls(self.text.strip(), self.calls)
 
 
 @dataclass(frozen=True)
@@ -68,7 +84,8 @@ class Template:
     system_in_first_user: bool = False  # llama2: the system block sits inside the first [INST]
     format_tools: str = ""  # the system prompt when a row has tools ({{content}}, {{tools}}); "": tools refused
     format_tool_call: str = ""  # one call of a function message ({{name}}, {{arguments}}); "": the content as is
-    tool_call_separator: str = "\n"
+    tool_call_separator: str = "\n"  # between a function message's text and its calls, and between calls
+    observation_separator: str = ""  # joins consecutive tool results into one turn; "": they are out of order
     trim_content: bool = False  # strip whitespace around every message's text (Llama 3's "| trim")
     definition: dict = field(default_factory=dict, compare=False)
 
@@ -174,17 +191,41 @@ def tools_system(template: Template, system: str, tools: list) -> str:
     return re.sub(r"\{\{(content|tools)\}\}", lambda m: system if m.group(1) == "content" else listing, template.format_tools)
 
 
-def format_function(template: Template, content: str) -> str:
-    """A function message's text: its calls in the template's format (the content unchanged without one)."""
-    if not template.format_tool_call:
+def _arguments_object(call: dict):
+    args = call["function"]["arguments"]
+    return json.loads(args) if isinstance(args, str) else args  # strings were checked to parse when read
+
+
+def format_function(template: Template, content) -> str:
+    """A function message's text: a ShareGPT ``function_call`` value (JSON text) or :class:`ToolCalls`, its calls in
+    the template's format. Without ``format_tool_call``: the JSON text unchanged, and OpenAI calls as that JSON."""
+    if isinstance(content, ToolCalls):
+        text, calls = content.text, content.calls
+    elif not template.format_tool_call:
         return content
-    calls = []
-    for call in function_call_content(content, "function_call message"):
-        args = call["function"]["arguments"]
-        args = json.loads(args) if isinstance(args, str) else args
-        calls.append(template.format_tool_call.replace("{{name}}", call["function"]["name"])
-                     .replace("{{arguments}}", json.dumps(args, ensure_ascii=False)))
-    return template.tool_call_separator.join(calls)
+    else:
+        text, calls = "", function_call_content(content, "function_call message")
+    if not template.format_tool_call:
+        assert not text, "text beside tool calls is refused when the row is read"
+        calls = [{"name": c["function"]["name"], "arguments": _arguments_object(c)} for c in calls]
+        return json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+    written = [template.format_tool_call.replace("{{name}}", call["function"]["name"])
+               .replace("{{arguments}}", json.dumps(_arguments_object(call), ensure_ascii=False)) for call in calls]
+    return template.tool_call_separator.join(([text] if text else []) + written)
+
+
+def merge_observations(template: Template, messages: list) -> list:
+    """Consecutive tool results as one observation turn joined by ``observation_separator`` (Qwen writes the
+    results of parallel calls in one user turn); unchanged for a template without one."""
+    if not template.observation_separator:
+        return messages
+    out = []
+    for role, content in messages:
+        if role == OBSERVATION and out and out[-1][0] == OBSERVATION:
+            out[-1] = (OBSERVATION, out[-1][1] + template.observation_separator + content)
+        else:
+            out.append((role, content))
+    return out
 
 
 def render_turns(template: Template, messages: list[tuple[str, str]], system: Optional[str],
@@ -197,7 +238,8 @@ def render_turns(template: Template, messages: list[tuple[str, str]], system: Op
     """
     system = system or template.default_system
     if template.trim_content:
-        system, messages = system.strip(), [(role, content.strip()) for role, content in messages]
+        system, messages = system.strip(), [(role, content.strip() if isinstance(content, str) else content.stripped())
+                                            for role, content in messages]
     if tools:
         system = tools_system(template, system, tools)
     turns = []
