@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from mindspeed_pack.model import lora
 from mindspeed_pack.model.moe import moe_config_kwargs
 from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
 from mindspeed_pack.model.spec import layer_spec, resolve_backend
@@ -115,6 +116,9 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
     backend = resolve_backend(getattr(args, "attention_backend", "auto"))
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)
+    adapters = lora.settings_from_args(args)
+    if adapters:  # LoRA: the targeted linears of the spec carry adapters, the rest is frozen
+        spec = lora.adapt_layer_spec(spec, adapters)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -132,5 +136,7 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
     )
     if model.position_embedding_type == "rope":
         scale_rotary_embedding(model, args)
+    if adapters:
+        lora.freeze_base(model)
     model.attention_backend = backend
     return model
