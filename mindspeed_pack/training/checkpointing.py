@@ -35,6 +35,7 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack import faults
 from mindspeed_pack.convert.model_specs import training_model_args
+from mindspeed_pack.model import lora
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.checkpoint_ranks import is_shard_writer, rank_dir_name_here, tp_pp_ranks
 from mindspeed_pack.training.errors import CheckpointError, all_ranks_ok
@@ -144,6 +145,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         "args": training_model_args(args),
         "model": layout.model_state_for_save(model[0]),
     }
+    state.update(lora.checkpoint_entries(args, state["model"]))  # LoRA: the adapters only, and their base
     if not args.no_save_optim:
         state["optimizer"] = optimizer.state_dict()
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -249,8 +251,13 @@ def _read_rank_file(args, root: str, it_dir: str, saved_ep: int) -> tuple:
 
 
 def _check_shapes(path: str, module, state: dict, saved_args: dict, args) -> None:
+    # a LoRA run's checkpoint holds its adapters only, a base model none
+    adapters = lora.holds_adapters(state)
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
-                and not k.endswith("_extra_state")}
+                and not k.endswith("_extra_state") and lora.is_adapter_name(k) == adapters}
+    if adapters and not expected:
+        raise CheckpointError(f"{path}: holds LoRA adapters only (a LoRA run's --save): pass their base as --load, "
+                              "this checkpoint as --lora-load, and the LoRA flags they were trained with")
     differing = [k for k in SHAPE_ARGS if saved_args.get(k) is not None and getattr(args, k, None) is not None
                  and saved_args[k] != getattr(args, k)]
     flags = ", ".join(f"{k}: checkpoint {saved_args[k]}, flags {getattr(args, k)}" for k in differing)
