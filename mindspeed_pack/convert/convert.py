@@ -507,7 +507,9 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str =
             for d in (hf_dir, tok_dir):
                 if os.path.isfile(os.path.join(d, hf_io.GENERATION_CONFIG)):
                     hf_io.copy_files(d, [hf_io.GENERATION_CONFIG], tmp)
-            hf_io.copy_files(tok_dir, hf_io.tokenizer_files(tok_dir), tmp)
+            tokenizer = hf_io.tokenizer_files(tokenizer_dir) if tokenizer_dir else \
+                [f for f in hf_io.TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]  # the base's, if any
+            hf_io.copy_files(tok_dir, tokenizer, tmp)
     log.info("wrote HF model %s: %s with the LoRA adapters of %s merged", save_dir, hf_dir, lora_dir)
 
 
