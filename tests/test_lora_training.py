@@ -1,8 +1,8 @@
-"""LoRA end to end (posttrain.py, pretrain_gpt.py; multi-process): TP2 x PP2 and CP2 x TP2 + SP train
-exactly as TP1 and their saved adapter shards export the same PEFT adapters; DPO's reference is the
-base with the adapters off (step 1 is log 2) and a resume is exact; pretraining and GRPO train the
-adapters only. The single-process guarantees (PEFT's math, frozen base, exports, errors) are in
-``test_lora.py``."""
+"""LoRA end to end (posttrain.py, pretrain_gpt.py; multi-process): TP2 x PP2 and CP2 x TP2 + SP (with the
+distributed optimizer) train exactly as TP1 and their saved adapter shards export the same PEFT adapters;
+DPO's reference is the base with the adapters off (step 1 is log 2) and a resume is exact; pretraining
+and GRPO train the adapters only. The single-process guarantees (PEFT's math, frozen base, exports,
+errors) are in ``test_lora.py``."""
 import math
 import os
 
@@ -63,7 +63,8 @@ def tp1(setup):
 
 @pytest.mark.parametrize("name,flags", [
     ("tp2pp2", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    ("cp2tp2sp", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("cp2tp2sp", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  "--use-distributed-optimizer"]),
 ])
 def test_layouts_train_as_tp1_and_their_shards_export_the_same_adapters(setup, tp1, name, flags):
     save = str(setup["root"] / name)

@@ -5,7 +5,8 @@ Canonical adapter tensors (full, global layer ids) are the model's own parameter
 ``...lora_B.{p}`` ``[out_p, r]``, one pair per Hugging Face projection ``p``, B's rows in HF order.
 The PEFT export is therefore a renaming through the weight map's module names::
 
-    decoder.layers.3.self_attention.linear_qkv.lora_B.k_proj  <->  base_model.model.model.layers.3.self_attn.k_proj.lora_B.weight
+    decoder.layers.3.self_attention.linear_qkv.lora_B.k_proj
+        <->  base_model.model.model.layers.3.self_attn.k_proj.lora_B.weight
 
 and a merged model adds ``scale * B @ A`` to each adapted projection's HF weight (computed in fp32).
 

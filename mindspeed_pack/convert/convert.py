@@ -475,6 +475,10 @@ def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", b
     tensors = {}
     for layer in range(source.args.num_layers):
         tensors.update(lora_map.split_adapters(source.unit(layer))[1])
+    if getattr(source.args, "num_experts", None) and any(".mlp." in k for k in tensors):
+        log.warning("%s: MoE model with adapters on dense layers' MLPs: peft (0.21, transformers 5) re-targets "
+                    "gate_proj/up_proj/down_proj of MoE families to the fused experts and skips them; merge instead "
+                    "(--lora-merge), or adapt only linear_qkv linear_proj on MoE models", save_dir)
     with staged_output(save_dir) as tmp:
         lora_map.write_peft_dir(tmp, tensors, source.lora, base_model, dtype)
     log.info("wrote PEFT adapter %s (%d tensors, r=%d, base %s)", save_dir, len(tensors), source.lora["r"],

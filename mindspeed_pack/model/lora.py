@@ -153,8 +153,8 @@ class _LoRALinear:
         widths = dict(self.lora_layout)
         for p in self.lora_parts:
             a = torch.nn.Parameter(torch.empty(lora.r, in_local, dtype=dtype))
-            bound = 1.0 / math.sqrt(input_size)  # PEFT's kaiming_uniform(a=sqrt(5)); redrawn layout-free at training start
-            torch.nn.init.uniform_(a, -bound, bound)
+            bound = 1.0 / math.sqrt(input_size)  # PEFT's kaiming_uniform(a=sqrt(5)); the trainer redraws it
+            torch.nn.init.uniform_(a, -bound, bound)  # the same at every layout (init_weights.py)
             b = torch.nn.Parameter(torch.zeros(widths[p] if self.lora_column else output_size, lora.r, dtype=dtype))
             split, replicated = (b, a) if self.lora_column else (a, b)
             set_tensor_model_parallel_attributes(split, True, 0 if self.lora_column else 1, 1)
@@ -179,12 +179,13 @@ class _LoRALinear:
         a = torch.cat([self.lora_A[p] for p in self.lora_parts]) if len(self.lora_parts) > 1 else \
             self.lora_A[self.lora_parts[0]]
         h = torch.matmul(x, a.t())
+        group = ps.get_tensor_model_parallel_group()
         if self.lora_column:
-            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True) \
-                if self.lora_sequence_parallel else copy_to_tensor_model_parallel_region(h)
+            h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=group) \
+                if self.lora_sequence_parallel else copy_to_tensor_model_parallel_region(h, group=group)
         else:
-            h = reduce_scatter_to_sequence_parallel_region(h) if self.lora_sequence_parallel else \
-                reduce_from_tensor_model_parallel_region(h)
+            h = reduce_scatter_to_sequence_parallel_region(h, group=group) if self.lora_sequence_parallel else \
+                reduce_from_tensor_model_parallel_region(h, group=group)
         r = self.lora_r
         ys = {p: torch.matmul(h[..., i * r:(i + 1) * r], self.lora_B[p].t()) for i, p in enumerate(self.lora_parts)}
         return self._fused(ys, h) * self.lora_scale

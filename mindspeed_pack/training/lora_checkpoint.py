@@ -98,8 +98,10 @@ def _check_adapter_record(args) -> None:
         raise CheckpointError(f"--lora-load {root}: {path} holds no LoRA adapters (a full model's checkpoint): pass "
                               "it as --load instead")
     mine = lora.settings_from_args(args).record()
-    flags = {"r": "--lora-r", "alpha": "--lora-alpha", "targets": "--lora-target-modules", "rslora": "--lora-use-rslora"}
-    differ = [f"{flag}: checkpoint {saved.get(k)}, flags {mine[k]}" for k, flag in flags.items() if saved.get(k) != mine[k]]
+    flags = {"r": "--lora-r", "alpha": "--lora-alpha", "targets": "--lora-target-modules",
+             "rslora": "--lora-use-rslora"}
+    differ = [f"{flag}: checkpoint {saved.get(k)}, flags {mine[k]}" for k, flag in flags.items()
+              if saved.get(k) != mine[k]]
     if differ:
         raise CheckpointError(f"--lora-load {root}: the LoRA flags differ from the checkpoint's ({'; '.join(differ)}): "
                               "pass the flags it was trained with")
