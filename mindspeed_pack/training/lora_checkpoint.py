@@ -53,7 +53,8 @@ def base_record(args) -> dict:
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     digests = {k: v for part in gathered for k, v in part.items()}
-    record = {"path": os.path.abspath(args.load), "format": args.load_format, "fingerprint": adapters.combine(digests)}
+    record = {"path": os.path.abspath(args.load), "format": getattr(args, "load_format", None) or "mg",
+              "fingerprint": adapters.combine(digests)}
     log.info("LoRA base --load %s: content fingerprint %s (%d files hashed over %d ranks in %.1f s)", args.load,
              record["fingerprint"][:16], len(files), world, time.perf_counter() - start)
     return record
@@ -78,7 +79,7 @@ def _rank_record(root: str):
 
 
 def _refuse_adapters_as_base(args) -> None:
-    if args.load_format == "hf":
+    if getattr(args, "load_format", None) == "hf":
         return
     path, record = _rank_record(args.load)
     if record is not None and record.get("lora") is not None:
