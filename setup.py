@@ -45,7 +45,8 @@ setup(
     extras_require={
         # the range megatron-core 0.16.1 itself is tested with (its "dev" extra)
         "gpu": ["transformer-engine[pytorch]>=2.9.0a0,<2.12.0"],
-        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist"],
+        # peft: the LoRA tests load the PEFT export and compare against PEFT's adapters
+        "dev": ["pytest>=7", "pytest-timeout", "pytest-xdist", "peft"],
     },
     entry_points={
         "console_scripts": [

@@ -349,6 +349,22 @@ def test_qwen25_32k_cp_scripts_agree_with_each_other():
     assert data.pad_to_multiple_of == 2 * 4 * 2
 
 
+def test_qwen25_lora_recipe_adapts_the_hf_model_on_one_gpu_per_rank():
+    """The LoRA recipe: the full recipe's model, data and template, on the HF directory with adapters."""
+    lora = _qwen25("tune_qwen25_7b_4k_lora_pack.sh")
+    full = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "padded_vocab_size", "seq_length",
+                "data_path", "prompt_type", "neat_pack", "reset_position_ids", "bf16"):
+        assert getattr(lora, key) == getattr(full, key), key
+    assert (lora.lora_r, lora.lora_alpha, lora.lora_dropout) == (16, 32.0, 0.0)
+    assert lora.lora_target_modules == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert lora.load.endswith("qwen2.5-7b-instruct") and lora.save != lora.load and lora.save_hf
+    assert (lora.tensor_model_parallel_size, lora.data_parallel_size, lora.lr) == (1, 8, 1e-4)
+    assert not lora.lora_merge and lora.lora_load is None
+    one = _qwen25("tune_qwen25_7b_4k_lora_pack.sh", GPUS_PER_NODE="1", LORA_LOAD="ckpt/a", LORA_MERGE="1")
+    assert (one.data_parallel_size, one.num_micro_batches, one.lora_load, one.lora_merge) == (1, 8, "ckpt/a", True)
+
+
 def test_qwen25_training_validates_the_world_size():
     # 6 GPUs cannot hold TP 4: the world size the script computes reaches the real validation
     with pytest.raises(FlagError, match="world size 6 is not divisible by TP 4"):
@@ -397,6 +413,7 @@ def test_abbreviated_flag_fails(tmp_path, name, flag, abbreviation):
     ("tune_qwen25_7b_4k_full_pack.sh", "\"tensor_model_parallel_size\": 4"),
     ("data_convert_qwen25_instruction_pack.sh", "preprocess_data.py arguments OK"),
     ("tune_qwen25_7b_32k_full_pack_cp.sh", "\"context_parallel_size\": 2"),  # through the wrapper's exec
+    ("tune_qwen25_7b_4k_lora_pack.sh", "\"lora_r\": 16"),
     # the converters' DRY_RUN is the same parse as above in a fresh interpreter (one megatron import, ~5 s): skipped
 ])
 def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):

@@ -35,6 +35,7 @@ from typing import Dict, List, Optional
 import torch
 from tqdm import tqdm
 
+from mindspeed_pack.convert import adapters as lora_map
 from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert.model_specs import (
     MODEL_SPECS,
@@ -63,6 +64,7 @@ from mindspeed_pack.convert.weight_map import (
     MG_OUTPUT,
     expected_hf_shapes,
     hf_to_mg_unit,
+    hf_unit_shapes,
     is_ignorable_hf_tensor,
     mg_layer_prefix,
     mg_to_hf_unit,
@@ -173,6 +175,11 @@ class MegatronCheckpoint:
                 f"TP={self.tp}, PP={self.pp}, EP={self.ep} ranks")
         self.hf_config = first.get("hf_config")
         self.tokenizer = first.get("tokenizer")
+        self.lora = first.get("lora")  # a LoRA run's checkpoint: adapter settings and the base they belong to
+
+    def holds_base(self) -> bool:
+        """False for a LoRA ``--save`` (adapters only, no base weights)."""
+        return any(not lora_map.is_adapter_name(k) for k in self._file(0, 0)["model"])
 
     def _file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
         key = (tp_rank, pp_rank, ep_rank)
@@ -340,17 +347,24 @@ def megatron_to_hf(
     tokenizer_dir: Optional[str] = None,
     max_shard_bytes: int = 5 * 1024**3,
     allow_unsafe: bool = False,
+    lora_dir: Optional[str] = None,
 ) -> None:
     """Merge a Megatron checkpoint into a HF model directory (``from_pretrained``-loadable).
 
     ``model_type_hf`` defaults to the one stored in the checkpoint args. Token ids
     (bos/eos/pad) come from ``tokenizer_dir``'s config.json if present, else from the
     HF config stored at conversion; ``tokenizer_dir``'s tokenizer files and
-    generation_config.json are copied.
+    generation_config.json are copied. LoRA adapters, of the checkpoint itself (a LoRA run's
+    ``--save-hf --lora-merge``) or of the adapter checkpoint ``lora_dir``, are merged into the weights.
     """
     dtype = _dtype(params_dtype)
     check_save_dir(save_dir, load_dir)
     source = MegatronCheckpoint(load_dir, allow_unsafe)
+    if source.lora is not None and lora_dir is None and not source.holds_base():
+        raise ConversionError(f"{load_dir} holds LoRA adapters only (a LoRA run's --save): pass their base as "
+                              f"--load-dir and {load_dir} as --lora-load")
+    adapters = _adapter_checkpoint(lora_dir, allow_unsafe, source.args) if lora_dir else \
+        (source if source.lora is not None else None)
     args = source.args
     spec = get_spec(model_type_hf or args.model_type_hf)
     if spec.name != args.model_type_hf:
@@ -369,7 +383,12 @@ def megatron_to_hf(
         all_units = units(args)
         with _progress(len(all_units), f"mg->hf from TP{source.tp} PP{source.pp} EP{source.ep}") as bar:
             for unit in all_units:
-                hf = mg_to_hf_unit(unit, source.unit(unit), args, spec)
+                base, own = lora_map.split_adapters(source.unit(unit))
+                hf = mg_to_hf_unit(unit, base, args, spec)
+                if adapters is not None and unit != EMBEDDING and unit != FINAL:
+                    if adapters is not source:
+                        own = lora_map.split_adapters(adapters.unit(unit))[1]
+                    hf = lora_map.merge_into_hf(hf, own, lora_map.scale_of(adapters.lora))
                 writer.add_all({k: v.to(dtype) for k, v in hf.items()})
                 if unit != EMBEDDING and unit != FINAL:
                     stage, local = stage_of_layer(unit, args.num_layers, source.pp)
@@ -402,6 +421,9 @@ def megatron_to_megatron(
     """
     check_save_dir(save_dir, load_dir)
     source = MegatronCheckpoint(load_dir, allow_unsafe)
+    if source.lora is not None:
+        raise ConversionError(f"{load_dir} holds LoRA adapters: resharding them is not supported; export them "
+                              "(--save-model-type hf --lora-load, as PEFT adapters or merged) instead")
     args = copy.copy(source.args)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size = tp, pp, ep
     args.vocab_size = vocab_rows(source, tokenizer_dir)
@@ -426,6 +448,102 @@ def megatron_to_megatron(
         _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit,
                        f"mg TP{source.tp} PP{source.pp} EP{source.ep} -> TP{tp} PP{pp} EP{ep}")
     log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d)", save_dir, tp, pp, ep)
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+# model shape arguments the adapters and their base must share
+_ADAPTER_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                       "kv_channels")
+
+
+def _adapter_checkpoint(lora_dir: str, allow_unsafe: bool, base_args=None) -> MegatronCheckpoint:
+    """The LoRA run's adapter checkpoint ``lora_dir``, checked against the base's shape."""
+    adapters = MegatronCheckpoint(lora_dir, allow_unsafe)
+    if adapters.lora is None:
+        raise ConversionError(f"--lora-load {lora_dir}: not a LoRA checkpoint (its files hold no 'lora' record: "
+                              "a LoRA run's --save writes one)")
+    if base_args is not None:
+        differ = [f"{k}: adapters {getattr(adapters.args, k)}, base {getattr(base_args, k)}"
+                  for k in _ADAPTER_SHAPE_ARGS if getattr(adapters.args, k, None) != getattr(base_args, k, None)]
+        if differ:
+            raise ConversionError(f"--lora-load {lora_dir}: the adapters belong to a model of another shape "
+                                  f"({'; '.join(differ)})")
+    return adapters
+
+
+def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", base_model: Optional[str] = None,
+                     allow_unsafe: bool = False) -> None:
+    """A LoRA run's adapter checkpoint (any TP/PP) -> a PEFT adapter directory (``PeftModel.from_pretrained``).
+
+    ``base_model`` goes into ``adapter_config.json`` (``base_model_name_or_path``).
+    """
+    dtype = _dtype(params_dtype)
+    check_save_dir(save_dir, lora_dir)
+    source = _adapter_checkpoint(lora_dir, allow_unsafe)
+    tensors = {}
+    for layer in range(source.args.num_layers):
+        tensors.update(lora_map.split_adapters(source.unit(layer))[1])
+    if getattr(source.args, "num_experts", None) and any(".mlp." in k for k in tensors):
+        log.warning("%s: MoE model with adapters on dense layers' MLPs: peft (0.21, transformers 5) re-targets "
+                    "gate_proj/up_proj/down_proj of MoE families to the fused experts and skips them; merge instead "
+                    "(--lora-merge), or adapt only linear_qkv linear_proj on MoE models", save_dir)
+    with staged_output(save_dir) as tmp:
+        lora_map.write_peft_dir(tmp, tensors, source.lora, base_model, dtype)
+    log.info("wrote PEFT adapter %s (%d tensors, r=%d, base %s)", save_dir, len(tensors), source.lora["r"],
+             base_model)
+
+
+def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str = "fp32",
+                  tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 5 * 1024**3,
+                  allow_unsafe: bool = False) -> None:
+    """A HF base plus a LoRA run's adapters -> a HF model with the adapters merged, one unit at a time."""
+    dtype = _dtype(params_dtype)
+    check_save_dir(save_dir, hf_dir)
+    with hf_io.HFCheckpointReader(hf_dir, allow_unsafe) as reader:
+        args = args_from_hf_config(reader.config, None, 1, 1, where=os.path.join(hf_dir, hf_io.CONFIG))
+        spec = get_spec(args.model_type_hf)
+        reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
+        adapters = _adapter_checkpoint(lora_dir, allow_unsafe, args)
+        scale = lora_map.scale_of(adapters.lora)
+        config = hf_config_from_args(args, spec, _HF_DTYPE_NAMES[dtype], reader.config)
+        tok_dir = tokenizer_dir or hf_dir
+        with staged_output(save_dir) as tmp:
+            writer = hf_io.ShardedSafetensorsWriter(tmp, max_shard_bytes)
+            for unit in units(args):
+                hf = {name: reader.get(name) for name in hf_unit_shapes(unit, args, spec)}
+                if unit != EMBEDDING and unit != FINAL:
+                    hf = lora_map.merge_into_hf(hf, lora_map.split_adapters(adapters.unit(unit))[1], scale)
+                writer.add_all({k: v.to(dtype) for k, v in hf.items()})
+            writer.close()
+            config.save_pretrained(tmp)
+            for d in (hf_dir, tok_dir):
+                if os.path.isfile(os.path.join(d, hf_io.GENERATION_CONFIG)):
+                    hf_io.copy_files(d, [hf_io.GENERATION_CONFIG], tmp)
+            tokenizer = hf_io.tokenizer_files(tokenizer_dir) if tokenizer_dir else \
+                [f for f in hf_io.TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]  # the base's, if any
+            hf_io.copy_files(tok_dir, tokenizer, tmp)
+    log.info("wrote HF model %s: %s with the LoRA adapters of %s merged", save_dir, hf_dir, lora_dir)
+
+
+def lora_export(load_type: str, load_dir: str, lora_dir: str, save_dir: str, merge: bool,
+                params_dtype: str = "fp32", tokenizer_dir: Optional[str] = None,
+                max_shard_bytes: int = 5 * 1024**3, allow_unsafe: bool = False) -> None:
+    """``convert_ckpt.py --lora-load``: a LoRA run's adapters on their base (checked by content) as a PEFT
+    adapter directory, or merged into the base (``--lora-merge``, MindSpeed-LLM's converter does this)."""
+    adapters = _adapter_checkpoint(lora_dir, allow_unsafe)
+    try:
+        lora_map.check_base(adapters.lora, load_dir, lora_map.fingerprint(load_dir), f"--lora-load {lora_dir}",
+                            flag="--load-dir")
+    except (OSError, ConversionError) as e:
+        raise ConversionError(str(e)) from None
+    if not merge:
+        megatron_to_peft(lora_dir, save_dir, params_dtype, os.path.abspath(load_dir) if load_type == "hf" else None,
+                         allow_unsafe)
+    elif load_type == "hf":
+        hf_merge_lora(load_dir, lora_dir, save_dir, params_dtype, tokenizer_dir, max_shard_bytes, allow_unsafe)
+    else:
+        megatron_to_hf(load_dir, save_dir, params_dtype, tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes,
+                       allow_unsafe=allow_unsafe, lora_dir=lora_dir)
 
 
 # --------------------------------------------------------------------------- command line
@@ -457,6 +575,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
                    help="read input files that need full pickle (they can run code): only for a legacy checkpoint "
                         "you trust; refused by default")
+    p.add_argument("--lora-load", default=None, metavar="DIR",
+                   help="a LoRA run's adapter checkpoint (its --save) on the base --load-dir (hf or mg; checked by "
+                        "content): written as a PEFT adapter directory (--save-model-type hf)")
+    p.add_argument("--lora-merge", action="store_true",
+                   help="with --lora-load: write the base with the adapters merged (a transformers model) instead")
     return p
 
 
@@ -464,7 +587,16 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if args.load_model_type == "hf" and args.save_model_type == "mg":
+        if args.lora_merge and not args.lora_load:
+            raise ConversionError("--lora-merge merges the adapters of --lora-load DIR: pass it")
+        if args.lora_load and args.save_model_type != "hf":
+            raise ConversionError("--lora-load: adapters are exported to Hugging Face (--save-model-type hf: a PEFT "
+                                  "adapter directory, or merged with --lora-merge)")
+        if args.lora_load:
+            lora_export(args.load_model_type, args.load_dir, args.lora_load, args.save_dir, args.lora_merge,
+                        args.params_dtype, args.tokenizer_dir, args.max_shard_size_mb * 1024**2,
+                        args.allow_unsafe_checkpoint_load)
+        elif args.load_model_type == "hf" and args.save_model_type == "mg":
             hf_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                            args.target_pipeline_parallel_size, args.params_dtype, args.model_type_hf,
                            args.make_vocab_size_divisible_by, args.padded_vocab_size,

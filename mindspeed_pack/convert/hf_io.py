@@ -88,6 +88,12 @@ def _weight_files(model_dir: str) -> Tuple[List[str], Optional[Dict[str, str]], 
     raise ConversionError(f"{model_dir}: no *.safetensors or pytorch_model*.bin weights{hint}")
 
 
+def weight_files(model_dir: str) -> List[str]:
+    """The files that hold a HF model's weights (with its index when sharded), as the reader reads them."""
+    files, _, index_name = _weight_files(model_dir)
+    return files + ([index_name] if index_name else [])
+
+
 class _TorchBinFile:
     """A ``pytorch_model*.bin`` behind the part of safetensors' ``safe_open`` API the reader uses."""
 

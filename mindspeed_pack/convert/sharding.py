@@ -19,6 +19,9 @@ MoE experts over expert-parallel ranks          whole experts: EP rank e holds e
                                                 renumbered ``local_experts.0..n-1``
 norms, row-parallel biases, learned_absolute     replicated
 position embeddings (first stage only)
+LoRA adapters (``lora_A.<p>``, ``lora_B.<p>``)   like their linear: B by rows (dim 0) on
+                                                linear_qkv / fc1, A by columns (dim 1) on
+                                                linear_proj / fc2; the other replicated
 ==============================================  ======================================
 
 With tied embeddings and PP > 1, the last stage holds its own copy of the word
@@ -39,6 +42,7 @@ import torch
 
 from mindspeed_pack.convert.model_specs import ConversionError
 from mindspeed_pack.convert.weight_map import EMBEDDING, FINAL, MG_EMBEDDING, MG_OUTPUT, pad_vocab
+from mindspeed_pack.model.lora import ADAPTED_LINEARS, COLUMN_PARALLEL
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +52,17 @@ POSITION_EMBEDDING = "embedding.position_embeddings.weight"
 
 VOCAB, COLUMN, ROW, GLU, REPLICATED = "vocab", "column", "row", "glu", "replicated"
 
+# LoRA adapters, one A and B per projection (mindspeed_pack/model/lora.py): split like their base linear,
+# B by output rows for a column-parallel one (each projection's rows in HF order: a contiguous range per
+# rank), A by input columns for a row-parallel one; the other replicated
+_ADAPTER_RULES = tuple(
+    rule for linear, parts in ADAPTED_LINEARS.items() for p in parts
+    for rule in ((f"lora_A.{p}", REPLICATED if linear in COLUMN_PARALLEL else ROW),
+                 (f"lora_B.{p}", COLUMN if linear in COLUMN_PARALLEL else REPLICATED)))
+
 # (name suffix, how it is split); first match wins
 _RULES = (
+    *_ADAPTER_RULES,
     (MG_EMBEDDING, VOCAB),
     (MG_OUTPUT, VOCAB),
     (POSITION_EMBEDDING, REPLICATED),  # learned_absolute: a plain nn.Embedding on every TP rank

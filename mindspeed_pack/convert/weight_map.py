@@ -46,6 +46,9 @@ QK_NORMS = (("q_norm.weight", "q_layernorm.weight"), ("k_norm.weight", "k_layern
 # HF tensors that carry nothing the Megatron model needs
 IGNORABLE_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 
+# the HF module holding the projections of a megatron layer's module (LoRA adapters are per projection)
+HF_MODULE = {"self_attention": "self_attn", "mlp": "mlp"}
+
 
 def units(args) -> List[Unit]:
     return [EMBEDDING, *range(args.num_layers), FINAL]
@@ -57,6 +60,13 @@ def _hf_layer(i: int) -> str:
 
 def _mg_layer(i: int) -> str:
     return f"decoder.layers.{i}."
+
+
+def hf_projection(layer: int, mg_linear: str, projection: str) -> str:
+    """HF module of one projection fused in a megatron linear: (3, 'self_attention.linear_qkv', 'q_proj')
+    -> 'model.layers.3.self_attn.q_proj' (its weight is that name + '.weight')."""
+    owner = mg_linear.split(".")[0]
+    return f"{_hf_layer(layer)}{HF_MODULE[owner]}.{projection}"
 
 
 def hf_unit_shapes(unit: Unit, args, spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mindspeed_pack.model import compiled
+from mindspeed_pack.model import compiled, lora
 from mindspeed_pack.model.moe import moe_config_kwargs
 from mindspeed_pack.model.packed_gpt import PackedGPTModel
 from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
@@ -118,6 +118,9 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
     compiled.set_enabled(getattr(args, "torch_compile_kernels", "auto") != "off")
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)
+    adapters = lora.settings_from_args(args)
+    if adapters:  # LoRA: the targeted linears of the spec carry adapters, the rest is frozen
+        spec = lora.adapt_layer_spec(spec, adapters)
     model = PackedGPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -138,5 +141,7 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
     )
     if model.position_embedding_type == "rope":
         scale_rotary_embedding(model, args)
+    if adapters:
+        lora.freeze_base(model)
     model.attention_backend = backend
     return model

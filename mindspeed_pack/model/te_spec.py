@@ -34,3 +34,13 @@ def te_block_spec(config, vp_stage=None):
     if not HAVE_TE:
         raise RuntimeError("Transformer Engine is not importable; install the [gpu] extra on a CUDA machine")
     return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+
+
+def te_unfused_norm_and_linear():
+    """(TE's norm, TE's column-parallel linear): what replaces a fused layer-norm + linear whose input an
+    adapter must see normalised (LoRA on linear_qkv / linear_fc1)."""
+    if not HAVE_TE:
+        raise RuntimeError("Transformer Engine is not importable; install the [gpu] extra on a CUDA machine")
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+
+    return TENorm, TEColumnParallelLinear

@@ -92,7 +92,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, local_target, owned, lse = ctx.saved_tensors
         chunk = ctx.chunk
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight)
+        # a frozen output layer (LoRA) needs no weight gradient: one matmul per chunk less
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         grad_loss = grad_loss.float()
         for start in range(0, hidden.shape[0], chunk):
             end = min(hidden.shape[0], start + chunk)
@@ -101,7 +102,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = _logits_grad(_chunk_logits(h, weight, ctx.invalid_from), lse[start:end], local_target[start:end],
                              owned[start:end], grad_loss[start:end], weight)
             grad_hidden[start:end] = torch.matmul(g, weight)
-            grad_weight.addmm_(g.t(), h)
+            if grad_weight is not None:
+                grad_weight.addmm_(g.t(), h)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

@@ -17,6 +17,7 @@ import logging
 import os
 import warnings
 
+from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import padded_vocab_size
 from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
 from mindspeed_pack.platform import cuda_usable
@@ -156,6 +157,58 @@ def _check_moe_flags(args) -> None:
         log.warning("--moe-expert-capacity-factor %s: tokens over an expert's capacity are dropped, so a token's "
                     "routing depends on its pack-mates (packing changes routing); drop the flag for dropless "
                     "routing", args.moe_expert_capacity_factor)
+
+
+def _lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA (MindSpeed-LLM's flags; see mindspeed_pack/model/lora.py)")
+    g.add_argument("--lora-r", type=int, default=None,
+                   help="train LoRA adapters of this rank on the frozen --load model (default 16 when only "
+                        "--lora-target-modules is given)")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="adapter scale alpha / r (alpha / sqrt(r) with "
+                   "--lora-use-rslora)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    g.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="linears that get adapters: linear_qkv linear_proj linear_fc1 linear_fc2, or the Hugging "
+                        "Face projections q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all-linear "
+                        "(the default)")
+    g.add_argument("--lora-use-rslora", action="store_true", help="rank-stabilised scale alpha / sqrt(r)")
+    g.add_argument("--lora-load", default=None, metavar="DIR",
+                   help="a LoRA run's checkpoint (its --save: adapters, optimizer, the base's fingerprint) to resume "
+                        "from (or, with --finetune, to start from); --load is the base it was trained on")
+    g.add_argument("--lora-merge", action="store_true",
+                   help="--save-hf writes the model with the adapters merged (transformers) instead of a PEFT "
+                        "adapter directory")
+
+
+def _check_lora_flags(args) -> None:
+    """LoRA flags: on with --lora-r or --lora-target-modules; the adapted model needs its base (--load)."""
+    if args.lora_r is None and args.lora_target_modules is None:
+        given = [f for f, on in (("--lora-load", args.lora_load), ("--lora-merge", args.lora_merge),
+                                 ("--lora-use-rslora", args.lora_use_rslora)) if on]
+        if given:
+            raise ArgumentError(f"{given[0]} needs the LoRA flags the adapters were trained with: --lora-r, "
+                                "--lora-alpha, --lora-target-modules")
+        return
+    if args.lora_r is None:
+        args.lora_r = 16
+    if args.lora_r <= 0:
+        raise ArgumentError(f"--lora-r {args.lora_r}: the adapters' rank must be a positive integer")
+    if args.lora_alpha <= 0:
+        raise ArgumentError(f"--lora-alpha {args.lora_alpha} must be positive")
+    if not 0.0 <= args.lora_dropout < 1.0:
+        raise ArgumentError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    try:
+        lora.resolve_targets(args.lora_target_modules or [lora.ALL_LINEAR])
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    if not args.load:
+        raise ArgumentError("--lora-r: LoRA adapts a model: pass it (the base, a Hugging Face directory or a Megatron "
+                            "checkpoint) with --load")
+    if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
+        raise ArgumentError(f"--save {args.save} is the --load base: a LoRA run saves its adapters elsewhere (resume "
+                            "with --load BASE --lora-load SAVE_DIR)")
+    if args.lora_merge and not args.save_hf:
+        raise ArgumentError("--lora-merge chooses what --save-hf writes: pass --save-hf DIR")
 
 
 def _parallel_args(p: argparse.ArgumentParser) -> None:
@@ -334,7 +387,8 @@ def _logging_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(description: str = "mindspeed-pack training") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    for add in (_model_args, _moe_args, _parallel_args, _training_args, _data_args, _checkpoint_args, _logging_args):
+    for add in (_model_args, _moe_args, _lora_args, _parallel_args, _training_args, _data_args, _checkpoint_args,
+                _logging_args):
         add(p)
     return p
 
@@ -459,6 +513,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     _check_schedule_flags(args)
     _check_data_flags(args)
     _check_moe_flags(args)
+    _check_lora_flags(args)
     if not args.skip_train and not args.train_iters and args.stage not in ("dpo_reference", "score"):  # scoring
         raise ArgumentError("--train-iters is required (or --skip-train for evaluation only)")
     if args.skip_train and not args.eval_iters:

@@ -38,6 +38,7 @@ from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack import faults
 from mindspeed_pack.convert.model_specs import training_model_args
 from mindspeed_pack.convert.tokenizer_record import read_tokenizer_record
+from mindspeed_pack.model import lora
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training import hf_checkpoint, preflight
 from mindspeed_pack.training.checkpoint_ranks import is_shard_writer, rank_dir_name_here, tp_pp_ranks
@@ -142,6 +143,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         "tokenizer": hf_checkpoint.run_tokenizer_record(args),
         "model": layout.model_state_for_save(model[0]),
     }
+    state.update(lora.checkpoint_entries(args, state["model"]))  # LoRA: the adapters only, and their base
     if not args.no_save_optim:
         state["optimizer"] = optimizer.state_dict()
         state["opt_param_scheduler"] = scheduler.state_dict()
@@ -248,9 +250,14 @@ def _read_rank_file(args, root: str, it_dir: str, saved_ep: int) -> tuple:
 
 def _check_shapes(path: str, module, state: dict) -> None:
     """Every tensor of ``state`` has the name and shape of the model built from the flags (what the recorded
-    arguments cannot tell: checkpoints of other tools record other things)."""
+    arguments cannot tell: checkpoints of other tools record other things). A LoRA run's checkpoint holds its
+    adapters only, a base model none."""
+    adapters = lora.holds_adapters(state)
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
-                and not k.endswith("_extra_state")}
+                and not k.endswith("_extra_state") and lora.is_adapter_name(k) == adapters}
+    if adapters and not expected:
+        raise CheckpointError(f"{path}: holds LoRA adapters only (a LoRA run's --save): pass their base as --load, "
+                              "this checkpoint as --lora-load, and the LoRA flags they were trained with")
     for name, tensor in state.items():
         if name in expected and tuple(tensor.shape) != tuple(expected[name]):
             raise CheckpointError(f"{path}: tensor {name} has shape {tuple(tensor.shape)} in the checkpoint but "

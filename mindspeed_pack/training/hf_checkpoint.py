@@ -154,7 +154,9 @@ def apply_hf_flags(args, parser: argparse.ArgumentParser, argv) -> None:
                                 "written into the model's files; choose another --save directory")
         args.load_format = "hf"
         fill_model_args(args, _explicit_dests(parser, argv))
-        args.finetune = True  # weights only: iteration 0, a fresh optimizer
+        # weights only: iteration 0, a fresh optimizer (a LoRA base always is; there --finetune is --lora-load's)
+        if not (getattr(args, "lora_r", None) or getattr(args, "lora_target_modules", None)):
+            args.finetune = True
     elif args.load:
         args.load_format = "mg"
     if getattr(args, "save_hf", None):
@@ -353,10 +355,24 @@ def check_exportable(args) -> None:
 
 
 def _weights_record(args, model) -> dict:
+    """One shard for the merge; a LoRA run's holds its adapters only (a PEFT export) or the base and the
+    adapters (``--lora-merge``), with the adapters' settings."""
     from mindspeed_pack import checkpoint_layout as layout
+    from mindspeed_pack.model.lora import checkpoint_entries
 
-    return {"model": layout.model_state_for_save(model[0]), "args": _export_args(args), "iteration": 0,
-            "checkpoint_version": layout.CHECKPOINT_VERSION, "hf_config": getattr(args, "hf_config", None)}
+    state = layout.model_state_for_save(model[0])
+    record = {"model": state, "args": _export_args(args), "iteration": 0,
+              "checkpoint_version": layout.CHECKPOINT_VERSION, "hf_config": getattr(args, "hf_config", None)}
+    adapters = checkpoint_entries(args, state)
+    if adapters:
+        record["lora"] = adapters["lora"]
+        if not args.lora_merge:
+            record["model"] = adapters["model"]
+    return record
+
+
+def _peft_export(args) -> bool:
+    return bool(getattr(args, "lora_r", None)) and not getattr(args, "lora_merge", False)
 
 
 def save_hf(args, model, out_dir: Optional[str] = None) -> None:
@@ -365,12 +381,13 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     Each TP x PP shard (one data-parallel replica) goes to a weights-only Megatron
     checkpoint next to the output; rank 0 merges it through the converter, so the HF
     tensors come from the same weight map as ``convert_ckpt.py``. The output is complete or
-    absent; the staging files are removed either way.
+    absent; the staging files are removed either way. A LoRA run writes a PEFT adapter directory
+    (only the adapters are staged), or with ``--lora-merge`` the model with its adapters merged.
     """
     import torch.distributed as dist
 
     from mindspeed_pack import checkpoint_layout as layout
-    from mindspeed_pack.convert.convert import megatron_to_hf
+    from mindspeed_pack.convert.convert import megatron_to_hf, megatron_to_peft
 
     out_dir = os.path.abspath(out_dir or args.save_hf)
     staging = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.megatron-staging")
@@ -393,7 +410,11 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     if ok and dist.get_rank() == 0:
         try:
             layout.write_tracker(staging, layout.RELEASE)
-            megatron_to_hf(staging, out_dir, _dtype_name(args), tokenizer_dir=tokenizer)
+            if _peft_export(args):
+                base = args.lora_base
+                megatron_to_peft(staging, out_dir, _dtype_name(args), base["path"] if base["format"] == "hf" else None)
+            else:
+                megatron_to_hf(staging, out_dir, _dtype_name(args), tokenizer_dir=tokenizer)
         except (OSError, ConversionError) as e:
             error = e
         finally:
@@ -406,7 +427,10 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     if merge_failed.item() or not ok:
         raise CheckpointError(f"--save-hf {out_dir}: writing the Hugging Face model failed"
                               + (f": {error}" if error else " on another rank") + "; nothing was written there")
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and _peft_export(args):
+        log.info("wrote PEFT adapter directory %s (peft.PeftModel.from_pretrained(base, DIR); --lora-merge writes "
+                 "the merged model instead)", out_dir)
+    elif dist.get_rank() == 0:
         log.info("wrote Hugging Face model %s%s", out_dir,
                  f" (tokenizer from {tokenizer})" if tokenizer else " (no tokenizer files found to copy: pass "
                  "--tokenizer-name-or-path)")

@@ -46,6 +46,12 @@ def _full_shape(shape, kind: str, tp: int):
 
 
 def _draw(name: str, shape, args, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    if ".lora_B." in name:  # LoRA: B zero (the adapted model starts as the base), A as PEFT draws it
+        return torch.zeros(shape)
+    if ".lora_A." in name:
+        bound = 1.0 / math.sqrt(shape[1])
+        return torch.empty(shape).uniform_(-bound, bound, generator=gen)
     if name.endswith("layernorm.weight") or name.endswith("layer_norm_weight"):
         return torch.ones(shape)
     if name.endswith("bias"):
@@ -53,13 +59,13 @@ def _draw(name: str, shape, args, seed: int) -> torch.Tensor:
     std = args.init_method_std
     if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
         std = std / math.sqrt(2.0 * args.num_layers)
-    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 @torch.no_grad()
-def parallel_invariant_init(model: torch.nn.Module, args, seed: int) -> None:
-    """Overwrite ``model``'s parameters (this rank's shard) with the layout-free draw."""
+def parallel_invariant_init(model: torch.nn.Module, args, seed: int, only=None) -> None:
+    """Overwrite ``model``'s parameters (this rank's shard) with the layout-free draw (those whose
+    name ``only(name)`` accepts, when given: a LoRA run's adapters on a loaded base)."""
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     offset = layer_offset(args.num_layers, pp_rank, pp)
@@ -67,6 +73,8 @@ def parallel_invariant_init(model: torch.nn.Module, args, seed: int) -> None:
     experts = getattr(args, "num_experts", None) or 0
     first_expert = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     for local, param in model.named_parameters():
+        if only is not None and not only(local):
+            continue
         name = _global_name(local, offset, tied_copy)
         kind = split_kind(name, args)
         full = _draw(_global_expert(name, first_expert), _full_shape(param.shape, kind, tp), args, seed)

@@ -30,12 +30,11 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from mindspeed_pack import faults
-from mindspeed_pack.model import moe
-from mindspeed_pack.model import thd
+from mindspeed_pack.model import lora, moe, thd
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch, attention_offsets, build_packed_batch
-from mindspeed_pack.training import checkpointing, hf_checkpoint, peers, preflight, throughput
+from mindspeed_pack.training import checkpointing, hf_checkpoint, lora_checkpoint, peers, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.exit_signal import ExitSignal
 from mindspeed_pack.training.fused_adam import use_fused_adam
@@ -125,9 +124,9 @@ class Trainer:
         self.model = self._build_model()
         self.optimizer, self.scheduler = self._build_optimizer()
         preflight.guard_scheduler_resume(args, self.scheduler)
-        if args.load:
-            self.iteration, self.consumed_samples = checkpointing.load_checkpoint(
-                args, self.model, self.optimizer, self.scheduler)
+        if args.load:  # LoRA: the base (weights only), then the adapters of --lora-load
+            load = lora_checkpoint.load_checkpoint if getattr(args, "lora_r", None) else checkpointing.load_checkpoint
+            self.iteration, self.consumed_samples = load(args, self.model, self.optimizer, self.scheduler)
             use_fused_adam(self.optimizer)  # a loaded optimizer takes the saved groups' settings
         # what this run reads from here on: a resume with another global batch size continues
         # from the checkpoint's consumed samples
@@ -166,7 +165,8 @@ class Trainer:
             rerun = f"; {steps} run again and replaced in {self.args.metrics_file}"
         else:
             rerun = "; no logged step is re-run" if self.args.metrics_file else ""
-        where = f"{self.args.load} at iteration {self.iteration}" if self.iteration else "scratch (no checkpoint yet)"
+        loaded = getattr(self.args, "lora_load", None) or self.args.load  # LoRA: the adapters' checkpoint
+        where = f"{loaded} at iteration {self.iteration}" if self.iteration else "scratch (no checkpoint yet)"
         log.info("resumed from %s%s%s", where, f" (torchrun restart {attempt})" if attempt else "", rerun)
 
     def _build_model(self) -> List[torch.nn.Module]:
@@ -177,6 +177,8 @@ class Trainer:
         model = build_gpt_model(args, pre_process=pre, post_process=post)
         if not args.load and not args.no_parallel_invariant_init:
             parallel_invariant_init(model, args, args.seed)
+        elif getattr(args, "lora_r", None):  # the adapters of a loaded base: the same draw at every layout
+            parallel_invariant_init(model, args, args.seed, only=lora.is_adapter_name)
         if cuda_usable():
             model.cuda(torch.cuda.current_device())
         config = get_model_config(model)
@@ -196,6 +198,11 @@ class Trainer:
         if dist.get_rank() == 0:
             n = sum(p.numel() for p in model.parameters())
             log.info("model chunk on rank 0: %.2fM parameters, attention backend %s", n / 1e6, backend)
+            if getattr(args, "lora_r", None):
+                trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+                log.info("LoRA r=%d alpha=%g on %s: %d adapter parameters train (%.3f%% of the chunk), the base is "
+                         "frozen (no gradient buffer, no optimizer state)", args.lora_r, args.lora_alpha,
+                         " ".join(args.lora_target_modules or [lora.ALL_LINEAR]), trained, 100.0 * trained / n)
         return [model]
 
     def _build_optimizer(self):

@@ -17,10 +17,12 @@ the DP/PP/CP layout (under CP the sums are all-reduced first and the pairs count
 The reference: a frozen copy run in the same job (``--ref-load DIR``: a Megatron checkpoint or a
 Hugging Face directory, loaded and checked as ``--load``; default the starting policy), through
 the same pipeline, or log-probs precomputed once (``--ref-logps``, :mod:`.reference`) and looked
-up by (pack, pair).
+up by (pack, pair). With LoRA the default reference is the frozen base itself: the policy's own
+module run with its adapters switched off (no second model).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
 from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.model import lora
 from mindspeed_pack.packing.segments import PackedBatch
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
@@ -68,6 +71,7 @@ class DPOStage:
                             "or log-probs precomputed by --stage dpo_reference, not both")
         self.args = args
         self.reference = None  # frozen model chunks (in-job reference)
+        self.base_as_reference = False  # LoRA: the reference is the policy's chunks with the adapters off
         self.tables = None  # {prefix: ReferenceTable} (precomputed reference)
 
     def batch_source(self, args):
@@ -91,6 +95,11 @@ class DPOStage:
             self.tables = {docs.prefix: ReferenceTable.load_for(docs) for docs in trainer.source.docs}
             log.info("dpo: precomputed reference log-probs (%s)", ", ".join(t.path for t in self.tables.values()))
             return
+        if getattr(args, "lora_r", None) and not args.ref_load:
+            self.reference, self.base_as_reference = trainer.model, True
+            log.info("dpo: reference model = the frozen base --load %s: the policy's own module with its LoRA adapters "
+                     "switched off (no second model in memory)", args.load)
+            return
         self.reference = [self._reference_model(trainer)]
 
     def _reference_model(self, trainer):
@@ -101,7 +110,8 @@ class DPOStage:
         from mindspeed_pack.training import checkpointing
 
         args = self.args
-        model = build_gpt_model(args, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+        model = build_gpt_model(lora.without_lora(args), pre_process=ps.is_pipeline_first_stage(),
+                                post_process=ps.is_pipeline_last_stage())
         if args.ref_load:
             checkpointing.load_model_weights(args, args.ref_load, model, "--ref-load")
             log.info("dpo: reference model loaded from %s (frozen)", args.ref_load)
@@ -126,7 +136,8 @@ class DPOStage:
         if self.reference is not None:
             from mindspeed_pack.training.stages.reference import score_sequences
 
-            scores = score_sequences(self.reference, batches, tokens_per_micro_batch)
+            with lora.base_model_only(self.reference) if self.base_as_reference else contextlib.nullcontext():
+                scores = score_sequences(self.reference, batches, tokens_per_micro_batch)
             for batch, seq in zip(batches, scores):
                 if seq is not None:
                     chosen, rejected = pair_segments(batch)

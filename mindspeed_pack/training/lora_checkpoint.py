@@ -1,0 +1,130 @@
+"""A LoRA run's checkpoints: the frozen base it adapts, identified by content, and its adapters.
+
+``--load BASE`` (a Hugging Face directory or a Megatron checkpoint) is always loaded as weights
+only, at iteration 0, and fingerprinted by content (sha256 of its weight files, the files hashed in
+parallel over the ranks: :func:`mindspeed_pack.convert.adapters.fingerprint` gives the same value).
+``--save`` then writes a checkpoint in Megatron's layout holding the adapters only, with their
+optimizer state, the schedule, RNG states and data position, and a ``lora`` record: the LoRA
+settings and the base (path and fingerprint) (:func:`mindspeed_pack.model.lora.checkpoint_entries`).
+``--lora-load DIR`` resumes from it exactly (with ``--finetune``: its adapters only, at iteration 0),
+after checking that the flags are its LoRA settings and that ``--load`` is its base. Loading itself
+is the ordinary checkpoint code (:mod:`.checkpointing`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+import torch.distributed as dist
+
+from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack.convert import adapters
+from mindspeed_pack.convert.model_specs import ConversionError
+from mindspeed_pack.model import lora
+from mindspeed_pack.training import checkpointing
+from mindspeed_pack.training.checkpoint_ranks import rank_dir_name_here
+from mindspeed_pack.training.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _flags(args, **values):
+    saved = {k: getattr(args, k, None) for k in values}
+    for k, v in values.items():
+        setattr(args, k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(args, k, v)
+
+
+def base_record(args) -> dict:
+    """The base ``--load``: its path and content fingerprint (every rank hashes some of its files)."""
+    start = time.perf_counter()
+    files = adapters.base_files(args.load)
+    if not files:
+        raise CheckpointError(f"--load {args.load}: no model files to fingerprint")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {f: adapters.file_sha256(os.path.join(args.load, f)) for f in files[rank::world]}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    digests = {k: v for part in gathered for k, v in part.items()}
+    record = {"path": os.path.abspath(args.load), "format": getattr(args, "load_format", None) or "mg",
+              "fingerprint": adapters.combine(digests)}
+    log.info("LoRA base --load %s: content fingerprint %s (%d files hashed over %d ranks in %.1f s)", args.load,
+             record["fingerprint"][:16], len(files), world, time.perf_counter() - start)
+    return record
+
+
+def _rank_record(root: str):
+    """(path, record) of this rank's file of checkpoint ``root``; (None, None) when there is none to check
+    (the checkpoint loader then says why, or starts from scratch on a first ``--lora-load D --save D``)."""
+    try:
+        iteration = layout.read_tracker(root) if os.path.isdir(root) else None
+    except ValueError:
+        return None, None
+    if iteration is None:
+        return None, None
+    path = os.path.join(layout.iteration_dir(root, iteration), rank_dir_name_here(), "model_optim_rng.pt")
+    if not os.path.isfile(path):
+        return None, None
+    try:
+        return path, layout.load_file(path, mmap=True)
+    except Exception:  # unreadable: the loader names it
+        return None, None
+
+
+def _refuse_adapters_as_base(args) -> None:
+    if getattr(args, "load_format", None) == "hf":
+        return
+    path, record = _rank_record(args.load)
+    if record is not None and record.get("lora") is not None:
+        base = (record["lora"].get("base") or {}).get("path")
+        raise CheckpointError(f"--load {args.load} holds LoRA adapters (a LoRA run's --save), not a base model: pass "
+                              f"their base{f' ({base})' if base else ''} as --load and {args.load} as --lora-load")
+
+
+def _check_adapter_record(args) -> None:
+    """``--lora-load``: a LoRA checkpoint of these settings, trained on this base."""
+    root = args.lora_load
+    path, record = _rank_record(root)
+    if record is None:
+        return
+    saved = record.get("lora")
+    if saved is None:
+        raise CheckpointError(f"--lora-load {root}: {path} holds no LoRA adapters (a full model's checkpoint): pass "
+                              "it as --load instead")
+    mine = lora.settings_from_args(args).record()
+    flags = {"r": "--lora-r", "alpha": "--lora-alpha", "targets": "--lora-target-modules",
+             "rslora": "--lora-use-rslora"}
+    differ = [f"{flag}: checkpoint {saved.get(k)}, flags {mine[k]}" for k, flag in flags.items()
+              if saved.get(k) != mine[k]]
+    if differ:
+        raise CheckpointError(f"--lora-load {root}: the LoRA flags differ from the checkpoint's ({'; '.join(differ)}): "
+                              "pass the flags it was trained with")
+    try:
+        adapters.check_base(saved, args.load, args.lora_base["fingerprint"], f"--lora-load {root}")
+    except ConversionError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def load_checkpoint(args, model, optimizer, scheduler):
+    """The base (weights only), then ``--lora-load``'s adapters and training state; returns
+    (iteration, consumed_samples) as :func:`.checkpointing.load_checkpoint` does."""
+    _refuse_adapters_as_base(args)
+    with _flags(args, finetune=True):  # the base: weights only, iteration 0
+        checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+    args.lora_base = base_record(args)
+    if not args.lora_load:
+        return 0, 0
+    _check_adapter_record(args)
+    root = args.lora_load
+    try:
+        with _flags(args, load=root, load_format="mg"):
+            return checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+    except CheckpointError as e:  # the loader names the flag it knows
+        raise CheckpointError(str(e).replace(f"--load {root}", f"--lora-load {root}")) from None

@@ -1,0 +1,295 @@
+"""LoRA on packed data in one process: PEFT's math exactly, a frozen base, small state, exports, errors.
+
+The reference is transformers + PEFT (the same adapter weights, copied) run on every sample alone.
+The multi-process layouts (TP/PP/CP/SP), DPO and the other stages are in ``test_lora_training.py``.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import posttrain
+from mindspeed_pack.convert import adapters
+from mindspeed_pack.convert.convert import main as convert_main
+from mindspeed_pack.data.packed_dataset import PackedBatchSource
+from mindspeed_pack.model.gpt import build_gpt_model
+from mindspeed_pack.model.lora import is_adapter_name
+from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch
+from mindspeed_pack.training import hf_checkpoint
+from mindspeed_pack.training.arguments import parse_args
+from mindspeed_pack.training.checkpointing import load_weights
+from mindspeed_pack.training.trainer import Trainer, loss_func, packed_seq_params
+from tests.model_utils import TINY_FLAGS, init_single_process, tiny_args, write_converted_tiny_qwen2
+from tests.train_utils import write_copy_task
+
+peft = pytest.importorskip("peft")
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+S = 96
+RUN = ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--neat-pack", "--lr", "2e-2",
+       "--min-lr", "2e-2", "--lr-warmup-iters", "0", "--train-iters", "3", "--lora-r", "4", "--lora-alpha", "8"]
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """A tiny random transformers Qwen2 (hf/), its conversion (mg/), another base (other_hf/), packed data."""
+    root = tmp_path_factory.mktemp("lora")
+    write_converted_tiny_qwen2(root / "qwen")
+    write_converted_tiny_qwen2(root / "other", seed=1)
+    data = write_copy_task(str(root / "data" / "copy"), num_packs=24, meta=True)
+    return {"root": root, "hf": str(root / "qwen" / "hf"), "mg": str(root / "qwen" / "mg"),
+            "other_hf": str(root / "other" / "hf"), "data": data}
+
+
+def _hf(path, dtype=torch.float32):
+    import transformers
+
+    return transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+
+
+# --------------------------------------------------------------------------- PEFT's math, packed
+def _peft_model(hf_dir, targets, rslora):
+    model = peft.get_peft_model(_hf(hf_dir), peft.LoraConfig(r=4, lora_alpha=6, target_modules=targets,
+                                                             lora_dropout=0.0, use_rslora=rslora))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:  # B non-zero too: every path of the adapter carries a gradient
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def _samples(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, 256, (n,), generator=g)
+        labels = ids.clone()
+        labels[: max(1, n // 3)] = IGNORE_INDEX  # the prompt, and the first token
+        out.append((ids, labels))
+    return out
+
+
+def _rows(samples, groups):
+    """Packed rows [len(groups), S]: row i holds ``samples[j] for j in groups[i]``, then padding."""
+    ids = torch.zeros(len(groups), S, dtype=torch.long)
+    labels = torch.full((len(groups), S), IGNORE_INDEX)
+    seg = torch.zeros(len(groups), S, dtype=torch.long)
+    for row, members in enumerate(groups):
+        pos = 0
+        for k, j in enumerate(members, start=1):
+            i, l = samples[j]
+            ids[row, pos:pos + len(i)], labels[row, pos:pos + len(i)], seg[row, pos:pos + len(i)] = i, l, k
+            pos += len(i)
+    return ids, labels, seg
+
+
+def _packed_step(model, rows):
+    """Per-token mean loss of the packed rows and the adapters' gradients under PEFT's names."""
+    model.zero_grad()
+    b = build_packed_batch(*rows)
+    out = model(b.tokens, b.position_ids, None, labels=b.target, packed_seq_params=packed_seq_params(b))
+    total, count, _ = loss_func(b, False, out)
+    loss = total / count
+    loss.backward()
+    grads = adapters.to_peft({n: p.grad for n, p in model.named_parameters() if is_adapter_name(n)})
+    return loss.item(), grads
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("targets,rslora", [(ALL, False), (["q_proj", "v_proj", "up_proj", "o_proj"], True)],
+                         ids=["all-linear", "some-projections-rslora"])
+def test_packed_lora_loss_and_adapter_gradients_equal_peft_per_sample(qwen, targets, rslora):
+    """A pack's loss and every adapter gradient equal transformers + PEFT on each sample alone (fp32, rel
+    <= 1e-5); q/k/v and gate/up each keep their own A and B inside the fused linears; repacking changes
+    nothing."""
+    init_single_process()
+    hf = _peft_model(qwen["hf"], targets, rslora)
+    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, lora_r=4,
+                     lora_alpha=6.0, lora_dropout=0.0, lora_target_modules=targets, lora_use_rslora=rslora)
+    mg = build_gpt_model(args)
+    load_weights(args, qwen["mg"], mg)  # the base
+    trained = peft.get_peft_model_state_dict(hf)
+    missing, unexpected = mg.load_state_dict(adapters.from_peft(trained), strict=False)
+    assert not unexpected and not [k for k in missing if is_adapter_name(k)]
+
+    samples = _samples([13, 30, 7, 22, 17])
+    hf.zero_grad()
+    total, count = 0.0, 0
+    for ids, labels in samples:
+        logits = hf(ids[None]).logits[0, :-1].float()
+        total = total + F.cross_entropy(logits, labels[1:], ignore_index=IGNORE_INDEX, reduction="sum")
+        count += int((labels[1:] != IGNORE_INDEX).sum())
+    (total / count).backward()
+    reference = {n.replace(".default", ""): p.grad for n, p in hf.named_parameters() if "lora_" in n}
+    assert set(reference) == set(trained) and len(reference) == 2 * 2 * len(targets)  # layers x (A, B)
+
+    loss, grads = _packed_step(mg, _rows(samples, [[0, 1, 2, 3, 4]]))
+    assert abs(loss - (total / count).item()) / loss <= 1e-5
+    assert set(grads) == set(reference)
+    worst = max(_rel(grads[k], reference[k]) for k in reference)
+    assert worst <= 1e-5, worst
+    assert min(float(g.abs().max()) for g in reference.values()) > 0  # every adapter is exercised
+
+    loss2, grads2 = _packed_step(mg, _rows(samples, [[4, 2], [1, 3, 0]]))  # other packs, two rows
+    assert abs(loss2 - loss) / loss <= 1e-6
+    assert max(_rel(grads2[k], grads[k]) for k in grads) <= 1e-5
+
+
+# --------------------------------------------------------------------------- a trained run, in process
+def _trainer(qwen, out, *extra):
+    argv = [*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", qwen["mg"], "--save", out, *extra]
+    return Trainer(parse_args(argv), PackedBatchSource())
+
+
+@pytest.fixture(scope="module")
+def trained(qwen):
+    """Three LoRA steps on the Megatron base, in this process; the trainer stays for its logits."""
+    init_single_process()
+    out = str(qwen["root"] / "run")
+    trainer = _trainer(qwen, out)
+    trainer.setup()
+    module = trainer.model[0].module
+    base_before = {n: p.detach().clone() for n, p in module.named_parameters() if not is_adapter_name(n)}
+    trainer.train()
+    trainer.cleanup()
+    return {"trainer": trainer, "module": module, "base_before": base_before, "save": out}
+
+
+def _count(params):
+    return len(params), sum(p.numel() for p in params)
+
+
+def test_base_stays_bit_identical_and_only_adapters_have_gradients_and_optimizer_state(trained):
+    module, trainer = trained["module"], trained["trainer"]
+    named = dict(module.named_parameters())
+    lora = [p for n, p in named.items() if is_adapter_name(n)]
+    base = [p for n, p in named.items() if not is_adapter_name(n)]
+    assert _count(lora) == (28, 8192)  # 2 layers x (q k v o gate up down) x (A, B), r=4
+    for name, before in trained["base_before"].items():
+        assert torch.equal(named[name].detach(), before), name
+        assert not named[name].requires_grad and getattr(named[name], "main_grad", None) is None
+    assert any(not torch.equal(p, torch.zeros_like(p)) for n, p in named.items() if ".lora_B." in n)  # trained
+    in_optimizer = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in in_optimizer} == {id(p) for p in lora}
+    states = trainer.optimizer.state_dict()["state"]
+    assert len(states) == len(lora)
+    in_buffers = [p for buf in trainer.model[0].buffers for p in buf.params]
+    assert {id(p) for p in in_buffers} == {id(p) for p in lora}
+    assert sum(buf.grad_data.numel() for buf in trainer.model[0].buffers) < sum(p.numel() for p in base) / 10
+
+
+def test_save_holds_the_adapters_and_the_bases_fingerprint(qwen, trained):
+    from mindspeed_pack import checkpoint_layout as layout
+
+    record = layout.load_file(layout.checkpoint_file(trained["save"], 3, 0, 0, 1))
+    assert record["model"] and all(is_adapter_name(k) for k in record["model"])
+    assert record["lora"]["r"] == 4 and record["lora"]["alpha"] == 8.0
+    assert record["lora"]["base"]["path"] == os.path.abspath(qwen["mg"])
+    assert record["lora"]["base"]["fingerprint"] == adapters.fingerprint(qwen["mg"])  # computed independently
+    assert len(record["optimizer"]["state"]) == 28
+
+
+def _logits(module, ids):
+    module.eval()
+    with torch.no_grad():
+        return module(ids, torch.arange(ids.shape[1])[None], None)[..., :256].float()
+
+
+def _peft_logits(base_dir, adapter_dir, ids, dtype=torch.float32):
+    model = peft.PeftModel.from_pretrained(_hf(base_dir, dtype), adapter_dir).eval()
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _merged_logits(path, ids, dtype=torch.float32):
+    with torch.no_grad():
+        return _hf(path, dtype).eval()(ids).logits.float()
+
+
+def test_peft_and_merged_exports_give_the_trained_models_logits(qwen, trained, tmp_path):
+    """--save-hf (PEFT adapter dir; --lora-merge: a transformers model) and convert_ckpt.py --lora-load of the
+    --save checkpoint (PEFT; merged into the Megatron base): max abs logit difference <= 1e-5 in fp32."""
+    trainer, module = trained["trainer"], trained["module"]
+    ids = torch.randint(3, 200, (1, 48), generator=torch.Generator().manual_seed(5))
+    mine = _logits(module, ids)
+    hf_checkpoint.save_hf(trainer.args, trainer.model, str(tmp_path / "peft"))
+    trainer.args.lora_merge = True
+    try:
+        hf_checkpoint.save_hf(trainer.args, trainer.model, str(tmp_path / "merged"))
+    finally:
+        trainer.args.lora_merge = False
+    assert sorted(os.listdir(tmp_path / "peft")) == [adapters.ADAPTER_CONFIG, adapters.ADAPTER_WEIGHTS]
+    assert convert_main(["--load-model-type", "mg", "--load-dir", qwen["mg"], "--lora-load", trained["save"],
+                         "--save-model-type", "hf", "--save-dir", str(tmp_path / "cli_peft")]) == 0
+    assert convert_main(["--load-model-type", "mg", "--load-dir", qwen["mg"], "--lora-load", trained["save"],
+                         "--save-model-type", "hf", "--save-dir", str(tmp_path / "cli_merged"), "--lora-merge"]) == 0
+    base_hf = qwen["hf"]  # the Megatron base was converted from it: the same weights
+    diffs = {
+        "--save-hf peft": _peft_logits(base_hf, str(tmp_path / "peft"), ids),
+        "--save-hf --lora-merge": _merged_logits(str(tmp_path / "merged"), ids),
+        "convert_ckpt peft": _peft_logits(base_hf, str(tmp_path / "cli_peft"), ids),
+        "convert_ckpt --lora-merge": _merged_logits(str(tmp_path / "cli_merged"), ids),
+    }
+    diffs = {k: float((v - mine).abs().max()) for k, v in diffs.items()}
+    assert max(diffs.values()) <= 1e-5, diffs
+    assert float((_merged_logits(base_hf, ids) - mine).abs().max()) > 1e-2  # the adapters matter
+
+
+def test_bf16_exports_logit_difference_is_reported(qwen, tmp_path, capsys):
+    """bf16 training: the PEFT and merged exports (bf16 weights) against the trained model's bf16 logits."""
+    init_single_process()
+    trainer = _trainer(qwen, str(tmp_path / "run"), "--bf16", "--save-hf", str(tmp_path / "peft"))
+    trainer.setup()
+    trainer.train()
+    hf_checkpoint.save_hf(trainer.args, trainer.model, str(tmp_path / "peft"))
+    trainer.args.lora_merge = True
+    hf_checkpoint.save_hf(trainer.args, trainer.model, str(tmp_path / "merged"))
+    trainer.cleanup()
+    ids = torch.randint(3, 200, (1, 48), generator=torch.Generator().manual_seed(5))
+    mine = _logits(trainer.model[0].module, ids)
+    peft_diff = float((_peft_logits(qwen["hf"], str(tmp_path / "peft"), ids, torch.bfloat16) - mine).abs().max())
+    merged_diff = float((_merged_logits(str(tmp_path / "merged"), ids, torch.bfloat16) - mine).abs().max())
+    scale = float(mine.abs().max())
+    with capsys.disabled():
+        print(f"\nbf16 LoRA exports: max |logit diff| PEFT {peft_diff:.4f}, merged {merged_diff:.4f} "
+              f"(logits up to {scale:.2f})")
+    assert peft_diff <= 0.05 * scale and merged_diff <= 0.05 * scale
+
+
+# --------------------------------------------------------------------------- bad input
+def _exit(argv, capsys):
+    from mindspeed_pack.training.cli import run_cli
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_cli("posttrain.py", lambda: posttrain.main(argv))
+    return e.value.code, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_adapters_of_another_base_are_refused(qwen, trained, tmp_path, capsys):
+    """--lora-load on a base that is not the adapters' (training and export), and --lora-load of a full model."""
+    argv = [*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--lora-load", trained["save"]]
+    code, line = _exit([*argv, "--load", qwen["other_hf"]], capsys)
+    assert code == 2 and line.startswith("posttrain.py: error: --lora-load")
+    fp = adapters.fingerprint(qwen["other_hf"])[:16]
+    assert f"trained on the base {os.path.abspath(qwen['mg'])}" in line and fp in line
+    assert convert_main(["--load-model-type", "hf", "--load-dir", qwen["hf"], "--lora-load", trained["save"],
+                         "--save-model-type", "hf", "--save-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "convert_ckpt: error: --lora-load" in err and "--load-dir" in err and not os.path.exists(tmp_path / "out")
+    code, line = _exit([*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", qwen["hf"], "--lora-load",
+                        qwen["mg"]], capsys)
+    assert code == 2 and "holds no LoRA adapters" in line
+    code, line = _exit([*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", trained["save"]], capsys)
+    assert code == 2 and "holds LoRA adapters (a LoRA run's --save), not a base model" in line
+    code, line = _exit([*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", qwen["hf"], "--lora-load",
+                        trained["save"], "--lora-r", "8"], capsys)
+    assert code == 2 and "--lora-r: checkpoint 4, flags 8" in line
