@@ -11,6 +11,10 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
   trainer divides by the *global step's* total ``count`` (megatron-core's
   ``calculate_per_token_loss``), so ``normaliser`` (tokens, samples, pairs) never depends on
   packing or on the DP/PP/CP layout; every report is a ``[sum, count]`` pair reduced the same way;
+* ``count(batch)``: that ``count``, from the micro-batch alone (before the forward, on every
+  pipeline stage): a mixture-of-experts step scales its load-balancing gradient to the step's
+  total (:func:`mindspeed_pack.model.moe.scale_aux_loss`), so the balancing strength is the
+  same whatever the stage divides by;
 * ``metric_names``: the reports logged besides ``lm loss`` (console, TensorBoard, JSONL);
   optional ``max_metrics``: those reported as ``[max, 1]`` and reduced by MAX instead;
 * optional ``needs_logits``: ``loss_func`` gets the vocab-parallel logits instead of the per-token

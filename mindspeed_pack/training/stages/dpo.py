@@ -136,6 +136,13 @@ class DPOStage:
             batch.ref_logps = self.tables[prefix].lookup(mb).to(batch.loss_mask.device)
         return batches
 
+    def count(self, batch: PackedBatch) -> torch.Tensor:
+        """The pairs of ``batch``: every CP rank holds the same pairs' loss (its backward carries
+        that rank's share of the gradient); they are counted once, on CP rank 0."""
+        once = ps.get_context_parallel_rank() == 0
+        return torch.tensor(len(pair_segments(batch)[0]) if once else 0, dtype=torch.int,
+                            device=batch.loss_mask.device)
+
     def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
         args = self.args
         logps, counts = sequence_logps(batch, output_tensor)
@@ -150,10 +157,8 @@ class DPOStage:
         if args.dpo_ftx:
             losses = losses + args.dpo_ftx * (-logps[chosen] / counts[chosen].clamp(min=1))
         loss = losses.sum()
-        # every CP rank holds the same pairs' loss (its backward carries that rank's share of the
-        # gradient); they are counted and reported once, on CP rank 0
-        once = float(ps.get_context_parallel_rank() == 0)
-        n = torch.tensor(len(chosen) if once else 0, dtype=torch.int, device=loss.device)
+        n = self.count(batch)
+        once = float(ps.get_context_parallel_rank() == 0)  # reported once, on CP rank 0
         nf = n.to(torch.float32)
         with torch.no_grad():
             reward_c, reward_r = args.dpo_beta * (pc - rc), args.dpo_beta * (pr - rr)

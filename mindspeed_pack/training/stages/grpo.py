@@ -69,21 +69,30 @@ def trained_samples(batch: PackedBatch) -> torch.Tensor:
     return (batch.segment_labels > 0) & (whole_sequence_sums(batch.loss_mask, batch) > 0)
 
 
-def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: float):
-    """(sum, count) of ``per_token`` [1, T] over ``batch``'s trained tokens under ``--loss-agg mode``.
+def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: float) -> torch.Tensor:
+    """Sum of ``per_token`` [1, T] over ``batch``'s trained tokens under ``--loss-agg mode`` (the
+    trainer divides it by the step's total :func:`normaliser_count`).
 
     Under context parallelism each rank holds a zigzag share of every sample: token sums are
     this rank's share (the DP x CP reduction adds them up); a sample's mean needs its whole sum
     and count (reduced over the CP group), so every CP rank holds the same per-sample terms,
-    whose backward carries that rank's share of the gradient, and counts them on CP rank 0 only."""
+    whose backward carries that rank's share of the gradient (they are counted on CP rank 0 only)."""
     mask = batch.loss_mask
     if mode == "token-mean":
-        return (per_token * mask).sum(), mask.sum().to(torch.int)
+        return (per_token * mask).sum()
     sums, counts = whole_sequence_sums(per_token * mask, batch), whole_sequence_sums(mask, batch)
     samples = (batch.segment_labels > 0) & (counts > 0)
     per_sample = sums / counts.clamp(min=1) if mode == "seq-mean-token-mean" else sums / norm
+    return per_sample[samples].sum()
+
+
+def normaliser_count(batch: PackedBatch, mode: str) -> torch.Tensor:
+    """``batch``'s share of the step's normaliser under ``--loss-agg mode``: its trained tokens, or its
+    samples with a trained token (on CP rank 0 only, each sample once)."""
+    if mode == "token-mean":
+        return batch.loss_mask.sum().to(torch.int)
     once = ps.get_context_parallel_rank() == 0
-    return per_sample[samples].sum(), (samples.sum() if once else samples.new_zeros(())).to(torch.int)
+    return (trained_samples(batch).sum() * int(once)).to(torch.int)
 
 
 class GRPOStage:
@@ -118,6 +127,9 @@ class GRPOStage:
             raise DataError(f"{where}: --kl-coef {self.args.kl_coef} needs 'ref_logprobs' in every rollout (score "
                             "them with posttrain.py --stage score --score-field ref_logprobs)")
 
+    def count(self, batch: PackedBatch) -> torch.Tensor:
+        return normaliser_count(batch, self.args.loss_agg)
+
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         """Each micro-batch's per-token fields, as this rank holds its tokens (its CP share)."""
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
@@ -147,7 +159,7 @@ class GRPOStage:
                                                           args.kl_coef, args.kl_estimator)
         if args.entropy_coef:
             per_token = per_token - args.entropy_coef * entropy
-        loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length))
+        loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length)), self.count(batch)
         with torch.no_grad():
             tokens = mask.sum()
             once = float(ps.get_context_parallel_rank() == 0)  # a CP group's samples are counted once
