@@ -126,6 +126,13 @@ class GRPOStage:
             where = next(r.where for r in source.rollouts if r.ref_logprobs is None)
             raise DataError(f"{where}: --kl-coef {self.args.kl_coef} needs 'ref_logprobs' in every rollout (score "
                             "them with posttrain.py --stage score --score-field ref_logprobs)")
+        # a row's ratio must not depend on its pack-mates: old log-probs in every rollout or in none
+        given = [r for r in source.rollouts if r.old_logprobs is not None]
+        if given and len(given) < len(source.rollouts):
+            where = next(r.where for r in source.rollouts if r.old_logprobs is None)
+            raise DataError(f"{where}: field 'old_logprobs' is missing, but {given[0].where} has it: give it in every "
+                            "rollout (posttrain.py --stage score --score-field old_logprobs writes it for all) or in "
+                            "none (the ratio is then 1: an on-policy step)")
 
     def count(self, batch: PackedBatch) -> torch.Tensor:
         return normaliser_count(batch, self.args.loss_agg)
