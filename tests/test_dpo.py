@@ -115,6 +115,20 @@ def test_reference_equal_to_policy_gives_log2(models):
     assert float(loss / n) == pytest.approx(math.log(2), rel=1e-7)
 
 
+@pytest.mark.parametrize("loss_type,smoothing,message", [
+    ("hinge", 0.1, "--dpo-label-smoothing 0.1 with --dpo-loss-type hinge: label smoothing .* sigmoid loss only"),
+    ("ipo", 0.2, "--dpo-label-smoothing 0.2 with --dpo-loss-type ipo"),
+    ("sigmoid", 0.5, r"--dpo-label-smoothing 0.5: .* must be in \[0, 0.5\)"),
+    ("sigmoid", -0.1, "--dpo-label-smoothing -0.1: "),
+])
+def test_label_smoothing_is_refused_where_it_is_not_defined(loss_type, smoothing, message):
+    """Conservative DPO's smoothing exists for the sigmoid loss only: under hinge and ipo it was ignored."""
+    from mindspeed_pack.data.packed_dataset import DataError
+
+    with pytest.raises(DataError, match=message):
+        _stage(loss_type, smoothing=smoothing)
+
+
 def test_a_split_pair_is_refused():
     ids, labels, seg = (torch.from_numpy(x) for x in pack_rows(random_pairs(2, seed=4), [[0, 1]], S))
     seg[seg == 4] = 0  # the second pair lost its rejected sequence

@@ -36,7 +36,8 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dpo-beta", type=float, default=0.1, help="strength of the KL term (temperature of the reward)")
     g.add_argument("--dpo-loss-type", default="sigmoid", choices=["sigmoid", "ipo", "hinge"])
     g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
-                   help="conservative DPO: the probability that a pair's preference is flipped (sigmoid loss)")
+                   help="conservative DPO: the probability that a pair's preference is flipped, in [0, 0.5) "
+                        "(sigmoid loss only: refused with ipo and hinge, which have no smoothed form)")
     g.add_argument("--dpo-ftx", type=float, default=0.0,
                    help="weight of an SFT term on the chosen answer (its per-token mean NLL; LLaMA-Factory pref_ftx)")
     g.add_argument("--ref-load", default=None,

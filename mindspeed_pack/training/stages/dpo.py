@@ -37,9 +37,24 @@ DPO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewa
                "logps/chosen", "logps/rejected")
 
 
+def check_label_smoothing(label_smoothing: float, loss_type: str) -> None:
+    """``--dpo-label-smoothing`` is conservative DPO's flip probability: defined for the sigmoid loss only
+    (as in TRL, whose hinge and IPO losses have no smoothed form), below 1/2."""
+    if not label_smoothing:
+        return
+    if loss_type != "sigmoid":
+        raise DataError(f"--dpo-label-smoothing {label_smoothing} with --dpo-loss-type {loss_type}: label smoothing "
+                        "(conservative DPO) is defined for the sigmoid loss only; drop it, or use --dpo-loss-type "
+                        "sigmoid")
+    if not 0 < label_smoothing < 0.5:
+        raise DataError(f"--dpo-label-smoothing {label_smoothing}: the probability that a pair's preference is "
+                        "flipped must be in [0, 0.5)")
+
+
 def preference_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float, loss_type: str,
                       label_smoothing: float = 0.0) -> torch.Tensor:
     """Per-pair loss of DPO (sigmoid), IPO or the hinge loss from the four log-probs."""
+    check_label_smoothing(label_smoothing, loss_type)
     z = (chosen - rejected) - (ref_chosen - ref_rejected)
     if loss_type == "sigmoid":
         return -(1 - label_smoothing) * F.logsigmoid(beta * z) - label_smoothing * F.logsigmoid(-beta * z)
@@ -65,6 +80,7 @@ class DPOStage:
         if args.ref_load and args.ref_logps:
             raise DataError("--ref-load and --ref-logps both given: the reference is either a model run in this job "
                             "or log-probs precomputed by --stage dpo_reference, not both")
+        check_label_smoothing(args.dpo_label_smoothing, args.dpo_loss_type)
         self.args = args
         self.reference = None  # frozen model chunks (in-job reference)
         self.tables = None  # {prefix: ReferenceTable} (precomputed reference)
