@@ -6,9 +6,12 @@ and ``2k`` (rejected). Per pair, from the per-sequence log-prob sums of the poli
 
     z = (logp_c - logp_r) - (ref_c - ref_r)
     sigmoid  -(1 - s) log sigmoid(beta z) - s log sigmoid(-beta z)      (s = --dpo-label-smoothing)
-    hinge    relu(1 - beta z)
-    ipo      (z - 1 / (2 beta))^2          (log-probs as per-token means, as IPO defines them)
+    hinge    relu(1 - beta z)                                            (no smoothed form: s refused)
+    ipo      (z - 1 / (2 beta))^2          (log-probs as per-token means, as TRL's IPO; s refused)
     + ftx x (chosen answer's per-token mean NLL)                          (--dpo-ftx)
+
+Logged as TRL logs them, whatever the loss: ``rewards/*`` = beta x (policy - reference)
+log-prob *sums*, ``logps/*`` the policy's sums.
 
 The step's loss is the sum over the global batch's pairs divided by their number: each
 micro-batch returns (sum, pairs) and megatron divides by the total, whatever the packing or
@@ -166,10 +169,11 @@ class DPOStage:
         pc, pr = logps[chosen], logps[rejected]
         ref = batch.ref_logps.to(pc.dtype)
         rc, rr = ref[:, 0], ref[:, 1]
-        if args.dpo_loss_type == "ipo":  # IPO compares per-token means
-            nc, nr = counts[chosen].clamp(min=1), counts[rejected].clamp(min=1)
-            pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
-        losses = preference_losses(pc, pr, rc, rr, args.dpo_beta, args.dpo_loss_type, args.dpo_label_smoothing)
+        # IPO compares per-token means (in its loss only: the logged rewards stay sums)
+        ipo = args.dpo_loss_type == "ipo"
+        nc, nr = (counts[chosen].clamp(min=1), counts[rejected].clamp(min=1)) if ipo else (1.0, 1.0)
+        losses = preference_losses(pc / nc, pr / nr, rc / nc, rr / nr, args.dpo_beta, args.dpo_loss_type,
+                                   args.dpo_label_smoothing)
         if args.dpo_ftx:
             losses = losses + args.dpo_ftx * (-logps[chosen] / counts[chosen].clamp(min=1))
         loss = losses.sum()
@@ -177,6 +181,7 @@ class DPOStage:
         once = float(ps.get_context_parallel_rank() == 0)  # reported once, on CP rank 0
         nf = n.to(torch.float32)
         with torch.no_grad():
+            # TRL's rewards whatever the loss: beta x (policy - reference) log-prob sums
             reward_c, reward_r = args.dpo_beta * (pc - rc), args.dpo_beta * (pr - rr)
             reports = {name: torch.stack([value.sum() * once, nf]) for name, value in (
                 ("lm loss", losses), ("rewards/chosen", reward_c), ("rewards/rejected", reward_r),
