@@ -96,7 +96,7 @@ CASES = {
     "dpo": (_dpo, dict(stage="dpo")),
     "grpo token-mean": (_grpo, dict(stage="grpo", loss_agg="token-mean")),
     "grpo seq-mean-token-mean": (_grpo, dict(stage="grpo", loss_agg="seq-mean-token-mean")),
-    "grpo seq-mean-token-sum-norm": (_grpo, dict(stage="grpo", loss_agg="seq-mean-token-sum-norm")),
+    "grpo dr-grpo": (_grpo, dict(stage="grpo", loss_agg="dr-grpo")),
 }
 
 

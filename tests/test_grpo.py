@@ -115,7 +115,7 @@ def test_packed_logprobs_equal_transformers_per_sample(models, rows):
 
 
 @pytest.mark.parametrize("mode,entropy_coef", [("token-mean", 0.0), ("seq-mean-token-mean", 0.0),
-                                               ("seq-mean-token-sum-norm", 0.0), ("token-mean", 0.05)])
+                                               ("dr-grpo", 0.0), ("token-mean", 0.05)])
 def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode, entropy_coef):
     mg, hf = models
     stage = _stage(mode, entropy_coef)

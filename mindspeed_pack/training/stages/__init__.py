@@ -72,10 +72,21 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-entropy", action="store_true",
                    help="--stage grpo: log the policy's entropy over the trained tokens without an entropy bonus "
                         "(needs the full logits; --entropy-coef logs it too)")
-    g.add_argument("--loss-agg", default="token-mean",
-                   choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
-                   help="how per-token losses become the step's loss (normalised over the whole global step)")
+    g.add_argument("--loss-agg", default="token-mean", type=_loss_agg,
+                   choices=["token-mean", "seq-mean-token-mean", "dr-grpo"],
+                   help="how per-token losses become the step's loss, normalised over the whole global step: by "
+                        "trained tokens, by samples of each one's token mean, or dr-grpo (TRL's dr_grpo: by samples "
+                        "of each one's token sum / --seq-length)")
     return p
+
+
+def _loss_agg(value: str) -> str:
+    if value == "seq-mean-token-sum-norm":  # verl's name, another normalisation: refused, never reinterpreted
+        raise argparse.ArgumentTypeError(
+            "seq-mean-token-sum-norm is verl's name for the token sums of all samples divided by a constant (not by "
+            "the number of samples); this project's constant-length mode is dr-grpo (TRL's dr_grpo: each sample's "
+            "token sum / --seq-length, averaged over the samples)")
+    return value
 
 
 def get_stage(args):

@@ -14,8 +14,10 @@ the step's total count, whatever the packing or DP/PP layout):
 
 * ``token-mean``: sum over trained tokens / trained tokens;
 * ``seq-mean-token-mean``: sum over samples of the sample's token mean / samples;
-* ``seq-mean-token-sum-norm``: sum over samples of the sample's token sum / ``--seq-length`` / samples
-  (Dr. GRPO: a constant length normaliser).
+* ``dr-grpo``: sum over samples of the sample's token sum / ``--seq-length`` / samples: TRL's
+  ``loss_type="dr_grpo"`` (a constant length normaliser, there ``max_completion_length``). Not
+  verl's ``seq-mean-token-sum-norm``, which divides the summed token sums by the constant only
+  (not by the samples), so its loss grows with the batch: that name is refused, not reinterpreted.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch
 from mindspeed_pack.training.stages.sequences import whole_sequence_sums
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "dr-grpo")
 GRPO_METRICS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max", "response length")
 
 
