@@ -48,7 +48,7 @@ def _sft(seed):
     """Micro-batches of random samples (prompt untrained), as lists of sample token lists."""
     rng = np.random.default_rng(seed)
     out = []
-    for lengths in ((19, 7, 26), (12, 30, 5, 9)):
+    for lengths in ((19, 7, 26), (12, 30, 5, 9, 1)):  # a 1-token sample last: under CP2 one rank holds only its pads
         ids, labels, seg, samples, pos = np.zeros(ROW, np.int64), np.full(ROW, -100), np.zeros(ROW, np.int64), [], 0
         for k, n in enumerate(lengths, start=1):
             s = rng.integers(3, 256, n)

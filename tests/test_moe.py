@@ -10,7 +10,7 @@ One tiny random transformers Qwen3-MoE (8 experts, top-2, 2 layers, layer 0 dens
 - packing the same samples differently, or adding pads, changes neither loss nor aux loss;
 - with pad id == EOS every real EOS token is routed, and no pad reaches an expert;
 - the load-balancing gradient is ``coeff x grad`` of the step's aux loss under every stage and
-  loss aggregation, whatever each divides its own loss by (and at EP2).
+  loss aggregation, whatever each divides its own loss by (and at EP2 and CP2).
 """
 from __future__ import annotations
 
@@ -341,21 +341,27 @@ def test_aux_loss_gradient_is_coeff_times_its_gradient_at_every_stage(converted)
             _assert_same_aux_grads(mine, theirs, (routing_type, case))
 
 
-def test_aux_loss_gradient_at_ep2_sums_both_ranks_steps(converted):
+@pytest.mark.parametrize("layout,flags,data_parallel,cases", [
+    ("ep2", EP2, 2, ("dpo", "grpo seq-mean-token-mean")),
+    ("cp2", ["--context-parallel-size", "2"], 1, ("sft token-mean", "grpo dr-grpo")),
+], ids=["ep2", "cp2"])
+def test_aux_loss_gradient_at_ep2_and_cp2(converted, layout, flags, data_parallel, cases):
     """At EP2 (two data-parallel ranks, alltoall dispatcher) the step's aux loss covers both ranks'
-    micro-batches and its gradient is still coeff x its gradient, under a per-pair and a per-sample stage."""
+    micro-batches; at CP2 each rank holds part of every sample (and one rank only the padding of a
+    1-token sample, which used to crash seq_aux_loss's all-reduce): the gradient is coeff x its
+    gradient in both, under a per-token, a per-pair and a per-sample stage."""
     from tests import moe_aux_utils as aux
     from tests.dist_harness import run_distributed
 
-    cases, routing_types = ("dpo", "grpo seq-mean-token-mean"), ("aux_loss", "seq_aux_loss")
-    results = run_distributed(aux.rank_aux_grads, 2, str(converted["root"] / "hf"), EP2, cases, routing_types, 3,
+    routing_types = ("aux_loss", "seq_aux_loss")
+    results = run_distributed(aux.rank_aux_grads, 2, str(converted["root"] / "hf"), flags, cases, routing_types, 3,
                               timeout=300, threads_per_process=1, env={"OMP_NUM_THREADS": "1"})
     for case in cases:
-        both = aux.case_micro_batches(case, 3) + aux.case_micro_batches(case, 4)
+        step = [mb for rank in range(data_parallel) for mb in aux.case_micro_batches(case, 3 + rank)]
         for routing_type in routing_types:
-            theirs = aux.expected_aux_grads(converted["model"], both, routing_type, coeff=1.0)
+            theirs = aux.expected_aux_grads(converted["model"], step, routing_type, coeff=1.0)
             for rank in (0, 1):
-                _assert_same_aux_grads(results[rank][case, routing_type], theirs, (rank, routing_type, case))
+                _assert_same_aux_grads(results[rank][case, routing_type], theirs, (layout, rank, routing_type, case))
 
 
 def test_model_flops_count_the_active_experts():

@@ -47,6 +47,7 @@ from megatron.core.transformer.moe.moe_utils import (
     topk_routing_with_score_function,
 )
 from megatron.core.transformer.moe.router import TopKRouter
+from torch.distributed import ReduceOp
 
 # megatron-core 0.16.1 binds TE's router GEMM only when TE imports, then reads the name anyway:
 # without TE the router's gating falls back to torch.mm once the name exists (as None)
@@ -165,6 +166,8 @@ class PackedTopKRouter(TopKRouter):
         else:  # the micro-batch's sample count (not this rank's: sequence parallelism splits samples)
             groups = seg
             n = int(self.routing_segments.max()) + 1 if self.routing_segments is not None else 2
+            if self.tp_cp_group.size() > 1:  # a CP rank may hold only padding of the last samples
+                n = int(_all_reduce(torch.tensor(n, device=scores.device), self.tp_cp_group, ReduceOp.MAX))
         real = (groups != 0).float().unsqueeze(-1)
         prob_sums = torch.zeros(n, experts, dtype=scores.dtype, device=scores.device).index_add(
             0, groups, scores * real)
@@ -185,9 +188,9 @@ class PackedTopKRouter(TopKRouter):
         return loss, units, full
 
 
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, group, op=None) -> torch.Tensor:
     t = t.detach().clone()
-    torch.distributed.all_reduce(t, group=group)
+    torch.distributed.all_reduce(t, op=op or ReduceOp.SUM, group=group)
     return t
 
 
