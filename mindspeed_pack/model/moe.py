@@ -30,9 +30,8 @@ The step's load-balancing loss is the mean of the micro-batches' losses weighted
 averages over, its routed tokens (``aux_loss``) or samples (``seq_aux_loss``), over the whole
 global step: for ``seq_aux_loss`` that is the mean over the step's samples, whatever the
 packing. Its gradient is ``coeff x grad`` of that, whatever the stage divides its own loss by
-(tokens, samples, pairs): the trainer divides every gradient by the stage's normaliser, so
-:func:`scale_aux_loss` multiplies the aux losses' by it before the step (megatron-core assumes
-the normaliser is the routed tokens).
+(tokens, samples, pairs): the trainer divides every gradient by the stage's normaliser, which
+:func:`scale_aux_loss` hands the routers before the step (megatron-core assumes the routed tokens).
 """
 from __future__ import annotations
 
@@ -95,8 +94,8 @@ class PackedTopKRouter(TopKRouter):
     def __init__(self, config, pg_collection=None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         self.routing_segments: Optional[torch.Tensor] = None  # [T] this micro-batch's, set by the trainer
-        # the step's aux-loss gradient scale per unit, set by the trainer (:func:`scale_aux_loss`);
-        # 1 until then: megatron-core's convention (the step's gradients divided by its routed tokens)
+        # the step's aux-loss gradient scale per unit (a number or a 0-dim tensor), set by the trainer
+        # (:func:`scale_aux_loss`); 1 until then: megatron-core's convention (gradients divided by routed tokens)
         self.aux_loss_scale = 1.0
         self.reset_statistics()
 
@@ -208,7 +207,7 @@ def set_routing_segments(model, routing_segments: Optional[torch.Tensor]) -> Non
         router.routing_segments = routing_segments
 
 
-def scale_aux_loss(model_chunks, batches, normaliser: int) -> None:
+def scale_aux_loss(model_chunks, batches, normaliser) -> None:
     """Before a training step: scale the routers' aux-loss gradients to the stage's ``normaliser``
     (this rank's share of what the trainer divides every gradient by; summed here over DP x CP).
 
@@ -221,16 +220,17 @@ def scale_aux_loss(model_chunks, batches, normaliser: int) -> None:
     if not chunk_routers or chunk_routers[0].routing_type not in ("aux_loss", "seq_aux_loss") or \
             not chunk_routers[0].config.moe_aux_loss_coeff:
         return
-    by_samples = chunk_routers[0].routing_type == "seq_aux_loss"
-    # routed tokens: this rank's CP share of each micro-batch; samples: counted on CP rank 0 (the CP split's rule)
-    units = sum(b.num_samples if by_samples else int((b.routing_segments != 0).sum()) for b in batches)
-    totals = torch.tensor([float(normaliser), float(units)], dtype=torch.float64)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        totals = totals.to(torch.cuda.current_device())
+    device = batches[0].routing_segments.device
+    if chunk_routers[0].routing_type == "seq_aux_loss":  # samples: counted on CP rank 0 (the CP split's rule)
+        units = torch.tensor(float(sum(b.num_samples for b in batches)), device=device)
+    else:  # routed tokens: this rank's CP share of each micro-batch
+        units = sum((b.routing_segments != 0).sum() for b in batches)
+    # on the device throughout: the step does not wait for it
+    totals = torch.stack([torch.as_tensor(normaliser, device=device).float(), units.float()])
     torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group(with_context_parallel=True))
-    n, u = totals.tolist()
+    n, u = totals
     # a step with nothing trained: megatron-core leaves the gradients undivided (the aux loss still balances)
-    scale = (n if n > 0 else 1.0) / u if u > 0 else 0.0
+    scale = torch.where(n > 0, n, 1.0) / u.clamp(min=1)
     for r in chunk_routers:
         r.aux_loss_scale = scale
 
@@ -238,9 +238,10 @@ def scale_aux_loss(model_chunks, batches, normaliser: int) -> None:
 def step_statistics(model_chunks, num_layers: int, num_experts: int) -> Dict[str, object]:
     """The step's auxiliary loss and per-expert load over the whole job; resets the routers.
 
-    ``moe aux loss``: mean over MoE layers of each layer's step loss (without the coefficient:
-    the micro-batches' losses weighted by their routed tokens or samples, as its gradient); ``expert load max/mean``: the most loaded expert's tokens over the mean,
-    averaged over MoE layers (1.0 = balanced); ``tokens per expert``: one list per MoE layer.
+    ``moe aux loss``: mean over MoE layers of each layer's step loss (without the coefficient;
+    micro-batches weighted by their routed tokens or samples, as in its gradient); ``expert load
+    max/mean``: the most loaded expert's tokens over the mean, averaged over MoE layers (1.0 =
+    balanced); ``tokens per expert``: one list per MoE layer.
     Every rank must call it (collectives over the pipeline and data-parallel groups).
     """
     loads = torch.zeros(num_layers, num_experts, dtype=torch.float64)

@@ -261,7 +261,7 @@ class Trainer:
         stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
         batches = self.stage.prepare(self, batches, raw, split, tokens_per_micro_batch)
         if args.num_experts and not forward_only:  # the aux loss's gradient follows the stage's normaliser
-            moe.scale_aux_loss(self.model, batches, sum(int(self.stage.count(b)) for b in batches))
+            moe.scale_aux_loss(self.model, batches, sum(self.stage.count(b) for b in batches))
         data = iter(batches)
 
         def forward_step(data_iterator, model):
