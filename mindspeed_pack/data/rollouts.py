@@ -230,6 +230,8 @@ def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bo
     labels = np.full(capacity, IGNORE_INDEX, np.int64)
     seg = np.zeros(capacity, np.int64)
     fields = {f: np.zeros(capacity) for f in TOKEN_FIELDS}
+    # a field is laid out only if every rollout of the row has it: --stage grpo refuses files whose
+    # old_logprobs are in some rollouts only, so no rollout's ratio depends on its pack-mates
     present = {f: all(getattr(r, f) is not None for r in rollouts) for f in TOKEN_FIELDS}
     starts, pos = [], 0
     for k, r in enumerate(rollouts, start=1):
