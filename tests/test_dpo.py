@@ -34,14 +34,17 @@ def _stage(loss_type="sigmoid", ftx=0.0, smoothing=0.0):
                                           dpo_ftx=ftx, ref_load=None, ref_logps=False))
 
 
-def _packed_loss(model, stage, pairs, groups, ref):
-    """(loss sum, pairs, per-sequence log-probs [pairs, 2]) of ``pairs`` packed as ``groups`` in one micro-batch."""
+def _packed_loss(model, stage, pairs, groups, ref, reports=None):
+    """(loss sum, pairs, per-sequence log-probs [pairs, 2]) of ``pairs`` packed as ``groups`` in one micro-batch;
+    the logged means go into ``reports`` when given."""
     ids, labels, seg = (torch.from_numpy(x) for x in pack_rows(pairs, groups, S))
     batch = build_packed_batch(ids, labels, seg)
     out = model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=packed_seq_params(batch))
     order = [j for g in groups for j in g]
     batch.ref_logps = ref[order]
-    loss, count, _ = stage.loss_func(batch, out)
+    loss, count, shown = stage.loss_func(batch, out)
+    for name, (total, n) in (shown.items() if reports is not None else ()):
+        reports[name] = float(total / n)
     logps, _ = sequence_logps(batch, out)
     chosen, rejected = pair_segments(batch)
     mine = torch.stack([logps[chosen], logps[rejected]], 1)
@@ -66,11 +69,19 @@ def test_packed_dpo_equals_per_pair_transformers(models, loss_type, ftx, smoothi
     ref = torch.randn(5, 2, dtype=torch.float64) * 3 - 60
     stage = _stage(loss_type, ftx, smoothing)
     mg.zero_grad()
-    loss, n, logps = _packed_loss(mg, stage, pairs, [[0, 1], [2, 3, 4]], ref)
+    reports = {}
+    loss, n, logps = _packed_loss(mg, stage, pairs, [[0, 1], [2, 3, 4]], ref, reports)
     (loss / n).backward()
 
     hf.zero_grad()
     hf_logps = torch.stack([torch.stack([_hf_logp(hf, p, c), _hf_logp(hf, p, r)]) for p, c, r in pairs])
+    # logged as TRL logs them whatever the loss: rewards are beta x (policy - reference) log-prob *sums*
+    sums = hf_logps.detach().double()
+    rewards = BETA * (sums - ref)
+    for name, value in (("rewards/chosen", rewards[:, 0]), ("rewards/rejected", rewards[:, 1]),
+                        ("rewards/margins", rewards[:, 0] - rewards[:, 1]), ("logps/chosen", sums[:, 0]),
+                        ("logps/rejected", sums[:, 1]), ("rewards/accuracies", (rewards[:, 0] > rewards[:, 1]).double())):
+        assert reports[name] == pytest.approx(float(value.mean()), rel=1e-5, abs=1e-5), name
     pc, pr = hf_logps[:, 0], hf_logps[:, 1]
     rc, rr = ref[:, 0].float(), ref[:, 1].float()
     if loss_type == "ipo":
@@ -113,6 +124,20 @@ def test_reference_equal_to_policy_gives_log2(models):
         _, _, policy = _packed_loss(mg, _stage(), pairs, groups, torch.zeros(4, 2, dtype=torch.float64))
         loss, n, _ = _packed_loss(mg, _stage(), pairs, groups, policy.double())
     assert float(loss / n) == pytest.approx(math.log(2), rel=1e-7)
+
+
+@pytest.mark.parametrize("loss_type,smoothing,message", [
+    ("hinge", 0.1, "--dpo-label-smoothing 0.1 with --dpo-loss-type hinge: label smoothing .* sigmoid loss only"),
+    ("ipo", 0.2, "--dpo-label-smoothing 0.2 with --dpo-loss-type ipo"),
+    ("sigmoid", 0.5, r"--dpo-label-smoothing 0.5: .* must be in \[0, 0.5\)"),
+    ("sigmoid", -0.1, "--dpo-label-smoothing -0.1: "),
+])
+def test_label_smoothing_is_refused_where_it_is_not_defined(loss_type, smoothing, message):
+    """Conservative DPO's smoothing exists for the sigmoid loss only: under hinge and ipo it was ignored."""
+    from mindspeed_pack.data.packed_dataset import DataError
+
+    with pytest.raises(DataError, match=message):
+        _stage(loss_type, smoothing=smoothing)
 
 
 def test_a_split_pair_is_refused():

@@ -83,6 +83,28 @@ def _expected_loss(hf, rows, mode, entropy_coef=0.0):
                                 entropy_coef=entropy_coef, seq_length=S)
 
 
+def test_old_logprobs_in_some_rollouts_only_are_refused(tmp_path):
+    """A row's ratio must not depend on its pack-mates (a row without old log-probs used to drop them for
+    every rollout of its micro-batch): the file gives them in every rollout or in none."""
+    from mindspeed_pack.data.packed_dataset import DataError
+    from mindspeed_pack.data.rollouts import load_rollouts
+
+    rows = random_rollouts(3, seed=1)
+    rows[0]["old_logprobs"] = [-20.0] * len(rows[0]["response_ids"])
+    rollouts, _ = load_rollouts(write_jsonl(tmp_path / "r.jsonl", rows), 256, 64)
+    trainer = types.SimpleNamespace(source=types.SimpleNamespace(rollouts=rollouts))
+    stage = _stage("token-mean")
+    stage.args.kl_coef = 0.0  # no reference log-probs needed
+    with pytest.raises(DataError, match=r"r\.jsonl: line 2: field 'old_logprobs' is missing, but .*r\.jsonl: line 1 "
+                                        "has it: give it in every rollout"):
+        stage.setup(trainer)
+    for row in rows:  # in none, or in all: accepted
+        row.pop("old_logprobs", None)
+    for rollouts_of in (rows, [{**row, "old_logprobs": [0.0] * len(row["response_ids"])} for row in rows]):
+        trainer.source.rollouts, _ = load_rollouts(write_jsonl(tmp_path / "r.jsonl", rollouts_of), 256, 64)
+        stage.setup(trainer)
+
+
 def test_packed_logprobs_equal_transformers_per_sample(models, rows):
     mg, hf = models
     with torch.no_grad():
@@ -93,7 +115,7 @@ def test_packed_logprobs_equal_transformers_per_sample(models, rows):
 
 
 @pytest.mark.parametrize("mode,entropy_coef", [("token-mean", 0.0), ("seq-mean-token-mean", 0.0),
-                                               ("seq-mean-token-sum-norm", 0.0), ("token-mean", 0.05)])
+                                               ("dr-grpo", 0.0), ("token-mean", 0.05)])
 def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode, entropy_coef):
     mg, hf = models
     stage = _stage(mode, entropy_coef)

@@ -22,7 +22,7 @@ from tests.rollout_utils import hf_logps_entropy, per_sample_grpo_loss, random_r
 S = 128
 CLIP_LOW, CLIP_HIGH, KL, ENTROPY = 0.1, 0.3, 0.05, 0.01
 # (mode, --entropy-coef): token-mean also runs the logits path (vocab-parallel entropy under TP)
-STEPS = (("token-mean", ENTROPY), ("seq-mean-token-mean", 0.0), ("seq-mean-token-sum-norm", 0.0))
+STEPS = (("token-mean", ENTROPY), ("seq-mean-token-mean", 0.0), ("dr-grpo", 0.0))
 GROUPS = ("embedding", "layer 0", "layer 1", "final norm", "output")
 COMMON = ["--seq-length", str(S), "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "1",
           "--lr", "0", "--min-lr", "0", "--lr-warmup-iters", "0", "--clip-grad", "1e9", "--finetune",

@@ -8,7 +8,9 @@ One tiny random transformers Qwen3-MoE (8 experts, top-2, 2 layers, layer 0 dens
 - the auxiliary loss equals transformers' ``load_balancing_loss_func`` over the real tokens
   (``aux_loss``), and the per-sample mean of it (``seq_aux_loss``);
 - packing the same samples differently, or adding pads, changes neither loss nor aux loss;
-- with pad id == EOS every real EOS token is routed, and no pad reaches an expert.
+- with pad id == EOS every real EOS token is routed, and no pad reaches an expert;
+- the load-balancing gradient is ``coeff x grad`` of the step's aux loss under every stage and
+  loss aggregation, whatever each divides its own loss by (and at EP2 and CP2).
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def run_pack(model, ids, labels, segments, routing_type="aux_loss"):
     model.eval()
     for h in hooks:
         h.remove()
-    aux = sum(r.step_aux_loss for r in routers) / len(routers)
+    aux = sum(r.step_aux_loss / r.step_units for r in routers) / len(routers)
     load = torch.stack([r.step_tokens_per_expert for r in routers])
     loss = float((losses.float().reshape(-1) * batch.loss_mask.reshape(-1)).sum().detach())
     return loss, float(batch.loss_mask.sum()), aux, load, maps, batch
@@ -311,6 +313,55 @@ def test_ep2_tp2xep2_pp2xcp2_match_one_process_and_ep2_resumes_exactly(converted
         load_file(tmp_path / "hf_at_5" / "model.safetensors")
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in exported and sorted(exported) == sorted(uninterrupted)
     assert all(torch.equal(exported[k], uninterrupted[k]) for k in exported)
+
+
+def _rel(mine, theirs):
+    return float((mine - theirs).abs().max() / theirs.abs().max())
+
+
+def _assert_same_aux_grads(mine, theirs, what):
+    (router, embedding, norm), (t_router, t_embedding, t_norm) = mine, theirs
+    assert _rel(router, t_router) <= 1e-5 and _rel(embedding, t_embedding) <= 1e-5, (what, norm, t_norm)
+    assert abs(norm / t_norm - 1) <= 1e-5, (what, norm, t_norm)
+
+
+def test_aux_loss_gradient_is_coeff_times_its_gradient_at_every_stage(converted):
+    """SFT (per token, per sample), DPO (per pair) and GRPO (every --loss-agg) divide their own loss by
+    different counts; the load-balancing gradient of a step is coeff x grad of the step's aux loss under
+    each of them (megatron-core's scaling would multiply it by the routed tokens per normaliser unit), for
+    aux_loss and seq_aux_loss. Each stage's own term is exactly zero here, or subtracted (SFT)."""
+    from tests import moe_aux_utils as aux
+
+    trainer = aux.aux_trainer(str(converted["root"] / "hf"), [])
+    for routing_type in ("aux_loss", "seq_aux_loss"):
+        for case in aux.CASES:
+            micro_batches = aux.case_micro_batches(case, seed=1)
+            mine = aux.trainer_aux_grads(trainer, case, micro_batches, routing_type, coeff=1.0)
+            theirs = aux.expected_aux_grads(converted["model"], micro_batches, routing_type, coeff=1.0)
+            _assert_same_aux_grads(mine, theirs, (routing_type, case))
+
+
+@pytest.mark.parametrize("layout,flags,data_parallel,cases", [
+    ("ep2", EP2, 2, ("dpo", "grpo seq-mean-token-mean")),
+    ("cp2", ["--context-parallel-size", "2"], 1, ("sft token-mean", "grpo dr-grpo")),
+], ids=["ep2", "cp2"])
+def test_aux_loss_gradient_at_ep2_and_cp2(converted, layout, flags, data_parallel, cases):
+    """At EP2 (two data-parallel ranks, alltoall dispatcher) the step's aux loss covers both ranks'
+    micro-batches; at CP2 each rank holds part of every sample (and one rank only the padding of a
+    1-token sample, which used to crash seq_aux_loss's all-reduce): the gradient is coeff x its
+    gradient in both, under a per-token, a per-pair and a per-sample stage."""
+    from tests import moe_aux_utils as aux
+    from tests.dist_harness import run_distributed
+
+    routing_types = ("aux_loss", "seq_aux_loss")
+    results = run_distributed(aux.rank_aux_grads, 2, str(converted["root"] / "hf"), flags, cases, routing_types, 3,
+                              timeout=300, threads_per_process=1, env={"OMP_NUM_THREADS": "1"})
+    for case in cases:
+        step = [mb for rank in range(data_parallel) for mb in aux.case_micro_batches(case, 3 + rank)]
+        for routing_type in routing_types:
+            theirs = aux.expected_aux_grads(converted["model"], step, routing_type, coeff=1.0)
+            for rank in (0, 1):
+                _assert_same_aux_grads(results[rank][case, routing_type], theirs, (layout, rank, routing_type, case))
 
 
 def test_model_flops_count_the_active_experts():

@@ -24,6 +24,20 @@ GOOD = {"prompt_ids": [1, 2, 3], "response_ids": [4, 5], "advantages": [0.5, -1.
     ({"prompt_ids": [1], "response_ids": [4, 5], "reward": 1.0}, "needs a 'group'"),
     ({"prompt_ids": "hello", "response_ids": [4], "advantages": [0]}, "field 'prompt_ids' must be a non-empty list"),
     ({"prompt_ids": [1], "response_ids": [], "advantages": []}, "field 'response_ids' must be a non-empty list"),
+    # beyond int64 (JSON integers have no limit): not an OverflowError traceback
+    ({"prompt_ids": [1, 2 ** 70], "response_ids": [4], "advantages": [0.1]},
+     "field 'prompt_ids'[1] = 1180591620717411303424 does not fit the vocabulary of 256"),
+    ({"prompt_ids": [1], "response_ids": [4, -2 ** 64], "advantages": [0.1, 0.2]}, "field 'response_ids'[1] = -1844"),
+    # nested per-token fields have the right length, then would fail to broadcast mid-step
+    ({"prompt_ids": [1], "response_ids": [4, 5], "advantages": [[0.5], [1.0]]},
+     "field 'advantages' must be a flat list of numbers (one per response token), got [[0.5], [1.0]]"),
+    ({"prompt_ids": [1], "response_ids": [4, 5], "old_logprobs": [[-1.0, -2.0], [-3.0]], "advantages": [0, 0]},
+     "field 'old_logprobs' must be a flat list of numbers"),
+    ({"prompt_ids": [1], "response_ids": [4, 5], "response_mask": [[1], [0]], "advantages": [0, 0]},
+     "field 'response_mask' must be a flat list of numbers"),
+    ({"prompt_ids": [1], "response_ids": [4, 5], "advantages": ["0.5", 1]}, "field 'advantages' must hold numbers"),
+    ({"prompt_ids": [1], "response_ids": [4, 5], "advantages": [10 ** 400, 1]}, "field 'advantages'[0] is not finite"),
+    ({"prompt_ids": [1], "response_ids": [4, 5], "reward": 10 ** 400, "group": 0}, "field 'reward' must be a finite"),
 ])
 def test_bad_rows_are_named(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "r.jsonl", [GOOD, GOOD, bad])

@@ -75,10 +75,16 @@ def _ids(row: dict, field: str, where: str, vocab_size: int) -> np.ndarray:
     if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in value):
         raise DataError(f"{where}: field {field!r} must hold integer token ids (the exact sampled ids; a text "
                         "rollout gives 'prompt' or 'messages' and 'response' instead)")
-    ids = np.asarray(value, dtype=np.int64)
-    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
-    if bad.size:
-        raise DataError(f"{where}: field {field!r}[{int(bad[0])}] = {int(ids[bad[0]])} does not fit the vocabulary "
+    try:
+        ids = np.asarray(value, dtype=np.int64)
+    except OverflowError:  # beyond int64 (JSON integers have no limit): found among the Python ints below
+        ids = None
+    if ids is None:
+        bad = next(i for i, x in enumerate(value) if not 0 <= int(x) < vocab_size)
+    else:
+        bad = next(iter(np.flatnonzero((ids < 0) | (ids >= vocab_size))), None)
+    if bad is not None:
+        raise DataError(f"{where}: field {field!r}[{int(bad)}] = {int(value[bad])} does not fit the vocabulary "
                         f"of {vocab_size} tokens")
     return ids
 
@@ -92,9 +98,17 @@ def _per_token(row: dict, field: str, where: str, length: int) -> Optional[np.nd
     if len(value) != length:
         raise DataError(f"{where}: field {field!r} has {len(value)} values but response_ids has {length} tokens")
     try:
-        out = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise DataError(f"{where}: field {field!r} must hold numbers") from None
+        out = np.asarray(value)
+    except ValueError:  # ragged nesting
+        out = np.empty((0, 0))
+    if out.ndim != 1:  # nested lists pass the length check, then fail to broadcast mid-step
+        raise DataError(f"{where}: field {field!r} must be a flat list of numbers (one per response token), got "
+                        f"{_show(value)}")
+    if out.dtype.kind not in "biuf":  # strings (which numpy would parse), null, objects; or ints beyond int64
+        if not all(isinstance(x, (int, float, np.number)) for x in value):
+            raise DataError(f"{where}: field {field!r} must hold numbers, got {_show(value)}")
+        out = np.array([float(x) if abs(x) < 1e308 else math.inf for x in value])  # beyond any float: not finite
+    out = out.astype(np.float64)
     if not np.all(np.isfinite(out)):
         raise DataError(f"{where}: field {field!r}[{int(np.flatnonzero(~np.isfinite(out))[0])}] is not finite")
     return out
@@ -121,7 +135,7 @@ def parse_rollout(row, where: str, vocab_size: int) -> Rollout:
         setattr(out, field, _per_token(row, field, where, len(response)))
     if out.advantages is None and row.get("reward") is not None:
         reward = row["reward"]
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not abs(reward) < 1e308:
             raise DataError(f"{where}: field 'reward' must be a finite number, got {_show(reward)}")
         if row.get("group") is None:
             raise DataError(f"{where}: field 'reward' needs a 'group' (the prompt's id) for group-normalised "
@@ -216,6 +230,8 @@ def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bo
     labels = np.full(capacity, IGNORE_INDEX, np.int64)
     seg = np.zeros(capacity, np.int64)
     fields = {f: np.zeros(capacity) for f in TOKEN_FIELDS}
+    # a field is laid out only if every rollout of the row has it: --stage grpo refuses files whose
+    # old_logprobs are in some rollouts only, so no rollout's ratio depends on its pack-mates
     present = {f: all(getattr(r, f) is not None for r in rollouts) for f in TOKEN_FIELDS}
     starts, pos = [], 0
     for k, r in enumerate(rollouts, start=1):

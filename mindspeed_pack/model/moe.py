@@ -25,6 +25,13 @@ Routing is dropless unless ``--moe-expert-capacity-factor`` is set, so a token's
 not depend on its pack-mates. The trainer hands each micro-batch's segments to the routers
 (:func:`set_routing_segments`) just before the forward, and reads the step's statistics
 back with :func:`step_statistics`.
+
+The step's load-balancing loss is the mean of the micro-batches' losses weighted by what each
+averages over, its routed tokens (``aux_loss``) or samples (``seq_aux_loss``), over the whole
+global step: for ``seq_aux_loss`` that is the mean over the step's samples, whatever the
+packing. Its gradient is ``coeff x grad`` of that, whatever the stage divides its own loss by
+(tokens, samples, pairs): the trainer divides every gradient by the stage's normaliser, which
+:func:`scale_aux_loss` hands the routers before the step (megatron-core assumes the routed tokens).
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from megatron.core.transformer.moe.moe_utils import (
     topk_routing_with_score_function,
 )
 from megatron.core.transformer.moe.router import TopKRouter
+from torch.distributed import ReduceOp
 
 # megatron-core 0.16.1 binds TE's router GEMM only when TE imports, then reads the name anyway:
 # without TE the router's gating falls back to torch.mm once the name exists (as None)
@@ -86,12 +94,16 @@ class PackedTopKRouter(TopKRouter):
     def __init__(self, config, pg_collection=None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         self.routing_segments: Optional[torch.Tensor] = None  # [T] this micro-batch's, set by the trainer
+        # the step's aux-loss gradient scale per unit (a number or a 0-dim tensor), set by the trainer
+        # (:func:`scale_aux_loss`); 1 until then: megatron-core's convention (gradients divided by routed tokens)
+        self.aux_loss_scale = 1.0
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
         self.step_tokens_per_expert = torch.zeros(self.config.num_moe_experts, dtype=torch.float64)
-        self.step_aux_loss = 0.0  # sum over micro-batches of this layer's loss (without the coefficient)
-        self.step_micro_batches = 0
+        # sum over micro-batches of this layer's loss (without the coefficient) x its units (tokens or samples)
+        self.step_aux_loss = 0.0
+        self.step_units = 0.0
 
     def _local_segments(self, num_tokens: int) -> Optional[torch.Tensor]:
         """This rank's share of the segment ids (sequence parallelism splits the tokens over TP)."""
@@ -135,23 +147,26 @@ class PackedTopKRouter(TopKRouter):
                 top = torch.zeros_like(routing_map).scatter(1, torch.topk(scores, self.topk, dim=1).indices, True)
                 if seg is None:
                     seg = torch.ones(logits.shape[0], dtype=torch.long, device=logits.device)
-                aux_loss, real_tokens, full = self._load_balancing_loss(scores, top, seg)
-                self.step_aux_loss += float(full)
-                self.step_micro_batches += 1
-                if coeff:
-                    # megatron's per-token loss convention: gradients end up divided by the step's tokens
-                    probs = MoEAuxLossAutoScaler.apply(probs, coeff * aux_loss * real_tokens)
+                aux_loss, units, full = self._load_balancing_loss(scores, top, seg)
+                self.step_aux_loss += float(full) * float(units)
+                self.step_units += float(units)
+                if coeff:  # weighted by its units, scaled to the stage's normaliser (scale_aux_loss)
+                    probs = MoEAuxLossAutoScaler.apply(probs, coeff * aux_loss * units * self.aux_loss_scale)
         return probs, routing_map
 
     def _load_balancing_loss(self, scores: torch.Tensor, top: torch.Tensor, seg: torch.Tensor):
-        """Switch load-balancing loss ``E/k * sum_e f_e P_e`` over real tokens: of the whole
-        micro-batch (``aux_loss``) or of each sample, averaged over samples (``seq_aux_loss``)."""
+        """(loss, units, full loss) of the Switch load-balancing loss ``E/k * sum_e f_e P_e`` over real
+        tokens: of the whole micro-batch (``aux_loss``; units: its real tokens) or of each sample,
+        averaged over samples (``seq_aux_loss``; units: its samples). Units count the whole
+        micro-batch (all sequence / context parallel ranks)."""
         experts = self.config.num_moe_experts
         if self.routing_type == "aux_loss":
             groups, n = (seg != 0).long(), 2  # one group: every real token
         else:  # the micro-batch's sample count (not this rank's: sequence parallelism splits samples)
             groups = seg
             n = int(self.routing_segments.max()) + 1 if self.routing_segments is not None else 2
+            if self.tp_cp_group.size() > 1:  # a CP rank may hold only padding of the last samples
+                n = int(_all_reduce(torch.tensor(n, device=scores.device), self.tp_cp_group, ReduceOp.MAX))
         real = (groups != 0).float().unsqueeze(-1)
         prob_sums = torch.zeros(n, experts, dtype=scores.dtype, device=scores.device).index_add(
             0, groups, scores * real)
@@ -165,17 +180,16 @@ class PackedTopKRouter(TopKRouter):
         per_group = per_group[1:] * experts / self.topk
         present = tokens[1:] > 0
         loss = per_group[present].sum() / present.sum().clamp(min=1)
-        # megatron's per-token convention scales the aux gradient by the tokens it covers (all
-        # sequence-parallel ranks' real tokens: each rank's partial loss is a share of one loss)
-        real_tokens = tokens[1:].sum()
+        # what the loss is a mean over (all sequence-parallel ranks': each rank's partial loss is a share of one loss)
+        units = tokens[1:].sum() if self.routing_type == "aux_loss" else present.sum().to(tokens.dtype)
         # the full loss for the statistics (each sequence-parallel rank holds a part of it)
         full = _all_reduce(loss, tp_cp) if tp_cp.size() > 1 else loss.detach()
-        return loss, real_tokens, full
+        return loss, units, full
 
 
-def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, group, op=None) -> torch.Tensor:
     t = t.detach().clone()
-    torch.distributed.all_reduce(t, group=group)
+    torch.distributed.all_reduce(t, op=op or ReduceOp.SUM, group=group)
     return t
 
 
@@ -193,20 +207,49 @@ def set_routing_segments(model, routing_segments: Optional[torch.Tensor]) -> Non
         router.routing_segments = routing_segments
 
 
+def scale_aux_loss(model_chunks, batches, normaliser) -> None:
+    """Before a training step: scale the routers' aux-loss gradients to the stage's ``normaliser``
+    (this rank's share of what the trainer divides every gradient by; summed here over DP x CP).
+
+    A micro-batch's aux loss enters with weight ``units x N / U`` (``N`` the step's normaliser,
+    ``U`` its routed tokens or samples), so that after the division by ``N`` the gradient is
+    ``coeff x grad`` of the step's unit-weighted mean aux loss. Every rank of the DP x CP group
+    must call it (a collective). ``batches``: this rank's micro-batches (its CP share)."""
+    chunk_routers = [r for chunk in model_chunks for r in routers(chunk)]
+    # the whole DP x CP group holds the same layers: all of it returns here, or none of it
+    if not chunk_routers or chunk_routers[0].routing_type not in ("aux_loss", "seq_aux_loss") or \
+            not chunk_routers[0].config.moe_aux_loss_coeff:
+        return
+    device = batches[0].routing_segments.device
+    if chunk_routers[0].routing_type == "seq_aux_loss":  # samples: counted on CP rank 0 (the CP split's rule)
+        units = torch.full((), float(sum(b.num_samples for b in batches)), device=device)
+    else:  # routed tokens: this rank's CP share of each micro-batch
+        units = sum((b.routing_segments != 0).sum() for b in batches)
+    # on the device throughout: the step does not wait for it
+    totals = torch.stack([torch.as_tensor(normaliser, device=device).float(), units.float()])
+    torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group(with_context_parallel=True))
+    n, u = totals
+    # a step with nothing trained: megatron-core leaves the gradients undivided (the aux loss still balances)
+    scale = torch.where(n > 0, n, 1.0) / u.clamp(min=1)
+    for r in chunk_routers:
+        r.aux_loss_scale = scale
+
+
 def step_statistics(model_chunks, num_layers: int, num_experts: int) -> Dict[str, object]:
     """The step's auxiliary loss and per-expert load over the whole job; resets the routers.
 
-    ``moe aux loss``: mean over MoE layers of each layer's mean over micro-batches (without
-    the coefficient); ``expert load max/mean``: the most loaded expert's tokens over the mean,
-    averaged over MoE layers (1.0 = balanced); ``tokens per expert``: one list per MoE layer.
+    ``moe aux loss``: mean over MoE layers of each layer's step loss (without the coefficient;
+    micro-batches weighted by their routed tokens or samples, as in its gradient); ``expert load
+    max/mean``: the most loaded expert's tokens over the mean, averaged over MoE layers (1.0 =
+    balanced); ``tokens per expert``: one list per MoE layer.
     Every rank must call it (collectives over the pipeline and data-parallel groups).
     """
     loads = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-    aux = torch.zeros(num_layers, 2, dtype=torch.float64)  # loss sum, micro-batches
+    aux = torch.zeros(num_layers, 2, dtype=torch.float64)  # loss x units, units
     for chunk in model_chunks:
         for r in routers(chunk):
             loads[r.layer_number - 1] += r.step_tokens_per_expert
-            aux[r.layer_number - 1] += torch.tensor([r.step_aux_loss, r.step_micro_batches], dtype=torch.float64)
+            aux[r.layer_number - 1] += torch.tensor([r.step_aux_loss, r.step_units], dtype=torch.float64)
             r.reset_statistics()
     flat = torch.cat([loads.reshape(-1), aux.reshape(-1)])
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -219,7 +262,7 @@ def step_statistics(model_chunks, num_layers: int, num_experts: int) -> Dict[str
     loads = flat[:loads.numel()].view(num_layers, num_experts)
     aux = flat[loads.numel():].view(num_layers, 2)
     tp = ps.get_tensor_model_parallel_world_size()
-    aux = aux / tp  # each TP rank recorded the full loss and one count per micro-batch
+    aux = aux / tp  # each TP rank recorded the full loss and the units of every micro-batch
     out: Dict[str, object] = {}
     moe_layers = loads.sum(-1) > 0
     if moe_layers.any():

@@ -1,9 +1,10 @@
 """Count the calls that make the host wait for the device, for tests and benchmarks.
 
 On a GPU the CPU queues kernels ahead of the device; any call that reads a device value back
-(``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``) or whose output size depends on values
+(``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``), whose output size depends on values
 (``nonzero``, boolean-mask indexing, ``masked_select``, ``repeat_interleave`` without an output
-size, ``unique``) makes the CPU stop until the queue drains, and the GPU idles while the CPU
+size, ``unique``), or that copies from pageable host memory without ``non_blocking`` (counted
+with ``device_only``, where the copy can be seen) makes the CPU stop until the queue drains, and the GPU idles while the CPU
 catches up. On a CPU nothing blocks, but the code makes the same calls, so counting them on the
 CPU tells what a GPU step would wait for::
 
@@ -39,6 +40,17 @@ def _has_bool_index(args) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
 
 
+def _blocking_upload(name: str, args, kwargs) -> bool:
+    """A host-to-device copy without ``non_blocking``: torch waits for the device's stream after it."""
+    if name == "_to_copy" and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu":
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type != "cpu" and not kwargs.get("non_blocking")
+    if name == "copy_" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        return args[0].device.type != "cpu" and args[1].device.type == "cpu" and \
+            not (args[2] if len(args) > 2 else kwargs.get("non_blocking"))
+    return False
+
+
 class _Reads(TorchFunctionMode):
     def __init__(self, counter):
         super().__init__()
@@ -63,12 +75,14 @@ class _Ops(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.counter.inside and self.counter.counts(args):  # a read counted above dispatches its own
+        if not self.counter.inside and self.counter.counts(args, kwargs):  # a read counted above dispatches its own
             name = _aten_name(func)
             if name in _VALUE_SHAPED:
                 self.counter.by_name[name] += 1
             elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and _has_bool_index(args):
                 self.counter.by_name[f"{name} (boolean mask)"] += 1
+            elif self.counter.device_only and _blocking_upload(name, args, kwargs):
+                self.counter.by_name["copy from the host (blocking)"] += 1
             elif name == "repeat_interleave" and kwargs.get("output_size") is None and \
                     isinstance(args[0], torch.Tensor) and not isinstance(args[1] if len(args) > 1 else None, int):
                 self.counter.by_name["repeat_interleave (no output_size)"] += 1
@@ -87,10 +101,12 @@ class HostSyncCounter:
         self.device_only = device_only
         self._modes = []
 
-    def counts(self, args) -> bool:
+    def counts(self, args, kwargs=None) -> bool:
         if not self.device_only:
             return True
-        return any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args)
+        device = (kwargs or {}).get("device")
+        return any(isinstance(a, torch.Tensor) and a.device.type != "cpu" for a in args) or \
+            (device is not None and torch.device(device).type != "cpu")
 
     def paused(self):
         """A context in which nothing is counted (host-side work inside a counted region)."""

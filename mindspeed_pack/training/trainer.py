@@ -292,6 +292,8 @@ class Trainer:
         device = model_device()
         batches = [b.to(device) for b in step["batches"]]  # asynchronous copies from pinned memory on a GPU
         batches = self.stage.prepare(self, batches, step["raw"], split, step["tokens_per_micro_batch"])
+        if args.num_experts and not forward_only:  # the aux loss's gradient follows the stage's normaliser
+            moe.scale_aux_loss(self.model, batches, sum(self.stage.count(b) for b in batches))
         data = iter(batches)
 
         def forward_step(data_iterator, model):

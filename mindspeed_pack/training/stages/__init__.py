@@ -11,6 +11,10 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
   trainer divides by the *global step's* total ``count`` (megatron-core's
   ``calculate_per_token_loss``), so ``normaliser`` (tokens, samples, pairs) never depends on
   packing or on the DP/PP/CP layout; every report is a ``[sum, count]`` pair reduced the same way;
+* ``count(batch)``: that ``count``, from the micro-batch alone (before the forward, on every
+  pipeline stage): a mixture-of-experts step scales its load-balancing gradient to the step's
+  total (:func:`mindspeed_pack.model.moe.scale_aux_loss`), so the balancing strength is the
+  same whatever the stage divides by;
 * ``metric_names``: the reports logged besides ``lm loss`` (console, TensorBoard, JSONL);
   optional ``max_metrics``: those reported as ``[max, 1]`` and reduced by MAX instead;
 * optional ``needs_logits``: ``loss_func`` gets the vocab-parallel logits instead of the per-token
@@ -32,7 +36,8 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dpo-beta", type=float, default=0.1, help="strength of the KL term (temperature of the reward)")
     g.add_argument("--dpo-loss-type", default="sigmoid", choices=["sigmoid", "ipo", "hinge"])
     g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
-                   help="conservative DPO: the probability that a pair's preference is flipped (sigmoid loss)")
+                   help="conservative DPO: the probability that a pair's preference is flipped, in [0, 0.5) "
+                        "(sigmoid loss only: refused with ipo and hinge, which have no smoothed form)")
     g.add_argument("--dpo-ftx", type=float, default=0.0,
                    help="weight of an SFT term on the chosen answer (its per-token mean NLL; LLaMA-Factory pref_ftx)")
     g.add_argument("--ref-load", default=None,
@@ -68,10 +73,21 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-entropy", action="store_true",
                    help="--stage grpo: log the policy's entropy over the trained tokens without an entropy bonus "
                         "(needs the full logits; --entropy-coef logs it too)")
-    g.add_argument("--loss-agg", default="token-mean",
-                   choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
-                   help="how per-token losses become the step's loss (normalised over the whole global step)")
+    g.add_argument("--loss-agg", default="token-mean", type=_loss_agg,
+                   choices=["token-mean", "seq-mean-token-mean", "dr-grpo"],
+                   help="how per-token losses become the step's loss, normalised over the whole global step: by "
+                        "trained tokens, by samples of each one's token mean, or dr-grpo (TRL's dr_grpo: by samples "
+                        "of each one's token sum / --seq-length)")
     return p
+
+
+def _loss_agg(value: str) -> str:
+    if value == "seq-mean-token-sum-norm":  # verl's name, another normalisation: refused, never reinterpreted
+        raise argparse.ArgumentTypeError(
+            "seq-mean-token-sum-norm is verl's name for the token sums of all samples divided by a constant (not by "
+            "the number of samples); this project's constant-length mode is dr-grpo (TRL's dr_grpo: each sample's "
+            "token sum / --seq-length, averaged over the samples)")
+    return value
 
 
 def get_stage(args):

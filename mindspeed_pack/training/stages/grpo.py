@@ -14,8 +14,10 @@ the step's total count, whatever the packing or DP/PP layout):
 
 * ``token-mean``: sum over trained tokens / trained tokens;
 * ``seq-mean-token-mean``: sum over samples of the sample's token mean / samples;
-* ``seq-mean-token-sum-norm``: sum over samples of the sample's token sum / ``--seq-length`` / samples
-  (Dr. GRPO: a constant length normaliser).
+* ``dr-grpo``: sum over samples of the sample's token sum / ``--seq-length`` / samples: TRL's
+  ``loss_type="dr_grpo"`` (a constant length normaliser, there ``max_completion_length``). Not
+  verl's ``seq-mean-token-sum-norm``, which divides the summed token sums by the constant only
+  (not by the samples), so its loss grows with the batch: that name is refused, not reinterpreted.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch
 from mindspeed_pack.training.stages.sequences import whole_sequence_sums
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "dr-grpo")
 GRPO_METRICS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max", "response length")
 
 
@@ -69,21 +71,30 @@ def trained_samples(batch: PackedBatch) -> torch.Tensor:
     return (batch.segment_labels > 0) & (whole_sequence_sums(batch.loss_mask, batch) > 0)
 
 
-def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: float):
-    """(sum, count) of ``per_token`` [1, T] over ``batch``'s trained tokens under ``--loss-agg mode``.
+def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: float) -> torch.Tensor:
+    """Sum of ``per_token`` [1, T] over ``batch``'s trained tokens under ``--loss-agg mode`` (the
+    trainer divides it by the step's total :func:`normaliser_count`).
 
     Under context parallelism each rank holds a zigzag share of every sample: token sums are
     this rank's share (the DP x CP reduction adds them up); a sample's mean needs its whole sum
     and count (reduced over the CP group), so every CP rank holds the same per-sample terms,
-    whose backward carries that rank's share of the gradient, and counts them on CP rank 0 only."""
+    whose backward carries that rank's share of the gradient (they are counted on CP rank 0 only)."""
     mask = batch.loss_mask
     if mode == "token-mean":
-        return (per_token * mask).sum(), mask.sum().to(torch.int)
+        return (per_token * mask).sum()
     sums, counts = whole_sequence_sums(per_token * mask, batch), whole_sequence_sums(mask, batch)
     samples = (batch.segment_labels > 0) & (counts > 0)
     per_sample = sums / counts.clamp(min=1) if mode == "seq-mean-token-mean" else sums / norm
+    return per_sample[samples].sum()
+
+
+def normaliser_count(batch: PackedBatch, mode: str) -> torch.Tensor:
+    """``batch``'s share of the step's normaliser under ``--loss-agg mode``: its trained tokens, or its
+    samples with a trained token (on CP rank 0 only, each sample once)."""
+    if mode == "token-mean":
+        return batch.loss_mask.sum().to(torch.int)
     once = ps.get_context_parallel_rank() == 0
-    return per_sample[samples].sum(), (samples.sum() if once else samples.new_zeros(())).to(torch.int)
+    return (trained_samples(batch).sum() * int(once)).to(torch.int)
 
 
 class GRPOStage:
@@ -117,6 +128,16 @@ class GRPOStage:
             where = next(r.where for r in source.rollouts if r.ref_logprobs is None)
             raise DataError(f"{where}: --kl-coef {self.args.kl_coef} needs 'ref_logprobs' in every rollout (score "
                             "them with posttrain.py --stage score --score-field ref_logprobs)")
+        # a row's ratio must not depend on its pack-mates: old log-probs in every rollout or in none
+        given = [r for r in source.rollouts if r.old_logprobs is not None]
+        if given and len(given) < len(source.rollouts):
+            where = next(r.where for r in source.rollouts if r.old_logprobs is None)
+            raise DataError(f"{where}: field 'old_logprobs' is missing, but {given[0].where} has it: give it in every "
+                            "rollout (posttrain.py --stage score --score-field old_logprobs writes it for all) or in "
+                            "none (the ratio is then 1: an on-policy step)")
+
+    def count(self, batch: PackedBatch) -> torch.Tensor:
+        return normaliser_count(batch, self.args.loss_agg)
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         """Each micro-batch's per-token fields, as this rank holds its tokens (its CP share)."""
@@ -147,7 +168,7 @@ class GRPOStage:
                                                           args.kl_coef, args.kl_estimator)
         if args.entropy_coef:
             per_token = per_token - args.entropy_coef * entropy
-        loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length))
+        loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length)), self.count(batch)
         with torch.no_grad():
             tokens = mask.sum()
             once = float(ps.get_context_parallel_rank() == 0)  # a CP group's samples are counted once

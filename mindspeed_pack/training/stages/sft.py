@@ -6,15 +6,19 @@ import torch
 from mindspeed_pack.packing.segments import PackedBatch
 
 
+def normaliser_count(batch: PackedBatch, per_sample: bool) -> torch.Tensor:
+    """``batch``'s share of the step's normaliser: its samples (counted on CP rank 0) or trained tokens."""
+    if per_sample:
+        # a fill on the device, not a copy from the host (which would wait for the device)
+        return torch.full((), batch.num_samples, dtype=torch.int, device=batch.loss_mask.device)
+    return batch.loss_mask.sum().to(torch.int)
+
+
 def loss_func(batch: PackedBatch, per_sample: bool, output_tensor: torch.Tensor):
     """Summed loss and its normaliser; megatron divides by the global batch's total."""
     losses = output_tensor.float().reshape(batch.loss_mask.shape)
-    if per_sample:
-        loss = (losses * batch.loss_weights).sum()
-        count = torch.tensor(batch.num_samples, dtype=torch.int, device=loss.device)
-    else:
-        loss = (losses * batch.loss_mask).sum()
-        count = batch.loss_mask.sum().to(torch.int)
+    loss = (losses * (batch.loss_weights if per_sample else batch.loss_mask)).sum()
+    count = normaliser_count(batch, per_sample)
     report = torch.stack([loss.detach(), count.to(loss.dtype)])
     return loss, count, {"lm loss": report}
 
@@ -37,6 +41,9 @@ class SFTStage:
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         return batches
+
+    def count(self, batch: PackedBatch) -> torch.Tensor:
+        return normaliser_count(batch, self.per_sample)
 
     def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
         return loss_func(batch, self.per_sample, output_tensor)
