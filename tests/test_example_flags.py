@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import re
 import subprocess
@@ -161,10 +162,12 @@ PARSERS: Dict[str, Callable[[Command], argparse.Namespace]] = {
 
 
 def _parse(parser: argparse.ArgumentParser, cmd: Command) -> argparse.Namespace:
+    from mindspeed_pack import config_file
+
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            return parser.parse_args(cmd.argv)
+            return config_file.parse(parser, cmd.argv)[0]  # with a --config file's flags when given
         except SystemExit:
             raise FlagError(f"{cmd.entry} rejects the arguments:\n{err.getvalue()[-2000:]}") from None
 
@@ -404,3 +407,87 @@ def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ok in proc.stdout
     assert not any(tmp_path.iterdir()), "a dry run must not write anything"
+
+
+# ---------------------------------------------------------------------------- configs/
+CONFIGS_DIR = REPO / "configs"
+# every example config: (entry script, world size, the example script running the same job, extra flags)
+CONFIGS = {
+    "sft/qwen25_7b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_full_pack.sh", []),
+    "sft/qwen25_7b_32k_full_pack_cp.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_32k_full_pack_cp.sh", []),
+    "sft/qwen3_8b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN3 / "tune_qwen3_8b_4k_full_pack.sh", []),
+    "sft/qwen3_30b_a3b_4k_full_pack.yaml": ("posttrain.py", 16, QWEN3_MOE / "tune_qwen3_30b_a3b_4k_full_pack.sh", []),
+    "sft/qwen25_7b_4k_from_hf.yaml": ("posttrain.py", 8, None, None),  # needs its HF --load: its own test below
+    "dpo/qwen25_7b_4k_dpo_pack.yaml": ("posttrain.py", 8, None, []),
+    "grpo/qwen3_8b_grpo_step.yaml": ("posttrain.py", 8, None, []),
+    "pretrain/qwen25_7b_4k_pretrain.yaml": ("pretrain_gpt.py", 8, None, []),
+    "data/qwen25_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN25 / "data_convert_qwen25_instruction_pack.sh", []),
+    "data/qwen25_alpaca_32k_pack_cp.yaml": ("preprocess_data.py", 1,
+                                            QWEN25 / "data_convert_qwen25_instruction_pack_32k_cp.sh", []),
+    "data/qwen3_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN3 / "data_convert_qwen3_instruction_pack.sh", []),
+    "data/qwen25_pretrain_text.yaml": ("preprocess_data.py", 1, None, []),
+    # the quickstart gives its paths on the command line (examples/quickstart/run.sh, checked above)
+    "quickstart.yaml": ("posttrain.py", 1, None, ["--data-path", "sharegpt.jsonl"]),
+}
+
+
+def _config_command(name: str) -> Command:
+    entry, world_size, _, extra = CONFIGS[name]
+    return Command(entry, ["--config", str(CONFIGS_DIR / name), *(extra or [])], world_size)
+
+
+def test_every_example_config_is_checked():
+    found = {str(p.relative_to(CONFIGS_DIR)) for p in CONFIGS_DIR.rglob("*.yaml")}
+    assert found == set(CONFIGS), f"add new configs to CONFIGS in {__file__}: {sorted(found ^ set(CONFIGS))}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (*_, extra) in CONFIGS.items() if extra is not None))
+def test_example_config_passes_the_example_scripts_flag_checks(name):
+    """The parser of the config's entry script, every key a flag, the cross-flag rules at its world size."""
+    assert check_command(_config_command(name))
+
+
+def _resolved(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("config", "flag_sources")}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, _, script, _) in CONFIGS.items() if script))
+def test_example_config_is_its_example_script(name):
+    """A config and the shell script of the same job resolve to the same arguments: they cannot drift apart."""
+    (from_script,) = check_script(CONFIGS[name][2])
+    assert _resolved(check_command(_config_command(name))) == _resolved(from_script)
+
+
+# Qwen2.5-7B-Instruct's config.json as published
+QWEN25_7B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+}
+
+
+def test_one_command_config_takes_the_model_from_the_hf_directory_with_the_finetuning_defaults(tmp_path):
+    """configs/sft/qwen25_7b_4k_from_hf.yaml against a stand-in of the HF directory (config.json; weights are
+    not read while parsing): the 4k recipe's model, raw data, epochs, and the fine-tuning defaults."""
+    hf = tmp_path / "qwen2.5-7b-instruct"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
+    (hf / "model.safetensors").write_bytes(b"")
+    (hf / "tokenizer_config.json").write_text("{}")  # it ships its tokenizer: the run's tokenizer by default
+    name = "sft/qwen25_7b_4k_from_hf.yaml"
+    cmd = _config_command(name)
+    args = check_command(Command(cmd.entry, cmd.argv + ["--load", str(hf)], cmd.world_size))
+    (recipe,) = check_script(QWEN25 / "tune_qwen25_7b_4k_full_pack.sh")
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "add_qkv_bias", "swiglu", "normalization", "norm_epsilon", "rotary_base", "padded_vocab_size",
+                "untie_embeddings_and_output_weights", "seq_length", "tensor_model_parallel_size", "prompt_type"):
+        assert getattr(args, key) == getattr(recipe, key), key
+    assert (args.load_format, args.finetune, args.train_epochs, args.train_iters) == ("hf", True, 2, None)
+    assert (args.lr_warmup_fraction, args.lr_decay_style, args.min_lr) == (0.03, "cosine", 1e-6)
+    assert args.save_hf == "./ckpt/qwen2.5-7b-sft-from-hf/hf" and args.tokenizer_name_or_path == str(hf)
+    assert args.data_path[0].endswith(".parquet") and args.handler_name == "AlpacaStyleInstructionHandler"
+    finetune = [name for name, origin in args.flag_sources.values() if origin == "finetune"]
+    assert set(finetune) == {"lr-warmup-fraction", "lr-decay-style", "min-lr", "save-hf", "tokenizer-name-or-path"}
