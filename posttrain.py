@@ -30,11 +30,12 @@ def main(argv=None):
     run_plan.resolve_epochs(args)  # --train-epochs -> --train-iters
     if run_plan.dry_run(args, "posttrain.py"):
         return None
-    resolved_config.write(args, "posttrain.py")
     stage = get_stage(args)
     if hasattr(stage, "run"):  # a pass that is not a training loop (scoring)
         return stage.run(args)
-    return run(args, stage.batch_source(args), stage=stage)
+    # the resolved configuration once the run is set up (a run that fails to start overwrites nothing)
+    return run(args, stage.batch_source(args), stage=stage,
+               before_train=lambda trainer: resolved_config.write(args, "posttrain.py"))
 
 
 if __name__ == "__main__":

@@ -36,8 +36,7 @@ def main(argv=None):
     resolve_pretrain_vocab_size(args)
     if run_plan.dry_run(args, "pretrain_gpt.py"):
         return None
-    resolved_config.write(args, "pretrain_gpt.py")
-    return run(args, GPTBatchSource())
+    return run(args, GPTBatchSource(), before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))
 
 
 if __name__ == "__main__":

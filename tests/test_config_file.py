@@ -181,6 +181,25 @@ def test_finetuning_defaults_from_a_hf_model_are_applied_shown_and_overridable(t
     assert (dpo.lr_warmup_fraction, dpo.lr_decay_style, dpo.save_hf) == (None, "linear", None)
 
 
+def test_a_resume_keeps_the_finetuning_defaults_its_run_started_with(tmp_path, packs):
+    """The run from the HF model wrote them to SAVE/run_config.yaml; ``--load SAVE`` (a Megatron checkpoint)
+    takes them again, so the schedule matches the checkpoint's; flags given still win."""
+    hf, save = _tiny_hf(tmp_path / "hf"), tmp_path / "ckpt"
+    common = ["--seq-length", "128", "--train-iters", "4", "--neat-pack", "--data-path", packs, "--lr", "2e-5",
+              "--save", str(save)]
+    first = _parse(common + ["--load", hf])
+    resolved_config.write(first, "posttrain.py")
+    resumed = _parse([*TINY_FLAGS, *common, "--load", str(save)])
+    assert resumed.load_format == "mg"
+    for dest in ("lr_warmup_fraction", "lr_decay_style", "min_lr", "save_hf", "bf16"):
+        assert getattr(resumed, dest) == getattr(first, dest), dest
+    assert resumed.flag_sources["min_lr"][1] == "finetune"
+    assert _parse([*TINY_FLAGS, *common, "--load", str(save), "--min-lr", "0"]).min_lr == 0.0
+    os.makedirs(save / "hf")
+    (save / "hf" / "config.json").write_text("{}")  # that run exported already: no second export over it
+    assert _parse([*TINY_FLAGS, *common, "--load", str(save)]).save_hf is None
+
+
 def _written(tmp_path, text):
     path = tmp_path / "resolved.yaml"
     path.write_text(text)

@@ -4,8 +4,9 @@
 it (command line or ``--config``), a Hugging Face ``--load``'s config.json set it, a fine-tuning
 default filled it, validation derived it from other flags, or it kept the parser's default.
 :func:`write` puts the values, grouped by that origin, in ``SAVE/run_config.yaml`` and
-``METRICS.config.yaml`` (beside ``--metrics-file``) when training starts: ``--config`` of that
-file repeats the run, since every key is a flag. ``--train-iters`` derived from ``--train-epochs``
+``METRICS.config.yaml`` (beside ``--metrics-file``) once the run is set up (model, checkpoint and data
+loaded: a run that fails to start overwrites nothing): ``--config`` of that file repeats the run, since
+every key is a flag. :func:`recorded` reads a section back (a resume keeps its run's fine-tuning defaults). ``--train-iters`` derived from ``--train-epochs``
 is shown as a comment, not set, so a repeat recomputes it from the data as the original did.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ METRICS_SUFFIX = ".config.yaml"  # beside --metrics-file: METRICS (without .json
 SECTIONS = (  # origin -> title; written in this order
     ("given", "given (command line and --config file)", False),
     ("hf", "from the Hugging Face --load directory (config.json)", False),
-    ("finetune", "fine-tuning defaults (--load is a Hugging Face model, --stage sft)", False),
+    ("finetune", "fine-tuning defaults (--stage sft from a Hugging Face --load, or a resume of such a run)", False),
     ("derived", "derived from the flags above by validation", False),
     ("default", "defaults", False),
     ("epochs", "derived from --train-epochs and the data (shown, not set: a repeat computes them again)", True),
@@ -82,7 +83,7 @@ def text(args, script: str) -> str:
 
 def paths(args) -> list:
     out = []
-    if args.save:
+    if args.save and not args.skip_train:  # an evaluation saves nothing: the training run's file stays
         out.append(os.path.join(args.save, FILE_NAME))
     if args.metrics_file:
         out.append(os.path.splitext(args.metrics_file)[0] + METRICS_SUFFIX)
@@ -100,3 +101,26 @@ def write(args, script: str) -> list:
             config_file.write(path, content)
         log.info("resolved configuration: %s (repeat the run with --config %s)", ", ".join(written), written[0])
     return written
+
+
+def recorded(save_dir: str, origin: str) -> dict:
+    """{dest: value} of the ``origin`` section of ``save_dir``'s resolved configuration ({} without one)."""
+    import yaml
+
+    path = os.path.join(save_dir, FILE_NAME)
+    title = dict((o, t) for o, t, _ in SECTIONS)[origin]
+    if not os.path.isfile(path):
+        return {}
+    lines, inside = [], False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("# --- "):
+                inside = line.strip() == f"# --- {title}"
+            elif inside and line.strip() and not line.startswith("#"):
+                lines.append(line)
+    try:
+        values = yaml.safe_load("".join(lines)) or {}
+    except yaml.YAMLError:
+        log.warning("%s: unreadable; its %s are not reused", path, title)
+        return {}
+    return {key.replace("-", "_"): value for key, value in values.items()}
