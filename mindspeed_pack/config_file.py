@@ -88,9 +88,11 @@ def read(path: str) -> List[tuple]:
     out, seen = [], {}
     for key_node, _ in root.value:
         line = key_node.start_mark.line + 1
-        key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
-        if not isinstance(key, str) or not key:
-            raise ConfigError(f"{path}: line {line}: keys are flag names (e.g. seq-length), got {key!r}")
+        plain = isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:str"
+        key = key_node.value if plain else None
+        if not key:
+            raise ConfigError(f"{path}: line {line}: keys are flag names (e.g. seq-length), got "
+                              f"{getattr(key_node, 'value', key_node)!r}")
         if _normalise(key) in seen:
             raise ConfigError(f"{path}: line {line}: {key} is given twice (first on line {seen[_normalise(key)]})")
         seen[_normalise(key)] = line

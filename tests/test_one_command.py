@@ -20,7 +20,7 @@ import torch
 import posttrain
 from mindspeed_pack.data import toy
 from mindspeed_pack.data.packed_dataset import PackedBatchSource, resolve_vocab_size
-from mindspeed_pack.data.packed_documents import PackedDocuments, read_meta
+from mindspeed_pack.data.packed_documents import DataError, PackedDocuments, read_meta
 from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.arguments import parse_args
 from mindspeed_pack.training.trainer import run
@@ -86,6 +86,20 @@ def test_one_command_trains_a_model_transformers_loads_and_the_two_step_form_mat
                                  "--prompt-type", "qwen", "--train-epochs", "1"],
                                 model_flags=(), metrics=str(tmp_path / "two.jsonl"))
     assert train_losses(two_step) == losses  # bit for bit
+
+
+def test_a_packed_prefix_is_checked_against_the_preprocessing_flags_given(assets, tmp_path, run_preprocess):
+    code, _, err = run_preprocess(input=assets["data"], output_prefix=tmp_path / "sft", tokenizer_name_or_path=assets["hf"],
+                                  handler_name="SharegptStyleInstructionHandler", prompt_type="qwen", seq_length=128,
+                                  pack=True, neat_pack=True)
+    assert code == 0, err
+    argv = ["--load", assets["hf"], "--data-path", str(tmp_path / "sft"), *TRAIN, "--train-iters", "1"]
+    raw_data.prepare(parse_args(argv + SHAREGPT, extra_args_provider=posttrain.posttrain_args))  # as recorded
+    args = parse_args(argv + ["--handler-name", "AlpacaStyleInstructionHandler"],
+                      extra_args_provider=posttrain.posttrain_args)
+    with pytest.raises(DataError, match=r"--handler-name AlpacaStyleInstructionHandler, but .*sft' was preprocessed "
+                                        r"with --handler-name SharegptStyleInstructionHandler"):
+        raw_data.prepare(args)
 
 
 def _dry_run(argv, caplog, capsys):

@@ -75,9 +75,9 @@ def text(args, script: str) -> str:
     by_origin = {origin: [] for origin, _, _ in SECTIONS}
     for dest, (name, origin) in getattr(args, "flag_sources", {}).items():
         by_origin[origin].append((name, _value(args, dest), None))
-    epochs = by_origin["epochs"]
-    if epochs and getattr(args, "epochs_note", None):
-        epochs[0] = (*epochs[0][:2], args.epochs_note)
+    note = getattr(args, "epochs_note", None)
+    by_origin["epochs"] = [(name, value, note if name == "train-iters" else None)
+                           for name, value, _ in by_origin["epochs"]]
     return config_file.render([(title, by_origin[origin], shown) for origin, title, shown in SECTIONS], header)
 
 
