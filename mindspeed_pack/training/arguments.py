@@ -238,11 +238,15 @@ def per_split_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None, help="prefix P of P_packed_*_document (or a blend)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefix P of P_packed_*_document (or a blend); posttrain.py: or raw data files / a directory, "
+                        "tokenised and packed first with the preprocessing flags (cached)")
     g.add_argument("--split", default="100,0,0")
     g.add_argument("--num-workers", type=int, default=0,
                    help="only 0: packs are memory-mapped and read in the training process")
-    g.add_argument("--data-cache-path", default=None, help="where sample indices are cached (default: next to data)")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where sample indices (and the packs of raw --data-path files) are cached (default: next "
+                        "to the data; raw files: mindspeed_pack_cache/ beside the first)")
     g.add_argument("--is-instruction-dataset", action="store_true",
                    help="accepted no-op: posttrain.py always reads instruction (packed) data")
     g.add_argument("--neat-pack", action="store_true",
