@@ -3,6 +3,7 @@
     torchrun --nproc-per-node N pretrain_gpt.py --data-path [W1] P1_text_document [W2 P2 ...] \
         [--tokenizer-name-or-path TOK | --eod-id ID --vocab-size V] \
         --reset-attention-mask --reset-position-ids [--eod-mask-loss] ... (Megatron-LM flags)
+    pretrain_gpt.py --config run.yaml [--flag value ...]   (flags from a YAML file; the command line overrides it)
 
 The EOD id and vocabulary size default to what preprocess_data.py recorded in
 ``P_text_meta.json`` next to the documents.
@@ -10,6 +11,7 @@ The EOD id and vocabulary size default to what preprocess_data.py recorded in
 import warnings
 
 from mindspeed_pack.data.pretrain_dataset import GPTBatchSource, resolve_pretrain_vocab_size
+from mindspeed_pack.training import resolved_config, run_plan
 from mindspeed_pack.training.arguments import parse_args
 from mindspeed_pack.training.cli import run_cli, setup_logging
 from mindspeed_pack.training.trainer import run
@@ -32,7 +34,9 @@ def main(argv=None):
     if args.no_shuffle:
         warnings.warn("--no-shuffle is ignored: GPTDataset draws Megatron-LM's seeded order", stacklevel=1)
     resolve_pretrain_vocab_size(args)
-    return run(args, GPTBatchSource())
+    if run_plan.dry_run(args, "pretrain_gpt.py"):
+        return None
+    return run(args, GPTBatchSource(), before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ install_requires = [
     "safetensors",
     "tensorboard",
     "tqdm",
+    "pyyaml",  # --config files
     "matplotlib",
 ]
 

@@ -56,7 +56,7 @@ def test_load_equal_to_save_on_a_first_launch_starts_from_scratch(saved, tmp_pat
     posttrain.main(argv(saved[0], "--load", fresh, "--save", fresh, "--metrics-file", str(tmp_path / "m.jsonl")))
     assert sorted(read_metrics(str(tmp_path / "m.jsonl"))) == [1]
     assert layout.read_tracker(fresh) == 1
-    assert sorted(os.listdir(fresh)) == ["iter_0000001", layout.TRACKER]
+    assert sorted(os.listdir(fresh)) == ["iter_0000001", layout.TRACKER, "run_config.yaml"]  # + its resolved flags
 
 
 def test_trainer_checkpoints_carry_what_the_converter_reads(saved):

@@ -96,7 +96,8 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, data, reference, s
     assert_steps_match(read_metrics(metrics), ref_train, range(6, ITERS + 1))
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read() == "10"
     # the crashed save's leftovers are gone
-    assert sorted(os.listdir(ckpt)) == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ckpt)) == ["iter_0000005", "iter_0000010", "latest_checkpointed_iteration.txt",
+                                        "run_config.yaml"]
 
 
 def test_resume_of_a_checkpoint_whose_schedule_counts_iterations_is_exact(tmp_path, data, reference, stopped_at_5):

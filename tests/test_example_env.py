@@ -34,7 +34,7 @@ def test_readme_dry_run_finds_the_project_environment(shell_without_torch):
     proc = subprocess.run(["bash", TUNE], cwd=REPO, env={**env, "DRY_RUN": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert '"tensor_model_parallel_size": 4' in proc.stdout and '"seq_length": 4096' in proc.stdout
+    assert "\ntensor-model-parallel-size: 4\n" in proc.stdout and "\nseq-length: 4096\n" in proc.stdout
     # an explicit $PYTHON is used as given (here: the stand-in without torch, so the run fails)
     proc = subprocess.run(["bash", TUNE], cwd=REPO, env={**env, "DRY_RUN": "1", "PYTHON": str(bin_dir / "python")},
                           capture_output=True, text=True, timeout=60)

@@ -8,8 +8,8 @@ nothing and prints, for each Python command it would run, a header line
 Each command is then checked with the parser of its entry script:
 
 - ``posttrain.py`` / ``pretrain_gpt.py``: :func:`mindspeed_pack.training.arguments.parse_args`
-  with ``--dry-run`` and the script's world size, so TP/PP/batch-size divisibility and the
-  other cross-flag rules are checked for real;
+  (with the script's own flags) at the script's world size, so TP/PP/batch-size divisibility and
+  the other cross-flag rules are checked for real;
 - ``preprocess_data.py``: ``build_parser`` + ``validate_args`` of ``mindspeed_pack.data.preprocess``;
 - ``convert_ckpt.py``: ``build_parser`` of ``mindspeed_pack.convert.convert``.
 
@@ -94,10 +94,13 @@ def _load_entry_module(entry: str):
     return module
 
 
+SCRIPT_FLAGS = {"posttrain.py": "posttrain_args", "pretrain_gpt.py": "pretrain_args"}  # each script's own flags
+
+
 def _training_parser(entry: str) -> tuple[argparse.ArgumentParser, Optional[Callable]]:
     from mindspeed_pack.training.arguments import build_parser
 
-    provider = getattr(_load_entry_module(entry), "pretrain_args", None) if entry == "pretrain_gpt.py" else None
+    provider = getattr(_load_entry_module(entry), SCRIPT_FLAGS[entry]) if entry in SCRIPT_FLAGS else None
     if entry.startswith("examples/rl/"):  # in-process RL sessions: posttrain.py's flags and the script's own
         from mindspeed_pack.training.rl_session import session_arg_provider
 
@@ -113,18 +116,14 @@ def _check_training(cmd: Command) -> argparse.Namespace:
 
     parser, provider = _training_parser(cmd.entry)
     _check_spelling(cmd, parser)
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. "no CUDA device: --use-flash-attn ... skipped" on CPU machines
         try:
-            parse_args(cmd.argv + ["--dry-run"], world_size=cmd.world_size, extra_args_provider=provider)
-        except SystemExit as exc:
-            if exc.code != 0:
-                raise FlagError(f"{cmd.entry} (world size {cmd.world_size}) rejects the arguments:\n"
-                                f"{err.getvalue()[-2000:]}") from None
-        else:
-            raise FlagError(f"{cmd.entry}: --dry-run did not exit")
-    return argparse.Namespace(**json.loads(out.getvalue()))
+            return parse_args(cmd.argv, world_size=cmd.world_size, extra_args_provider=provider)
+        except SystemExit:
+            raise FlagError(f"{cmd.entry} (world size {cmd.world_size}) rejects the arguments:\n"
+                            f"{err.getvalue()[-2000:]}") from None
 
 
 def _check_preprocess(cmd: Command) -> argparse.Namespace:
@@ -163,10 +162,12 @@ PARSERS: Dict[str, Callable[[Command], argparse.Namespace]] = {
 
 
 def _parse(parser: argparse.ArgumentParser, cmd: Command) -> argparse.Namespace:
+    from mindspeed_pack import config_file
+
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            return parser.parse_args(cmd.argv)
+            return config_file.parse(parser, cmd.argv)[0]  # with a --config file's flags when given
         except SystemExit:
             raise FlagError(f"{cmd.entry} rejects the arguments:\n{err.getvalue()[-2000:]}") from None
 
@@ -410,10 +411,10 @@ def test_abbreviated_flag_fails(tmp_path, name, flag, abbreviation):
 
 
 @pytest.mark.parametrize("name, ok", [
-    ("tune_qwen25_7b_4k_full_pack.sh", "\"tensor_model_parallel_size\": 4"),
+    ("tune_qwen25_7b_4k_full_pack.sh", "\ntensor-model-parallel-size: 4\n"),
     ("data_convert_qwen25_instruction_pack.sh", "preprocess_data.py arguments OK"),
-    ("tune_qwen25_7b_32k_full_pack_cp.sh", "\"context_parallel_size\": 2"),  # through the wrapper's exec
-    ("tune_qwen25_7b_4k_lora_pack.sh", "\"lora_r\": 16"),
+    ("tune_qwen25_7b_32k_full_pack_cp.sh", "\ncontext-parallel-size: 2\n"),  # through the wrapper's exec
+    ("tune_qwen25_7b_4k_lora_pack.sh", "\nlora-r: 16\n"),
     # the converters' DRY_RUN is the same parse as above in a fresh interpreter (one megatron import, ~5 s): skipped
 ])
 def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):
@@ -423,3 +424,87 @@ def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert ok in proc.stdout
     assert not any(tmp_path.iterdir()), "a dry run must not write anything"
+
+
+# ---------------------------------------------------------------------------- configs/
+CONFIGS_DIR = REPO / "configs"
+# every example config: (entry script, world size, the example script running the same job, extra flags)
+CONFIGS = {
+    "sft/qwen25_7b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_full_pack.sh", []),
+    "sft/qwen25_7b_32k_full_pack_cp.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_32k_full_pack_cp.sh", []),
+    "sft/qwen3_8b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN3 / "tune_qwen3_8b_4k_full_pack.sh", []),
+    "sft/qwen3_30b_a3b_4k_full_pack.yaml": ("posttrain.py", 16, QWEN3_MOE / "tune_qwen3_30b_a3b_4k_full_pack.sh", []),
+    "sft/qwen25_7b_4k_from_hf.yaml": ("posttrain.py", 8, None, None),  # needs its HF --load: its own test below
+    "dpo/qwen25_7b_4k_dpo_pack.yaml": ("posttrain.py", 8, None, []),
+    "grpo/qwen3_8b_grpo_step.yaml": ("posttrain.py", 8, None, []),
+    "pretrain/qwen25_7b_4k_pretrain.yaml": ("pretrain_gpt.py", 8, None, []),
+    "data/qwen25_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN25 / "data_convert_qwen25_instruction_pack.sh", []),
+    "data/qwen25_alpaca_32k_pack_cp.yaml": ("preprocess_data.py", 1,
+                                            QWEN25 / "data_convert_qwen25_instruction_pack_32k_cp.sh", []),
+    "data/qwen3_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN3 / "data_convert_qwen3_instruction_pack.sh", []),
+    "data/qwen25_pretrain_text.yaml": ("preprocess_data.py", 1, None, []),
+    # the quickstart gives its paths on the command line (examples/quickstart/run.sh, checked above)
+    "quickstart.yaml": ("posttrain.py", 1, None, ["--data-path", "sharegpt.jsonl"]),
+}
+
+
+def _config_command(name: str) -> Command:
+    entry, world_size, _, extra = CONFIGS[name]
+    return Command(entry, ["--config", str(CONFIGS_DIR / name), *(extra or [])], world_size)
+
+
+def test_every_example_config_is_checked():
+    found = {str(p.relative_to(CONFIGS_DIR)) for p in CONFIGS_DIR.rglob("*.yaml")}
+    assert found == set(CONFIGS), f"add new configs to CONFIGS in {__file__}: {sorted(found ^ set(CONFIGS))}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (*_, extra) in CONFIGS.items() if extra is not None))
+def test_example_config_passes_the_example_scripts_flag_checks(name):
+    """The parser of the config's entry script, every key a flag, the cross-flag rules at its world size."""
+    assert check_command(_config_command(name))
+
+
+def _resolved(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k not in ("config", "flag_sources")}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, _, script, _) in CONFIGS.items() if script))
+def test_example_config_is_its_example_script(name):
+    """A config and the shell script of the same job resolve to the same arguments: they cannot drift apart."""
+    (from_script,) = check_script(CONFIGS[name][2])
+    assert _resolved(check_command(_config_command(name))) == _resolved(from_script)
+
+
+# Qwen2.5-7B-Instruct's config.json as published
+QWEN25_7B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645,
+    "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 18944,
+    "max_position_embeddings": 32768, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 152064,
+}
+
+
+def test_one_command_config_takes_the_model_from_the_hf_directory_with_the_finetuning_defaults(tmp_path):
+    """configs/sft/qwen25_7b_4k_from_hf.yaml against a stand-in of the HF directory (config.json; weights are
+    not read while parsing): the 4k recipe's model, raw data, epochs, and the fine-tuning defaults."""
+    hf = tmp_path / "qwen2.5-7b-instruct"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
+    (hf / "model.safetensors").write_bytes(b"")
+    (hf / "tokenizer_config.json").write_text("{}")  # it ships its tokenizer: the run's tokenizer by default
+    name = "sft/qwen25_7b_4k_from_hf.yaml"
+    cmd = _config_command(name)
+    args = check_command(Command(cmd.entry, cmd.argv + ["--load", str(hf)], cmd.world_size))
+    (recipe,) = check_script(QWEN25 / "tune_qwen25_7b_4k_full_pack.sh")
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "add_qkv_bias", "swiglu", "normalization", "norm_epsilon", "rotary_base", "padded_vocab_size",
+                "untie_embeddings_and_output_weights", "seq_length", "tensor_model_parallel_size", "prompt_type"):
+        assert getattr(args, key) == getattr(recipe, key), key
+    assert (args.load_format, args.finetune, args.train_epochs, args.train_iters) == ("hf", True, 2, None)
+    assert (args.lr_warmup_fraction, args.lr_decay_style, args.min_lr) == (0.03, "cosine", 1e-6)
+    assert args.save_hf == "./ckpt/qwen2.5-7b-sft-from-hf/hf" and args.tokenizer_name_or_path == str(hf)
+    assert args.data_path[0].endswith(".parquet") and args.handler_name == "AlpacaStyleInstructionHandler"
+    finetune = [name for name, origin in args.flag_sources.values() if origin == "finetune"]
+    assert set(finetune) == {"lr-warmup-fraction", "lr-decay-style", "min-lr", "save-hf", "tokenizer-name-or-path"}

@@ -181,7 +181,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path, data, m
     assert f"saving iteration 2 to {ckpt} failed: No space left on device" in msg, msg
     assert "model_optim_rng.pt.tmp" in msg and f"still holds iteration 1, which --load {ckpt} resumes from" in msg
     assert "free disk space" in msg
-    assert sorted(os.listdir(ckpt)) == ["iter_0000001", layout.TRACKER]  # the partial save is gone
+    assert sorted(os.listdir(ckpt)) == ["iter_0000001", layout.TRACKER, "run_config.yaml"]  # the partial save is gone
     _run_in_process(monkeypatch, data, ckpt, str(tmp_path / "b.jsonl"), None, 3)  # the previous one resumes
     assert sorted(read_metrics(str(tmp_path / "b.jsonl"))) == [2, 3]
     assert layout.read_tracker(ckpt) == 3
@@ -199,7 +199,8 @@ def test_file_size_limit_during_a_save_is_reported(tmp_path, data, launcher, mon
     assert code == 2, out[-3000:]
     assert f"posttrain.py: error: saving iteration 2 to {ckpt} failed: File too large" in out, out[-3000:]
     assert "Traceback" not in out
-    assert layout.read_tracker(ckpt) == 1 and sorted(os.listdir(ckpt)) == ["iter_0000001", layout.TRACKER]
+    assert layout.read_tracker(ckpt) == 1 and sorted(os.listdir(ckpt)) == ["iter_0000001", layout.TRACKER,
+                                                                           "run_config.yaml"]
 
 
 def test_first_save_killed_before_its_tracker_starts_over(tmp_path, data, launcher):
@@ -208,7 +209,8 @@ def test_first_save_killed_before_its_tracker_starts_over(tmp_path, data, launch
     ckpt, log = str(tmp_path / "ckpt"), str(tmp_path / "log")
     first = launcher(argv(data, ckpt, str(tmp_path / "a.jsonl"), "--train-iters", "3"), fault="renamed@2:kill",
                      log_path=log)
-    assert first == -signal.SIGKILL and os.listdir(ckpt) == ["iter_0000002"], open(log).read()[-3000:]
+    assert first == -signal.SIGKILL and sorted(os.listdir(ckpt)) == ["iter_0000002", "run_config.yaml"], \
+        open(log).read()[-3000:]
     code = launcher(argv(data, ckpt, str(tmp_path / "b.jsonl"), "--train-iters", "3"), log_path=log)
     out = open(log).read()
     assert code == 0, out[-3000:]

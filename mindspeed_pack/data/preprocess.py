@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Optional
 
 
+from mindspeed_pack import config_file
 from mindspeed_pack.data import chat_template as hf_chat
 from mindspeed_pack.data import pack_writer, pairwise, readers
 from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
@@ -63,7 +64,8 @@ TOKENIZER_SUFFIX = "tokenizer"  # P_tokenizer/: the tokenizer extended with a te
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n\n")[0])
     g = p.add_argument_group("input / output")
-    g.add_argument("--input", required=True, help="file or directory (parquet, arrow, csv, json, jsonl, txt)")
+    g.add_argument("--input", required=True, nargs="+",
+                   help="files or directories (parquet, arrow, csv, json, jsonl, txt), preprocessed as one dataset")
     g.add_argument("--output-prefix", required=True, help="path prefix P of the outputs P_packed_*_document.{bin,idx}")
     g.add_argument("--cache-dir", default=None, help="where the temporary token store goes (default: next to the output)")
     g.add_argument("--overwrite-cache", action="store_true", help="rebuild even if matching outputs exist")
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10000, help="rows between progress lines when stderr is not a TTY")
     g.add_argument("--n-subs", type=int, default=None,
                    help="accepted for MindSpeed-LLM compatibility and ignored: packing always sees the whole dataset")
+    config_file.add_config_flag(p)
     return p
 
 
@@ -356,7 +359,8 @@ def run(args) -> dict:
     """Preprocess as ``args`` say; returns the sidecar metadata (statistics included)."""
     t0 = time.time()
     validate_args(args)
-    files = readers.resolve_input_files(args.input)
+    inputs = args.input if isinstance(args.input, list) else [args.input]
+    files = [f for path in inputs for f in readers.resolve_input_files(path)]
     tokenizer_spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
     template = None
@@ -388,7 +392,7 @@ def run(args) -> dict:
     cache_key = json.loads(json.dumps(cache_key))  # compare in the form the sidecar stores
     cached = _cached(args, cache_key)
     if cached is not None:
-        print(f"reusing cached output {args.output_prefix} (inputs, tokenizer, template and arguments match "
+        print(f"cache hit: reusing cached output {args.output_prefix} (inputs, tokenizer, template and arguments match "
               f"{_meta_path(args)}; pass --overwrite-cache to rebuild)")
         return cached
 
@@ -589,7 +593,8 @@ def _meta_path_from(meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, _ = config_file.parse(parser, argv)  # --config run.yaml: the same flags from a file
     try:
         run(args)
     except RowError as exc:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import logging
 import os
 import warnings
@@ -21,7 +20,8 @@ from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import padded_vocab_size
 from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
 from mindspeed_pack.platform import cuda_usable
-from mindspeed_pack.training import hf_checkpoint
+from mindspeed_pack import config_file
+from mindspeed_pack.training import finetune_defaults, hf_checkpoint, resolved_config
 from mindspeed_pack.training.errors import ArgumentError
 
 log = logging.getLogger(__name__)
@@ -299,11 +299,15 @@ def per_split_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None, help="prefix P of P_packed_*_document (or a blend)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="prefix P of P_packed_*_document (or a blend); posttrain.py: or raw data files / a directory, "
+                        "tokenised and packed first with the preprocessing flags (cached)")
     g.add_argument("--split", default="100,0,0")
     g.add_argument("--num-workers", type=int, default=0,
                    help="only 0: packs are memory-mapped and read in the training process")
-    g.add_argument("--data-cache-path", default=None, help="where sample indices are cached (default: next to data)")
+    g.add_argument("--data-cache-path", default=None,
+                   help="where sample indices (and the packs of raw --data-path files) are cached (default: next "
+                        "to the data; raw files: mindspeed_pack_cache/ beside the first)")
     g.add_argument("--is-instruction-dataset", action="store_true",
                    help="accepted no-op: posttrain.py always reads instruction (packed) data")
     g.add_argument("--neat-pack", action="store_true",
@@ -382,7 +386,9 @@ def _logging_args(p: argparse.ArgumentParser) -> None:
                    help="also log the model TFLOP/s per GPU (tokens/s is always logged)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak dense TFLOP/s of one device (e.g. 989 for H100 bf16): logs MFU next to model TFLOP/s")
-    g.add_argument("--dry-run", action="store_true", help="parse and validate the arguments, print them, exit")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the resolved configuration and the plan (data, packs, iterations, layout, memory "
+                        "estimate), then exit without training; raw --data-path files are preprocessed (cached)")
 
 
 def build_parser(description: str = "mindspeed-pack training") -> argparse.ArgumentParser:
@@ -390,6 +396,7 @@ def build_parser(description: str = "mindspeed-pack training") -> argparse.Argum
     for add in (_model_args, _moe_args, _lora_args, _parallel_args, _training_args, _data_args, _checkpoint_args,
                 _logging_args):
         add(p)
+    config_file.add_config_flag(p)
     return p
 
 
@@ -514,8 +521,13 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     _check_data_flags(args)
     _check_moe_flags(args)
     _check_lora_flags(args)
-    if not args.skip_train and not args.train_iters and args.stage not in ("dpo_reference", "score"):  # scoring
-        raise ArgumentError("--train-iters is required (or --skip-train for evaluation only)")
+    epochs = getattr(args, "train_epochs", None)  # posttrain.py: iterations computed from the packs (run_plan.py)
+    if epochs is not None and args.train_iters:
+        raise ArgumentError(f"--train-epochs {epochs} and --train-iters {args.train_iters} both given: pass only one")
+    if epochs is not None and epochs < 1:
+        raise ArgumentError(f"--train-epochs {epochs} must be >= 1")
+    if not args.skip_train and not args.train_iters and not epochs and args.stage not in ("dpo_reference", "score"):
+        raise ArgumentError("--train-iters is required (or --train-epochs, or --skip-train for evaluation only)")
     if args.skip_train and not args.eval_iters:
         raise ArgumentError("--skip-train needs --eval-iters > 0")
     if args.finetune and not args.load:
@@ -539,18 +551,23 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
 
 
 def parse_args(argv=None, world_size: int | None = None, extra_args_provider=None, description=None) -> argparse.Namespace:
+    """The flags of the command line and its ``--config`` file, checked, with the Hugging Face ``--load``'s
+    model flags and the fine-tuning defaults filled in; ``args.flag_sources`` says where each value came
+    from (``resolved_config``). ``--dry-run`` is the script's to act on (it needs the data)."""
     parser = build_parser(description or "mindspeed-pack training")
     if extra_args_provider is not None:
         extra_args_provider(parser)
-    args = parser.parse_args(argv)
+    args, argv = config_file.parse(parser, argv)  # one parser for the file and the command line
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    given = hf_checkpoint._explicit_dests(parser, argv)  # flags the user chose (command line or file)
     try:
+        before = dict(vars(args))
         hf_checkpoint.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
+        from_hf = {k for k, v in vars(args).items() if k in before and before[k] != v}
+        defaults = finetune_defaults.apply(args, given)
         validate_args(args, world_size)
     except ArgumentError as e:
         parser.error(str(e))
-    if args.dry_run:
-        print(json.dumps({k: v for k, v in sorted(vars(args).items())}, indent=1, default=str))
-        raise SystemExit(0)
+    resolved_config.record_sources(parser, args, given, from_hf, defaults)
     return args

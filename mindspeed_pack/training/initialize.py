@@ -71,6 +71,20 @@ def initialize_distributed(
     set_seed(seed)
 
 
+def initialize_from_args(args) -> None:
+    """:func:`initialize_distributed` with the run's flags, the deterministic environment set before
+    the process group exists; called again (e.g. after raw data was prepared with the groups), a no-op."""
+    if args.deterministic_mode:
+        # cuBLAS needs a fixed workspace for deterministic GEMMs; NCCL must not pick algorithms per run
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # TE fused attention backward
+    initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
+                           args.distributed_timeout_minutes, backend=args.distributed_backend,
+                           context_parallel_size=args.context_parallel_size,
+                           expert_model_parallel_size=args.expert_model_parallel_size)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import sys
 from typing import List, Optional
 
 import numpy as np
@@ -93,6 +95,7 @@ def session_arg_provider(extra_args_provider=None):
 def session_args(argv=None, extra_args_provider=None):
     """The parsed and checked flags of a session (``--dry-run`` prints them and exits)."""
     from mindspeed_pack.data.packed_dataset import resolve_vocab_size
+    from mindspeed_pack.training import run_plan
     from mindspeed_pack.training.arguments import parse_args
 
     args = parse_args(argv, extra_args_provider=session_arg_provider(extra_args_provider),
@@ -103,6 +106,8 @@ def session_args(argv=None, extra_args_provider=None):
         raise DataError("an RL session writes Hugging Face weights when asked, with export_hf(DIR) (a new directory "
                         "per iteration): drop --save-hf")
     resolve_vocab_size(args)
+    if run_plan.dry_run(args, os.path.basename(sys.argv[0])):
+        raise SystemExit(0)
     return args
 
 

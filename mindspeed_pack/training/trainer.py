@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from functools import partial
 from typing import Callable, Iterator, List, Optional, Protocol
@@ -39,7 +38,7 @@ from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.exit_signal import ExitSignal
 from mindspeed_pack.training.fused_adam import use_fused_adam
 from mindspeed_pack.training.init_weights import parallel_invariant_init
-from mindspeed_pack.training.initialize import initialize_distributed
+from mindspeed_pack.training.initialize import initialize_from_args
 from mindspeed_pack.training.metrics import MetricsLogger
 from mindspeed_pack.training.precision import loss_scale, precision_record, scaler_owns_overflow
 from mindspeed_pack.training.schedule import build_scheduler
@@ -110,15 +109,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         args = self.args
-        if args.deterministic_mode:
-            # cuBLAS needs a fixed workspace for deterministic GEMMs; NCCL must not pick algorithms per run
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            os.environ.setdefault("NCCL_ALGO", "Ring")
-            os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # TE fused attention backward
-        initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
-                               args.distributed_timeout_minutes, backend=args.distributed_backend,
-                               context_parallel_size=args.context_parallel_size,
-                               expert_model_parallel_size=args.expert_model_parallel_size)
+        initialize_from_args(args)
         if args.deterministic_mode:
             torch.use_deterministic_algorithms(True, warn_only=not cuda_usable())
         self.model = self._build_model()

@@ -1,0 +1,93 @@
+"""Defaults a fine-tuner expects when ``--load`` is a Hugging Face model and ``--stage sft``.
+
+Megatron-LM's defaults suit pretraining from scratch (linear decay to 0, no warmup, fp32, no
+export); a fine-tuning run from a released model wants a short warmup, cosine decay to a tenth
+of the peak, bf16 where the GPU has it, and the trained model written back as a Hugging Face
+directory. Each applies only where neither the command line nor the config file gave the
+flag, and each one applied is listed in the resolved configuration (section "fine-tuning
+defaults") and logged, so nothing changes silently. A resume of such a run from its Megatron
+checkpoint (``--load SAVE``) takes the same values from ``SAVE/run_config.yaml``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.training.errors import ArgumentError
+
+log = logging.getLogger(__name__)
+
+WARMUP_FRACTION = 0.03  # of the decay samples
+MIN_LR_RATIO = 0.1  # cosine decay to a tenth of --lr
+SAVE_HF_SUBDIR = "hf"  # --save-hf default: SAVE/hf
+
+
+def bf16_supported() -> bool:
+    import torch
+
+    return cuda_usable() and torch.cuda.is_bf16_supported()
+
+
+def tokenizer_default(args, given: set) -> set:
+    """``--tokenizer-name-or-path`` defaults to a Hugging Face ``--load`` directory holding tokenizer files."""
+    if "tokenizer_name_or_path" in given or getattr(args, "load_format", None) != "hf" or args.tokenizer_name_or_path:
+        return set()
+    if not any(os.path.isfile(os.path.join(args.load, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        return set()
+    args.tokenizer_name_or_path = args.load
+    return {"tokenizer_name_or_path"}
+
+
+def _fresh_defaults(args, given: set) -> dict:
+    """{dest: value} of the defaults a fine-tuning run from a HF model starts with."""
+    out = {}
+    if not {"lr_warmup_fraction", "lr_warmup_iters"} & given:
+        out["lr_warmup_fraction"] = WARMUP_FRACTION
+    out["lr_decay_style"] = "cosine"
+    out["min_lr"] = float(f"{MIN_LR_RATIO * args.lr:.12g}")  # 2e-6, not 2.0000000000000003e-06
+    if bf16_supported() and not {"bf16", "fp16"} & given:
+        out["bf16"] = True
+    if args.save:
+        out["save_hf"] = os.path.join(args.save, SAVE_HF_SUBDIR)
+    return out
+
+
+def _exported(path: str) -> bool:
+    return os.path.exists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
+
+
+def apply(args, given: set) -> set:
+    """Fill the fine-tuning defaults ``args`` lacks; returns the destinations set.
+
+    A run from a HF ``--load`` gets them fresh; a resume from a Megatron checkpoint whose run got them
+    (its ``run_config.yaml``, resolved_config.py) gets the same values, so its schedule matches the
+    checkpoint's as the uninterrupted run's would."""
+    from mindspeed_pack.training import resolved_config
+
+    applied = tokenizer_default(args, given)
+    if args.stage != "sft" or not args.load:
+        return applied
+    if getattr(args, "load_format", None) == "hf":
+        defaults, why = _fresh_defaults(args, given), "--load is a Hugging Face model, --stage sft"
+        if "save_hf" not in given and _exported(defaults.get("save_hf", "")):
+            raise ArgumentError(f"--save {args.save}: the fine-tuning default --save-hf {defaults['save_hf']} exists "
+                                "and is not empty; pass --save-hf NEW_DIR, or another --save")
+    else:
+        defaults = resolved_config.recorded(args.load, "finetune")
+        defaults.pop("tokenizer_name_or_path", None)  # the checkpoint's run found its tokenizer its own way
+        why = f"resuming the run of --load {args.load}: its {resolved_config.FILE_NAME}"
+        if _exported(defaults.get("save_hf") or ""):
+            del defaults["save_hf"]  # that run exported already: no second export over it
+    if getattr(args, "load_format", None) == "hf" and not {"save_hf"} & (given | set(defaults)):
+        log.warning("--load %s is a Hugging Face model but neither --save nor --save-hf is given: the trained "
+                    "model will not be written", args.load)
+    if not defaults:
+        return applied
+    for dest, value in defaults.items():
+        if dest not in given and hasattr(args, dest):
+            setattr(args, dest, value)
+            applied.add(dest)
+    log.info("fine-tuning defaults (%s): %s", why,
+             ", ".join(f"--{d.replace('_', '-')} {getattr(args, d)}" for d in sorted(applied)))
+    return applied

@@ -1,0 +1,209 @@
+"""``posttrain.py --data-path data.jsonl``: raw files tokenised and packed first, once, then trained.
+
+A ``--data-path`` naming files or a directory (any format ``preprocess_data.py`` reads) instead
+of a packed prefix is preprocessed by ``preprocess_data.py``'s own code and cache
+(:func:`mindspeed_pack.data.preprocess.run`):
+
+* its flags (``--handler-name``, ``--map-keys``, ``--pack``, ...) are posttrain.py flags too, the
+  very argparse actions of its parser (:func:`raw_data_args`); the flags both halves share
+  (``--seq-length``, ``--tokenizer-name-or-path``, ``--prompt-type``, ``--neat-pack``, ``--seed``)
+  are given once, so preprocessing and training cannot disagree;
+* the packs go to ``CACHE/<name>-<hash of the inputs' paths and the preprocessing flags>`` (``CACHE``:
+  ``--data-cache-path``, default ``mindspeed_pack_cache/`` beside the first input); the sidecar's
+  cache key (the inputs' content, tokenizer, template, arguments) decides whether they are reused
+  ("cache hit") or rebuilt (an edited file);
+* rank 0 preprocesses (with its progress bar) while the other ranks wait, then tells them the prefix:
+  every rank trains on the same packs (one file system shared by the nodes, as for ``--save``).
+
+A packed prefix given as before is used as it is; the preprocessing flags the user gave are
+checked against its sidecar (the shared ones are checked by ``preflight.check_data``).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+from mindspeed_pack.data.packed_documents import DataError, dataset_paths, read_meta
+
+log = logging.getLogger(__name__)
+
+# preprocess_data.py flags that only preprocessing reads (posttrain.py takes them for raw --data-path files)
+PREPROCESS_ONLY = ("handler_name", "map_keys", "chat_template", "chat_template_kwargs", "reasoning_history",
+                   "prompt_type_path", "pack", "append_eod", "pad_to_multiple_of", "workers", "skip_bad_rows",
+                   "overwrite_cache")
+# flags of both halves, given once
+SHARED = ("seq_length", "prompt_type", "tokenizer_name_or_path", "neat_pack", "seed")
+# preprocessing flags that shape the packs: checked against a packed prefix's sidecar when given
+RECORDED = ("handler_name", "map_keys", "chat_template", "chat_template_kwargs", "reasoning_history", "pack",
+            "append_eod", "pad_to_multiple_of")
+CACHE_DIR = "mindspeed_pack_cache"
+WAIT_HOURS = 24.0  # how long the other ranks wait for rank 0's preprocessing
+
+
+def raw_data_args(parser):
+    """Add preprocess_data.py's own flag definitions (:data:`PREPROCESS_ONLY`) to ``parser``."""
+    from mindspeed_pack.data.preprocess import build_parser
+
+    source = {action.dest: action for action in build_parser()._actions}
+    group = parser.add_argument_group("raw --data-path files: preprocessed first, as preprocess_data.py does "
+                                      "(--seq-length, --tokenizer-name-or-path, --prompt-type, --neat-pack, --seed "
+                                      "serve both)")
+    for dest in PREPROCESS_ONLY:
+        group._add_action(copy.copy(source[dest]))
+    return parser
+
+
+# ---------------------------------------------------------------------------- which --data-path
+def _is_raw(path: str) -> bool:
+    from mindspeed_pack.data.readers import FORMATS
+
+    if os.path.isfile(dataset_paths(path)["input_ids"] + ".bin"):
+        return False  # a packed prefix
+    return os.path.exists(path) or Path(path).suffix.lower() in FORMATS
+
+
+def raw_inputs(args) -> Optional[list]:
+    """The raw files/directories of ``--data-path`` (None: packed prefixes, as before)."""
+    for name in ("train", "valid", "test"):
+        raw = [p for p in getattr(args, f"{name}_data_path", None) or [] if _is_raw(p)]
+        if raw:
+            raise DataError(f"--{name}-data-path {raw[0]}: raw files are preprocessed from --data-path only; "
+                            f"preprocess this split with preprocess_data.py and pass its --output-prefix")
+    paths = args.data_path or []
+    raw = [p for p in paths if _is_raw(p)]
+    if not raw:
+        return None
+    if len(raw) != len(paths):
+        packed = next(p for p in paths if p not in raw)
+        raise DataError(f"--data-path mixes raw files ({raw[0]}) and a packed prefix ({packed}): give one or the other")
+    missing = [p for p in paths if not os.path.exists(p)]
+    if missing:
+        raise DataError(f"--data-path {missing[0]}: no such file or directory")
+    return list(paths)
+
+
+# ---------------------------------------------------------------------------- preprocessing
+def preprocess_namespace(args, inputs: list):
+    """preprocess_data.py's arguments for ``inputs``: its defaults, this run's shared and preprocessing flags."""
+    from mindspeed_pack.data.handlers import PRETRAIN
+    from mindspeed_pack.data.preprocess import _OUTPUT_ARGS, build_parser
+
+    ns = build_parser().parse_args(["--input", *inputs, "--output-prefix", "unset"])
+    for dest in SHARED + PREPROCESS_ONLY:
+        setattr(ns, dest, getattr(args, dest))
+    ns.pack = bool(args.pack or args.neat_pack)  # --neat-pack implies packing
+    ns.tokenizer_type = "PretrainedFromHF"
+    if ns.handler_name == PRETRAIN:
+        raise DataError("--handler-name GeneralPretrainHandler writes pretraining documents: preprocess them with "
+                        "preprocess_data.py and train with pretrain_gpt.py")
+    # the prefix names what shapes the packs, so runs with other flags keep their own cache
+    identity = {"inputs": [os.path.abspath(p) for p in inputs], "tokenizer": ns.tokenizer_name_or_path,
+                **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "map_keys", "prompt_type_path", "chat_template",
+                                                 "chat_template_kwargs", "reasoning_history")}}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    first = Path(os.path.abspath(inputs[0]))
+    root = args.data_cache_path or os.path.join(first.parent, CACHE_DIR)
+    ns.output_prefix = os.path.join(root, f"{first.stem if first.is_file() else first.name}-{digest}")
+    return ns
+
+
+def _preprocess(ns) -> dict:
+    """Run preprocess_data.py's pipeline (cache included); bad input becomes a :class:`DataError`."""
+    from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
+    from mindspeed_pack.data.preprocess import run
+
+    sidecar = f"{ns.output_prefix}_packed_meta.json"
+    before = os.stat(sidecar).st_mtime_ns if os.path.exists(sidecar) else None
+    start = time.perf_counter()
+    try:
+        meta = run(ns)
+    except RowError as e:
+        raise DataError(f"{e}; {SKIP_BAD_ROWS_HINT}") from None
+    except PreprocessError as e:
+        raise DataError(str(e)) from None
+    hit = before is not None and os.stat(sidecar).st_mtime_ns == before
+    stats = meta.get("statistics") or {}
+    return {"prefix": ns.output_prefix, "cache hit": hit, "seconds": round(time.perf_counter() - start, 3),
+            "packs": stats.get("packs", stats.get("documents")), "samples": stats.get("samples_written")}
+
+
+def _on_rank_zero(args, work) -> dict:
+    """``work()`` on rank 0 while the other ranks wait (up to :data:`WAIT_HOURS`); its result on every rank."""
+    import torch.distributed as dist
+
+    from mindspeed_pack.training import peers
+    from mindspeed_pack.training.initialize import initialize_from_args
+
+    initialize_from_args(args)  # the process groups training uses next (a second call is a no-op)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=WAIT_HOURS))
+    rank, message, error = dist.get_rank(), [None], None
+    if rank == 0:
+        try:
+            message = [("ok", work())]
+        except DataError as e:
+            error, message = e, [("error", str(e))]
+    else:
+        log.info("rank %d: waiting for rank 0 to preprocess --data-path %s", rank, " ".join(args.data_path))
+    with peers.waiting_for("rank 0's preprocessing of --data-path", WAIT_HOURS * 60):
+        dist.broadcast_object_list(message, src=0, group=group)
+    if error is not None:
+        raise error
+    status, payload = message[0]
+    if status == "error":
+        raise DataError(f"rank 0 could not preprocess --data-path: {payload}")
+    return payload
+
+
+def prepare(args) -> Optional[dict]:
+    """Turn raw ``--data-path`` files into packs (once) and point ``args.data_path`` at them;
+    ``args.raw_data_path`` keeps what was given. Packed prefixes: check the preprocessing flags given."""
+    inputs = raw_inputs(args)
+    if inputs is None:
+        check_packed_flags(args)
+        return None
+    ns = preprocess_namespace(args, inputs)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        result = _on_rank_zero(args, lambda: _preprocess(ns))
+    else:
+        result = _preprocess(ns)
+    args.raw_data_path, args.data_path = inputs, [result["prefix"]]
+    how = "cache hit" if result["cache hit"] else "preprocessed now"
+    args.data_summary = (f"{' '.join(inputs)} -> packs {result['prefix']}: {result['packs']} documents, "
+                         f"{result['samples']} samples ({how}, {result['seconds']:.2f} s)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    log.info("data%s: %s", f" (rank {os.environ.get('RANK', 0)} of {world})" if world > 1 else "", args.data_summary)
+    return result
+
+
+def check_packed_flags(args) -> None:
+    """The preprocessing flags the user gave agree with what each packed prefix's sidecar recorded."""
+    sources = getattr(args, "flag_sources", {})
+    given = [d for d in RECORDED if sources.get(d, [None, None])[1] == "given"]
+    if not given:
+        return
+    prefixes = list(args.data_path or [])
+    for name in ("train", "valid", "test"):
+        prefixes += getattr(args, f"{name}_data_path", None) or []
+    for prefix in prefixes:
+        recorded = (read_meta(prefix) or {}).get("arguments")
+        if not recorded:
+            continue
+        for dest in given:
+            mine = getattr(args, dest)
+            if dest in ("map_keys", "chat_template_kwargs") and isinstance(mine, str):
+                try:
+                    mine = json.loads(mine)
+                except json.JSONDecodeError:
+                    pass
+            if dest in recorded and recorded[dest] != mine:
+                flag = "--" + sources[dest][0]
+                raise DataError(f"{flag} {getattr(args, dest)}, but {prefix!r} was preprocessed with {flag} "
+                                f"{recorded[dest]} ({prefix}_packed_meta.json): drop the flag, or re-run "
+                                "preprocess_data.py (or pass the raw files as --data-path)")

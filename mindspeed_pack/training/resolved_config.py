@@ -1,0 +1,126 @@
+"""The resolved configuration of a run: every flag's final value, by where it came from.
+
+:func:`record_sources` (at the end of ``parse_args``) notes for every flag whether the user gave
+it (command line or ``--config``), a Hugging Face ``--load``'s config.json set it, a fine-tuning
+default filled it, validation derived it from other flags, or it kept the parser's default.
+:func:`write` puts the values, grouped by that origin, in ``SAVE/run_config.yaml`` and
+``METRICS.config.yaml`` (beside ``--metrics-file``) once the run is set up (model, checkpoint and data
+loaded: a run that fails to start overwrites nothing): ``--config`` of that file repeats the run, since
+every key is a flag. :func:`recorded` reads a section back (a resume keeps its run's fine-tuning defaults). ``--train-iters`` derived from ``--train-epochs``
+is shown as a comment, not set, so a repeat recomputes it from the data as the original did.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+
+from mindspeed_pack import config_file
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "run_config.yaml"  # in --save
+METRICS_SUFFIX = ".config.yaml"  # beside --metrics-file: METRICS (without .jsonl) + this
+SECTIONS = (  # origin -> title; written in this order
+    ("given", "given (command line and --config file)", False),
+    ("hf", "from the Hugging Face --load directory (config.json)", False),
+    ("finetune", "fine-tuning defaults (--stage sft from a Hugging Face --load, or a resume of such a run)", False),
+    ("derived", "derived from the flags above by validation", False),
+    ("default", "defaults", False),
+    ("epochs", "derived from --train-epochs and the data (shown, not set: a repeat computes them again)", True),
+)
+NOT_WRITTEN = ("config", "dry_run", "help")
+
+
+def record_sources(parser, args, given: set, from_hf: set, finetune: set) -> None:
+    """``args.flag_sources`` = {dest: [flag name, origin]} for every flag of ``parser``."""
+    sources = {}
+    for action in parser._actions:
+        if action.dest in NOT_WRITTEN or not any(o.startswith("--") for o in action.option_strings):
+            continue
+        dest = action.dest
+        if dest in given:
+            origin = "given"
+        elif dest in finetune:
+            origin = "finetune"
+        elif dest in from_hf:
+            origin = "hf"
+        elif getattr(args, dest, None) != action.default:
+            origin = "derived"
+        else:
+            origin = "default"
+        sources[dest] = [config_file.flag_name(action), origin]
+    args.flag_sources = sources
+
+
+def mark(args, dest: str, origin: str) -> None:
+    """Record that ``dest`` now comes from ``origin`` (e.g. ``epochs``)."""
+    if dest in getattr(args, "flag_sources", {}):
+        args.flag_sources[dest][1] = origin
+
+
+def _value(args, dest):
+    if dest == "data_path" and getattr(args, "raw_data_path", None):
+        return args.raw_data_path  # what the user gave; the packs are a cache of it
+    return getattr(args, dest, None)
+
+
+def text(args, script: str) -> str:
+    """The resolved configuration as YAML (see the module docstring)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launcher = f"torchrun --nproc-per-node ... (world size {world}) " if world > 1 else ""
+    header = (f"{script}: resolved configuration of the run started "
+              f"{datetime.datetime.now().isoformat(timespec='seconds')}: every flag's final value.\n"
+              f"Repeat the run with: {launcher}{script} --config THIS_FILE")
+    by_origin = {origin: [] for origin, _, _ in SECTIONS}
+    for dest, (name, origin) in getattr(args, "flag_sources", {}).items():
+        by_origin[origin].append((name, _value(args, dest), None))
+    note = getattr(args, "epochs_note", None)
+    by_origin["epochs"] = [(name, value, note if name == "train-iters" else None)
+                           for name, value, _ in by_origin["epochs"]]
+    return config_file.render([(title, by_origin[origin], shown) for origin, title, shown in SECTIONS], header)
+
+
+def paths(args) -> list:
+    out = []
+    if args.save and not args.skip_train:  # an evaluation saves nothing: the training run's file stays
+        out.append(os.path.join(args.save, FILE_NAME))
+    if args.metrics_file:
+        out.append(os.path.splitext(args.metrics_file)[0] + METRICS_SUFFIX)
+    return out
+
+
+def write(args, script: str) -> list:
+    """Write the resolved configuration beside the checkpoints and the metrics (rank 0); returns the paths."""
+    if int(os.environ.get("RANK", "0")) != 0 or not getattr(args, "flag_sources", None):
+        return []
+    written = paths(args)
+    if written:
+        content = text(args, script)
+        for path in written:
+            config_file.write(path, content)
+        log.info("resolved configuration: %s (repeat the run with --config %s)", ", ".join(written), written[0])
+    return written
+
+
+def recorded(save_dir: str, origin: str) -> dict:
+    """{dest: value} of the ``origin`` section of ``save_dir``'s resolved configuration ({} without one)."""
+    import yaml
+
+    path = os.path.join(save_dir, FILE_NAME)
+    title = dict((o, t) for o, t, _ in SECTIONS)[origin]
+    if not os.path.isfile(path):
+        return {}
+    lines, inside = [], False
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("# --- "):
+                inside = line.strip() == f"# --- {title}"
+            elif inside and line.strip() and not line.startswith("#"):
+                lines.append(line)
+    try:
+        values = yaml.safe_load("".join(lines)) or {}
+    except yaml.YAMLError:
+        log.warning("%s: unreadable; its %s are not reused", path, title)
+        return {}
+    return {key.replace("-", "_"): value for key, value in values.items()}

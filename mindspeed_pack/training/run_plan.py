@@ -1,0 +1,206 @@
+"""What a run will do before it does it: ``--train-epochs`` as iterations, and ``--dry-run``'s plan.
+
+``--train-epochs N`` counts the training split's documents (packs, or samples of unpacked data),
+``D``; an epoch is ``D`` samples of the sample index (rounded up to a multiple of the global batch
+under ``--padded-samples``, whose repeats complete it), and the run takes
+``ceil(N x epoch / global batch)`` iterations, so every document is seen exactly ``N`` times when
+the epochs fill whole global batches (else the last batch also reads the next epoch's first
+documents, said in the log). The global batch already holds the data-parallel size
+(micro-batch x DP x micro-batches).
+
+``--dry-run`` prints the resolved configuration (as ``resolved_config`` writes it) and the plan:
+the data found, its packs, the iterations, the parallel layout and a memory estimate per GPU.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+
+from mindspeed_pack.data.packed_documents import DataError
+from mindspeed_pack.training import resolved_config
+
+log = logging.getLogger(__name__)
+
+GB = 1024 ** 3
+
+
+def training_documents(args) -> int:
+    """Documents (packs, or unpacked samples) of the training split."""
+    from mindspeed_pack.data.packed_dataset import split_ranges
+    from mindspeed_pack.data.packed_documents import PackedDocuments
+
+    per_split = getattr(args, "train_data_path", None)
+    if per_split:
+        return len(PackedDocuments(per_split[0]))
+    docs = PackedDocuments(args.data_path[0])
+    start, end = split_ranges(len(docs), args.split)[0]
+    return end - start
+
+
+def resolve_epochs(args) -> None:
+    """``--train-iters`` (and ``--lr-decay-iters`` unless given) from ``--train-epochs``; logged."""
+    epochs = getattr(args, "train_epochs", None)
+    if not epochs:
+        return
+    if not args.data_path and not getattr(args, "train_data_path", None):
+        raise DataError(f"--train-epochs {epochs} counts the packs of --data-path; --stage {args.stage} reads "
+                        "rollouts: give --train-iters")
+    docs = training_documents(args)
+    if docs == 0:
+        raise DataError(f"--train-epochs {epochs}: the training split is empty (--split {args.split})")
+    gbs = args.global_batch_size
+    epoch = -(-docs // gbs) * gbs if args.padded_samples else docs
+    args.train_iters = -(-epochs * epoch // gbs)
+    resolved_config.mark(args, "train_iters", "epochs")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+        resolved_config.mark(args, "lr_decay_iters", "epochs")
+    extra = args.train_iters * gbs - epochs * epoch
+    note = (f"--train-epochs {epochs}: {docs} training documents"
+            + (f" (+{epoch - docs} repeats, --padded-samples)" if epoch != docs else "")
+            + f" x {epochs} = {epochs * epoch} samples / global batch {gbs} (micro-batch {args.micro_batch_size} x "
+              f"data-parallel {args.data_parallel_size} x {args.num_micro_batches} micro-batches) = "
+              f"{args.train_iters} iterations")
+    if extra:
+        note += (f"; the last global batch also reads {extra} documents of epoch {epochs + 1} (a global batch that "
+                 f"divides {epoch}, or --padded-samples, makes the epochs exact)")
+    args.epochs_note = note
+    log.info(note)
+
+
+# ---------------------------------------------------------------------------- memory
+def parameters_per_rank(args) -> tuple:
+    """(total parameters, parameters on the busiest rank) from the model flags."""
+    h, layers = args.hidden_size, args.num_layers
+    heads, groups = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
+    head_dim = args.kv_channels or h // heads
+    ffn = args.ffn_hidden_size or 4 * h
+    gated = 2 if args.swiglu else 1
+    vocab = args.padded_vocab_size or 0
+    attention = h * (heads + 2 * groups) * head_dim + heads * head_dim * h
+    attention += (heads + 2 * groups) * head_dim if args.add_qkv_bias else 0
+    mlp = (gated + 1) * h * ffn
+    experts = getattr(args, "num_experts", None) or 0
+    moe_layers = 0
+    if experts:
+        freq = args.moe_layer_freq
+        moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
+    moe = experts * (gated + 1) * h * (getattr(args, "moe_ffn_hidden_size", None) or ffn) + h * experts
+    embedding = vocab * h + (args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute"
+                             else 0)
+    output = 0 if not args.untie_embeddings_and_output_weights else vocab * h
+    total = layers * attention + (layers - moe_layers) * mlp + moe_layers * moe + embedding + output
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
+    per_layer = (attention + mlp * (1 - moe_layers / layers)) / tp + moe * moe_layers / layers / (tp * ep)
+    ends = (embedding + output) / tp if pp == 1 else max(embedding, output) / tp
+    return total, layers / pp * per_layer + ends
+
+
+def memory_estimate(args) -> dict:
+    """GB per GPU of weights, gradients, optimizer state and activations (one rank of the first stage)."""
+    total, params = parameters_per_rank(args)
+    half = args.bf16 or args.fp16
+    dp_shards = args.data_parallel_size * args.context_parallel_size if args.use_distributed_optimizer else 1
+    states = (4 if half else 0) + (8 if args.optimizer == "adam" else 4)  # fp32 master copy, Adam moments
+    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
+    sbh = args.seq_length * args.micro_batch_size * args.hidden_size / cp
+    # bytes per layer without recomputation, fused attention (no s x s scores): Korthikanti et al. 2022
+    per_layer = sbh * (34 / tp if args.sequence_parallel else 10 + 24 / tp) * (1 if half else 2)
+    in_flight = min(pp, args.num_micro_batches)  # 1F1B: micro-batches the first stage holds
+    logits = args.seq_length * args.micro_batch_size / cp * (args.padded_vocab_size or 0) / tp * 4 * 2
+    out = {"parameters": total, "parameters per GPU": params,
+           "weights": params * (2 if half else 4) / GB, "gradients": params * 4 / GB,
+           "optimizer": params * states / dp_shards / GB,
+           "activations": (per_layer * args.num_layers / pp * in_flight + (logits if pp == 1 else 0)) / GB}
+    out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
+    return out
+
+
+# ---------------------------------------------------------------------------- the plan
+def _data_lines(args) -> list:
+    if getattr(args, "rollout_path", None):
+        return [f"data: rollouts {args.rollout_path} (packed at load time into rows of "
+                f"{args.max_seqlen_per_dp_cp_rank} tokens per CP rank)"]
+    if getattr(args, "data_summary", None):
+        return [f"data: {args.data_summary}"]
+    from mindspeed_pack.data.packed_documents import read_meta
+
+    lines = []
+    prefixes = [p for p in args.data_path or [] if not _is_weight(p)]
+    for name in ("train", "valid", "test"):
+        prefixes += getattr(args, f"{name}_data_path", None) or []
+    for prefix in prefixes:
+        found = [f for f in (f"{prefix}_packed_input_ids_document.bin", f"{prefix}_text_document.bin",
+                             f"{prefix}.bin") if os.path.isfile(f)]
+        if not found:
+            lines.append(f"data: {prefix}: NOT FOUND (neither packs {prefix}_packed_*_document.bin nor documents "
+                         f"{prefix}.bin nor a file or directory of that name)")
+            continue
+        stats = (read_meta(prefix) or {}).get("statistics") or {}
+        detail = ", ".join(f"{stats[k]} {k.replace('_', ' ')}" for k in ("packs", "documents", "samples_written",
+                                                                         "fill_rate") if k in stats)
+        lines.append(f"data: {found[0][:-4]}" + (f" ({detail})" if detail else ""))
+    return lines
+
+
+def _is_weight(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def plan_lines(args) -> list:
+    lines = _data_lines(args)
+    try:
+        if args.data_path and not any(_is_weight(p) for p in args.data_path):
+            docs = training_documents(args)
+            lines.append(f"training split: {docs} documents (--split {args.split})")
+    except DataError:
+        pass
+    if getattr(args, "epochs_note", None):
+        lines.append(f"iterations: {args.train_iters} ({args.epochs_note})")
+    elif getattr(args, "train_epochs", None):
+        lines.append(f"iterations: from --train-epochs {args.train_epochs} once the data is found")
+    else:
+        lines.append(f"iterations: {args.train_iters} (--train-iters)")
+    world = args.data_parallel_size * args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
+        args.context_parallel_size
+    lines.append(f"layout: world {world} = TP {args.tensor_model_parallel_size} x PP "
+                 f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP "
+                 f"{args.data_parallel_size} (EP {args.expert_model_parallel_size}); global batch "
+                 f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
+                 f"{args.num_micro_batches} micro-batches of {args.seq_length} tokens per row")
+    m = memory_estimate(args)
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    lines.append(f"model: {_count(m['parameters'])} parameters, {_count(m['parameters per GPU'])} per GPU "
+                 f"({precision}" + (", vocabulary unknown" if not args.padded_vocab_size else "") + ")")
+    lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GB + gradients {m['gradients']:.2f} GB + "
+                 f"optimizer {m['optimizer']:.2f} GB + activations {m['activations']:.2f} GB = {m['total']:.2f} GB "
+                 "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
+                 "Korthikanti et al.; allocator and communication buffers come on top)")
+    return lines
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def dry_run(args, script: str) -> bool:
+    """Under ``--dry-run``: print the resolved configuration and the plan, and say so (True)."""
+    if not args.dry_run:
+        return False
+    print(resolved_config.text(args, script))
+    print("# --- plan\n" + "\n".join(f"# {line}" for line in plan_lines(args)))
+    return True
+
+
+def train_epochs_arg(parser):
+    """posttrain.py's ``--train-epochs`` (instead of ``--train-iters``)."""
+    parser.add_argument_group("epochs").add_argument(
+        "--train-epochs", type=int, default=None, metavar="N",
+        help="train N passes over the training split's documents (packs): --train-iters = ceil(N x documents / "
+             "--global-batch-size), logged and in the resolved configuration; instead of --train-iters")
+    return parser

@@ -1,0 +1,187 @@
+"""One command from a Hugging Face model and a raw data file to a trained Hugging Face model (issue 34).
+
+``posttrain.py --load HF_DIR --data-path data.jsonl ...`` tokenises and packs with
+preprocess_data.py's own code and cache (once, on rank 0), trains, and writes ``--save-hf``:
+transformers loads the result, the two-step form (preprocess_data.py, then posttrain.py on the
+prefix) trains the same losses bit for bit, a second run hits the cache and an edited file rebuilds
+it, ``--train-epochs 2`` reads every pack (and so every sample) exactly twice, and under two ranks
+preprocessing happens once and both ranks train on the same packs.
+"""
+import collections
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import posttrain
+from mindspeed_pack.data import toy
+from mindspeed_pack.data.packed_dataset import PackedBatchSource, resolve_vocab_size
+from mindspeed_pack.data.packed_documents import DataError, PackedDocuments, read_meta
+from mindspeed_pack.training import raw_data, run_plan
+from mindspeed_pack.training.arguments import parse_args
+from mindspeed_pack.training.trainer import run
+from tests.train_utils import run_posttrain, train_losses
+
+SHAREGPT = ["--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "qwen"]
+TRAIN = ["--seq-length", "128", "--neat-pack", "--micro-batch-size", "1", "--global-batch-size", "4",
+         "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0"]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, toy_tokenizer_dir):
+    """A random transformers Qwen2 over the toy tokenizer (saved with it), and a raw ShareGPT file."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("one_command")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(toy_tokenizer_dir)
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=False, rope_theta=1e6, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(root / "hf")
+    tokenizer.save_pretrained(root / "hf")
+    rows = toy.generate_sharegpt(64, seed=3, turns=(1, 2), max_words=12)
+    return {"root": root, "hf": str(root / "hf"), "rows": rows,
+            "data": str(toy.write_dataset(root / "sharegpt.jsonl", rows))}
+
+
+def one_command(assets, *extra):
+    return ["--load", assets["hf"], "--data-path", assets["data"], *SHAREGPT, *TRAIN, *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(assets):
+    """The one command, with --save-hf: (process, metrics records, export directory)."""
+    root = assets["root"]
+    proc, records = run_posttrain(one_command(assets, "--train-epochs", "1", "--save-hf", str(root / "exported"),
+                                              "--data-cache-path", str(root / "cache")),
+                                  model_flags=(), metrics=str(root / "one.jsonl"))
+    return proc, records, str(root / "exported")
+
+
+def test_one_command_trains_a_model_transformers_loads_and_the_two_step_form_matches(assets, trained, tmp_path,
+                                                                                      run_preprocess):
+    import transformers
+
+    proc, records, exported = trained
+    assert "preprocessed now" in proc.stderr and "samples read 64" in proc.stdout
+    losses = train_losses(records)
+    assert losses and all(np.isfinite(losses))
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    ids = tokenizer("<|im_start|>user\nSay the first word.\nred cat<|im_end|>\n", return_tensors="pt").input_ids
+    assert torch.isfinite(model(ids).logits).all()
+    start = transformers.AutoModelForCausalLM.from_pretrained(assets["hf"])
+    assert not torch.equal(model.model.embed_tokens.weight, start.model.embed_tokens.weight)  # it was trained
+    # the two-step form: preprocess_data.py with the same flags, then posttrain.py on its prefix
+    code, _, err = run_preprocess(input=assets["data"], output_prefix=tmp_path / "sft", tokenizer_name_or_path=assets["hf"],
+                                  handler_name="SharegptStyleInstructionHandler", prompt_type="qwen", seq_length=128,
+                                  pack=True, neat_pack=True)
+    assert code == 0, err
+    _, two_step = run_posttrain(["--load", assets["hf"], "--data-path", str(tmp_path / "sft"), *TRAIN,
+                                 "--prompt-type", "qwen", "--train-epochs", "1"],
+                                model_flags=(), metrics=str(tmp_path / "two.jsonl"))
+    assert train_losses(two_step) == losses  # bit for bit
+
+
+def test_a_packed_prefix_is_checked_against_the_preprocessing_flags_given(assets, tmp_path, run_preprocess):
+    code, _, err = run_preprocess(input=assets["data"], output_prefix=tmp_path / "sft", tokenizer_name_or_path=assets["hf"],
+                                  handler_name="SharegptStyleInstructionHandler", prompt_type="qwen", seq_length=128,
+                                  pack=True, neat_pack=True)
+    assert code == 0, err
+    argv = ["--load", assets["hf"], "--data-path", str(tmp_path / "sft"), *TRAIN, "--train-iters", "1"]
+    raw_data.prepare(parse_args(argv + SHAREGPT, extra_args_provider=posttrain.posttrain_args))  # as recorded
+    args = parse_args(argv + ["--handler-name", "AlpacaStyleInstructionHandler"],
+                      extra_args_provider=posttrain.posttrain_args)
+    with pytest.raises(DataError, match=r"--handler-name AlpacaStyleInstructionHandler, but .*sft' was preprocessed "
+                                        r"with --handler-name SharegptStyleInstructionHandler"):
+        raw_data.prepare(args)
+
+
+def _dry_run(argv, caplog, capsys):
+    capsys.readouterr()
+    start = time.perf_counter()
+    with caplog.at_level(logging.INFO):
+        caplog.clear()
+        posttrain.main(argv + ["--dry-run"])
+    seconds = time.perf_counter() - start
+    return caplog.text + capsys.readouterr().out, seconds
+
+
+def test_second_run_hits_the_cache_and_an_edited_file_rebuilds_it(assets, tmp_path, caplog, capsys):
+    data = tmp_path / "sharegpt.jsonl"
+    toy.write_dataset(data, assets["rows"])
+    argv = ["--load", assets["hf"], "--data-path", str(data), *SHAREGPT, *TRAIN, "--train-epochs", "1"]
+    first, t_build = _dry_run(argv, caplog, capsys)
+    assert "preprocessed now" in first and "cache hit" not in first
+    second, t_hit = _dry_run(argv, caplog, capsys)
+    assert "cache hit" in second and "preprocessed now" not in second
+    prefix = os.path.join(tmp_path, raw_data.CACHE_DIR, [n for n in os.listdir(tmp_path / raw_data.CACHE_DIR)
+                                                         if n.endswith("_packed_meta.json")][0][:-len("_packed_meta.json")])
+    before = read_meta(prefix)["cache_key"]["inputs"][0]["sha256"]
+    rows = [dict(r) for r in assets["rows"]]
+    rows[0]["conversations"][-1]["value"] += " again"
+    toy.write_dataset(data, rows)
+    third, t_edit = _dry_run(argv, caplog, capsys)
+    assert "preprocessed now" in third and "cache hit" not in third
+    assert read_meta(prefix)["cache_key"]["inputs"][0]["sha256"] != before  # same prefix, rebuilt
+    with capsys.disabled():
+        print(f"\n[cache] first run {t_build:.2f}s (preprocessed), second {t_hit:.2f}s (cache hit), "
+              f"edited file {t_edit:.2f}s (rebuilt)")
+
+
+class CountingSource(PackedBatchSource):
+    """The packs every training micro-batch reads."""
+
+    def __init__(self):
+        self.seen = []
+
+    def micro_batches(self, split, consumed_samples):
+        for batch in super().micro_batches(split, consumed_samples):
+            if split == "train":
+                self.seen.extend(batch["documents"])
+            yield batch
+
+
+def _prepared(argv):
+    args = parse_args(argv, extra_args_provider=posttrain.posttrain_args)
+    raw_data.prepare(args)
+    resolve_vocab_size(args)
+    run_plan.resolve_epochs(args)
+    return args
+
+
+def test_train_epochs_2_trains_every_sample_exactly_twice(assets, trained, caplog):
+    base = one_command(assets, "--train-epochs", "2", "--data-cache-path", str(assets["root"] / "cache"))
+    packs = len(PackedDocuments(_prepared(base).data_path[0]))
+    gbs = next(g for g in (4, 3, 2, 1) if packs % g == 0)  # epochs that fill whole global batches
+    with caplog.at_level(logging.INFO):
+        args = _prepared(base + ["--global-batch-size", str(gbs)])
+    assert args.train_iters == 2 * packs // gbs and f"= {args.train_iters} iterations" in caplog.text
+    source = CountingSource()
+    run(args, source)
+    assert collections.Counter(source.seen) == {pack: 2 for pack in range(packs)}
+    # each pack holds its own samples (segments 1..k): every sample is read twice
+    docs = PackedDocuments(args.data_path[0])
+    samples = sum(int(docs.get(pack)["attention_mask"].max()) for pack in source.seen)
+    assert samples == 2 * read_meta(args.data_path[0])["statistics"]["samples_written"] == 2 * len(assets["rows"])
+
+
+def test_two_ranks_preprocess_once_and_train_on_the_same_packs(assets, trained, tmp_path):
+    _, one_rank, _ = trained
+    proc, records = run_posttrain(one_command(assets, "--train-epochs", "1", "--data-cache-path", str(tmp_path)),
+                                  nproc=2, model_flags=(), metrics=str(tmp_path / "two_ranks.jsonl"))
+    log = proc.stdout + proc.stderr
+    assert log.count("samples read 64") == 1  # preprocess_data.py's summary: rank 0 alone preprocessed
+    assert "rank 1: waiting for rank 0 to preprocess" in log
+    prefixes = {rank: line.split("-> packs ")[1].split(":")[0] for line in log.splitlines()
+                for rank in (0, 1) if f"data (rank {rank} of 2): " in line}
+    assert set(prefixes) == {0, 1} and prefixes[0] == prefixes[1] and prefixes[0].startswith(str(tmp_path))
+    # the global batches hold the same packs as the one-rank run: the same losses (up to reduction order)
+    a, b = train_losses(records), train_losses(one_rank)
+    assert len(a) == len(b) and max(abs(x - y) / abs(y) for x, y in zip(a, b)) <= 1e-5, (a, b)
+    assert json.loads(open(tmp_path / "two_ranks.jsonl").readline())["split"] == "setup"
