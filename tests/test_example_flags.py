@@ -434,6 +434,7 @@ CONFIGS = {
     "sft/qwen25_7b_32k_full_pack_cp.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_32k_full_pack_cp.sh", []),
     "sft/qwen3_8b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN3 / "tune_qwen3_8b_4k_full_pack.sh", []),
     "sft/qwen3_30b_a3b_4k_full_pack.yaml": ("posttrain.py", 16, QWEN3_MOE / "tune_qwen3_30b_a3b_4k_full_pack.sh", []),
+    "sft/qwen25_7b_4k_lora_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_lora_pack.sh", []),
     "sft/qwen25_7b_4k_from_hf.yaml": ("posttrain.py", 8, None, None),  # needs its HF --load: its own test below
     "dpo/qwen25_7b_4k_dpo_pack.yaml": ("posttrain.py", 8, None, []),
     "grpo/qwen3_8b_grpo_step.yaml": ("posttrain.py", 8, None, []),
