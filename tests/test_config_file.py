@@ -78,7 +78,7 @@ def test_command_line_overrides_the_file(tmp_path, packs):
     ("seq-length: abc\n", r"line 1: seq-length \(--seq-length\): expected an integer, got 'abc'"),
     ("neat-pack: 3\n", r"line 1: neat-pack \(--neat-pack\): a switch takes true or false, got 3"),
     ("lr: [1, 2]\n", r"line 1: lr \(--lr\): expected one value \(a number\), got a list"),
-    ("attention-backend: tee\n", r"attention-backend \(--attention-backend\): expected one of auto, te, local"),
+    ("attention-backend: tee\n", r"attention-backend \(--attention-backend\): expected one of auto, te, flash, local"),
     ("seq-length: 128\nseq_length: 64\n", r"line 2: seq_length is given twice \(first on line 1\)"),
     ("- seq-length\n", r"line 1: the file must be a mapping of flag names to values"),
     ("lr: [1e-3\n", r"not valid YAML"),
