@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from mindspeed_pack.model import flash_attention
 from mindspeed_pack.model.flash_attention import cp_flash_attention, cp_flash_plan
 from mindspeed_pack.model.packed_attention import segment_causal_attention
-from mindspeed_pack.model.thd import local_rows
-from mindspeed_pack.packing.context_parallel import round_up
+from mindspeed_pack.packing.context_parallel import local_rows, round_up
 
 LENGTHS = [7, 1, 33, 130, 2, 19]
 

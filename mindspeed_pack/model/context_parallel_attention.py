@@ -29,8 +29,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from mindspeed_pack.model.row_gather import RowPlan, gather_rows, row_plan
-from mindspeed_pack.model.segment_buckets import bucket_width
-from mindspeed_pack.model.thd import cached, host_cu_seqlens, local_rows, segment_positions, to_device
+from mindspeed_pack.model.segment_buckets import segments_by_width
+from mindspeed_pack.model.thd import cached, host_cu_seqlens, to_device
+from mindspeed_pack.packing.context_parallel import local_rows, segment_positions
 
 
 @dataclass
@@ -48,28 +49,31 @@ class CPPlan:
     buckets: List[Tuple[int, int, int, int, int, torch.Tensor]]
 
 
-def cp_plan(cu: np.ndarray, cp: int, rank: int, t: int, device) -> CPPlan:
+def global_to_gathered(cu: np.ndarray, cp: int, t: int) -> np.ndarray:
+    """For each global row of the padded layout ``cu``, its row in the all-gathered (rank-major) keys/values."""
     if int(cu[-1]) != t * cp:
         raise ValueError(f"CP attention: cu_seqlens_padded ends at {int(cu[-1])}, expected {t} local x {cp} ranks")
     gathered = np.concatenate([local_rows(cu, cp, r) for r in range(cp)])  # global row of each gathered row
-    global_to_gathered = np.empty_like(gathered)
-    global_to_gathered[gathered] = np.arange(len(gathered))
+    out = np.empty_like(gathered)
+    out[gathered] = np.arange(len(gathered))
+    return out
+
+
+def cp_plan(cu: np.ndarray, cp: int, rank: int, t: int, device) -> CPPlan:
+    to_gathered = global_to_gathered(cu, cp, t)
     q_pos = segment_positions(cu, cp, rank)  # each local query's position in its segment
     lengths = np.diff(cu)
-    by_width: dict = {}
-    for i, n in enumerate(lengths.tolist()):
-        if n:
-            by_width.setdefault(bucket_width(n), []).append(i)
+    by_width = segments_by_width(lengths)
     q_rows, k_rows, slots, buckets = [], [], np.empty(t, dtype=np.int64), []
     q_first = k_first = 0
-    for width in sorted(by_width):
+    for width in by_width:
         segs = np.asarray(by_width[width])
         q_width = -(-width // cp)
         q_off, k_off = np.arange(q_width), np.arange(width)
         q_valid = q_off[None] < (lengths[segs] // cp)[:, None]
         q_index = np.where(q_valid, (cu[segs] // cp)[:, None] + q_off[None], t)  # t: the zero row
         k_valid = k_off[None] < lengths[segs][:, None]
-        k_index = np.where(k_valid, global_to_gathered[np.minimum(cu[segs][:, None] + k_off[None], t * cp - 1)],
+        k_index = np.where(k_valid, to_gathered[np.minimum(cu[segs][:, None] + k_off[None], t * cp - 1)],
                            t * cp)  # t * cp: the zero row
         pos = np.where(q_valid, q_pos[np.minimum(q_index, t - 1)], 0)
         # causal by global position; a padded query row sees key 0 (every row attends somewhere: no NaN)

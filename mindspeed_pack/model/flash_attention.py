@@ -28,10 +28,10 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mindspeed_pack.model.context_parallel_attention import gather_keys_values
+from mindspeed_pack.model.context_parallel_attention import gather_keys_values, global_to_gathered
 from mindspeed_pack.model.packed_attention import PackedDotProductAttention
 from mindspeed_pack.model.row_gather import RowPlan, gather_rows, row_plan
-from mindspeed_pack.model.thd import cached, host_cu_seqlens, local_rows, to_device
+from mindspeed_pack.model.thd import cached, host_cu_seqlens, to_device
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -84,17 +84,13 @@ class CPFlashPlan:
 
 
 def cp_flash_plan(cu: np.ndarray, cp: int, rank: int, t: int, device) -> CPFlashPlan:
-    if int(cu[-1]) != t * cp:
-        raise ValueError(f"CP attention: cu_seqlens_padded ends at {int(cu[-1])}, expected {t} local x {cp} ranks")
-    gathered = np.concatenate([local_rows(cu, cp, r) for r in range(cp)])
-    global_to_gathered = np.empty_like(gathered)
-    global_to_gathered[gathered] = np.arange(len(gathered))
+    to_gathered = global_to_gathered(cu, cp, t)
     chunk = np.diff(cu) // (2 * cp)
     local_start = cu[:-1] // cp
     passes, out_order = [], []
     for k, ends in ((0, (rank + 1) * chunk), (1, (2 * cp - rank) * chunk)):  # chunk r, then chunk 2N-1-r
         q_rows = np.concatenate([np.arange(s + k * c, s + (k + 1) * c) for s, c in zip(local_start, chunk)])
-        k_rows = np.concatenate([global_to_gathered[np.arange(s, s + e)] for s, e in zip(cu[:-1], ends)])
+        k_rows = np.concatenate([to_gathered[np.arange(s, s + e)] for s, e in zip(cu[:-1], ends)])
         cu_q = np.concatenate([[0], np.cumsum(chunk)]).astype(np.int32)
         cu_k = np.concatenate([[0], np.cumsum(ends)]).astype(np.int32)
         passes.append((row_plan(q_rows, t, device), row_plan(k_rows, t * cp, device), to_device(cu_q, device),

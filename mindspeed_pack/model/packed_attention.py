@@ -41,7 +41,7 @@ from megatron.core.utils import divide
 from mindspeed_pack.model.context_parallel_attention import context_parallel_attention
 from mindspeed_pack.model.packed_rope import apply_packed_rope
 from mindspeed_pack.model.row_gather import RowPlan, gather_rows, row_plan
-from mindspeed_pack.model.segment_buckets import bucket_width
+from mindspeed_pack.model.segment_buckets import segments_by_width
 from mindspeed_pack.model.thd import cached, host_cu_seqlens
 
 
@@ -61,12 +61,9 @@ def bucket_plan(cu: np.ndarray, t: int, device) -> BucketPlan:
         raise ValueError(f"packed attention: cu_seqlens end at {int(cu[-1])} but the micro-batch holds {t} tokens")
     if len(lengths) == 1:
         return BucketPlan(None, None, [], True)
-    by_width: dict = {}
-    for i, n in enumerate(lengths.tolist()):
-        if n:
-            by_width.setdefault(bucket_width(n), []).append(i)
+    by_width = segments_by_width(lengths)
     rows, slots, buckets, offset = [], np.empty(t, dtype=np.int64), [], 0
-    for width in sorted(by_width):
+    for width in by_width:
         segs = np.asarray(by_width[width])
         steps = np.arange(width)
         valid = steps[None, :] < lengths[segs][:, None]

@@ -10,3 +10,12 @@ def bucket_width(length: int) -> int:
     """Round a segment length up to its bucket: at most 1/8 longer (16 below 128 tokens)."""
     step = 1 << max(4, length.bit_length() - 4)  # the largest power of two <= length / 8, at least 16
     return -(-length // step) * step
+
+
+def segments_by_width(lengths) -> dict:
+    """Indices of the non-empty segments of ``lengths``, grouped by bucket width (narrowest first)."""
+    groups: dict = {}
+    for i, n in enumerate(lengths.tolist()):
+        if n:
+            groups.setdefault(bucket_width(n), []).append(i)
+    return dict(sorted(groups.items()))

@@ -25,6 +25,9 @@ import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from mindspeed_pack.packing.context_parallel import segment_positions
+from mindspeed_pack.packing.segments import attention_offsets
+
 
 @dataclass
 class ThdParams(PackedSeqParams):
@@ -63,37 +66,10 @@ def to_device(array: np.ndarray, device) -> torch.Tensor:
     return t
 
 
-def segment_positions(cu: np.ndarray, cp_size: int = 1, cp_rank: int = 0) -> np.ndarray:
-    """Each local token's position within its segment: ``0..n-1`` per segment, or, under CP, this rank's
-    zigzag chunks ``r`` and ``2N-1-r`` of every (padded) segment, as megatron-core's THD RoPE reads them."""
-    lengths = np.diff(cu)
-    if cp_size == 1:
-        starts = np.repeat(cu[:-1], lengths)
-        return np.arange(int(cu[-1]), dtype=np.int64) - starts
-    chunk = lengths // (2 * cp_size)
-    first = np.repeat(cp_rank * chunk, chunk)
-    second = np.repeat((2 * cp_size - 1 - cp_rank) * chunk, chunk)
-    local_starts = np.repeat(np.cumsum(chunk) - chunk, chunk)
-    offset = np.arange(int(chunk.sum()), dtype=np.int64) - local_starts
-    # per segment: its first chunk then its second, in local order
-    seg = np.repeat(np.arange(len(chunk)), chunk)
-    order = np.argsort(np.concatenate([2 * seg, 2 * seg + 1]), kind="stable")
-    return np.concatenate([first + offset, second + offset])[order]
-
-
-def local_rows(cu: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
-    """Global rows (offsets in the padded layout ``cu``) of the tokens CP rank ``cp_rank`` holds, in its local order."""
-    local_lengths = np.diff(cu) // cp_size
-    return np.repeat(cu[:-1], local_lengths) + segment_positions(cu, cp_size, cp_rank)
-
-
 def packed_seq_params(batch, cp_size: int = 1, cp_rank: int = 0) -> ThdParams:
     """THD parameters of a :class:`~mindspeed_pack.packing.segments.PackedBatch`; under CP ``cu_seqlens`` are
     the real lengths and ``*_padded`` the physical ones (Transformer Engine's convention)."""
-    host = batch.host_cu_seqlens
-    if host is None:
-        cu = batch.cu_seqlens_padded if batch.cu_seqlens_padded is not None else batch.cu_seqlens
-        host = cu.detach().cpu().numpy().astype(np.int64)
+    host = batch.host_cu_seqlens if batch.host_cu_seqlens is not None else attention_offsets(batch)
     positions = segment_positions(host, cp_size, cp_rank)
     return ThdParams(
         qkv_format="thd",

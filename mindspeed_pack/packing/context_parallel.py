@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from mindspeed_pack.packing.segments import PackedBatch
@@ -92,7 +93,7 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
         cu_seqlens_padded=torch.cat([zero, torch.cumsum(padded, 0).to(torch.int32)]),
         max_seqlen=int(padded.max()),
         num_pad_tokens=batch.num_pad_tokens + new_total - t,
-        host_cu_seqlens=None,  # the padded offsets, taken when the batch moves to the device
+        host_cu_seqlens=np.concatenate([[0], np.cumsum(padded.cpu().numpy())]).astype(np.int64),
     )
 
 
@@ -122,26 +123,42 @@ def whole_from_shares(shares: List[torch.Tensor], view: PackedBatch, length: int
     return full[:, _destinations(view.cu_seqlens, view.cu_seqlens_padded)[:length]]
 
 
+def segment_positions(cu: np.ndarray, cp_size: int = 1, cp_rank: int = 0) -> np.ndarray:
+    """Each local token's position within its segment: ``0..n-1`` per segment, or, under CP, this rank's
+    zigzag chunks ``r`` and ``2N-1-r`` of every (padded) segment, as megatron-core's THD RoPE reads them."""
+    lengths = np.diff(cu)
+    if cp_size == 1:
+        starts = np.repeat(cu[:-1], lengths)
+        return np.arange(int(cu[-1]), dtype=np.int64) - starts
+    chunk = lengths // (2 * cp_size)
+    first = np.repeat(cp_rank * chunk, chunk)
+    second = np.repeat((2 * cp_size - 1 - cp_rank) * chunk, chunk)
+    local_starts = np.repeat(np.cumsum(chunk) - chunk, chunk)
+    offset = np.arange(int(chunk.sum()), dtype=np.int64) - local_starts
+    # per segment: its first chunk then its second, in local order
+    seg = np.repeat(np.arange(len(chunk)), chunk)
+    order = np.argsort(np.concatenate([2 * seg, 2 * seg + 1]), kind="stable")
+    return np.concatenate([first + offset, second + offset])[order]
+
+
+def local_rows(cu: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
+    """Global rows (offsets in the padded layout ``cu``) of the tokens CP rank ``cp_rank`` holds, in its local order."""
+    local_lengths = np.diff(cu) // cp_size
+    return np.repeat(cu[:-1], local_lengths) + segment_positions(cu, cp_size, cp_rank)
+
+
 def zigzag_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global token indices that CP rank ``cp_rank`` holds, in its local order.
+    """Global token indices that CP rank ``cp_rank`` holds, in its local order (:func:`local_rows`).
 
     For every segment (padded length a multiple of ``2 x cp_size``): chunk ``cp_rank`` then
     chunk ``2 x cp_size - 1 - cp_rank``. Local offsets of the segments are
     ``cu_seqlens_padded / cp_size``.
     """
-    cu = cu_seqlens_padded.long()
-    lengths = cu[1:] - cu[:-1]
-    if bool((lengths % (2 * cp_size)).any()):
+    cu = cu_seqlens_padded.detach().cpu().numpy().astype(np.int64)
+    lengths = np.diff(cu)
+    if (lengths % (2 * cp_size)).any():
         raise ValueError(f"segment lengths {lengths.tolist()} are not all multiples of 2 x CP ({2 * cp_size})")
-    chunk = lengths // (2 * cp_size)
-    local_len = 2 * chunk
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=cu.device), local_len)
-    local_start = torch.cumsum(local_len, 0) - local_len
-    offset = torch.arange(int(local_len.sum()), device=cu.device) - local_start[seg]
-    c = chunk[seg]
-    first = offset < c
-    within = torch.where(first, cp_rank * c + offset, (2 * cp_size - 1 - cp_rank) * c + offset - c)
-    return cu[:-1][seg] + within
+    return torch.from_numpy(local_rows(cu, cp_size, cp_rank)).to(cu_seqlens_padded.device)
 
 
 def split_for_rank(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:

@@ -55,8 +55,8 @@ class PackedBatch:
     # ``cu_seqlens`` every token belongs to, and each segment's stored id (0 = padding)
     segment_index: Optional[torch.Tensor] = None  # [1, T] int64
     segment_labels: Optional[torch.Tensor] = None  # [num_segments] int64
-    # the offsets attention runs on (``cu_seqlens_padded`` under CP), kept on the host by :meth:`to` so
-    # that nothing in the step reads them back from the device (:mod:`mindspeed_pack.model.thd`)
+    # the offsets attention runs on (``cu_seqlens_padded`` under CP), on the host: set where the batch is built
+    # (and padded for CP), so that nothing in the step reads them back from the device (:mod:`mindspeed_pack.model.thd`)
     host_cu_seqlens: Optional[np.ndarray] = None
 
     @property
@@ -66,8 +66,6 @@ class PackedBatch:
     def to(self, device) -> "PackedBatch":
         """This batch on ``device``; from the host, asynchronously (pinned memory) on a GPU."""
         fields = dict(vars(self))
-        if fields["host_cu_seqlens"] is None and self.cu_seqlens.device.type == "cpu":
-            fields["host_cu_seqlens"] = attention_offsets(self)
         asynchronous = torch.device(device).type == "cuda"
 
         def move(v):
@@ -221,4 +219,5 @@ def build_packed_batch(
         routing_segments=routing_segments.view(1, total),
         segment_index=segment_index,
         segment_labels=segment_ids.reshape(-1)[flat_starts],
+        host_cu_seqlens=cu_seqlens.cpu().numpy().astype(np.int64),
     )

@@ -32,7 +32,7 @@ from mindspeed_pack import faults
 from mindspeed_pack.model import lora, moe, thd
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing import context_parallel as cp_view
-from mindspeed_pack.packing.segments import PackedBatch, attention_offsets, build_packed_batch
+from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
 from mindspeed_pack.training import checkpointing, hf_checkpoint, lora_checkpoint, peers, preflight, throughput
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.exit_signal import ExitSignal
@@ -270,8 +270,6 @@ class Trainer:
             # the tokens the CP group really runs (its per-sample padding counts as padding)
             stats["tokens"] = sum(b.num_tokens for b in batches) * args.context_parallel_size
         stats["pad"] = stats["tokens"] - stats["real tokens"]  # also counts unpacked rows' padding
-        for b in batches:
-            b.host_cu_seqlens = attention_offsets(b)
         return {"batches": batches, "raw": raw, "stats": stats, "tokens_per_micro_batch": tokens_per_micro_batch}
 
     def _device_step(self, step: dict, split: str, forward_only: bool) -> torch.Tensor:
