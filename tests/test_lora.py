@@ -293,3 +293,27 @@ def test_adapters_of_another_base_are_refused(qwen, trained, tmp_path, capsys):
     code, line = _exit([*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", qwen["hf"], "--lora-load",
                         trained["save"], "--lora-r", "8"], capsys)
     assert code == 2 and "--lora-r: checkpoint 4, flags 8" in line
+
+
+def test_dry_run_memory_counts_adapters_not_the_frozen_base():
+    """--dry-run's plan under LoRA: Qwen2.5-7B r=8 on all linears has 20.2M adapter parameters (the README's
+    table), and only they get gradients and optimizer state."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.model import lora as lora_module
+    from mindspeed_pack.training.run_plan import memory_estimate
+
+    args = SimpleNamespace(
+        num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
+        kv_channels=None, swiglu=True, add_qkv_bias=True, padded_vocab_size=152064, max_position_embeddings=4096,
+        position_embedding_type="rope", untie_embeddings_and_output_weights=True, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, expert_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1,
+        use_distributed_optimizer=False, bf16=True, fp16=False, optimizer="adam", seq_length=4096,
+        micro_batch_size=1, sequence_parallel=False, num_micro_batches=1, num_experts=None,
+        lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=["all-linear"], lora_use_rslora=False)
+    adapters = lora_module.adapter_parameters(lora_module.settings_from_args(args), args)
+    assert adapters == 28 * 8 * (2 * 3584 + 2 * (3584 + 512) + 2 * 3584 + 3 * (3584 + 18944))
+    with_lora = memory_estimate(args)
+    full = memory_estimate(SimpleNamespace(**{**vars(args), "lora_r": None}))
+    assert with_lora["trained per GPU"] == adapters and full["trained per GPU"] == full["parameters per GPU"]
+    assert with_lora["optimizer"] == adapters * 12 / 1024 ** 3 and with_lora["optimizer"] < full["optimizer"] / 300

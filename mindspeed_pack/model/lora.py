@@ -115,6 +115,25 @@ def settings_from_args(args) -> Optional[LoRASettings]:
                         rslora=bool(getattr(args, "lora_use_rslora", False)))
 
 
+def adapter_parameters(settings: LoRASettings, args) -> int:
+    """Adapter parameters of the whole model (``r x (in + out)`` per adapted projection; the MLPs of MoE layers
+    carry none), from the model flags."""
+    h, heads = args.hidden_size, args.num_attention_heads
+    d = getattr(args, "kv_channels", None) or h // heads
+    groups = getattr(args, "num_query_groups", None) or heads
+    ffn = getattr(args, "ffn_hidden_size", None) or 4 * h
+    shapes = {"q_proj": (h, heads * d), "k_proj": (h, groups * d), "v_proj": (h, groups * d), "o_proj": (heads * d, h),
+              "gate_proj": (h, ffn), "up_proj": (h, ffn), "down_proj": (ffn, h)}
+    experts = getattr(args, "num_experts", None)
+    freq = getattr(args, "moe_layer_freq", 1)
+    moe_layers = (sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))) if experts else 0
+    total = 0
+    for linear, projection in settings.targets:
+        layers = args.num_layers - (moe_layers if linear.startswith("mlp.") else 0)
+        total += layers * settings.r * sum(shapes[projection])
+    return total
+
+
 def without_lora(args):
     """A copy of ``args`` that builds the model without adapters (a DPO ``--ref-load`` reference)."""
     plain = copy.copy(args)

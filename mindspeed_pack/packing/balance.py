@@ -40,26 +40,51 @@ class CostModel:
         return (3.0 if training else 1.0) * (self.linear * tokens + self.attention * sum_sq_lengths)
 
 
-def cost_model(args) -> CostModel:
-    """The cost model of the GPT configured by ``args`` (Megatron-LM model flags)."""
+@dataclass(frozen=True)
+class ModelShape:
+    """Weights of the GPT that Megatron-LM model flags describe, per piece (numbers of parameters)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    head_dim: int
+    qkv_rows: int  # output rows of the fused QKV projection (its bias, with --add-qkv-bias)
+    attention: int  # one layer's QKV and output projection (no biases)
+    mlp: int  # one dense layer's MLP
+    expert_mlp: int  # one expert's MLP (0 without experts)
+    experts: int
+    moe_layers: int  # layers whose MLP is experts (per --moe-layer-freq)
+    vocab: int  # padded vocabulary rows
+
+
+def model_shape(args) -> ModelShape:
+    """The shapes the cost model and the run plan count (``args``: Megatron-LM model flags)."""
     h, layers = args.hidden_size, args.num_layers
     heads = args.num_attention_heads
     head_dim = getattr(args, "kv_channels", None) or h // heads
     groups = getattr(args, "num_query_groups", None) or heads
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * h
-    vocab = getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 0
     gated = 2 if getattr(args, "swiglu", False) else 1
-    attention = h * (heads + 2 * groups) * head_dim + heads * head_dim * h
-    mlp = (gated + 1) * h * ffn
     experts = getattr(args, "num_experts", None) or 0
-    sparse = 0
-    if experts:  # an MoE layer runs top-k experts of --moe-ffn-hidden-size per token, plus the router
+    moe_layers = 0
+    if experts:
         freq = getattr(args, "moe_layer_freq", 1)
-        sparse = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
-        moe_ffn = getattr(args, "moe_ffn_hidden_size", None) or ffn
-        moe_mlp = args.moe_router_topk * (gated + 1) * h * moe_ffn + h * experts
-    linear = layers * attention + (layers - sparse) * mlp + (sparse * moe_mlp if sparse else 0) + h * vocab
-    return CostModel(linear=2.0 * linear, attention=2.0 * layers * heads * head_dim)
+        moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
+    return ModelShape(
+        layers=layers, hidden=h, heads=heads, head_dim=head_dim, qkv_rows=(heads + 2 * groups) * head_dim,
+        attention=h * (heads + 2 * groups) * head_dim + heads * head_dim * h, mlp=(gated + 1) * h * ffn,
+        expert_mlp=(gated + 1) * h * (getattr(args, "moe_ffn_hidden_size", None) or ffn) if experts else 0,
+        experts=experts, moe_layers=moe_layers,
+        vocab=getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or 0)
+
+
+def cost_model(args) -> CostModel:
+    """The cost model of the GPT configured by ``args`` (Megatron-LM model flags)."""
+    m = model_shape(args)
+    # an MoE layer runs top-k experts per token, plus the router
+    moe_mlp = args.moe_router_topk * m.expert_mlp + m.hidden * m.experts if m.experts else 0
+    linear = m.layers * m.attention + (m.layers - m.moe_layers) * m.mlp + m.moe_layers * moe_mlp + m.hidden * m.vocab
+    return CostModel(linear=2.0 * linear, attention=2.0 * m.layers * m.heads * m.head_dim)
 
 
 def imbalance(loads) -> float:

@@ -18,6 +18,9 @@ import math
 import os
 
 from mindspeed_pack.data.packed_documents import DataError
+from mindspeed_pack.model import lora
+from mindspeed_pack.model.vocab_cross_entropy import chunk_tokens
+from mindspeed_pack.packing.balance import model_shape
 from mindspeed_pack.training import resolved_config
 
 log = logging.getLogger(__name__)
@@ -72,34 +75,32 @@ def resolve_epochs(args) -> None:
 # ---------------------------------------------------------------------------- memory
 def parameters_per_rank(args) -> tuple:
     """(total parameters, parameters on the busiest rank) from the model flags."""
-    h, layers = args.hidden_size, args.num_layers
-    heads, groups = args.num_attention_heads, args.num_query_groups or args.num_attention_heads
-    head_dim = args.kv_channels or h // heads
-    ffn = args.ffn_hidden_size or 4 * h
-    gated = 2 if args.swiglu else 1
-    vocab = args.padded_vocab_size or 0
-    attention = h * (heads + 2 * groups) * head_dim + heads * head_dim * h
-    attention += (heads + 2 * groups) * head_dim if args.add_qkv_bias else 0
-    mlp = (gated + 1) * h * ffn
-    experts = getattr(args, "num_experts", None) or 0
-    moe_layers = 0
-    if experts:
-        freq = args.moe_layer_freq
-        moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
-    moe = experts * (gated + 1) * h * (getattr(args, "moe_ffn_hidden_size", None) or ffn) + h * experts
-    embedding = vocab * h + (args.max_position_embeddings * h if args.position_embedding_type == "learned_absolute"
-                             else 0)
-    output = 0 if not args.untie_embeddings_and_output_weights else vocab * h
-    total = layers * attention + (layers - moe_layers) * mlp + moe_layers * moe + embedding + output
+    m = model_shape(args)
+    attention = m.attention + (m.qkv_rows if args.add_qkv_bias else 0)
+    moe = m.experts * m.expert_mlp + m.hidden * m.experts  # the experts and the router
+    embedding = m.vocab * m.hidden + (args.max_position_embeddings * m.hidden
+                                      if args.position_embedding_type == "learned_absolute" else 0)
+    output = 0 if not args.untie_embeddings_and_output_weights else m.vocab * m.hidden
+    dense = m.layers - m.moe_layers
+    total = m.layers * attention + dense * m.mlp + m.moe_layers * moe + embedding + output
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    per_layer = (attention + mlp * (1 - moe_layers / layers)) / tp + moe * moe_layers / layers / (tp * ep)
+    per_layer = (attention + m.mlp * dense / m.layers) / tp + moe * m.moe_layers / m.layers / (tp * ep)
     ends = (embedding + output) / tp if pp == 1 else max(embedding, output) / tp
-    return total, layers / pp * per_layer + ends
+    return total, m.layers / pp * per_layer + ends
 
 
 def memory_estimate(args) -> dict:
-    """GB per GPU of weights, gradients, optimizer state and activations (one rank of the first stage)."""
+    """GB per GPU of weights, gradients, optimizer state and activations (one rank of the first stage).
+
+    Under LoRA only the adapters have gradients and optimizer state (the frozen base has neither)."""
     total, params = parameters_per_rank(args)
+    adapters = lora.settings_from_args(args)
+    trained = params
+    if adapters:
+        extra = lora.adapter_parameters(adapters, args)
+        total, params = total + extra, params + extra / args.tensor_model_parallel_size / \
+            args.pipeline_model_parallel_size
+        trained = extra / args.tensor_model_parallel_size / args.pipeline_model_parallel_size
     half = args.bf16 or args.fp16
     dp_shards = args.data_parallel_size * args.context_parallel_size if args.use_distributed_optimizer else 1
     states = (4 if half else 0) + (8 if args.optimizer == "adam" else 4)  # fp32 master copy, Adam moments
@@ -108,10 +109,16 @@ def memory_estimate(args) -> dict:
     # bytes per layer without recomputation, fused attention (no s x s scores): Korthikanti et al. 2022
     per_layer = sbh * (34 / tp if args.sequence_parallel else 10 + 24 / tp) * (1 if half else 2)
     in_flight = min(pp, args.num_micro_batches)  # 1F1B: micro-batches the first stage holds
-    logits = args.seq_length * args.micro_batch_size / cp * (args.padded_vocab_size or 0) / tp * 4 * 2
-    out = {"parameters": total, "parameters per GPU": params,
-           "weights": params * (2 if half else 4) / GB, "gradients": params * 4 / GB,
-           "optimizer": params * states / dp_shards / GB,
+    # the fused loss holds one chunk of fp32 logits (model/vocab_cross_entropy.py), megatron's unfused one all
+    rows = args.seq_length * args.micro_batch_size / cp
+    vocab = (args.padded_vocab_size or 0) / tp
+    chunk = getattr(args, "cross_entropy_chunk_size", None)
+    if chunk != 0:
+        rows = min(rows, chunk or chunk_tokens(int(vocab)))
+    logits = rows * vocab * 4 * 2
+    out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
+           "weights": params * (2 if half else 4) / GB, "gradients": trained * 4 / GB,
+           "optimizer": trained * states / dp_shards / GB,
            "activations": (per_layer * args.num_layers / pp * in_flight + (logits if pp == 1 else 0)) / GB}
     out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
     return out
@@ -176,7 +183,9 @@ def plan_lines(args) -> list:
     m = memory_estimate(args)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     lines.append(f"model: {_count(m['parameters'])} parameters, {_count(m['parameters per GPU'])} per GPU "
-                 f"({precision}" + (", vocabulary unknown" if not args.padded_vocab_size else "") + ")")
+                 f"({precision}" + (", vocabulary unknown" if not args.padded_vocab_size else "")
+                 + (f"; LoRA: {_count(m['trained per GPU'])} trained per GPU" if lora.settings_from_args(args) else "")
+                 + ")")
     lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GB + gradients {m['gradients']:.2f} GB + "
                  f"optimizer {m['optimizer']:.2f} GB + activations {m['activations']:.2f} GB = {m['total']:.2f} GB "
                  "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
