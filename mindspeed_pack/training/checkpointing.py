@@ -356,7 +356,7 @@ def _load_hf_weights(args, model, optimizer):
 def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
     """The model weights of Megatron checkpoint ``root`` (its tracked iteration) into ``module``, checked
     against this run's TP/PP layout, model flags and tokenizer; returns (iteration, its directory, rank
-    file, state). ``flag`` (``--load``, ``--ref-load``) names the checkpoint in errors."""
+    file, state). ``flag`` (``--load``, ``--ref-load``, ``--lora-load``) names the checkpoint in errors."""
     source = f"{flag} {root}"
     if not os.path.isdir(root):
         raise CheckpointError(f"{source}: no such directory")
@@ -407,27 +407,28 @@ def load_model_weights(args, path: str, module, flag: str) -> None:
         load_weights(args, path, module, flag)
 
 
-def load_checkpoint(args, model, optimizer, scheduler):
-    """Restore from ``--load``; returns (iteration, consumed_samples).
+def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "--load"):
+    """Restore from ``--load`` (or ``root``, named ``flag`` in messages: a LoRA run's ``--lora-load``);
+    returns (iteration, consumed_samples).
 
     ``--load D --save D`` on a first launch (D empty or absent, or holding only a first save that
     died before its tracker was written) starts from scratch, so a job script can always pass both;
     any other ``--load`` without a checkpoint is an error.
     """
-    if getattr(args, "load_format", None) == "hf":
+    if root is None and getattr(args, "load_format", None) == "hf":
         return _load_hf_weights(args, model, optimizer)
-    root = args.load
+    root = args.load if root is None else root
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
     if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
             and not os.path.isdir(os.path.join(root, layout.RELEASE)):
         # the tracker is a save's commit point: an iteration directory without it (a crash between the
         # first save's rename and its tracker) was never committed, and is re-saved over
         uncommitted = _saved_iterations(root) if os.path.isdir(root) else []
-        log.warning("--load %s (= --save) holds no checkpoint yet%s: starting from scratch", root,
+        log.warning("%s %s (= --save) holds no checkpoint yet%s: starting from scratch", flag, root,
                     f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
                     if uncommitted else "")
         return 0, 0
-    iteration, it_dir, path, state = load_weights(args, root, model[0].module)
+    iteration, it_dir, path, state = load_weights(args, root, model[0].module, flag)
     args.loaded_model_type_hf = recorded_args(state).get("model_type_hf")
     args.loaded_sliding_window = recorded_args(state).get("sliding_window")
     release = iteration == layout.RELEASE
@@ -440,7 +441,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
         saved_ep = state.get("saved_expert_parallel_size")
         if saved_ep is not None:
             raise CheckpointError(
-                f"--load {root}: checkpoint saved at --expert-model-parallel-size {saved_ep}, this run uses "
+                f"{flag} {root}: checkpoint saved at --expert-model-parallel-size {saved_ep}, this run uses "
                 f"{args.expert_model_parallel_size}: its weights are regrouped on load but its optimizer state is "
                 f"not; resume at --expert-model-parallel-size {saved_ep}, or pass --no-load-optim (the run goes on "
                 "from the saved step with fresh Adam moments) or --finetune")

@@ -122,9 +122,4 @@ def load_checkpoint(args, model, optimizer, scheduler):
     if not args.lora_load:
         return 0, 0
     _check_adapter_record(args)
-    root = args.lora_load
-    try:
-        with _flags(args, load=root, load_format="mg"):
-            return checkpointing.load_checkpoint(args, model, optimizer, scheduler)
-    except CheckpointError as e:  # the loader names the flag it knows
-        raise CheckpointError(str(e).replace(f"--load {root}", f"--lora-load {root}")) from None
+    return checkpointing.load_checkpoint(args, model, optimizer, scheduler, root=args.lora_load, flag="--lora-load")
