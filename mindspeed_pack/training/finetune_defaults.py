@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 
+from mindspeed_pack.convert import hf_io
 from mindspeed_pack.platform import cuda_usable
 from mindspeed_pack.training.errors import ArgumentError
 
@@ -33,7 +34,7 @@ def tokenizer_default(args, given: set) -> set:
     """``--tokenizer-name-or-path`` defaults to a Hugging Face ``--load`` directory holding tokenizer files."""
     if "tokenizer_name_or_path" in given or getattr(args, "load_format", None) != "hf" or args.tokenizer_name_or_path:
         return set()
-    if not any(os.path.isfile(os.path.join(args.load, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+    if not any(os.path.isfile(os.path.join(args.load, name)) for name in hf_io.TOKENIZER_FILES):
         return set()
     args.tokenizer_name_or_path = args.load
     return {"tokenizer_name_or_path"}
