@@ -8,9 +8,10 @@
     posttrain.py --stage dpo --dpo-beta 0.1 --data-path PAIRS ...   (preference pairs; see README)
     posttrain.py --stage score|grpo --rollout-path ROLLOUTS.jsonl ...   (RL rollouts; see README)
 """
-from mindspeed_pack.data.packed_dataset import resolve_vocab_size
-from mindspeed_pack.training import raw_data, resolved_config, run_plan
-from mindspeed_pack.training.arguments import parse_args, per_split_data_args
+from mindspeed_pack.config import resolved_config
+from mindspeed_pack.config.arguments import parse_args, per_split_data_args
+from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
+from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.cli import run_cli, setup_logging
 from mindspeed_pack.training.stages import get_stage, stage_args
 from mindspeed_pack.training.trainer import run
@@ -34,7 +35,7 @@ def main(argv=None):
     if hasattr(stage, "run"):  # a pass that is not a training loop (scoring)
         return stage.run(args)
     # the resolved configuration once the run is set up (a run that fails to start overwrites nothing)
-    return run(args, stage.batch_source(args), stage=stage,
+    return run(args, stage.batch_source(args), stage,
                before_train=lambda trainer: resolved_config.write(args, "posttrain.py"))
 
 

@@ -4,10 +4,10 @@
         --output-prefix out/alpaca --handler-name AlpacaStyleInstructionHandler \\
         --prompt-type qwen --seq-length 4096 --pack --neat-pack --workers 4
 
-See ``mindspeed_pack/data/preprocess.py`` for the pipeline and
-``mindspeed_pack/data/pack_writer.py`` for the pack layout.
+See ``mindspeed_pack/datasets/preprocess.py`` for the pipeline and
+``mindspeed_pack/datasets/pack_writer.py`` for the pack layout.
 """
-from mindspeed_pack.data.preprocess import main
+from mindspeed_pack.datasets.preprocess import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

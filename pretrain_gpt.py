@@ -10,10 +10,12 @@ The EOD id and vocabulary size default to what preprocess_data.py recorded in
 """
 import warnings
 
-from mindspeed_pack.data.pretrain_dataset import GPTBatchSource, resolve_pretrain_vocab_size
-from mindspeed_pack.training import resolved_config, run_plan
-from mindspeed_pack.training.arguments import parse_args
+from mindspeed_pack.config import resolved_config
+from mindspeed_pack.config.arguments import parse_args
+from mindspeed_pack.datasets.pretrain_dataset import GPTBatchSource, resolve_pretrain_vocab_size
+from mindspeed_pack.training import run_plan
 from mindspeed_pack.training.cli import run_cli, setup_logging
+from mindspeed_pack.training.stages.sft import SFTStage
 from mindspeed_pack.training.trainer import run
 
 
@@ -36,7 +38,8 @@ def main(argv=None):
     resolve_pretrain_vocab_size(args)
     if run_plan.dry_run(args, "pretrain_gpt.py"):
         return None
-    return run(args, GPTBatchSource(), before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))
+    return run(args, GPTBatchSource(), SFTStage(args),
+               before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "mindspeed-preprocess=mindspeed_pack.data.preprocess:main",
+            "mindspeed-preprocess=mindspeed_pack.datasets.preprocess:main",
             "mindspeed-compare-runs=mindspeed_pack.tools.compare_runs:main",
             "mindspeed-inspect-pack=mindspeed_pack.tools.inspect_pack:main",
         ]

@@ -185,8 +185,8 @@ def main(argv=None) -> int:
 
     from mindspeed_pack.data import toy
     from mindspeed_pack.data.handlers import SHAREGPT, resolve_map_keys
-    from mindspeed_pack.data.preprocess import EncoderConfig
     from mindspeed_pack.data.tokenizer import TokenizerSpec
+    from mindspeed_pack.datasets.preprocess import EncoderConfig
 
     tmp = Path(tempfile.mkdtemp())
     tok = AutoTokenizer.from_pretrained(str(toy.build_toy_tokenizer(tmp / "toy")))

@@ -28,8 +28,8 @@ from bench.bench_train_throughput import packed_rows, padded_rows  # noqa: E402
 from mindspeed_pack.data.pairwise import pair_plan  # noqa: E402
 from mindspeed_pack.model.gpt import build_gpt_model  # noqa: E402
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch, sequence_sums  # noqa: E402
+from mindspeed_pack.training.batches import packed_seq_params  # noqa: E402
 from mindspeed_pack.training.stages.dpo import pair_segments, preference_losses  # noqa: E402
-from mindspeed_pack.training.trainer import packed_seq_params  # noqa: E402
 from tests.model_utils import init_single_process, tiny_args  # noqa: E402
 
 

@@ -178,8 +178,9 @@ def timed(step, warmup: int, steps: int, tokens_of) -> dict:
 
 # --------------------------------------------------------------------------- the two sides
 def run_ours(hf_dir, prefix, opts, dtype_flag):
-    from mindspeed_pack.data.packed_dataset import PackedBatchSource
-    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
+    from mindspeed_pack.training.stages.sft import SFTStage
     from mindspeed_pack.training.trainer import Trainer
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -190,7 +191,8 @@ def run_ours(hf_dir, prefix, opts, dtype_flag):
             "--lr", "1e-5", "--min-lr", "1e-6", "--lr-warmup-iters", "0", "--lr-decay-style", "constant",
             "--no-shuffle", "--eval-iters", "0", "--log-interval", "1000000", "--attention-backend", opts.backend,
             "--clip-grad", "1.0", *dtype_flag]
-    trainer = Trainer(parse_args(argv), PackedBatchSource())
+    args = parse_args(argv)
+    trainer = Trainer(args, PackedBatchSource(), SFTStage(args))
     trainer.setup()
     try:
         step = trainer.train_step

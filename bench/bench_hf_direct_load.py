@@ -3,7 +3,7 @@
 Builds a random transformers Qwen2 (fp32, about 1.2 GB with the defaults; seeded, so the same
 every run), saves it as safetensors, then runs two gloo ranks (TP2) that each build their
 Megatron shard and load it the way ``posttrain.py --load HF_DIR`` does
-(:func:`mindspeed_pack.training.hf_checkpoint.read_rank_units`). Each rank reports its resident
+(:func:`mindspeed_pack.checkpoint.hf_checkpoint.read_rank_units`). Each rank reports its resident
 memory before the load, the peak during it (``VmHWM`` reset just before), and the bytes it read
 from the weight files. The full state dict's size is the sum of the safetensors tensors.
 
@@ -69,11 +69,11 @@ def worker(hf_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
+    from mindspeed_pack.checkpoint import hf_checkpoint
     from mindspeed_pack.convert import hf_io
     from mindspeed_pack.convert.model_specs import args_from_hf_config
     from mindspeed_pack.model.gpt import build_gpt_model
-    from mindspeed_pack.training import hf_checkpoint
-    from mindspeed_pack.training.initialize import initialize_distributed
+    from mindspeed_pack.runtime.process_groups import initialize_distributed
 
     initialize_distributed(2, 1)
     imports = _status("VmRSS")  # the process without a model: python, torch, megatron-core

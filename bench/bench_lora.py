@@ -63,12 +63,13 @@ def child(config: dict) -> dict:
     """One configuration, in this process: setup, warm-up step, timed steps; the measurements."""
     import torch
 
-    from mindspeed_pack.data.packed_dataset import PackedBatchSource
-    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
+    from mindspeed_pack.training.stages.sft import SFTStage
     from mindspeed_pack.training.trainer import Trainer
 
     args = parse_args(config["argv"])
-    trainer = Trainer(args, PackedBatchSource())
+    trainer = Trainer(args, PackedBatchSource(), SFTStage(args))
     trainer.setup()
     module = trainer.model[0].module
     params = list(module.parameters())

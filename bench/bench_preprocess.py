@@ -80,7 +80,7 @@ import json, resource, sys, time, warnings
 warnings.filterwarnings("ignore")
 import transformers, megatron.core.datasets.indexed_dataset  # paid before the clock starts
 transformers.AutoTokenizer.from_pretrained(sys.argv[1])  # transformers' lazy imports, likewise
-from mindspeed_pack.data.preprocess import main
+from mindspeed_pack.datasets.preprocess import main
 def cpu():
     a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime

@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mindspeed_pack.data.rollouts import parse_rollout, rollout_row  # noqa: E402
+from mindspeed_pack.datasets.rollouts import parse_rollout, rollout_row  # noqa: E402
 from mindspeed_pack.model.gpt import build_gpt_model  # noqa: E402
 from mindspeed_pack.packing.balance import cost_model, plan_online_packing  # noqa: E402
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch  # noqa: E402
+from mindspeed_pack.training.batches import packed_seq_params  # noqa: E402
 from mindspeed_pack.training.stages.grpo import policy_losses  # noqa: E402
-from mindspeed_pack.training.trainer import packed_seq_params  # noqa: E402
 from tests.model_utils import init_single_process, tiny_args  # noqa: E402
 
 VOCAB = 1024

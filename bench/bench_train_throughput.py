@@ -31,7 +31,7 @@ from mindspeed_pack.model.gpt import build_gpt_model  # noqa: E402
 from mindspeed_pack.model.packed_attention import segment_causal_attention  # noqa: E402
 from mindspeed_pack.packing.binpack import pack_lengths  # noqa: E402
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch  # noqa: E402
-from mindspeed_pack.training.trainer import packed_seq_params  # noqa: E402
+from mindspeed_pack.training.batches import packed_seq_params  # noqa: E402
 from tests.model_utils import init_single_process, tiny_args  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Cost of the pre-training data checks (mindspeed_pack/data/validation.py) vs reading the files.
+"""Cost of the pre-training data checks (mindspeed_pack/datasets/validation.py) vs reading the files.
 
 Writes a packed --neat-pack dataset (``--packs`` packs of ``--seq-length`` tokens), then times
 ``validate_packed_documents`` against a baseline measured in the same run: reading the
@@ -28,8 +28,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     a = p.parse_args()
 
-    from mindspeed_pack.data.packed_dataset import PackedDocuments
-    from mindspeed_pack.data.validation import validate_packed_documents
+    from mindspeed_pack.datasets.packed_dataset import PackedDocuments
+    from mindspeed_pack.datasets.validation import validate_packed_documents
     from tests.data_utils import write_packed_instruction_dataset
 
     with tempfile.TemporaryDirectory() as d:

@@ -38,9 +38,9 @@ def main(argv=None) -> int:
     from mindspeed_pack.data import toy
     from mindspeed_pack.data.errors import RowError
     from mindspeed_pack.data.handlers import SHAREGPT, SampleEncoder, resolve_map_keys
-    from mindspeed_pack.data.preprocess import EncoderConfig
     from mindspeed_pack.data.templates import get_template
     from mindspeed_pack.data.tokenizer import TokenizerSpec, load_tokenizer
+    from mindspeed_pack.datasets.preprocess import EncoderConfig
     from tests import chat_corpus
 
     tmp = Path(tempfile.mkdtemp())

@@ -95,7 +95,7 @@ def run_preprocess(capsys, toy_tokenizer_dir):
 
     The toy tokenizer is used unless ``tokenizer_name_or_path`` is given.
     """
-    from mindspeed_pack.data.preprocess import main
+    from mindspeed_pack.datasets.preprocess import main
 
     def run(**flags):
         flags.setdefault("tokenizer_name_or_path", toy_tokenizer_dir)

@@ -2,7 +2,6 @@
 import os
 import types
 
-
 TINY = dict(
     num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, group_query_attention=True,
     num_query_groups=2, add_qkv_bias=True, disable_bias_linear=True, swiglu=True, normalization="RMSNorm",
@@ -29,7 +28,7 @@ def init_single_process(seed=1234):
     from tests.dist_harness import free_port
 
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-    from mindspeed_pack.training.initialize import initialize_distributed
+    from mindspeed_pack.runtime.process_groups import initialize_distributed
 
     initialize_distributed(1, 1, seed)
 
@@ -89,7 +88,7 @@ def load_release_checkpoint(ckpt_dir: str):
     import torch
     from megatron.core import parallel_state as ps
 
-    from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file
+    from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file
     from mindspeed_pack.model.gpt import build_gpt_model
 
     pp = ps.get_pipeline_model_parallel_world_size()
@@ -134,8 +133,8 @@ def converted_model_pair(converted: str, seq_length: int):
     import torch
     import transformers
 
+    from mindspeed_pack.checkpoint.save_load import load_weights
     from mindspeed_pack.model.gpt import build_gpt_model
-    from mindspeed_pack.training.checkpointing import load_weights
 
     init_single_process()
     args = tiny_args(seq_length=seq_length, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)

@@ -9,7 +9,6 @@ reference is transformers' ``load_balancing_loss_func`` on every sample run alon
 the step's aux loss is: micro-batches weighted by their routed tokens (``aux_loss``) or samples
 (``seq_aux_loss``).
 """
-import types
 
 import numpy as np
 import torch
@@ -73,7 +72,7 @@ def _dpo(seed):
 
 
 def _grpo(seed):
-    from mindspeed_pack.data.rollouts import parse_rollout, rollout_row
+    from mindspeed_pack.datasets.rollouts import parse_rollout, rollout_row
 
     rows = random_rollouts(7, seed=seed)
     for row in rows:
@@ -186,19 +185,18 @@ def expected_aux_grads(hf, micro_batches, routing_type, coeff):
 
 def aux_trainer(hf_dir, flags, world_size=1):
     """A set-up trainer on ``hf_dir`` with the MoE flags, fed by :class:`StepData`."""
-    from mindspeed_pack.data.packed_dataset import resolve_vocab_size
-    from mindspeed_pack.training.arguments import parse_args, per_split_data_args
+    from mindspeed_pack.config.arguments import parse_args, per_split_data_args
+    from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
     from mindspeed_pack.training.stages import stage_args
-    from mindspeed_pack.training.trainer import Trainer
-
     from tests.test_moe import QWEN3_MOE_FLAGS
+    from tests.train_utils import sft_trainer
 
     argv = [*QWEN3_MOE_FLAGS, "--load", hf_dir, "--data-path", "unused", "--lr", "0", "--min-lr", "0",
             "--seq-length", str(ROW), "--micro-batch-size", "1", "--global-batch-size", str(2 * world_size),
             "--moe-aux-loss-coeff", "1.0", *flags]
     args = parse_args(argv, extra_args_provider=lambda p: stage_args(per_split_data_args(p)), world_size=world_size)
     resolve_vocab_size(args)
-    trainer = Trainer(args, StepData())
+    trainer = sft_trainer(args, StepData())
     trainer.setup()
     return trainer
 

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 
-from mindspeed_pack.data.pack_writer import content_fingerprint, packed_prefixes
+from mindspeed_pack.datasets.pack_writer import content_fingerprint, packed_prefixes
 from tests.data_utils import IGNORE_INDEX, _builder
 
 

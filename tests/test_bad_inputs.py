@@ -119,7 +119,7 @@ def _run_tool(tool, argv, capsys):
     saved_argv, sys.argv = sys.argv, [SCRIPTS[tool]]
     try:
         if tool == "preprocess":
-            from mindspeed_pack.data.preprocess import main
+            from mindspeed_pack.datasets.preprocess import main
 
             code = main(argv)
         elif tool == "convert":

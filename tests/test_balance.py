@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 
 from mindspeed_pack.packing.balance import (
-    CostModel, balance_partition, contiguous_partition, cost_model, imbalance, plan_online_packing, segment_lengths,
+    CostModel,
+    balance_partition,
+    contiguous_partition,
+    cost_model,
+    imbalance,
+    plan_online_packing,
+    segment_lengths,
 )
 
 MODEL = CostModel(linear=1.0, attention=1.0 / 64)
@@ -90,8 +96,8 @@ def _offline_source(prefix, dp_rank, dp_size, monkeypatch, gbs=8):
     """A dp_balanced source over offline packs as rank ``dp_rank`` of ``dp_size`` sees it."""
     from megatron.core import parallel_state as ps
 
-    from mindspeed_pack.data.online_packing import BalancedBatchSource
-    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.online_packing import BalancedBatchSource
     from tests.model_utils import TINY_FLAGS
 
     monkeypatch.setattr(ps, "get_data_parallel_rank", lambda: dp_rank)

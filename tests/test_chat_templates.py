@@ -16,14 +16,21 @@ import re
 import numpy as np
 import pytest
 
-from mindspeed_pack.data.chat_template import (REASON_DROPPED, REASON_NOT_PREFIX, REASON_REASONING, REASON_RENDER,
-                                               REASON_TOKEN_BOUNDARY, REASON_TOOLS, ChatTemplate,
-                                               DEFAULT_DATE_STRING)
 from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_ROLE
+from mindspeed_pack.data.chat_template import (
+    DEFAULT_DATE_STRING,
+    REASON_DROPPED,
+    REASON_NOT_PREFIX,
+    REASON_REASONING,
+    REASON_RENDER,
+    REASON_TOKEN_BOUNDARY,
+    REASON_TOOLS,
+    ChatTemplate,
+)
 from mindspeed_pack.data.errors import RowError
 from mindspeed_pack.data.handlers import ALPACA, SHAREGPT, resolve_map_keys
-from mindspeed_pack.data.preprocess import EncoderConfig
 from mindspeed_pack.data.tokenizer import TokenizerSpec
+from mindspeed_pack.datasets.preprocess import EncoderConfig
 from tests import chat_corpus
 
 CORPUS = chat_corpus.corpus()

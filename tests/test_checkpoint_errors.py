@@ -6,9 +6,9 @@ import pytest
 
 import posttrain
 import pretrain_gpt
-from mindspeed_pack.data.packed_dataset import DataError
-from mindspeed_pack import checkpoint_layout as layout
-from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.checkpoint.save_load import CheckpointError
+from mindspeed_pack.convert import megatron_layout as layout
+from mindspeed_pack.datasets.packed_dataset import DataError
 from tests.data_utils import fingerprint, read_metrics, write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
 from tests.train_utils import tiny_argv as argv

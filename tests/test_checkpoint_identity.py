@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import posttrain
-from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import FUNCTION_ARGS, model_differences
 from mindspeed_pack.convert.tokenizer_record import read_tokenizer_record
-from mindspeed_pack.training.errors import CheckpointError
 from tests.model_utils import TINY_FLAGS, save_word_tokenizer, write_converted_tiny_qwen2
 from tests.pair_utils import random_pairs, write_pair_dataset
 
@@ -101,7 +101,7 @@ def test_load_refuses_a_checkpoint_of_another_rope_base_and_norm_epsilon(made):
 
 def test_load_hf_dir_refuses_flags_that_differ_from_its_config(made, capsys):
     """--load HF_DIR fills the model flags from config.json; given ones are compared by the same function."""
-    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.config.arguments import parse_args
 
     hf = os.path.join(os.path.dirname(made["rope"]), "hf")
     with pytest.raises(SystemExit):

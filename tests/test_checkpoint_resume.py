@@ -11,11 +11,12 @@ import shutil
 import pytest
 
 import posttrain
-from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack.convert import megatron_layout as layout
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.dist_harness import free_port, run_distributed
 from tests.model_utils import TINY_FLAGS
 from tests.preloaded import run_script
+
 ITERS = 10
 
 
@@ -149,8 +150,9 @@ def test_finetune_loads_weights_and_resets_iteration(tmp_path, data, reference):
 def test_signal_handler_saves_and_exits(tmp_path, data):
     import signal
 
-    from mindspeed_pack.data.packed_dataset import PackedBatchSource, resolve_vocab_size
-    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.packed_dataset import PackedBatchSource, resolve_vocab_size
+    from mindspeed_pack.training.stages.sft import SFTStage
     from mindspeed_pack.training.trainer import run
 
     ckpt = str(tmp_path / "ckpt")
@@ -158,7 +160,7 @@ def test_signal_handler_saves_and_exits(tmp_path, data):
     resolve_vocab_size(args)
     old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
-        trainer = run(args, PackedBatchSource(), before_train=lambda t: os.kill(os.getpid(), signal.SIGTERM))
+        trainer = run(args, PackedBatchSource(), SFTStage(args), before_train=lambda t: os.kill(os.getpid(), signal.SIGTERM))
     finally:
         signal.signal(signal.SIGTERM, old[0])
         signal.signal(signal.SIGINT, old[1])

@@ -15,8 +15,8 @@ import yaml
 
 import posttrain
 import pretrain_gpt
-from mindspeed_pack.training import resolved_config
-from mindspeed_pack.training.arguments import parse_args
+from mindspeed_pack.config import resolved_config
+from mindspeed_pack.config.arguments import parse_args
 from tests.data_utils import write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
 from tests.train_utils import run_posttrain, train_losses
@@ -122,7 +122,7 @@ def test_pretrain_and_preprocess_take_a_config_file_too(tmp_path, run_preprocess
         cli, file = (read_indexed(tmp_path / f"{p}_packed_{key}_document") for p in ("cli", "file"))
         assert [x.tolist() for x in cli] == [x.tolist() for x in file]
     (tmp_path / "typo.yaml").write_text(f"input: {toy_alpaca_jsonl}\noutput-prefix: x\nhandler: a\n")
-    from mindspeed_pack.data.preprocess import main
+    from mindspeed_pack.datasets.preprocess import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["--config", str(tmp_path / "typo.yaml")])

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from mindspeed_pack.packing.context_parallel import (
-    attention_pairs, context_parallel_view, pad_segments, padding_multiple, split_for_rank, zigzag_index,
+    attention_pairs,
+    context_parallel_view,
+    pad_segments,
+    padding_multiple,
+    split_for_rank,
+    zigzag_index,
 )
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch
 from tests.dist_harness import run_distributed
@@ -77,8 +82,8 @@ def test_zigzag_balances_causal_work_per_sample():
 def _cp_attention_rank(lengths, heads, groups, cp):
     import torch.distributed as dist
 
-    from mindspeed_pack import platform
     from mindspeed_pack.model.context_parallel_attention import context_parallel_attention
+    from mindspeed_pack.runtime import platform
 
     platform.enable()
     dist.init_process_group("gloo")

@@ -17,8 +17,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.dist_harness import run_distributed
-from tests.model_utils import forward_pipeline, load_release_checkpoint
 from mindspeed_pack.convert import (
     hf_to_megatron,
     layer_offset,
@@ -27,9 +25,11 @@ from mindspeed_pack.convert import (
     merge_state_dicts,
     shard_state_dict,
 )
+from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file, read_tracker
 from mindspeed_pack.convert.model_specs import ConversionError
-from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file, read_tracker
 from mindspeed_pack.data import toy
+from tests.dist_harness import run_distributed
+from tests.model_utils import forward_pipeline, load_release_checkpoint
 
 VOCAB = 300
 LOGITS_ATOL = 1e-4
@@ -121,7 +121,7 @@ def _megatron_worker(jobs, tokens):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from mindspeed_pack.packing.segments import build_packed_batch
-    from mindspeed_pack.training.initialize import initialize_distributed
+    from mindspeed_pack.runtime.process_groups import initialize_distributed
 
     results = {}
     for name, ckpt_dir, tp, pp, kind in jobs:

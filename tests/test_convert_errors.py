@@ -15,7 +15,7 @@ import torch
 from mindspeed_pack.convert import ConversionError, hf_to_megatron, megatron_to_hf, megatron_to_megatron
 from mindspeed_pack.convert import convert as convert_module
 from mindspeed_pack.convert.convert import main
-from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file
+from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file
 from mindspeed_pack.convert import ConversionError, hf_to_megatron, megatron_to_hf, megatron_to_megatron
+from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file
 
 MARKERS = ["<|im_start|>", "<|im_end|>"]
 

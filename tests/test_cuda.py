@@ -55,11 +55,11 @@ def _flash_logits(root):
     import torch
     import transformers
 
+    from mindspeed_pack.checkpoint.save_load import load_weights
     from mindspeed_pack.convert import hf_to_megatron
     from mindspeed_pack.model.gpt import build_gpt_model
     from mindspeed_pack.packing.segments import build_packed_batch
-    from mindspeed_pack.training.checkpointing import load_weights
-    from mindspeed_pack.training.trainer import packed_seq_params
+    from mindspeed_pack.training.batches import packed_seq_params
     from tests.model_utils import init_single_process, spread_weights, tiny_args
 
     init_single_process()

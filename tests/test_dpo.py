@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed_pack.packing.segments import build_packed_batch
+from mindspeed_pack.training.batches import packed_seq_params
 from mindspeed_pack.training.stages.dpo import DPOStage, pair_segments, preference_losses
 from mindspeed_pack.training.stages.sequences import sequence_logps
-from mindspeed_pack.training.trainer import packed_seq_params
 from tests.model_utils import assert_same_gradients, converted_model_pair, write_converted_tiny_qwen2
 from tests.pair_utils import pack_rows, random_pairs, sequence
 
@@ -134,7 +134,7 @@ def test_reference_equal_to_policy_gives_log2(models):
 ])
 def test_label_smoothing_is_refused_where_it_is_not_defined(loss_type, smoothing, message):
     """Conservative DPO's smoothing exists for the sigmoid loss only: under hinge and ipo it was ignored."""
-    from mindspeed_pack.data.packed_dataset import DataError
+    from mindspeed_pack.datasets.packed_dataset import DataError
 
     with pytest.raises(DataError, match=message):
         _stage(loss_type, smoothing=smoothing)

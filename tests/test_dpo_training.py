@@ -92,7 +92,7 @@ def test_precomputed_reference_gives_the_same_losses_and_resume_is_exact(setup, 
     _, steps = _run(setup, "ref_logps", ["--load", setup["mg"], "--finetune", "--ref-logps"])
     _same_steps(baseline, steps, rel=1e-6)
     # resume at step 2 (mid-epoch) with the reference precomputed: steps 3 and 4 are the baseline's
-    from mindspeed_pack.checkpoint_layout import write_tracker
+    from mindspeed_pack.convert.megatron_layout import write_tracker
 
     write_tracker(str(setup["root"] / "ckpt"), 2)  # the baseline saved iterations 2 and 4
     _, resumed = _run(setup, "resumed", ["--load", str(setup["root"] / "ckpt"), "--ref-logps"])
@@ -106,7 +106,7 @@ def test_a_run_started_from_a_hf_directory_resumes_with_it_as_ref_load(setup, ba
     """--load HF_DIR (the README's path), a checkpoint at step 2, then a resume whose reference is that
     directory (--ref-load HF_DIR, read slice by slice as --load reads it): steps 3 and 4 are the
     uninterrupted run's, which are the converted checkpoint's."""
-    from mindspeed_pack.checkpoint_layout import write_tracker
+    from mindspeed_pack.convert.megatron_layout import write_tracker
 
     hf, ckpt = str(setup["root"] / "qwen" / "hf"), str(setup["root"] / "ckpt_from_hf")
     _, full = _run(setup, "from_hf", ["--load", hf, "--save", ckpt, "--save-interval", "2"])
@@ -118,7 +118,7 @@ def test_a_run_started_from_a_hf_directory_resumes_with_it_as_ref_load(setup, ba
 
 
 def test_reference_from_other_data_or_tokenizer_is_refused(setup, tmp_path):
-    from mindspeed_pack.data.packed_dataset import DataError, PackedDocuments
+    from mindspeed_pack.datasets.packed_dataset import DataError, PackedDocuments
     from mindspeed_pack.training.stages.reference import SUFFIX, ReferenceTable
 
     other = write_pair_dataset(str(tmp_path / "other"), random_pairs(60, seed=12))

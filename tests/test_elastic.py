@@ -2,7 +2,7 @@
 
 Two-process gloo jobs of a tiny model with ``--load D --save D``, launched as a user does
 (``torchrun --max-restarts N``, static or c10d rendezvous). Ranks are killed by the armed
-faults of :mod:`mindspeed_pack.faults` (each fires on one restart attempt only), restarted
+faults of :mod:`mindspeed_pack.runtime.faults` (each fires on one restart attempt only), restarted
 workers are made to reach the rendezvous seconds apart (``MINDSPEED_PACK_START_DELAY``), and
 every recovered run must end with an uninterrupted run's loss at every iteration and a
 metrics file holding iterations 1..N once each.
@@ -22,12 +22,12 @@ import threading
 import time
 
 import pytest
-
 import torch.distributed as dist
 
-from mindspeed_pack import faults as fault_hooks
-from mindspeed_pack.training import metrics_history, rendezvous
-from mindspeed_pack.training.peers import PeerFailure, waiting_for
+from mindspeed_pack.runtime import faults as fault_hooks
+from mindspeed_pack.runtime import rendezvous
+from mindspeed_pack.runtime.peers import PeerFailure, waiting_for
+from mindspeed_pack.training import metrics_history
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.dist_harness import free_port, run_torchrun, torchrun_env
 from tests.model_utils import TINY_FLAGS

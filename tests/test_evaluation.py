@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import posttrain
-from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack.convert import megatron_layout as layout
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
 
@@ -50,12 +50,12 @@ def test_validation_loss_is_logged_every_interval_and_at_the_end(trained, capsys
 
 def test_each_validation_reads_the_next_samples_of_the_split(trained, tmp_path):
     """Two evaluations of the same weights see different samples; the third cycles to the first."""
-    from mindspeed_pack.data.packed_dataset import PackedBatchSource
-    from mindspeed_pack.training.arguments import parse_args
-    from mindspeed_pack.training.trainer import Trainer
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
+    from tests.train_utils import sft_trainer
 
     data, d, _ = trained
-    trainer = Trainer(parse_args(argv(data, str(tmp_path / "m.jsonl"), "--train-iters", "4", "--eval-interval",
+    trainer = sft_trainer(parse_args(argv(data, str(tmp_path / "m.jsonl"), "--train-iters", "4", "--eval-interval",
                                       "2")), PackedBatchSource())
     trainer.setup()
     try:

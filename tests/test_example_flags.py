@@ -7,10 +7,10 @@ nothing and prints, for each Python command it would run, a header line
 ``#@ <entry script> [world_size=N]`` followed by that command's arguments, one per line.
 Each command is then checked with the parser of its entry script:
 
-- ``posttrain.py`` / ``pretrain_gpt.py``: :func:`mindspeed_pack.training.arguments.parse_args`
+- ``posttrain.py`` / ``pretrain_gpt.py``: :func:`mindspeed_pack.config.arguments.parse_args`
   (with the script's own flags) at the script's world size, so TP/PP/batch-size divisibility and
   the other cross-flag rules are checked for real;
-- ``preprocess_data.py``: ``build_parser`` + ``validate_args`` of ``mindspeed_pack.data.preprocess``;
+- ``preprocess_data.py``: ``build_parser`` + ``validate_args`` of ``mindspeed_pack.datasets.preprocess``;
 - ``convert_ckpt.py``: ``build_parser`` of ``mindspeed_pack.convert.convert``.
 
 Beyond what the parsers accept, every ``--flag`` must be spelled exactly as the parser defines
@@ -98,7 +98,7 @@ SCRIPT_FLAGS = {"posttrain.py": "posttrain_args", "pretrain_gpt.py": "pretrain_a
 
 
 def _training_parser(entry: str) -> tuple[argparse.ArgumentParser, Optional[Callable]]:
-    from mindspeed_pack.training.arguments import build_parser
+    from mindspeed_pack.config.arguments import build_parser
 
     provider = getattr(_load_entry_module(entry), SCRIPT_FLAGS[entry]) if entry in SCRIPT_FLAGS else None
     if entry.startswith("examples/rl/"):  # in-process RL sessions: posttrain.py's flags and the script's own
@@ -112,7 +112,7 @@ def _training_parser(entry: str) -> tuple[argparse.ArgumentParser, Optional[Call
 
 
 def _check_training(cmd: Command) -> argparse.Namespace:
-    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.config.arguments import parse_args
 
     parser, provider = _training_parser(cmd.entry)
     _check_spelling(cmd, parser)
@@ -128,7 +128,7 @@ def _check_training(cmd: Command) -> argparse.Namespace:
 
 def _check_preprocess(cmd: Command) -> argparse.Namespace:
     from mindspeed_pack.data.errors import PreprocessError
-    from mindspeed_pack.data.preprocess import build_parser, validate_args
+    from mindspeed_pack.datasets.preprocess import build_parser, validate_args
 
     parser = build_parser()
     _check_spelling(cmd, parser)
@@ -162,12 +162,12 @@ PARSERS: Dict[str, Callable[[Command], argparse.Namespace]] = {
 
 
 def _parse(parser: argparse.ArgumentParser, cmd: Command) -> argparse.Namespace:
-    from mindspeed_pack import config_file
+    from mindspeed_pack.config import yaml_file
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            return config_file.parse(parser, cmd.argv)[0]  # with a --config file's flags when given
+            return yaml_file.parse(parser, cmd.argv)[0]  # with a --config file's flags when given
         except SystemExit:
             raise FlagError(f"{cmd.entry} rejects the arguments:\n{err.getvalue()[-2000:]}") from None
 

@@ -85,8 +85,8 @@ def _packed_worker(jobs):
 
     from mindspeed_pack.model.packed_attention import PackedDotProductAttention
     from mindspeed_pack.packing.segments import build_packed_batch
-    from mindspeed_pack.training.initialize import initialize_distributed
-    from mindspeed_pack.training.trainer import packed_seq_params
+    from mindspeed_pack.runtime.process_groups import initialize_distributed
+    from mindspeed_pack.training.batches import packed_seq_params
 
     _, ids, segments = pack()
     batch = build_packed_batch(ids[None], ids[None], segments[None])

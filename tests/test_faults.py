@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import posttrain
-from mindspeed_pack import checkpoint_layout as layout
-from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.checkpoint.save_load import CheckpointError
+from mindspeed_pack.convert import megatron_layout as layout
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.dist_harness import free_port
 from tests.model_utils import TINY_FLAGS

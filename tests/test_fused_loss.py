@@ -6,7 +6,6 @@
   losses and log-probs: the 6 padded rows are out of the softmax (issue 32, items 3 and 9), at TP1 and
   in the vocab-parallel loss at TP2; without the mask the loss is off by about log(256/250) per token.
 """
-import os
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import transformers
 from mindspeed_pack.convert import hf_to_megatron
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch
-from mindspeed_pack.training.trainer import packed_seq_params
+from mindspeed_pack.training.batches import packed_seq_params
 from tests.dist_harness import run_distributed
 from tests.model_utils import init_single_process, load_release_checkpoint, spread_weights, tiny_args
 
@@ -118,7 +117,7 @@ def test_padded_vocabulary_rows_take_no_probability(padded_vocab):
 def _tp2_losses(root, batch):
     from megatron.core import parallel_state as ps
 
-    from mindspeed_pack.training.initialize import initialize_distributed
+    from mindspeed_pack.runtime.process_groups import initialize_distributed
 
     initialize_distributed(2, 1)
     model, _ = load_release_checkpoint(str(root / "tp2"))

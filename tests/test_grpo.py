@@ -6,11 +6,11 @@ import types
 import pytest
 import torch
 
-from mindspeed_pack.data.rollouts import parse_rollout, rollout_row
+from mindspeed_pack.datasets.rollouts import parse_rollout, rollout_row
 from mindspeed_pack.packing.segments import build_packed_batch
+from mindspeed_pack.training.batches import packed_seq_params
 from mindspeed_pack.training.stages.grpo import GRPOStage
 from mindspeed_pack.training.stages.reference import token_logps
-from mindspeed_pack.training.trainer import packed_seq_params
 from tests.model_utils import assert_same_gradients, converted_model_pair, write_converted_tiny_qwen2
 from tests.rollout_utils import hf_logps_entropy, per_sample_grpo_loss, random_rollouts, write_jsonl
 from tests.train_utils import run_posttrain
@@ -86,8 +86,8 @@ def _expected_loss(hf, rows, mode, entropy_coef=0.0):
 def test_old_logprobs_in_some_rollouts_only_are_refused(tmp_path):
     """A row's ratio must not depend on its pack-mates (a row without old log-probs used to drop them for
     every rollout of its micro-batch): the file gives them in every rollout or in none."""
-    from mindspeed_pack.data.packed_dataset import DataError
-    from mindspeed_pack.data.rollouts import load_rollouts
+    from mindspeed_pack.datasets.packed_dataset import DataError
+    from mindspeed_pack.datasets.rollouts import load_rollouts
 
     rows = random_rollouts(3, seed=1)
     rows[0]["old_logprobs"] = [-20.0] * len(rows[0]["response_ids"])

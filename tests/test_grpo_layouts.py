@@ -10,7 +10,6 @@ model-parallel group adds them up; exact under any sharding, and fused QKV / gat
 only reorder elements. The transformers reference is computed once, in the test process.
 """
 import json
-import os
 
 import pytest
 import torch
@@ -59,8 +58,8 @@ def _layer_grad_norms(model) -> list:
 
 def _layout_rank(ckpt: str, rollouts: str, out: str, flags: list) -> dict:
     """One rank: a GRPO step per mode (loss, optimizer's grad norm, per-layer grad norms), then score."""
-    from mindspeed_pack.data.packed_dataset import resolve_vocab_size
-    from mindspeed_pack.training.arguments import parse_args, per_split_data_args
+    from mindspeed_pack.config.arguments import parse_args, per_split_data_args
+    from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
     from mindspeed_pack.training.stages import stage_args
     from mindspeed_pack.training.stages.grpo import GRPOStage
     from mindspeed_pack.training.stages.score import ScoreStage

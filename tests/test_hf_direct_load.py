@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 import posttrain
+from mindspeed_pack.checkpoint.hf_checkpoint import rank_state_dict
 from mindspeed_pack.convert import hf_io, hf_to_megatron, megatron_to_hf, shard_state_dict
 from mindspeed_pack.convert.model_specs import args_from_hf_config, get_spec
 from mindspeed_pack.convert.weight_map import hf_to_mg_unit, units
-from mindspeed_pack.training.hf_checkpoint import rank_state_dict
 from tests.dist_harness import run_distributed
 from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
 from tests.train_utils import run_posttrain, write_copy_task
@@ -155,7 +155,6 @@ def test_direct_load_at_tp2_takes_the_converted_checkpoints_first_step(tiny, tmp
 
 def test_pretrain_gpt_loads_hf_directly_like_the_converted_checkpoint(tiny, tmp_path):
     import pretrain_gpt
-
     from tests.data_utils import random_documents, write_pretrain_documents
 
     docs = write_pretrain_documents(str(tmp_path / "d_text_document"), random_documents(40, eod_id=2, seed=0))
@@ -222,7 +221,7 @@ def test_save_hf_into_a_non_empty_directory_is_refused_before_training(tiny, tmp
 
 
 def test_save_hf_of_a_model_the_converter_cannot_write_is_refused_before_training(tiny, tmp_path):
-    from mindspeed_pack.training.checkpointing import CheckpointError
+    from mindspeed_pack.checkpoint.save_load import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"cannot be written as a Hugging Face Qwen2ForCausalLM: "
                                               r"--normalization LayerNorm \(a Qwen2ForCausalLM has RMSNorm\)"):
@@ -234,8 +233,8 @@ def test_save_hf_of_a_model_the_converter_cannot_write_is_refused_before_trainin
 def test_failed_save_hf_leaves_no_output_and_no_staging_files(tiny, tmp_path, monkeypatch):
     import errno
 
+    from mindspeed_pack.checkpoint.save_load import CheckpointError
     from mindspeed_pack.convert import convert
-    from mindspeed_pack.training.checkpointing import CheckpointError
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -250,7 +249,7 @@ def test_failed_save_hf_leaves_no_output_and_no_staging_files(tiny, tmp_path, mo
 
 def test_a_hf_model_keeps_its_own_dropout_unless_the_flags_are_given(tiny):
     """Megatron-LM's 0.1 dropout defaults are not the HF model's: omitted, dropout comes from config.json."""
-    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.config.arguments import parse_args
 
     base = ["--seq-length", "128", "--train-iters", "1", "--data-path", tiny["data"], "--load", tiny["hf"]]
     args = parse_args(base, world_size=1)

@@ -12,12 +12,12 @@ from collections import Counter
 
 import pytest
 
-from mindspeed_pack.data.packed_dataset import PackedBatchSource
+from mindspeed_pack.config.arguments import parse_args
+from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
 from mindspeed_pack.tools.host_syncs import HostSyncCounter
-from mindspeed_pack.training.arguments import parse_args
-from mindspeed_pack.training.trainer import Trainer
 from tests.data_utils import write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
+from tests.train_utils import sft_trainer
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def _step_syncs(data, layers, micro_batches, megatron_rope=False):
     flags = [*TINY_FLAGS, "--data-path", data, "--neat-pack", "--seq-length", "128", "--micro-batch-size", "1",
              "--global-batch-size", str(micro_batches), "--train-iters", "2", "--lr", "1e-3",
              "--num-layers", str(layers)]
-    trainer = Trainer(parse_args(flags), PackedBatchSource())
+    trainer = sft_trainer(parse_args(flags), PackedBatchSource())
     trainer.setup()
     try:
         if megatron_rope:

@@ -5,7 +5,6 @@ The multi-process layouts (TP/PP/CP/SP), DPO and the other stages are in ``test_
 """
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -13,18 +12,19 @@ import torch
 import torch.nn.functional as F
 
 import posttrain
+from mindspeed_pack.checkpoint import hf_checkpoint
+from mindspeed_pack.checkpoint.save_load import load_weights
+from mindspeed_pack.config.arguments import parse_args
 from mindspeed_pack.convert import adapters
 from mindspeed_pack.convert.convert import main as convert_main
-from mindspeed_pack.data.packed_dataset import PackedBatchSource
+from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.model.lora import is_adapter_name
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch
-from mindspeed_pack.training import hf_checkpoint
-from mindspeed_pack.training.arguments import parse_args
-from mindspeed_pack.training.checkpointing import load_weights
-from mindspeed_pack.training.trainer import Trainer, loss_func, packed_seq_params
+from mindspeed_pack.training.batches import packed_seq_params
+from mindspeed_pack.training.stages.sft import loss_func
 from tests.model_utils import TINY_FLAGS, init_single_process, tiny_args, write_converted_tiny_qwen2
-from tests.train_utils import write_copy_task
+from tests.train_utils import sft_trainer, write_copy_task
 
 peft = pytest.importorskip("peft")
 
@@ -146,7 +146,7 @@ def test_packed_lora_loss_and_adapter_gradients_equal_peft_per_sample(qwen, targ
 # --------------------------------------------------------------------------- a trained run, in process
 def _trainer(qwen, out, *extra):
     argv = [*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", qwen["mg"], "--save", out, *extra]
-    return Trainer(parse_args(argv), PackedBatchSource())
+    return sft_trainer(parse_args(argv), PackedBatchSource())
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ def test_base_stays_bit_identical_and_only_adapters_have_gradients_and_optimizer
 
 
 def test_save_holds_the_adapters_and_the_bases_fingerprint(qwen, trained):
-    from mindspeed_pack import checkpoint_layout as layout
+    from mindspeed_pack.convert import megatron_layout as layout
 
     record = layout.load_file(layout.checkpoint_file(trained["save"], 3, 0, 0, 1))
     assert record["model"] and all(is_adapter_name(k) for k in record["model"])

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack.convert import adapters
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.convert import main as convert_main
 from mindspeed_pack.model.lora import is_adapter_name
 from tests.train_utils import run_posttrain, write_copy_task

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_pack.checkpoint_layout import RELEASE
+from mindspeed_pack.convert.megatron_layout import RELEASE
 from tests.dist_harness import run_distributed
 from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
-from tests.train_utils import run_posttrain, train_losses, write_copy_task
+from tests.train_utils import run_posttrain, sft_trainer, train_losses, write_copy_task
 
 BF16_REL = 1e-2
 FP32_REL = 1e-6
@@ -147,17 +147,17 @@ class _OnePack:
 
 def _loss_and_grads(sequence_parallel: bool):
     """Rank's loss and every parameter's reduced gradient after one forward/backward at TP2."""
-    from mindspeed_pack.training.arguments import parse_args
-    from mindspeed_pack.training.initialize import initialize_distributed
-    from mindspeed_pack.training.trainer import Trainer
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.runtime.process_groups import initialize_distributed
+    from mindspeed_pack.training.model_setup import build_model, build_optimizer
 
     argv = TINY_FLAGS + BASE + ["--data-path", "unused", "--train-iters", "1", "--tensor-model-parallel-size", "2",
                                 "--global-batch-size", "2"] + (["--sequence-parallel"] if sequence_parallel else [])
     args = parse_args(argv, world_size=2)
     initialize_distributed(2, 1, args.seed)
-    trainer = Trainer(args, _OnePack())
-    trainer.model = trainer._build_model()
-    trainer.optimizer, trainer.scheduler = trainer._build_optimizer()
+    trainer = sft_trainer(args, _OnePack())
+    trainer.model = build_model(args)
+    trainer.optimizer, trainer.scheduler = build_optimizer(args, trainer.model)
     assert trainer.model[0].config.sequence_parallel == sequence_parallel
     loss_sum, _ = trainer._run_batches("train", 0, forward_only=False)
     grads = {n: p.main_grad.detach().clone() for n, p in trainer.model[0].named_parameters()}

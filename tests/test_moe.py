@@ -84,7 +84,7 @@ def run_pack(model, ids, labels, segments, routing_type="aux_loss"):
     """(summed per-token loss, trained tokens, aux loss, tokens per expert, routing maps) of one micro-batch."""
     from mindspeed_pack.model import moe
     from mindspeed_pack.packing.segments import build_packed_batch
-    from mindspeed_pack.training.trainer import packed_seq_params
+    from mindspeed_pack.training.batches import packed_seq_params
 
     batch = build_packed_batch(ids, labels, segments)
     routers = moe.routers(model)
@@ -136,8 +136,8 @@ def converted_ep2(converted):
 def test_convert_at_ep2_is_megatron_lm_layout_and_round_trips_bit_exact(converted, converted_ep2):
     """Megatron-LM's per-EP-rank directories, each with its own experts under local indices; back to HF
     bit-exact, and resharded to EP1 it equals the direct EP1 conversion tensor for tensor."""
-    from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file, load_file
     from mindspeed_pack.convert.convert import main as convert_main
+    from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file, load_file
 
     root = converted["root"]
     assert sorted(p.name for p in (root / "mg_ep2" / RELEASE).iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
@@ -163,9 +163,9 @@ def test_ep2_checkpoint_loads_into_an_ep1_run(converted, converted_ep2, megatron
     """A run at another --expert-model-parallel-size regroups the experts from the files holding them."""
     import copy
 
-    from mindspeed_pack.checkpoint_layout import RELEASE, checkpoint_file, load_file
+    from mindspeed_pack.checkpoint.save_load import load_weights
+    from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file, load_file
     from mindspeed_pack.model.gpt import build_gpt_model
-    from mindspeed_pack.training.checkpointing import load_weights
 
     _, args = megatron
     args = copy.copy(args)
@@ -381,7 +381,7 @@ def test_model_flops_count_the_active_experts():
 def test_te_names_keep_moe_layers_own_norm_and_map_grouped_experts():
     """On the TE spec a dense layer's pre-MLP norm is fused into linear_fc1 but an MoE layer keeps its
     own, and --moe-grouped-gemm stores expert j as weight{j}: checkpoints keep the local names."""
-    from mindspeed_pack.checkpoint_layout import to_backend_names, to_canonical_names
+    from mindspeed_pack.convert.megatron_layout import to_backend_names, to_canonical_names
 
     canonical = {"decoder.layers.0.pre_mlp_layernorm.weight": torch.ones(2),
                  "decoder.layers.1.pre_mlp_layernorm.weight": torch.ones(2),
@@ -400,7 +400,7 @@ def test_te_names_keep_moe_layers_own_norm_and_map_grouped_experts():
     (["--moe-layer-freq", "[0,1,1]"], 1, "--moe-layer-freq lists 3 layers"),
 ], ids=["tp-without-sp", "ep-experts", "layer-freq"])
 def test_moe_flag_combinations_are_refused_by_name(extra, world, message, capsys):
-    from mindspeed_pack.training.arguments import parse_args
+    from mindspeed_pack.config.arguments import parse_args
     from tests.model_utils import TINY_FLAGS
 
     with pytest.raises(SystemExit):

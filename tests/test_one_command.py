@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import posttrain
+from mindspeed_pack.config.arguments import parse_args
 from mindspeed_pack.data import toy
-from mindspeed_pack.data.packed_dataset import PackedBatchSource, resolve_vocab_size
-from mindspeed_pack.data.packed_documents import DataError, PackedDocuments, read_meta
+from mindspeed_pack.datasets.packed_dataset import PackedBatchSource, resolve_vocab_size
+from mindspeed_pack.datasets.packed_documents import DataError, PackedDocuments, read_meta
 from mindspeed_pack.training import raw_data, run_plan
-from mindspeed_pack.training.arguments import parse_args
+from mindspeed_pack.training.stages.sft import SFTStage
 from mindspeed_pack.training.trainer import run
 from tests.train_utils import run_posttrain, train_losses
 
@@ -163,7 +164,7 @@ def test_train_epochs_2_trains_every_sample_exactly_twice(assets, trained, caplo
         args = _prepared(base + ["--global-batch-size", str(gbs)])
     assert args.train_iters == 2 * packs // gbs and f"= {args.train_iters} iterations" in caplog.text
     source = CountingSource()
-    run(args, source)
+    run(args, source, SFTStage(args))
     assert collections.Counter(source.seen) == {pack: 2 for pack in range(packs)}
     # each pack holds its own samples (segments 1..k): every sample is read twice
     docs = PackedDocuments(args.data_path[0])

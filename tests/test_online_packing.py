@@ -5,7 +5,6 @@ packs the same global batches into rows of 128 tokens, balanced over DP ranks; t
 mean loss over the global batch must not change, at DP1/DP2 and with TP2/PP2.
 """
 import json
-import os
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ import torch
 import posttrain
 from tests.data_utils import IGNORE_INDEX, _builder, read_metrics, rel_err
 from tests.model_utils import TINY_FLAGS
-from tests.train_utils import run_posttrain, train_losses
+from tests.train_utils import run_posttrain
 
 ITERS = 4
 COMMON = ["--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr", "1e-3",
@@ -120,7 +119,7 @@ def test_max_seqlen_per_rank_changes_rows_not_losses(tmp_path, data, one_per_row
 
 
 def test_micro_batch_size_above_one_is_refused_under_online_packing(tmp_path, data):
-    from mindspeed_pack.data.packed_dataset import DataError
+    from mindspeed_pack.datasets.packed_dataset import DataError
 
     with pytest.raises(DataError, match="use --micro-batch-size 1"):
         _main([*COMMON, *ONLINE, "--micro-batch-size", "2", "--data-path", data], str(tmp_path / "m.jsonl"))
@@ -130,11 +129,11 @@ def test_online_rows_under_cp_hold_at_most_max_seqlen_per_cp_rank(data, monkeypa
     """Megatron-LM's cap: cap 32 per rank at CP2 gave micro-batches of 36, 34 and 36 tokens per rank."""
     from megatron.core import parallel_state as ps
 
-    from mindspeed_pack.data.online_packing import BalancedBatchSource
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.online_packing import BalancedBatchSource
     from mindspeed_pack.packing import context_parallel as cp_view
     from mindspeed_pack.packing.segments import build_packed_batch
-    from mindspeed_pack.training.arguments import parse_args
-    from mindspeed_pack.training.trainer import to_packed_batch
+    from mindspeed_pack.training.batches import to_packed_batch
 
     cap, cp = 32, 2
     monkeypatch.setattr(ps, "get_data_parallel_rank", lambda: 0)

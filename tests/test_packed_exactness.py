@@ -4,7 +4,8 @@ import torch
 
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch
-from mindspeed_pack.training.trainer import loss_func, packed_seq_params
+from mindspeed_pack.training.batches import packed_seq_params
+from mindspeed_pack.training.stages.sft import loss_func
 from tests.model_utils import init_single_process, tiny_args
 
 S = 96

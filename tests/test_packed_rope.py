@@ -12,7 +12,7 @@ import torch
 
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch
-from mindspeed_pack.training.trainer import packed_seq_params
+from mindspeed_pack.training.batches import packed_seq_params
 from tests.model_utils import init_single_process, tiny_args
 
 S = 80

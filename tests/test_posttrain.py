@@ -4,8 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from mindspeed_pack.data.packed_dataset import PackedDocuments, split_ranges
-from mindspeed_pack.data.sample_index import build_sample_index
+from mindspeed_pack.datasets.packed_dataset import PackedDocuments, split_ranges
+from mindspeed_pack.datasets.sample_index import build_sample_index
 from tests.train_utils import run_posttrain, train_losses, write_copy_task
 
 BASE = ["--seq-length", "128", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "2", "--neat-pack",

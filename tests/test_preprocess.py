@@ -27,7 +27,7 @@ def _packed(read_indexed, prefix):
 @pytest.fixture(scope="module")
 def sharegpt_outputs(tmp_path_factory, toy_sharegpt_jsonl, toy_tokenizer_dir):
     """The same ShareGPT data preprocessed unpacked, --pack --neat-pack, and --pack."""
-    from mindspeed_pack.data.preprocess import main
+    from mindspeed_pack.datasets.preprocess import main
 
     out = tmp_path_factory.mktemp("sg_out")
     common = ["--input", str(toy_sharegpt_jsonl), "--tokenizer-name-or-path", str(toy_tokenizer_dir),
@@ -104,7 +104,7 @@ def test_sidecar_records_tokenizer_template_and_statistics(sharegpt_outputs, rea
 
 
 def test_workers_2_output_is_byte_identical_to_workers_1(tmp_path, toy_sharegpt_jsonl, run_preprocess, monkeypatch):
-    from mindspeed_pack.data import preprocess
+    from mindspeed_pack.datasets import preprocess
 
     monkeypatch.setattr(preprocess, "CHUNK_ROWS", 37)  # several chunks in flight across both workers
     for workers in (1, 2):

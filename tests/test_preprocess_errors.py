@@ -140,7 +140,7 @@ def test_bad_map_keys_json(tmp_path, run_preprocess, alpaca_file):
 
 
 def test_error_in_a_worker_reaches_the_user_and_cleans_up(tmp_path, run_preprocess, toy_alpaca_rows, monkeypatch):
-    from mindspeed_pack.data import preprocess
+    from mindspeed_pack.datasets import preprocess
 
     monkeypatch.setattr(preprocess, "CHUNK_ROWS", 10)
     lines = [json.dumps(r) for r in toy_alpaca_rows[:60]]

@@ -15,8 +15,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from mindspeed_pack.data import toy
-from mindspeed_pack.data.packed_dataset import split_ranges
 from mindspeed_pack.data.tokenizer import HFTokenizer
+from mindspeed_pack.datasets.packed_dataset import split_ranges
 
 SHORT = "Say the first word.\nred cat"
 LONG = " ".join(["Sort the words alphabetically."] + toy.WORDS * 6)
@@ -187,7 +187,7 @@ def test_chatml_on_a_tokenizer_without_im_end_adds_the_tokens_once_and_trains(tm
 
 
 def test_per_split_paths_and_data_path_are_exclusive(capsys):
-    from mindspeed_pack.training.arguments import parse_args, per_split_data_args
+    from mindspeed_pack.config.arguments import parse_args, per_split_data_args
     from tests.model_utils import TINY_FLAGS
 
     with pytest.raises(SystemExit):

@@ -46,7 +46,7 @@ def _segments(pack):
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory, toy_sharegpt_jsonl, toy_tokenizer_dir):
     """The toy ShareGPT data, --pack --neat-pack without the flag, with N and with 1, and unpacked without/with N."""
-    from mindspeed_pack.data.preprocess import main
+    from mindspeed_pack.datasets.preprocess import main
 
     out = tmp_path_factory.mktemp("pad_multiple")
     common = ["--input", str(toy_sharegpt_jsonl), "--tokenizer-name-or-path", str(toy_tokenizer_dir),
@@ -60,8 +60,8 @@ def outputs(tmp_path_factory, toy_sharegpt_jsonl, toy_tokenizer_dir):
 
 
 def test_neat_packs_hold_segments_padded_to_the_multiple_with_the_same_samples(outputs, read_indexed):
-    from mindspeed_pack.data.packed_dataset import PackedDocuments
-    from mindspeed_pack.data.validation import validate_packed_documents
+    from mindspeed_pack.datasets.packed_dataset import PackedDocuments
+    from mindspeed_pack.datasets.validation import validate_packed_documents
 
     base = _read(read_indexed, outputs / "neat")
     padded = _read(read_indexed, outputs / f"neat{N}")

@@ -4,10 +4,11 @@ import pytest
 import torch
 
 import pretrain_gpt
-from mindspeed_pack.data.pretrain_dataset import GPTBatchSource, build_tokenizer, row_from_sample
+from mindspeed_pack.config.arguments import parse_args
+from mindspeed_pack.datasets.pretrain_dataset import GPTBatchSource, build_tokenizer, row_from_sample
 from mindspeed_pack.model.gpt import build_gpt_model
-from mindspeed_pack.training.arguments import parse_args
-from mindspeed_pack.training.trainer import loss_func, packed_seq_params, to_packed_batch
+from mindspeed_pack.training.batches import packed_seq_params, to_packed_batch
+from mindspeed_pack.training.stages.sft import loss_func
 from tests.data_utils import random_documents, read_metrics, rel_err, write_pretrain_documents
 from tests.model_utils import TINY_FLAGS, init_single_process
 
@@ -129,8 +130,8 @@ def test_eod_and_vocabulary_come_from_the_preprocessing_sidecar(tmp_path, corpus
     import json
     import shutil
 
-    from mindspeed_pack.data.packed_dataset import DataError
-    from mindspeed_pack.data.pretrain_dataset import resolve_pretrain_vocab_size
+    from mindspeed_pack.datasets.packed_dataset import DataError
+    from mindspeed_pack.datasets.pretrain_dataset import resolve_pretrain_vocab_size
 
     prefix = str(tmp_path / "P_text_document")
     for ext in (".bin", ".idx"):

@@ -6,12 +6,11 @@ Each TP rank holds some of the heads, so its q/k-norm gradient is partial; megat
 TP1's. posttrain.py runs with ``--qk-layernorm --kv-channels 24`` (head_dim != hidden/heads)
 from a converted random transformers Qwen3.
 """
-import os
 
 import pytest
 import torch
 
-from mindspeed_pack.checkpoint_layout import checkpoint_file
+from mindspeed_pack.convert.megatron_layout import checkpoint_file
 from tests.train_utils import run_posttrain, train_losses, write_copy_task
 
 QWEN3_FLAGS = (

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.datasets.packed_dataset import DataError
 from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
 from tests.rollout_utils import random_rollouts, write_jsonl
 

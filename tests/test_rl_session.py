@@ -8,8 +8,8 @@ import torch
 import transformers
 
 import posttrain
-from mindspeed_pack.checkpoint_layout import checkpoint_file
-from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.convert.megatron_layout import checkpoint_file
+from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.training.rl_session import RLSession
 from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
 from tests.rollout_utils import random_rollouts, write_jsonl

@@ -1,7 +1,6 @@
 """Text rollouts (prompt/response text, or OpenAI messages + a response) are tokenised through the
 template path preprocessing uses, recorded as such, and scored like id rollouts; bad rows are named."""
 import json
-import shutil
 import types
 
 import numpy as np
@@ -9,8 +8,8 @@ import pytest
 import transformers
 
 import posttrain
-from mindspeed_pack.data.packed_dataset import DataError
-from mindspeed_pack.data.rollouts import load_rollouts
+from mindspeed_pack.datasets.packed_dataset import DataError
+from mindspeed_pack.datasets.rollouts import load_rollouts
 from mindspeed_pack.training.rl_session import RLSession
 from tests.chat_corpus import TEMPLATES
 from tests.model_utils import TINY_FLAGS

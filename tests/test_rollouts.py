@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from mindspeed_pack.data.packed_dataset import DataError
-from mindspeed_pack.data.rollouts import load_rollouts, rollout_row
+from mindspeed_pack.datasets.packed_dataset import DataError
+from mindspeed_pack.datasets.rollouts import load_rollouts, rollout_row
 from mindspeed_pack.packing.segments import build_packed_batch
 from tests.rollout_utils import random_rollouts, write_jsonl
 
@@ -43,7 +43,7 @@ def test_bad_rows_are_named(tmp_path, bad, message):
     path = write_jsonl(tmp_path / "r.jsonl", [GOOD, GOOD, bad])
     with pytest.raises(DataError) as e:
         load_rollouts(path, vocab_size=256, max_length=64)
-    assert f"r.jsonl: line 3: " in str(e.value) and message in str(e.value), str(e.value)
+    assert "r.jsonl: line 3: " in str(e.value) and message in str(e.value), str(e.value)
 
 
 def test_over_long_rollouts_are_refused_or_dropped_never_truncated(tmp_path):

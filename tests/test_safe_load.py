@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import posttrain
-from mindspeed_pack import checkpoint_layout as layout
-from mindspeed_pack.convert.convert import hf_to_megatron, main as convert_main
-from mindspeed_pack.training.checkpointing import CheckpointError
+from mindspeed_pack.checkpoint.save_load import CheckpointError
+from mindspeed_pack.convert import megatron_layout as layout
+from mindspeed_pack.convert.convert import hf_to_megatron
+from mindspeed_pack.convert.convert import main as convert_main
 from mindspeed_pack.training.cli import run_cli
 from tests.data_utils import fingerprint, read_metrics, write_packed_instruction_dataset
 from tests.train_utils import tiny_argv as argv

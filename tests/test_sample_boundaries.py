@@ -20,12 +20,13 @@ import pytest
 import torch
 
 import posttrain
-from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource
+from mindspeed_pack.config.arguments import parse_args
+from mindspeed_pack.datasets.packed_dataset import DataError, PackedBatchSource
 from mindspeed_pack.packing.balance import cost_model
-from mindspeed_pack.training.arguments import parse_args
-from mindspeed_pack.training.trainer import Trainer, to_packed_batch
+from mindspeed_pack.training.batches import to_packed_batch
 from tests.data_utils import read_metrics, rel_err
 from tests.model_utils import TINY_FLAGS
+from tests.train_utils import sft_trainer
 
 SEQ = 256
 VOCAB = ["--padded-vocab-size", "768"]  # the toy tokenizer has 660 ids
@@ -33,7 +34,7 @@ DP_BALANCED = ["--sequence-packing-scheduler", "dp_balanced"]
 
 
 def _preprocess(toy_tokenizer_dir, source, out, *flags, seq=SEQ):
-    from mindspeed_pack.data.preprocess import main
+    from mindspeed_pack.datasets.preprocess import main
 
     assert main(["--input", str(source), "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--output-prefix", str(out),
                  "--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "qwen",
@@ -140,7 +141,7 @@ def two_samples(tmp_path_factory, toy_tokenizer_dir):
 def _first_batch(prefix, *flags, source=None, pack_costs=False):
     """The first micro-batch as the trainer builds it (or, ``pack_costs``, the sample lengths the
     dp_balanced cost model reads from the first pack)."""
-    trainer = Trainer(parse_args([*TINY_FLAGS, *VOCAB, "--seq-length", str(SEQ), "--micro-batch-size", "1",
+    trainer = sft_trainer(parse_args([*TINY_FLAGS, *VOCAB, "--seq-length", str(SEQ), "--micro-batch-size", "1",
                                   "--global-batch-size", "1", "--train-iters", "1", "--split", "100,0,0",
                                   "--data-path", prefix, *flags]), source or PackedBatchSource())
     trainer.setup()
@@ -172,7 +173,7 @@ def test_plain_pack_records_its_samples_and_trains_them_as_neat_pack(tmp_path, t
     for field in ("cu_seqlens", "position_ids", "target", "loss_mask"):
         assert torch.equal(getattr(found, field), getattr(isolated, field)), field
     # the dp_balanced cost model reads the same samples (it took the pack as one 256-token sample)
-    from mindspeed_pack.data.online_packing import BalancedBatchSource
+    from mindspeed_pack.datasets.online_packing import BalancedBatchSource
 
     assert _first_batch(plain, "--reset-attention-mask", *DP_BALANCED, source=BalancedBatchSource(),
                         pack_costs=True) == lengths.tolist()
@@ -201,8 +202,8 @@ def test_plain_pack_without_recorded_samples_refuses_the_eos_rule_for_chat_turns
 def test_recorded_sample_lengths_of_other_packs_are_refused(tmp_path, two_samples, read_indexed):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from mindspeed_pack.data.packed_dataset import PackedDocuments
-    from mindspeed_pack.data.validation import validate_packed_documents
+    from mindspeed_pack.datasets.packed_dataset import PackedDocuments
+    from mindspeed_pack.datasets.validation import validate_packed_documents
 
     where = os.path.dirname(two_samples["plain"])
     for name in os.listdir(where):

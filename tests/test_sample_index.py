@@ -4,8 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from mindspeed_pack.data import sample_index as si
-from mindspeed_pack.data.sample_index import build_sample_index, get_sample_index, sample_index_key
+from mindspeed_pack.datasets import sample_index as si
+from mindspeed_pack.datasets.sample_index import build_sample_index, get_sample_index, sample_index_key
 
 
 def epochs_of(index, epoch_length):

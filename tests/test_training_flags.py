@@ -12,13 +12,14 @@ import pytest
 import torch
 
 import posttrain
-from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource, split_ranges
-from mindspeed_pack.training.arguments import build_parser, parse_args
-from mindspeed_pack.training.checkpointing import CheckpointError
-from mindspeed_pack.training.trainer import NonFiniteLossError, Trainer, to_packed_batch
+from mindspeed_pack.checkpoint.save_load import CheckpointError
+from mindspeed_pack.config.arguments import build_parser, parse_args
+from mindspeed_pack.datasets.packed_dataset import DataError, PackedBatchSource, split_ranges
+from mindspeed_pack.training.batches import to_packed_batch
+from mindspeed_pack.training.trainer import NonFiniteLossError
 from tests.data_utils import read_metrics, rel_err, write_packed_instruction_dataset
 from tests.model_utils import TINY_FLAGS
-from tests.train_utils import ROOT, run_posttrain
+from tests.train_utils import ROOT, run_posttrain, sft_trainer
 
 EOS, PAD = 2, 0
 
@@ -54,8 +55,8 @@ def eos_packs(tmp_path_factory):
 
 
 def first_batch(args_list, split="train"):
-    """The first micro-batch's PackedBatch as the trainer builds it (after its preflight)."""
-    trainer = Trainer(parse_args(args_list), PackedBatchSource())
+    """The first micro-batch's PackedBatch as the trainer builds it (after its sidecar checks)."""
+    trainer = sft_trainer(parse_args(args_list), PackedBatchSource())
     trainer.setup()
     try:
         return to_packed_batch(next(trainer.source.micro_batches(split, 0)), trainer.args)
@@ -89,7 +90,7 @@ def test_resume_with_changed_schedule_is_refused_or_follows_the_new_schedule(tmp
 # 2 ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["skip", "stop"])
 def test_inf_gradient_is_skipped_or_stops_naming_the_iteration(neat, policy):
-    trainer = Trainer(parse_args(nargv(neat, "--train-iters", "4", "--nan-policy", policy)), PackedBatchSource())
+    trainer = sft_trainer(parse_args(nargv(neat, "--train-iters", "4", "--nan-policy", policy)), PackedBatchSource())
     trainer.setup()
     try:
         trainer.train_step()
@@ -168,7 +169,7 @@ def megatron_lr(k, fraction, iters, gbs, lr=1e-3, min_lr=1e-4):
 def test_lr_warmup_fraction_stays_fractional_as_megatron_counts_it(neat, fraction):
     """0.01 x 50 iterations is half an iteration of warmup at GBS 2 (1 sample): step 1 runs at
     lr 0 and the lr rises from there; 0.05 x 50 = 2.5 iterations, not 2."""
-    trainer = Trainer(parse_args(nargv(neat, "--train-iters", "50", "--lr-warmup-iters", "0",
+    trainer = sft_trainer(parse_args(nargv(neat, "--train-iters", "50", "--lr-warmup-iters", "0",
                                        "--lr-warmup-fraction", str(fraction))), PackedBatchSource())
     trainer.setup()
     try:
@@ -291,7 +292,7 @@ MEGATRON_DEFAULTS = {"normalization": "LayerNorm", "position_embedding_type": "l
 
 def test_omitted_flags_mean_what_they_mean_in_megatron_lm(neat):
     """Only the shape, data and steps are given: the built model, schedule and logger take Megatron-LM's defaults."""
-    trainer = Trainer(parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    trainer = sft_trainer(parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                                   "--padded-vocab-size", "256", "--seq-length", "128", "--global-batch-size", "2",
                                   "--neat-pack", "--train-iters", "1", "--data-path", neat]), PackedBatchSource())
     trainer.setup()

@@ -39,3 +39,11 @@ def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=Non
 
 def train_losses(records):
     return [r["lm loss"] for r in records if r["split"] == "train"]
+
+
+def sft_trainer(args, batch_source):
+    """A :class:`Trainer` of the SFT stage, as ``posttrain.py`` builds it for ``--stage sft``."""
+    from mindspeed_pack.training.stages.sft import SFTStage
+    from mindspeed_pack.training.trainer import Trainer
+
+    return Trainer(args, batch_source, SFTStage(args))

@@ -60,7 +60,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
     PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
 import sys
 from mindspeed_pack.data.errors import PreprocessError
-from mindspeed_pack.data.preprocess import build_parser, validate_args
+from mindspeed_pack.datasets.preprocess import build_parser, validate_args
 try:
     validate_args(build_parser().parse_args(sys.argv[1:]))
 except PreprocessError as exc:

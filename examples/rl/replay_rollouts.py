@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch.distributed as dist  # noqa: E402
 
 from mindspeed_pack.data.errors import PreprocessError  # noqa: E402
-from mindspeed_pack.data.packed_dataset import DataError  # noqa: E402
 from mindspeed_pack.data.readers import chunk_rows, iter_chunks, resolve_input_files  # noqa: E402
+from mindspeed_pack.datasets.packed_dataset import DataError  # noqa: E402
 from mindspeed_pack.training.cli import run_cli, setup_logging  # noqa: E402
 from mindspeed_pack.training.rl_session import RLSession  # noqa: E402
 

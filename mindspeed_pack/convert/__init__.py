@@ -1,4 +1,9 @@
-"""Checkpoint conversion between Hugging Face and Megatron layouts (see :mod:`.convert`)."""
+"""Checkpoint formats and conversion between them: Hugging Face directories (``hf_io``), Megatron's on-disk
+layout (``megatron_layout``), the model families as data (``model_specs``, ``weight_map``), TP/PP/EP
+sharding (``sharding``), PEFT adapters (``adapters``) and ``convert_ckpt.py``'s pipeline (``convert``).
+
+May import ``model`` and ``runtime``; the training run's checkpoints (``checkpoint``) build on it.
+"""
 from mindspeed_pack.convert.convert import hf_to_megatron, megatron_to_hf, megatron_to_megatron
 from mindspeed_pack.convert.model_specs import ConversionError, args_from_hf_config
 from mindspeed_pack.convert.sharding import layer_offset, merge_state_dicts, shard_state_dict

@@ -24,8 +24,8 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from mindspeed_pack import checkpoint_layout as layout
 from mindspeed_pack.convert import hf_io
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import ConversionError
 from mindspeed_pack.convert.weight_map import HF_MODULE, hf_projection
 from mindspeed_pack.model.lora import ADAPTED_LINEARS, is_adapter_name

@@ -13,7 +13,7 @@ Every direction follows the same plan:
    it at the very end: the output is complete or absent.
 
 Converted Megatron checkpoints are ``release`` checkpoints (iteration 0) in Megatron's
-layout (:mod:`mindspeed_pack.checkpoint_layout`), each file holding ``model``
+layout (:mod:`mindspeed_pack.convert.megatron_layout`), each file holding ``model``
 (canonical local-spec names, no ``_extra_state`` entries), ``args`` (the model-shape
 arguments, :data:`~.model_specs.MODEL_ARG_NAMES`), ``iteration``, ``checkpoint_version``
 ``hf_config`` (the source config.json, for the way back) and ``tokenizer`` (the vocabulary of
@@ -30,13 +30,14 @@ import os
 import pickle
 import sys
 import tempfile
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 from tqdm import tqdm
 
 from mindspeed_pack.convert import adapters as lora_map
 from mindspeed_pack.convert import hf_io
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import (
     MODEL_SPECS,
     ConversionError,
@@ -72,7 +73,6 @@ from mindspeed_pack.convert.weight_map import (
     units,
 )
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
-from mindspeed_pack import checkpoint_layout as layout
 
 log = logging.getLogger(__name__)
 

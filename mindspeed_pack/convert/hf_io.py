@@ -3,7 +3,7 @@
 Reading opens every ``*.safetensors`` file with ``safe_open`` (memory-mapped) and loads a
 tensor only when asked, so a 7B model never sits in memory whole. Safetensors come first;
 a directory with only ``pytorch_model*.bin`` weights is read through the safe
-(``weights_only``, memory-mapped) load of :func:`~mindspeed_pack.checkpoint_layout.load_file`,
+(``weights_only``, memory-mapped) load of :func:`~mindspeed_pack.convert.megatron_layout.load_file`,
 so a crafted ``.bin`` runs nothing. Writing streams tensors
 into shards of at most ``max_shard_bytes`` and names them like ``save_pretrained`` does
 (``model.safetensors``, or ``model-0000i-of-0000N.safetensors`` + index).
@@ -33,6 +33,36 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
 )
+
+
+# --------------------------------------------------------------------------- which directory is HF
+def _has_safetensors(path: str) -> bool:
+    return any(name.endswith(".safetensors") for name in os.listdir(path))
+
+
+def looks_like_hf(path: str) -> bool:
+    """A directory holding HF files (config.json or safetensors) and no Megatron tracker."""
+    from mindspeed_pack.convert.megatron_layout import TRACKER
+
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, TRACKER)):
+        return False
+    return os.path.isfile(os.path.join(path, CONFIG)) or _has_safetensors(path)
+
+
+def check_hf_dir(path: str, flag: str, error: type) -> None:
+    """``path`` holds what direct loading reads (config.json, safetensors); ``flag`` names it in ``error``
+    (the caller's error type: a flag's or a checkpoint's)."""
+    if not os.path.isdir(path):
+        raise error(f"{flag} {path}: no such directory")
+    if not os.path.isfile(os.path.join(path, CONFIG)):
+        raise error(f"{flag} {path}: no config.json; a Hugging Face model directory needs config.json "
+                    "next to its *.safetensors weights")
+    if not _has_safetensors(path):
+        found = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth")))
+        hint = f" (found {found[:3]}: re-save with save_pretrained(..., safe_serialization=True), or convert " \
+               "it offline with convert_ckpt.py)" if found else ""
+        raise error(f"{flag} {path}: no *.safetensors weights; direct loading reads each rank's slice "
+                    f"from safetensors{hint}")
 
 
 def read_config(model_dir: str) -> dict:
@@ -98,7 +128,7 @@ class _TorchBinFile:
     """A ``pytorch_model*.bin`` behind the part of safetensors' ``safe_open`` API the reader uses."""
 
     def __init__(self, path: str, allow_unsafe: bool):
-        from mindspeed_pack import checkpoint_layout as layout
+        from mindspeed_pack.convert import megatron_layout as layout
 
         try:
             state = layout.load_file(path, allow_unsafe=allow_unsafe, mmap=True)

@@ -154,6 +154,11 @@ OPTIONAL_MODEL_ARGS = {
 }
 
 
+# conversion arguments that are inputs of the run (its layout), not properties of the model
+RUN_LAYOUT_ARGS = ("seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                   "expert_model_parallel_size", "make_vocab_size_divisible_by")
+
+
 # recorded arguments that change the function the weights compute, not only their shapes: a checkpoint
 # used under flags that differ in one of them trains or scores another model (model_differences)
 FUNCTION_ARGS = (

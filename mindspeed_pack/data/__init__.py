@@ -1,1 +1,7 @@
-"""data stage of mindspeed-pack."""
+"""Samples from raw rows: file readers (``readers``: parquet/arrow/csv/json/jsonl/txt), the Alpaca,
+ShareGPT, OpenAI-messages and pairwise handlers (``handlers``, ``pairwise``), chat templates (JSON
+slot templates in ``templates``, the model's own Jinja template in ``chat_template``), tokenizers
+(``tokenizer``) and the deterministic demo data (``toy``).
+
+Imports nothing of mindspeed_pack outside this package: ``datasets`` turns its samples into packs.
+"""

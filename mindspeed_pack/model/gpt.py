@@ -19,7 +19,7 @@ from mindspeed_pack.model.packed_gpt import PackedGPTModel
 from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
 from mindspeed_pack.model.spec import layer_spec, resolve_backend
 from mindspeed_pack.model.te_spec import HAVE_TE
-from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 _SKIPPED_LOGGED = False

@@ -106,9 +106,18 @@ class LoRASettings:
                 "targets": [f"{linear}.{p}" for linear, p in self.targets]}
 
 
+def trains_adapters(args) -> bool:
+    """Whether this run trains LoRA adapters over a frozen base: every place that differs under LoRA
+    (loading, initialisation, the DPO reference, export) asks this instead of reading the flags.
+
+    ``--lora-r`` is set whenever a LoRA flag is given (``--lora-target-modules`` alone: the parser's default
+    rank). ``getattr``: converter and model-shape namespaces have no LoRA flags."""
+    return bool(getattr(args, "lora_r", None))
+
+
 def settings_from_args(args) -> Optional[LoRASettings]:
     """The run's LoRA settings (None without ``--lora-r``); ``args`` validated by the training parser."""
-    if not getattr(args, "lora_r", None):
+    if not trains_adapters(args):
         return None
     return LoRASettings(r=int(args.lora_r), alpha=float(args.lora_alpha), dropout=float(args.lora_dropout or 0.0),
                         targets=resolve_targets(args.lora_target_modules or [ALL_LINEAR]),

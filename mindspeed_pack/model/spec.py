@@ -24,7 +24,7 @@ from mindspeed_pack.model.moe import PackedTopKRouter
 from mindspeed_pack.model.norm import SequenceParallelTorchNorm
 from mindspeed_pack.model.packed_attention import PackedDotProductAttention
 from mindspeed_pack.model.te_spec import HAVE_TE, te_block_spec, te_layer_spec
-from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 

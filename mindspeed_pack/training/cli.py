@@ -4,10 +4,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from mindspeed_pack.data.packed_dataset import DataError
-from mindspeed_pack.training.checkpointing import CheckpointError
-from mindspeed_pack.training.peers import PeerFailure
-from mindspeed_pack.training.rendezvous import RendezvousTimeout
+from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.datasets.packed_documents import DataError
+from mindspeed_pack.runtime.peers import PeerFailure
+from mindspeed_pack.runtime.rendezvous import RendezvousTimeout
 from mindspeed_pack.training.trainer import NonFiniteLossError
 
 

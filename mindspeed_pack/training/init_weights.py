@@ -70,7 +70,7 @@ def parallel_invariant_init(model: torch.nn.Module, args, seed: int, only=None) 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     offset = layer_offset(args.num_layers, pp_rank, pp)
     tied_copy = pp > 1 and pp_rank == pp - 1 and not args.untie_embeddings_and_output_weights
-    experts = getattr(args, "num_experts", None) or 0
+    experts = args.num_experts or 0
     first_expert = ps.get_expert_model_parallel_rank() * (experts // ps.get_expert_model_parallel_world_size())
     for local, param in model.named_parameters():
         if only is not None and not only(local):

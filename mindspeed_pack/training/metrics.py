@@ -12,11 +12,15 @@ pipeline stage's first tensor/data-parallel rank writes.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 
+from mindspeed_pack.runtime import faults
 from mindspeed_pack.training import metrics_history
+
+log = logging.getLogger(__name__)
 
 
 def _finite_mean(values) -> float:
@@ -32,7 +36,7 @@ class MetricsLogger:
         self.args = args
         self.extra_metrics = tuple(extra_metrics)  # a stage's own metrics: interval means on the console
         self.enabled = enabled
-        self.log_throughput = bool(getattr(args, "log_throughput", False))
+        self.log_throughput = bool(getattr(args, "log_throughput", False))  # tools log with bare namespaces
         self.world_size = max(1, int(os.environ.get("WORLD_SIZE", "1")))
         self._interval = []
         self._skipped_printed = 0
@@ -54,6 +58,22 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if resume else None)
+
+    def resumed(self, iteration: int, loaded_from: str) -> None:
+        """Once per job start: where training resumes (``loaded_from`` at ``iteration``) and which logged
+        steps it runs again."""
+        attempt = faults.restart_attempt()
+        if not self.enabled or not (iteration or self.replaced or attempt):
+            return
+        if self.replaced:
+            first, last, n = min(self.replaced), max(self.replaced), len(self.replaced)
+            steps = f"iteration {first} (1 step), logged before, is" if n == 1 else \
+                f"iterations {first}-{last} ({n} steps), logged before, are"
+            rerun = f"; {steps} run again and replaced in {self.args.metrics_file}"
+        else:
+            rerun = "; no logged step is re-run" if self.args.metrics_file else ""
+        where = f"{loaded_from} at iteration {iteration}" if iteration else "scratch (no checkpoint yet)"
+        log.info("resumed from %s%s%s", where, f" (torchrun restart {attempt})" if attempt else "", rerun)
 
     def precision(self, iteration: int, record: dict) -> None:
         """The run's numerics, once at start: printed, and the metrics file's first line of this run."""

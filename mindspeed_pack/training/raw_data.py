@@ -2,7 +2,7 @@
 
 A ``--data-path`` naming files or a directory (any format ``preprocess_data.py`` reads) instead
 of a packed prefix is preprocessed by ``preprocess_data.py``'s own code and cache
-(:func:`mindspeed_pack.data.preprocess.run`):
+(:func:`mindspeed_pack.datasets.preprocess.run`):
 
 * its flags (``--handler-name``, ``--map-keys``, ``--pack``, ...) are posttrain.py flags too, the
   very argparse actions of its parser (:func:`raw_data_args`); the flags both halves share
@@ -16,7 +16,7 @@ of a packed prefix is preprocessed by ``preprocess_data.py``'s own code and cach
   every rank trains on the same packs (one file system shared by the nodes, as for ``--save``).
 
 A packed prefix given as before is used as it is; the preprocessing flags the user gave are
-checked against its sidecar (the shared ones are checked by ``preflight.check_data``).
+checked against its sidecar (the shared ones are checked by ``data.sidecar_checks.check_data``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from mindspeed_pack.data.packed_documents import DataError, dataset_paths, read_meta
+from mindspeed_pack.datasets.packed_documents import DataError, dataset_paths, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ WAIT_HOURS = 24.0  # how long the other ranks wait for rank 0's preprocessing
 
 def raw_data_args(parser):
     """Add preprocess_data.py's own flag definitions (:data:`PREPROCESS_ONLY`) to ``parser``."""
-    from mindspeed_pack.data.preprocess import build_parser
+    from mindspeed_pack.datasets.preprocess import build_parser
 
     source = {action.dest: action for action in build_parser()._actions}
     group = parser.add_argument_group("raw --data-path files: preprocessed first, as preprocess_data.py does "
@@ -93,7 +93,7 @@ def raw_inputs(args) -> Optional[list]:
 def preprocess_namespace(args, inputs: list):
     """preprocess_data.py's arguments for ``inputs``: its defaults, this run's shared and preprocessing flags."""
     from mindspeed_pack.data.handlers import PRETRAIN
-    from mindspeed_pack.data.preprocess import _OUTPUT_ARGS, build_parser
+    from mindspeed_pack.datasets.preprocess import _OUTPUT_ARGS, build_parser
 
     ns = build_parser().parse_args(["--input", *inputs, "--output-prefix", "unset"])
     for dest in SHARED + PREPROCESS_ONLY:
@@ -117,7 +117,7 @@ def preprocess_namespace(args, inputs: list):
 def _preprocess(ns) -> dict:
     """Run preprocess_data.py's pipeline (cache included); bad input becomes a :class:`DataError`."""
     from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
-    from mindspeed_pack.data.preprocess import run
+    from mindspeed_pack.datasets.preprocess import run
 
     sidecar = f"{ns.output_prefix}_packed_meta.json"
     before = os.stat(sidecar).st_mtime_ns if os.path.exists(sidecar) else None
@@ -138,8 +138,8 @@ def _on_rank_zero(args, work) -> dict:
     """``work()`` on rank 0 while the other ranks wait (up to :data:`WAIT_HOURS`); its result on every rank."""
     import torch.distributed as dist
 
-    from mindspeed_pack.training import peers
-    from mindspeed_pack.training.initialize import initialize_from_args
+    from mindspeed_pack.runtime import peers
+    from mindspeed_pack.runtime.process_groups import initialize_from_args
 
     initialize_from_args(args)  # the process groups training uses next (a second call is a no-op)
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=WAIT_HOURS))

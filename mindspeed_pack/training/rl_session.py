@@ -15,7 +15,7 @@ optimizer, scheduler and process groups stay up from round to round::
 
 Nothing here is a second loop: :meth:`RLSession.step` is the trainer's own iteration
 (:meth:`~mindspeed_pack.training.trainer.Trainer.train_iteration`) over a
-:class:`~mindspeed_pack.data.rollouts.RolloutBatchSource` whose rollouts are handed over
+:class:`~mindspeed_pack.datasets.rollouts.RolloutBatchSource` whose rollouts are handed over
 instead of read from ``--rollout-path``, so rows are packed, balanced over DP ranks, lost and
 logged exactly as ``posttrain.py --stage grpo`` does with the same rollouts in a file, and
 :meth:`RLSession.score` is ``--stage score``'s forward pass. Every rank calls every method
@@ -32,10 +32,11 @@ from typing import List, Optional
 import numpy as np
 import torch.distributed as dist
 
-from mindspeed_pack.data.packed_dataset import DataError
-from mindspeed_pack.data.rollout_text import tokenize_text_rows
-from mindspeed_pack.data.rollouts import Rollout, RolloutBatchSource, check_rollouts
-from mindspeed_pack.training import hf_checkpoint, peers
+from mindspeed_pack.checkpoint import hf_checkpoint
+from mindspeed_pack.datasets.packed_dataset import DataError
+from mindspeed_pack.datasets.rollout_text import tokenize_text_rows
+from mindspeed_pack.datasets.rollouts import Rollout, RolloutBatchSource, check_rollouts
+from mindspeed_pack.runtime import peers
 from mindspeed_pack.training.stages.score import ScoreStage
 
 
@@ -79,7 +80,7 @@ class _ScoresInMemory(ScoreStage):
 
 def session_arg_provider(extra_args_provider=None):
     """posttrain.py's flags for a session (``--stage grpo``, no ``--rollout-path``), plus a script's own."""
-    from mindspeed_pack.training.arguments import per_split_data_args
+    from mindspeed_pack.config.arguments import per_split_data_args
     from mindspeed_pack.training.stages import stage_args
 
     def provider(p):
@@ -94,9 +95,9 @@ def session_arg_provider(extra_args_provider=None):
 
 def session_args(argv=None, extra_args_provider=None):
     """The parsed and checked flags of a session (``--dry-run`` prints them and exits)."""
-    from mindspeed_pack.data.packed_dataset import resolve_vocab_size
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
     from mindspeed_pack.training import run_plan
-    from mindspeed_pack.training.arguments import parse_args
 
     args = parse_args(argv, extra_args_provider=session_arg_provider(extra_args_provider),
                       description="mindspeed-pack in-process RL session (GRPO on rollouts handed over)")

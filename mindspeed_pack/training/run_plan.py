@@ -14,14 +14,13 @@ the data found, its packs, the iterations, the parallel layout and a memory esti
 from __future__ import annotations
 
 import logging
-import math
 import os
 
-from mindspeed_pack.data.packed_documents import DataError
+from mindspeed_pack.config import resolved_config
+from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.vocab_cross_entropy import chunk_tokens
 from mindspeed_pack.packing.balance import model_shape
-from mindspeed_pack.training import resolved_config
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +29,8 @@ GB = 1024 ** 3
 
 def training_documents(args) -> int:
     """Documents (packs, or unpacked samples) of the training split."""
-    from mindspeed_pack.data.packed_dataset import split_ranges
-    from mindspeed_pack.data.packed_documents import PackedDocuments
+    from mindspeed_pack.datasets.packed_dataset import split_ranges
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
 
     per_split = getattr(args, "train_data_path", None)
     if per_split:
@@ -112,7 +111,7 @@ def memory_estimate(args) -> dict:
     # the fused loss holds one chunk of fp32 logits (model/vocab_cross_entropy.py), megatron's unfused one all
     rows = args.seq_length * args.micro_batch_size / cp
     vocab = (args.padded_vocab_size or 0) / tp
-    chunk = getattr(args, "cross_entropy_chunk_size", None)
+    chunk = getattr(args, "cross_entropy_chunk_size", None)  # model-shape namespaces (bench, tests) lack it
     if chunk != 0:
         rows = min(rows, chunk or chunk_tokens(int(vocab)))
     logits = rows * vocab * 4 * 2
@@ -131,7 +130,7 @@ def _data_lines(args) -> list:
                 f"{args.max_seqlen_per_dp_cp_rank} tokens per CP rank)"]
     if getattr(args, "data_summary", None):
         return [f"data: {args.data_summary}"]
-    from mindspeed_pack.data.packed_documents import read_meta
+    from mindspeed_pack.datasets.packed_documents import read_meta
 
     lines = []
     prefixes = [p for p in args.data_path or [] if not _is_weight(p)]

@@ -10,15 +10,13 @@ the global batch size after every update::
 so a warmup shorter than an iteration still warms up (the first step runs at lr 0), and a
 resume with another global batch size keeps its place in the schedule (with
 ``--use-checkpoint-opt_param-scheduler``). Checkpoints written before the schedule counted
-samples hold iteration counts; :func:`in_samples` converts them at load.
+samples hold iteration counts: :func:`mindspeed_pack.checkpoint.identity.in_samples` converts them at load.
 """
 from __future__ import annotations
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-# the scheduler state's marker: its step counts are samples (absent: iterations, older checkpoints)
-UNIT_KEY, UNIT = "num_steps_unit", "samples"
-_STEP_KEYS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
+from mindspeed_pack.checkpoint.identity import UNIT, UNIT_KEY
 
 
 class SampleScheduler(OptimizerParamScheduler):
@@ -44,18 +42,3 @@ def build_scheduler(args, optimizer) -> SampleScheduler:
         start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=(args.train_iters or 1) * gbs, wd_incr_style="constant",
     )
-
-
-def in_samples(state: dict, global_batch_size: int) -> dict:
-    """A saved scheduler state with its step counts in samples.
-
-    States without the marker counted iterations (one step per update): each count times the
-    global batch size gives the same learning rate at the same iteration as before."""
-    if state.get(UNIT_KEY) == UNIT:
-        return state
-    out = dict(state)
-    for key in _STEP_KEYS:
-        if key in out:
-            out[key] = out[key] * global_batch_size
-    out[UNIT_KEY] = UNIT
-    return out

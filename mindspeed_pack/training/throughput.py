@@ -40,7 +40,7 @@ def step_fields(args, stats: dict, elapsed: float, dp: int, world_size: int) -> 
     flops = cost_model(args).flops(tokens, sum_sq)
     out = {"model TFLOPs": flops / 1e12,
            "model TFLOP/s per device": flops / elapsed / world_size / 1e12 if elapsed > 0 else 0.0}
-    if getattr(args, "peak_tflops", None):
+    if args.peak_tflops:
         out["MFU"] = out["model TFLOP/s per device"] / args.peak_tflops
     if "rank imbalance" in stats:
         out["rank imbalance"] = stats["rank imbalance"]

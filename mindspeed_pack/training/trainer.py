@@ -17,86 +17,42 @@ import logging
 import math
 import time
 from functools import partial
-from typing import Callable, Iterator, List, Optional, Protocol
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
-from megatron.core.utils import get_model_config
 
-from mindspeed_pack import faults
-from mindspeed_pack.model import lora, moe, thd
-from mindspeed_pack.model.gpt import build_gpt_model
+from mindspeed_pack.checkpoint import hf_checkpoint, identity, save_load
+from mindspeed_pack.checkpoint.resume import load_run_checkpoint, loaded_from
+from mindspeed_pack.datasets.sidecar_checks import check_data
+from mindspeed_pack.model import moe
 from mindspeed_pack.packing import context_parallel as cp_view
-from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
-from mindspeed_pack.training import checkpointing, hf_checkpoint, lora_checkpoint, peers, preflight, throughput
-from mindspeed_pack.platform import cuda_usable
-from mindspeed_pack.training.exit_signal import ExitSignal
+from mindspeed_pack.runtime import faults, peers
+from mindspeed_pack.runtime.exit_signal import ExitSignal
+from mindspeed_pack.runtime.platform import cuda_usable
+from mindspeed_pack.runtime.process_groups import initialize_from_args
+from mindspeed_pack.training import throughput
+from mindspeed_pack.training.batches import BatchSource, host_packed_batch, model_device, packed_seq_params
 from mindspeed_pack.training.fused_adam import use_fused_adam
-from mindspeed_pack.training.init_weights import parallel_invariant_init
-from mindspeed_pack.training.initialize import initialize_from_args
 from mindspeed_pack.training.metrics import MetricsLogger
-from mindspeed_pack.training.precision import loss_scale, precision_record, scaler_owns_overflow
-from mindspeed_pack.training.schedule import build_scheduler
-from mindspeed_pack.training.stages.sft import SFTStage, loss_func  # noqa: F401  (loss_func: tests)
+from mindspeed_pack.training.model_setup import build_model, build_optimizer
+from mindspeed_pack.training.precision import first_non_finite_grad, loss_scale, precision_record, scaler_owns_overflow
+from mindspeed_pack.training.reductions import any_rank, dp_sum, global_means
 
 log = logging.getLogger(__name__)
-
-
-class BatchSource(Protocol):
-    """Where a script's data comes from."""
-
-    def setup(self, args, num_samples: dict) -> None:
-        """Build the splits' datasets for ``num_samples`` {'train': n, 'valid': n}."""
-
-    def micro_batches(self, split: str, consumed_samples: int) -> Iterator[dict]:
-        """This rank's micro-batches ({'input_ids','labels','segment_ids'} [b, s]) from a position."""
-
-    def has_split(self, split: str) -> bool:
-        ...
-
-    # optional: step_shape(split, consumed) -> (micro-batches, tokens per micro-batch, stats) for
-    # sources whose step shape varies (online packing); default args.num_micro_batches x seq_length
 
 
 class NonFiniteLossError(RuntimeError):
     pass
 
 
-def host_packed_batch(mb: dict, args) -> PackedBatch:
-    """A micro-batch's :class:`PackedBatch`, on the host (layout work happens there, once per micro-batch)."""
-    batch = build_packed_batch(
-        mb["input_ids"], mb["labels"], mb["segment_ids"],
-        reset_position_ids=args.reset_position_ids, per_sample_loss=args.per_sample_loss,
-        sample_ids=mb.get("sample_ids"),
-    )
-    if "loss_mask" in mb:  # e.g. --eod-mask-loss: extra untrained targets from the data side
-        batch.loss_mask = batch.loss_mask * mb["loss_mask"].reshape(batch.loss_mask.shape).float()
-    return batch
-
-
-def model_device():
-    return torch.cuda.current_device() if cuda_usable() else "cpu"
-
-
-def to_packed_batch(mb: dict, args) -> PackedBatch:
-    return host_packed_batch(mb, args).to(model_device())
-
-
-def packed_seq_params(batch: PackedBatch) -> thd.ThdParams:
-    """THD parameters of a micro-batch (:mod:`mindspeed_pack.model.thd`), for this rank's CP share."""
-    return thd.packed_seq_params(batch, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())
-
-
 class Trainer:
-    def __init__(self, args, batch_source: BatchSource, stage=None):
+    def __init__(self, args, batch_source: BatchSource, stage):
         self.args = args
         self.source = batch_source
-        self.stage = stage or SFTStage(args)
+        self.stage = stage
         self.stage_reports = {}
         self.iteration = 0
         self.consumed_samples = 0
@@ -112,115 +68,41 @@ class Trainer:
         initialize_from_args(args)
         if args.deterministic_mode:
             torch.use_deterministic_algorithms(True, warn_only=not cuda_usable())
-        self.model = self._build_model()
-        self.optimizer, self.scheduler = self._build_optimizer()
-        preflight.guard_scheduler_resume(args, self.scheduler)
+        self.model = build_model(args)
+        self.optimizer, self.scheduler = build_optimizer(args, self.model)
+        identity.guard_scheduler_resume(args, self.scheduler)
         if args.load:  # LoRA: the base (weights only), then the adapters of --lora-load
-            load = lora_checkpoint.load_checkpoint if getattr(args, "lora_r", None) else checkpointing.load_checkpoint
-            self.iteration, self.consumed_samples = load(args, self.model, self.optimizer, self.scheduler)
+            self.iteration, self.consumed_samples = load_run_checkpoint(args, self.model, self.optimizer,
+                                                                        self.scheduler)
             use_fused_adam(self.optimizer)  # a loaded optimizer takes the saved groups' settings
-        # what this run reads from here on: a resume with another global batch size continues
-        # from the checkpoint's consumed samples
-        remaining = max(0, (args.train_iters or 0) - self.iteration)
+        # validation goes on through its split (cycling) from evaluation to evaluation, as in Megatron-LM:
+        # its place after a resume follows from the iteration; --skip-train reads from the split's start
         eval_samples = args.eval_iters * args.global_batch_size
-        # validation goes on through its split (cycling) from evaluation to evaluation, as in
-        # Megatron-LM: every --eval-interval and once at the end; its place after a resume
-        # follows from the iteration. --skip-train reads from the split's start, as does test.
-        evaluations = 1 if args.skip_train or not args.train_iters else (args.train_iters // args.eval_interval + 1)
         self.consumed_valid_samples = 0 if args.skip_train else self.iteration // args.eval_interval * eval_samples
-        num_samples = {"train": self.consumed_samples + remaining * args.global_batch_size if remaining else 0,
-                       "valid": max(evaluations * eval_samples, self.consumed_valid_samples + eval_samples),
-                       "test": eval_samples}
-        self.source.setup(args, num_samples)
+        self.source.setup(args, self._samples_to_read())
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
-            preflight.check_data(docs, args)
+            check_data(docs, args)
         self.stage.setup(self)
         self.metrics = MetricsLogger(args, enabled=self._is_logging_rank(), start_iteration=self.iteration,
                                      extra_metrics=self.stage.metric_names)
-        self._log_resume()
+        self.metrics.resumed(self.iteration, loaded_from(args))
         self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
         if args.exit_signal_handler:
             # the current iteration and the agreement to stop, with room for a slow step
             self.exit_signal = ExitSignal(grace_s=lambda: 10.0 + 2.0 * self.slowest_step_s,
                                           describe=lambda: self.phase)
 
-    def _log_resume(self) -> None:
-        """Once per job start: where training resumes and which logged steps it runs again."""
-        attempt = faults.restart_attempt()
-        if not self._is_logging_rank() or not (self.iteration or self.metrics.replaced or attempt):
-            return
-        if self.metrics.replaced:
-            first, last, n = min(self.metrics.replaced), max(self.metrics.replaced), len(self.metrics.replaced)
-            steps = f"iteration {first} (1 step), logged before, is" if n == 1 else \
-                f"iterations {first}-{last} ({n} steps), logged before, are"
-            rerun = f"; {steps} run again and replaced in {self.args.metrics_file}"
-        else:
-            rerun = "; no logged step is re-run" if self.args.metrics_file else ""
-        loaded = getattr(self.args, "lora_load", None) or self.args.load  # LoRA: the adapters' checkpoint
-        where = f"{loaded} at iteration {self.iteration}" if self.iteration else "scratch (no checkpoint yet)"
-        log.info("resumed from %s%s%s", where, f" (torchrun restart {attempt})" if attempt else "", rerun)
-
-    def _build_model(self) -> List[torch.nn.Module]:
-        """GPTModel -> Float16Module (bf16/fp16) -> megatron DDP, as Megatron-LM's ``get_model``."""
+    def _samples_to_read(self) -> dict:
+        """How many samples of each split this run reads from here on (a resume with another global batch
+        size continues from the checkpoint's consumed samples)."""
         args = self.args
-        pre = ps.is_pipeline_first_stage()
-        post = ps.is_pipeline_last_stage()
-        model = build_gpt_model(args, pre_process=pre, post_process=post)
-        if not args.load and not args.no_parallel_invariant_init:
-            parallel_invariant_init(model, args, args.seed)
-        elif getattr(args, "lora_r", None):  # the adapters of a loaded base: the same draw at every layout
-            parallel_invariant_init(model, args, args.seed, only=lora.is_adapter_name)
-        if cuda_usable():
-            model.cuda(torch.cuda.current_device())
-        config = get_model_config(model)
-        backend = model.attention_backend
-        if args.bf16 or args.fp16:
-            # every parameter in the half dtype (no fp32 stragglers), fp32 logits out of the last stage
-            model = Float16Module(config, model)
-            model.attention_backend = backend
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,  # Megatron-LM's default under --bf16 (accumulate_allreduce_grads_in_fp32)
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            overlap_param_gather=args.overlap_param_gather,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            check_for_nan_in_grad=False,
-        )
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-        if dist.get_rank() == 0:
-            n = sum(p.numel() for p in model.parameters())
-            log.info("model chunk on rank 0: %.2fM parameters, attention backend %s", n / 1e6, backend)
-            if getattr(args, "lora_r", None):
-                trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-                log.info("LoRA r=%d alpha=%g on %s: %d adapter parameters train (%.3f%% of the chunk), the base is "
-                         "frozen (no gradient buffer, no optimizer state)", args.lora_r, args.lora_alpha,
-                         " ".join(args.lora_target_modules or [lora.ALL_LINEAR]), trained, 100.0 * trained / n)
-        return [model]
-
-    def _build_optimizer(self):
-        args = self.args
-        opt_config = OptimizerConfig(
-            optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-            clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-            params_dtype=torch.bfloat16 if args.bf16 else (torch.float16 if args.fp16 else torch.float32),
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            overlap_param_gather=args.overlap_param_gather,
-            initial_loss_scale=args.initial_loss_scale, loss_scale=args.loss_scale,
-            min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis,
-        )
-        optimizer = get_megatron_optimizer(opt_config, self.model)
-        use_fused_adam(optimizer)
-        scheduler = build_scheduler(args, optimizer)  # counted in samples, as Megatron-LM does
-        config = get_model_config(self.model[0])
-        config.grad_scale_func = optimizer.scale_loss
-        config.no_sync_func = self.model[0].no_sync
-        if args.overlap_grad_reduce:
-            # start each bucket's reduction as soon as its gradients are ready (Megatron-LM's train())
-            config.grad_sync_func = self.model[0].start_grad_sync
-        config.finalize_model_grads_func = finalize_model_grads
-        config.timers = None
-        return optimizer, scheduler
+        remaining = max(0, (args.train_iters or 0) - self.iteration)
+        eval_samples = args.eval_iters * args.global_batch_size
+        # validation: every --eval-interval and once at the end; test: once, from the split's start
+        evaluations = 1 if args.skip_train or not args.train_iters else (args.train_iters // args.eval_interval + 1)
+        return {"train": self.consumed_samples + remaining * args.global_batch_size if remaining else 0,
+                "valid": max(evaluations * eval_samples, self.consumed_valid_samples + eval_samples),
+                "test": eval_samples}
 
     def sync_params(self) -> None:
         """With --overlap-param-gather the optimizer's all-gather of updated weights is finished lazily
@@ -324,27 +206,7 @@ class Trainer:
 
     def _global_mean(self, loss_sum: torch.Tensor) -> float:
         """Per-token mean over the global batch, known on every rank."""
-        return self._global_means({"lm loss": loss_sum})["lm loss"]
-
-    def _global_means(self, sums: dict) -> dict:
-        """Each ``[sum, count]`` of ``sums`` reduced over the whole job, as a mean (every rank knows it)."""
-        if not sums:
-            return {}
-        maxima = [k for k in sums if k in getattr(self.stage, "max_metrics", ())]
-        out = {}
-        for names, op in (([k for k in sums if k not in maxima], dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX)):
-            if not names:
-                continue
-            t = torch.stack([sums[k] for k in names])
-            device = torch.cuda.current_device() if cuda_usable() else "cpu"
-            t = t.to(device)
-            # each CP rank holds its share of the tokens' losses
-            dist.all_reduce(t, op=op, group=ps.get_data_parallel_group(with_context_parallel=True))
-            # the last pipeline stage holds the loss: share it with the whole pipeline
-            dist.all_reduce(t, op=op, group=ps.get_pipeline_model_parallel_group())
-            t = t.cpu()
-            out.update({k: float(v[0] / v[1]) if v[1] > 0 else float("nan") for k, v in zip(names, t)})
-        return {k: out[k] for k in sums}
+        return global_means({"lm loss": loss_sum})["lm loss"]
 
     def train_step(self):
         args = self.args
@@ -362,7 +224,7 @@ class Trainer:
             return loss, float("nan"), stats, False
         # under --fp16 dynamic loss scaling an overflow is expected: optimizer.step() skips the
         # update and lowers the scale (Megatron-LM); elsewhere it is a failed step
-        bad = None if scaler_owns_overflow(self.optimizer) else self._first_non_finite_grad()
+        bad = None if scaler_owns_overflow(self.optimizer) else first_non_finite_grad(self.model)
         if bad is not None:
             where = f"iteration {self.iteration + 1} (first non-finite gradient: {bad})"
             if args.nan_policy == "stop":
@@ -378,34 +240,6 @@ class Trainer:
         else:
             self.skipped += 1
         return loss, (float(grad_norm) if grad_norm is not None else float("nan")), stats, ok
-
-    def _first_non_finite_grad(self) -> Optional[str]:
-        """Name of a parameter whose gradient holds inf/NaN (None if every one is finite).
-
-        One pass over the contiguous grad buffers; names are looked up only when one is bad.
-        Every rank agrees (a MAX all-reduce), so all skip or all stop together.
-        """
-        device = torch.cuda.current_device() if cuda_usable() else "cpu"
-        local = any(not bool(torch.isfinite(buf.grad_data).all())
-                    for chunk in self.model for buf in [*chunk.buffers, *chunk.expert_parallel_buffers])
-        flag = torch.tensor([int(local)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not flag.item():
-            return None
-        name = None
-        if local:
-            for chunk in self.model:
-                for n, p in chunk.module.named_parameters():
-                    g = getattr(p, "main_grad", None)
-                    g = p.grad if g is None else g
-                    if g is not None and not bool(torch.isfinite(g).all()):
-                        name = f"{n} on rank {dist.get_rank()}"
-                        break
-                if name:
-                    break
-        names = [None] * dist.get_world_size()
-        dist.all_gather_object(names, name)
-        return next((n for n in names if n), "unknown parameter")
 
     # ------------------------------------------------------------------ loop
     def train(self) -> None:
@@ -462,26 +296,17 @@ class Trainer:
     def _should_exit(self) -> bool:
         signalled = bool(self.exit_signal and self.exit_signal.requested)
         flag = signalled or bool(self.args.exit_interval and self.iteration % self.args.exit_interval == 0)
-        t = torch.tensor([int(flag)], device=torch.cuda.current_device() if cuda_usable() else "cpu")
-        dist.all_reduce(t)  # every rank must agree
-        if t.item() and self.exit_signal:
+        stop = any_rank(flag)
+        if stop and self.exit_signal:
             self.exit_signal.agreed()
-        return bool(t.item())
-
-    def _dp_sum(self, stats: dict) -> dict:
-        """``stats`` summed over the data-parallel group: the whole job's step, not one rank's."""
-        keys = sorted(stats)
-        device = torch.cuda.current_device() if cuda_usable() else "cpu"
-        t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=device)
-        dist.all_reduce(t, group=ps.get_data_parallel_group())
-        return {k: float(v) for k, v in zip(keys, t.cpu().tolist())}
+        return stop
 
     def _log_step(self, loss, grad_norm, stats, elapsed) -> dict:
         args = self.args
         # the balanced plan's figure is the whole job's already: keep it out of the DP sum
         plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance"}
-        stage_metrics = self._global_means(self.stage_reports)
-        stats = self._dp_sum(stats)
+        stage_metrics = global_means(self.stage_reports, getattr(self.stage, "max_metrics", ()))
+        stats = dp_sum(stats)
         total = int(stats["tokens"])
         real = int(stats["real tokens"])
         stats.update(plan)
@@ -528,7 +353,7 @@ class Trainer:
         if split == "valid":
             self.consumed_valid_samples += args.eval_iters * args.global_batch_size
         loss = self._global_mean(total)
-        tokens = int(self._dp_sum({"tokens": tokens})["tokens"])
+        tokens = int(dp_sum({"tokens": tokens})["tokens"])
         self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
         for chunk in self.model:
             chunk.train()
@@ -537,7 +362,7 @@ class Trainer:
 
     def save(self) -> None:
         self.sync_params()
-        checkpointing.save_checkpoint(self.args, self.iteration, self.consumed_samples, self.model,
+        save_load.save_checkpoint(self.args, self.iteration, self.consumed_samples, self.model,
                                       self.optimizer, self.scheduler)
 
     def cleanup(self, barrier: bool = True) -> None:
@@ -552,18 +377,18 @@ class Trainer:
             dist.barrier()
 
 
-def run(args, batch_source: BatchSource, before_train: Optional[Callable] = None, stage=None) -> Trainer:
+def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable] = None) -> Trainer:
     trainer = Trainer(args, batch_source, stage)
     with peers.waiting_for(lambda: trainer.phase, args.distributed_timeout_minutes):
         try:
             trainer.setup()
-            if getattr(args, "save_hf", None):
+            if args.save_hf:
                 hf_checkpoint.check_exportable(args)  # before training, not after it
             if before_train:
                 before_train(trainer)
             trainer.train()
             # a run stopped early (--exit-interval, a signal) exports nothing: it is not the trained model
-            if getattr(args, "save_hf", None) and not args.skip_train and trainer.iteration >= args.train_iters:
+            if args.save_hf and not args.skip_train and trainer.iteration >= args.train_iters:
                 trainer.phase = "the Hugging Face export (--save-hf)"
                 trainer.sync_params()
                 hf_checkpoint.save_hf(args, trainer.model)

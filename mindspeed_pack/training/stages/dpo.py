@@ -32,10 +32,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
-from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.model import lora
 from mindspeed_pack.packing.segments import PackedBatch
-from mindspeed_pack.platform import cuda_usable
+from mindspeed_pack.runtime.platform import cuda_usable
+from mindspeed_pack.training.stages import reference
 from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class DPOStage:
     def batch_source(self, args):
         if args.sequence_packing_scheduler != "none":
             raise DataError("--stage dpo reads offline packs of whole pairs: drop --sequence-packing-scheduler")
-        from mindspeed_pack.data.packed_dataset import PackedBatchSource
+        from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
 
         return PackedBatchSource()
 
@@ -108,13 +109,12 @@ class DPOStage:
                 raise DataError(f"--stage dpo: {docs.prefix!r} holds no preference pairs (its sidecar records no "
                                 "pairing): preprocess with --handler-name AlpacaStylePairwiseHandler or "
                                 "SharegptStylePairwiseHandler --pack --neat-pack")
-        if args.ref_logps:
-            from mindspeed_pack.training.stages.reference import ReferenceTable
-
-            self.tables = {docs.prefix: ReferenceTable.load_for(docs) for docs in trainer.source.docs}
+        source = reference.reference_source(args)
+        if source == reference.TABLE:
+            self.tables = {docs.prefix: reference.ReferenceTable.load_for(docs) for docs in trainer.source.docs}
             log.info("dpo: precomputed reference log-probs (%s)", ", ".join(t.path for t in self.tables.values()))
             return
-        if getattr(args, "lora_r", None) and not args.ref_load:
+        if source == reference.ADAPTERS_OFF:
             self.reference, self.base_as_reference = trainer.model, True
             log.info("dpo: reference model = the frozen base --load %s: the policy's own module with its LoRA adapters "
                      "switched off (no second model in memory)", args.load)
@@ -125,14 +125,14 @@ class DPOStage:
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config
 
+        from mindspeed_pack.checkpoint import save_load
         from mindspeed_pack.model.gpt import build_gpt_model
-        from mindspeed_pack.training import checkpointing
 
         args = self.args
         model = build_gpt_model(lora.without_lora(args), pre_process=ps.is_pipeline_first_stage(),
                                 post_process=ps.is_pipeline_last_stage())
         if args.ref_load:
-            checkpointing.load_model_weights(args, args.ref_load, model, "--ref-load")
+            save_load.load_model_weights(args, args.ref_load, model, "--ref-load")
             log.info("dpo: reference model loaded from %s (frozen)", args.ref_load)
         elif trainer.iteration > 0:
             raise DataError(f"--stage dpo resumes at iteration {trainer.iteration}: the reference is the *starting* "
@@ -153,10 +153,8 @@ class DPOStage:
     # ---------------------------------------------------------------- per step
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         if self.reference is not None:
-            from mindspeed_pack.training.stages.reference import score_sequences
-
             with lora.base_model_only(self.reference) if self.base_as_reference else contextlib.nullcontext():
-                scores = score_sequences(self.reference, batches, tokens_per_micro_batch)
+                scores = reference.score_sequences(self.reference, batches, tokens_per_micro_batch)
             for batch, seq in zip(batches, scores):
                 if seq is not None:
                     chosen, rejected = pair_segments(batch)

@@ -1,6 +1,6 @@
 """Policy-gradient step on packed rollouts (``posttrain.py --stage grpo``): PPO-clip with given advantages.
 
-Rollouts (:mod:`mindspeed_pack.data.rollouts`) are packed one per segment; the model's per-token
+Rollouts (:mod:`mindspeed_pack.datasets.rollouts`) are packed one per segment; the model's per-token
 loss at the position that predicts response token ``j`` is ``-log pi(r_j)``, and the row holds
 that token's old log-prob, reference log-prob and advantage at the same position. Per token::
 
@@ -22,10 +22,9 @@ the step's total count, whatever the packing or DP/PP layout):
 from __future__ import annotations
 
 import torch
-
 from megatron.core import parallel_state as ps
 
-from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch
 from mindspeed_pack.training.stages.sequences import whole_sequence_sums
@@ -118,7 +117,7 @@ class GRPOStage:
             " in the global batch"
 
     def batch_source(self, args):
-        from mindspeed_pack.data.rollouts import RolloutBatchSource
+        from mindspeed_pack.datasets.rollouts import RolloutBatchSource
 
         return RolloutBatchSource(need_advantages=True)
 

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from mindspeed_pack.data.packed_dataset import DataError, micro_batch
+from mindspeed_pack.datasets.packed_dataset import DataError, micro_batch
+from mindspeed_pack.model import lora
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
 
@@ -28,6 +29,25 @@ log = logging.getLogger(__name__)
 
 SUFFIX = "_dpo_reference.pt"
 FORMAT = "mindspeed-pack dpo reference log-probs"
+
+# where a preference stage's reference log-probs come from (reference_source)
+TABLE, ADAPTERS_OFF, REF_LOAD, STARTING_POLICY = "precomputed table", "adapters off", "--ref-load", "starting policy"
+
+
+def reference_source(args) -> str:
+    """Where this run's reference log-probs come from: a precomputed table (``--ref-logps``), the policy itself
+    with its LoRA adapters switched off (a LoRA run without ``--ref-load``), a model loaded from ``--ref-load``,
+    or a frozen copy of the starting policy. Every stage with a reference asks this, not the flags."""
+    if args.ref_logps:
+        return TABLE
+    if lora.trains_adapters(args) and not args.ref_load:
+        return ADAPTERS_OFF
+    return REF_LOAD if args.ref_load else STARTING_POLICY
+
+
+def has_reference_model(args) -> bool:
+    """True when the reference is a second, frozen model in this job's memory."""
+    return reference_source(args) in (REF_LOAD, STARTING_POLICY)
 
 
 def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
@@ -45,7 +65,7 @@ def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score, nee
     """``score(batch, per-token loss)`` of every micro-batch under ``model_chunks`` (forward only, the
     same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere.
     ``needs_logits``: ``score`` gets the vocab-parallel logits instead of the per-token loss."""
-    from mindspeed_pack.training.trainer import packed_seq_params
+    from mindspeed_pack.training.batches import packed_seq_params
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -128,7 +148,7 @@ class ReferenceScoringStage:
         self.args = args
 
     def batch_source(self, args):
-        from mindspeed_pack.data.packed_dataset import PackedBatchSource
+        from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
 
         return PackedBatchSource()
 
@@ -160,7 +180,7 @@ class ReferenceScoringStage:
             self.score_prefix(trainer, docs)
 
     def score_prefix(self, trainer, docs) -> str:
-        from mindspeed_pack.training.trainer import to_packed_batch
+        from mindspeed_pack.training.batches import to_packed_batch
 
         args = self.args
         identity = data_identity(docs)

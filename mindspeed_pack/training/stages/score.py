@@ -2,7 +2,7 @@
 
 ``posttrain.py --stage score --load CKPT --rollout-path IN.jsonl --score-output OUT.jsonl
 --score-field old_logprobs`` runs ``--load`` forward over the rollouts, packed as ``--stage grpo``
-packs them (:class:`~mindspeed_pack.data.rollouts.RolloutBatchSource`, any TP/PP/CP/DP layout),
+packs them (:class:`~mindspeed_pack.datasets.rollouts.RolloutBatchSource`, any TP/PP/CP/DP layout),
 and writes every row back with the log-prob of each response token under ``--score-field``
 (``old_logprobs`` for the sampling policy, ``ref_logprobs`` for the reference), rows in input
 order; ``--score-entropy`` adds ``entropy``, the policy's entropy where each response token is
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.training.stages.reference import ReferenceScoringStage
 
@@ -38,12 +38,12 @@ class ScoreStage(ReferenceScoringStage):
         self.fields = (args.score_field,) + (("entropy",) if self.entropy else ())
 
     def batch_source(self, args):
-        from mindspeed_pack.data.rollouts import RolloutBatchSource
+        from mindspeed_pack.datasets.rollouts import RolloutBatchSource
 
         return RolloutBatchSource(need_advantages=False)
 
     def check(self, args) -> None:
-        from mindspeed_pack.data.rollouts import rollout_file_format
+        from mindspeed_pack.datasets.rollouts import rollout_file_format
 
         super().check(args)
         if not args.score_output:
@@ -52,8 +52,8 @@ class ScoreStage(ReferenceScoringStage):
 
     def score(self, trainer) -> dict:
         """{rollout index: {field: values of its response tokens}} of this rank, gathered and written on one rank."""
+        from mindspeed_pack.training.batches import to_packed_batch
         from mindspeed_pack.training.stages.reference import score_batches
-        from mindspeed_pack.training.trainer import to_packed_batch
 
         args, source = self.args, trainer.source
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
@@ -106,7 +106,7 @@ class ScoreStage(ReferenceScoringStage):
         return torch.stack([logp.reshape(-1), entropy.reshape(-1)])
 
     def write(self, rollouts, table: dict) -> None:
-        from mindspeed_pack.data.rollouts import rollout_file_format
+        from mindspeed_pack.datasets.rollouts import rollout_file_format
 
         args = self.args
         path, field = args.score_output, " and ".join(self.fields)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
 
 

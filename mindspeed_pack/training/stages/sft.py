@@ -28,11 +28,11 @@ class SFTStage:
     metric_names: tuple = ()
 
     def __init__(self, args):
-        self.per_sample = bool(getattr(args, "per_sample_loss", False))
+        self.per_sample = args.per_sample_loss
         self.normaliser = "samples" if self.per_sample else "trained tokens"
 
     def batch_source(self, args):
-        from mindspeed_pack.data.online_packing import batch_source
+        from mindspeed_pack.datasets.online_packing import batch_source
 
         return batch_source(args)
 

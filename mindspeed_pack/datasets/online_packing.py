@@ -25,7 +25,7 @@ communication), see :mod:`mindspeed_pack.packing.balance`.
   each, balancing the packs' costs (from the samples :func:`micro_batch` finds in them, the
   recorded or EOS boundaries of plain packs included); the micro-batch count is unchanged.
 
-Micro-batches come from :func:`~mindspeed_pack.data.packed_dataset.micro_batch`, as under
+Micro-batches come from :func:`~mindspeed_pack.datasets.packed_dataset.micro_batch`, as under
 scheduler ``none``, so both schedulers isolate, position and count samples alike.
 
 The loss is the per-token mean over the global batch, so neither layout changes it.
@@ -38,7 +38,7 @@ from typing import Iterator, List
 
 import numpy as np
 
-from mindspeed_pack.data.packed_dataset import DataError, PackedBatchSource, SplitDataset, micro_batch
+from mindspeed_pack.datasets.packed_dataset import DataError, PackedBatchSource, SplitDataset, micro_batch
 from mindspeed_pack.packing.balance import balance_partition, cost_model, imbalance, plan_online_packing
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 from mindspeed_pack.packing.segments import IGNORE_INDEX

@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 import os
 
+from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.convert import hf_io
-from mindspeed_pack.platform import cuda_usable
-from mindspeed_pack.training.errors import ArgumentError
+from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def bf16_supported() -> bool:
 
 def tokenizer_default(args, given: set) -> set:
     """``--tokenizer-name-or-path`` defaults to a Hugging Face ``--load`` directory holding tokenizer files."""
-    if "tokenizer_name_or_path" in given or getattr(args, "load_format", None) != "hf" or args.tokenizer_name_or_path:
+    if "tokenizer_name_or_path" in given or args.load_format != "hf" or args.tokenizer_name_or_path:
         return set()
     if not any(os.path.isfile(os.path.join(args.load, name)) for name in hf_io.TOKENIZER_FILES):
         return set()
@@ -64,12 +64,12 @@ def apply(args, given: set) -> set:
     A run from a HF ``--load`` gets them fresh; a resume from a Megatron checkpoint whose run got them
     (its ``run_config.yaml``, resolved_config.py) gets the same values, so its schedule matches the
     checkpoint's as the uninterrupted run's would."""
-    from mindspeed_pack.training import resolved_config
+    from mindspeed_pack.config import resolved_config
 
     applied = tokenizer_default(args, given)
     if args.stage != "sft" or not args.load:
         return applied
-    if getattr(args, "load_format", None) == "hf":
+    if args.load_format == "hf":
         defaults, why = _fresh_defaults(args, given), "--load is a Hugging Face model, --stage sft"
         if "save_hf" not in given and _exported(defaults.get("save_hf", "")):
             raise ArgumentError(f"--save {args.save}: the fine-tuning default --save-hf {defaults['save_hf']} exists "
@@ -80,7 +80,7 @@ def apply(args, given: set) -> set:
         why = f"resuming the run of --load {args.load}: its {resolved_config.FILE_NAME}"
         if _exported(defaults.get("save_hf") or ""):
             del defaults["save_hf"]  # that run exported already: no second export over it
-    if getattr(args, "load_format", None) == "hf" and not {"save_hf"} & (given | set(defaults)):
+    if args.load_format == "hf" and not {"save_hf"} & (given | set(defaults)):
         log.warning("--load %s is a Hugging Face model but neither --save nor --save-hf is given: the trained "
                     "model will not be written", args.load)
     if not defaults:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from megatron.core import parallel_state as ps
 
-from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack.convert import megatron_layout as layout
 
 
 def tp_pp_ranks() -> tuple:

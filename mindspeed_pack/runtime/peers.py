@@ -13,9 +13,11 @@ import contextlib
 import os
 import re
 
+import torch
 import torch.distributed as dist
 
-from mindspeed_pack.training.rendezvous import RendezvousTimeout, first_line
+from mindspeed_pack.runtime.platform import cuda_usable
+from mindspeed_pack.runtime.rendezvous import RendezvousTimeout, first_line
 
 # what gloo, NCCL and the store say when a peer is gone or late
 _BACKEND_FAILURE = re.compile(r"gloo|nccl|Connection (closed|reset|refused)|Timed out|timed out|timeout|"
@@ -53,3 +55,10 @@ def waiting_for(what, timeout_minutes: float):
         else:
             cause = "lost a peer (it died or closed its connection)"
         raise PeerFailure(f"rank {rank}: {cause} during {what}: {first}") from None
+
+
+def all_ranks_ok(error) -> bool:
+    """True when no rank failed (every rank must agree, or the others would hang in a barrier)."""
+    failed = torch.tensor([int(error is not None)], device=torch.cuda.current_device() if cuda_usable() else "cpu")
+    dist.all_reduce(failed)
+    return not failed.item()

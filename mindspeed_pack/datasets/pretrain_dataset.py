@@ -33,7 +33,7 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import IGNORE_INDEX, segment_ids_from_eod
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def build_tokenizer(args) -> EodTokenizer:
 
 def resolve_pretrain_vocab_size(args) -> None:
     """``--padded-vocab-size`` from the flags, the preprocessing sidecars or the tokenizer."""
-    from mindspeed_pack.data.packed_dataset import resolve_vocab_size
+    from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
 
     if args.padded_vocab_size is None and args.vocab_size is None:
         args.vocab_size = _from_sidecars(args.data_path, "vocab_size")
@@ -159,7 +159,7 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    from mindspeed_pack.data.validation import validate_text_documents
+    from mindspeed_pack.datasets.validation import validate_text_documents
 
     blend = data_prefixes(args.data_path)
     check_prefix_files(blend[0])

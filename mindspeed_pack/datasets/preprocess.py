@@ -42,15 +42,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-
-from mindspeed_pack import config_file
+from mindspeed_pack.config import yaml_file
 from mindspeed_pack.data import chat_template as hf_chat
-from mindspeed_pack.data import pack_writer, pairwise, readers
+from mindspeed_pack.data import pairwise, readers
 from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
-from mindspeed_pack.data.handlers import (COLUMN_KEYS, HANDLERS, PRETRAIN, REQUIRED_COLUMNS, SampleEncoder,
-                                          resolve_map_keys)
+from mindspeed_pack.data.handlers import (
+    COLUMN_KEYS,
+    HANDLERS,
+    PRETRAIN,
+    REQUIRED_COLUMNS,
+    SampleEncoder,
+    resolve_map_keys,
+)
 from mindspeed_pack.data.templates import get_template, marker_tokens
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
+from mindspeed_pack.datasets import pack_writer
 
 HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
 FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added when missing
@@ -111,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=10000, help="rows between progress lines when stderr is not a TTY")
     g.add_argument("--n-subs", type=int, default=None,
                    help="accepted for MindSpeed-LLM compatibility and ignored: packing always sees the whole dataset")
-    config_file.add_config_flag(p)
+    yaml_file.add_config_flag(p)
     return p
 
 
@@ -594,7 +600,7 @@ def _meta_path_from(meta: dict) -> str:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args, _ = config_file.parse(parser, argv)  # --config run.yaml: the same flags from a file
+    args, _ = yaml_file.parse(parser, argv)  # --config run.yaml: the same flags from a file
     try:
         run(args)
     except RowError as exc:

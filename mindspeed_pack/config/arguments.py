@@ -16,13 +16,12 @@ import logging
 import os
 import warnings
 
+from mindspeed_pack.config import finetune_defaults, hf_flags, resolved_config, yaml_file
+from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import padded_vocab_size
 from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
-from mindspeed_pack.platform import cuda_usable
-from mindspeed_pack import config_file
-from mindspeed_pack.training import finetune_defaults, hf_checkpoint, resolved_config
-from mindspeed_pack.training.errors import ArgumentError
+from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +179,9 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
                         "adapter directory")
 
 
+LORA_DEFAULT_RANK = 16  # --lora-target-modules without --lora-r
+
+
 def _check_lora_flags(args) -> None:
     """LoRA flags: on with --lora-r or --lora-target-modules; the adapted model needs its base (--load)."""
     if args.lora_r is None and args.lora_target_modules is None:
@@ -189,8 +191,6 @@ def _check_lora_flags(args) -> None:
             raise ArgumentError(f"{given[0]} needs the LoRA flags the adapters were trained with: --lora-r, "
                                 "--lora-alpha, --lora-target-modules")
         return
-    if args.lora_r is None:
-        args.lora_r = 16
     if args.lora_r <= 0:
         raise ArgumentError(f"--lora-r {args.lora_r}: the adapters' rank must be a positive integer")
     if args.lora_alpha <= 0:
@@ -396,7 +396,7 @@ def build_parser(description: str = "mindspeed-pack training") -> argparse.Argum
     for add in (_model_args, _moe_args, _lora_args, _parallel_args, _training_args, _data_args, _checkpoint_args,
                 _logging_args):
         add(p)
-    config_file.add_config_flag(p)
+    yaml_file.add_config_flag(p)
     return p
 
 
@@ -557,13 +557,15 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
     parser = build_parser(description or "mindspeed-pack training")
     if extra_args_provider is not None:
         extra_args_provider(parser)
-    args, argv = config_file.parse(parser, argv)  # one parser for the file and the command line
+    args, argv = yaml_file.parse(parser, argv)  # one parser for the file and the command line
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    given = hf_checkpoint._explicit_dests(parser, argv)  # flags the user chose (command line or file)
+    given = hf_flags.explicit_dests(parser, argv)  # flags the user chose (command line or file)
+    if args.lora_r is None and args.lora_target_modules is not None:
+        args.lora_r = LORA_DEFAULT_RANK  # LoRA is on (lora.trains_adapters) from here on
     try:
         before = dict(vars(args))
-        hf_checkpoint.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
+        hf_flags.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
         from_hf = {k for k, v in vars(args).items() if k in before and before[k] != v}
         defaults = finetune_defaults.apply(args, given)
         validate_args(args, world_size)

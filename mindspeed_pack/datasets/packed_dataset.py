@@ -17,9 +17,9 @@ from typing import Iterator, List, Optional
 import numpy as np
 import torch
 
-from mindspeed_pack.data.packed_documents import DataError, PackedDocuments, read_meta
-from mindspeed_pack.data.sample_index import get_sample_index, whole_epochs
-from mindspeed_pack.data.validation import validate_packed_documents
+from mindspeed_pack.datasets.packed_documents import DataError, PackedDocuments, read_meta
+from mindspeed_pack.datasets.sample_index import get_sample_index, whole_epochs
+from mindspeed_pack.datasets.validation import validate_packed_documents
 from mindspeed_pack.packing.balance import segment_lengths
 from mindspeed_pack.packing.segments import IGNORE_INDEX, segment_ids_at_eos
 
@@ -32,7 +32,9 @@ def split_ranges(num_docs: int, split: str) -> List[tuple]:
     (25 packs at ``98,2,0`` give 24/1/0, as ``GPTDataset`` splits them).
     """
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
 
     try:
         weights = [float(x) for x in split.replace("/", ",").split(",")]
@@ -95,7 +97,7 @@ def _split_sources(args) -> dict:
 def build_split_datasets(args, num_samples: dict) -> tuple:
     """({'train'|'valid'|'test': SplitDataset or None}, [PackedDocuments read]) (see :func:`_split_sources`).
 
-    The flags are checked against each prefix's data by ``mindspeed_pack.training.preflight``."""
+    The flags are checked against each prefix's data by ``mindspeed_pack.checkpoint.identity``."""
     out = {}
     sources = _split_sources(args)
     docs_read = []
@@ -129,7 +131,7 @@ def micro_batch(samples: List[dict], args, seq_length: Optional[int] = None, iso
     same samples, positions and real lengths.
 
     Shorter (unpacked) documents get a padding segment. Plain ``--pack`` rows (attention_mask all
-    ones) find their samples when preflight says the flags need them (``args.plain_pack_samples``):
+    ones) find their samples when the sidecar checks say the flags need them (``args.plain_pack_samples``):
     the boundaries recorded at preprocessing (the documents' ``sample_ids``), else at EOS; they
     become the isolated segments when ``isolate`` (default ``args.isolate_segments``), else only
     the groups of ``--per-sample-loss``. The untrained pads that end a sample (``--pad-to-multiple-of``'s,

@@ -1,7 +1,7 @@
 """Process-group and seed initialisation for torchrun jobs, on CUDA (nccl) or CPU (gloo).
 
 The process group meets through a store scoped to this restart attempt
-(:mod:`mindspeed_pack.training.rendezvous`), and it and megatron's groups wait at most
+(:mod:`mindspeed_pack.runtime.rendezvous`), and it and megatron's groups wait at most
 ``--distributed-timeout-minutes`` for a peer.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from mindspeed_pack import faults, platform
-from mindspeed_pack.training.rendezvous import attempt_store
+from mindspeed_pack.runtime import faults, platform
+from mindspeed_pack.runtime.rendezvous import attempt_store
 
 
 def initialize_distributed(

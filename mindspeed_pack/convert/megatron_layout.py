@@ -36,7 +36,7 @@ from typing import Dict, Optional
 
 import torch
 
-from mindspeed_pack import faults
+from mindspeed_pack.runtime import faults
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def save_file_atomic(obj, path: str, iteration: Optional[int] = None) -> None:
     """torch.save to a temporary name in the same directory, fsync, then rename.
 
     On any error (a full disk) the temporary file is removed and ``path`` is untouched.
-    ``iteration`` lets a ``write@N`` fault (:mod:`mindspeed_pack.faults`) strike half-way.
+    ``iteration`` lets a ``write@N`` fault (:mod:`mindspeed_pack.runtime.faults`) strike half-way.
     """
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"

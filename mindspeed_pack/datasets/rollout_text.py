@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from mindspeed_pack.data.errors import PreprocessError, RowError
-from mindspeed_pack.data.packed_dataset import DataError
+from mindspeed_pack.datasets.packed_dataset import DataError
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ class RolloutTokenizer:
 
     def __init__(self, tokenizer_path: str, prompt_type: str):
         from mindspeed_pack.data.handlers import ALPACA, SHAREGPT, resolve_map_keys
-        from mindspeed_pack.data.preprocess import EncoderConfig
         from mindspeed_pack.data.tokenizer import TokenizerSpec, load_tokenizer
+        from mindspeed_pack.datasets.preprocess import EncoderConfig
 
         spec = TokenizerSpec("PretrainedFromHF", tokenizer_path)
         tokenizer = load_tokenizer(spec)

@@ -8,7 +8,7 @@ optimizer state, the schedule, RNG states and data position, and a ``lora`` reco
 settings and the base (path and fingerprint) (:func:`mindspeed_pack.model.lora.checkpoint_entries`).
 ``--lora-load DIR`` resumes from it exactly (with ``--finetune``: its adapters only, at iteration 0),
 after checking that the flags are its LoRA settings and that ``--load`` is its base. Loading itself
-is the ordinary checkpoint code (:mod:`.checkpointing`).
+is the ordinary checkpoint code (:mod:`.save_load`).
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ import time
 
 import torch.distributed as dist
 
-from mindspeed_pack import checkpoint_layout as layout
+from mindspeed_pack.checkpoint import save_load
+from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.checkpoint.rank_files import rank_dir_name_here
 from mindspeed_pack.convert import adapters
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import ConversionError
 from mindspeed_pack.model import lora
-from mindspeed_pack.training import checkpointing
-from mindspeed_pack.training.checkpoint_ranks import rank_dir_name_here
-from mindspeed_pack.training.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +114,12 @@ def _check_adapter_record(args) -> None:
 
 def load_checkpoint(args, model, optimizer, scheduler):
     """The base (weights only), then ``--lora-load``'s adapters and training state; returns
-    (iteration, consumed_samples) as :func:`.checkpointing.load_checkpoint` does."""
+    (iteration, consumed_samples) as :func:`.save_load.load_checkpoint` does."""
     _refuse_adapters_as_base(args)
     with _flags(args, finetune=True):  # the base: weights only, iteration 0
-        checkpointing.load_checkpoint(args, model, optimizer, scheduler)
+        save_load.load_checkpoint(args, model, optimizer, scheduler)
     args.lora_base = base_record(args)
     if not args.lora_load:
         return 0, 0
     _check_adapter_record(args)
-    return checkpointing.load_checkpoint(args, model, optimizer, scheduler, root=args.lora_load, flag="--lora-load")
+    return save_load.load_checkpoint(args, model, optimizer, scheduler, root=args.lora_load, flag="--lora-load")

@@ -3,9 +3,10 @@
 ``--load HF_DIR`` (a directory with ``config.json`` and ``*.safetensors``, or any directory
 with ``--load-format hf``) needs no offline ``convert_ckpt.py`` step:
 
-1. before the flags are validated, :func:`apply_hf_flags` derives the model's shape from
-   config.json with the converter's own :func:`~mindspeed_pack.convert.model_specs.args_from_hf_config`:
-   a flag the user also passed must agree (the error names both values), the rest are filled in;
+1. before the flags are validated, :func:`mindspeed_pack.config.hf_flags.apply_hf_flags` derives the
+   model's shape from config.json with the converter's own
+   :func:`~mindspeed_pack.convert.model_specs.args_from_hf_config`: a flag the user also passed must agree
+   (the error names both values), the rest are filled in;
 2. at load, every rank reads only its own TP/PP slice (:func:`rank_units`): the rows or
    columns of each HF tensor that its shard holds, through ``safe_open(...).get_slice``, then
    the converter's weight map (``hf_to_mg_unit``) turns them into that rank's Megatron tensors.
@@ -29,138 +30,30 @@ from typing import Callable, Dict, Iterator, Optional
 
 import torch
 
+from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.checkpoint.rank_files import is_shard_writer, rank_dir_name_here
 from mindspeed_pack.convert import hf_io
-from mindspeed_pack.convert.model_specs import (ConversionError, args_from_hf_config, flag_of, get_spec, model_differences,
-                                                same_setting, show_setting, training_model_args)
+from mindspeed_pack.convert.model_specs import (
+    RUN_LAYOUT_ARGS,
+    ConversionError,
+    args_from_hf_config,
+    get_spec,
+    same_setting,
+    training_model_args,
+)
 from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, shard_state_dict, stage_units
 from mindspeed_pack.convert.tokenizer_record import has_tokenizer, read_tokenizer_record
 from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit, hf_unit_shapes, is_ignorable_hf_tensor
-from mindspeed_pack.training.checkpoint_ranks import is_shard_writer, rank_dir_name_here
-from mindspeed_pack.training.errors import ArgumentError, CheckpointError, all_ranks_ok
+from mindspeed_pack.model import lora
+from mindspeed_pack.runtime.peers import all_ranks_ok
 
 log = logging.getLogger(__name__)
 
 MERGE_TIMEOUT_MINUTES = 240  # how long the other ranks wait for rank 0's --save-hf merge
 
-# conversion arguments that are inputs of the run (its layout), not properties of the model
-_RUN_LAYOUT_ARGS = ("seq_length", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "expert_model_parallel_size", "make_vocab_size_divisible_by")
-
-
 # --------------------------------------------------------------------------- which --load
-def _has_safetensors(path: str) -> bool:
-    return any(name.endswith(".safetensors") for name in os.listdir(path))
-
-
-def looks_like_hf(path: str) -> bool:
-    """A directory holding HF files (config.json or safetensors) and no Megatron tracker."""
-    from mindspeed_pack import checkpoint_layout as layout
-
-    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, layout.TRACKER)):
-        return False
-    return os.path.isfile(os.path.join(path, hf_io.CONFIG)) or _has_safetensors(path)
-
-
-def check_hf_dir(path: str, flag: str = "--load", error=ArgumentError) -> None:
-    """``path`` holds what direct loading reads (config.json, safetensors); ``flag`` names it in the error."""
-    if not os.path.isdir(path):
-        raise error(f"{flag} {path}: no such directory")
-    if not os.path.isfile(os.path.join(path, hf_io.CONFIG)):
-        raise error(f"{flag} {path}: no config.json; a Hugging Face model directory needs config.json "
-                    "next to its *.safetensors weights")
-    if not _has_safetensors(path):
-        found = sorted(n for n in os.listdir(path) if n.endswith((".bin", ".pt", ".pth")))
-        hint = f" (found {found[:3]}: re-save with save_pretrained(..., safe_serialization=True), or convert " \
-               "it offline with convert_ckpt.py)" if found else ""
-        raise error(f"{flag} {path}: no *.safetensors weights; direct loading reads each rank's slice "
-                    f"from safetensors{hint}")
-
-
 def loads_hf(args) -> bool:
-    return getattr(args, "load_format", None) == "hf"
-
-
-# --------------------------------------------------------------------------- flags from config.json
-def _explicit_dests(parser: argparse.ArgumentParser, argv) -> set:
-    """Destinations of the flags present on the command line (a default is not a choice)."""
-    saved = [(action, action.default) for action in parser._actions]
-    for action, _ in saved:
-        action.default = argparse.SUPPRESS
-    try:
-        given, _ = parser.parse_known_args(argv)
-    finally:
-        for action, default in saved:
-            action.default = default
-    return set(vars(given))
-
-
-def fill_model_args(args, explicit: set) -> argparse.Namespace:
-    """Set the model-shape arguments of ``args`` from ``args.load``'s config.json.
-
-    Returns the converter's arguments for the model (the same ones ``convert_ckpt.py`` writes
-    into a converted checkpoint). Model fields a family adds to ``args_from_hf_config`` are
-    filled in the same way, with no change here.
-    """
-    config_path = os.path.join(args.load, hf_io.CONFIG)
-    try:
-        config = hf_io.read_config(args.load)
-        model = args_from_hf_config(
-            config, tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-            make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            padded_vocab_size=args.padded_vocab_size, where=config_path,
-            seq_length=args.seq_length,  # a sliding window shorter than the run's sequences is refused
-            ep=args.expert_model_parallel_size)
-    except ConversionError as e:
-        raise ArgumentError(f"--load {args.load}: {e}") from None
-    given = [k for k in vars(model) if k in explicit and k not in _RUN_LAYOUT_ARGS]
-    disagree = [f"{flag_of(key)} {show_setting(mine)} but {config_path} gives {flag_of(key)} {show_setting(theirs)}"
-                for key, theirs, mine in model_differences(vars(model), args, given)]
-    for key, value in vars(model).items():
-        if key not in _RUN_LAYOUT_ARGS:
-            setattr(args, key, value)
-    if disagree:
-        raise ArgumentError("model flags disagree with the Hugging Face config (drop them, or pass the config's "
-                            "values): " + "; ".join(disagree))
-    # dropout is the HF model's own (its config's attention_dropout; transformers' decoders have no hidden
-    # dropout), not Megatron-LM's 0.1 defaults, unless the flags are given
-    if "attention_dropout" not in explicit:
-        args.attention_dropout = float(config.get("attention_dropout", 0.0) or 0.0)
-    if "hidden_dropout" not in explicit:
-        args.hidden_dropout = 0.0
-    args.hf_config = config
-    args.loaded_sliding_window = getattr(model, "sliding_window", None)  # kept in the checkpoints this run saves
-    log.info("--load %s: Hugging Face %s, model flags from config.json", args.load, model.model_type_hf)
-    return model
-
-
-def _check_save_hf_dir(args) -> None:
-    path = args.save_hf
-    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise ArgumentError(f"--save-hf {path} exists and is not an empty directory; choose a new directory")
-    if args.load and os.path.abspath(path) == os.path.abspath(args.load):
-        raise ArgumentError(f"--save-hf {path} is the --load directory; choose a new directory")
-
-
-def apply_hf_flags(args, parser: argparse.ArgumentParser, argv) -> None:
-    """Resolve ``--load-format``, fill the model flags of a HF ``--load``, check ``--save-hf``.
-
-    Runs before the flags are validated (``--num-layers`` and friends may come from config.json).
-    """
-    fmt = getattr(args, "load_format", "auto")
-    if args.load and (fmt == "hf" or (fmt == "auto" and looks_like_hf(args.load))):
-        check_hf_dir(args.load)
-        if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
-            raise ArgumentError(f"--save {args.save} is the Hugging Face --load directory: checkpoints would be "
-                                "written into the model's files; choose another --save directory")
-        args.load_format = "hf"
-        fill_model_args(args, _explicit_dests(parser, argv))
-        # weights only: iteration 0, a fresh optimizer (a LoRA base always is; there --finetune is --lora-load's)
-        if not (getattr(args, "lora_r", None) or getattr(args, "lora_target_modules", None)):
-            args.finetune = True
-    elif args.load:
-        args.load_format = "mg"
-    if getattr(args, "save_hf", None):
-        _check_save_hf_dir(args)
+    return getattr(args, "load_format", None) == "hf"  # weights-only loads: model-shape namespaces too
 
 
 # --------------------------------------------------------------------------- one rank's slice
@@ -214,7 +107,7 @@ def rank_units(open_reader: Callable[[], hf_io.HFCheckpointReader], model: argpa
                tp: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> Iterator[Dict[str, torch.Tensor]]:
     """Rank ``(tp_rank, pp_rank, ep_rank)``'s Megatron tensors (canonical names), one unit at a time.
 
-    ``model`` is the converter's argument namespace at this TP/PP (:func:`fill_model_args`).
+    ``model`` is the converter's argument namespace at this TP/PP (:func:`mindspeed_pack.config.hf_flags.fill_model_args`).
     Together the units equal ``shard_state_dict`` of the offline conversion's full tensors.
     Each unit is read through a reader opened for it and closed after it, so the file pages a
     rank touched are unmapped unit by unit: a rank holds its model shard plus one unit's slice.
@@ -281,7 +174,7 @@ def read_rank_units(args, path: Optional[str] = None, flag: str = "--load") -> I
 
 # --------------------------------------------------------------------------- --save-hf
 def _data_prefixes(args) -> list:
-    paths = list(getattr(args, "data_path", None) or getattr(args, "train_data_path", None) or [])
+    paths = list(getattr(args, "data_path", None) or getattr(args, "train_data_path", None) or [])  # RL sessions: none
     out = []
     for p in paths:
         try:
@@ -294,7 +187,7 @@ def _data_prefixes(args) -> list:
 def tokenizer_dir(args) -> Optional[str]:
     """Where the tokenizer of this run lives: the data's extended ``P_tokenizer/`` (it holds the
     template's added tokens), else ``--tokenizer-name-or-path``, else the HF ``--load`` directory."""
-    from mindspeed_pack.data.packed_documents import read_meta
+    from mindspeed_pack.datasets.packed_documents import read_meta
 
     candidates = []
     for prefix in _data_prefixes(args)[:1]:
@@ -347,7 +240,7 @@ def check_exportable(args) -> None:
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
     lost = [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in vars(back).items()
-            if k in mine and k not in _RUN_LAYOUT_ARGS and not same_setting(mine[k], v)]
+            if k in mine and k not in RUN_LAYOUT_ARGS and not same_setting(mine[k], v)]
     if lost:
         raise CheckpointError(f"--save-hf {args.save_hf}: this model cannot be written as a Hugging Face "
                               f"{spec.hf_architecture}: {'; '.join(lost)}; drop --save-hf and keep the Megatron "
@@ -357,7 +250,7 @@ def check_exportable(args) -> None:
 def _weights_record(args, model) -> dict:
     """One shard for the merge; a LoRA run's holds its adapters only (a PEFT export) or the base and the
     adapters (``--lora-merge``), with the adapters' settings."""
-    from mindspeed_pack import checkpoint_layout as layout
+    from mindspeed_pack.convert import megatron_layout as layout
     from mindspeed_pack.model.lora import checkpoint_entries
 
     state = layout.model_state_for_save(model[0])
@@ -372,7 +265,7 @@ def _weights_record(args, model) -> dict:
 
 
 def _peft_export(args) -> bool:
-    return bool(getattr(args, "lora_r", None)) and not getattr(args, "lora_merge", False)
+    return lora.trains_adapters(args) and not args.lora_merge
 
 
 def save_hf(args, model, out_dir: Optional[str] = None) -> None:
@@ -386,7 +279,7 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     """
     import torch.distributed as dist
 
-    from mindspeed_pack import checkpoint_layout as layout
+    from mindspeed_pack.convert import megatron_layout as layout
     from mindspeed_pack.convert.convert import megatron_to_hf, megatron_to_peft
 
     out_dir = os.path.abspath(out_dir or args.save_hf)

@@ -15,7 +15,7 @@ import datetime
 import logging
 import os
 
-from mindspeed_pack import config_file
+from mindspeed_pack.config import yaml_file
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def record_sources(parser, args, given: set, from_hf: set, finetune: set) -> Non
             origin = "derived"
         else:
             origin = "default"
-        sources[dest] = [config_file.flag_name(action), origin]
+        sources[dest] = [yaml_file.flag_name(action), origin]
     args.flag_sources = sources
 
 
@@ -78,7 +78,7 @@ def text(args, script: str) -> str:
     note = getattr(args, "epochs_note", None)
     by_origin["epochs"] = [(name, value, note if name == "train-iters" else None)
                            for name, value, _ in by_origin["epochs"]]
-    return config_file.render([(title, by_origin[origin], shown) for origin, title, shown in SECTIONS], header)
+    return yaml_file.render([(title, by_origin[origin], shown) for origin, title, shown in SECTIONS], header)
 
 
 def paths(args) -> list:
@@ -98,7 +98,7 @@ def write(args, script: str) -> list:
     if written:
         content = text(args, script)
         for path in written:
-            config_file.write(path, content)
+            yaml_file.write(path, content)
         log.info("resolved configuration: %s (repeat the run with --config %s)", ", ".join(written), written[0])
     return written
 

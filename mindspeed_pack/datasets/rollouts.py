@@ -13,7 +13,7 @@ ids, never re-tokenised::
                                (--advantage-estimator grpo: (r - mean) / (std + 1e-6); rloo: r - mean of the others)
 
 A row may give text instead of ids (``prompt`` or OpenAI ``messages``, and ``response``): it is
-tokenised through the template path of ``--prompt-type`` (:mod:`mindspeed_pack.data.rollout_text`)
+tokenised through the template path of ``--prompt-type`` (:mod:`mindspeed_pack.datasets.rollout_text`)
 and keeps a record of it; exact ids stay the recommended form.
 
 Each row is checked on load (lengths agree with ``response_ids``, ids fit the vocabulary); a bad
@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from mindspeed_pack.data.errors import PreprocessError
-from mindspeed_pack.data.packed_dataset import DataError
 from mindspeed_pack.data.readers import FORMATS, chunk_rows, iter_chunks
+from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 from mindspeed_pack.packing.segments import IGNORE_INDEX
 
@@ -201,9 +201,9 @@ def check_rollouts(rows, vocab_size: int, max_length: int, overlong: str = "refu
 def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "refuse",
                   estimator: str = "grpo", need_advantages: bool = True, text_args=None) -> tuple[List[Rollout], dict]:
     """Checked rollouts of ``path`` (file or directory): :func:`check_rollouts` over its rows; with
-    ``text_args`` (the run's flags) text rows are tokenised (:mod:`mindspeed_pack.data.rollout_text`)."""
+    ``text_args`` (the run's flags) text rows are tokenised (:mod:`mindspeed_pack.datasets.rollout_text`)."""
     from mindspeed_pack.data.readers import resolve_input_files
-    from mindspeed_pack.data.rollout_text import tokenize_text_rows
+    from mindspeed_pack.datasets.rollout_text import tokenize_text_rows
 
     def rows():
         for chunk in iter_chunks(resolve_input_files(path), 4096):
@@ -276,7 +276,7 @@ class RolloutBatchSource:
     lengths, so each CP rank holds at most the cap), the same number of rows on every rank
     (:func:`mindspeed_pack.packing.balance.plan_online_packing`). A micro-batch is one row."""
 
-    docs: list = []  # no packed prefixes (the trainer's preflight checks those)
+    docs: list = []  # no packed prefixes (the trainer's sidecar checks read those)
 
     def __init__(self, need_advantages: bool = True):
         self.need_advantages = need_advantages

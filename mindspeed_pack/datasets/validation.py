@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from mindspeed_pack.data.packed_documents import DataError, PackedDocuments, check_index_header
+from mindspeed_pack.datasets.packed_documents import DataError, PackedDocuments, check_index_header
 from mindspeed_pack.packing.segments import IGNORE_INDEX, segment_ids_at_eos
 
 log = logging.getLogger(__name__)

@@ -8,15 +8,15 @@ checkpoint holds the model (canonical names), optimizer, scheduler, RNG states a
 ``consumed_samples`` (the position in the sample index), so a resumed run continues
 exactly as the uninterrupted one; and the model's arguments and its tokenizer's record, which
 every load (``--load``, ``--ref-load``; a Hugging Face directory too) checks against the flags
-and this run's tokenizer (:mod:`~mindspeed_pack.training.preflight`).
+and this run's tokenizer (:mod:`~mindspeed_pack.checkpoint.identity`).
 
 Files hold only tensors, numbers, strings and plain containers (RNG states included), so
 they load back with ``weights_only`` and no allow-list; every read goes through
-:func:`~mindspeed_pack.checkpoint_layout.load_file`, which refuses a file that asks for code.
+:func:`~mindspeed_pack.convert.megatron_layout.load_file`, which refuses a file that asks for code.
 A save that fails (a full disk) removes its partial files on every rank and raises a
 :class:`CheckpointError` saying the previous checkpoint is intact.
 
-Crash tests arm :mod:`mindspeed_pack.faults` (``MINDSPEED_PACK_FAULT=write@N:kill``, ...) to
+Crash tests arm :mod:`mindspeed_pack.runtime.faults` (``MINDSPEED_PACK_FAULT=write@N:kill``, ...) to
 die or fail at each phase of a save.
 """
 from __future__ import annotations
@@ -34,15 +34,17 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-from mindspeed_pack import checkpoint_layout as layout
-from mindspeed_pack import faults
+from mindspeed_pack.checkpoint import hf_checkpoint, identity
+from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.checkpoint.rank_files import is_shard_writer, rank_dir_name_here, tp_pp_ranks
+from mindspeed_pack.convert import hf_io
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import training_model_args
 from mindspeed_pack.convert.tokenizer_record import read_tokenizer_record
 from mindspeed_pack.model import lora
-from mindspeed_pack.platform import cuda_usable
-from mindspeed_pack.training import hf_checkpoint, preflight
-from mindspeed_pack.training.checkpoint_ranks import is_shard_writer, rank_dir_name_here, tp_pp_ranks
-from mindspeed_pack.training.errors import CheckpointError, all_ranks_ok
+from mindspeed_pack.runtime import faults
+from mindspeed_pack.runtime.peers import all_ranks_ok
+from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +203,14 @@ def _iteration_dir_for_load(root: str, iteration, flag: str = "--load") -> str:
     return it_dir
 
 
+def _allow_unsafe(args) -> bool:
+    """``--allow-unsafe-checkpoint-load`` (weights-only loads from model-shape namespaces have no such flag)."""
+    return bool(getattr(args, "allow_unsafe_checkpoint_load", False))
+
+
 def _saved_parallel_sizes(args, it_dir: str) -> tuple:
     try:
-        return layout.parallel_sizes_in(it_dir, getattr(args, "allow_unsafe_checkpoint_load", False))
+        return layout.parallel_sizes_in(it_dir, _allow_unsafe(args))
     except FileNotFoundError as e:
         raise CheckpointError(f"{it_dir}: no mp_rank_* directories; not a Megatron checkpoint") from e
     except layout.UnsafeCheckpointError as e:
@@ -214,7 +221,7 @@ def _read_file(args, root: str, path: str) -> dict:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} is missing: the checkpoint in {root} is incomplete")
     try:
-        return layout.load_file(path, allow_unsafe=getattr(args, "allow_unsafe_checkpoint_load", False))
+        return layout.load_file(path, allow_unsafe=_allow_unsafe(args))
     except layout.UnsafeCheckpointError as e:
         raise CheckpointError(str(e)) from None
     except Exception as e:  # truncated or corrupt
@@ -320,18 +327,18 @@ def recorded_args(state: dict) -> dict:
 def _check_tokenizer(args, record, source: str, policy: bool) -> None:
     """The checkpoint's tokenizer against this run's; a run that knows none takes the policy checkpoint's."""
     run_record = hf_checkpoint.run_tokenizer_record(args)
-    preflight.check_tokenizer(record, run_record, source)
+    identity.check_tokenizer(record, run_record, source)
     if policy and run_record is None:
         args.tokenizer_record = record  # the model's tokenizer: what this run's checkpoints record in turn
 
 
 def load_hf_weights(args, path: str, module, flag: str = "--load") -> None:
     """The weights of Hugging Face directory ``path`` into ``module``, each rank reading only its own slice,
-    one unit at a time (:func:`~mindspeed_pack.training.hf_checkpoint.read_rank_units`), after the model and
+    one unit at a time (:func:`~mindspeed_pack.checkpoint.hf_checkpoint.read_rank_units`), after the model and
     tokenizer checks of every load."""
     source = f"{flag} {path}"
     model_args = hf_checkpoint.hf_model_args(args, path, flag)
-    preflight.check_model_settings(vars(model_args), args, source, os.path.join(path, "config.json"))
+    identity.check_model_settings(vars(model_args), args, source, os.path.join(path, "config.json"))
     _check_tokenizer(args, read_tokenizer_record(path), source, policy=flag == "--load")
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     loaded = {}  # name -> a shape-only stand-in, for the final check
@@ -372,7 +379,7 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
     it_dir = _iteration_dir_for_load(root, iteration, flag)
     saved_tp, saved_pp, saved_ep = _saved_parallel_sizes(args, it_dir)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    ep = getattr(args, "expert_model_parallel_size", 1)
+    ep = getattr(args, "expert_model_parallel_size", 1)  # weights-only loads: model-shape namespaces too
     if (saved_tp, saved_pp) != (tp, pp):
         raise CheckpointError(
             f"{source}: checkpoint saved at TP={saved_tp}, PP={saved_pp} but this run uses TP={tp}, PP={pp}; "
@@ -389,7 +396,7 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
         raise CheckpointError(f"{path}: the model's sliding_window={window} (config.json) is below --seq-length "
                               f"{args.seq_length}: the model attends to the whole sample, so train with "
                               f"--seq-length <= {window}")
-    preflight.check_model_settings(saved_args, args, source, path)
+    identity.check_model_settings(saved_args, args, source, path)
     _check_tokenizer(args, state.get("tokenizer"), source, policy=flag == "--load")
     weights = layout.to_backend_names(state["model"], module.attention_backend, module.state_dict().keys())
     _check_shapes(path, module, weights)
@@ -400,8 +407,8 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
 def load_model_weights(args, path: str, module, flag: str) -> None:
     """A frozen model's weights (``--ref-load``): a Megatron checkpoint or a Hugging Face directory, through
     the loaders and checks of ``--load``."""
-    if hf_checkpoint.looks_like_hf(path):
-        hf_checkpoint.check_hf_dir(path, flag, error=CheckpointError)
+    if hf_io.looks_like_hf(path):
+        hf_io.check_hf_dir(path, flag, CheckpointError)
         load_hf_weights(args, path, module, flag)
     else:
         load_weights(args, path, module, flag)
@@ -415,7 +422,7 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
     died before its tracker was written) starts from scratch, so a job script can always pass both;
     any other ``--load`` without a checkpoint is an error.
     """
-    if root is None and getattr(args, "load_format", None) == "hf":
+    if root is None and args.load_format == "hf":
         return _load_hf_weights(args, model, optimizer)
     root = args.load if root is None else root
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
