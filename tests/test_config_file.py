@@ -82,6 +82,10 @@ def test_command_line_overrides_the_file(tmp_path, packs):
     ("seq-length: 128\nseq_length: 64\n", r"line 2: seq_length is given twice \(first on line 1\)"),
     ("- seq-length\n", r"line 1: the file must be a mapping of flag names to values"),
     ("lr: [1e-3\n", r"not valid YAML"),
+    # an alias bomb inside a known key's value (9^9 strings once expanded): refused before anything is expanded
+    ("data-path:\n- &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"- &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefg", "bcdefgh")), r"line 3: YAML aliases \(\*a\) are not allowed"),
+    ("map-keys: &m {prompt: q}\nchat-template-kwargs: *m\n", r"line 2: YAML aliases \(\*m\) are not allowed"),
 ])
 def test_a_bad_key_or_value_is_one_error_line_naming_file_line_and_flag(tmp_path, packs, capsys, text, message):
     config = tmp_path / "bad.yaml"

@@ -72,6 +72,7 @@ def read(path: str) -> List[tuple]:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
+        _refuse_aliases(text, path)
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         values = yaml.safe_load(text)
     except UnicodeDecodeError as e:
@@ -98,6 +99,17 @@ def read(path: str) -> List[tuple]:
         seen[_normalise(key)] = line
         out.append((key, values[key], line))
     return out
+
+
+def _refuse_aliases(text: str, path: str) -> None:
+    """A flag's value is never a reference to another: aliases are refused before anything is expanded, so a
+    nested-anchor "billion laughs" value costs nothing (expanded, it would take gigabytes)."""
+    import yaml
+
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent):
+            raise ConfigError(f"{path}: line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not "
+                              "allowed in a config file: write the value out")
 
 
 _KINDS = {int: "an integer", float: "a number", None: "text"}
