@@ -137,25 +137,28 @@ def test_convert_at_ep2_is_megatron_lm_layout_and_round_trips_bit_exact(converte
     """Megatron-LM's per-EP-rank directories, each with its own experts under local indices; back to HF
     bit-exact, and resharded to EP1 it equals the direct EP1 conversion tensor for tensor."""
     from mindspeed_pack.convert.convert import main as convert_main
-    from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file, load_file
+    from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file
+    from mindspeed_pack.convert.megatron_layout import load_file as load_megatron_file
 
     root = converted["root"]
     assert sorted(p.name for p in (root / "mg_ep2" / RELEASE).iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
-    direct = load_file(checkpoint_file(str(root / "mg"), RELEASE, 0, 0, 1))["model"]
+    direct = load_megatron_file(checkpoint_file(str(root / "mg"), RELEASE, 0, 0, 1))["model"]
     expert = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc1.weight"
     for ep_rank in range(2):
-        record = load_file(checkpoint_file(converted_ep2, RELEASE, 0, 0, 1, ep_rank, 2))
+        record = load_megatron_file(checkpoint_file(converted_ep2, RELEASE, 0, 0, 1, ep_rank, 2))
         assert record["args"]["expert_model_parallel_size"] == 2
         assert sorted(k for k in record["model"] if ".local_experts." in k and k.endswith("fc1.weight")) == [
             expert.format(j) for j in range(EXPERTS // 2)]
         for j in range(EXPERTS // 2):  # local expert j of EP rank e is global expert e * 4 + j
             assert torch.equal(record["model"][expert.format(j)], direct[expert.format(ep_rank * 4 + j)])
     megatron_to_hf(converted_ep2, str(root / "back_ep2"))
-    original, back = load_file(root / "hf" / "model.safetensors"), load_file(root / "back_ep2" / "model.safetensors")
+    # HF directories hold safetensors (read by safetensors), Megatron ones torch files (read as data)
+    original = load_file(root / "hf" / "model.safetensors")
+    back = load_file(root / "back_ep2" / "model.safetensors")
     assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)
     assert convert_main(["--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", converted_ep2,
                          "--save-dir", str(root / "mg_ep1"), "--target-expert-parallel-size", "1"]) == 0
-    resharded = load_file(checkpoint_file(str(root / "mg_ep1"), RELEASE, 0, 0, 1))["model"]
+    resharded = load_megatron_file(checkpoint_file(str(root / "mg_ep1"), RELEASE, 0, 0, 1))["model"]
     assert sorted(resharded) == sorted(direct) and all(torch.equal(resharded[k], direct[k]) for k in direct)
 
 

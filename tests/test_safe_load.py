@@ -192,3 +192,15 @@ def test_opt_in_loads_a_trusted_legacy_file_loudly(saved, tmp_path, caplog):
     assert sorted(read_metrics(metrics)) == [2]
     assert any("--allow-unsafe-checkpoint-load" in r.message and "arbitrary code" in r.message
                for r in caplog.records)
+
+
+def test_a_refused_pickle_instruction_is_named_as_an_instruction(tmp_path):
+    """A file the safe loader refuses for an instruction (no global to name) says so in plain words."""
+    path = tmp_path / "model_optim_rng.pt"
+    path.write_bytes(b"(i__builtin__\nobject\n.")  # protocol 0 INST: builds an object by calling its class
+    with pytest.raises(layout.UnsafeCheckpointError) as refused:
+        layout.load_file(str(path))
+    message = str(refused.value)
+    assert "refused to load: the file asks for a pickle instruction that only a code-running loader accepts " \
+           "(Unsupported operand 105)" in message, message
+    assert "the global an" not in message

@@ -164,17 +164,21 @@ def safe_globals() -> list:
     return [argparse.Namespace, *MEGATRON_CORE_SAFE_GLOBALS]
 
 
-def _refused_global(path: str, error: Exception) -> str:
+def _refused_code(path: str, error: Exception) -> str:
+    """What the safe loader refused in ``path``: "the global NAME" (names it imports), or the instruction."""
     m = re.search(r"GLOBAL ([\w.]+)", str(error))
     if m:
-        return m.group(1)
+        return f"the global {m.group(1)}"
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
     except Exception:
         found = []
     allowed = {f"{g.__module__}.{g.__qualname__}" for g in safe_globals() if hasattr(g, "__qualname__")}
     found = [g for g in found if g not in allowed]
-    return ", ".join(found) if found else "an unsupported pickle instruction"
+    if found:
+        return ("the global " if len(found) == 1 else "the globals ") + ", ".join(found)
+    detail = re.search(r"Unsupported [^\n]*", str(error))
+    return "a pickle instruction that only a code-running loader accepts" + (f" ({detail.group(0)})" if detail else "")
 
 
 def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
@@ -189,10 +193,10 @@ def load_file(path: str, allow_unsafe: bool = False, mmap: bool = False):
         with torch.serialization.safe_globals(safe_globals()):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
-        needed = _refused_global(path, e)
+        needed = _refused_code(path, e)
         if not allow_unsafe:
             raise UnsafeCheckpointError(
-                f"{path}: refused to load: the file asks for the global {needed}, which is code, not checkpoint data, and "
+                f"{path}: refused to load: the file asks for {needed}, which is code, not checkpoint data, and "
                 "would run while the file is read (a crafted or foreign pickle). Nothing was loaded or executed. "
                 f"If you trust where this file comes from, re-run with {UNSAFE_FLAG}, or re-save its tensors as "
                 "safetensors") from None
