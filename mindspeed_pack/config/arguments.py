@@ -185,11 +185,13 @@ LORA_DEFAULT_RANK = 16  # --lora-target-modules without --lora-r
 def _check_lora_flags(args) -> None:
     """LoRA flags: on with --lora-r or --lora-target-modules; the adapted model needs its base (--load)."""
     if args.lora_r is None and args.lora_target_modules is None:
-        given = [f for f, on in (("--lora-load", args.lora_load), ("--lora-merge", args.lora_merge),
-                                 ("--lora-use-rslora", args.lora_use_rslora)) if on]
-        if given:
-            raise ArgumentError(f"{given[0]} needs the LoRA flags the adapters were trained with: --lora-r, "
+        if args.lora_load:
+            raise ArgumentError("--lora-load needs the LoRA flags the adapters were trained with: --lora-r, "
                                 "--lora-alpha, --lora-target-modules")
+        given = [f for f, on in (("--lora-merge", args.lora_merge), ("--lora-use-rslora", args.lora_use_rslora)) if on]
+        if given:
+            raise ArgumentError(f"{given[0]} applies to LoRA adapters, and this run trains none: pass --lora-r (and "
+                                f"--lora-target-modules) to train them, or drop {given[0]}")
         return
     if args.lora_r <= 0:
         raise ArgumentError(f"--lora-r {args.lora_r}: the adapters' rank must be a positive integer")
