@@ -552,6 +552,21 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     return args
 
 
+# flags a stage would ignore if given: refused by name rather than silently dropped
+_IGNORED_BY_STAGE = {
+    "grpo": (("eval_interval", "--eval-interval"), ("eval_iters", "--eval-iters"), ("split", "--split")),
+}
+
+
+def _refuse_ignored_flags(args, given: set) -> None:
+    ignored = [flag for dest, flag in _IGNORED_BY_STAGE.get(args.stage, ())
+               if dest in given and not (dest == "eval_iters" and args.eval_iters == 0)]  # 0: no evaluation, as meant
+    if ignored:
+        raise ArgumentError(f"--stage {args.stage} trains on the rollouts of --rollout-path and evaluates nothing (no "
+                            f"validation split): {', '.join(ignored)} would be ignored; drop "
+                            + ("it" if len(ignored) == 1 else "them"))
+
+
 def parse_args(argv=None, world_size: int | None = None, extra_args_provider=None, description=None) -> argparse.Namespace:
     """The flags of the command line and its ``--config`` file, checked, with the Hugging Face ``--load``'s
     model flags and the fine-tuning defaults filled in; ``args.flag_sources`` says where each value came
@@ -571,6 +586,7 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
         from_hf = {k for k, v in vars(args).items() if k in before and before[k] != v}
         defaults = finetune_defaults.apply(args, given)
         validate_args(args, world_size)
+        _refuse_ignored_flags(args, given)
     except ArgumentError as e:
         parser.error(str(e))
     resolved_config.record_sources(parser, args, given, from_hf, defaults)
