@@ -38,6 +38,8 @@ def trained(tmp_path_factory):
 def test_validation_loss_is_logged_every_interval_and_at_the_end(trained, capsys):
     _, d, valid = trained
     assert [r["iteration"] for r in valid] == [2, 4, 4]
+    # the two records of iteration 4 are told apart: the interval's evaluation and the end of training's
+    assert [r.get("label") for r in valid] == [None, None, "the end of training for val data"]
     assert all(r["tokens"] > 0 and 0 < r["lm loss"] < 10 for r in valid)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -148,11 +148,12 @@ class MetricsLogger:
         if not self.enabled:
             return
         ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
-        label = label or f"iteration {iteration}"
-        print(f" validation loss at {label} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |", flush=True)
+        print(f" validation loss at {label or f'iteration {iteration}'} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |", flush=True)
         if self.jsonl:
-            self.jsonl.write(json.dumps({"iteration": iteration, "split": split, "lm loss": loss,
-                                         "tokens": tokens}) + "\n")
+            record = {"iteration": iteration, "split": split, "lm loss": loss, "tokens": tokens}
+            if label:  # the end of training evaluates the last iteration again: tell the records apart
+                record["label"] = label
+            self.jsonl.write(json.dumps(record) + "\n")
         if self.tb:
             self.tb.add_scalar(f"{split}/lm loss", loss, iteration)
 
