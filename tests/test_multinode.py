@@ -125,3 +125,21 @@ def test_two_node_launch_trains_tp2_dp2(tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
     for tp_rank in (0, 1):
         assert (ckpt / f"iter_{TRAIN_ITERS:07d}" / f"mp_rank_{tp_rank:02d}" / "model_optim_rng.pt").is_file()
+
+
+def test_world_size_without_a_launcher_is_one_error_line_naming_torchrun(tmp_path):
+    """``WORLD_SIZE=4 python posttrain.py ...`` (no torchrun: no RANK) used to wait for three peers that never
+    come, silently, until the rendezvous timeout; now it stops at once, naming the launcher to use."""
+    from tests.train_utils import run_posttrain
+
+    data = write_packed_instruction_dataset(str(tmp_path / "copy"), num_packs=8)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    started = time.monotonic()
+    proc, _ = run_posttrain(["--data-path", data, "--seq-length", "128", "--neat-pack", "--train-iters", "1",
+                             "--global-batch-size", "4"], env={**env, "WORLD_SIZE": "4"}, check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert time.monotonic() - started < 60
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert errors == ["posttrain.py: error: WORLD_SIZE=4 but RANK is not set: this process was not started by a "
+                      "launcher. Start the job with torchrun (torchrun --nproc-per-node 4 posttrain.py ...), or unset "
+                      "WORLD_SIZE to run one process"], proc.stderr[-2000:]

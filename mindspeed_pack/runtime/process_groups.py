@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import socket
+import sys
 
 import numpy as np
 import torch
@@ -20,6 +21,10 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from mindspeed_pack.runtime import faults, platform
 from mindspeed_pack.runtime.rendezvous import attempt_store
+
+
+class LaunchError(RuntimeError):
+    """The process was started in a way no rendezvous can complete (the message says how to start it)."""
 
 
 def initialize_distributed(
@@ -43,6 +48,11 @@ def initialize_distributed(
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
+        if "RANK" not in os.environ and world_size > 1:
+            raise LaunchError(f"WORLD_SIZE={world_size} but RANK is not set: this process was not started by a "
+                              f"launcher. Start the job with torchrun (torchrun --nproc-per-node {world_size} "
+                              f"{os.path.basename(sys.argv[0]) or 'posttrain.py'} ...), or unset WORLD_SIZE to run "
+                              "one process")
         if "RANK" not in os.environ:
             # a plain `python script.py`: a world of one on a port nobody else holds
             os.environ["MASTER_ADDR"] = "127.0.0.1"

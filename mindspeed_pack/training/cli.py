@@ -7,6 +7,7 @@ import sys
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.runtime.peers import PeerFailure
+from mindspeed_pack.runtime.process_groups import LaunchError
 from mindspeed_pack.runtime.rendezvous import RendezvousTimeout
 from mindspeed_pack.training.trainer import NonFiniteLossError
 
@@ -22,7 +23,7 @@ def run_cli(script: str, main) -> None:
     hung peer with one line naming what this rank waited for and exit 1 (torchrun then restarts)."""
     try:
         main()
-    except (CheckpointError, DataError) as e:  # the message says what and where
+    except (CheckpointError, DataError, LaunchError) as e:  # the message says what and where (or how to start)
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except (NonFiniteLossError, PeerFailure, RendezvousTimeout) as e:
