@@ -24,7 +24,7 @@ from mindspeed_pack.packing.balance import model_shape
 
 log = logging.getLogger(__name__)
 
-GB = 1024 ** 3
+GiB = 1024 ** 3  # every memory figure is in GiB (what torch and nvidia-smi report), labelled so
 
 
 def training_documents(args) -> int:
@@ -89,17 +89,18 @@ def parameters_per_rank(args) -> tuple:
 
 
 def memory_estimate(args) -> dict:
-    """GB per GPU of weights, gradients, optimizer state and activations (one rank of the first stage).
+    """GiB per GPU of weights, gradients, optimizer state and activations (one rank of the first stage).
 
     Under LoRA only the adapters have gradients and optimizer state (the frozen base has neither)."""
     total, params = parameters_per_rank(args)
     adapters = lora.settings_from_args(args)
     trained = params
     if adapters:
-        extra = lora.adapter_parameters(adapters, args)
-        total, params = total + extra, params + extra / args.tensor_model_parallel_size / \
-            args.pipeline_model_parallel_size
-        trained = extra / args.tensor_model_parallel_size / args.pipeline_model_parallel_size
+        # replicated factors are on every tensor-parallel rank (lora.adapter_parameters)
+        per_rank = lora.adapter_parameters(adapters, args, args.tensor_model_parallel_size)
+        total = total + lora.adapter_parameters(adapters, args)
+        trained = per_rank / args.pipeline_model_parallel_size
+        params = params + trained
     half = args.bf16 or args.fp16
     dp_shards = args.data_parallel_size * args.context_parallel_size if args.use_distributed_optimizer else 1
     states = (4 if half else 0) + (8 if args.optimizer == "adam" else 4)  # fp32 master copy, Adam moments
@@ -116,9 +117,9 @@ def memory_estimate(args) -> dict:
         rows = min(rows, chunk or chunk_tokens(int(vocab)))
     logits = rows * vocab * 4 * 2
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
-           "weights": params * (2 if half else 4) / GB, "gradients": trained * 4 / GB,
-           "optimizer": trained * states / dp_shards / GB,
-           "activations": (per_layer * args.num_layers / pp * in_flight + (logits if pp == 1 else 0)) / GB}
+           "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
+           "optimizer": trained * states / dp_shards / GiB,
+           "activations": (per_layer * args.num_layers / pp * in_flight + (logits if pp == 1 else 0)) / GiB}
     out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
     return out
 
@@ -185,8 +186,8 @@ def plan_lines(args) -> list:
                  f"({precision}" + (", vocabulary unknown" if not args.padded_vocab_size else "")
                  + (f"; LoRA: {_count(m['trained per GPU'])} trained per GPU" if lora.settings_from_args(args) else "")
                  + ")")
-    lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GB + gradients {m['gradients']:.2f} GB + "
-                 f"optimizer {m['optimizer']:.2f} GB + activations {m['activations']:.2f} GB = {m['total']:.2f} GB "
+    lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GiB + gradients {m['gradients']:.2f} GiB + "
+                 f"optimizer {m['optimizer']:.2f} GiB + activations {m['activations']:.2f} GiB = {m['total']:.2f} GiB "
                  "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
                  "Korthikanti et al.; allocator and communication buffers come on top)")
     return lines
