@@ -361,3 +361,27 @@ def test_log_throughput_logs_tflops(tmp_path, neat, capsys):
                         metrics=str(tmp_path / "m.jsonl")))
     assert "throughput per GPU (TFLOP/s/GPU):" in capsys.readouterr().out
     assert read_metrics(str(tmp_path / "m.jsonl"))[1]["TFLOP/s/GPU"] > 0
+
+
+def test_megatron_fallback_warnings_are_one_log_line(neat):
+    """Without Transformer Engine and Apex, megatron-core warns six times at import; a run says once which
+    fallbacks it uses instead (plain processes, as a user starts them)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    train = subprocess.run([sys.executable, "posttrain.py", *nargv(neat, "--train-iters", "1")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    convert = subprocess.run([sys.executable, "convert_ckpt.py", "--help"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert train.returncode == 0 and convert.returncode == 0, train.stderr[-3000:]
+    for proc in (train, convert):
+        assert "not installed" not in proc.stderr.replace("kernels: Transformer Engine and Apex not installed", ""), \
+            proc.stderr[-3000:]
+    from mindspeed_pack.model.te_spec import kernel_fallbacks
+
+    expected = kernel_fallbacks()
+    said = [line for line in (train.stdout + train.stderr).splitlines() if "kernels: " in line]
+    assert len(said) == (1 if expected else 0) and (not expected or said[0].endswith(expected)), said
