@@ -152,6 +152,13 @@ def _check_moe_flags(args) -> None:
     if args.moe_grouped_gemm and not cuda_usable():
         warnings.warn("no CUDA device: --moe-grouped-gemm is a TE GPU kernel; the local experts run", stacklevel=3)
         args.moe_grouped_gemm = False
+    packed = args.neat_pack or args.reset_attention_mask or args.stage in ("dpo", "grpo", "score") or \
+        args.sequence_packing_scheduler != "none"
+    if args.moe_router_load_balancing_type == "aux_loss" and args.moe_aux_loss_coeff > 0 and packed:
+        log.warning("--moe-router-load-balancing-type aux_loss balances over each micro-batch's tokens, so its "
+                    "gradient changes with how many samples share a row (under GRPO with the rollouts per row); "
+                    "--moe-router-load-balancing-type seq_aux_loss balances each sample and does not depend on the "
+                    "packing")
     if args.moe_expert_capacity_factor is not None:
         log.warning("--moe-expert-capacity-factor %s: tokens over an expert's capacity are dropped, so a token's "
                     "routing depends on its pack-mates (packing changes routing); drop the flag for dropless "
