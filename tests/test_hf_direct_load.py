@@ -230,18 +230,30 @@ def test_save_hf_of_a_model_the_converter_cannot_write_is_refused_before_trainin
     assert not os.path.exists(tmp_path / "m.jsonl") or not open(tmp_path / "m.jsonl").read().count('"train"')
 
 
-def test_failed_save_hf_leaves_no_output_and_no_staging_files(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["merge", "safetensors writer"])
+def test_full_disk_at_save_hf_is_one_error_line_and_leaves_nothing(tiny, tmp_path, monkeypatch, where):
+    """A full disk during the export: one error naming the directory and the space needed (the safetensors
+    writer's own error was a raw SafetensorError traceback), no output and no staging files left."""
     import errno
 
+    from safetensors import SafetensorError
+
     from mindspeed_pack.checkpoint.save_load import CheckpointError
-    from mindspeed_pack.convert import convert
+    from mindspeed_pack.convert import convert, hf_io
 
     def disk_full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        if where == "merge":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
 
-    monkeypatch.setattr(convert, "megatron_to_hf", disk_full)
+    if where == "merge":
+        monkeypatch.setattr(convert, "megatron_to_hf", disk_full)
+    else:
+        monkeypatch.setattr(hf_io, "save_file", disk_full)
     (tmp_path / "exports").mkdir()
-    with pytest.raises(CheckpointError, match="--save-hf .*/out: writing the Hugging Face model failed: .*No space"):
+    with pytest.raises(CheckpointError, match=r"--save-hf .*/out: the disk is full: this needs about \d+\.\d\d GiB "
+                                              r"and \d+\.\d\d GiB are free there;.*nothing was written there"):
         posttrain.main([*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["hf"],
                         "--save-hf", str(tmp_path / "exports" / "out")])
     assert os.listdir(tmp_path / "exports") == []

@@ -385,3 +385,39 @@ def test_megatron_fallback_warnings_are_one_log_line(neat):
     expected = kernel_fallbacks()
     said = [line for line in (train.stdout + train.stderr).splitlines() if "kernels: " in line]
     assert len(said) == (1 if expected else 0) and (not expected or said[0].endswith(expected)), said
+
+
+def test_full_disk_on_the_metrics_file_is_one_error_line(neat, tmp_path, monkeypatch, capsys):
+    """A full disk while logging a step (three tracebacks before): the run stops with one line naming the
+    metrics file and the free space; the checkpoint saved before is intact."""
+    import errno
+
+    from mindspeed_pack.training import metrics as metrics_module
+    from mindspeed_pack.training.cli import run_cli
+
+    class FillsUp:
+        def __init__(self, path, *args, **kwargs):
+            self.f, self.lines = open(path, *args, **kwargs), 0
+
+        def write(self, text):
+            self.lines += 1
+            if self.lines > 3:  # the precision record and two steps fit
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(text)
+
+        def close(self):
+            self.f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")  # flushing a full disk fails too
+
+    monkeypatch.setattr(metrics_module, "open", FillsUp, raising=False)
+    metrics, save = str(tmp_path / "m.jsonl"), str(tmp_path / "ckpt")
+    with pytest.raises(SystemExit) as stop:
+        run_cli("posttrain.py", lambda: posttrain.main(nargv(neat, "--train-iters", "4", "--save", save,
+                                                             "--save-interval", "2", metrics=metrics)))
+    err = capsys.readouterr().err
+    assert stop.value.code == 1
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"posttrain.py: error: --metrics-file {metrics}: the disk is full: "
+        + err.split("the disk is full: ")[1].split(" are free")[0] + " are free there; free space or choose another "
+        "directory, then re-run (iteration 3's record was not written; the checkpoints saved so far are intact)"], err
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"

@@ -57,6 +57,7 @@ from mindspeed_pack.data.handlers import (
 from mindspeed_pack.data.templates import get_template, marker_tokens
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
 from mindspeed_pack.datasets import pack_writer
+from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 
 HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
 FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added when missing
@@ -406,6 +407,7 @@ def run(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp_out = out_dir / f".{Path(args.output_prefix).name}.tmp-{os.getpid()}"
     tmp_store = Path(args.cache_dir or out_dir) / f".{Path(args.output_prefix).name}.tokens-{os.getpid()}"
+    store = None  # the tokenised samples, once encoded
     try:
         shutil.rmtree(tmp_out, ignore_errors=True)
         tmp_out.mkdir(parents=True)
@@ -413,9 +415,10 @@ def run(args) -> dict:
             tokenizer.save(tmp_out / TOKENIZER_SUFFIX)
             config = dataclasses.replace(config, tokenizer=TokenizerSpec("PretrainedFromHF", str(tmp_out / TOKENIZER_SUFFIX)))
         stats = _encode_all(args, files, config, tmp_store, tokenizer.pad_or_eos_id, encoder)
+        store = stats.pop("_store")
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
-        stats.update(_write_outputs(args, stats.pop("_store"), tokenizer, tmp_prefixes))
+        stats.update(_write_outputs(args, store, tokenizer, tmp_prefixes))
         elapsed = time.time() - t0
         stats.update(encode_seconds=round(t_encoded - t0, 3), elapsed_seconds=round(elapsed, 3),
                      samples_per_second=round(stats["samples_read"] / max(elapsed, 1e-9), 1),
@@ -432,6 +435,15 @@ def run(args) -> dict:
             "statistics": stats,
         }
         _publish(args, tmp_prefixes, meta, tmp_out / TOKENIZER_SUFFIX if changes else None)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        # what was written when the disk filled, and at least the outputs still to come (3 int32 arrays per
+        # token for packs, or the tokens once for documents)
+        written = tree_bytes(str(tmp_out)) + tree_bytes(str(tmp_store))
+        outputs = store.num_tokens * 4 * (1 if args.handler_name == PRETRAIN else 3) if store is not None else 0
+        raise PreprocessError(disk_full_message("--output-prefix", args.output_prefix, max(written + outputs, 1))
+                              + "; nothing was written there") from None
     finally:
         shutil.rmtree(tmp_out, ignore_errors=True)
         shutil.rmtree(tmp_store, ignore_errors=True)

@@ -18,6 +18,7 @@ import os
 import time
 
 from mindspeed_pack.runtime import faults
+from mindspeed_pack.runtime.disk import DiskFullError, disk_full_message, is_disk_full
 from mindspeed_pack.training import metrics_history
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class MetricsLogger:
         self.train_iters = args.train_iters or 0
         self.log_interval = max(1, args.log_interval)
         self.jsonl = None
+        self._full = False  # the metrics file hit a full disk (reported once)
         self.tb = None
         self.replaced = []
         if not enabled:
@@ -81,7 +83,7 @@ class MetricsLogger:
             return
         print(" precision: " + json.dumps(record), flush=True)
         if self.jsonl:
-            self.jsonl.write(json.dumps({"iteration": iteration, "split": "setup", "precision": record}) + "\n")
+            self._write({"iteration": iteration, "split": "setup", "precision": record})
 
     def step(self, record: dict, total_tokens: float = 0.0, samples: float = 0.0, rows: float = 0.0) -> None:
         """Record one training step; print the interval's means every ``--log-interval`` iterations.
@@ -97,8 +99,7 @@ class MetricsLogger:
         skipped_now = record.get("skipped", 0) > self._skipped_seen
         self._skipped_seen = record.get("skipped", 0)
         self._interval.append((record, total_tokens, samples, rows, flops, skipped_now))
-        if self.jsonl:
-            self.jsonl.write(json.dumps(record) + "\n")
+        self._write(record)
         it = record["iteration"]
         if self.tb:
             for k, v in record.items():
@@ -153,13 +154,31 @@ class MetricsLogger:
             record = {"iteration": iteration, "split": split, "lm loss": loss, "tokens": tokens}
             if label:  # the end of training evaluates the last iteration again: tell the records apart
                 record["label"] = label
-            self.jsonl.write(json.dumps(record) + "\n")
+            self._write(record)
         if self.tb:
             self.tb.add_scalar(f"{split}/lm loss", loss, iteration)
 
+    def _write(self, record: dict) -> None:
+        """One line of the metrics file; a full disk stops the run with one line naming the file."""
+        if not self.jsonl:
+            return
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            self._full = True
+            raise DiskFullError(disk_full_message("--metrics-file", self.args.metrics_file, None)
+                                + f" (iteration {record.get('iteration')}'s record was not written; the checkpoints "
+                                "saved so far are intact)") from None
+
     def close(self) -> None:
         if self.jsonl:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError:
+                if not self._full:  # a full disk was reported already
+                    raise
         if self.tb:
             self.tb.close()
 
