@@ -792,6 +792,78 @@ def test_parquet_tool_rows_give_the_jsonl_documents(prompt_type, tmp_path, famil
     assert len(written["jsonl"]) == 3 and written["parquet"] == written["jsonl"]
 
 
+def _ordered_tool_rows(as_text: bool) -> list:
+    """Two tool rows whose schema properties and call arguments are written in opposite key orders
+    (``as_text``: the tool schemas and arguments as JSON text, as OpenAI and LLaMA-Factory data store them)."""
+    def row(n, keys):
+        schema = [{"type": "function", "function": {"name": "fn_w", "description": f"D{n} weather", "parameters": {
+            "type": "object", "properties": {k: {"type": "string", "description": f"D{n} {k}"} for k in keys}}}}]
+        args = {k: f"V{n}_{k}" for k in keys}
+        call = {"type": "function", "function": {"name": "fn_w", "arguments": json.dumps(args) if as_text else args}}
+        return {"messages": [{"role": "user", "content": f"U{n} weather?"},
+                             {"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "content": f"T{n} sunny"}, {"role": "assistant", "content": f"A{n} sunny"}],
+                "tools": json.dumps(schema) if as_text else schema}
+    return [row(1, ("city", "unit")), row(2, ("unit", "city"))]
+
+
+def _preprocess_documents(tmp_path, name, rows, prompt_type, family_tokenizer_dir, run_preprocess, read_indexed):
+    from mindspeed_pack.data import toy
+
+    data = toy.write_dataset(tmp_path / name, rows)
+    prefix = tmp_path / name.replace(".", "_")
+    code, _, err = run_preprocess(input=data, output_prefix=str(prefix), prompt_type=prompt_type,
+                                  tokenizer_name_or_path=family_tokenizer_dir("qwen2_5"), handler_name=SHAREGPT,
+                                  map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=1024)
+    assert code == 0, err
+    return [d.tolist() for d in read_indexed(f"{prefix}_packed_input_ids_document")], err
+
+
+@pytest.mark.parametrize("prompt_type", ["hf", "qwen2_5"])
+def test_parquet_json_text_tool_columns_keep_each_rows_key_order(prompt_type, tmp_path, family_tokenizer_dir,
+                                                                 run_preprocess, read_indexed):
+    """Tool schemas and call arguments stored as JSON text in Parquet give the input_ids of the same rows in JSON
+    lines, each row's keys in its own order (the second row's "unit" before "city"), and no key-order warning."""
+    rows = _ordered_tool_rows(as_text=True)
+    jsonl, _ = _preprocess_documents(tmp_path, "rows.jsonl", rows, prompt_type, family_tokenizer_dir,
+                                     run_preprocess, read_indexed)
+    parquet, err = _preprocess_documents(tmp_path, "rows.parquet", rows, prompt_type, family_tokenizer_dir,
+                                         run_preprocess, read_indexed)
+    assert len(jsonl) == 2 and parquet == jsonl
+    tok = _encoder(family_tokenizer_dir("qwen2_5")).tokenizer
+    second = tok.decode(parquet[1])
+    assert second.index('"unit": {') < second.index('"city": {') and second.index('"unit": "V2') < second.index('"city": "V2')
+    assert "Arrow structs" not in err
+
+
+@pytest.mark.parametrize("prompt_type", ["hf", "qwen2_5"])
+def test_parquet_struct_tool_columns_take_the_columns_key_order_and_warn(prompt_type, tmp_path, family_tokenizer_dir,
+                                                                        run_preprocess, read_indexed):
+    """Tool schemas and arguments stored as Arrow structs keep one key order for the whole column (the first row's
+    here), which the file cannot undo: the second row is tokenized as if written "city" before "unit", as the README
+    says, and the run warns once, naming the file, the column, the struct paths and JSON text as the remedy."""
+    rows = _ordered_tool_rows(as_text=False)
+    as_column = json.loads(json.dumps(rows))  # the second row with the first row's key order, as Arrow reads it back
+    for holder, key in ((as_column[1]["tools"][0]["function"]["parameters"], "properties"),
+                        (as_column[1]["messages"][1]["tool_calls"][0]["function"], "arguments")):
+        holder[key] = {k: holder[key][k] for k in ("city", "unit")}
+    jsonl, _ = _preprocess_documents(tmp_path, "rows.jsonl", rows, prompt_type, family_tokenizer_dir,
+                                     run_preprocess, read_indexed)
+    reordered, _ = _preprocess_documents(tmp_path, "reordered.jsonl", as_column, prompt_type, family_tokenizer_dir,
+                                         run_preprocess, read_indexed)
+    parquet, err = _preprocess_documents(tmp_path, "rows.parquet", rows, prompt_type, family_tokenizer_dir,
+                                         run_preprocess, read_indexed)
+    assert parquet == reordered and parquet[0] == jsonl[0] and parquet[1] != jsonl[1]
+    warnings = [line for line in err.splitlines() if "Arrow structs" in line]
+    assert len(warnings) == 1, err
+    assert ("rows.parquet: column 'tools' (tools[], tools[].function, tools[].function.parameters and 3 more) and "
+            "column 'messages' (messages[].tool_calls[].function.arguments) hold objects stored as Arrow structs"
+            in warnings[0])
+    assert "JSON text" in warnings[0]
+    assert "Arrow structs" not in _preprocess_documents(tmp_path, "rows2.jsonl", rows, prompt_type, family_tokenizer_dir,
+                                                        run_preprocess, read_indexed)[1]
+
+
 def _call(n):
     return {"role": "assistant", "content": "", "reasoning_content": f"R{n}",
             "tool_calls": [{"type": "function", "function": {"name": f"fn{n}", "arguments": {"q": f"V{n}"}}}]}
