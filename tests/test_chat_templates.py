@@ -748,6 +748,36 @@ def test_json_qwen2_5_writes_openai_tool_calls_as_the_official_template(family_t
         chatml.encode_row({"messages": texted["messages"]}, "row 5")
 
 
+@pytest.mark.parametrize("prompt_type,family", [("qwen2_5", "qwen2_5"), ("qwen3", "qwen3_2507"), ("qwen3", "qwen3")])
+def test_json_qwen_templates_write_tool_rows_as_the_official_template(prompt_type, family, family_tokenizer_dir):
+    """Rows with tool schemas, with and without a system message, and rows without tools: the JSON template writes
+    the official template's tokens. Qwen3 without a system message opens the tools prompt with
+    ``<|im_start|>system\n# Tools``. Qwen3's hybrid template also gives the last answer an empty
+    ``<think></think>`` block (the JSON ``qwen3`` is its non-thinking form, Qwen3-Instruct-2507's template):
+    there, the text before the first answer (system, tools, first query) is compared."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    hf_encoder = _encoder(family_tokenizer_dir(family))
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    json_encoder = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template(prompt_type), keys, None, False)
+    rows = [(i, row) for i, row in enumerate(CORPUS[:80]) if i % 13 in (0, 1, 4, 5, 6, 7, 8, 9)
+            and not any(m.get("reasoning_content") for m in row["messages"])]
+    seen = set()
+    for i, row in rows:
+        official = hf_encoder.encode_chat_row(row, f"row {i}")[0][0]
+        (ids, _), skip, _ = json_encoder.encode_row(row, f"row {i}")
+        assert skip is None, f"row {i}"
+        if family == "qwen3":
+            text = hf_encoder.tokenizer.decode(official)
+            head = text[:text.index("<|im_start|>assistant\n")]
+            assert hf_encoder.tokenizer.decode(ids).startswith(head), f"row {i}"
+        else:  # the JSON path ends the sample on <|im_end|>; the official render adds the newline after it
+            assert ids.tolist() == official[:-1].tolist(), f"row {i}"
+        seen.add(("tools" in row, row["messages"][0]["role"] == "system"))
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}
+
+
 @pytest.mark.parametrize("prompt_type", ["llama3", "hf"])
 def test_pairs_identical_after_the_template_are_dropped(prompt_type, tmp_path, family_tokenizer_dir, run_preprocess):
     """Llama 3's template trims answers: "hello  " and "hello" are the same tokens, so the pair teaches nothing and
