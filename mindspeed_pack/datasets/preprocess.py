@@ -271,6 +271,29 @@ def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows:
             print(f"warning: {f}: no rows (an empty file); skipped", file=sys.stderr)
 
 
+def warn_struct_key_order(files, handler: str, keys: dict) -> None:
+    """Warn once when a Parquet/Arrow input stores objects whose key order a template renders (tool schemas,
+    tool-call arguments) as Arrow structs: each row gets the column's key order (``readers.struct_objects``),
+    so its tokens can differ from the same row in JSON lines, and the file cannot tell whether they do."""
+    columns = sorted(COLUMN_KEYS[handler], key=lambda k: k != "tools")
+    for f in files:
+        found = []
+        for key in columns:
+            paths = readers.struct_objects(f, keys[key])
+            if key != "tools":  # messages and answers are read by key; only their call arguments are rendered
+                paths = [p for p in paths if ".arguments" in p]
+            if paths:
+                more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+                found.append(f"column {keys[key]!r} ({', '.join(paths[:3])}{more})")
+        if found:
+            print(f"warning: {f}: {' and '.join(found)} hold objects stored as Arrow structs, which keep one key order "
+                  "for every row: each row's keys are rendered in the column's order, not in the order the row was "
+                  "written, so its tokens can differ from the same row in JSON lines. To keep every row's own order, "
+                  "store such columns as JSON text (e.g. df[col] = df[col].map(json.dumps)) or use JSON lines",
+                  file=sys.stderr)
+            return
+
+
 def extend_tokenizer_for_template(tokenizer, template) -> dict:
     """Give the tokenizer what the template needs, as LLaMA-Factory and MindSpeed-LLM do.
 
@@ -375,6 +398,7 @@ def run(args) -> dict:
         template = get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
     check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
+    warn_struct_key_order(files, args.handler_name, keys)
     changes = extend_tokenizer_for_template(tokenizer, template)
     check_eos(tokenizer, args.tokenizer_path)
     add_bos = resolve_add_bos(args, tokenizer)
