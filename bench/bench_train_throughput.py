@@ -13,7 +13,14 @@ padded run's real-token throughput, i.e. packing recovers >= 85% of the ideal sp
 Also reports the packed attention's time against the sum of squared segment lengths and the
 share of the step spent building the batch (``get_batch``).
 
+``--against-transformers`` instead trains the same packs with ours (posttrain's model and loss path,
+``--cross-entropy-chunk-size`` as posttrain takes it) and with a transformers Qwen2 of the same shape in
+the padding-free layout (each pack one row, ``position_ids`` restarting per sample, sdpa, the loss over
+fp32 logits), alternating passes, best of ``--repeats``; prints real tokens/s and ours / transformers.
+
     python bench/bench_train_throughput.py [--samples 256] [--seq-length 1024]
+    python bench/bench_train_throughput.py --against-transformers --layers 4 --hidden-size 256 \
+        --seq-length 2048 --vocab-size 30522        # issue 42's shape
 """
 from __future__ import annotations
 
@@ -122,6 +129,59 @@ def attention_scaling(seq_length, heads=8, groups=2, dim=64, repeats=3):
         print(f"{k:9d} {k * seg * seg / seq_length ** 2:16.4f} {ms:9.2f} {ms / base:20.3f}")
 
 
+def run_transformers(model, optimizer, rows, real_tokens):
+    """The transformers padding-free loop over ``rows``: one flattened row per pack, positions per sample."""
+    import torch.nn.functional as F
+
+    start = time.perf_counter()
+    for ids, labels, seg in rows:
+        b = build_packed_batch(ids, labels, seg)
+        logits = model(input_ids=b.tokens, position_ids=b.position_ids).logits
+        target = torch.where(b.loss_mask > 0, b.target, torch.full_like(b.target, IGNORE_INDEX))
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), target.view(-1), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / b.loss_mask.sum().clamp(min=1)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    elapsed = time.perf_counter() - start
+    return elapsed, real_tokens / elapsed
+
+
+def against_transformers(args, model_args, rows, real):
+    """Ours vs the transformers padding-free loop on ``rows``, alternating passes; best tokens/s of each."""
+    import transformers
+
+    from mindspeed_pack.training.run_plan import loss_path
+
+    torch.manual_seed(0)
+    ours = build_gpt_model(model_args)
+    config = transformers.Qwen2Config(
+        vocab_size=args.vocab_size, hidden_size=args.hidden_size, intermediate_size=model_args.ffn_hidden_size,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=2,
+        tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=args.seq_length)
+    theirs = transformers.Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa").train()
+    sides = {"ours": (ours, run), "transformers": (theirs, run_transformers)}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, (m, _) in sides.items()}
+    for name, (m, fn) in sides.items():
+        fn(m, optimizers[name], rows[:2], real)  # warm-up
+    best = {name: [0.0, 0.0] for name in sides}  # real tokens per wall second, per CPU second of this process
+    for _ in range(args.repeats):
+        for name, (m, fn) in sides.items():
+            cpu = time.process_time()
+            wall = fn(m, optimizers[name], rows, real)[0]
+            cpu = time.process_time() - cpu
+            best[name] = [max(best[name][0], real / wall), max(best[name][1], real / cpu)]
+    chunk = loss_path(model_args)
+    path = "megatron-core's unfused loss" if chunk == 0 else f"fused loss, chunks of {chunk} tokens"
+    print(f"\n{len(rows)} packs of {args.seq_length}, {real} real tokens; hidden {args.hidden_size}, {args.layers} "
+          f"layers, vocabulary {args.vocab_size}; ours: {path}; best of {args.repeats}; {args.threads} thread(s)")
+    for name in sides:
+        print(f"{name:>14}: {best[name][0]:10.1f} real tokens/s, {best[name][1]:10.1f} per CPU second")
+    print(f"ours / transformers padding-free: {best['ours'][0] / best['transformers'][0]:.2f}x (wall), "
+          f"{best['ours'][1] / best['transformers'][1]:.2f}x (CPU time; steadier on a shared machine)")
+    return best
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--samples", type=int, default=192)
@@ -131,15 +191,24 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=4, help="head dim = hidden / heads (CPU SDPA is slow below 32)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=2048)
+    p.add_argument("--against-transformers", action="store_true",
+                   help="ours vs the transformers padding-free loop on the same packs (see above)")
+    p.add_argument("--cross-entropy-chunk-size", type=int, default=None,
+                   help="ours: posttrain's flag (default: the loss path chosen by the logits' size)")
+    p.add_argument("--repeats", type=int, default=2, help="--against-transformers: alternating passes")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     init_single_process()
     model_args = tiny_args(seq_length=args.seq_length, hidden_size=args.hidden_size, ffn_hidden_size=4 * args.hidden_size,
                            num_layers=args.layers, num_attention_heads=args.heads, num_query_groups=2,
-                           padded_vocab_size=2048)
+                           padded_vocab_size=args.vocab_size, cross_entropy_chunk_size=args.cross_entropy_chunk_size,
+                           micro_batch_size=1, context_parallel_size=1, tensor_model_parallel_size=1)
     lengths = heavy_tailed_lengths(args.samples, args.seq_length)
-    samples = make_samples(lengths, 2048)
+    samples = make_samples(lengths, args.vocab_size)
     real = int(lengths.sum())
+    if args.against_transformers:
+        return against_transformers(args, model_args, packed_rows(samples, args.seq_length, isolate=True), real)
 
     configs = {
         "packed": packed_rows(samples, args.seq_length, isolate=True),

@@ -56,7 +56,7 @@ def _losses_and_grads(model, batch, chunk):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("chunk", [1, 7, None])
+@pytest.mark.parametrize("chunk", [1, 7, S])
 def test_chunked_loss_and_gradients_equal_megatron_unfused(model, chunk):
     batch, _ = _pack()
     ref_loss, ref_grads = _losses_and_grads(model, batch, 0)  # megatron-core's output layer + cross-entropy
@@ -66,6 +66,47 @@ def test_chunked_loss_and_gradients_equal_megatron_unfused(model, chunk):
     assert grads.keys() == ref_grads.keys()
     worst = max(_rel(grads[n], ref_grads[n]) for n in grads)
     assert worst <= 1e-6, worst
+
+
+def test_the_loss_path_is_chosen_by_the_size_of_the_logits():
+    """The unfused loss while a micro-batch's fp32 logits fit the 512 MiB budget (the fused loss computes the
+    output layer twice: training 1.6x slower at 2048 tokens x 30,522 on a CPU), chunks beyond it; a chunk size
+    given with --cross-entropy-chunk-size (0 included) is kept."""
+    from mindspeed_pack.model.vocab_cross_entropy import loss_chunk
+
+    assert loss_chunk(2048, 30522) == 0  # 0.23 GiB
+    assert loss_chunk(4096, 151936) == 883  # Qwen2.5 at 4096 tokens: 2.3 GiB, chunks of 0.5 GiB
+    assert loss_chunk(4096, 151936 // 8) == 0  # its TP8 shard: 0.29 GiB per rank
+    assert loss_chunk(2048, 30522, 0) == 0 and loss_chunk(2048, 30522, 64) == 64 and loss_chunk(8192, 151936, 0) == 0
+
+
+def test_the_model_takes_the_unfused_loss_when_the_logits_fit(model, monkeypatch):
+    from mindspeed_pack.model import packed_gpt, vocab_cross_entropy
+
+    calls = []
+    fused = packed_gpt.linear_cross_entropy
+    monkeypatch.setattr(packed_gpt, "linear_cross_entropy", lambda *a, **k: calls.append(k["chunk"]) or fused(*a, **k))
+    batch, _ = _pack()
+    unfused, _ = _losses_and_grads(model, batch, 0)
+    auto, _ = _losses_and_grads(model, batch, None)  # 96 tokens x 256 rows: within the budget
+    assert calls == [] and torch.equal(auto, unfused)
+    monkeypatch.setattr(vocab_cross_entropy, "CHUNK_ELEMENTS", 40 * 256)  # a budget of 40 tokens' logits
+    chunked, _ = _losses_and_grads(model, batch, None)
+    assert calls == [40] and _rel(chunked, unfused) <= 1e-6
+
+
+def test_dry_run_shows_the_loss_path(capsys):
+    import posttrain
+    from tests.model_utils import TINY_FLAGS
+
+    common = ["--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1", "--data-path", "none",
+              "--dry-run"]
+    posttrain.main([*TINY_FLAGS, "--seq-length", "2048", *common])
+    assert "# loss: megatron-core's unfused output layer + cross-entropy" in capsys.readouterr().out
+    flags = [f if f != "256" else "151936" for f in TINY_FLAGS]  # --padded-vocab-size 151936
+    posttrain.main([*flags, "--seq-length", "4096", *common])
+    assert "# loss: output layer + cross-entropy fused, 883 tokens per chunk (the micro-batch's fp32 logits: 2.32 GiB" \
+        in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@
   (:attr:`~.thd.ThdParams.rope_positions`, from the host) and the core attention rotates q and k
   (:func:`~.packed_rope.apply_packed_rope`), after the q/k norms as megatron-core does. Transformer Engine's
   spec keeps megatron-core's own (fused) RoPE.
-* **The loss without full logits** (:mod:`.vocab_cross_entropy`) when labels are given.
+* **The loss without full logits** (:mod:`.vocab_cross_entropy`) when labels are given and the micro-batch's
+  fp32 logits would exceed their budget (:func:`~.vocab_cross_entropy.loss_chunk`); megatron-core's unfused
+  loss, which does not compute the output layer twice, when they fit.
 * **The vocabulary-parallel embedding without boolean indexing** (TP > 1): megatron-core masks the
   tokens outside this rank's vocabulary shard with ``x[mask] = 0`` (a ``nonzero`` on a GPU: the host
   waits, once per micro-batch); here with ``where`` / ``masked_fill``, the same values and gradients.
@@ -35,7 +37,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from mindspeed_pack.model.packed_rope import ROPE_TABLE
 from mindspeed_pack.model.thd import ThdParams
-from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy
+from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy, loss_chunk
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,7 @@ class PackedGPTModel(GPTModel):
     ``rope_in_attention``: the core attention applies RoPE (local and flash backends);
     ``real_vocab_size``: the model's own vocabulary (rows past it are padding, masked);
     ``loss_chunk``: tokens per chunk of the fused output-layer loss (0 = megatron-core's unfused loss,
-    ``None`` = sized to the vocabulary).
+    ``None`` = chosen per micro-batch by :func:`~.vocab_cross_entropy.loss_chunk`).
     """
 
     def __init__(self, *args, rope_in_attention: bool = False, real_vocab_size: Optional[int] = None,
@@ -118,11 +120,17 @@ class PackedGPTModel(GPTModel):
         fused = (self.post_process and labels is not None and self.loss_chunk != 0
                  and not self.config.mtp_num_layers and not kwargs.get("mtp_in_postprocess")
                  and kwargs.get("inference_context") is None)
+        if fused:
+            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+                else self.output_layer.weight
+            tp_group = self.pg_collection.tp
+            # the tokens this rank's output layer sees (sequence parallelism gathers them first)
+            tokens = hidden_states.shape[0] * hidden_states.shape[1] * \
+                (tp_group.size() if self.config.sequence_parallel else 1)
+            chunk = loss_chunk(tokens, weight.shape[0], self.loss_chunk)
+            fused = chunk != 0
         if not fused:
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
-            else self.output_layer.weight
-        tp_group = self.pg_collection.tp
         if self.config.sequence_parallel:
             hidden_states = gather_from_sequence_parallel_region(hidden_states, True, group=tp_group)
         elif tp_group.size() > 1:
@@ -130,6 +138,6 @@ class PackedGPTModel(GPTModel):
         s, b, h = hidden_states.shape
         start, _ = self._vocab_range(weight.shape[0])
         loss = linear_cross_entropy(hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(-1),
-                                    vocab_start=start, vocab_limit=self.real_vocab_size, chunk=self.loss_chunk,
+                                    vocab_start=start, vocab_limit=self.real_vocab_size, chunk=chunk,
                                     group=tp_group)
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s], as compute_language_model_loss returns

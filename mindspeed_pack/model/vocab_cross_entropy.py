@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from mindspeed_pack.model.compiled import fused
 
-# fp32 logits of one chunk stay below this many elements (512 MiB)
+# fp32 logits of one chunk stay below this many elements (512 MiB); a micro-batch whose logits fit is not fused
 CHUNK_ELEMENTS = 1 << 27
 
 
@@ -30,6 +30,19 @@ def chunk_tokens(vocab_local: int, requested: Optional[int] = None) -> int:
     if requested:
         return int(requested)
     return max(1, CHUNK_ELEMENTS // max(1, vocab_local))
+
+
+def loss_chunk(tokens: int, vocab_local: int, requested: Optional[int] = None) -> int:
+    """Tokens per chunk of the fused loss for a micro-batch of ``tokens`` on this rank; 0 = megatron-core's
+    unfused loss (the output layer's logits whole, then its vocab-parallel cross-entropy).
+
+    ``requested`` (``--cross-entropy-chunk-size``) is kept. By default the path is chosen by cost: the fused
+    loss computes the output layer's matmul twice (again in the backward) and pays only when the logits do not
+    fit, so the unfused loss runs while the micro-batch's fp32 logits fit one chunk's budget (512 MiB,
+    :data:`CHUNK_ELEMENTS`), the chunked loss beyond it."""
+    if requested is not None:
+        return int(requested)
+    return 0 if tokens * vocab_local <= CHUNK_ELEMENTS else chunk_tokens(vocab_local)
 
 
 def _reduce(t: torch.Tensor, op, group) -> torch.Tensor:

@@ -19,7 +19,7 @@ import os
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.model import lora
-from mindspeed_pack.model.vocab_cross_entropy import chunk_tokens
+from mindspeed_pack.model.vocab_cross_entropy import CHUNK_ELEMENTS, loss_chunk
 from mindspeed_pack.packing.balance import model_shape
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,9 @@ def memory_estimate(args) -> dict:
     # the fused loss holds one chunk of fp32 logits (model/vocab_cross_entropy.py), megatron's unfused one all
     rows = args.seq_length * args.micro_batch_size / cp
     vocab = (args.padded_vocab_size or 0) / tp
-    chunk = getattr(args, "cross_entropy_chunk_size", None)  # model-shape namespaces (bench, tests) lack it
-    if chunk != 0:
-        rows = min(rows, chunk or chunk_tokens(int(vocab)))
+    chunk = loss_path(args)
+    if chunk:
+        rows = min(rows, chunk)
     logits = rows * vocab * 4 * 2
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
            "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
@@ -122,6 +122,30 @@ def memory_estimate(args) -> dict:
            "activations": (per_layer * args.num_layers / pp * in_flight + (logits if pp == 1 else 0)) / GiB}
     out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
     return out
+
+
+def loss_path(args) -> int:
+    """Tokens per chunk of the fused output-layer loss at this run's micro-batch (0: megatron-core's unfused loss),
+    as the model chooses it (:func:`~mindspeed_pack.model.vocab_cross_entropy.loss_chunk`)."""
+    tokens = args.seq_length * args.micro_batch_size // args.context_parallel_size
+    vocab = (args.padded_vocab_size or 0) // args.tensor_model_parallel_size
+    # model-shape namespaces (bench, tests) lack the flag
+    return loss_chunk(tokens, vocab, getattr(args, "cross_entropy_chunk_size", None))
+
+
+def _loss_line(args) -> str:
+    if not args.padded_vocab_size:
+        return "loss: chosen at the first step (vocabulary unknown)"
+    tokens = args.seq_length * args.micro_batch_size // args.context_parallel_size
+    vocab = args.padded_vocab_size // args.tensor_model_parallel_size
+    size = f"the micro-batch's fp32 logits: {tokens * vocab * 4 / GiB:.2f} GiB per rank"
+    requested = getattr(args, "cross_entropy_chunk_size", None)
+    why = "--cross-entropy-chunk-size" if requested is not None else \
+        f"{'within' if loss_path(args) == 0 else 'over'} the {CHUNK_ELEMENTS * 4 / GiB:.2f} GiB budget"
+    chunk = loss_path(args)
+    what = "megatron-core's unfused output layer + cross-entropy" if chunk == 0 else \
+        f"output layer + cross-entropy fused, {chunk} tokens per chunk"
+    return f"loss: {what} ({size}, {why})"
 
 
 # ---------------------------------------------------------------------------- the plan
@@ -186,6 +210,7 @@ def plan_lines(args) -> list:
                  f"({precision}" + (", vocabulary unknown" if not args.padded_vocab_size else "")
                  + (f"; LoRA: {_count(m['trained per GPU'])} trained per GPU" if lora.settings_from_args(args) else "")
                  + ")")
+    lines.append(_loss_line(args))
     lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GiB + gradients {m['gradients']:.2f} GiB + "
                  f"optimizer {m['optimizer']:.2f} GiB + activations {m['activations']:.2f} GiB = {m['total']:.2f} GiB "
                  "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
