@@ -95,6 +95,26 @@ def test_the_model_takes_the_unfused_loss_when_the_logits_fit(model, monkeypatch
     assert calls == [40] and _rel(chunked, unfused) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unfused_loss_is_megatron_cores_bit_for_bit(dtype):
+    """The unfused loss masks out-of-shard targets with ``where`` (megatron-core's boolean-mask assignments are
+    a ``nonzero`` each on a GPU) and is otherwise megatron-core's: the same losses and gradients, bit for bit."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy as megatron_loss
+
+    from mindspeed_pack.model.vocab_parallel_loss import vocab_parallel_cross_entropy
+
+    init_single_process()
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(7, 3, 501, generator=g) * 5).to(dtype)
+    target, weight = torch.randint(0, 501, (7, 3), generator=g), torch.randn(7, 3, generator=g)
+    results = []
+    for loss_fn in (megatron_loss, vocab_parallel_cross_entropy):
+        x = logits.clone().requires_grad_()
+        loss = loss_fn(x * 1.0, target)  # (both shift fp32 logits in place: a copy of the leaf)
+        results.append((loss, *torch.autograd.grad((loss * weight).sum(), x)))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_dry_run_shows_the_loss_path(capsys):
     import posttrain
     from tests.model_utils import TINY_FLAGS

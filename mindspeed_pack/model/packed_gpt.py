@@ -38,6 +38,7 @@ from megatron.core.tensor_parallel.mappings import (
 from mindspeed_pack.model.packed_rope import ROPE_TABLE
 from mindspeed_pack.model.thd import ThdParams
 from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy, loss_chunk
+from mindspeed_pack.model.vocab_parallel_loss import vocab_parallel_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,15 @@ class PackedGPTModel(GPTModel):
         return logits, bias
 
     # ------------------------------------------------------------------ loss
+    def compute_language_model_loss(self, labels, logits):
+        """megatron-core's unfused loss, its out-of-shard targets masked without boolean indexing
+        (:mod:`.vocab_parallel_loss`); megatron-core's own with its fused cross-entropy kernels."""
+        if self.config.cross_entropy_loss_fusion:
+            return super().compute_language_model_loss(labels, logits)
+        start, _ = self._vocab_range(logits.shape[-1])
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), start, self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
+
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         fused = (self.post_process and labels is not None and self.loss_chunk != 0
                  and not self.config.mtp_num_layers and not kwargs.get("mtp_in_postprocess")
