@@ -23,14 +23,7 @@ from mindspeed_pack.convert.model_specs import args_from_hf_config, get_spec
 from mindspeed_pack.convert.weight_map import hf_to_mg_unit, units
 from tests.dist_harness import run_distributed
 from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
-from tests.train_utils import run_posttrain, write_copy_task
-
-# the run's own flags; the model's shape comes from config.json. The schedule is given in full, so the
-# HF run gets no fine-tuning default (finetune_defaults.py) the converted checkpoint's run would not get
-RUN_FLAGS = ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--neat-pack",
-             "--train-iters", "1", "--lr", "1e-3", "--min-lr", "1e-3", "--lr-decay-style", "constant",
-             "--lr-warmup-iters", "0",
-             "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--log-interval", "1", "--eval-iters", "0"]
+from tests.train_utils import RUN_FLAGS, run_posttrain, write_copy_task
 
 
 @pytest.fixture(scope="module")
