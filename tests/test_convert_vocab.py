@@ -207,5 +207,5 @@ def test_vocabulary_flags_that_disagree_with_the_checkpoints_record_are_refused(
         parse_args([*_without(TINY_FLAGS, "--padded-vocab-size"), *RUN_FLAGS, "--data-path", wide["data"],
                     "--load", wide["mg"], "--finetune", "--padded-vocab-size", str(ROWS), "--vocab-size", str(TOKENS)],
                    world_size=1)
-    assert (f"--vocab-size {TOKENS} but {record} records --vocab-size {ROWS}; --padded-vocab-size {ROWS} but "
-            f"{record} records --padded-vocab-size 256") in capsys.readouterr().err
+    assert (f"--padded-vocab-size {ROWS} but {record} records --padded-vocab-size 256; --vocab-size {TOKENS} but "
+            f"{record} records --vocab-size {ROWS}") in capsys.readouterr().err

@@ -129,6 +129,15 @@ def test_direct_load_takes_the_converted_checkpoints_first_step(tiny, tmp_path):
     _assert_same_step(direct, converted)
 
 
+def test_a_converted_checkpoint_needs_no_model_flags(tiny, tmp_path):
+    """The README's ``--load ckpt --finetune`` as written: the model flags come from the checkpoint's record
+    (as from config.json for a HF directory) and the first step is that of the run given all of them."""
+    run = [*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["mg"], "--finetune"]
+    bare = _first_step(run, f"{tmp_path}/bare.jsonl")
+    flagged = _first_step([*TINY_FLAGS, *run], f"{tmp_path}/flagged.jsonl")
+    _assert_same_step(bare, flagged)
+
+
 def _tp2_rank(hf, mg, data, out):
     return _direct_and_converted(hf, mg, data, f"{out}/rank{os.environ['RANK']}", 2)
 

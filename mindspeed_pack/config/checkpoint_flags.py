@@ -1,12 +1,15 @@
 """The model flags of a Megatron ``--load``, taken from the arguments its files record, before validation.
 
 Every converted or saved checkpoint records the model it holds (``convert_ckpt.py`` writes the converter's
-arguments, a training run's ``--save`` the run's). Its vocabulary is part of that record: ``vocab_size`` is
-the model's own rows (for a converted model config.json's ``vocab_size``, the embedding's rows, which may be
-more than its tokenizer's entries: Qwen2.5 has 152,064 rows for 151,665 tokens) and ``padded_vocab_size``
-those rows with Megatron's padding. Taken from the record, as :mod:`.hf_flags` takes them from config.json,
-every row of the model stays in the softmax and only Megatron's padding is masked. A flag the user also
-passed must agree (the error names both values).
+arguments, a training run's ``--save`` the run's: :data:`~mindspeed_pack.convert.model_specs.MODEL_ARG_NAMES`
+and the optional ones). As :mod:`.hf_flags` takes them from a HF directory's config.json, a flag the user also
+passed must agree (the error names both values) and the rest are filled in, so ``--load ckpt --finetune``
+needs no ``--num-layers`` and friends. The vocabulary is among them: ``vocab_size`` is the model's own rows
+(for a converted model config.json's ``vocab_size``, the embedding's rows, which may be more than its
+tokenizer's entries: Qwen2.5 has 152,064 rows for 151,665 tokens) and ``padded_vocab_size`` those rows with
+Megatron's padding; so every row of the model stays in the softmax and only Megatron's padding is masked.
+Dropout is not recorded: Megatron-LM's defaults hold unless given. Loading the weights, and checking them
+against the flags, is :mod:`mindspeed_pack.checkpoint.save_load`'s.
 """
 from __future__ import annotations
 
@@ -15,12 +18,23 @@ import os
 
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.convert import megatron_layout as layout
-from mindspeed_pack.convert.model_specs import flag_of, model_differences, show_setting
+from mindspeed_pack.convert.model_specs import (
+    MODEL_ARG_NAMES,
+    OPTIONAL_MODEL_ARGS,
+    RUN_LAYOUT_ARGS,
+    flag_of,
+    model_differences,
+    show_setting,
+)
 
 log = logging.getLogger(__name__)
 
-# recorded arguments a Megatron --load fills in
-FILLED_ARGS = ("vocab_size", "padded_vocab_size")
+# the recorded model arguments that are flags (the run's layout is the run's; the family and sliding window
+# are no flags: the load takes them from the record)
+FILLED_ARGS = tuple(k for k in (*MODEL_ARG_NAMES, *OPTIONAL_MODEL_ARGS)
+                    if k not in (*RUN_LAYOUT_ARGS, "model_type_hf", "sliding_window"))
+# what a run cannot be described without (parse_args' required model flags)
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 
 
 def read_record(args):
@@ -49,11 +63,13 @@ def fill_model_args(args, explicit: set) -> None:
     try:
         found = read_record(args)
     except ArgumentError:
-        return  # an unreadable or unsafe file: the load refuses it, with the same words
+        if all(getattr(args, k) is not None for k in _REQUIRED):
+            return  # the model flags are given: the load refuses the unreadable or unsafe file, in the same words
+        raise  # the run cannot be described without the record: its reason, not "missing --num-layers"
     if found is None:
         return
     path, recorded = found
-    keys = [k for k in FILLED_ARGS if k in recorded]
+    keys = [k for k in FILLED_ARGS if recorded.get(k) is not None]  # None: not recorded (another tool's file)
     given = [k for k in keys if k in explicit]
     disagree = [f"{flag_of(key)} {show_setting(mine)} but {path} records {flag_of(key)} {show_setting(theirs)}"
                 for key, theirs, mine in model_differences(recorded, args, given)]
@@ -64,5 +80,5 @@ def fill_model_args(args, explicit: set) -> None:
     for key in filled:
         setattr(args, key, recorded[key])
     if filled:
-        log.info("--load %s: %s from the checkpoint's recorded arguments", args.load,
-                 ", ".join(f"{flag_of(k)} {show_setting(recorded[k])}" for k in filled))
+        log.info("--load %s: model flags from the arguments %s records: %s", args.load, path,
+                 " ".join(f"{flag_of(k)} {show_setting(recorded[k])}" for k in filled))
