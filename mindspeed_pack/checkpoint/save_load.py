@@ -318,12 +318,6 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
             state["step"] = step.clone()
 
 
-def recorded_args(state: dict) -> dict:
-    """The model arguments a checkpoint file records (Megatron-LM's files hold a Namespace)."""
-    saved = state.get("args") or {}
-    return saved if isinstance(saved, dict) else vars(saved)
-
-
 def _check_tokenizer(args, record, source: str, policy: bool) -> None:
     """The checkpoint's tokenizer against this run's; a run that knows none takes the policy checkpoint's."""
     run_record = hf_checkpoint.run_tokenizer_record(args)
@@ -390,7 +384,7 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
         raise CheckpointError(f"{source}: checkpoint saved with expert parallelism (EP={saved_ep}) but this run "
                               "has no --num-experts: pass the model flags it was trained with")
     path, state = _read_rank_file(args, root, it_dir, saved_ep)
-    saved_args = recorded_args(state)
+    saved_args = layout.args_of(state)
     window = saved_args.get("sliding_window")
     if window is not None and args.seq_length > window:
         raise CheckpointError(f"{path}: the model's sliding_window={window} (config.json) is below --seq-length "
@@ -436,8 +430,8 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
                     if uncommitted else "")
         return 0, 0
     iteration, it_dir, path, state = load_weights(args, root, model[0].module, flag)
-    args.loaded_model_type_hf = recorded_args(state).get("model_type_hf")
-    args.loaded_sliding_window = recorded_args(state).get("sliding_window")
+    args.loaded_model_type_hf = layout.args_of(state).get("model_type_hf")
+    args.loaded_sliding_window = layout.args_of(state).get("sliding_window")
     release = iteration == layout.RELEASE
     if args.finetune or release or args.no_load_optim:
         refresh_master_weights(optimizer)

@@ -16,7 +16,7 @@ import logging
 import os
 import warnings
 
-from mindspeed_pack.config import finetune_defaults, hf_flags, resolved_config, yaml_file
+from mindspeed_pack.config import checkpoint_flags, finetune_defaults, hf_flags, resolved_config, yaml_file
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import padded_vocab_size
@@ -574,6 +574,10 @@ def _refuse_ignored_flags(args, given: set) -> None:
                             + ("it" if len(ignored) == 1 else "them"))
 
 
+def _changed(before: dict, args) -> set:
+    return {k for k, v in vars(args).items() if k in before and before[k] != v}
+
+
 def parse_args(argv=None, world_size: int | None = None, extra_args_provider=None, description=None) -> argparse.Namespace:
     """The flags of the command line and its ``--config`` file, checked, with the Hugging Face ``--load``'s
     model flags and the fine-tuning defaults filled in; ``args.flag_sources`` says where each value came
@@ -590,11 +594,14 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
     try:
         before = dict(vars(args))
         hf_flags.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
-        from_hf = {k for k, v in vars(args).items() if k in before and before[k] != v}
+        from_hf, before = _changed(before, args), dict(vars(args))
+        if args.load_format == "mg":  # a Megatron --load: model flags from the arguments it records
+            checkpoint_flags.fill_model_args(args, given)
+        from_checkpoint = _changed(before, args)
         defaults = finetune_defaults.apply(args, given)
         validate_args(args, world_size)
         _refuse_ignored_flags(args, given)
     except ArgumentError as e:
         parser.error(str(e))
-    resolved_config.record_sources(parser, args, given, from_hf, defaults)
+    resolved_config.record_sources(parser, args, given, from_hf, defaults, from_checkpoint)
     return args

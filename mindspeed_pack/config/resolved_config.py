@@ -1,8 +1,9 @@
 """The resolved configuration of a run: every flag's final value, by where it came from.
 
 :func:`record_sources` (at the end of ``parse_args``) notes for every flag whether the user gave
-it (command line or ``--config``), a Hugging Face ``--load``'s config.json set it, a fine-tuning
-default filled it, validation derived it from other flags, or it kept the parser's default.
+it (command line or ``--config``), a Hugging Face ``--load``'s config.json or a Megatron ``--load``'s
+recorded arguments set it, a fine-tuning default filled it, validation derived it from other flags, or
+it kept the parser's default.
 :func:`write` puts the values, grouped by that origin, in ``SAVE/run_config.yaml`` and
 ``METRICS.config.yaml`` (beside ``--metrics-file``) once the run is set up (model, checkpoint and data
 loaded: a run that fails to start overwrites nothing): ``--config`` of that file repeats the run, since
@@ -24,6 +25,7 @@ METRICS_SUFFIX = ".config.yaml"  # beside --metrics-file: METRICS (without .json
 SECTIONS = (  # origin -> title; written in this order
     ("given", "given (command line and --config file)", False),
     ("hf", "from the Hugging Face --load directory (config.json)", False),
+    ("checkpoint", "from the Megatron --load checkpoint (the model arguments it records)", False),
     ("finetune", "fine-tuning defaults (--stage sft from a Hugging Face --load, or a resume of such a run)", False),
     ("derived", "derived from the flags above by validation", False),
     ("default", "defaults", False),
@@ -32,7 +34,7 @@ SECTIONS = (  # origin -> title; written in this order
 NOT_WRITTEN = ("config", "dry_run", "help")
 
 
-def record_sources(parser, args, given: set, from_hf: set, finetune: set) -> None:
+def record_sources(parser, args, given: set, from_hf: set, finetune: set, from_checkpoint: set = frozenset()) -> None:
     """``args.flag_sources`` = {dest: [flag name, origin]} for every flag of ``parser``."""
     sources = {}
     for action in parser._actions:
@@ -45,6 +47,8 @@ def record_sources(parser, args, given: set, from_hf: set, finetune: set) -> Non
             origin = "finetune"
         elif dest in from_hf:
             origin = "hf"
+        elif dest in from_checkpoint:
+            origin = "checkpoint"
         elif getattr(args, dest, None) != action.default:
             origin = "derived"
         else:
