@@ -197,6 +197,18 @@ def test_save_holds_the_adapters_and_the_bases_fingerprint(qwen, trained):
     assert len(record["optimizer"]["state"]) == 28
 
 
+def test_load_of_a_lora_runs_save_is_refused_by_name(qwen, trained, capsys):
+    """``--load SAVE`` of a LoRA run (the README promises "refused by name"; it printed the usage and
+    "missing required arguments: --num-layers, ...") says to pass the base as --load and SAVE as --lora-load."""
+    with pytest.raises(SystemExit):
+        parse_args(["--data-path", qwen["data"], "--seq-length", "128", "--neat-pack", "--train-iters", "1",
+                    "--load", trained["save"]])
+    err = capsys.readouterr().err
+    assert f"--load {trained['save']} holds LoRA adapters (a LoRA run's --save), not a model: pass their base " \
+           f"({os.path.abspath(qwen['mg'])}) as --load, {trained['save']} as --lora-load" in err, err
+    assert "missing required arguments" not in err
+
+
 def _logits(module, ids):
     module.eval()
     with torch.no_grad():

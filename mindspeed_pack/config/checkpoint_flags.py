@@ -26,6 +26,7 @@ from mindspeed_pack.convert.model_specs import (
     model_differences,
     show_setting,
 )
+from mindspeed_pack.model import lora
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 
 
 def read_record(args):
-    """(file, recorded arguments) of ``args.load``'s tracked iteration, or None when it holds none yet."""
+    """(file, its record) of ``args.load``'s tracked iteration, or None when it holds none yet."""
     root = args.load
     try:
         path = layout.first_rank_file(root)
@@ -54,7 +55,7 @@ def read_record(args):
         raise ArgumentError(f"--load {root}: {path} cannot be read ({type(e).__name__}: {e}); the file is truncated "
                             f"or corrupt: load an earlier iteration (edit the number in "
                             f"{os.path.join(root, layout.TRACKER)})") from None
-    return path, layout.args_of(record if isinstance(record, dict) else {})
+    return path, record if isinstance(record, dict) else {}
 
 
 def fill_model_args(args, explicit: set) -> None:
@@ -68,7 +69,13 @@ def fill_model_args(args, explicit: set) -> None:
         raise  # the run cannot be described without the record: its reason, not "missing --num-layers"
     if found is None:
         return
-    path, recorded = found
+    path, record = found
+    if record.get("lora") is not None and not lora.trains_adapters(args):
+        base = (record["lora"].get("base") or {}).get("path")
+        raise ArgumentError(f"--load {args.load} holds LoRA adapters (a LoRA run's --save), not a model: pass their base"
+                            f"{f' ({base})' if base else ''} as --load, {args.load} as --lora-load, and the LoRA flags "
+                            "they were trained with (--lora-r, --lora-alpha, --lora-target-modules)")
+    recorded = layout.args_of(record)
     keys = [k for k in FILLED_ARGS if recorded.get(k) is not None]  # None: not recorded (another tool's file)
     given = [k for k in keys if k in explicit]
     disagree = [f"{flag_of(key)} {show_setting(mine)} but {path} records {flag_of(key)} {show_setting(theirs)}"
