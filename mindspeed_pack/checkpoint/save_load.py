@@ -414,6 +414,23 @@ def load_model_weights(args, path: str, module, flag: str) -> None:
         load_weights(args, path, module, flag)
 
 
+def uncommitted_iterations(root: str, flag: str) -> list:
+    """The iteration directories of ``root``, which has no tracker (the tracker is a save's commit point).
+
+    A first save killed between its rename and its tracker leaves one, never committed, which the run
+    saves over. Two or more complete iterations without a tracker are damage (the file was removed),
+    not a first save: refused, naming the latest and how to resume from it."""
+    found = _saved_iterations(root) if os.path.isdir(root) else []
+    if len(found) > 1:
+        numbers = [int(name[len("iter_"):]) for name in found]
+        raise CheckpointError(
+            f"{flag} {root} holds complete iterations {', '.join(map(str, numbers))} but no {layout.TRACKER}: the "
+            "file was removed or lost (an interrupted first save leaves one iteration, not several), and starting "
+            f"over would overwrite them; to resume from the latest, iteration {numbers[-1]}, write its number into "
+            f"the file (echo {numbers[-1]} > {os.path.join(root, layout.TRACKER)}) and run again")
+    return found
+
+
 def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "--load"):
     """Restore from ``--load`` (or ``root``, named ``flag`` in messages: a LoRA run's ``--lora-load``);
     returns (iteration, consumed_samples).
@@ -428,9 +445,7 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
     if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
             and not os.path.isdir(os.path.join(root, layout.RELEASE)):
-        # the tracker is a save's commit point: an iteration directory without it (a crash between the
-        # first save's rename and its tracker) was never committed, and is re-saved over
-        uncommitted = _saved_iterations(root) if os.path.isdir(root) else []
+        uncommitted = uncommitted_iterations(root, f"{flag} (= --save)")
         log.warning("%s %s (= --save) holds no checkpoint yet%s: starting from scratch", flag, root,
                     f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
                     if uncommitted else "")
