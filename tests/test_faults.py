@@ -231,7 +231,7 @@ def test_complete_iterations_without_their_tracker_are_refused_not_overwritten(t
         posttrain.main(argv(data, ckpt, str(tmp_path / "b.jsonl"), "--train-iters", "8"))
     msg = str(e.value)
     assert f"--load (= --save) {ckpt} holds complete iterations 2, 4, 6 but no {layout.TRACKER}" in msg, msg
-    assert f"echo 6 > {os.path.join(ckpt, layout.TRACKER)}" in msg, msg
+    assert f"echo 6 > {os.path.join(ckpt, layout.TRACKER)}" in msg and "--overwrite-output-dir" in msg, msg
     assert fingerprint(ckpt) == before  # nothing overwritten
     with open(os.path.join(ckpt, layout.TRACKER), "w") as f:
         f.write("6")

@@ -15,6 +15,7 @@ import os
 
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.convert import hf_io
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
@@ -54,6 +55,11 @@ def _fresh_defaults(args, given: set) -> dict:
     return out
 
 
+def _holds_checkpoint(save) -> bool:
+    """Whether ``--save`` holds a checkpoint (a resume of its run, or another run's: the checkpoint loader tells)."""
+    return bool(save) and os.path.isfile(os.path.join(save, layout.TRACKER))
+
+
 def _exported(path: str) -> bool:
     return os.path.exists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
 
@@ -71,9 +77,12 @@ def apply(args, given: set) -> set:
         return applied
     if args.load_format == "hf":
         defaults, why = _fresh_defaults(args, given), "--load is a Hugging Face model, --stage sft"
-        if "save_hf" not in given and _exported(defaults.get("save_hf", "")):
-            raise ArgumentError(f"--save {args.save}: the fine-tuning default --save-hf {defaults['save_hf']} exists "
-                                "and is not empty; pass --save-hf NEW_DIR, or another --save")
+        if "save_hf" not in given and _exported(defaults.get("save_hf", "")) and not args.overwrite_output_dir:
+            if not _holds_checkpoint(args.save):
+                raise ArgumentError(f"--save {args.save}: the fine-tuning default --save-hf {defaults['save_hf']} "
+                                    "exists and is not empty; pass --save-hf NEW_DIR, another --save, or "
+                                    "--overwrite-output-dir to start over in it")
+            del defaults["save_hf"]  # the run of --save's checkpoint exported already (its resume trains no more)
     else:
         defaults = resolved_config.recorded(args.load, "finetune")
         defaults.pop("tokenizer_name_or_path", None)  # the checkpoint's run found its tokenizer its own way
