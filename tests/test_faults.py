@@ -237,3 +237,17 @@ def test_complete_iterations_without_their_tracker_are_refused_not_overwritten(t
         f.write("6")
     posttrain.main(argv(data, ckpt, str(tmp_path / "c.jsonl"), "--train-iters", "8"))
     assert sorted(read_metrics(str(tmp_path / "c.jsonl"))) == [7, 8] and layout.read_tracker(ckpt) == 8
+
+
+def test_rerun_by_hand_after_a_kill_before_the_first_save_logs_each_step_once(tmp_path, data, launcher):
+    """Killed after step 4, before the first checkpoint (steps 1-3 logged), then the same command by hand: it
+    starts from scratch and its steps replace the logged ones, as a torchrun restart's do."""
+    ckpt, metrics, log = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl"), str(tmp_path / "log")
+    args = argv(data, ckpt, metrics, "--train-iters", "5", "--save-interval", "5")
+    assert launcher(args, fault="step@4:kill", log_path=log) == -signal.SIGKILL, open(log).read()[-3000:]
+    with open(metrics) as f:
+        assert [r["iteration"] for r in map(json.loads, f) if r["split"] == "train"] == [1, 2, 3]
+    assert launcher(args, log_path=log) == 0, open(log).read()[-3000:]
+    with open(metrics) as f:
+        assert [r["iteration"] for r in map(json.loads, f) if r["split"] == "train"] == [1, 2, 3, 4, 5]
+    assert f"iterations 1-3 (3 steps), logged before, are run again and replaced in {metrics}" in open(log).read()
