@@ -47,6 +47,12 @@ def loaded_from(args) -> str:
     return getattr(args, "resumed_from", None) or args.lora_load or args.load
 
 
+def resumed_own_save(args) -> bool:
+    """Whether the run resumed from its own ``--save``: its ``--load`` then still holds the weights it started
+    from (a reference model of the starting policy reads them again)."""
+    return bool(getattr(args, "resumed_from", None))
+
+
 def _same_dir(a, b) -> bool:
     return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
 
