@@ -295,3 +295,8 @@ def test_one_command_refuses_a_save_holding_another_runs_checkpoint(assets, tmp_
                                   model_flags=(), metrics=str(tmp_path / "over.jsonl"))
     assert [r["iteration"] for r in records if r["split"] == "train"] == list(range(1, RESUME_ITERS + 1))
     assert "--overwrite-output-dir" in proc.stderr and layout.read_tracker(str(save)) == RESUME_ITERS
+    # a torchrun restart of that job resumes what it saved, instead of starting over again
+    proc, _ = run_posttrain(resume_argv(assets, save, "--lr", "2e-3", "--overwrite-output-dir"), model_flags=(),
+                            env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert f"resumed from {save} at iteration {RESUME_ITERS} (torchrun restart 1)" in proc.stderr, proc.stderr[-3000:]
+    assert layout.read_tracker(str(save)) == RESUME_ITERS

@@ -71,7 +71,7 @@ def starts_from_weights(args) -> bool:
         source, fresh = args.lora_load, not args.lora_load or args.finetune
     else:
         source = args.load
-        fresh = args.finetune or hf_checkpoint.loads_hf(args) or _is_release(args.load)
+        fresh = args.finetune or hf_checkpoint.loads_hf(args) or bool(args.load and _is_release(args.load))
     return bool(args.save) and fresh and not _same_dir(source, args.save)
 
 
@@ -79,20 +79,22 @@ def _own_checkpoint(args) -> Optional[str]:
     """``--save`` when the run resumes from it (it holds this run's checkpoint), else None; refuses another
     run's checkpoint there, and starts over in it under ``--overwrite-output-dir``."""
     save = args.save
-    if not save or not os.path.isdir(save):
+    if not save or not os.path.isdir(save) or args.skip_train:  # an evaluation saves nothing
         return None
+    fresh = starts_from_weights(args)
+    if not fresh and not args.overwrite_output_dir:
+        return None  # --load D --save D resumes D itself (save_load.load_checkpoint)
     try:
         tracked = layout.read_tracker(save)
     except ValueError as e:
         raise CheckpointError(f"--save {save}: {e}") from None
-    fresh = starts_from_weights(args)
     differing = resolved_config.run_differences(args, save) if tracked is not None else None
     same_run = differing == []
     if args.overwrite_output_dir and not (faults.restart_attempt() and same_run):
         _start_over(args, save)
         return None
     if not fresh:
-        return None  # --load D --save D resumes D itself (save_load.load_checkpoint)
+        return None
     if tracked is None:
         save_load.uncommitted_iterations(save, "--save")  # several without a tracker: refused
         return None  # nothing saved yet, or an interrupted first save (saved over)
@@ -100,13 +102,18 @@ def _own_checkpoint(args) -> Optional[str]:
         if dist.get_rank() == 0:
             log.info("--save %s holds iteration %s of this run (%s records the same flags): resuming from it "
                      "(--overwrite-output-dir starts over)", save, tracked, resolved_config.FILE_NAME)
+        export = os.path.join(save, finetune_defaults.SAVE_HF_SUBDIR)
+        if _same_dir(args.save_hf, export) and finetune_defaults.exported(export):
+            args.save_hf = None  # the run exported already, when it ended: no second export over it
+            if dist.get_rank() == 0:
+                log.info("--save-hf %s holds this run's export already: none is written again", export)
         return save
     record = os.path.join(save, resolved_config.FILE_NAME)
-    what = (f"{record}: {'; '.join(differing)}" if differing else
-            f"no readable {record} says which run wrote it")
-    raise CheckpointError(f"--save {save} holds iteration {tracked} of another run ({what}): pass the flags it was "
-                          "run with to resume it, another --save, or --overwrite-output-dir to start over in "
-                          f"{save} (its checkpoints are removed)")
+    what = (f"of another run ({record}: {'; '.join(differing)}): pass the flags it was run with to resume it"
+            if differing else f"but no readable {record} says which run wrote it: pass --load {save} (with the model flags) to "
+            "resume it")
+    raise CheckpointError(f"--save {save} holds iteration {tracked} {what}, another --save, or --overwrite-output-dir "
+                          f"to start over in {save} (its checkpoints are removed)")
 
 
 def _start_over(args, save: str) -> None:

@@ -60,7 +60,8 @@ def _holds_checkpoint(save) -> bool:
     return bool(save) and os.path.isfile(os.path.join(save, layout.TRACKER))
 
 
-def _exported(path: str) -> bool:
+def exported(path: str) -> bool:
+    """Whether a model was exported to ``path`` (it exists, and is not an empty directory)."""
     return os.path.exists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
 
 
@@ -77,17 +78,18 @@ def apply(args, given: set) -> set:
         return applied
     if args.load_format == "hf":
         defaults, why = _fresh_defaults(args, given), "--load is a Hugging Face model, --stage sft"
-        if "save_hf" not in given and _exported(defaults.get("save_hf", "")) and not args.overwrite_output_dir:
-            if not _holds_checkpoint(args.save):
-                raise ArgumentError(f"--save {args.save}: the fine-tuning default --save-hf {defaults['save_hf']} "
-                                    "exists and is not empty; pass --save-hf NEW_DIR, another --save, or "
-                                    "--overwrite-output-dir to start over in it")
-            del defaults["save_hf"]  # the run of --save's checkpoint exported already (its resume trains no more)
+        # with a checkpoint beside it, the export is its run's: a resume of that run writes none over it, another
+        # run is refused (checkpoint/resume.py), and --overwrite-output-dir removes both
+        if "save_hf" not in given and exported(defaults.get("save_hf", "")) and not args.overwrite_output_dir \
+                and not _holds_checkpoint(args.save):
+            raise ArgumentError(f"--save {args.save}: the fine-tuning default --save-hf {defaults['save_hf']} exists "
+                                "and is not empty; pass --save-hf NEW_DIR, another --save, or --overwrite-output-dir "
+                                "to start over in it")
     else:
         defaults = resolved_config.recorded(args.load, "finetune")
         defaults.pop("tokenizer_name_or_path", None)  # the checkpoint's run found its tokenizer its own way
         why = f"resuming the run of --load {args.load}: its {resolved_config.FILE_NAME}"
-        if _exported(defaults.get("save_hf") or ""):
+        if exported(defaults.get("save_hf") or ""):
             del defaults["save_hf"]  # that run exported already: no second export over it
     if args.load_format == "hf" and not {"save_hf"} & (given | set(defaults)):
         log.warning("--load %s is a Hugging Face model but neither --save nor --save-hf is given: the trained "
