@@ -30,9 +30,10 @@ from mindspeed_pack.runtime import faults
 log = logging.getLogger(__name__)
 
 
-def load_run_checkpoint(args, model, optimizer, scheduler) -> tuple:
-    """(iteration, consumed samples) the run resumes at, after loading what it starts from."""
-    save = _own_checkpoint(args)
+def load_run_checkpoint(args, model, optimizer, scheduler, resume_save: bool = True) -> tuple:
+    """(iteration, consumed samples) the run resumes at, after loading what it starts from (``resume_save``:
+    its own ``--save`` when it holds this run's checkpoint)."""
+    save = _own_checkpoint(args) if resume_save else None
     args.resumed_from = save
     if lora.trains_adapters(args):
         return lora_checkpoint.load_checkpoint(args, model, optimizer, scheduler, adapters_root=save)
