@@ -371,6 +371,11 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer files) to DIR (must not exist or be empty)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true", help="load weights only and reset the iteration")
+    g.add_argument("--overwrite-output-dir", action="store_true",
+                   help="start over in --save, removing the checkpoints it holds (and its fine-tuning default "
+                        "--save-hf SAVE/hf). Without it a run that starts from --load's weights (a Hugging Face "
+                        "directory, --finetune, a release checkpoint) resumes from --save when it holds this run's "
+                        "checkpoint and refuses another run's. On torchrun's restarts the job resumes what it saved")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
@@ -541,6 +546,8 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError("--skip-train needs --eval-iters > 0")
     if args.finetune and not args.load:
         raise ArgumentError("--finetune needs --load")
+    if args.overwrite_output_dir and not args.save:
+        raise ArgumentError("--overwrite-output-dir starts over in --save: give --save")
     per_split = [getattr(args, f"{name}_data_path", None) for name in ("train", "valid", "test")]
     if args.data_path and any(per_split):
         raise ArgumentError("give --data-path (divided by --split) or --train-data-path/--valid-data-path/"

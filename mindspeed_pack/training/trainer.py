@@ -49,8 +49,11 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, args, batch_source: BatchSource, stage):
+    def __init__(self, args, batch_source: BatchSource, stage, resume_save: bool = True):
+        """``resume_save``: a run started again resumes from its own ``--save`` (checkpoint/resume.py); an RL
+        session's driver chooses that itself (its rounds of rollouts are its own)."""
         self.args = args
+        self.resume_save = resume_save
         self.source = batch_source
         self.stage = stage
         self.stage_reports = {}
@@ -73,7 +76,7 @@ class Trainer:
         identity.guard_scheduler_resume(args, self.scheduler)
         if args.load:  # LoRA: the base (weights only), then the adapters of --lora-load
             self.iteration, self.consumed_samples = load_run_checkpoint(args, self.model, self.optimizer,
-                                                                        self.scheduler)
+                                                                        self.scheduler, self.resume_save)
             use_fused_adam(self.optimizer)  # a loaded optimizer takes the saved groups' settings
         # validation goes on through its split (cycling) from evaluation to evaluation, as in Megatron-LM:
         # its place after a resume follows from the iteration; --skip-train reads from the split's start

@@ -18,7 +18,8 @@ micro-batch returns (sum, pairs) and megatron divides by the total, whatever the
 the DP/PP/CP layout (under CP the sums are all-reduced first and the pairs counted once).
 
 The reference: a frozen copy run in the same job (``--ref-load DIR``: a Megatron checkpoint or a
-Hugging Face directory, loaded and checked as ``--load``; default the starting policy), through
+Hugging Face directory, loaded and checked as ``--load``; default the starting policy, read again
+from ``--load`` when the run resumed from its own ``--save``), through
 the same pipeline, or log-probs precomputed once (``--ref-logps``, :mod:`.reference`) and looked
 up by (pack, pair). With LoRA the default reference is the frozen base itself: the policy's own
 module run with its adapters switched off (no second model).
@@ -125,7 +126,7 @@ class DPOStage:
         from megatron.core.transformer.module import Float16Module
         from megatron.core.utils import get_model_config
 
-        from mindspeed_pack.checkpoint import save_load
+        from mindspeed_pack.checkpoint import resume, save_load
         from mindspeed_pack.model.gpt import build_gpt_model
 
         args = self.args
@@ -134,6 +135,10 @@ class DPOStage:
         if args.ref_load:
             save_load.load_model_weights(args, args.ref_load, model, "--ref-load")
             log.info("dpo: reference model loaded from %s (frozen)", args.ref_load)
+        elif trainer.iteration > 0 and resume.resumed_own_save(args):  # --load still holds the starting policy
+            save_load.load_model_weights(args, args.load, model, "--load")
+            log.info("dpo: reference model = the starting policy, read again from --load %s (the run resumed from "
+                     "its --save)", args.load)
         elif trainer.iteration > 0:
             raise DataError(f"--stage dpo resumes at iteration {trainer.iteration}: the reference is the *starting* "
                             "policy, which the checkpoint no longer holds; pass --ref-load (the model the run "
