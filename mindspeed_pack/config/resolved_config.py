@@ -7,7 +7,9 @@ it kept the parser's default.
 :func:`write` puts the values, grouped by that origin, in ``SAVE/run_config.yaml`` and
 ``METRICS.config.yaml`` (beside ``--metrics-file``) once the run is set up (model, checkpoint and data
 loaded: a run that fails to start overwrites nothing): ``--config`` of that file repeats the run, since
-every key is a flag. :func:`recorded` reads a section back (a resume keeps its run's fine-tuning defaults);
+every key is a flag; the derived and default sections are on record only (``yaml_file.RECORD_ONLY``): read
+back, they are left to the parser, so they never count as given (a preprocessing default would otherwise be
+checked against the data's sidecar as the user's choice). :func:`recorded` reads a section back (a resume keeps its run's fine-tuning defaults);
 :func:`run_differences` compares a recorded run with this one (is ``--save`` this run's?). ``--train-iters`` derived from ``--train-epochs``
 is shown as a comment, not set, so a repeat recomputes it from the data as the original did.
 """
@@ -28,8 +30,8 @@ SECTIONS = (  # origin -> title; written in this order
     ("hf", "from the Hugging Face --load directory (config.json)", False),
     ("checkpoint", "from the Megatron --load checkpoint (the model arguments it records)", False),
     ("finetune", "fine-tuning defaults (--stage sft from a Hugging Face --load, or a resume of such a run)", False),
-    ("derived", "derived from the flags above by validation", False),
-    ("default", "defaults", False),
+    ("derived", f"derived from the flags above by validation {yaml_file.RECORD_ONLY}", False),
+    ("default", f"defaults {yaml_file.RECORD_ONLY}", False),
     ("epochs", "derived from --train-epochs and the data (shown, not set: a repeat computes them again)", True),
 )
 NOT_WRITTEN = ("config", "dry_run", "help")
