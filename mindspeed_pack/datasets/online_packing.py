@@ -221,9 +221,6 @@ class DynamicCPBatchSource(BalancedBatchSource):
         self.cost = cost_model(args)
         self.per_rank = args.max_seqlen_per_dp_cp_rank
         self.capacity = self.per_rank * args.context_parallel_size  # the longest sample
-        self.pool_rank = ps.get_data_parallel_rank(with_context_parallel=True)
-        self.pool_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-        check_dynamic_cp_groups(args.context_parallel_size)
         self._sizes = {id(d.docs): np.asarray(d.docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
                        for d in self.splits.values() if d is not None}
         self._plans = OrderedDict()
@@ -231,6 +228,9 @@ class DynamicCPBatchSource(BalancedBatchSource):
             if split is not None:
                 check_overlong(self._sizes[id(split.docs)][split.start:split.end], split.start, self.capacity,
                                args, f"{split.docs.prefix!r} ({name} split)")
+        self.pool_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        self.pool_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        check_dynamic_cp_groups(args.context_parallel_size)
         if not args.no_reset_position_ids:  # rows isolate their samples: positions restart per sample
             args.reset_position_ids = True
         log.info("default_dynamic_cp: samples on CP groups of %s ranks (rows of %d tokens per rank) over %d data x "
