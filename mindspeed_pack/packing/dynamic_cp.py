@@ -2,19 +2,22 @@
 
 ``--sequence-packing-scheduler default_dynamic_cp`` (Megatron-LM's name), ``--max-seqlen-per-dp-cp-rank N``,
 ``--context-parallel-size C`` (the largest group). The ``W = DP x C`` ranks of a replica's data x context
-parallel group are one pool. A sample of ``n`` tokens runs on ``g`` ranks, the smallest power of two (at
-least ``--min-dynamic-context-parallel-size``) whose row of ``g x N`` tokens holds it once padded for the
-zigzag split (to ``2g``, x TP under sequence parallelism; on one rank nothing is padded)::
+parallel group are one pool. A sample of ``n`` tokens needs ``g`` ranks, the smallest power of two (at least
+``--min-dynamic-context-parallel-size``) whose row of ``g x N`` tokens holds it once padded for the zigzag
+split (to ``2g``, x TP under sequence parallelism; on one rank nothing is padded). Rows are packed best-fit
+decreasing over all widths (:func:`pack_rows`): a long sample opens a row of its own ``g``, and shorter samples
+fill the room it leaves (they then run split over that group, which exchanges its ranks' whole shares
+whatever they hold: no extra communication) or rows of their own::
 
-    N = 8, C = 4, W = 4       sample lengths   3  5  2  12  30  6
-    group size g                               1  1  1   2   4  1
-    jobs (rows of g x N)      [5 3] [6 2] (g=1, best-fit decreasing)   [12] (g=2)   [30] (g=4)
+    N = 8, C = 4, W = 4       sample   s0 s1 s2 s3  s4 s5      lengths 3 5 2 12 30 6
+    own group size g                   1  1  1  2   4  1
+    rows (g x N tokens)       [s4] (g=4)   [s0 s3] (g=2: s3 = 12 -> 12, s0 = 3 -> 4)   [s2 s5] (g=1)   [s1] (g=1)
 
 Groups are aligned blocks of the pool (ranks ``[k g, (k+1) g)``: the sub-groups made once at start). A step
 is ``M`` slots (micro-batches); in each slot the pool is split into blocks, each running one job::
 
-    slot 0:  ranks 0-3  [30] (g=4)
-    slot 1:  ranks 0-1  [12] (g=2)     rank 2  [5 3]     rank 3  [6 2]
+    slot 0:  ranks 0-3  [s4]
+    slot 1:  ranks 0-1  [s0 s3]     rank 2  [s2 s5]     rank 3  [s1]
 
 ``M = ceil(sum of job widths / W)``, the fewest slots: power-of-two widths that divide ``W`` fill the slots
 exactly when placed widest first. Every rank runs ``M`` micro-batches of ``N`` tokens (one shape for the
@@ -34,7 +37,6 @@ from typing import List, Optional
 import numpy as np
 
 from mindspeed_pack.packing.balance import CostModel, imbalance
-from mindspeed_pack.packing.binpack import pack_lengths
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 
 
@@ -135,6 +137,37 @@ class DynamicCPPlan:
         return lines
 
 
+def pack_rows(lengths, sizes, per_rank: int, tp: int = 1, sequence_parallel: bool = False) -> List[tuple]:
+    """Rows of ``(group size, batch positions)``: best-fit decreasing over rows of every width.
+
+    Longest first, each sample goes to the open row it fills best among those at least as wide as its own
+    group size (its length padded for that row's group), else opens a row of its own size. A long sample's
+    row is rarely full (a 9k sample at N = 8k takes a 16k row): shorter samples fill it, at no extra
+    communication, since a CP group exchanges every rank's whole share whatever it holds."""
+    lengths, sizes = np.asarray(lengths, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+    order = np.lexsort((np.arange(len(lengths)), -lengths, -sizes))  # widest, longest, then data order
+    options = np.unique(sizes)  # the group sizes in use, ascending: a row's width is one of them
+    planned = np.stack([planned_lengths(lengths, int(g), tp, sequence_parallel) for g in options])  # [width, sample]
+    row_option = np.zeros(len(lengths), np.int64)  # per row (at most one per sample): index into options
+    room = np.zeros(len(lengths), np.int64)
+    members: List[List[int]] = []
+    for i in order:
+        k = int(np.searchsorted(options, sizes[i]))
+        n = len(members)
+        left = room[:n] - planned[row_option[:n], i]
+        fits = np.flatnonzero((row_option[:n] >= k) & (left >= 0))
+        if len(fits):
+            r = int(fits[np.argmin(left[fits])])  # best fit; ties: the oldest row
+        else:
+            r = n
+            row_option[r], room[r] = k, int(options[k]) * per_rank
+            members.append([])
+        room[r] -= planned[row_option[r], i]
+        members[r].append(int(i))
+    row_width = options[row_option]
+    return [(int(row_width[r]), np.array(sorted(m), np.int64)) for r, m in enumerate(members)]
+
+
 def plan_dynamic_cp(lengths, num_ranks: int, per_rank: int, max_cp: int, model: CostModel, min_cp: int = 1,
                     tp: int = 1, sequence_parallel: bool = False) -> DynamicCPPlan:
     """Group sizes, rows and their placement for one global batch's samples (see the module docstring).
@@ -147,13 +180,8 @@ def plan_dynamic_cp(lengths, num_ranks: int, per_rank: int, max_cp: int, model: 
         i = int(np.flatnonzero(sizes == 0)[0])
         raise ValueError(f"sample {i} of {lengths[i]} tokens is longer than {max_cp} x {per_rank}")
     costs = model.sample_costs(lengths)
-    jobs: List[Job] = []
-    for g in group_size_options(max_cp, min_cp):
-        members = np.flatnonzero(sizes == g)
-        if not len(members):
-            continue
-        plan = pack_lengths(planned_lengths(lengths[members], g, tp, sequence_parallel), g * per_rank)
-        jobs += [Job(g, members[b], float(costs[members[b]].sum()) / g) for b in plan.bins()]
+    jobs = [Job(g, samples, float(costs[samples].sum()) / g)
+            for g, samples in pack_rows(lengths, sizes, per_rank, tp, sequence_parallel)]
     slots = max(1, -(-sum(j.size for j in jobs) // num_ranks))
     used = np.zeros(num_ranks, np.int64)  # slots taken on every rank
     load = np.zeros(num_ranks)
