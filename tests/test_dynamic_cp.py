@@ -293,3 +293,17 @@ def test_overlong_samples_drop_counts_them_per_step(data, monkeypatch):
         assert sum(v for k, v in stats.items() if k.startswith("samples at CP ")) == GBS - dropped
         rows = list(source.micro_batches("train", consumed))
         assert len(rows) == slots and all(len(r["input_ids"][0]) == r["cp_size"] * 48 for r in rows)
+
+
+def test_transformer_engine_is_refused_at_model_build_and_auto_skips_it():
+    """A GPU run with --attention-backend auto must not pick TE under dynamic CP (its RoPE uses the fixed group)."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.model.gpt import _no_te
+    from mindspeed_pack.model.spec import resolve_backend
+
+    reason = _no_te(SimpleNamespace(sequence_packing_scheduler="default_dynamic_cp"))
+    assert reason and not _no_te(SimpleNamespace(sequence_packing_scheduler="dp_balanced"))
+    with pytest.raises(RuntimeError, match="--attention-backend te: --sequence-packing-scheduler default_dynamic_cp"):
+        resolve_backend("te", no_te=reason)
+    assert resolve_backend("auto", no_te=reason) in ("flash", "local")

@@ -122,7 +122,7 @@ def _no_te(args) -> str:
 
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> PackedGPTModel:
     backend = resolve_backend(getattr(args, "attention_backend", "auto"), params_dtype(args),
-                              getattr(args, "attention_dropout", 0.0), no_te=_no_te(args))
+                              getattr(args, "attention_dropout", 0.0), _no_te(args))
     compiled.set_enabled(getattr(args, "torch_compile_kernels", "auto") != "off")
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)
