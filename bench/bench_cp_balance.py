@@ -184,9 +184,10 @@ def compare_dynamic(a) -> None:
     cp, dp = a.max_cp, a.dp
     lengths_all = long_tail_lengths(a.gbs * a.steps, a.long_share, a.seed)
     short = lengths_all < 2048
+    long_tokens = (~short) @ lengths_all / lengths_all.sum()
     print(f"long-tail mix: {len(lengths_all)} samples, {short.mean():.1%} under 2k (median "
-          f"{np.median(lengths_all[short]):.0f}), {(~short).mean():.1%} in 16k-128k; {(~short) @ lengths_all / lengths_all.sum():.1%} "
-          f"of the tokens in long samples. Qwen2.5-7B, CP up to {cp}, DP {dp} ({dp * cp} ranks), GBS {a.gbs}, {a.steps} steps")
+          f"{np.median(lengths_all[short]):.0f}), {(~short).mean():.1%} in 16k-128k; {long_tokens:.1%} of the tokens "
+          f"in long samples. Qwen2.5-7B, CP up to {cp}, DP {dp} ({dp * cp} ranks), GBS {a.gbs}, {a.steps} steps")
     hw = [(name, float(f) * 1e12, float(b) * 1e9, float(lat) * 1e-6) for name, f, b, lat in
           (x.split(":") for x in a.hardware)]
     print("hardware (effective): " + "; ".join(f"{n}: {f / 1e12:.0f} TFLOP/s, {b / 1e9:.0f} GB/s per rank, "
@@ -216,7 +217,8 @@ def compare_dynamic(a) -> None:
             print(f"{per_rank:>6} {name:>8} {slots / a.steps:>8.1f} | {work[:, 1].mean() / a.steps / 1e12:>15.1f} "
                   f"{imbalance(work[:, 1]):>8.3f} | {work[:, 2].mean() / a.steps / 1e9:>10.2f} "
                   f"{imbalance(work[:, 2]) if work[:, 2].any() else 1.0:>8.3f} | "
-                  + " | ".join(f"{t:>14.2f}" for t in times / a.steps) + f"   ({time.perf_counter() - t0:.1f} s to plan)")
+                  + " | ".join(f"{t:>14.2f}" for t in times / a.steps)
+                  + f"   ({time.perf_counter() - t0:.1f} s to plan)")
         ratio = result["fixed"] / result["dynamic"]
         print(f"{per_rank:>6} {'fixed / dynamic step time':>38} | " + " | ".join(f"{r:>13.2f}x" for r in ratio)
               + "   (anchor " + f"{ANCHOR}x: " + ", ".join("met" if r >= ANCHOR else "missed" for r in ratio) + ")")

@@ -234,7 +234,8 @@ def test_overlong_samples_flag_belongs_to_the_dynamic_scheduler(capsys):
 
     with pytest.raises(SystemExit):
         parse_args([*TINY_FLAGS, *COMMON, "--data-path", "x", "--overlong-samples", "drop"])
-    assert "--overlong-samples drop applies to --sequence-packing-scheduler default_dynamic_cp" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--overlong-samples drop applies to --sequence-packing-scheduler default_dynamic_cp" in err
 
 
 def test_a_sample_over_c_times_n_is_refused_naming_it_and_the_flag(data, monkeypatch):

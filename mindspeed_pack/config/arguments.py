@@ -327,7 +327,8 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--padded-samples", action="store_true",
                    help="repeat the first packs of each epoch to complete its last global batch")
     g.add_argument("--no-shuffle", action="store_true", help="sequential data order (for loss comparison runs)")
-    g.add_argument("--sequence-packing-scheduler", default="none", choices=["none", "dp_balanced", "default_dynamic_cp"],
+    g.add_argument("--sequence-packing-scheduler", default="none",
+                   choices=["none", "dp_balanced", "default_dynamic_cp"],
                    help="dp_balanced: pack unpacked data at load time into rows of --max-seqlen-per-dp-cp-rank "
                         "tokens and balance data-parallel ranks by estimated cost (offline packs: balance the packs); "
                         "default_dynamic_cp: as dp_balanced, but every sample runs on the smallest power-of-two CP "

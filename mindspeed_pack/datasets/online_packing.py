@@ -42,8 +42,8 @@ from mindspeed_pack.datasets.packed_dataset import DataError, PackedBatchSource,
 from mindspeed_pack.packing.balance import balance_partition, cost_model, imbalance, plan_online_packing
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 from mindspeed_pack.packing.dynamic_cp import DynamicCPPlan, group_size_options, plan_dynamic_cp
-from mindspeed_pack.runtime.process_groups import check_dynamic_cp_groups
 from mindspeed_pack.packing.segments import IGNORE_INDEX
+from mindspeed_pack.runtime.process_groups import check_dynamic_cp_groups
 
 log = logging.getLogger(__name__)
 
@@ -336,15 +336,16 @@ def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
     steps = min(steps, args.train_iters or steps)
     index = start + build_sample_index(end - start, steps * gbs, seed=args.seed, shuffle=not args.no_shuffle,
                                        padded_samples=args.padded_samples, global_batch_size=gbs)
-    lines = [f"dynamic CP: {pool} data x context parallel ranks, CP groups of "
-             f"{'/'.join(map(str, group_size_options(args.context_parallel_size, args.min_dynamic_context_parallel_size)))}"
-             f" ranks, {args.max_seqlen_per_dp_cp_rank} tokens per rank per micro-batch; samples named by document"]
+    sizes_used = group_size_options(args.context_parallel_size, args.min_dynamic_context_parallel_size)
+    lines = [f"dynamic CP: {pool} data x context parallel ranks, CP groups of {'/'.join(map(str, sizes_used))} ranks, {args.max_seqlen_per_dp_cp_rank} tokens per rank per micro-batch; samples named by document"]
     for step in range(steps):
         batch = index[step * gbs:(step + 1) * gbs]
         batch, lengths, dropped = kept_samples(batch, sizes[batch], longest)
         plan = step_plan(lengths, args, pool, cost_model(args))
-        figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in plan.stats(lengths).items())
-        lines.append(f"step {step + 1}: {plan.slots} micro-batches; {figures}; padding {plan.padding_ratio(lengths):.3f}"
+        figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in plan.stats(lengths).items())
+        lines.append(f"step {step + 1}: {plan.slots} micro-batches; {figures}; "
+                     f"padding {plan.padding_ratio(lengths):.3f}"
                      + (f"; {dropped} samples dropped" if dropped else ""))
         lines += [f"  {line}" for line in plan.describe(names=batch)]
     return lines

@@ -88,12 +88,13 @@ def resolve_backend(requested: str = "auto", dtype=None, attention_dropout: floa
     else:
         te = f"Transformer Engine skipped ({no_te})" if HAVE_TE and no_te else None
         if not no_flash:
-            requested, why = "flash", f"auto: {te or 'CUDA without Transformer Engine'}, varlen FlashAttention available"
+            requested = "flash"
+            why = f"auto: {te or 'CUDA without Transformer Engine'}, varlen FlashAttention available"
         else:
             requested = "local"
             why = "auto: " + ("no CUDA device" if not on_gpu else
-                              f"{te or 'Transformer Engine is not importable (pip install -e .[gpu])'} and flash cannot "
-                              f"run: {no_flash}")
+                              f"{te or 'Transformer Engine is not importable (pip install -e .[gpu])'} and "
+                              f"flash cannot run: {no_flash}")
     desc = {"te": "Transformer Engine fused attention (THD)",
             "flash": "varlen FlashAttention (torch.nn.attention.varlen, THD), RoPE by position",
             "local": "local spec with exact segment-causal SDPA (THD), RoPE by position"}[requested]

@@ -13,8 +13,8 @@ tensor stalls the CPU until the GPU queue drains, and once per layer that idles 
 Under context parallelism ``host_cu_seqlens`` are the padded *global* offsets and
 ``rope_positions`` this rank's zigzag share of them (see
 :mod:`mindspeed_pack.packing.context_parallel`). Under dynamic context parallelism a micro-batch names
-its own group (megatron-core's ``local_cp_size`` and ``cp_group``; :func:`context_parallel_group`). Index plans that attention backends derive
-from the layout (:func:`cached`) are built once per micro-batch, on the host, moved to the
+its own group (megatron-core's ``local_cp_size`` and ``cp_group``; :func:`context_parallel_group`).
+Index plans that attention backends derive from the layout (:func:`cached`) are built once per micro-batch, on the host, moved to the
 device once and reused by every layer.
 """
 from __future__ import annotations

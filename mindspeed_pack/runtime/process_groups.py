@@ -87,7 +87,8 @@ def initialize_from_args(args) -> None:
                            args.distributed_timeout_minutes, backend=args.distributed_backend,
                            context_parallel_size=args.context_parallel_size,
                            expert_model_parallel_size=args.expert_model_parallel_size,
-                           dynamic_context_parallel=getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp")
+                           dynamic_context_parallel=getattr(args, "sequence_packing_scheduler", None)
+                           == "default_dynamic_cp")
 
 
 def dynamic_cp_group(size: int):

@@ -151,8 +151,9 @@ class Trainer:
         if self.dynamic_cp:  # each micro-batch on its own CP group (packing/dynamic_cp.py)
             tp, sp = args.tensor_model_parallel_size, args.sequence_parallel
             per_rank = self.source.max_tokens_per_cp_rank
-            batches = [cp_view.group_view(b, mb["cp_size"], mb["cp_rank"], cp_view.padding_multiple(mb["cp_size"], tp, sp),
-                                          mb["cp_size"] * per_rank) for b, mb in zip(batches, raw)]
+            batches = [cp_view.group_view(b, mb["cp_size"], mb["cp_rank"],
+                                          cp_view.padding_multiple(mb["cp_size"], tp, sp), mb["cp_size"] * per_rank)
+                       for b, mb in zip(batches, raw)]
             if any(b.num_tokens != per_rank for b in batches):
                 raise ValueError(f"dynamic CP: a micro-batch holds {[b.num_tokens for b in batches]} tokens on this "
                                  f"rank, not --max-seqlen-per-dp-cp-rank {per_rank}")
