@@ -119,6 +119,8 @@ def memory_estimate(args) -> dict:
     if chunk != 0:
         rows = min(rows, chunk or chunk_tokens(int(vocab)))
     logits = rows * vocab * 4 * 2
+    if chunk != 0 and half and not adapters:  # its backward sums a trained output layer's gradient in fp32
+        logits += vocab * args.hidden_size * 4
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
            "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
            "optimizer": trained * states / dp_shards / GiB,
