@@ -60,7 +60,9 @@ PRETRAIN = "GeneralPretrainHandler"
 ALPACA_PAIRWISE = "AlpacaStylePairwiseHandler"
 SHAREGPT_PAIRWISE = "SharegptStylePairwiseHandler"
 PAIRWISE_BASE = {ALPACA_PAIRWISE: ALPACA, SHAREGPT_PAIRWISE: SHAREGPT}
-HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE)
+# process reward rows (mindspeed_pack/data/process_reward.py): a solution's text with a step tag after each step
+PROCESS_REWARD = "AlpacaStyleProcessRewardHandler"
+HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE, PROCESS_REWARD)
 
 DEFAULT_MAP_KEYS = {
     ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
@@ -69,11 +71,13 @@ DEFAULT_MAP_KEYS = {
                "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system", "observation_tag": "observation",
                "function_tag": "function_call"},
     PRETRAIN: {"text": "text"},
+    PROCESS_REWARD: {"input": "input", "value": "value"},
 }
-REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",)}
+REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",),
+                    PROCESS_REWARD: ("input", "value")}
 # which map-keys name columns (the others name fields inside a message or role values)
 COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history", "tools"), SHAREGPT: ("messages", "system", "tools"),
-               PRETRAIN: ("text",)}
+               PRETRAIN: ("text",), PROCESS_REWARD: ("input", "value")}
 for _pairwise, _base in PAIRWISE_BASE.items():  # the base handler's keys, its answer column replaced by the pair's
     DEFAULT_MAP_KEYS[_pairwise] = {**{k: v for k, v in DEFAULT_MAP_KEYS[_base].items() if k != "response"},
                                    "chosen": "chosen", "rejected": "rejected"}
