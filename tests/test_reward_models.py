@@ -13,9 +13,8 @@ from mindspeed_pack.packing.segments import build_packed_batch, reward_positions
 from mindspeed_pack.training.batches import packed_seq_params
 from mindspeed_pack.training.stages.reward_models import (OutcomeRewardStage, ProcessRewardStage, bradley_terry_losses,
                                                           step_logits)
-from mindspeed_pack.training.stages.sequences import pair_segments
 from tests.model_utils import assert_same_gradients, converted_model_pair, write_converted_tiny_qwen2
-from tests.pair_utils import pack_rows, random_pairs, sequence
+from tests.pair_utils import hf_reward, packed_orm, random_pairs
 from tests.step_utils import MINUS, PLUS, TAG, pack_step_rows, random_step_samples
 
 S = 128
@@ -59,28 +58,6 @@ def _orm_stage(center=0.0):
     return OutcomeRewardStage(types.SimpleNamespace(center_rewards_coefficient=center, reward_pad_token_id=PAD))
 
 
-def _packed_orm(model, stage, pairs, groups, reports=None):
-    """(loss sum, pairs, rewards [pairs, 2] in pair order) of ``pairs`` packed as ``groups`` in one micro-batch."""
-    ids, labels, seg = (torch.from_numpy(x) for x in pack_rows(pairs, groups, S))
-    batch = build_packed_batch(ids, labels, seg)
-    stage.prepare(None, [batch], [{"input_ids": ids, "segment_ids": seg}], "train", S)
-    out = model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=packed_seq_params(batch))
-    loss, count, shown = stage.loss_func(batch, out)
-    for name, (total, n) in (shown.items() if reports is not None else ()):
-        reports[name] = float(total / n)
-    rewards = stage.sequence_rewards(batch, out)
-    chosen, rejected = pair_segments(batch)
-    mine = torch.stack([rewards[chosen], rewards[rejected]], 1)
-    back = torch.empty_like(mine)
-    back[[j for g in groups for j in g]] = mine
-    return loss, int(count), back
-
-
-def _hf_reward(hf, prompt, answer):
-    ids, _ = sequence(prompt, answer)
-    return hf(torch.from_numpy(ids)[None]).logits[0, 0]
-
-
 def _pairs_with_pads():
     """Random pairs; one answer ends with pad tokens and one holds a pad inside: the reward is read at the last
     token that is not a pad (transformers' pooling), not at the segment's last token."""
@@ -101,11 +78,11 @@ def test_packed_orm_equals_per_sample_transformers(reward_models, center):
     stage = _orm_stage(center)
     mg.zero_grad()
     reports = {}
-    loss, n, rewards = _packed_orm(mg, stage, pairs, [[0, 1], [2, 3, 4]], reports)
+    loss, n, rewards = packed_orm(mg, stage, pairs, [[0, 1], [2, 3, 4]], S, reports)
     (loss / n).backward()
 
     hf.zero_grad()
-    theirs = torch.stack([torch.stack([_hf_reward(hf, p, c), _hf_reward(hf, p, r)]) for p, c, r in pairs])
+    theirs = torch.stack([torch.stack([hf_reward(hf, p, c), hf_reward(hf, p, r)]) for p, c, r in pairs])
     expected = bradley_terry_losses(theirs[:, 0], theirs[:, 1], center).mean()
     expected.backward()
 
@@ -131,7 +108,7 @@ def test_packing_the_same_pairs_differently_gives_the_same_orm_loss(reward_model
     mg, _ = reward_models
     pairs = random_pairs(6, seed=2)
     with torch.no_grad():
-        results = [_packed_orm(mg, _orm_stage(), pairs, groups)
+        results = [packed_orm(mg, _orm_stage(), pairs, groups, S)
                    for groups in ([[0, 1, 2], [3, 4, 5]], [[5, 0], [1, 4], [2, 3]], [[j] for j in range(6)])]
     for loss, n, rewards in results[1:]:
         assert abs(float(loss / n) - float(results[0][0] / results[0][1])) <= 1e-6

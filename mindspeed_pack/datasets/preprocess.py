@@ -214,16 +214,16 @@ class EncoderConfig:
     def build(self, tokenizer=None) -> SampleEncoder:
         tokenizer = tokenizer or load_tokenizer(self.tokenizer)
         template = chat = None
+        if self.handler == PROCESS_REWARD:
+            placeholder, reward_tokens = self.step_tags
+            return process_reward.ProcessRewardEncoder(self.handler, tokenizer, self.map_keys, self.seq_length,
+                                                       placeholder, reward_tokens, self.skip_bad_rows)
         if self.handler != PRETRAIN and self.prompt_type == HF_PROMPT_TYPE:
             source, origin = hf_chat.load_chat_template(tokenizer.hf, self.chat_template)
             chat = hf_chat.ChatTemplate(source, tokenizer.hf.special_tokens_map, self.chat_template_kwargs or {},
                                         self.reasoning_history, origin, atoms=tuple(tokenizer.hf.get_added_vocab()))
         elif self.handler != PRETRAIN:
             template = get_template(self.prompt_type, self.templates_path)
-        if self.handler == PROCESS_REWARD:
-            placeholder, reward_tokens = self.step_tags
-            return process_reward.ProcessRewardEncoder(self.handler, tokenizer, self.map_keys, self.seq_length,
-                                                       placeholder, reward_tokens, self.skip_bad_rows)
         if pairwise.is_pairwise(self.handler):
             return pairwise.PairwiseEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length,
                                             self.append_eod, self.pad_to_multiple_of, self.skip_bad_rows, chat)
@@ -412,7 +412,7 @@ def run(args) -> dict:
     tokenizer_spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
     template = None
-    if args.handler_name != PRETRAIN and args.prompt_type != HF_PROMPT_TYPE:
+    if args.handler_name not in (PRETRAIN, PROCESS_REWARD) and args.prompt_type != HF_PROMPT_TYPE:
         template = get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
     check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
