@@ -126,15 +126,16 @@ class OutcomeRewardStage:
 
 
 def vocab_columns(logits: torch.Tensor, token_ids) -> torch.Tensor:
-    """``logits[..., token_ids]`` of vocab-parallel logits ``[..., V/TP]``, whole on every TP rank (the rank
-    holding a column gives it, the others zeros, summed over the group; the backward reaches the holder)."""
+    """``logits[..., token_ids]`` of vocab-parallel logits ``[..., V/TP]``, whole on every TP rank: the rank
+    holding a column gives it, the others zero times one of theirs, summed over the group. Every rank's loss
+    then depends on its logits (with a zero gradient where it holds no column), so every rank's backward runs
+    the model's tensor-parallel collectives."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as tp_sum
 
     width = logits.shape[-1]
     tp = ps.get_tensor_model_parallel_world_size()
     start = ps.get_tensor_model_parallel_rank() * width if tp > 1 else 0
-    columns = [logits[..., i - start] if start <= i < start + width else logits.new_zeros(logits.shape[:-1])
-               for i in token_ids]
+    columns = [logits[..., min(max(i - start, 0), width - 1)] * float(start <= i < start + width) for i in token_ids]
     out = torch.stack(columns, dim=-1)
     return tp_sum(out) if tp > 1 else out
 
