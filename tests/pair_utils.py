@@ -86,9 +86,10 @@ def write_pair_dataset(prefix: str, pairs, seq_length: int = 128, groups=None, t
     return prefix
 
 
-def packed_orm(model, stage, pairs, groups, seq_length, reports=None):
+def packed_orm(model, stage, pairs, groups, seq_length, reports=None, margins=None):
     """(loss sum, pairs, rewards [pairs, 2] in pair order) of an outcome reward ``stage`` on ``pairs`` packed as
-    ``groups`` in one micro-batch (the logged means go into ``reports`` when given)."""
+    ``groups`` in one micro-batch (the logged means go into ``reports`` when given; ``margins``: each pair's margin,
+    in pair order, as the packs' margins file gives them)."""
     import torch
 
     from mindspeed_pack.packing.segments import build_packed_batch
@@ -97,7 +98,10 @@ def packed_orm(model, stage, pairs, groups, seq_length, reports=None):
 
     ids, labels, seg = (torch.from_numpy(x) for x in pack_rows(pairs, groups, seq_length))
     batch = build_packed_batch(ids, labels, seg)
-    stage.prepare(None, [batch], [{"input_ids": ids, "segment_ids": seg}], "train", seq_length)
+    mb = {"input_ids": ids, "segment_ids": seg}
+    if margins is not None:
+        mb["pair_margins"] = torch.tensor([float(margins[j]) for g in groups for j in g], dtype=torch.float64)
+    stage.prepare(None, [batch], [mb], "train", seq_length)
     out = model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=packed_seq_params(batch))
     loss, count, shown = stage.loss_func(batch, out)
     for name, (total, n) in (shown.items() if reports is not None else ()):

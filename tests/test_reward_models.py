@@ -71,19 +71,24 @@ def _pairs_with_pads():
     return pairs
 
 
-@pytest.mark.parametrize("center", [0.0, 0.05])
-def test_packed_orm_equals_per_sample_transformers(reward_models, center):
+@pytest.mark.parametrize("center,with_margins", [(0.0, False), (0.05, True)])
+def test_packed_orm_equals_per_sample_transformers(reward_models, center, with_margins):
+    """TRL's RewardTrainer loss: -log sigmoid(r_c - r_r - margin) + center (r_c + r_r)^2, averaged over pairs."""
     mg, hf = reward_models
     pairs = _pairs_with_pads()
+    margins = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5]) if with_margins else None
     stage = _orm_stage(center)
     mg.zero_grad()
     reports = {}
-    loss, n, rewards = packed_orm(mg, stage, pairs, [[0, 1], [2, 3, 4]], S, reports)
+    loss, n, rewards = packed_orm(mg, stage, pairs, [[0, 1], [2, 3, 4]], S, reports, margins)
     (loss / n).backward()
 
     hf.zero_grad()
     theirs = torch.stack([torch.stack([hf_reward(hf, p, c), hf_reward(hf, p, r)]) for p, c, r in pairs])
-    expected = bradley_terry_losses(theirs[:, 0], theirs[:, 1], center).mean()
+    expected = bradley_terry_losses(theirs[:, 0], theirs[:, 1], center, margins).mean()
+    if with_margins:  # spelled out: the margin is subtracted from the reward difference
+        assert abs(float(expected) - float((-F.logsigmoid(theirs[:, 0] - theirs[:, 1] - margins)
+                                            + center * (theirs[:, 0] + theirs[:, 1]) ** 2).mean())) <= 1e-7
     expected.backward()
 
     assert n == 5

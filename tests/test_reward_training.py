@@ -178,6 +178,43 @@ def test_convert_round_trips_a_reward_model(trained, tmp_path):
     assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["pad_token_id"] == PAD
 
 
+def test_pair_margins_are_kept_per_pair_in_pack_order(tmp_path, run_preprocess, toy_tokenizer_dir):
+    """A 'margin' column goes with its pair into the packs (P_packed_pair_margins, read with the packs); a row
+    without one has 0; a margin that is not a number is one error naming the row, nothing written."""
+    import transformers
+
+    from mindspeed_pack.data.toy import WORDS
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+
+    rows = [{"instruction": f"{WORDS[k // 8]} {WORDS[k % 8]}", "input": "", "chosen": f"{WORDS[k % 5]} yes",
+             "rejected": f"{WORDS[k % 7]} no", **({"margin": k + 0.5} if k % 4 else {})} for k in range(40)]
+    prefix = str(tmp_path / "pairs")
+    code, _, err = run_preprocess(input=_write_rows(tmp_path / "pairs.jsonl", rows), output_prefix=prefix,
+                                  handler_name="AlpacaStylePairwiseHandler", prompt_type="qwen", seq_length=S,
+                                  pack=True, neat_pack=True)
+    assert code == 0, err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(toy_tokenizer_dir)
+    docs, seen = PackedDocuments(prefix), []
+    for d in range(len(docs)):
+        pack = docs.get(d)
+        assert len(pack["pair_margins"]) == int(pack["attention_mask"].max()) // 2
+        for j, margin in enumerate(pack["pair_margins"]):
+            chosen = tokenizer.decode(pack["input_ids"][pack["attention_mask"] == 2 * j + 1])
+            k = next(k for k in range(40) if f"{WORDS[k // 8]} {WORDS[k % 8]}" in chosen)
+            assert margin == (k + 0.5 if k % 4 else 0.0), (k, margin)
+            seen.append(k)
+    assert sorted(seen) == list(range(40))
+
+    rows[3]["margin"] = "big"
+    out = tmp_path / "bad"
+    out.mkdir()
+    code, _, err = run_preprocess(input=_write_rows(out / "pairs.jsonl", rows), output_prefix=str(out / "pairs"),
+                                  handler_name="AlpacaStylePairwiseHandler", prompt_type="qwen", seq_length=S,
+                                  pack=True, neat_pack=True)
+    assert code == 2 and "pairs.jsonl: line 4: field 'margin' (--map-keys margin) must be a number" in err
+    assert os.listdir(out) == ["pairs.jsonl"]
+
+
 # ----------------------------------------------------------------------------------------- process reward model
 STEP_WORDS = [f"w{i}" for i in range(40)]
 

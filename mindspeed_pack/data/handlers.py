@@ -80,9 +80,10 @@ COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history", "too
                PRETRAIN: ("text",), PROCESS_REWARD: ("input", "value")}
 for _pairwise, _base in PAIRWISE_BASE.items():  # the base handler's keys, its answer column replaced by the pair's
     DEFAULT_MAP_KEYS[_pairwise] = {**{k: v for k, v in DEFAULT_MAP_KEYS[_base].items() if k != "response"},
-                                   "chosen": "chosen", "rejected": "rejected"}
+                                   "chosen": "chosen", "rejected": "rejected", "margin": "margin"}
     REQUIRED_COLUMNS[_pairwise] = tuple(k for k in REQUIRED_COLUMNS[_base] if k != "response") + ("chosen", "rejected")
-    COLUMN_KEYS[_pairwise] = tuple(k for k in COLUMN_KEYS[_base] if k != "response") + ("chosen", "rejected")
+    COLUMN_KEYS[_pairwise] = tuple(k for k in COLUMN_KEYS[_base] if k != "response") + ("chosen", "rejected",
+                                                                                        "margin")
 _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
                    "tool": "observation_tag"}
 
@@ -117,6 +118,7 @@ class EncodedChunk:
     input_ids: np.ndarray  # int32
     trained: np.ndarray  # uint8, 1 where the label is the token itself
     lengths: np.ndarray  # int32
+    pair_margins: Optional[np.ndarray] = None  # preference pairs: one reward margin per pair (float64)
     rows: int = 0
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)

@@ -28,6 +28,8 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
   ``[4, 3]`` above), records where samples end, for ``--reset-attention-mask``,
   ``--reset-position-ids`` and ``--per-sample-loss`` (a chat template's EOS also ends system and
   user turns, so the EOS cannot tell). Its name is outside MindSpeed-LLM's ``P_packed_*_document``.
+* preference pairs: ``P_packed_pair_margins`` (float32, one document per pack: its pairs' reward margins in
+  pack order, 0 where a row gave none) for ``--stage orm``.
 * no ``--pack``: one sample per document, of its own length, attention_mask all 1s; the same
   three names, so unpacked training and packed-vs-unpacked comparisons read one format.
 * ``--pad-to-multiple-of N`` (context parallelism): every sample is stored with pad tokens
@@ -70,6 +72,11 @@ def packed_prefixes(output_prefix: str) -> dict[str, str]:
 def sample_lengths_prefix(output_prefix: str) -> str:
     """Plain packs' sample boundaries (see the module docstring)."""
     return f"{output_prefix}_packed_sample_lengths"
+
+
+def pair_margins_prefix(output_prefix: str) -> str:
+    """Preference pairs' reward margins, one document per pack (see the module docstring)."""
+    return f"{output_prefix}_packed_pair_margins"
 
 
 def text_prefix(output_prefix: str) -> str:
@@ -127,6 +134,7 @@ class TokenStore:
         self.pad_to_multiple_of, self.pad_id = pad_to_multiple_of, pad_id
         self.num_tokens = 0  # stored tokens, pads included
         self.pad_tokens = 0
+        self._margins: list[np.ndarray] = []  # preference pairs: one margin per pair (samples 2i, 2i+1)
 
     def append(self, input_ids: np.ndarray, trained: np.ndarray, lengths: np.ndarray) -> None:
         if self.pad_to_multiple_of > 1:
@@ -138,10 +146,14 @@ class TokenStore:
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
         self.num_tokens += int(len(input_ids))
 
+    def append_pair_margins(self, margins: np.ndarray) -> None:
+        self._margins.append(np.asarray(margins, dtype=np.float64))
+
     def close(self) -> "TokenStore":
         """Finish writing and map the tokens for reading."""
         self._ids.close()
         self._trained.close()
+        self.pair_margins = np.concatenate(self._margins) if self._margins else np.zeros(0)
         self.lengths = np.concatenate(self._lengths).astype(np.int64) if self._lengths else np.zeros(0, np.int64)
         self._lengths = []
         self.offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
@@ -257,6 +269,8 @@ def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pac
     with a ``sample_lengths`` prefix (plain packs) also each pack's sample lengths; ``labels``: the label table of
     trained codes past 1 (process reward steps)."""
     builders = {key: _builder(prefixes[key]) for key in (*PACKED_KEYS, "sample_lengths") if key in prefixes}
+    if "pair_margins" in prefixes:  # preference pairs: samples 2i and 2i+1 are pair i
+        builders["pair_margins"] = _builder(prefixes["pair_margins"], dtype=np.float32)
     item_order, bin_offsets = shuffle_bins(np.asarray(plan.item_order, dtype=np.int64),
                                            np.asarray(plan.bin_offsets, dtype=np.int64), seed)
     for b0 in range(0, plan.num_bins, batch_bins):
@@ -270,6 +284,10 @@ def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pac
             for b in range(b0, b1):
                 lengths = store.lengths[item_order[bin_offsets[b]:bin_offsets[b + 1]]].astype(np.int32)
                 builders["sample_lengths"].add_document(lengths, [len(lengths)])
+        if "pair_margins" in builders:
+            for b in range(b0, b1):
+                pairs = item_order[bin_offsets[b]:bin_offsets[b + 1]:2] // 2
+                builders["pair_margins"].add_document(store.pair_margins[pairs].astype(np.float32), [len(pairs)])
         if progress is not None:
             progress.update(b1 - b0)
     _finalize(builders, prefixes)

@@ -362,6 +362,9 @@ def _final_prefixes(args):
     if args.pack and not args.neat_pack:  # plain packs: where their samples end (the mask cannot tell)
         return pack_writer.packed_prefixes(args.output_prefix) | {
             "sample_lengths": pack_writer.sample_lengths_prefix(args.output_prefix)}
+    if pairwise.is_pairwise(args.handler_name):  # each pack's pairs' reward margins
+        return pack_writer.packed_prefixes(args.output_prefix) | {
+            "pair_margins": pack_writer.pair_margins_prefix(args.output_prefix)}
     return pack_writer.packed_prefixes(args.output_prefix)
 
 
@@ -525,7 +528,8 @@ def _layout(args, tokenizer, encoder) -> dict:
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
             "pad_to_multiple_of": args.pad_to_multiple_of,
-            **({"pairs": "segments 2k-1 (chosen) and 2k (rejected) of a pack are its k-th preference pair"}
+            **({"pairs": "segments 2k-1 (chosen) and 2k (rejected) of a pack are its k-th preference pair",
+                "pair_margins": Path(pack_writer.pair_margins_prefix(args.output_prefix)).name}
                if pairwise.is_pairwise(args.handler_name) else {}),
             # process reward samples: each step tag's label is a reward token's id (unshifted), read by --stage prm
             **({"step_tags": encoder.layout()} if args.handler_name == PROCESS_REWARD else {}),
@@ -542,6 +546,8 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
     try:
         for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers, encoder):
             store.append(chunk.input_ids, chunk.trained, chunk.lengths)
+            if chunk.pair_margins is not None:
+                store.append_pair_margins(chunk.pair_margins)
             rows += chunk.rows
             truncated += chunk.truncated
             skipped.update(chunk.skipped)
@@ -607,8 +613,10 @@ def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray
     fill_rate = (store.num_tokens - store.pad_tokens) / (plan.num_bins * args.seq_length)
     out = {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
            "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
-    if pairs:  # what a precomputed reference must have scored (mindspeed_pack/stages/reference.py)
-        out.update(pairs=len(store) // 2, data_fingerprint=pack_writer.content_fingerprint(prefixes))
+    if pairs:  # what a precomputed reference must have scored (mindspeed_pack/stages/reference.py): the packs
+        packs = {k: v for k, v in prefixes.items() if k in pack_writer.PACKED_KEYS}
+        out.update(pairs=len(store) // 2, data_fingerprint=pack_writer.content_fingerprint(packs),
+                   pairs_with_margin=int(np.count_nonzero(store.pair_margins)))
     return out
 
 

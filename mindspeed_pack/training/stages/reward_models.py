@@ -7,7 +7,7 @@ token that is not the pad token (:func:`mindspeed_pack.packing.segments.reward_p
 token, as ms-swift's Megatron reward trainer reads it from ``cu_seqlens``, and what transformers'
 ``*ForSequenceClassification`` pools, ``pad_token_id`` being that pad token). Per pair (TRL's RewardTrainer)::
 
-    -log sigmoid(r_c - r_r) + c (r_c + r_r)^2        (c = --center-rewards-coefficient)
+    -log sigmoid(r_c - r_r - m) + c (r_c + r_r)^2    (m: the pair's margin column, 0 without; c = --center-rewards-coefficient)
 
 summed over the global batch's pairs and divided by their number, whatever the packing or the DP/PP/CP
 layout (under CP the rewards are summed over the group, as DPO's log-probs, and the pairs counted once).
@@ -39,9 +39,10 @@ log = logging.getLogger(__name__)
 ORM_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
-def bradley_terry_losses(chosen: torch.Tensor, rejected: torch.Tensor, center: float = 0.0) -> torch.Tensor:
-    """Per-pair loss of a reward model: ``-log sigmoid(r_c - r_r) + center (r_c + r_r)^2``."""
-    losses = -F.logsigmoid(chosen - rejected)
+def bradley_terry_losses(chosen: torch.Tensor, rejected: torch.Tensor, center: float = 0.0,
+                         margin=None) -> torch.Tensor:
+    """Per-pair loss of a reward model: ``-log sigmoid(r_c - r_r - margin) + center (r_c + r_r)^2``."""
+    losses = -F.logsigmoid(chosen - rejected - (0.0 if margin is None else margin))
     if center:
         losses = losses + center * (chosen + rejected) ** 2
     return losses
@@ -94,9 +95,18 @@ class OutcomeRewardStage:
                  "pooling; the exported model's pad_token_id)", args.reward_pad_token_id)
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
+        """Each micro-batch's reward tokens (this rank's share) and its pairs' margins (from the data, else 0)."""
         pad = self.args.reward_pad_token_id
         for batch, mb in zip(batches, micro_batches):
             batch.reward_mask = _local_share(reward_positions(mb["input_ids"], mb["segment_ids"], pad), batch)
+            margins = mb.get("pair_margins")
+            if margins is not None:
+                pairs = sum(int(row.max()) // 2 for row in mb["segment_ids"])
+                if len(margins) != pairs:
+                    raise DataError(f"--stage orm: a micro-batch holds {pairs} pairs but {len(margins)} margins: the "
+                                    "margins file belongs to other packs; re-run preprocess_data.py")
+                margins = margins.to(batch.loss_mask.device, torch.float32)
+            batch.pair_margins = margins
         return batches
 
     def count(self, batch: PackedBatch) -> torch.Tensor:
@@ -114,7 +124,7 @@ class OutcomeRewardStage:
         rewards = self.sequence_rewards(batch, output_tensor)
         chosen, rejected = pair_segments(batch)
         rc, rr = rewards[chosen], rewards[rejected]
-        losses = bradley_terry_losses(rc, rr, self.args.center_rewards_coefficient)
+        losses = bradley_terry_losses(rc, rr, self.args.center_rewards_coefficient, batch.pair_margins)
         n = self.count(batch)
         once = float(ps.get_context_parallel_rank() == 0)  # reported once per CP group
         nf = n.to(torch.float32)
