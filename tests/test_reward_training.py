@@ -160,6 +160,21 @@ def test_an_export_of_a_family_without_a_sequence_classifier_is_refused(trained,
         check_exportable(args)
 
 
+def test_a_reward_model_is_refused_where_a_language_model_is_needed(trained):
+    """Its checkpoint into a language model (--stage sft, dpo, ...): one error naming the stage; a language model's
+    checkpoint into a reward model starts its head fresh."""
+    from mindspeed_pack.checkpoint.errors import CheckpointError
+    from mindspeed_pack.checkpoint.save_load import load_weights
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from tests.model_utils import init_single_process, tiny_args
+
+    init_single_process()
+    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, stage="sft")
+    with pytest.raises(CheckpointError, match=f"--load {trained['ckpt']} holds an outcome reward model .*--stage sft "
+                                              "needs a language model"):
+        load_weights(args, trained["ckpt"], build_gpt_model(args), "--load")
+
+
 def test_convert_round_trips_a_reward_model(trained, tmp_path):
     """HF sequence classifier -> Megatron at TP2 x PP2 (the score head on the last stage, whole on each TP rank)
     -> HF: the same tensors and config."""
