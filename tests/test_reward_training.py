@@ -304,18 +304,17 @@ def test_a_bad_prm_row_is_one_error_and_nothing_is_written(tmp_path, run_preproc
     assert sorted(os.listdir(tmp_path)) == ["rows.jsonl"]
 
 
-def test_prm_trains_on_preprocessed_rows(tmp_path, run_preprocess, prm_tokenizer):
-    """--stage prm on the preprocessed rows (the sidecar's reward tokens, the labels at the tags): the step loss
-    falls and the step accuracy is logged; --stage prm refuses data without step tags."""
-    prefix = str(tmp_path / "prm")
-    code, _, err = run_preprocess(input=_write_rows(tmp_path / "prm.jsonl", _prm_rows(200, seed=2)),
-                                  output_prefix=prefix, handler_name="AlpacaStyleProcessRewardHandler",
-                                  tokenizer_name_or_path=prm_tokenizer, seq_length=S, pack=True, neat_pack=True)
-    assert code == 0, err
+def test_prm_trains_on_raw_rows_in_one_command(tmp_path, prm_tokenizer):
+    """posttrain.py --stage prm on the raw rows (preprocessed first with the handler and the step-tag flags, then
+    trained with the sidecar's reward tokens and the labels at the tags): the step loss falls and the step
+    accuracy is logged; --stage prm refuses data without step tags."""
     flags = ["--stage", "prm", "--seq-length", str(S), "--neat-pack", "--micro-batch-size", "2",
              "--global-batch-size", "4", "--lr", "5e-3", "--min-lr", "5e-3", "--lr-warmup-iters", "0",
              "--train-iters", "16", "--seed", "3"]
-    proc, records = run_posttrain([*flags, "--data-path", prefix], metrics=str(tmp_path / "prm_metrics.jsonl"))
+    raw = ["--data-path", _write_rows(tmp_path / "prm.jsonl", _prm_rows(200, seed=2)), "--handler-name",
+           "AlpacaStyleProcessRewardHandler", "--placeholder-token", "ки", "--reward-tokens", "+", "-",
+           "--tokenizer-name-or-path", prm_tokenizer]
+    proc, records = run_posttrain([*flags, *raw], metrics=str(tmp_path / "prm_metrics.jsonl"))
     steps = [r for r in records if r["split"] == "train"]
     assert "accuracy:" in proc.stdout and all(0 <= r["accuracy"] <= 1 for r in steps)
     first, last = np.mean([r["lm loss"] for r in steps[:4]]), np.mean([r["lm loss"] for r in steps[-4:]])
