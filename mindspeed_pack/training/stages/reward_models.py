@@ -170,6 +170,9 @@ class ProcessRewardStage:
     def batch_source(self, args):
         from mindspeed_pack.datasets.online_packing import batch_source
 
+        if args.sequence_packing_scheduler == "default_dynamic_cp":
+            raise DataError("--stage prm with --sequence-packing-scheduler default_dynamic_cp: the step labels are "
+                            "laid out for the run's fixed context-parallel split; use none or dp_balanced")
         return batch_source(args)
 
     def setup(self, trainer) -> None:
