@@ -1,4 +1,4 @@
-"""Packed preference pairs for the DPO tests, written as preprocess_data.py writes them.
+"""Packed preference pairs for the DPO and reward model tests, written as preprocess_data.py writes them.
 
 A pair = a prompt and two answers; in a pack, segment 2k-1 is prompt + chosen, 2k prompt +
 rejected. Tokens are random ids (the tiny models' vocabulary), so no tokenizer is needed.
@@ -84,3 +84,39 @@ def write_pair_dataset(prefix: str, pairs, seq_length: int = 128, groups=None, t
     with open(f"{prefix}_packed_meta.json", "w") as f:
         json.dump(meta, f)
     return prefix
+
+
+def packed_orm(model, stage, pairs, groups, seq_length, reports=None, margins=None):
+    """(loss sum, pairs, rewards [pairs, 2] in pair order) of an outcome reward ``stage`` on ``pairs`` packed as
+    ``groups`` in one micro-batch (the logged means go into ``reports`` when given; ``margins``: each pair's margin,
+    in pair order, as the packs' margins file gives them)."""
+    import torch
+
+    from mindspeed_pack.packing.segments import build_packed_batch
+    from mindspeed_pack.training.batches import packed_seq_params
+    from mindspeed_pack.training.stages.sequences import pair_segments
+
+    ids, labels, seg = (torch.from_numpy(x) for x in pack_rows(pairs, groups, seq_length))
+    batch = build_packed_batch(ids, labels, seg)
+    mb = {"input_ids": ids, "segment_ids": seg}
+    if margins is not None:
+        mb["pair_margins"] = torch.tensor([float(margins[j]) for g in groups for j in g], dtype=torch.float64)
+    stage.prepare(None, [batch], [mb], "train", seq_length)
+    out = model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=packed_seq_params(batch))
+    loss, count, shown = stage.loss_func(batch, out)
+    for name, (total, n) in (shown.items() if reports is not None else ()):
+        reports[name] = float(total / n)
+    rewards = stage.sequence_rewards(batch, out)
+    chosen, rejected = pair_segments(batch)
+    mine = torch.stack([rewards[chosen], rewards[rejected]], 1)
+    back = torch.empty_like(mine)
+    back[[j for g in groups for j in g]] = mine
+    return loss, int(count), back
+
+
+def hf_reward(hf, prompt, answer):
+    """A transformers sequence classifier's reward of prompt + answer, the sample alone."""
+    import torch
+
+    ids, _ = sequence(prompt, answer)
+    return hf(torch.from_numpy(ids)[None]).logits[0, 0]

@@ -246,6 +246,26 @@ def test_qwen25_scripts_agree_with_each_other():
     assert data.tokenizer_name_or_path == tune.tokenizer_name_or_path == mg2hf.tokenizer_dir == hf2mg.load_dir
 
 
+def test_qwen25_reward_model_scripts_agree_with_their_data_and_the_sft_model():
+    pairs, orm = _qwen25("data_convert_qwen25_pairwise_pack.sh"), _qwen25("tune_qwen25_7b_4k_orm_pack.sh")
+    steps, prm = _qwen25("data_convert_qwen25_process_reward_pack.sh"), _qwen25("tune_qwen25_7b_4k_prm_pack.sh")
+    sft = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    assert pairs.handler_name == "AlpacaStylePairwiseHandler" and pairs.pack and pairs.neat_pack and orm.neat_pack
+    assert (pairs.output_prefix, pairs.seq_length, pairs.prompt_type) == (orm.data_path[0], orm.seq_length,
+                                                                          orm.prompt_type)
+    assert (orm.stage, orm.reward_head, prm.stage, prm.reward_head) == ("orm", True, "prm", False)
+    assert steps.handler_name == "AlpacaStyleProcessRewardHandler" and steps.pack and steps.neat_pack
+    assert (steps.placeholder_token, steps.reward_tokens, steps.prompt_type) == (" ки", ["+", "-"], None)
+    assert (steps.output_prefix, steps.seq_length) == (prm.data_path[0], prm.seq_length)
+    # both start from the SFT model at its sharding, with the tokenizer the data used
+    for tune in (orm, prm):
+        assert tune.finetune and tune.load == sft.save
+        assert (tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size) == \
+            (sft.tensor_model_parallel_size, sft.pipeline_model_parallel_size)
+    assert pairs.tokenizer_name_or_path == steps.tokenizer_name_or_path == orm.tokenizer_name_or_path == \
+        prm.tokenizer_name_or_path == sft.tokenizer_name_or_path
+
+
 # Qwen3-8B's config.json as published (transformers 4.51 layout)
 QWEN3_8B_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -458,6 +478,8 @@ CONFIGS = {
     "sft/qwen25_7b_4k_lora_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_lora_pack.sh", []),
     "sft/qwen25_7b_4k_from_hf.yaml": ("posttrain.py", 8, None, None),  # needs its HF --load: its own test below
     "dpo/qwen25_7b_4k_dpo_pack.yaml": ("posttrain.py", 8, None, []),
+    "orm/qwen25_7b_4k_orm_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_orm_pack.sh", []),
+    "prm/qwen25_7b_4k_prm_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_prm_pack.sh", []),
     "grpo/qwen3_8b_grpo_step.yaml": ("posttrain.py", 8, None, []),
     "pretrain/qwen25_7b_4k_pretrain.yaml": ("pretrain_gpt.py", 8, None, []),
     "data/qwen25_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN25 / "data_convert_qwen25_instruction_pack.sh", []),

@@ -41,6 +41,7 @@ from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import training_model_args
 from mindspeed_pack.convert.tokenizer_record import read_tokenizer_record
+from mindspeed_pack.convert.weight_map import MG_OUTPUT, MG_SCORE
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime import faults
 from mindspeed_pack.runtime.peers import all_ranks_ok
@@ -257,13 +258,13 @@ def _read_rank_file(args, root: str, it_dir: str, saved_ep: int) -> tuple:
     return " + ".join(paths), record
 
 
-def _check_shapes(path: str, module, state: dict) -> None:
+def _check_shapes(path: str, module, state: dict, fresh=()) -> None:
     """Every tensor of ``state`` has the name and shape of the model built from the flags (what the recorded
     arguments cannot tell: checkpoints of other tools record other things). A LoRA run's checkpoint holds its
-    adapters only, a base model none."""
+    adapters only, a base model none; ``fresh`` names the parameters this load leaves as drawn."""
     adapters = lora.holds_adapters(state)
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
-                and not k.endswith("_extra_state") and lora.is_adapter_name(k) == adapters}
+                and not k.endswith("_extra_state") and lora.is_adapter_name(k) == adapters and k not in fresh}
     if adapters and not expected:
         raise CheckpointError(f"{path}: holds LoRA adapters only (a LoRA run's --save): pass their base as --load, "
                               "this checkpoint as --lora-load, and the LoRA flags they were trained with")
@@ -336,15 +337,31 @@ def load_hf_weights(args, path: str, module, flag: str = "--load") -> None:
     model_args = hf_checkpoint.hf_model_args(args, path, flag)
     identity.check_model_settings(vars(model_args), args, source, os.path.join(path, "config.json"))
     _check_tokenizer(args, read_tokenizer_record(path), source, policy=flag == "--load")
+    fresh = _fresh_head(identity.check_model_head(bool(getattr(model_args, "reward_head", False)), args, source),
+                        source)
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     loaded = {}  # name -> a shape-only stand-in, for the final check
     for unit in hf_checkpoint.read_rank_units(args, path, flag):  # one unit in memory at a time
-        weights = layout.to_backend_names(unit, module.attention_backend, expected)
+        weights = layout.to_backend_names(_without_output_layer(unit) if fresh else unit, module.attention_backend,
+                                          expected)
         loaded.update({k: torch.empty(v.shape, device="meta") for k, v in weights.items()})
         if any(k in expected and tuple(v.shape) != tuple(expected[k]) for k, v in weights.items()):
             break  # named by the check below
         module.load_state_dict(weights, strict=False)
-    _check_shapes(path, module, loaded)
+    _check_shapes(path, module, loaded, fresh)
+
+
+def _fresh_head(fresh: bool, source: str) -> tuple:
+    """The parameters a load leaves as drawn: a reward model's score head, when the checkpoint is a language model."""
+    if not fresh:
+        return ()
+    log.info("%s is a language model: its output layer is not loaded, the reward model's score head starts from "
+             "its seeded draw", source)
+    return (MG_SCORE,)
+
+
+def _without_output_layer(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k != MG_OUTPUT}
 
 
 def _load_hf_weights(args, model, optimizer):
@@ -393,9 +410,15 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
                               f"{args.seq_length}: the model attends to the whole sample, so train with "
                               f"--seq-length <= {window}")
     identity.check_model_settings(saved_args, args, source, path)
+    fresh = _fresh_head(identity.check_model_head(bool(saved_args.get("reward_head")), args, source), source)
+    if fresh and iteration != layout.RELEASE and not getattr(args, "finetune", False):
+        raise CheckpointError(f"{source}: a language model's training checkpoint cannot be resumed as a reward model "
+                              "(its optimizer state has no score head): pass --finetune to start the reward model "
+                              "from its weights")
     _check_tokenizer(args, state.get("tokenizer"), source, policy=flag in POLICY_FLAGS)
-    weights = layout.to_backend_names(state["model"], module.attention_backend, module.state_dict().keys())
-    _check_shapes(path, module, weights)
+    model = _without_output_layer(state["model"]) if fresh else state["model"]
+    weights = layout.to_backend_names(model, module.attention_backend, module.state_dict().keys())
+    _check_shapes(path, module, weights, fresh)
     module.load_state_dict(weights, strict=False)
     return iteration, it_dir, path, state
 

@@ -16,7 +16,7 @@ import logging
 import os
 import warnings
 
-from mindspeed_pack.config import checkpoint_flags, finetune_defaults, hf_flags, resolved_config, yaml_file
+from mindspeed_pack.config import checkpoint_flags, finetune_defaults, hf_flags, model_head, resolved_config, yaml_file
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import padded_vocab_size
@@ -354,10 +354,11 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                         "(drop); never truncated")
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
-    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "dpo_reference", "score", "grpo"],
+    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "dpo_reference", "score", "grpo", "orm", "prm"],
                    help="post-training stage (mindspeed_pack/training/stages): sft, dpo (preference pairs), "
                         "dpo_reference (score a reference model's log-probs beside the data, once), "
-                        "score (per-token log-probs of rollouts), grpo (PPO-clip on rollouts)")
+                        "score (per-token log-probs of rollouts, or their rewards under a reward model), grpo "
+                        "(PPO-clip on rollouts), orm (outcome reward model on pairs), prm (process reward model)")
     g.add_argument("--variable-seq-lengths", action="store_true",
                    help="accepted no-op: packs have a fixed length and unpacked rows are padded to --seq-length")
     g.add_argument("--tokenizer-type", default=None, help="only PretrainedFromHF (with --tokenizer-name-or-path)")
@@ -653,6 +654,7 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
         if args.load_format == "mg":  # a Megatron --load: model flags from the arguments it records
             checkpoint_flags.fill_model_args(args, given)
         from_checkpoint = _changed(before, args)
+        model_head.apply(args)  # a reward model's score head (--stage orm, or --stage score of one)
         defaults = finetune_defaults.apply(args, given)
         validate_args(args, world_size)
         _refuse_ignored_flags(args, given)

@@ -31,9 +31,10 @@ from mindspeed_pack.model import lora
 log = logging.getLogger(__name__)
 
 # the recorded model arguments that are flags (the run's layout is the run's; the family and sliding window
-# are no flags: the load takes them from the record)
+# are no flags: the load takes them from the record; a reward model's head is the stage's: config/model_head.py)
 FILLED_ARGS = tuple(k for k in (*MODEL_ARG_NAMES, *OPTIONAL_MODEL_ARGS)
-                    if k not in (*RUN_LAYOUT_ARGS, "model_type_hf", "sliding_window"))
+                    if k not in (*RUN_LAYOUT_ARGS, "model_type_hf", "sliding_window", "reward_head",
+                                 "reward_pad_token_id"))
 # what a run cannot be described without (parse_args' required model flags)
 _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 

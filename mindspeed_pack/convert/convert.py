@@ -407,7 +407,7 @@ def megatron_to_hf(
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
         if tok_files:
             hf_io.copy_files(tokenizer_dir, tok_files, tmp)
-    log.info("wrote HF model %s (%s, %s)", save_dir, spec.hf_architecture, _HF_DTYPE_NAMES[dtype])
+    log.info("wrote HF model %s (%s, %s)", save_dir, config.architectures[0], _HF_DTYPE_NAMES[dtype])
 
 
 def megatron_to_megatron(

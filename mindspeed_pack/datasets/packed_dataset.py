@@ -167,7 +167,9 @@ def micro_batch(samples: List[dict], args, seq_length: Optional[int] = None, iso
         segments_t, sample_ids = sample_ids, None
     else:
         segments_t = torch.from_numpy(segments)
-    return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids,
+    margins = {} if not all("pair_margins" in s for s in samples) else {  # pairs' reward margins, in segment order
+        "pair_margins": torch.from_numpy(np.concatenate([s["pair_margins"] for s in samples]))}
+    return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids, **margins,
             # the samples' real lengths (padding excluded) for throughput metrics
             "segment_lengths": np.concatenate([
                 segment_lengths(row, pad) for row, pad in zip(segments if segments_t is None else segments_t.numpy(),

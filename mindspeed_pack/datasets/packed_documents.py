@@ -86,17 +86,21 @@ class PackedDocuments:
                             f"{dataset_paths(prefix)['input_ids']}.idx {sizes['input_ids']}: the files come from "
                             "different preprocessing runs (an .idx of another dataset?); re-run preprocess_data.py")
         self.meta = read_meta(prefix)
-        self.sample_lengths = self._recorded_sample_lengths()
+        self.sample_lengths = self._recorded("sample_lengths", "the packs' sample boundaries")
+        self.pair_margins = self._recorded("pair_margins", "the pairs' reward margins")
+        if self.pair_margins is not None and len(self.pair_margins) != len(self):
+            raise DataError(f"{self.prefix}: the pairs' reward margins hold {len(self.pair_margins)} packs, the packs "
+                            f"{len(self)}: the files come from different preprocessing runs; re-run preprocess_data.py")
 
-    def _recorded_sample_lengths(self) -> Optional[IndexedDataset]:
-        """Plain ``--pack`` data: each pack's sample lengths, if the sidecar names the file that holds them."""
-        name = ((self.meta or {}).get("layout") or {}).get("sample_lengths")
+    def _recorded(self, key: str, what: str) -> Optional[IndexedDataset]:
+        """A per-pack file beside the packs (plain packs' sample lengths, pairs' margins), if the sidecar names it."""
+        name = ((self.meta or {}).get("layout") or {}).get(key)
         if not name:
             return None
         path = os.path.join(os.path.dirname(self.prefix), name)
         missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
         if missing:
-            raise DataError(f"{self.prefix}_packed_meta.json names the packs' sample boundaries {name}, but "
+            raise DataError(f"{self.prefix}_packed_meta.json names {what} {name}, but "
                             f"{', '.join(missing)} cannot be found; copy it with the packs or re-run preprocess_data.py")
         check_index_header(path)
         return IndexedDataset(path, mmap=True)
@@ -112,4 +116,6 @@ class PackedDocuments:
             ids = np.zeros(len(out["input_ids"]), np.int64)
             ids[:int(lengths.sum())] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
             out["sample_ids"] = ids
+        if self.pair_margins is not None:
+            out["pair_margins"] = np.asarray(self.pair_margins[doc], dtype=np.float64)
         return out

@@ -3,7 +3,8 @@
 ``args`` is any object with Megatron-LM's argument names (``num_layers``, ``hidden_size``,
 ``group_query_attention``, ``swiglu``, ...): the training parser's namespace, or a
 converter's. The same function builds every pipeline stage; the layer spec decides the
-attention backend (see :mod:`mindspeed_pack.model.spec`).
+attention backend (see :mod:`mindspeed_pack.model.spec`); ``reward_head`` (an outcome reward model) puts
+a scalar score head where the output layer was (:mod:`mindspeed_pack.model.score_head`).
 """
 from __future__ import annotations
 
@@ -146,6 +147,7 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
         rope_in_attention=backend in ("local", "flash"),
         real_vocab_size=getattr(args, "vocab_size", None),
         loss_chunk=getattr(args, "cross_entropy_chunk_size", None),
+        reward_head=bool(getattr(args, "reward_head", False)),  # an outcome reward model: a scalar score head
     )
     if model.position_embedding_type == "rope":
         scale_rotary_embedding(model, args)

@@ -7,6 +7,9 @@
   (:func:`~.packed_rope.apply_packed_rope`), after the q/k norms as megatron-core does. Transformer Engine's
   spec keeps megatron-core's own (fused) RoPE.
 * **The loss without full logits** (:mod:`.vocab_cross_entropy`) when labels are given.
+* **A scalar head instead of the output layer** (``reward_head``, an outcome reward model): the
+  vocab-parallel output layer is replaced by :class:`~.score_head.ScoreHead` on the last stage, and the
+  model returns every token's reward ``[b, s]`` (with or without labels); embeddings are never tied to it.
 * **Padded vocabulary rows out of the softmax**: the embedding holds ``--padded-vocab-size`` rows
   (a multiple of ``--make-vocab-size-divisible-by`` x TP) but only ``vocab_size`` are the model's;
   the others get no probability in every path (the fused loss: ``-inf`` logits; logits handed to a
@@ -27,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from mindspeed_pack.model.packed_rope import ROPE_TABLE
+from mindspeed_pack.model.score_head import ScoreHead
 from mindspeed_pack.model.thd import ThdParams
 from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy
 
@@ -39,18 +43,26 @@ class PackedGPTModel(GPTModel):
     ``rope_in_attention``: the core attention applies RoPE (local and flash backends);
     ``real_vocab_size``: the model's own vocabulary (rows past it are padding, masked);
     ``loss_chunk``: tokens per chunk of the fused output-layer loss (0 = megatron-core's unfused loss,
-    ``None`` = sized to the vocabulary).
+    ``None`` = sized to the vocabulary);
+    ``reward_head``: a scalar score head in place of the output layer (see the module docstring).
     """
 
     def __init__(self, *args, rope_in_attention: bool = False, real_vocab_size: Optional[int] = None,
-                 loss_chunk: Optional[int] = None, **kwargs):
+                 loss_chunk: Optional[int] = None, reward_head: bool = False, **kwargs):
+        if reward_head:
+            kwargs["share_embeddings_and_output_weights"] = False  # the score head is a weight of its own
         super().__init__(*args, **kwargs)
         self.rope_in_attention = rope_in_attention and self.position_embedding_type == "rope"
         if self.rope_in_attention and self.config.rotary_interleaved:
             raise ValueError("interleaved RoPE is not supported by the packed attention backends")
         self.real_vocab_size = real_vocab_size if real_vocab_size and real_vocab_size < self.vocab_size else None
         self.loss_chunk = loss_chunk
-        if self.post_process and self.real_vocab_size:
+        self.score = None
+        if reward_head and self.post_process:
+            del self.output_layer  # built by GPTModel; a reward model has no vocabulary output
+            self.output_layer = None
+            self.score = ScoreHead(self.config, self.pg_collection.tp)
+        if self.post_process and self.real_vocab_size and self.score is None:
             self.output_layer.register_forward_hook(self._mask_padded_vocab)
             log.info("vocabulary: %d rows, padded to %d (--make-vocab-size-divisible-by x TP); the %d padded rows are "
                      "masked out of the softmax, so losses and log-probs are those of the %d-row model",
@@ -89,6 +101,8 @@ class PackedGPTModel(GPTModel):
 
     # ------------------------------------------------------------------ loss
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        if self.score is not None and self.post_process:
+            return self.score(hidden_states).transpose(0, 1).contiguous()  # [b, s] rewards, labels or not
         fused = (self.post_process and labels is not None and self.loss_chunk != 0
                  and not self.config.mtp_num_layers and not kwargs.get("mtp_in_postprocess")
                  and kwargs.get("inference_context") is None)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo")
+STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo", "orm", "prm")
 
 
 def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,6 +47,10 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ref-logps", action="store_true",
                    help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
                         "(P_dpo_reference.pt): no reference model in memory")
+    g = p.add_argument_group("reward models (--stage orm, --stage prm)")
+    g.add_argument("--center-rewards-coefficient", type=float, default=0.0,
+                   help="--stage orm: weight of c x mean((r_chosen + r_rejected)^2), which keeps rewards centred at "
+                        "0 (TRL's center_rewards_coefficient; 0: off)")
     g = p.add_argument_group("RL rollouts (--stage score, --stage grpo)")
     g.add_argument("--rollout-path", default=None,
                    help="rollout file or directory (.jsonl/.json/.parquet, one sample a row; see README)")
@@ -108,6 +112,10 @@ def get_stage(args):
         from mindspeed_pack.training.stages.score import ScoreStage
 
         return ScoreStage(args)
+    if args.stage in ("orm", "prm"):
+        from mindspeed_pack.training.stages.reward_models import OutcomeRewardStage, ProcessRewardStage
+
+        return OutcomeRewardStage(args) if args.stage == "orm" else ProcessRewardStage(args)
     from mindspeed_pack.training.stages.sft import SFTStage
 
     return SFTStage(args)
