@@ -398,7 +398,9 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
             f"{source}: checkpoint saved at TP={saved_tp}, PP={saved_pp} but this run uses TP={tp}, PP={pp}; "
             f"reshard it first: python convert_ckpt.py --load-model-type mg --save-model-type mg --load-dir {root} "
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
-            + (f" --target-expert-parallel-size {ep}" if getattr(args, "num_experts", None) else ""))
+            + (f" --target-expert-parallel-size {ep}" if getattr(args, "num_experts", None) else "")
+            + ("; it keeps the adapters' optimizer state and data position (a PEFT export loads at any layout too, "
+               "as weights)" if flag == "--lora-load" else ""))
     if saved_ep != ep and not getattr(args, "num_experts", None):
         raise CheckpointError(f"{source}: checkpoint saved with expert parallelism (EP={saved_ep}) but this run "
                               "has no --num-experts: pass the model flags it was trained with")
@@ -421,6 +423,14 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
     _check_shapes(path, module, weights, fresh)
     module.load_state_dict(weights, strict=False)
     return iteration, it_dir, path, state
+
+
+def load_adapter_weights(path: str, module, state: dict) -> None:
+    """LoRA adapters (this rank's, canonical names; read from ``path``) into ``module``, checked name by name and
+    shape by shape against the model built from the flags."""
+    weights = layout.to_backend_names(state, module.attention_backend, module.state_dict().keys())
+    _check_shapes(path, module, weights)
+    module.load_state_dict(weights, strict=False)
 
 
 def load_model_weights(args, path: str, module, flag: str) -> None:
@@ -499,6 +509,9 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
     if not args.no_load_rng:
         if "rng_state" in state:
             _restore_rng(state["rng_state"], path)
+        elif state.get("resharded_from"):  # convert_ckpt.py's reshard of a LoRA run's checkpoint
+            log.warning("%s was resharded from %s, whose RNG states belong to that layout's ranks and were not "
+                        "carried: dropout draws start afresh from --seed", path, state["resharded_from"])
         else:
             log.warning("%s holds no RNG state (--no-save-rng): dropout will not continue exactly", path)
     log.debug("loaded %s at iteration %d", root, iteration)  # the trainer logs the resume once

@@ -16,7 +16,8 @@ import logging
 import os
 import warnings
 
-from mindspeed_pack.config import checkpoint_flags, finetune_defaults, hf_flags, model_head, resolved_config, yaml_file
+from mindspeed_pack.config import (checkpoint_flags, finetune_defaults, hf_flags, model_head, peft_flags,
+                                   resolved_config, yaml_file)
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import padded_vocab_size
@@ -645,15 +646,16 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     given = hf_flags.explicit_dests(parser, argv)  # flags the user chose (command line or file)
-    if args.lora_r is None and args.lora_target_modules is not None:
-        args.lora_r = LORA_DEFAULT_RANK  # LoRA is on (lora.trains_adapters) from here on
     try:
+        from_peft = peft_flags.fill_lora_flags(args, given)  # a PEFT --lora-load states its LoRA settings
+        if args.lora_r is None and args.lora_target_modules is not None:
+            args.lora_r = LORA_DEFAULT_RANK  # LoRA is on (lora.trains_adapters) from here on
         before = dict(vars(args))
         hf_flags.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
         from_hf, before = _changed(before, args), dict(vars(args))
         if args.load_format == "mg":  # a Megatron --load: model flags from the arguments it records
             checkpoint_flags.fill_model_args(args, given)
-        from_checkpoint = _changed(before, args)
+        from_checkpoint = _changed(before, args) | from_peft
         model_head.apply(args)  # a reward model's score head (--stage orm, or --stage score of one)
         defaults = finetune_defaults.apply(args, given)
         validate_args(args, world_size)
