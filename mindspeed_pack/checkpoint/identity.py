@@ -111,8 +111,9 @@ def check_resume_schedule(args, scheduler, saved: dict) -> None:
     differing = schedule_mismatches(saved, scheduler)
     if differing:
         what = "; ".join(f"{flag}: checkpoint {a}, flags {b}" for flag, a, b in differing)
+        source = f"--lora-load {args.lora_load}" if getattr(args, "lora_load", None) else f"--load {args.load}"
         raise CheckpointError(
-            f"--load {args.load}: the learning-rate schedule differs from the checkpoint's ({what}). Pass "
+            f"{source}: the learning-rate schedule differs from the checkpoint's ({what}). Pass "
             "--override-opt_param-scheduler to follow these flags from the checkpoint's iteration, or "
             "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
 
