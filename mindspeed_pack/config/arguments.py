@@ -181,7 +181,9 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-use-rslora", action="store_true", help="rank-stabilised scale alpha / sqrt(r)")
     g.add_argument("--lora-load", default=None, metavar="DIR",
                    help="a LoRA run's checkpoint (its --save: adapters, optimizer, the base's fingerprint) to resume "
-                        "from (or, with --finetune, to start from); --load is the base it was trained on")
+                        "from (or, with --finetune, to start from); or a PEFT adapter directory to start from at any "
+                        "layout (iteration 0; the LoRA flags default to its adapter_config.json's); --load is the "
+                        "base they were trained on")
     g.add_argument("--lora-merge", action="store_true",
                    help="--save-hf writes the model with the adapters merged (transformers) instead of a PEFT "
                         "adapter directory")

@@ -574,7 +574,8 @@ def lora_export(load_type: str, load_dir: str, lora_dir: str, save_dir: str, mer
 # --------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Convert checkpoints between Hugging Face and Megatron (and reshard Megatron ones).")
+        description="Convert checkpoints between Hugging Face and Megatron (and reshard Megatron ones, a LoRA run's "
+                    "adapter checkpoint too: --load-model-type mg --save-model-type mg --load-dir SAVE).")
     p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--save-model-type", choices=["mg", "hf"], required=True)
     p.add_argument("--model-type-hf", choices=sorted(MODEL_SPECS), default=None,
