@@ -143,16 +143,21 @@ def _same_tensors(a, b, where):
 
 def test_tp2pp2_adapters_resharded_to_tp1_and_pp2_continue_as_the_tp2pp2_run(setup, layouts):
     """convert_ckpt.py mg->mg of a LoRA run's checkpoint (issue 40: it answered "resharding them is not
-    supported", and --lora-load at another layout sent users to that command): TP2 x PP2's iteration 1,
-    resharded to TP1 and to TP1 x PP2, continues with the TP2 x PP2 run's losses and grad norms at steps 2-3
+    supported", and --lora-load at another layout sent users to that command; the command it prints now does
+    the job): TP2 x PP2's iteration 1, resharded to TP1 and to TP1 x PP2, continues with the TP2 x PP2 run's losses and grad norms at steps 2-3
     (rel <= 1e-5: the layouts sum the row-parallel products in another order, so bits differ, as TP2 x PP2
     differs from TP1; without the Adam moments step 3's loss is off by rel 2.7e-4). Back to TP2 x PP2, every rank
     file is bit-identical to the saved one but for the RNG states, which no other layout can use."""
     source = layouts("tp2pp2")
     at1 = _at_iteration(setup, source["save"], 1, "tp2pp2_at1")
-    for name, tp, pp, nproc in (("tp1", 1, 1, 1), ("tp1pp2", 1, 2, 2)):
+    proc, _ = _run(setup, "tp1_refused", ["--data-path", setup["data"], "--lora-load", at1], check=False)
+    command = proc.stderr.split("reshard it first: python convert_ckpt.py ", 1)[1].split(";", 1)[0].split()
+    out = str(setup["root"] / "reshard_tp1")
+    assert proc.returncode != 0 and convert_main([out if a == "NEW_DIR" else a for a in command]) == 0  # no circle
+    for name, pp, nproc in (("tp1", 1, 1), ("tp1pp2", 2, 2)):
         out = str(setup["root"] / f"reshard_{name}")
-        assert _reshard(at1, out, tp, pp) == 0
+        if pp > 1:
+            assert _reshard(at1, out, 1, pp) == 0
         proc, steps = _run(setup, f"continued_{name}", ["--data-path", setup["data"], "--lora-load", out,
                                                          "--pipeline-model-parallel-size", str(pp)], nproc=nproc)
         assert "RNG states belong to that layout's ranks and were not carried" in proc.stderr

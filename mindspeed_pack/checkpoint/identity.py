@@ -111,7 +111,8 @@ def check_resume_schedule(args, scheduler, saved: dict) -> None:
     differing = schedule_mismatches(saved, scheduler)
     if differing:
         what = "; ".join(f"{flag}: checkpoint {a}, flags {b}" for flag, a, b in differing)
-        source = f"--lora-load {args.lora_load}" if getattr(args, "lora_load", None) else f"--load {args.load}"
+        own, adapters = getattr(args, "resumed_from", None), getattr(args, "lora_load", None)
+        source = f"--save {own}" if own else f"--lora-load {adapters}" if adapters else f"--load {args.load}"
         raise CheckpointError(
             f"{source}: the learning-rate schedule differs from the checkpoint's ({what}). Pass "
             "--override-opt_param-scheduler to follow these flags from the checkpoint's iteration, or "
