@@ -16,8 +16,15 @@ import logging
 import os
 import warnings
 
-from mindspeed_pack.config import (checkpoint_flags, finetune_defaults, hf_flags, model_head, peft_flags,
-                                   resolved_config, yaml_file)
+from mindspeed_pack.config import (
+    checkpoint_flags,
+    finetune_defaults,
+    hf_flags,
+    model_head,
+    peft_flags,
+    resolved_config,
+    yaml_file,
+)
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import padded_vocab_size
