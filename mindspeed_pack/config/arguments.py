@@ -336,10 +336,11 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per packed row under --sequence-packing-scheduler dp_balanced (default --seq-length)")
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
-    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "dpo_reference", "score", "grpo"],
+    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "dpo_reference", "score", "grpo", "kto"],
                    help="post-training stage (mindspeed_pack/training/stages): sft, dpo (preference pairs), "
                         "dpo_reference (score a reference model's log-probs beside the data, once), "
-                        "score (per-token log-probs of rollouts), grpo (PPO-clip on rollouts)")
+                        "score (per-token log-probs of rollouts), grpo (PPO-clip on rollouts), "
+                        "kto (unpaired desirable/undesirable samples)")
     g.add_argument("--variable-seq-lengths", action="store_true",
                    help="accepted no-op: packs have a fixed length and unpacked rows are padded to --seq-length")
     g.add_argument("--tokenizer-type", default=None, help="only PretrainedFromHF (with --tokenizer-name-or-path)")

@@ -26,6 +26,9 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
   ``[4, 3]`` above), records where samples end, for ``--reset-attention-mask``,
   ``--reset-position-ids`` and ``--per-sample-loss`` (a chat template's EOS also ends system and
   user turns, so the EOS cannot tell). Its name is outside MindSpeed-LLM's ``P_packed_*_document``.
+* KTO handlers (``mindspeed_pack/data/kto.py``): segments ``2k-1``/``2k`` are a sample and its KL partner, and
+  ``P_packed_kto_labels`` (int32, one document per pack) holds each segment's label: 1 desirable, 0
+  undesirable, -1 a KL partner (``[1, -1, 0, -1]`` for a pack of two couples).
 * no ``--pack``: one sample per document, of its own length, attention_mask all 1s; the same
   three names, so unpacked training and packed-vs-unpacked comparisons read one format.
 * ``--pad-to-multiple-of N`` (context parallelism): every sample is stored with pad tokens
@@ -68,6 +71,11 @@ def packed_prefixes(output_prefix: str) -> dict[str, str]:
 def sample_lengths_prefix(output_prefix: str) -> str:
     """Plain packs' sample boundaries (see the module docstring)."""
     return f"{output_prefix}_packed_sample_lengths"
+
+
+def kto_labels_prefix(output_prefix: str) -> str:
+    """KTO packs' per-segment labels (``mindspeed_pack/data/kto.py``): one document per pack."""
+    return f"{output_prefix}_packed_kto_labels"
 
 
 def text_prefix(output_prefix: str) -> str:
@@ -234,10 +242,14 @@ def shuffle_bins(item_order: np.ndarray, bin_offsets: np.ndarray, seed: int) -> 
 
 
 def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pack: bool, prefixes: dict,
-                 *, seed: int, batch_bins: int = 1024, progress=None) -> None:
+                 *, seed: int, batch_bins: int = 1024, progress=None, sample_values=None) -> None:
     """Write every pack of ``plan`` (a ``PackPlan``), in the order :func:`shuffle_bins` draws from ``seed``;
-    with a ``sample_lengths`` prefix (plain packs) also each pack's sample lengths."""
-    builders = {key: _builder(prefixes[key]) for key in (*PACKED_KEYS, "sample_lengths") if key in prefixes}
+    with a ``sample_lengths`` prefix (plain packs) also each pack's sample lengths, and for every
+    ``sample_values`` {prefix key: one int per sample of ``store``} each pack's values of its samples, in
+    pack order (KTO labels)."""
+    per_pack = {"sample_lengths": store.lengths} if "sample_lengths" in prefixes else {}
+    per_pack.update(sample_values or {})
+    builders = {key: _builder(prefixes[key]) for key in (*PACKED_KEYS, *per_pack)}
     item_order, bin_offsets = shuffle_bins(np.asarray(plan.item_order, dtype=np.int64),
                                            np.asarray(plan.bin_offsets, dtype=np.int64), seed)
     for b0 in range(0, plan.num_bins, batch_bins):
@@ -247,10 +259,10 @@ def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pac
             builder, arr = builders[key], rows[key]
             for r in range(arr.shape[0]):
                 builder.add_document(arr[r], [seq_length])
-        if "sample_lengths" in builders:
+        for key, values in per_pack.items():
             for b in range(b0, b1):
-                lengths = store.lengths[item_order[bin_offsets[b]:bin_offsets[b + 1]]].astype(np.int32)
-                builders["sample_lengths"].add_document(lengths, [len(lengths)])
+                mine = np.asarray(values)[item_order[bin_offsets[b]:bin_offsets[b + 1]]].astype(np.int32)
+                builders[key].add_document(mine, [len(mine)])
         if progress is not None:
             progress.update(b1 - b0)
     _finalize(builders, prefixes)

@@ -66,13 +66,18 @@ class PackedDocuments:
 
     def _recorded_sample_lengths(self) -> Optional[IndexedDataset]:
         """Plain ``--pack`` data: each pack's sample lengths, if the sidecar names the file that holds them."""
-        name = ((self.meta or {}).get("layout") or {}).get("sample_lengths")
+        return self.recorded("sample_lengths", "the packs' sample boundaries")
+
+    def recorded(self, key: str, what: str) -> Optional[IndexedDataset]:
+        """A per-pack file beside the packs (one document per pack) that the sidecar's layout names under ``key``
+        (``sample_lengths``, ``kto_labels``), opened; None when the sidecar names none."""
+        name = ((self.meta or {}).get("layout") or {}).get(key)
         if not name:
             return None
         path = os.path.join(os.path.dirname(self.prefix), name)
         missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
         if missing:
-            raise DataError(f"{self.prefix}_packed_meta.json names the packs' sample boundaries {name}, but "
+            raise DataError(f"{self.prefix}_packed_meta.json names {what} {name}, but "
                             f"{', '.join(missing)} cannot be found; copy it with the packs or re-run preprocess_data.py")
         check_index_header(path)
         return IndexedDataset(path, mmap=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo")
+STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo", "kto")
 
 
 def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,6 +47,11 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ref-logps", action="store_true",
                    help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
                         "(P_dpo_reference.pt): no reference model in memory")
+    g = p.add_argument_group("KTO (--stage kto; its reference as dpo's: --ref-load, --ref-logps)")
+    g.add_argument("--kto-beta", type=float, default=0.1, help="KTO's beta: the temperature of the implied reward")
+    g.add_argument("--kto-desirable-weight", type=float, default=1.0, help="weight of a desirable sample's loss")
+    g.add_argument("--kto-undesirable-weight", type=float, default=1.0,
+                   help="weight of an undesirable sample's loss")
     g = p.add_argument_group("RL rollouts (--stage score, --stage grpo)")
     g.add_argument("--rollout-path", default=None,
                    help="rollout file or directory (.jsonl/.json/.parquet, one sample a row; see README)")
@@ -104,6 +109,10 @@ def get_stage(args):
         from mindspeed_pack.training.stages.grpo import GRPOStage
 
         return GRPOStage(args)
+    if args.stage == "kto":
+        from mindspeed_pack.training.stages.kto import KTOStage
+
+        return KTOStage(args)
     if args.stage == "score":
         from mindspeed_pack.training.stages.score import ScoreStage
 
