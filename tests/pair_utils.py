@@ -98,19 +98,20 @@ def _write_packs(prefix, units, groups, seq_length, tokenizer, template, layout,
 
 
 # ---------------------------------------------------------------------------- KTO
-def random_kto_rows(n: int, seed: int = 0, vocab: int = 250, prompt=(3, 8), answer=(2, 10)):
-    """([(prompt ids, completion ids)], [desirable?]); an undesirable completion repeats a token the desirable
-    ones never use (id 3), so a tiny model can learn the label."""
+def random_kto_rows(n: int, seed: int = 0, vocab: int = 250, prompt=(3, 8), answer=(2, 10), desirable=0.5):
+    """([(prompt ids, completion ids)], [desirable?]) with ``desirable`` the chance of a desirable row; an
+    undesirable completion repeats a token the desirable ones never use (id 3), so a tiny model can learn the
+    label."""
     rng = np.random.default_rng(seed)
     rows, labels = [], []
     for _ in range(n):
         p = rng.integers(4, vocab, int(rng.integers(*prompt)))
         c = rng.integers(4, vocab, int(rng.integers(*answer)))
-        desirable = bool(rng.integers(0, 2))
-        if not desirable:
+        good = bool(rng.random() < desirable)
+        if not good:
             c[::2] = 3
         rows.append((p, c))
-        labels.append(desirable)
+        labels.append(good)
     return rows, labels
 
 

@@ -96,7 +96,7 @@ def _trl_step(policy, reference, rows, labels):
 
 
 # (policy, reference): one way round the raw KL estimate is positive, the other way it is clamped to 0
-@pytest.mark.parametrize("policy,ref,kl_positive", [("a", "b", False), ("b", "a", True)])
+@pytest.mark.parametrize("policy,ref,kl_positive", [("a", "b", True), ("b", "a", False)])
 def test_packed_kto_equals_trl_on_transformers_packed_two_ways(models, tmp_path, policy, ref, kl_positive):
     rows, labels = random_kto_rows(6, seed=1)
     assert 0 < sum(labels) < 6
