@@ -23,7 +23,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed_pack.datasets.packed_dataset import DataError, micro_batch
-from mindspeed_pack.model import lora
+from mindspeed_pack.model import lora, moe
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.runtime.platform import cuda_usable
 from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
@@ -142,6 +142,8 @@ def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score, nee
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        # a mixture of experts routes by this micro-batch's samples (the policy's routers hold the last step's)
+        moe.set_routing_segments(model, batch.routing_segments)
         output = model(batch.tokens, batch.position_ids, None, labels=None if needs_logits else batch.target,
                        packed_seq_params=packed_seq_params(batch))
 
