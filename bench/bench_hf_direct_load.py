@@ -22,7 +22,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-GB = 1024**3
+GiB = 1024**3
 
 
 def _status(field: str) -> int:
@@ -128,13 +128,13 @@ def main() -> None:
         if proc.returncode or not lines:
             sys.exit(f"workers failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         reports = json.loads(lines[-1][len("REPORT "):])
-    print(f"full state dict (fp32 safetensors): {full / GB:.2f} GB; TP2, each rank loads its slice")
+    print(f"full state dict (fp32 safetensors): {full / GiB:.2f} GiB; TP2, each rank loads its slice")
     print("imports = RSS of the process before the model is built; model = peak - imports")
-    print(f"{'rank':>4} {'shard GB':>9} {'read GB':>8} {'imports GB':>11} {'before load GB':>15} {'peak RSS GB':>12} "
-          f"{'load extra GB':>14} {'peak/full':>10} {'model/full':>11}")
+    print(f"{'rank':>4} {'shard GiB':>9} {'read GiB':>8} {'imports GiB':>11} {'before load GiB':>15} {'peak RSS GiB':>12} "
+          f"{'load extra GiB':>14} {'peak/full':>10} {'model/full':>11}")
     for r in reports:
-        print(f"{r['rank']:>4} {r['shard'] / GB:>9.2f} {r['read'] / GB:>8.2f} {r['imports'] / GB:>11.2f} "
-              f"{r['before'] / GB:>15.2f} {r['peak'] / GB:>12.2f} {(r['peak'] - r['before']) / GB:>14.2f} "
+        print(f"{r['rank']:>4} {r['shard'] / GiB:>9.2f} {r['read'] / GiB:>8.2f} {r['imports'] / GiB:>11.2f} "
+              f"{r['before'] / GiB:>15.2f} {r['peak'] / GiB:>12.2f} {(r['peak'] - r['before']) / GiB:>14.2f} "
               f"{r['peak'] / full:>10.2f} {(r['peak'] - r['imports']) / full:>11.2f}")
 
 

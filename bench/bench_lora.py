@@ -168,8 +168,8 @@ def main(argv=None) -> int:
           f"parameters; packed seq {a.seq_length}, GBS {a.global_batch_size}, TP1, "
           f"{'bf16' if a.bf16 else 'fp32'}, {env['OMP_NUM_THREADS']} threads; step time: median of {a.steps} "
           f"steps, the fastest of {a.repeats} passes")
-    print(f"{'config':10} {'trainable':>12} {'grads MB':>9} {'optim MB':>9} {'weights MB':>10} "
-          f"{'peak ' + ('GPU' if gpu else 'RSS') + ' MB':>12} {'step s':>7} {'tokens/s':>9}")
+    print(f"{'config':10} {'trainable':>12} {'grads MiB':>9} {'optim MiB':>9} {'weights MiB':>10} "
+          f"{'peak ' + ('GPU' if gpu else 'RSS') + ' MiB':>12} {'step s':>7} {'tokens/s':>9}")
     for name, r in results.items():
         peak = r["peak gpu bytes"] if gpu else r["peak rss bytes"]
         print(f"{name:10} {r['trainable']:>12,} {_mb(r['grad buffer bytes'])} {_mb(r['optimizer state bytes'])} "
@@ -178,10 +178,10 @@ def main(argv=None) -> int:
         r = results[name]
         peak_key = "peak gpu bytes" if gpu else "peak rss bytes"
         print(f"{name}: {100 * r['trainable'] / full['params']:.2f}% of the parameters train; optimizer state "
-              f"{_mb(full['optimizer state bytes'] - r['optimizer state bytes']).strip()} MB smaller "
+              f"{_mb(full['optimizer state bytes'] - r['optimizer state bytes']).strip()} MiB smaller "
               f"({full['optimizer state bytes'] / max(1, r['optimizer state bytes']):.0f}x), gradient buffers "
-              f"{_mb(full['grad buffer bytes'] - r['grad buffer bytes']).strip()} MB smaller; peak "
-              f"{_mb(full[peak_key] - r[peak_key]).strip()} MB lower; throughput "
+              f"{_mb(full['grad buffer bytes'] - r['grad buffer bytes']).strip()} MiB smaller; peak "
+              f"{_mb(full[peak_key] - r[peak_key]).strip()} MiB lower; throughput "
               f"{r['tokens/s'] / full['tokens/s']:.2f}x full fine-tuning's")
     return 0
 

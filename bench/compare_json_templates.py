@@ -23,7 +23,10 @@ sys.path.insert(0, str(ROOT))
 # JSON template -> (official template, corpus family whose tokenizer it uses)
 PAIRS = {"qwen": ("qwen2_5.jinja", "qwen2_5"), "qwen2_5": ("qwen2_5.jinja", "qwen2_5"),
          "chatml": ("qwen2_5.jinja", "qwen2_5"), "llama3": ("llama3.jinja", "llama3_1"),
-         "llama3 (3.1)": ("llama3_1.jinja", "llama3_1")}
+         "llama3 (3.1)": ("llama3_1.jinja", "llama3_1"),
+         # Qwen3's hybrid template also writes an empty <think></think> block in the last answer: the JSON qwen3 is
+         # its non-thinking form, which Qwen3-Instruct-2507's template renders
+         "qwen3": ("qwen3_instruct_2507.jinja", "qwen3_2507")}
 NO_OFFICIAL = {"llama2": "Llama-2-chat's template is not among the vendored ones (the trl wheel does not ship it)",
                "alpaca": "a prompt format, not a model's chat template", "default": "a generic format of this project",
                "empty": "no markup at all"}
@@ -48,14 +51,14 @@ def main(argv=None) -> int:
     keys, _ = resolve_map_keys(SHAREGPT, None)
     rows = [r for r in (chat_corpus.as_sharegpt(r) for r in chat_corpus.corpus(args.rows)) if r is not None]
     print(f"{len(rows)} conversations without reasoning (of {args.rows})")
-    print(f"{'json template':<14} {'official':<16} {'rows':>5} {'same ids':>9} {'same mask':>10}  first difference")
+    print(f"{'json template':<14} {'official':<26} {'rows':>5} {'same ids':>9} {'same mask':>10}  first difference")
     for name, (official, family) in PAIRS.items():
         tok_dir = tmp / family
         if not tok_dir.exists():
             chat_corpus.build_tokenizer(base, tok_dir, family)
         tok = load_tokenizer(TokenizerSpec("PretrainedFromHF", str(tok_dir)))
         hf = EncoderConfig(SHAREGPT, TokenizerSpec("PretrainedFromHF", str(tok_dir)), "hf", None, keys, None, False,
-                           str(chat_corpus.TEMPLATES / official)).build()
+                           chat_template=str(chat_corpus.TEMPLATES / official)).build()
         js = SampleEncoder(SHAREGPT, tok, get_template(name.split()[0]), keys, None, False)
         n = same_ids = same_mask = 0
         first = ""
@@ -78,9 +81,9 @@ def main(argv=None) -> int:
                 a, b = tok.decode(ids), tok.decode(o_ids)
                 at = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
                 first = f"row {i} at char {at}: json {a[at:at + 40]!r} vs official {b[at:at + 40]!r}"
-        print(f"{name:<14} {official:<16} {n:>5} {same_ids:>9} {same_mask:>10}  {first}")
+        print(f"{name:<14} {official:<26} {n:>5} {same_ids:>9} {same_mask:>10}  {first}")
     for name, why in NO_OFFICIAL.items():
-        print(f"{name:<14} {'-':<16} {'':>5} {'':>9} {'':>10}  {why}")
+        print(f"{name:<14} {'-':<26} {'':>5} {'':>9} {'':>10}  {why}")
     return 0
 
 

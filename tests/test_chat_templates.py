@@ -748,6 +748,36 @@ def test_json_qwen2_5_writes_openai_tool_calls_as_the_official_template(family_t
         chatml.encode_row({"messages": texted["messages"]}, "row 5")
 
 
+@pytest.mark.parametrize("prompt_type,family", [("qwen2_5", "qwen2_5"), ("qwen3", "qwen3_2507"), ("qwen3", "qwen3")])
+def test_json_qwen_templates_write_tool_rows_as_the_official_template(prompt_type, family, family_tokenizer_dir):
+    """Rows with tool schemas, with and without a system message, and rows without tools: the JSON template writes
+    the official template's tokens. Qwen3 without a system message opens the tools prompt with
+    ``<|im_start|>system\n# Tools``. Qwen3's hybrid template also gives the last answer an empty
+    ``<think></think>`` block (the JSON ``qwen3`` is its non-thinking form, Qwen3-Instruct-2507's template):
+    there, the text before the first answer (system, tools, first query) is compared."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    hf_encoder = _encoder(family_tokenizer_dir(family))
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    json_encoder = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template(prompt_type), keys, None, False)
+    rows = [(i, row) for i, row in enumerate(CORPUS[:80]) if i % 13 in (0, 1, 4, 5, 6, 7, 8, 9)
+            and not any(m.get("reasoning_content") for m in row["messages"])]
+    seen = set()
+    for i, row in rows:
+        official = hf_encoder.encode_chat_row(row, f"row {i}")[0][0]
+        (ids, _), skip, _ = json_encoder.encode_row(row, f"row {i}")
+        assert skip is None, f"row {i}"
+        if family == "qwen3":
+            text = hf_encoder.tokenizer.decode(official)
+            head = text[:text.index("<|im_start|>assistant\n")]
+            assert hf_encoder.tokenizer.decode(ids).startswith(head), f"row {i}"
+        else:  # the JSON path ends the sample on <|im_end|>; the official render adds the newline after it
+            assert ids.tolist() == official[:-1].tolist(), f"row {i}"
+        seen.add(("tools" in row, row["messages"][0]["role"] == "system"))
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}
+
+
 @pytest.mark.parametrize("prompt_type", ["llama3", "hf"])
 def test_pairs_identical_after_the_template_are_dropped(prompt_type, tmp_path, family_tokenizer_dir, run_preprocess):
     """Llama 3's template trims answers: "hello  " and "hello" are the same tokens, so the pair teaches nothing and
@@ -790,6 +820,78 @@ def test_parquet_tool_rows_give_the_jsonl_documents(prompt_type, tmp_path, famil
         assert code == 0, err
         written[ext] = {p.name[len(ext):]: p.read_bytes() for p in tmp_path.glob(f"{ext}_packed_*_document.bin")}
     assert len(written["jsonl"]) == 3 and written["parquet"] == written["jsonl"]
+
+
+def _ordered_tool_rows(as_text: bool) -> list:
+    """Two tool rows whose schema properties and call arguments are written in opposite key orders
+    (``as_text``: the tool schemas and arguments as JSON text, as OpenAI and LLaMA-Factory data store them)."""
+    def row(n, keys):
+        schema = [{"type": "function", "function": {"name": "fn_w", "description": f"D{n} weather", "parameters": {
+            "type": "object", "properties": {k: {"type": "string", "description": f"D{n} {k}"} for k in keys}}}}]
+        args = {k: f"V{n}_{k}" for k in keys}
+        call = {"type": "function", "function": {"name": "fn_w", "arguments": json.dumps(args) if as_text else args}}
+        return {"messages": [{"role": "user", "content": f"U{n} weather?"},
+                             {"role": "assistant", "content": "", "tool_calls": [call]},
+                             {"role": "tool", "content": f"T{n} sunny"}, {"role": "assistant", "content": f"A{n} sunny"}],
+                "tools": json.dumps(schema) if as_text else schema}
+    return [row(1, ("city", "unit")), row(2, ("unit", "city"))]
+
+
+def _preprocess_documents(tmp_path, name, rows, prompt_type, family_tokenizer_dir, run_preprocess, read_indexed):
+    from mindspeed_pack.data import toy
+
+    data = toy.write_dataset(tmp_path / name, rows)
+    prefix = tmp_path / name.replace(".", "_")
+    code, _, err = run_preprocess(input=data, output_prefix=str(prefix), prompt_type=prompt_type,
+                                  tokenizer_name_or_path=family_tokenizer_dir("qwen2_5"), handler_name=SHAREGPT,
+                                  map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=1024)
+    assert code == 0, err
+    return [d.tolist() for d in read_indexed(f"{prefix}_packed_input_ids_document")], err
+
+
+@pytest.mark.parametrize("prompt_type", ["hf", "qwen2_5"])
+def test_parquet_json_text_tool_columns_keep_each_rows_key_order(prompt_type, tmp_path, family_tokenizer_dir,
+                                                                 run_preprocess, read_indexed):
+    """Tool schemas and call arguments stored as JSON text in Parquet give the input_ids of the same rows in JSON
+    lines, each row's keys in its own order (the second row's "unit" before "city"), and no key-order warning."""
+    rows = _ordered_tool_rows(as_text=True)
+    jsonl, _ = _preprocess_documents(tmp_path, "rows.jsonl", rows, prompt_type, family_tokenizer_dir,
+                                     run_preprocess, read_indexed)
+    parquet, err = _preprocess_documents(tmp_path, "rows.parquet", rows, prompt_type, family_tokenizer_dir,
+                                         run_preprocess, read_indexed)
+    assert len(jsonl) == 2 and parquet == jsonl
+    tok = _encoder(family_tokenizer_dir("qwen2_5")).tokenizer
+    second = tok.decode(parquet[1])
+    assert second.index('"unit": {') < second.index('"city": {') and second.index('"unit": "V2') < second.index('"city": "V2')
+    assert "Arrow structs" not in err
+
+
+@pytest.mark.parametrize("prompt_type", ["hf", "qwen2_5"])
+def test_parquet_struct_tool_columns_take_the_columns_key_order_and_warn(prompt_type, tmp_path, family_tokenizer_dir,
+                                                                        run_preprocess, read_indexed):
+    """Tool schemas and arguments stored as Arrow structs keep one key order for the whole column (the first row's
+    here), which the file cannot undo: the second row is tokenized as if written "city" before "unit", as the README
+    says, and the run warns once, naming the file, the column, the struct paths and JSON text as the remedy."""
+    rows = _ordered_tool_rows(as_text=False)
+    as_column = json.loads(json.dumps(rows))  # the second row with the first row's key order, as Arrow reads it back
+    for holder, key in ((as_column[1]["tools"][0]["function"]["parameters"], "properties"),
+                        (as_column[1]["messages"][1]["tool_calls"][0]["function"], "arguments")):
+        holder[key] = {k: holder[key][k] for k in ("city", "unit")}
+    jsonl, _ = _preprocess_documents(tmp_path, "rows.jsonl", rows, prompt_type, family_tokenizer_dir,
+                                     run_preprocess, read_indexed)
+    reordered, _ = _preprocess_documents(tmp_path, "reordered.jsonl", as_column, prompt_type, family_tokenizer_dir,
+                                         run_preprocess, read_indexed)
+    parquet, err = _preprocess_documents(tmp_path, "rows.parquet", rows, prompt_type, family_tokenizer_dir,
+                                         run_preprocess, read_indexed)
+    assert parquet == reordered and parquet[0] == jsonl[0] and parquet[1] != jsonl[1]
+    warnings = [line for line in err.splitlines() if "Arrow structs" in line]
+    assert len(warnings) == 1, err
+    assert ("rows.parquet: column 'tools' (tools[], tools[].function, tools[].function.parameters and 3 more) and "
+            "column 'messages' (messages[].tool_calls[].function.arguments) hold objects stored as Arrow structs"
+            in warnings[0])
+    assert "JSON text" in warnings[0]
+    assert "Arrow structs" not in _preprocess_documents(tmp_path, "rows2.jsonl", rows, prompt_type, family_tokenizer_dir,
+                                                        run_preprocess, read_indexed)[1]
 
 
 def _call(n):

@@ -146,10 +146,30 @@ def test_the_resolved_configuration_repeats_the_run(tmp_path, packs):
     assert text == open(written[1]).read()
     # every flag, by origin: what was given, derived by validation, and Megatron-LM's defaults
     assert "\n# --- given" in text and "\nseq-length: 128\n" in text
-    assert "\n# --- derived from the flags above by validation\n" in text and "\nkv-channels: 16\n" in text
-    assert "\n# --- defaults\n" in text and "\nweight-decay: 0.01\n" in text
+    assert "\n# --- derived from the flags above by validation (on record" in text and "\nkv-channels: 16\n" in text
+    assert "\n# --- defaults (on record" in text and "\nweight-decay: 0.01\n" in text
     again = _parse(["--config", written[0]])
     assert _comparable(again) == _comparable(args)
+
+
+def test_training_again_from_the_resolved_configuration_repeats_a_non_default_handlers_run(tmp_path, packs):
+    """A run on packs of a non-default handler (ShareGPT here), trained again from its run_config.yaml with a new
+    --save: the same losses bit for bit (the file's defaults, read back as given, used to be checked against the
+    sidecar: "--handler-name AlpacaStyleInstructionHandler, but ... was preprocessed with Sharegpt...")."""
+    import shutil
+
+    sharegpt = str(tmp_path / "sg")
+    for suffix in ("_packed_input_ids_document", "_packed_attention_mask_document", "_packed_labels_document"):
+        for ext in (".bin", ".idx"):
+            shutil.copy(packs + suffix + ext, sharegpt + suffix + ext)
+    meta = json.load(open(packs + "_packed_meta.json"))
+    meta.setdefault("arguments", {})["handler_name"] = "SharegptStyleInstructionHandler"
+    json.dump(meta, open(sharegpt + "_packed_meta.json", "w"))
+    first = str(tmp_path / "first")
+    _, losses = run_posttrain([*RUN, "--data-path", sharegpt, "--save", first], metrics=str(tmp_path / "a.jsonl"))
+    _, again = run_posttrain(["--config", os.path.join(first, "run_config.yaml"), "--save", str(tmp_path / "again")],
+                             metrics=str(tmp_path / "b.jsonl"), model_flags=[])
+    assert [r["lm loss"] for r in again] == [r["lm loss"] for r in losses] and len(losses) == 3
 
 
 def _tiny_hf(path):

@@ -61,6 +61,45 @@ def test_zigzag_gives_rank_r_chunks_r_and_mirror():
         zigzag_index(torch.tensor([0, 6]), 2, 0)
 
 
+class _CpGroup:
+    """What megatron-core asks of a context-parallel group: its size and this rank."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zigzag_is_megatron_cores_own_split(cp):
+    """Every rank holds the rows, and the positions, that megatron-core's own context-parallel code assigns it: its
+    THD RoPE's split of a packed batch (``_get_thd_freqs_on_this_cp_rank``, which Transformer Engine's layout
+    matches) and its split of one sequence (``get_batch_on_this_cp_rank``) applied to each segment. A rank holding
+    its two chunks in the other order is consistent with itself on CPU but rotated wrongly by megatron-core's RoPE."""
+    from megatron.core.models.common.embeddings.rope_utils import _get_thd_freqs_on_this_cp_rank
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from mindspeed_pack.packing.context_parallel import segment_positions
+    from tests.model_utils import init_single_process
+
+    init_single_process()  # megatron-core reads a group's size only once torch.distributed is initialised
+    lengths = [2 * cp * n for n in (1, 3, 7, 2, 5)]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    rows = torch.arange(int(cu[-1]))
+    for rank in range(cp):
+        local = [torch.empty(n // cp) for n in lengths]  # this rank's share of each segment
+        by_rope = torch.cat([_get_thd_freqs_on_this_cp_rank(rank, cp, x, rows, int(cu[i])) for i, x in enumerate(local)])
+        positions = torch.cat([_get_thd_freqs_on_this_cp_rank(rank, cp, x, torch.arange(max(lengths))) for x in local])
+        by_sequence = torch.cat([get_batch_on_this_cp_rank({"tokens": rows[None, int(cu[i]):int(cu[i + 1])].clone()},
+                                                           _CpGroup(cp, rank))["tokens"][0] for i in range(len(lengths))])
+        assert zigzag_index(cu, cp, rank).tolist() == by_rope.tolist() == by_sequence.tolist(), rank
+        assert segment_positions(cu.numpy(), cp, rank).tolist() == positions.tolist(), rank
+
+
 def test_split_covers_every_token_once_and_counts_samples_once():
     p = pad_segments(_pack(), 4)
     parts = [split_for_rank(p, 2, r) for r in range(2)]

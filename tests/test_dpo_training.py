@@ -115,6 +115,12 @@ def test_a_run_started_from_a_hf_directory_resumes_with_it_as_ref_load(setup, ba
     proc, resumed = _run(setup, "from_hf_resumed", ["--load", ckpt, "--ref-load", hf])
     assert f"reference model loaded from {hf}" in proc.stderr
     _same_steps(full[2:], resumed, rel=1e-6)
+    # the same command again (as after a crash): it resumes from --save, the reference read again from --load
+    write_tracker(ckpt, 2)
+    proc, again = _run(setup, "from_hf_again", ["--load", hf, "--save", ckpt, "--save-interval", "2"])
+    assert f"resumed from {ckpt} at iteration 2" in proc.stderr, proc.stderr[-3000:]
+    assert f"reference model = the starting policy, read again from --load {hf}" in proc.stderr
+    _same_steps(full[2:], again, rel=1e-6)
 
 
 def test_reference_from_other_data_or_tokenizer_is_refused(setup, tmp_path):

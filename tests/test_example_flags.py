@@ -350,6 +350,25 @@ def test_qwen25_32k_cp_scripts_agree_with_each_other():
     assert data.pad_to_multiple_of == 2 * 4 * 2
 
 
+def test_qwen25_dynamic_cp_scripts_agree_with_each_other():
+    """The dynamic CP recipe: one sample per document up to the longest sample a CP group of CP ranks holds."""
+    data = _qwen25("data_convert_qwen25_instruction_dynamic_cp.sh")
+    tune = _qwen25("tune_qwen25_7b_dynamic_cp.sh")
+    assert not data.pack and not data.neat_pack and not tune.neat_pack
+    assert tune.sequence_packing_scheduler == "default_dynamic_cp" and tune.overlong_samples == "refuse"
+    assert (data.output_prefix, data.prompt_type) == (tune.data_path[0], tune.prompt_type)
+    cp, per_rank = tune.context_parallel_size, tune.max_seqlen_per_dp_cp_rank
+    assert data.seq_length == tune.seq_length == cp * per_rank == 65536
+    assert (tune.tensor_model_parallel_size, cp, tune.data_parallel_size, per_rank) == (2, 4, 1, 16384)
+    assert tune.sequence_parallel and tune.micro_batch_size == 1 and tune.global_batch_size == 32
+    base = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    assert (tune.lr, tune.train_iters) == (base.lr, base.train_iters) and tune.save != base.save
+    # another pool reaches both scripts through the same environment variables
+    data = _qwen25("data_convert_qwen25_instruction_dynamic_cp.sh", SEQ_LEN="131072")
+    tune = _qwen25("tune_qwen25_7b_dynamic_cp.sh", CP="8", TP="1")
+    assert data.seq_length == tune.seq_length == 8 * 16384 and tune.context_parallel_size == 8
+
+
 def test_qwen25_lora_recipe_adapts_the_hf_model_on_one_gpu_per_rank():
     """The LoRA recipe: the full recipe's model, data and template, on the HF directory with adapters."""
     lora = _qwen25("tune_qwen25_7b_4k_lora_pack.sh")
@@ -438,6 +457,7 @@ def test_abbreviated_flag_fails(tmp_path, name, flag, abbreviation):
     ("tune_qwen25_7b_4k_full_pack.sh", "\ntensor-model-parallel-size: 4\n"),
     ("data_convert_qwen25_instruction_pack.sh", "preprocess_data.py arguments OK"),
     ("tune_qwen25_7b_32k_full_pack_cp.sh", "\ncontext-parallel-size: 2\n"),  # through the wrapper's exec
+    ("tune_qwen25_7b_dynamic_cp.sh", "\nsequence-packing-scheduler: default_dynamic_cp\n"),
     ("tune_qwen25_7b_4k_lora_pack.sh", "\nlora-r: 16\n"),
     ("tune_qwen25_7b_4k_kto_pack.sh", "\nkto-beta: 0.1\n"),  # both steps' checks, the packs not there
     # the converters' DRY_RUN is the same parse as above in a fresh interpreter (one megatron import, ~5 s): skipped
@@ -457,6 +477,7 @@ CONFIGS_DIR = REPO / "configs"
 CONFIGS = {
     "sft/qwen25_7b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_full_pack.sh", []),
     "sft/qwen25_7b_32k_full_pack_cp.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_32k_full_pack_cp.sh", []),
+    "sft/qwen25_7b_dynamic_cp.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_dynamic_cp.sh", []),
     "sft/qwen3_8b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN3 / "tune_qwen3_8b_4k_full_pack.sh", []),
     "sft/qwen3_30b_a3b_4k_full_pack.yaml": ("posttrain.py", 16, QWEN3_MOE / "tune_qwen3_30b_a3b_4k_full_pack.sh", []),
     "sft/qwen25_7b_4k_lora_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_lora_pack.sh", []),
@@ -468,6 +489,8 @@ CONFIGS = {
     "data/qwen25_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN25 / "data_convert_qwen25_instruction_pack.sh", []),
     "data/qwen25_alpaca_32k_pack_cp.yaml": ("preprocess_data.py", 1,
                                             QWEN25 / "data_convert_qwen25_instruction_pack_32k_cp.sh", []),
+    "data/qwen25_alpaca_64k_unpacked.yaml": ("preprocess_data.py", 1,
+                                             QWEN25 / "data_convert_qwen25_instruction_dynamic_cp.sh", []),
     "data/qwen3_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN3 / "data_convert_qwen3_instruction_pack.sh", []),
     "data/qwen25_pretrain_text.yaml": ("preprocess_data.py", 1, None, []),
     # the quickstart gives its paths on the command line (examples/quickstart/run.sh, checked above)

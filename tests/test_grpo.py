@@ -129,6 +129,24 @@ def test_grpo_loss_and_gradients_equal_per_sample(models, rows, mode, entropy_co
     assert_same_gradients(mg, hf)
 
 
+def test_dr_grpo_divides_by_every_rollout_times_the_constant_length(models, rows):
+    """Dr. GRPO (and TRL's ``dr_grpo``): token sums over all rollouts / (rollouts x the constant length), a rollout
+    without a trained token counted too (it used to be left out of the divisor: x4/3 with one of four masked)."""
+    mg, hf = models
+    masked = [{**row, "response_mask": [0] * len(row["response_mask"])} if i == 0 else row
+              for i, row in enumerate(rows)]
+    stage = _stage("dr-grpo")
+    mg.zero_grad()
+    _, loss, n = _packed(mg, masked, [[0, 3, 5], [1, 2, 4]], stage)
+    (loss / n).backward()
+    hf.zero_grad()
+    expected = _expected_loss(hf, masked, "dr-grpo")
+    expected.backward()
+    assert int(n) == len(masked)
+    assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
+    assert_same_gradients(mg, hf)
+
+
 def test_log_entropy_reports_the_entropy_without_a_bonus(models, rows):
     mg, hf = models
     reports = {}

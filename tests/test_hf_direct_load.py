@@ -23,14 +23,7 @@ from mindspeed_pack.convert.model_specs import args_from_hf_config, get_spec
 from mindspeed_pack.convert.weight_map import hf_to_mg_unit, units
 from tests.dist_harness import run_distributed
 from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
-from tests.train_utils import run_posttrain, write_copy_task
-
-# the run's own flags; the model's shape comes from config.json. The schedule is given in full, so the
-# HF run gets no fine-tuning default (finetune_defaults.py) the converted checkpoint's run would not get
-RUN_FLAGS = ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--neat-pack",
-             "--train-iters", "1", "--lr", "1e-3", "--min-lr", "1e-3", "--lr-decay-style", "constant",
-             "--lr-warmup-iters", "0",
-             "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--log-interval", "1", "--eval-iters", "0"]
+from tests.train_utils import RUN_FLAGS, run_posttrain, write_copy_task
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +129,15 @@ def test_direct_load_takes_the_converted_checkpoints_first_step(tiny, tmp_path):
     _assert_same_step(direct, converted)
 
 
+def test_a_converted_checkpoint_needs_no_model_flags(tiny, tmp_path):
+    """The README's ``--load ckpt --finetune`` as written: the model flags come from the checkpoint's record
+    (as from config.json for a HF directory) and the first step is that of the run given all of them."""
+    run = [*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["mg"], "--finetune"]
+    bare = _first_step(run, f"{tmp_path}/bare.jsonl")
+    flagged = _first_step([*TINY_FLAGS, *run], f"{tmp_path}/flagged.jsonl")
+    _assert_same_step(bare, flagged)
+
+
 def _tp2_rank(hf, mg, data, out):
     return _direct_and_converted(hf, mg, data, f"{out}/rank{os.environ['RANK']}", 2)
 
@@ -230,18 +232,30 @@ def test_save_hf_of_a_model_the_converter_cannot_write_is_refused_before_trainin
     assert not os.path.exists(tmp_path / "m.jsonl") or not open(tmp_path / "m.jsonl").read().count('"train"')
 
 
-def test_failed_save_hf_leaves_no_output_and_no_staging_files(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["merge", "safetensors writer"])
+def test_full_disk_at_save_hf_is_one_error_line_and_leaves_nothing(tiny, tmp_path, monkeypatch, where):
+    """A full disk during the export: one error naming the directory and the space needed (the safetensors
+    writer's own error was a raw SafetensorError traceback), no output and no staging files left."""
     import errno
 
+    from safetensors import SafetensorError
+
     from mindspeed_pack.checkpoint.save_load import CheckpointError
-    from mindspeed_pack.convert import convert
+    from mindspeed_pack.convert import convert, hf_io
 
     def disk_full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        if where == "merge":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space '
+                              'left on device" })')
 
-    monkeypatch.setattr(convert, "megatron_to_hf", disk_full)
+    if where == "merge":
+        monkeypatch.setattr(convert, "megatron_to_hf", disk_full)
+    else:
+        monkeypatch.setattr(hf_io, "save_file", disk_full)
     (tmp_path / "exports").mkdir()
-    with pytest.raises(CheckpointError, match="--save-hf .*/out: writing the Hugging Face model failed: .*No space"):
+    with pytest.raises(CheckpointError, match=r"--save-hf .*/out: the disk is full: this needs about \d+\.\d\d GiB "
+                                              r"and \d+\.\d\d GiB are free there;.*nothing was written there"):
         posttrain.main([*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["hf"],
                         "--save-hf", str(tmp_path / "exports" / "out")])
     assert os.listdir(tmp_path / "exports") == []

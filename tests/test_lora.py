@@ -197,6 +197,18 @@ def test_save_holds_the_adapters_and_the_bases_fingerprint(qwen, trained):
     assert len(record["optimizer"]["state"]) == 28
 
 
+def test_load_of_a_lora_runs_save_is_refused_by_name(qwen, trained, capsys):
+    """``--load SAVE`` of a LoRA run (the README promises "refused by name"; it printed the usage and
+    "missing required arguments: --num-layers, ...") says to pass the base as --load and SAVE as --lora-load."""
+    with pytest.raises(SystemExit):
+        parse_args(["--data-path", qwen["data"], "--seq-length", "128", "--neat-pack", "--train-iters", "1",
+                    "--load", trained["save"]])
+    err = capsys.readouterr().err
+    assert f"--load {trained['save']} holds LoRA adapters (a LoRA run's --save), not a model: pass their base " \
+           f"({os.path.abspath(qwen['mg'])}) as --load, {trained['save']} as --lora-load" in err, err
+    assert "missing required arguments" not in err
+
+
 def _logits(module, ids):
     module.eval()
     with torch.no_grad():
@@ -317,3 +329,36 @@ def test_dry_run_memory_counts_adapters_not_the_frozen_base():
     full = memory_estimate(SimpleNamespace(**{**vars(args), "lora_r": None}))
     assert with_lora["trained per GPU"] == adapters and full["trained per GPU"] == full["parameters per GPU"]
     assert with_lora["optimizer"] == adapters * 12 / 1024 ** 3 and with_lora["optimizer"] < full["optimizer"] / 300
+
+
+def test_readme_memory_table_is_the_dry_run_estimate_in_gib():
+    """The README's Qwen2.5-7B memory table is what --dry-run estimates, in the unit --dry-run prints (GiB), with
+    LoRA's replicated factors counted on every tensor-parallel rank."""
+    import re
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.run_plan import memory_estimate, plan_lines
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    rows = re.findall(r"^\| TP(\d) (full fine-tuning|LoRA r=(\d+), all linears) \| ([\d.]+)([BM]) \| ([\d.]+) GiB \| "
+                      r"([\d.]+) GiB \| ([\d.]+) GiB \| ([\d.]+) GiB \|$", readme, flags=re.M)
+    assert len(rows) == 6, rows
+    qwen7b = dict(num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
+                  kv_channels=None, swiglu=True, add_qkv_bias=True, padded_vocab_size=152064,
+                  max_position_embeddings=4096, position_embedding_type="rope",
+                  untie_embeddings_and_output_weights=True, pipeline_model_parallel_size=1,
+                  expert_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1,
+                  use_distributed_optimizer=False, bf16=True, fp16=False, optimizer="adam", seq_length=4096,
+                  micro_batch_size=1, sequence_parallel=False, num_micro_batches=1, num_experts=None, lora_alpha=16,
+                  lora_dropout=0.0, lora_target_modules=["all-linear"], lora_use_rslora=False)
+    for tp, _, r, trainable, unit, weights, grads, optimizer, total in rows:
+        m = memory_estimate(SimpleNamespace(**qwen7b, tensor_model_parallel_size=int(tp), lora_r=int(r) if r else None))
+        assert abs(m["trained per GPU"] / (1e9 if unit == "B" else 1e6) - float(trainable)) < 0.051
+        assert [round(m[k], 2) for k in ("weights", "gradients", "optimizer")] == [float(weights), float(grads),
+                                                                                     float(optimizer)]
+        assert round(m["weights"] + m["gradients"] + m["optimizer"], 1) == float(total)
+    args = SimpleNamespace(**qwen7b, tensor_model_parallel_size=4, lora_r=None, data_path=None, train_iters=10,
+                           global_batch_size=8, split="100,0,0", epochs_note=None, train_epochs=None,
+                           data_summary="(none)")
+    memory = next(line for line in plan_lines(args) if line.startswith("memory per GPU"))
+    assert "weights 3.55 GiB" in memory and " GB" not in memory, memory

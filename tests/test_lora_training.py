@@ -109,6 +109,11 @@ def test_dpo_reference_is_the_base_with_adapters_off_and_resume_is_exact(setup):
     for a, b in zip(resumed, steps[2:]):
         assert a["lm loss"] == b["lm loss"] and a["grad norm"] == b["grad norm"] and \
             a["rewards/margins"] == b["rewards/margins"]
+    # the first command again (as after a crash): it resumes the adapters from its own --save
+    proc, again = _run(setup, "dpo_again", [*dpo, "--save", save, "--save-interval", "2"])
+    assert f"resumed from {save} at iteration 2" in proc.stderr, proc.stderr[-3000:]
+    assert [(r["iteration"], r["lm loss"], r["grad norm"]) for r in again] == \
+        [(r["iteration"], r["lm loss"], r["grad norm"]) for r in steps[2:]]
 
 
 # --------------------------------------------------------------------------- the other stages

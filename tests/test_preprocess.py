@@ -207,12 +207,19 @@ def test_inspect_pack_lists_segments_and_draws_mask(sharegpt_outputs, capsys, tm
     assert "rank 1:" in out and "causal work max/mean 1.0000" in out
 
 
-def test_first_token_of_a_sample_is_never_trained_even_without_prompt(tmp_path, run_preprocess, read_indexed):
-    # the "empty" template with an empty instruction: the answer starts the sample
+@pytest.mark.parametrize("prompt_type", ["empty", "hf"])
+def test_first_token_of_a_sample_is_never_trained_even_without_prompt(prompt_type, tmp_path, run_preprocess,
+                                                                      read_indexed):
+    # an empty instruction under a template that writes nothing around it (the JSON "empty" template, or a model's
+    # own template that writes only the messages' text): the answer starts the sample
     rows = [{"instruction": "", "output": f"red cat {'blue ' * i}dog"} for i in range(12)]
     data = toy.write_dataset(tmp_path / "a.jsonl", rows)
-    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "e", prompt_type="empty", seq_length=64,
-                                  pack=True, neat_pack=True)
+    chat_template = None
+    if prompt_type == "hf":
+        chat_template = tmp_path / "text_only.jinja"
+        chat_template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "e", prompt_type=prompt_type, seq_length=64,
+                                  pack=True, neat_pack=True, chat_template=chat_template)
     assert code == 0, err
     labels = read_indexed(tmp_path / "e_packed_labels_document")
     ids = read_indexed(tmp_path / "e_packed_input_ids_document")

@@ -201,3 +201,44 @@ def test_preprocessing_prints_no_megatron_kernel_warnings(tmp_path, toy_alpaca_r
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
     assert proc.returncode == 0, proc.stderr
     assert "packs " in proc.stdout and proc.stderr.strip() == "", proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["packs", "documents"])
+def test_full_disk_is_one_error_line_and_keeps_the_previous_output(tmp_path, run_preprocess, alpaca_file, monkeypatch,
+                                                                   kind):
+    """The indexed-dataset writer's ENOSPC (a raw OSError traceback before): one line naming the output prefix and
+    the space needed; the previous complete output stays, and no temporary file is left."""
+    import errno
+
+    from mindspeed_pack.datasets import pack_writer
+
+    out = tmp_path / "out"
+    if kind == "packs":
+        flags = _flags(alpaca_file, out)
+    else:
+        docs = tmp_path / "docs.jsonl"
+        docs.write_text("".join(json.dumps({"text": f"document {i} " * (i + 3)}) + "\n" for i in range(20)))
+        flags = dict(input=docs, output_prefix=out / "p", handler_name="GeneralPretrainHandler", append_eod=True)
+    assert run_preprocess(**flags)[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_builder = pack_writer._builder
+
+    class FullDisk:
+        def __init__(self, *args, **kwargs):
+            self.inner, self.items = real_builder(*args, **kwargs), 0
+
+        def add_document(self, *args, **kwargs):
+            self.items += 1
+            if self.items > 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.inner.add_document(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    monkeypatch.setattr(pack_writer, "_builder", FullDisk)
+    code, _, err = run_preprocess(**flags, overwrite_cache=True)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: --output-prefix {out / 'p'}: the disk is full: this needs about "), err
+    assert "GiB are free there" in err and "nothing was written there" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temporary or partial file either

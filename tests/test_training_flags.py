@@ -361,3 +361,63 @@ def test_log_throughput_logs_tflops(tmp_path, neat, capsys):
                         metrics=str(tmp_path / "m.jsonl")))
     assert "throughput per GPU (TFLOP/s/GPU):" in capsys.readouterr().out
     assert read_metrics(str(tmp_path / "m.jsonl"))[1]["TFLOP/s/GPU"] > 0
+
+
+def test_megatron_fallback_warnings_are_one_log_line(neat):
+    """Without Transformer Engine and Apex, megatron-core warns six times at import; a run says once which
+    fallbacks it uses instead (plain processes, as a user starts them)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    train = subprocess.run([sys.executable, "posttrain.py", *nargv(neat, "--train-iters", "1")], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    convert = subprocess.run([sys.executable, "convert_ckpt.py", "--help"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert train.returncode == 0 and convert.returncode == 0, train.stderr[-3000:]
+    for proc in (train, convert):
+        assert "not installed" not in proc.stderr.replace("kernels: Transformer Engine and Apex not installed", ""), \
+            proc.stderr[-3000:]
+    from mindspeed_pack.model.te_spec import kernel_fallbacks
+
+    expected = kernel_fallbacks()
+    said = [line for line in (train.stdout + train.stderr).splitlines() if "kernels: " in line]
+    assert len(said) == (1 if expected else 0) and (not expected or said[0].endswith(expected)), said
+
+
+def test_full_disk_on_the_metrics_file_is_one_error_line(neat, tmp_path, monkeypatch, capsys):
+    """A full disk while logging a step (three tracebacks before): the run stops with one line naming the
+    metrics file and the free space; the checkpoint saved before is intact."""
+    import errno
+
+    from mindspeed_pack.training import metrics as metrics_module
+    from mindspeed_pack.training.cli import run_cli
+
+    class FillsUp:
+        def __init__(self, path, *args, **kwargs):
+            self.f, self.lines = open(path, *args, **kwargs), 0
+
+        def write(self, text):
+            self.lines += 1
+            if self.lines > 3:  # the precision record and two steps fit
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(text)
+
+        def close(self):
+            self.f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")  # flushing a full disk fails too
+
+    monkeypatch.setattr(metrics_module, "open", FillsUp, raising=False)
+    metrics, save = str(tmp_path / "m.jsonl"), str(tmp_path / "ckpt")
+    with pytest.raises(SystemExit) as stop:
+        run_cli("posttrain.py", lambda: posttrain.main(nargv(neat, "--train-iters", "4", "--save", save,
+                                                             "--save-interval", "2", metrics=metrics)))
+    err = capsys.readouterr().err
+    assert stop.value.code == 1
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"posttrain.py: error: --metrics-file {metrics}: the disk is full: "
+        + err.split("the disk is full: ")[1].split(" are free")[0] + " are free there; free space or choose another "
+        "directory, then re-run (iteration 3's record was not written; the checkpoints saved so far are intact)"], err
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"

@@ -13,6 +13,14 @@ def write_copy_task(prefix, num_packs=48, seq_length=128, seed=0, neat_pack=True
                                             neat_pack=neat_pack, meta=meta)
 
 
+# a one-step run's own flags; a HF --load takes the model's shape from config.json. The schedule is given in
+# full, so a HF run gets no fine-tuning default (finetune_defaults.py) a converted checkpoint's run would not get
+RUN_FLAGS = ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--neat-pack",
+             "--train-iters", "1", "--lr", "1e-3", "--min-lr", "1e-3", "--lr-decay-style", "constant",
+             "--lr-warmup-iters", "0",
+             "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--log-interval", "1", "--eval-iters", "0"]
+
+
 def tiny_argv(data, *extra):
     """posttrain flags of a one-step tiny --neat-pack run on ``data`` (in-process tests)."""
     return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
@@ -39,6 +47,15 @@ def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=Non
 
 def train_losses(records):
     return [r["lm loss"] for r in records if r["split"] == "train"]
+
+
+def first_loss(argv, metrics):
+    """The first step's loss of an in-process ``posttrain.py`` run (``argv``, metrics written to ``metrics``)."""
+    import posttrain
+
+    posttrain.main([*argv, "--metrics-file", metrics])
+    with open(metrics) as f:
+        return train_losses(json.loads(line) for line in f if line.strip())[0]
 
 
 def sft_trainer(args, batch_source):

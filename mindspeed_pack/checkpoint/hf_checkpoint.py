@@ -29,6 +29,7 @@ import os
 from typing import Callable, Dict, Iterator, Optional
 
 import torch
+from safetensors import SafetensorError
 
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.checkpoint.rank_files import is_shard_writer, rank_dir_name_here
@@ -45,6 +46,7 @@ from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, shard
 from mindspeed_pack.convert.tokenizer_record import has_tokenizer, read_tokenizer_record
 from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit, hf_unit_shapes, is_ignorable_hf_tensor
 from mindspeed_pack.model import lora
+from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 from mindspeed_pack.runtime.peers import all_ranks_ok
 
 log = logging.getLogger(__name__)
@@ -300,15 +302,17 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     wait_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(
         minutes=max(MERGE_TIMEOUT_MINUTES, args.distributed_timeout_minutes)))
     tokenizer = tokenizer_dir(args)
+    needed = 0  # about the export's size: the staged weights (the merge writes them once more, in the export dtype)
     if ok and dist.get_rank() == 0:
         try:
+            needed = tree_bytes(staging)
             layout.write_tracker(staging, layout.RELEASE)
             if _peft_export(args):
                 base = args.lora_base
                 megatron_to_peft(staging, out_dir, _dtype_name(args), base["path"] if base["format"] == "hf" else None)
             else:
                 megatron_to_hf(staging, out_dir, _dtype_name(args), tokenizer_dir=tokenizer)
-        except (OSError, ConversionError) as e:
+        except (OSError, ConversionError, SafetensorError) as e:  # every rank must hear of it, not wait it out
             error = e
         finally:
             layout.remove_tree(staging)
@@ -318,6 +322,9 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     dist.all_reduce(merge_failed, group=wait_group)
     dist.destroy_process_group(wait_group)
     if merge_failed.item() or not ok:
+        if error is not None and is_disk_full(error):
+            raise CheckpointError(disk_full_message("--save-hf", out_dir, needed or tree_bytes(args.save or out_dir))
+                                  + "; nothing was written there, the --save checkpoints are intact")
         raise CheckpointError(f"--save-hf {out_dir}: writing the Hugging Face model failed"
                               + (f": {error}" if error else " on another rank") + "; nothing was written there")
     if dist.get_rank() == 0 and _peft_export(args):

@@ -12,7 +12,6 @@ is the ordinary checkpoint code (:mod:`.save_load`).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -28,18 +27,6 @@ from mindspeed_pack.convert.model_specs import ConversionError
 from mindspeed_pack.model import lora
 
 log = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _flags(args, **values):
-    saved = {k: getattr(args, k, None) for k in values}
-    for k, v in values.items():
-        setattr(args, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(args, k, v)
 
 
 def base_record(args) -> dict:
@@ -88,38 +75,39 @@ def _refuse_adapters_as_base(args) -> None:
                               f"their base{f' ({base})' if base else ''} as --load and {args.load} as --lora-load")
 
 
-def _check_adapter_record(args) -> None:
-    """``--lora-load``: a LoRA checkpoint of these settings, trained on this base."""
-    root = args.lora_load
+def _check_adapter_record(args, root: str, flag: str) -> None:
+    """``--lora-load`` (or the run's own ``--save``): a LoRA checkpoint of these settings, trained on this base."""
     path, record = _rank_record(root)
     if record is None:
         return
     saved = record.get("lora")
     if saved is None:
-        raise CheckpointError(f"--lora-load {root}: {path} holds no LoRA adapters (a full model's checkpoint): pass "
+        raise CheckpointError(f"{flag} {root}: {path} holds no LoRA adapters (a full model's checkpoint): pass "
                               "it as --load instead")
     mine = lora.settings_from_args(args).record()
     flags = {"r": "--lora-r", "alpha": "--lora-alpha", "targets": "--lora-target-modules",
              "rslora": "--lora-use-rslora"}
-    differ = [f"{flag}: checkpoint {saved.get(k)}, flags {mine[k]}" for k, flag in flags.items()
+    differ = [f"{name}: checkpoint {saved.get(k)}, flags {mine[k]}" for k, name in flags.items()
               if saved.get(k) != mine[k]]
     if differ:
-        raise CheckpointError(f"--lora-load {root}: the LoRA flags differ from the checkpoint's ({'; '.join(differ)}): "
+        raise CheckpointError(f"{flag} {root}: the LoRA flags differ from the checkpoint's ({'; '.join(differ)}): "
                               "pass the flags it was trained with")
     try:
-        adapters.check_base(saved, args.load, args.lora_base["fingerprint"], f"--lora-load {root}")
+        adapters.check_base(saved, args.load, args.lora_base["fingerprint"], f"{flag} {root}")
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
 
 
-def load_checkpoint(args, model, optimizer, scheduler):
-    """The base (weights only), then ``--lora-load``'s adapters and training state; returns
-    (iteration, consumed_samples) as :func:`.save_load.load_checkpoint` does."""
+def load_checkpoint(args, model, optimizer, scheduler, adapters_root=None):
+    """The base (weights only), then the adapters and training state of ``--lora-load`` (or of
+    ``adapters_root``, the run's own ``--save`` it resumes from); returns (iteration, consumed_samples) as
+    :func:`.save_load.load_checkpoint` does."""
     _refuse_adapters_as_base(args)
-    with _flags(args, finetune=True):  # the base: weights only, iteration 0
-        save_load.load_checkpoint(args, model, optimizer, scheduler)
+    save_load.load_checkpoint(args, model, optimizer, scheduler, weights_only=True)  # the base: iteration 0
     args.lora_base = base_record(args)
-    if not args.lora_load:
+    root, flag = (adapters_root, "--save") if adapters_root else (args.lora_load, "--lora-load")
+    if not root:
         return 0, 0
-    _check_adapter_record(args)
-    return save_load.load_checkpoint(args, model, optimizer, scheduler, root=args.lora_load, flag="--lora-load")
+    _check_adapter_record(args, root, flag)
+    return save_load.load_checkpoint(args, model, optimizer, scheduler, root=root, flag=flag,
+                                     weights_only=False if adapters_root else None)

@@ -48,6 +48,8 @@ from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 
+POLICY_FLAGS = ("--load", "--save")  # checkpoints of the model this run trains (--save: its own, resumed)
+
 
 def _rng_state() -> dict:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -318,12 +320,6 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
             state["step"] = step.clone()
 
 
-def recorded_args(state: dict) -> dict:
-    """The model arguments a checkpoint file records (Megatron-LM's files hold a Namespace)."""
-    saved = state.get("args") or {}
-    return saved if isinstance(saved, dict) else vars(saved)
-
-
 def _check_tokenizer(args, record, source: str, policy: bool) -> None:
     """The checkpoint's tokenizer against this run's; a run that knows none takes the policy checkpoint's."""
     run_record = hf_checkpoint.run_tokenizer_record(args)
@@ -390,14 +386,14 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
         raise CheckpointError(f"{source}: checkpoint saved with expert parallelism (EP={saved_ep}) but this run "
                               "has no --num-experts: pass the model flags it was trained with")
     path, state = _read_rank_file(args, root, it_dir, saved_ep)
-    saved_args = recorded_args(state)
+    saved_args = layout.args_of(state)
     window = saved_args.get("sliding_window")
     if window is not None and args.seq_length > window:
         raise CheckpointError(f"{path}: the model's sliding_window={window} (config.json) is below --seq-length "
                               f"{args.seq_length}: the model attends to the whole sample, so train with "
                               f"--seq-length <= {window}")
     identity.check_model_settings(saved_args, args, source, path)
-    _check_tokenizer(args, state.get("tokenizer"), source, policy=flag == "--load")
+    _check_tokenizer(args, state.get("tokenizer"), source, policy=flag in POLICY_FLAGS)
     weights = layout.to_backend_names(state["model"], module.attention_backend, module.state_dict().keys())
     _check_shapes(path, module, weights)
     module.load_state_dict(weights, strict=False)
@@ -414,9 +410,28 @@ def load_model_weights(args, path: str, module, flag: str) -> None:
         load_weights(args, path, module, flag)
 
 
-def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "--load"):
-    """Restore from ``--load`` (or ``root``, named ``flag`` in messages: a LoRA run's ``--lora-load``);
-    returns (iteration, consumed_samples).
+def uncommitted_iterations(root: str, flag: str) -> list:
+    """The iteration directories of ``root``, which has no tracker (the tracker is a save's commit point).
+
+    A first save killed between its rename and its tracker leaves one, never committed, which the run
+    saves over. Two or more complete iterations without a tracker are damage (the file was removed),
+    not a first save: refused, naming the latest and how to resume from it."""
+    found = _saved_iterations(root) if os.path.isdir(root) else []
+    if len(found) > 1:
+        numbers = [int(name[len("iter_"):]) for name in found]
+        raise CheckpointError(
+            f"{flag} {root} holds complete iterations {', '.join(map(str, numbers))} but no {layout.TRACKER}: the "
+            "file was removed or lost (an interrupted first save leaves one iteration, not several), and starting "
+            f"over would overwrite them; to resume from the latest, iteration {numbers[-1]}, write its number into "
+            f"the file (echo {numbers[-1]} > {os.path.join(root, layout.TRACKER)}) and run again; to start over in "
+            "it, pass --overwrite-output-dir")
+    return found
+
+
+def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "--load", weights_only=None):
+    """Restore from ``--load`` (or ``root``, named ``flag`` in messages: a LoRA run's ``--lora-load``, a run's
+    own ``--save``); returns (iteration, consumed_samples). ``weights_only`` (default ``--finetune``): the
+    weights alone, at iteration 0 with a fresh optimizer.
 
     ``--load D --save D`` on a first launch (D empty or absent, or holding only a first save that
     died before its tracker was written) starts from scratch, so a job script can always pass both;
@@ -424,24 +439,23 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
     """
     if root is None and args.load_format == "hf":
         return _load_hf_weights(args, model, optimizer)
+    finetune = args.finetune if weights_only is None else weights_only
     root = args.load if root is None else root
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
-    if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
+    if same_as_save and not finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
             and not os.path.isdir(os.path.join(root, layout.RELEASE)):
-        # the tracker is a save's commit point: an iteration directory without it (a crash between the
-        # first save's rename and its tracker) was never committed, and is re-saved over
-        uncommitted = _saved_iterations(root) if os.path.isdir(root) else []
+        uncommitted = uncommitted_iterations(root, f"{flag} (= --save)")
         log.warning("%s %s (= --save) holds no checkpoint yet%s: starting from scratch", flag, root,
                     f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
                     if uncommitted else "")
         return 0, 0
     iteration, it_dir, path, state = load_weights(args, root, model[0].module, flag)
-    args.loaded_model_type_hf = recorded_args(state).get("model_type_hf")
-    args.loaded_sliding_window = recorded_args(state).get("sliding_window")
+    args.loaded_model_type_hf = layout.args_of(state).get("model_type_hf")
+    args.loaded_sliding_window = layout.args_of(state).get("sliding_window")
     release = iteration == layout.RELEASE
-    if args.finetune or release or args.no_load_optim:
+    if finetune or release or args.no_load_optim:
         refresh_master_weights(optimizer)
-    if args.finetune or release:
+    if finetune or release:
         log.info("loaded weights from %s (%s): iteration reset to 0", root, "release" if release else "finetune")
         return 0, 0
     if not args.no_load_optim:

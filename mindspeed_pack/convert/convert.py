@@ -15,7 +15,9 @@ Every direction follows the same plan:
 Converted Megatron checkpoints are ``release`` checkpoints (iteration 0) in Megatron's
 layout (:mod:`mindspeed_pack.convert.megatron_layout`), each file holding ``model``
 (canonical local-spec names, no ``_extra_state`` entries), ``args`` (the model-shape
-arguments, :data:`~.model_specs.MODEL_ARG_NAMES`), ``iteration``, ``checkpoint_version``
+arguments, :data:`~.model_specs.MODEL_ARG_NAMES`: among them ``vocab_size``, config.json's, the
+embedding's rows, all real, and ``padded_vocab_size``; training takes them as its flags,
+:mod:`mindspeed_pack.config.checkpoint_flags`), ``iteration``, ``checkpoint_version``
 ``hf_config`` (the source config.json, for the way back) and ``tokenizer`` (the vocabulary of
 the source directory's tokenizer, :mod:`.tokenizer_record`, or None without one: training checks
 it at ``--load``/``--ref-load``). Padded vocabulary rows are zero.

@@ -14,7 +14,9 @@ The main process only cuts the input into chunks; rows are materialised (JSON pa
 batches converted) by the worker that encodes them, so parsing scales with ``--workers``.
 Nested Parquet/Arrow columns (messages, tool schemas, arguments) are read without the null
 fields a struct column adds for keys other rows have (:func:`without_merged_keys`), so a Parquet
-file gives the same rows as the JSON lines it was written from. Every row carries its location,
+file gives the same rows as the JSON lines it was written from, except for key order: a struct
+keeps one order of its keys for every row (:func:`struct_objects` finds them; JSON text columns
+keep each row's own). Every row carries its location,
 ``"FILE: line N"`` for line formats and ``"FILE: row N"`` otherwise (1-based), for error messages.
 A line that is not valid JSON comes as its :class:`RowError` in place of the row, so the row
 policy (stop, or ``--skip-bad-rows``) decides where it is encoded.
@@ -273,6 +275,44 @@ def chunk_rows(chunk: Chunk) -> Iterator[tuple[str, Any]]:
             for name in nested:
                 row[name] = without_merged_keys(row[name])
             yield f"{chunk.file}: row {n}", row
+
+
+def struct_objects(path, column: str) -> list[str]:
+    """Where a Parquet/Arrow ``column`` stores objects of two or more keys as Arrow structs: their paths
+    (``tools[].function``, ``tools[].function.parameters.properties``); [] for other formats, other
+    columns and JSON text.
+
+    A struct has one field order for the whole column (the union of every row's keys, in the order
+    the writer first met them), so each row's objects come back with their keys in that order, not
+    the row's own. The file does not record the order a row was written in: it cannot be restored,
+    only stored as JSON text (a string column), which is read as written."""
+    p = Path(path)
+    fmt = FORMATS[p.suffix.lower()]
+    if fmt not in ("parquet", "arrow"):
+        return []
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        schema = pq.read_schema(p)
+    else:
+        schema = _open_arrow(p).schema
+    if column not in schema.names:
+        return []
+    return list(_struct_paths(schema.field(column).type, column))
+
+
+def _struct_paths(kind, path: str):
+    import pyarrow as pa
+
+    if pa.types.is_struct(kind):
+        if kind.num_fields > 1:
+            yield path
+        for i in range(kind.num_fields):
+            yield from _struct_paths(kind.field(i).type, f"{path}.{kind.field(i).name}")
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        yield from _struct_paths(kind.value_type, f"{path}[]")
+    elif pa.types.is_map(kind):
+        yield from _struct_paths(kind.item_type, f"{path}{{}}")
 
 
 def _has_struct(kind) -> bool:

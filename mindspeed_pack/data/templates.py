@@ -21,11 +21,12 @@ turn (untrained), so a sample ends on its EOS ``<|im_end|>`` (trained). A 2-turn
 
 (``[...]`` trained). Tools, where a template has ``format_tools``: a row's tool schemas go into
 the system prompt (``{{content}}`` = the system text, ``{{tools}}`` = each schema as one JSON line
-after a newline). An assistant message that calls tools (a ShareGPT ``function_call`` message, or
-OpenAI ``tool_calls``, read as :class:`ToolCalls`) is a ``function`` answer: its text, then each call
-written with ``format_tool_call`` (``{{name}}``, ``{{arguments}}`` as JSON), joined by
-``tool_call_separator``; consecutive tool results are one observation turn, joined by
-``observation_separator``. That is what Qwen2.5's official template renders. A template without
+after a newline; a row without system text uses ``format_tools_without_system`` where given, as
+Qwen3 opens its system prompt with the tools block). An assistant message that calls tools (a
+ShareGPT ``function_call`` message, or OpenAI ``tool_calls``, read as :class:`ToolCalls`) is a
+``function`` answer: its text, then each call written with ``format_tool_call`` (``{{name}}``,
+``{{arguments}}`` as JSON), joined by ``tool_call_separator``; consecutive tool results are one
+observation turn, joined by ``observation_separator``. That is what Qwen2.5's official template renders. A template without
 ``format_tools`` refuses rows with tools, one without ``format_tool_call`` writes the calls as
 LLaMA-Factory's JSON and refuses text beside them, and no JSON template writes reasoning: such rows
 are refused (:class:`RowError`), never silently dropped.
@@ -50,7 +51,8 @@ USER, ASSISTANT, OBSERVATION, FUNCTION = "user", "assistant", "observation", "fu
 PROMPT_ROLES = (USER, OBSERVATION)
 ANSWER_ROLES = (ASSISTANT, FUNCTION)
 _SPECIAL_SLOTS = ("eos_token", "bos_token")
-_TOOL_FIELDS = ("format_tools", "format_tool_call", "tool_call_separator", "observation_separator")
+_TOOL_FIELDS = ("format_tools", "format_tools_without_system", "format_tool_call", "tool_call_separator",
+                "observation_separator")
 REASON_TOOLS = "tools the template cannot render"
 _FIELDS = ("format_prefix", "format_system", "format_user", "format_assistant", "format_observation",
            "format_function", "format_separator")
@@ -83,6 +85,7 @@ class Template:
     replace_eos: bool = False
     system_in_first_user: bool = False  # llama2: the system block sits inside the first [INST]
     format_tools: str = ""  # the system prompt when a row has tools ({{content}}, {{tools}}); "": tools refused
+    format_tools_without_system: str = ""  # that of a row with tools and no system text ({{tools}}); "": format_tools
     format_tool_call: str = ""  # one call of a function message ({{name}}, {{arguments}}); "": the content as is
     tool_call_separator: str = "\n"  # between a function message's text and its calls, and between calls
     observation_separator: str = ""  # joins consecutive tool results into one turn; "": they are out of order
@@ -188,7 +191,9 @@ def tools_system(template: Template, system: str, tools: list) -> str:
         raise RowError(f"the row has tool schemas, which template {template.name!r} does not render (refused, not "
                        "dropped); use --prompt-type hf or a template with format_tools", REASON_TOOLS)
     listing = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
-    return re.sub(r"\{\{(content|tools)\}\}", lambda m: system if m.group(1) == "content" else listing, template.format_tools)
+    form = template.format_tools_without_system if not system and template.format_tools_without_system else \
+        template.format_tools
+    return re.sub(r"\{\{(content|tools)\}\}", lambda m: system if m.group(1) == "content" else listing, form)
 
 
 def _arguments_object(call: dict):

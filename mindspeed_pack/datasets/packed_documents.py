@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import Optional
 
 import numpy as np
@@ -32,14 +33,37 @@ class DataError(ValueError):
     """Missing or inconsistent training data."""
 
 
-def check_index_header(path: str) -> None:
-    """``path.idx`` starts like a Megatron index (megatron-core would only assert, mid-construction)."""
-    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+INDEX_HEADER_BYTES = 34  # magic (9), version (8), dtype code (1), sequence count (8), document count (8)
 
-    with open(path + ".idx", "rb") as f:
-        if f.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
-            raise DataError(f"{path}.idx: not a readable Megatron index (it does not start with "
-                            f"{_INDEX_HEADER!r}); re-run preprocess_data.py")
+
+def check_index_header(path: str) -> None:
+    """``path.idx`` is a whole Megatron index: its magic, version 1, a known dtype, and as long as its counts
+    say (lengths int32 and pointers int64 per sequence, an int64 per document boundary). On a damaged
+    header megatron-core would only assert, or fail mid-construction."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    idx = path + ".idx"
+    with open(idx, "rb") as f:
+        head = f.read(INDEX_HEADER_BYTES)
+    if not head.startswith(_INDEX_HEADER):
+        raise DataError(f"{idx}: not a readable Megatron index (it does not start with {_INDEX_HEADER!r}); re-run "
+                        "preprocess_data.py")
+    problem = None
+    if len(head) < INDEX_HEADER_BYTES:
+        problem = f"it ends after {len(head)} bytes, inside its {INDEX_HEADER_BYTES}-byte header"
+    else:
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(_INDEX_HEADER):])
+        expected = INDEX_HEADER_BYTES + 12 * sequences + 8 * documents
+        if version != 1:
+            problem = f"its header gives version {version}, not 1"
+        elif code not in {d.value for d in DType}:
+            problem = f"its header gives dtype code {code}, not one of {sorted(d.value for d in DType)}"
+        elif os.path.getsize(idx) != expected:
+            problem = (f"its header counts {sequences} documents and {documents} document boundaries, which take "
+                       f"{expected} bytes, but the file has {os.path.getsize(idx)}")
+    if problem:
+        raise DataError(f"{idx} does not describe {path}.bin: {problem} (a damaged or partly copied index); re-run "
+                        "preprocess_data.py (or copy the .bin and .idx of one run together)")
 
 
 class PackedDocuments:

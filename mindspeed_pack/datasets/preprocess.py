@@ -57,6 +57,7 @@ from mindspeed_pack.data.handlers import (
 from mindspeed_pack.data.templates import get_template, marker_tokens
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
 from mindspeed_pack.datasets import pack_writer
+from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 
 HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
 FORMAT_VERSION = 2  # 2: packs in a seeded random order; template tokens added when missing
@@ -276,6 +277,29 @@ def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows:
             print(f"warning: {f}: no rows (an empty file); skipped", file=sys.stderr)
 
 
+def warn_struct_key_order(files, handler: str, keys: dict) -> None:
+    """Warn once when a Parquet/Arrow input stores objects whose key order a template renders (tool schemas,
+    tool-call arguments) as Arrow structs: each row gets the column's key order (``readers.struct_objects``),
+    so its tokens can differ from the same row in JSON lines, and the file cannot tell whether they do."""
+    columns = sorted(COLUMN_KEYS[handler], key=lambda k: k != "tools")
+    for f in files:
+        found = []
+        for key in columns:
+            paths = readers.struct_objects(f, keys[key])
+            if key != "tools":  # messages and answers are read by key; only their call arguments are rendered
+                paths = [p for p in paths if ".arguments" in p]
+            if paths:
+                more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+                found.append(f"column {keys[key]!r} ({', '.join(paths[:3])}{more})")
+        if found:
+            print(f"warning: {f}: {' and '.join(found)} hold objects stored as Arrow structs, which keep one key order "
+                  "for every row: each row's keys are rendered in the column's order, not in the order the row was "
+                  "written, so its tokens can differ from the same row in JSON lines. To keep every row's own order, "
+                  "store such columns as JSON text (e.g. df[col] = df[col].map(json.dumps)) or use JSON lines",
+                  file=sys.stderr)
+            return
+
+
 def extend_tokenizer_for_template(tokenizer, template) -> dict:
     """Give the tokenizer what the template needs, as LLaMA-Factory and MindSpeed-LLM do.
 
@@ -383,6 +407,7 @@ def run(args) -> dict:
         template = get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
     check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
+    warn_struct_key_order(files, args.handler_name, keys)
     changes = extend_tokenizer_for_template(tokenizer, template)
     check_eos(tokenizer, args.tokenizer_path)
     add_bos = resolve_add_bos(args, tokenizer)
@@ -415,6 +440,7 @@ def run(args) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp_out = out_dir / f".{Path(args.output_prefix).name}.tmp-{os.getpid()}"
     tmp_store = Path(args.cache_dir or out_dir) / f".{Path(args.output_prefix).name}.tokens-{os.getpid()}"
+    store = None  # the tokenised samples, once encoded
     try:
         shutil.rmtree(tmp_out, ignore_errors=True)
         tmp_out.mkdir(parents=True)
@@ -422,9 +448,10 @@ def run(args) -> dict:
             tokenizer.save(tmp_out / TOKENIZER_SUFFIX)
             config = dataclasses.replace(config, tokenizer=TokenizerSpec("PretrainedFromHF", str(tmp_out / TOKENIZER_SUFFIX)))
         stats = _encode_all(args, files, config, tmp_store, tokenizer.pad_or_eos_id, encoder)
+        store = stats.pop("_store")
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
-        stats.update(_write_outputs(args, stats.pop("_store"), tokenizer, tmp_prefixes, stats.pop("_kto_labels", None)))
+        stats.update(_write_outputs(args, store, tokenizer, tmp_prefixes, stats.pop("_kto_labels", None)))
         elapsed = time.time() - t0
         stats.update(encode_seconds=round(t_encoded - t0, 3), elapsed_seconds=round(elapsed, 3),
                      samples_per_second=round(stats["samples_read"] / max(elapsed, 1e-9), 1),
@@ -441,6 +468,15 @@ def run(args) -> dict:
             "statistics": stats,
         }
         _publish(args, tmp_prefixes, meta, tmp_out / TOKENIZER_SUFFIX if changes else None)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        # what was written when the disk filled, and at least the outputs still to come (3 int32 arrays per
+        # token for packs, or the tokens once for documents)
+        written = tree_bytes(str(tmp_out)) + tree_bytes(str(tmp_store))
+        outputs = store.num_tokens * 4 * (1 if args.handler_name == PRETRAIN else 3) if store is not None else 0
+        raise PreprocessError(disk_full_message("--output-prefix", args.output_prefix, max(written + outputs, 1))
+                              + "; nothing was written there") from None
     finally:
         shutil.rmtree(tmp_out, ignore_errors=True)
         shutil.rmtree(tmp_store, ignore_errors=True)

@@ -112,9 +112,17 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
     )
 
 
+def _no_te(args) -> str:
+    """Why this run cannot use Transformer Engine's attention ("" if it can)."""
+    if getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
+        return ("--sequence-packing-scheduler default_dynamic_cp: megatron-core 0.16 applies THD RoPE over its fixed "
+                "CP group, not a micro-batch's own (use --attention-backend flash or local)")
+    return ""
+
+
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> PackedGPTModel:
     backend = resolve_backend(getattr(args, "attention_backend", "auto"), params_dtype(args),
-                              getattr(args, "attention_dropout", 0.0))
+                              getattr(args, "attention_dropout", 0.0), _no_te(args))
     compiled.set_enabled(getattr(args, "torch_compile_kernels", "auto") != "off")
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)

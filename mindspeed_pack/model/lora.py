@@ -124,9 +124,10 @@ def settings_from_args(args) -> Optional[LoRASettings]:
                         rslora=bool(getattr(args, "lora_use_rslora", False)))
 
 
-def adapter_parameters(settings: LoRASettings, args) -> int:
-    """Adapter parameters of the whole model (``r x (in + out)`` per adapted projection; the MLPs of MoE layers
-    carry none), from the model flags."""
+def adapter_parameters(settings: LoRASettings, args, tp: int = 1) -> int:
+    """Adapter parameters one tensor-parallel rank holds (``tp`` 1: the whole model's), from the model flags:
+    ``r x (in + out)`` per adapted projection, with the factor that meets the base's split divided by ``tp`` (A of
+    a row-parallel linear, B of a column-parallel one) and the other replicated; MoE layers' MLPs carry none."""
     h, heads = args.hidden_size, args.num_attention_heads
     d = getattr(args, "kv_channels", None) or h // heads
     groups = getattr(args, "num_query_groups", None) or heads
@@ -139,8 +140,10 @@ def adapter_parameters(settings: LoRASettings, args) -> int:
     total = 0
     for linear, projection in settings.targets:
         layers = args.num_layers - (moe_layers if linear.startswith("mlp.") else 0)
-        total += layers * settings.r * sum(shapes[projection])
-    return total
+        fan_in, fan_out = shapes[projection]
+        a, b = (fan_in, fan_out / tp) if linear in COLUMN_PARALLEL else (fan_in / tp, fan_out)
+        total += layers * settings.r * (a + b)
+    return int(total)
 
 
 def without_lora(args):

@@ -21,6 +21,19 @@ except Exception:  # ImportError, or a TE build that does not match torch/CUDA
     HAVE_TE = False
 
 
+def kernel_fallbacks() -> str:
+    """What megatron-core falls back to without Transformer Engine or Apex (empty with TE): said once per run
+    instead of megatron's six import-time warnings (hidden in ``mindspeed_pack/__init__.py``)."""
+    import importlib.util
+
+    if HAVE_TE:
+        return ""
+    if importlib.util.find_spec("apex"):
+        return "Transformer Engine not installed: megatron-core uses Apex's fused optimizer and norms"
+    return ("Transformer Engine and Apex not installed: megatron-core uses torch's AdamW (fused here), torch's "
+            "norms and its local multi-tensor kernels")
+
+
 def te_layer_spec(qk_layernorm: bool = False):
     """megatron-core's TE spec (fused layernorm-linear, TE fused attention)."""
     if not HAVE_TE:

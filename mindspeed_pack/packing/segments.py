@@ -58,6 +58,10 @@ class PackedBatch:
     # the offsets attention runs on (``cu_seqlens_padded`` under CP), on the host: set where the batch is built
     # (and padded for CP), so that nothing in the step reads them back from the device (:mod:`mindspeed_pack.model.thd`)
     host_cu_seqlens: Optional[np.ndarray] = None
+    # dynamic context parallelism (:mod:`.dynamic_cp`): the micro-batch runs on its own CP group of this many
+    # ranks, this rank being ``cp_rank`` of it (None: the run's --context-parallel-size, megatron's CP group)
+    local_cp_size: Optional[int] = None
+    cp_rank: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,7 @@ import sys
 
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.datasets.packed_documents import DataError
+from mindspeed_pack.runtime.disk import DiskFullError
 from mindspeed_pack.runtime.peers import PeerFailure
 from mindspeed_pack.runtime.process_groups import LaunchError
 from mindspeed_pack.runtime.rendezvous import RendezvousTimeout
@@ -26,6 +27,6 @@ def run_cli(script: str, main) -> None:
     except (CheckpointError, DataError, LaunchError) as e:  # the message says what and where (or how to start)
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (NonFiniteLossError, PeerFailure, RendezvousTimeout) as e:
+    except (NonFiniteLossError, PeerFailure, RendezvousTimeout, DiskFullError) as e:
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -18,6 +18,7 @@ import os
 import time
 
 from mindspeed_pack.runtime import faults
+from mindspeed_pack.runtime.disk import DiskFullError, disk_full_message, is_disk_full
 from mindspeed_pack.training import metrics_history
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ def _finite_mean(values) -> float:
 
 class MetricsLogger:
     def __init__(self, args, enabled: bool, start_iteration: int = 0, extra_metrics: tuple = ()):
-        """``start_iteration``: where training starts; on a resume the records after it are
+        """``start_iteration``: where training starts; the records after it are
         replaced (:mod:`mindspeed_pack.training.metrics_history`); ``replaced`` lists them.
         ``extra_metrics``: a stage's own metrics, printed as interval means."""
         self.args = args
@@ -44,20 +45,21 @@ class MetricsLogger:
         self.train_iters = args.train_iters or 0
         self.log_interval = max(1, args.log_interval)
         self.jsonl = None
+        self._full = False  # the metrics file hit a full disk (reported once)
         self.tb = None
         self.replaced = []
         if not enabled:
             return
-        resume = metrics_history.is_resume(start_iteration)
+        replace = metrics_history.replaces_records(start_iteration, trains=not getattr(args, "skip_train", False))
         if args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            if resume:
+            if replace:
                 self.replaced = metrics_history.drop_records_after(args.metrics_file, start_iteration)
             self.jsonl = open(args.metrics_file, "a", buffering=1)
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if resume else None)
+            self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if replace else None)
 
     def resumed(self, iteration: int, loaded_from: str) -> None:
         """Once per job start: where training resumes (``loaded_from`` at ``iteration``) and which logged
@@ -81,7 +83,7 @@ class MetricsLogger:
             return
         print(" precision: " + json.dumps(record), flush=True)
         if self.jsonl:
-            self.jsonl.write(json.dumps({"iteration": iteration, "split": "setup", "precision": record}) + "\n")
+            self._write({"iteration": iteration, "split": "setup", "precision": record})
 
     def step(self, record: dict, total_tokens: float = 0.0, samples: float = 0.0, rows: float = 0.0) -> None:
         """Record one training step; print the interval's means every ``--log-interval`` iterations.
@@ -97,8 +99,7 @@ class MetricsLogger:
         skipped_now = record.get("skipped", 0) > self._skipped_seen
         self._skipped_seen = record.get("skipped", 0)
         self._interval.append((record, total_tokens, samples, rows, flops, skipped_now))
-        if self.jsonl:
-            self.jsonl.write(json.dumps(record) + "\n")
+        self._write(record)
         it = record["iteration"]
         if self.tb:
             for k, v in record.items():
@@ -153,13 +154,31 @@ class MetricsLogger:
             record = {"iteration": iteration, "split": split, "lm loss": loss, "tokens": tokens}
             if label:  # the end of training evaluates the last iteration again: tell the records apart
                 record["label"] = label
-            self.jsonl.write(json.dumps(record) + "\n")
+            self._write(record)
         if self.tb:
             self.tb.add_scalar(f"{split}/lm loss", loss, iteration)
 
+    def _write(self, record: dict) -> None:
+        """One line of the metrics file; a full disk stops the run with one line naming the file."""
+        if not self.jsonl:
+            return
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            self._full = True
+            raise DiskFullError(disk_full_message("--metrics-file", self.args.metrics_file, None)
+                                + f" (iteration {record.get('iteration')}'s record was not written; the checkpoints "
+                                "saved so far are intact)") from None
+
     def close(self) -> None:
         if self.jsonl:
-            self.jsonl.close()
+            try:
+                self.jsonl.close()
+            except OSError:
+                if not self._full:  # a full disk was reported already
+                    raise
         if self.tb:
             self.tb.close()
 

@@ -16,6 +16,7 @@ from megatron.core.utils import get_model_config
 
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import build_gpt_model
+from mindspeed_pack.model.te_spec import kernel_fallbacks
 from mindspeed_pack.runtime.platform import cuda_usable
 from mindspeed_pack.training.fused_adam import use_fused_adam
 from mindspeed_pack.training.init_weights import parallel_invariant_init
@@ -55,6 +56,8 @@ def build_model(args) -> List[torch.nn.Module]:
 def _log_model(args, model, backend) -> None:
     n = sum(p.numel() for p in model.parameters())
     log.info("model chunk on rank 0: %.2fM parameters, attention backend %s", n / 1e6, backend)
+    if kernel_fallbacks():
+        log.info("kernels: %s", kernel_fallbacks())
     if lora.trains_adapters(args):
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
         log.info("LoRA r=%d alpha=%g on %s: %d adapter parameters train (%.3f%% of the chunk), the base is "

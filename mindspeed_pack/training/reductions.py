@@ -38,11 +38,12 @@ def global_means(sums: dict, maxima=()) -> dict:
     return {k: out[k] for k in sums}
 
 
-def dp_sum(stats: dict) -> dict:
-    """``stats`` summed over the data-parallel group: the whole job's step, not one rank's."""
+def dp_sum(stats: dict, with_context_parallel: bool = False) -> dict:
+    """``stats`` summed over the data-parallel group: the whole job's step, not one rank's (over the data x
+    context parallel ranks where each counts its own share: dynamic context parallelism)."""
     keys = sorted(stats)
     t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=_device())
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=with_context_parallel))
     return {k: float(v) for k, v in zip(keys, t.cpu().tolist())}
 
 

@@ -24,7 +24,7 @@ from mindspeed_pack.packing.balance import model_shape
 
 log = logging.getLogger(__name__)
 
-GB = 1024 ** 3
+GiB = 1024 ** 3  # every memory figure is in GiB (what torch and nvidia-smi report), labelled so
 
 
 def training_documents(args) -> int:
@@ -89,36 +89,40 @@ def parameters_per_rank(args) -> tuple:
 
 
 def memory_estimate(args) -> dict:
-    """GB per GPU of weights, gradients, optimizer state and activations (one rank of the first stage).
+    """GiB per GPU of weights, gradients, optimizer state and activations (one rank of the first stage).
 
     Under LoRA only the adapters have gradients and optimizer state (the frozen base has neither)."""
     total, params = parameters_per_rank(args)
     adapters = lora.settings_from_args(args)
     trained = params
     if adapters:
-        extra = lora.adapter_parameters(adapters, args)
-        total, params = total + extra, params + extra / args.tensor_model_parallel_size / \
-            args.pipeline_model_parallel_size
-        trained = extra / args.tensor_model_parallel_size / args.pipeline_model_parallel_size
+        # replicated factors are on every tensor-parallel rank (lora.adapter_parameters)
+        per_rank = lora.adapter_parameters(adapters, args, args.tensor_model_parallel_size)
+        total = total + lora.adapter_parameters(adapters, args)
+        trained = per_rank / args.pipeline_model_parallel_size
+        params = params + trained
     half = args.bf16 or args.fp16
     dp_shards = args.data_parallel_size * args.context_parallel_size if args.use_distributed_optimizer else 1
     states = (4 if half else 0) + (8 if args.optimizer == "adam" else 4)  # fp32 master copy, Adam moments
     tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
-    sbh = args.seq_length * args.micro_batch_size * args.hidden_size / cp
+    # tokens one rank holds of a micro-batch (dynamic CP: every rank holds --max-seqlen-per-dp-cp-rank)
+    dynamic = getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp"
+    local = args.max_seqlen_per_dp_cp_rank if dynamic else args.seq_length * args.micro_batch_size / cp
+    sbh = local * args.hidden_size
     # bytes per layer without recomputation, fused attention (no s x s scores): Korthikanti et al. 2022
     per_layer = sbh * (34 / tp if args.sequence_parallel else 10 + 24 / tp) * (1 if half else 2)
     in_flight = min(pp, args.num_micro_batches)  # 1F1B: micro-batches the first stage holds
     # the fused loss holds one chunk of fp32 logits (model/vocab_cross_entropy.py), megatron's unfused one all
-    rows = args.seq_length * args.micro_batch_size / cp
+    rows = local
     vocab = (args.padded_vocab_size or 0) / tp
     chunk = getattr(args, "cross_entropy_chunk_size", None)  # model-shape namespaces (bench, tests) lack it
     if chunk != 0:
         rows = min(rows, chunk or chunk_tokens(int(vocab)))
     logits = rows * vocab * 4 * 2
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
-           "weights": params * (2 if half else 4) / GB, "gradients": trained * 4 / GB,
-           "optimizer": trained * states / dp_shards / GB,
-           "activations": (per_layer * args.num_layers / pp * in_flight + (logits if pp == 1 else 0)) / GB}
+           "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
+           "optimizer": trained * states / dp_shards / GiB,
+           "activations": (per_layer * args.num_layers / pp * in_flight + (logits if pp == 1 else 0)) / GiB}
     out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
     return out
 
@@ -179,17 +183,31 @@ def plan_lines(args) -> list:
                  f"{args.data_parallel_size} (EP {args.expert_model_parallel_size}); global batch "
                  f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
                  f"{args.num_micro_batches} micro-batches of {args.seq_length} tokens per row")
+    if getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
+        lines += _dynamic_cp_lines(args)
     m = memory_estimate(args)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     lines.append(f"model: {_count(m['parameters'])} parameters, {_count(m['parameters per GPU'])} per GPU "
                  f"({precision}" + (", vocabulary unknown" if not args.padded_vocab_size else "")
                  + (f"; LoRA: {_count(m['trained per GPU'])} trained per GPU" if lora.settings_from_args(args) else "")
                  + ")")
-    lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GB + gradients {m['gradients']:.2f} GB + "
-                 f"optimizer {m['optimizer']:.2f} GB + activations {m['activations']:.2f} GB = {m['total']:.2f} GB "
+    lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GiB + gradients {m['gradients']:.2f} GiB + "
+                 f"optimizer {m['optimizer']:.2f} GiB + activations {m['activations']:.2f} GiB = {m['total']:.2f} GiB "
                  "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
                  "Korthikanti et al.; allocator and communication buffers come on top)")
     return lines
+
+
+def _dynamic_cp_lines(args) -> list:
+    """The first steps' dynamic CP plans (the data's sizes), or why they cannot be shown."""
+    from mindspeed_pack.datasets.online_packing import dynamic_cp_preview
+
+    if not args.data_path and not getattr(args, "train_data_path", None):
+        return ["dynamic CP plan: needs --data-path"]
+    try:
+        return dynamic_cp_preview(args)
+    except (DataError, OSError, FileNotFoundError) as exc:
+        return [f"dynamic CP plan: {exc}"]
 
 
 def _count(n: float) -> str:

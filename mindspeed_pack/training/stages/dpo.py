@@ -18,7 +18,8 @@ micro-batch returns (sum, pairs) and megatron divides by the total, whatever the
 the DP/PP/CP layout (under CP the sums are all-reduced first and the pairs counted once).
 
 The reference: a frozen copy run in the same job (``--ref-load DIR``: a Megatron checkpoint or a
-Hugging Face directory, loaded and checked as ``--load``; default the starting policy), through
+Hugging Face directory, loaded and checked as ``--load``; default the starting policy, read again
+from ``--load`` when the run resumed from its own ``--save``), through
 the same pipeline, or log-probs precomputed once (``--ref-logps``, :mod:`.reference`) and looked
 up by (pack, pair). With LoRA the default reference is the frozen base itself: the policy's own
 module run with its adapters switched off (no second model).

@@ -13,8 +13,10 @@ Aggregated over the *global step* (each micro-batch returns (sum, count); megatr
 the step's total count, whatever the packing or DP/PP layout):
 
 * ``token-mean``: sum over trained tokens / trained tokens;
-* ``seq-mean-token-mean``: sum over samples of the sample's token mean / samples;
-* ``dr-grpo``: sum over samples of the sample's token sum / ``--seq-length`` / samples: TRL's
+* ``seq-mean-token-mean``: sum over samples of the sample's token mean / samples with a trained token
+  (a sample's mean needs one; TRL's ``grpo`` would count a fully masked sample as a zero);
+* ``dr-grpo``: sum over samples of the sample's token sum / ``--seq-length`` / all samples (a fully masked
+  rollout counts, as in Dr. GRPO): TRL's
   ``loss_type="dr_grpo"`` (a constant length normaliser, there ``max_completion_length``). Not
   verl's ``seq-mean-token-sum-norm``, which divides the summed token sums by the constant only
   (not by the samples), so its loss grows with the batch: that name is refused, not reinterpreted.
@@ -88,12 +90,14 @@ def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: floa
 
 
 def normaliser_count(batch: PackedBatch, mode: str) -> torch.Tensor:
-    """``batch``'s share of the step's normaliser under ``--loss-agg mode``: its trained tokens, or its
-    samples with a trained token (on CP rank 0 only, each sample once)."""
+    """``batch``'s share of the step's normaliser under ``--loss-agg mode`` (on CP rank 0 only, each sample once):
+    its trained tokens; under ``seq-mean-token-mean`` its samples with a trained token (a sample's mean needs
+    one); under ``dr-grpo`` every sample, trained token or not, as Dr. GRPO and TRL divide by all rollouts."""
     if mode == "token-mean":
         return batch.loss_mask.sum().to(torch.int)
     once = ps.get_context_parallel_rank() == 0
-    return (trained_samples(batch).sum() * int(once)).to(torch.int)
+    counted = (batch.segment_labels > 0) if mode == "dr-grpo" else trained_samples(batch)
+    return (counted.sum() * int(once)).to(torch.int)
 
 
 class GRPOStage:

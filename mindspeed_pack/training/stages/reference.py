@@ -95,7 +95,7 @@ def frozen_model(trainer, args, stage: str):
     from megatron.core.transformer.module import Float16Module
     from megatron.core.utils import get_model_config
 
-    from mindspeed_pack.checkpoint import save_load
+    from mindspeed_pack.checkpoint import resume, save_load
     from mindspeed_pack.model.gpt import build_gpt_model
 
     model = build_gpt_model(lora.without_lora(args), pre_process=ps.is_pipeline_first_stage(),
@@ -103,6 +103,10 @@ def frozen_model(trainer, args, stage: str):
     if args.ref_load:
         save_load.load_model_weights(args, args.ref_load, model, "--ref-load")
         log.info("%s: reference model loaded from %s (frozen)", stage, args.ref_load)
+    elif trainer.iteration > 0 and resume.resumed_own_save(args):  # --load still holds the starting policy
+        save_load.load_model_weights(args, args.load, model, "--load")
+        log.info("%s: reference model = the starting policy, read again from --load %s (the run resumed from "
+                 "its --save)", stage, args.load)
     elif trainer.iteration > 0:
         raise DataError(f"--stage {stage} resumes at iteration {trainer.iteration}: the reference is the *starting* "
                         "policy, which the checkpoint no longer holds; pass --ref-load (the model the run "
