@@ -405,6 +405,30 @@ def test_qwen25_lora_recipe_adapts_the_hf_model_on_one_gpu_per_rank():
     assert (one.data_parallel_size, one.num_micro_batches, one.lora_load, one.lora_merge) == (1, 8, "ckpt/a", True)
 
 
+def test_qwen25_kto_recipe_packs_couples_and_trains_them_as_its_config():
+    """The KTO script's data step writes the packs its training step reads (KTO handler, the same length and
+    template), and configs/kto/ is the same job in one command (raw rows preprocessed first)."""
+    data, tune = check_script(QWEN25 / "tune_qwen25_7b_4k_kto_pack.sh")
+    assert data.handler_name == "AlpacaStyleKTOHandler" and data.pack and data.neat_pack and tune.neat_pack
+    assert data.map_keys == {"label": "label"}
+    assert (data.output_prefix, data.seq_length, data.prompt_type, data.tokenizer_name_or_path) == \
+        (tune.data_path[0], tune.seq_length, tune.prompt_type, tune.tokenizer_name_or_path)
+    assert (tune.stage, tune.kto_beta, tune.kto_desirable_weight, tune.kto_undesirable_weight) == ("kto", 0.1, 1.0, 1.0)
+    assert tune.finetune and tune.ref_load is None and not tune.ref_logps
+    assert (tune.tensor_model_parallel_size, tune.data_parallel_size, tune.global_batch_size) == (4, 2, 16)
+    config = check_command(_config_command("kto/qwen25_7b_4k_kto_pack.yaml"))
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "padded_vocab_size", "seq_length",
+                "stage", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "micro_batch_size",
+                "global_batch_size", "lr", "min_lr", "lr_warmup_fraction", "train_iters", "load", "save", "bf16",
+                "tensor_model_parallel_size", "prompt_type", "neat_pack", "reset_position_ids"):
+        assert getattr(config, key) == getattr(tune, key), key
+    assert config.handler_name == data.handler_name and config.data_path[0].endswith(".jsonl")
+    # LLaMA-Factory's column and a ShareGPT handler reach the data step
+    data, _ = check_script(QWEN25 / "tune_qwen25_7b_4k_kto_pack.sh", LABEL_COLUMN="kto_tag",
+                           HANDLER="SharegptStyleKTOHandler")
+    assert data.map_keys == {"label": "kto_tag"} and data.handler_name == "SharegptStyleKTOHandler"
+
+
 def test_qwen25_training_validates_the_world_size():
     # 6 GPUs cannot hold TP 4: the world size the script computes reaches the real validation
     with pytest.raises(FlagError, match="world size 6 is not divisible by TP 4"):
@@ -455,6 +479,7 @@ def test_abbreviated_flag_fails(tmp_path, name, flag, abbreviation):
     ("tune_qwen25_7b_32k_full_pack_cp.sh", "\ncontext-parallel-size: 2\n"),  # through the wrapper's exec
     ("tune_qwen25_7b_dynamic_cp.sh", "\nsequence-packing-scheduler: default_dynamic_cp\n"),
     ("tune_qwen25_7b_4k_lora_pack.sh", "\nlora-r: 16\n"),
+    ("tune_qwen25_7b_4k_kto_pack.sh", "\nkto-beta: 0.1\n"),  # both steps' checks, the packs not there
     # the converters' DRY_RUN is the same parse as above in a fresh interpreter (one megatron import, ~5 s): skipped
 ])
 def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):
@@ -480,6 +505,7 @@ CONFIGS = {
     "dpo/qwen25_7b_4k_dpo_pack.yaml": ("posttrain.py", 8, None, []),
     "orm/qwen25_7b_4k_orm_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_orm_pack.sh", []),
     "prm/qwen25_7b_4k_prm_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_prm_pack.sh", []),
+    "kto/qwen25_7b_4k_kto_pack.yaml": ("posttrain.py", 8, None, []),  # the script's two steps in one: test below
     "grpo/qwen3_8b_grpo_step.yaml": ("posttrain.py", 8, None, []),
     "pretrain/qwen25_7b_4k_pretrain.yaml": ("pretrain_gpt.py", 8, None, []),
     "data/qwen25_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN25 / "data_convert_qwen25_instruction_pack.sh", []),

@@ -364,11 +364,13 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                         "(drop); never truncated")
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
-    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "dpo_reference", "score", "grpo", "orm", "prm"],
+    g.add_argument("--stage", default="sft",
+                   choices=["sft", "dpo", "dpo_reference", "score", "grpo", "kto", "orm", "prm"],
                    help="post-training stage (mindspeed_pack/training/stages): sft, dpo (preference pairs), "
                         "dpo_reference (score a reference model's log-probs beside the data, once), "
                         "score (per-token log-probs of rollouts, or their rewards under a reward model), grpo "
-                        "(PPO-clip on rollouts), orm (outcome reward model on pairs), prm (process reward model)")
+                        "(PPO-clip on rollouts), kto (unpaired desirable/undesirable samples), orm (outcome reward "
+                        "model on pairs), prm (process reward model)")
     g.add_argument("--variable-seq-lengths", action="store_true",
                    help="accepted no-op: packs have a fixed length and unpacked rows are padded to --seq-length")
     g.add_argument("--tokenizer-type", default=None, help="only PretrainedFromHF (with --tokenizer-name-or-path)")

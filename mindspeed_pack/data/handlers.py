@@ -62,7 +62,11 @@ SHAREGPT_PAIRWISE = "SharegptStylePairwiseHandler"
 PAIRWISE_BASE = {ALPACA_PAIRWISE: ALPACA, SHAREGPT_PAIRWISE: SHAREGPT}
 # process reward rows (mindspeed_pack/data/process_reward.py): a solution's text with a step tag after each step
 PROCESS_REWARD = "AlpacaStyleProcessRewardHandler"
-HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE, PROCESS_REWARD)
+# KTO (mindspeed_pack/data/kto.py): the same rows with a desirable/undesirable ``label``
+ALPACA_KTO = "AlpacaStyleKTOHandler"
+SHAREGPT_KTO = "SharegptStyleKTOHandler"
+KTO_BASE = {ALPACA_KTO: ALPACA, SHAREGPT_KTO: SHAREGPT}
+HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE, PROCESS_REWARD, ALPACA_KTO, SHAREGPT_KTO)
 
 DEFAULT_MAP_KEYS = {
     ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
@@ -84,6 +88,10 @@ for _pairwise, _base in PAIRWISE_BASE.items():  # the base handler's keys, its a
     REQUIRED_COLUMNS[_pairwise] = tuple(k for k in REQUIRED_COLUMNS[_base] if k != "response") + ("chosen", "rejected")
     COLUMN_KEYS[_pairwise] = tuple(k for k in COLUMN_KEYS[_base] if k != "response") + ("chosen", "rejected",
                                                                                         "margin")
+for _kto, _base in KTO_BASE.items():  # the base handler's keys plus the row's label
+    DEFAULT_MAP_KEYS[_kto] = {**DEFAULT_MAP_KEYS[_base], "label": "label"}
+    REQUIRED_COLUMNS[_kto] = REQUIRED_COLUMNS[_base] + ("label",)
+    COLUMN_KEYS[_kto] = COLUMN_KEYS[_base] + ("label",)
 _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
                    "tool": "observation_tag"}
 
@@ -101,7 +109,8 @@ def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]
     mapping = dict(DEFAULT_MAP_KEYS[handler])
     explicit = set()
     for key, value in (map_keys or {}).items():
-        key = _OPENAI_ALIASES.get(key, key) if SHAREGPT in (handler, PAIRWISE_BASE.get(handler)) else key
+        base = PAIRWISE_BASE.get(handler, KTO_BASE.get(handler))
+        key = _OPENAI_ALIASES.get(key, key) if SHAREGPT in (handler, base) else key
         if key not in mapping:
             raise PreprocessError(f"--map-keys: unknown key {key!r} for {handler}; known keys: {', '.join(mapping)}")
         if not isinstance(value, str):

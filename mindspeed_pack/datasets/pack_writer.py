@@ -30,6 +30,9 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
   user turns, so the EOS cannot tell). Its name is outside MindSpeed-LLM's ``P_packed_*_document``.
 * preference pairs: ``P_packed_pair_margins`` (float32, one document per pack: its pairs' reward margins in
   pack order, 0 where a row gave none) for ``--stage orm``.
+* KTO handlers (``mindspeed_pack/data/kto.py``): segments ``2k-1``/``2k`` are a sample and its KL partner, and
+  ``P_packed_kto_labels`` (int32, one document per pack) holds each segment's label: 1 desirable, 0
+  undesirable, -1 a KL partner (``[1, -1, 0, -1]`` for a pack of two couples).
 * no ``--pack``: one sample per document, of its own length, attention_mask all 1s; the same
   three names, so unpacked training and packed-vs-unpacked comparisons read one format.
 * ``--pad-to-multiple-of N`` (context parallelism): every sample is stored with pad tokens
@@ -77,6 +80,11 @@ def sample_lengths_prefix(output_prefix: str) -> str:
 def pair_margins_prefix(output_prefix: str) -> str:
     """Preference pairs' reward margins, one document per pack (see the module docstring)."""
     return f"{output_prefix}_packed_pair_margins"
+
+
+def kto_labels_prefix(output_prefix: str) -> str:
+    """KTO packs' per-segment labels (``mindspeed_pack/data/kto.py``): one document per pack."""
+    return f"{output_prefix}_packed_kto_labels"
 
 
 def text_prefix(output_prefix: str) -> str:
@@ -264,11 +272,15 @@ def shuffle_bins(item_order: np.ndarray, bin_offsets: np.ndarray, seed: int) -> 
 
 
 def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pack: bool, prefixes: dict,
-                 *, seed: int, batch_bins: int = 1024, progress=None, labels=None) -> None:
+                 *, seed: int, batch_bins: int = 1024, progress=None, labels=None, sample_values=None) -> None:
     """Write every pack of ``plan`` (a ``PackPlan``), in the order :func:`shuffle_bins` draws from ``seed``;
-    with a ``sample_lengths`` prefix (plain packs) also each pack's sample lengths; ``labels``: the label table of
-    trained codes past 1 (process reward steps)."""
-    builders = {key: _builder(prefixes[key]) for key in (*PACKED_KEYS, "sample_lengths") if key in prefixes}
+    with a ``sample_lengths`` prefix (plain packs) also each pack's sample lengths, and for every
+    ``sample_values`` {prefix key: one int per sample of ``store``} each pack's values of its samples, in
+    pack order (KTO labels); with a ``pair_margins`` prefix each pack's pairs' margins; ``labels``: the label
+    table of trained codes past 1 (process reward steps)."""
+    per_pack = {"sample_lengths": store.lengths} if "sample_lengths" in prefixes else {}
+    per_pack.update(sample_values or {})
+    builders = {key: _builder(prefixes[key]) for key in (*PACKED_KEYS, *per_pack)}
     if "pair_margins" in prefixes:  # preference pairs: samples 2i and 2i+1 are pair i
         builders["pair_margins"] = _builder(prefixes["pair_margins"], dtype=np.float32)
     item_order, bin_offsets = shuffle_bins(np.asarray(plan.item_order, dtype=np.int64),
@@ -280,10 +292,10 @@ def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pac
             builder, arr = builders[key], rows[key]
             for r in range(arr.shape[0]):
                 builder.add_document(arr[r], [seq_length])
-        if "sample_lengths" in builders:
+        for key, values in per_pack.items():
             for b in range(b0, b1):
-                lengths = store.lengths[item_order[bin_offsets[b]:bin_offsets[b + 1]]].astype(np.int32)
-                builders["sample_lengths"].add_document(lengths, [len(lengths)])
+                mine = np.asarray(values)[item_order[bin_offsets[b]:bin_offsets[b + 1]]].astype(np.int32)
+                builders[key].add_document(mine, [len(mine)])
         if "pair_margins" in builders:
             for b in range(b0, b1):
                 pairs = item_order[bin_offsets[b]:bin_offsets[b + 1]:2] // 2

@@ -86,14 +86,15 @@ class PackedDocuments:
                             f"{dataset_paths(prefix)['input_ids']}.idx {sizes['input_ids']}: the files come from "
                             "different preprocessing runs (an .idx of another dataset?); re-run preprocess_data.py")
         self.meta = read_meta(prefix)
-        self.sample_lengths = self._recorded("sample_lengths", "the packs' sample boundaries")
-        self.pair_margins = self._recorded("pair_margins", "the pairs' reward margins")
+        self.sample_lengths = self.recorded("sample_lengths", "the packs' sample boundaries")
+        self.pair_margins = self.recorded("pair_margins", "the pairs' reward margins")
         if self.pair_margins is not None and len(self.pair_margins) != len(self):
             raise DataError(f"{self.prefix}: the pairs' reward margins hold {len(self.pair_margins)} packs, the packs "
                             f"{len(self)}: the files come from different preprocessing runs; re-run preprocess_data.py")
 
-    def _recorded(self, key: str, what: str) -> Optional[IndexedDataset]:
-        """A per-pack file beside the packs (plain packs' sample lengths, pairs' margins), if the sidecar names it."""
+    def recorded(self, key: str, what: str) -> Optional[IndexedDataset]:
+        """A per-pack file beside the packs (one document per pack) that the sidecar's layout names under ``key``
+        (``sample_lengths``, ``pair_margins``, ``kto_labels``), opened; None when the sidecar names none."""
         name = ((self.meta or {}).get("layout") or {}).get(key)
         if not name:
             return None

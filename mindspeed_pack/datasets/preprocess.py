@@ -46,7 +46,7 @@ import numpy as np
 
 from mindspeed_pack.config import yaml_file
 from mindspeed_pack.data import chat_template as hf_chat
-from mindspeed_pack.data import pairwise, process_reward, readers
+from mindspeed_pack.data import kto, pairwise, process_reward, readers
 from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (
     COLUMN_KEYS,
@@ -172,6 +172,9 @@ def validate_args(args) -> None:
         if pairwise.is_pairwise(args.handler_name) and not (args.pack and args.neat_pack):
             raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a preference pair is a unit of "
                                   "packing, its chosen and rejected answers told apart by their segment ids")
+        if kto.is_kto(args.handler_name) and not (args.pack and args.neat_pack):
+            raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a KTO sample and its KL partner "
+                                  "are a unit of packing, told apart by their segment ids")
     if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
         raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
     if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
@@ -227,6 +230,9 @@ class EncoderConfig:
         if pairwise.is_pairwise(self.handler):
             return pairwise.PairwiseEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length,
                                             self.append_eod, self.pad_to_multiple_of, self.skip_bad_rows, chat)
+        if kto.is_kto(self.handler):
+            return kto.KTOEncoder(self.handler, tokenizer, template, self.map_keys, self.append_eod,
+                                  self.skip_bad_rows, chat)
         return SampleEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length, self.append_eod,
                              self.skip_bad_rows, self.add_bos, chat)
 
@@ -365,6 +371,9 @@ def _final_prefixes(args):
     if pairwise.is_pairwise(args.handler_name):  # each pack's pairs' reward margins
         return pack_writer.packed_prefixes(args.output_prefix) | {
             "pair_margins": pack_writer.pair_margins_prefix(args.output_prefix)}
+    if kto.is_kto(args.handler_name):  # each segment's KTO label
+        return pack_writer.packed_prefixes(args.output_prefix) | {
+            "kto_labels": pack_writer.kto_labels_prefix(args.output_prefix)}
     return pack_writer.packed_prefixes(args.output_prefix)
 
 
@@ -466,7 +475,8 @@ def run(args) -> dict:
         store = stats.pop("_store")
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
-        stats.update(_write_outputs(args, store, tokenizer, tmp_prefixes, _label_table(encoder)))
+        stats.update(_write_outputs(args, store, tokenizer, tmp_prefixes, _label_table(encoder),
+                                    stats.pop("_kto_labels", None)))
         elapsed = time.time() - t0
         stats.update(encode_seconds=round(t_encoded - t0, 3), elapsed_seconds=round(elapsed, 3),
                      samples_per_second=round(stats["samples_read"] / max(elapsed, 1e-9), 1),
@@ -533,6 +543,10 @@ def _layout(args, tokenizer, encoder) -> dict:
                if pairwise.is_pairwise(args.handler_name) else {}),
             # process reward samples: each step tag's label is a reward token's id (unshifted), read by --stage prm
             **({"step_tags": encoder.layout()} if args.handler_name == PROCESS_REWARD else {}),
+            **({"kto": "segments 2k-1 (prompt + completion, labelled) and 2k (its KL partner: the same prompt + the "
+                       "previous sample's completion) of a pack are its k-th KTO couple",
+                "kto_labels": Path(pack_writer.kto_labels_prefix(args.output_prefix)).name}
+               if kto.is_kto(args.handler_name) else {}),
             **({"sample_lengths": Path(pack_writer.sample_lengths_prefix(args.output_prefix)).name}
                if args.pack and not args.neat_pack else {})}
 
@@ -543,9 +557,12 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
     rows = truncated = trained = max_len = 0
     skipped, first_skipped, notes, first_notes = Counter(), {}, Counter(), {}
     progress = _Progress("tokenize", "rows", args.log_interval)
+    where = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
+    couples = kto.KLCouples(args.seq_length, args.pad_to_multiple_of) if kto.is_kto(args.handler_name) else None
     try:
         for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers, encoder):
-            store.append(chunk.input_ids, chunk.trained, chunk.lengths)
+            ready = chunk if couples is None else couples.add(chunk)  # KTO: (sample, KL partner) couples
+            store.append(ready.input_ids, ready.trained, ready.lengths)
             if chunk.pair_margins is not None:
                 store.append_pair_margins(chunk.pair_margins)
             rows += chunk.rows
@@ -560,10 +577,15 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
             if len(chunk.lengths):
                 max_len = max(max_len, int(chunk.lengths.max()))
             progress.update(chunk.rows)
+        if couples is not None:
+            last = couples.finish(where)
+            store.append(last.input_ids, last.trained, last.lengths)
+            if couples.skipped:
+                skipped[kto.SKIP_TOO_LONG] += couples.skipped
+                first_skipped.setdefault(kto.SKIP_TOO_LONG, couples.first_skipped)
     finally:
         progress.close()
         store.close()
-    where = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
     if rows == 0:
         raise PreprocessError(f"empty input: no rows in {where}")
     if len(store) == 0:
@@ -574,7 +596,8 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
             "notes": dict(sorted(notes.items())), "first_notes": dict(sorted(first_notes.items())),
             "truncated": truncated, "tokens": tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
             "cp_pad_tokens": store.pad_tokens, "max_sample_length": max_len,
-            "mean_sample_length": round(tokens / len(store), 2), "_store": store}
+            "mean_sample_length": round(tokens / len(store), 2), "_store": store,
+            **({"_kto_labels": couples.sample_labels()} if couples is not None else {})}
 
 
 def _label_table(encoder) -> Optional[np.ndarray]:
@@ -584,7 +607,8 @@ def _label_table(encoder) -> Optional[np.ndarray]:
     return pack_writer.step_label_table(encoder.reward_token_ids, process_reward.STEP_CODE)
 
 
-def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray] = None) -> dict:
+def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray] = None,
+                   kto_labels=None) -> dict:
     if args.handler_name == PRETRAIN:
         progress = _Progress("write", "documents", args.log_interval, total=len(store))
         pack_writer.write_text_documents(store, prefixes["text"], tokenizer.vocab_size, progress=progress)
@@ -599,7 +623,7 @@ def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray
 
     t = time.time()
     try:
-        pairs = pairwise.is_pairwise(args.handler_name)
+        pairs = pairwise.is_pairwise(args.handler_name) or kto.is_kto(args.handler_name)  # units of two samples
         plan = pairwise.pair_plan(store.lengths, args.seq_length) if pairs else pack_lengths(store.lengths,
                                                                                               args.seq_length)
     except ValueError as exc:  # lengths are truncated to seq_length, so this is a bug, not bad input
@@ -607,7 +631,8 @@ def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray
     pack_seconds = time.time() - t
     progress = _Progress("write", "packs", args.log_interval, total=plan.num_bins)
     pack_writer.write_packed(store, plan, args.seq_length, tokenizer.pad_or_eos_id, args.neat_pack, prefixes,
-                             seed=args.seed, progress=progress, labels=labels)
+                             seed=args.seed, progress=progress, labels=labels,
+                             sample_values=None if kto_labels is None else {"kto_labels": kto_labels})
     progress.close()
     # lower bound: of the padded lengths the packer packs; fill rate: the samples' own tokens (CP pads are waste too)
     fill_rate = (store.num_tokens - store.pad_tokens) / (plan.num_bins * args.seq_length)
@@ -615,8 +640,12 @@ def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray
            "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
     if pairs:  # what a precomputed reference must have scored (mindspeed_pack/stages/reference.py): the packs
         packs = {k: v for k, v in prefixes.items() if k in pack_writer.PACKED_KEYS}
-        out.update(pairs=len(store) // 2, data_fingerprint=pack_writer.content_fingerprint(packs),
-                   pairs_with_margin=int(np.count_nonzero(store.pair_margins)))
+        out.update(data_fingerprint=pack_writer.content_fingerprint(packs))
+        if kto_labels is None:
+            out.update(pairs=len(store) // 2, pairs_with_margin=int(np.count_nonzero(store.pair_margins)))
+        else:
+            out.update(kto_samples=len(store) // 2, desirable=int((kto_labels == 1).sum()),
+                       undesirable=int((kto_labels == 0).sum()))
     return out
 
 
@@ -644,6 +673,9 @@ def print_summary(meta: dict) -> None:
     lines += [f"  first skipped ({why}): {example}" for why, example in s.get("first_skipped", {}).items()]
     if "pairs" in s:
         lines.append(f"preference pairs {s['pairs']} (data fingerprint {s['data_fingerprint']})")
+    if "kto_samples" in s:
+        lines.append(f"KTO samples {s['kto_samples']} ({s['desirable']} desirable, {s['undesirable']} undesirable), "
+                     f"each packed with its KL partner (data fingerprint {s['data_fingerprint']})")
     for what, n in s.get("notes", {}).items():
         print(f"warning: {n} {what} (written as the template renders them, as apply_chat_template does; "
               f"first: {s['first_notes'][what]})", file=sys.stderr)

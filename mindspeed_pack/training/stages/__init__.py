@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo", "orm", "prm")
+STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo", "kto", "orm", "prm")
 
 
 def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -47,6 +47,11 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ref-logps", action="store_true",
                    help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
                         "(P_dpo_reference.pt): no reference model in memory")
+    g = p.add_argument_group("KTO (--stage kto; its reference as dpo's: --ref-load, --ref-logps)")
+    g.add_argument("--kto-beta", type=float, default=0.1, help="KTO's beta: the temperature of the implied reward")
+    g.add_argument("--kto-desirable-weight", type=float, default=1.0, help="weight of a desirable sample's loss")
+    g.add_argument("--kto-undesirable-weight", type=float, default=1.0,
+                   help="weight of an undesirable sample's loss")
     g = p.add_argument_group("reward models (--stage orm, --stage prm)")
     g.add_argument("--center-rewards-coefficient", type=float, default=0.0,
                    help="--stage orm: weight of c x mean((r_chosen + r_rejected)^2), which keeps rewards centred at "
@@ -108,6 +113,10 @@ def get_stage(args):
         from mindspeed_pack.training.stages.grpo import GRPOStage
 
         return GRPOStage(args)
+    if args.stage == "kto":
+        from mindspeed_pack.training.stages.kto import KTOStage
+
+        return KTOStage(args)
     if args.stage == "score":
         from mindspeed_pack.training.stages.score import ScoreStage
 

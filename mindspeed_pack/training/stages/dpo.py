@@ -26,7 +26,6 @@ module run with its adapters switched off (no second model).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import torch
@@ -34,9 +33,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 
 from mindspeed_pack.datasets.packed_dataset import DataError
-from mindspeed_pack.model import lora
 from mindspeed_pack.packing.segments import PackedBatch
-from mindspeed_pack.runtime.platform import cuda_usable
 from mindspeed_pack.training.stages import reference
 from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
 
@@ -74,12 +71,6 @@ def preference_losses(chosen, rejected, ref_chosen, ref_rejected, beta: float, l
     raise ValueError(f"unknown --dpo-loss-type {loss_type!r}")
 
 
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
 class DPOStage:
     name = "dpo"
     metric_names = DPO_METRICS
@@ -91,9 +82,7 @@ class DPOStage:
                             "or log-probs precomputed by --stage dpo_reference, not both")
         check_label_smoothing(args.dpo_label_smoothing, args.dpo_loss_type)
         self.args = args
-        self.reference = None  # frozen model chunks (in-job reference)
-        self.base_as_reference = False  # LoRA: the reference is the policy's chunks with the adapters off
-        self.tables = None  # {prefix: ReferenceTable} (precomputed reference)
+        self.reference = None  # reference.Reference: where the reference log-probs come from
 
     def batch_source(self, args):
         if args.sequence_packing_scheduler != "none":
@@ -110,64 +99,15 @@ class DPOStage:
                 raise DataError(f"--stage dpo: {docs.prefix!r} holds no preference pairs (its sidecar records no "
                                 "pairing): preprocess with --handler-name AlpacaStylePairwiseHandler or "
                                 "SharegptStylePairwiseHandler --pack --neat-pack")
-        source = reference.reference_source(args)
-        if source == reference.TABLE:
-            self.tables = {docs.prefix: reference.ReferenceTable.load_for(docs) for docs in trainer.source.docs}
-            log.info("dpo: precomputed reference log-probs (%s)", ", ".join(t.path for t in self.tables.values()))
-            return
-        if source == reference.ADAPTERS_OFF:
-            self.reference, self.base_as_reference = trainer.model, True
-            log.info("dpo: reference model = the frozen base --load %s: the policy's own module with its LoRA adapters "
-                     "switched off (no second model in memory)", args.load)
-            return
-        self.reference = [self._reference_model(trainer)]
-
-    def _reference_model(self, trainer):
-        from megatron.core.transformer.module import Float16Module
-        from megatron.core.utils import get_model_config
-
-        from mindspeed_pack.checkpoint import resume, save_load
-        from mindspeed_pack.model.gpt import build_gpt_model
-
-        args = self.args
-        model = build_gpt_model(lora.without_lora(args), pre_process=ps.is_pipeline_first_stage(),
-                                post_process=ps.is_pipeline_last_stage())
-        if args.ref_load:
-            save_load.load_model_weights(args, args.ref_load, model, "--ref-load")
-            log.info("dpo: reference model loaded from %s (frozen)", args.ref_load)
-        elif trainer.iteration > 0 and resume.resumed_own_save(args):  # --load still holds the starting policy
-            save_load.load_model_weights(args, args.load, model, "--load")
-            log.info("dpo: reference model = the starting policy, read again from --load %s (the run resumed from "
-                     "its --save)", args.load)
-        elif trainer.iteration > 0:
-            raise DataError(f"--stage dpo resumes at iteration {trainer.iteration}: the reference is the *starting* "
-                            "policy, which the checkpoint no longer holds; pass --ref-load (the model the run "
-                            "started from: its Megatron checkpoint or Hugging Face directory) or --ref-logps")
-        else:
-            model.load_state_dict(_unwrap(trainer.model[0]).state_dict(), strict=True)
-            log.info("dpo: reference model = a frozen copy of the starting policy")
-        if cuda_usable():
-            model.cuda(torch.cuda.current_device())
-        if args.bf16 or args.fp16:
-            model = Float16Module(get_model_config(model), model)
-        model.eval()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        return model
+        self.reference = reference.Reference.of_run(trainer, args, self.name)
 
     # ---------------------------------------------------------------- per step
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
-        if self.reference is not None:
-            with lora.base_model_only(self.reference) if self.base_as_reference else contextlib.nullcontext():
-                scores = reference.score_sequences(self.reference, batches, tokens_per_micro_batch)
-            for batch, seq in zip(batches, scores):
-                if seq is not None:
-                    chosen, rejected = pair_segments(batch)
-                    batch.ref_logps = torch.stack([seq[chosen], seq[rejected]], dim=1)
-            return batches
         prefix = trainer.source.splits[split].docs.prefix
-        for batch, mb in zip(batches, micro_batches):
-            batch.ref_logps = self.tables[prefix].lookup(mb).to(batch.loss_mask.device)
+        for batch, ref in zip(batches, self.reference.pair_logps(batches, micro_batches, prefix,
+                                                                  tokens_per_micro_batch)):
+            if ref is not None:
+                batch.ref_logps = ref
         return batches
 
     def count(self, batch: PackedBatch) -> torch.Tensor:
