@@ -25,7 +25,6 @@ segment (1 desirable, 0 undesirable, -1 a KL partner) to ``P_packed_kto_labels``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
