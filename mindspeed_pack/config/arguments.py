@@ -334,8 +334,9 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                    help="tokens per packed row under --sequence-packing-scheduler dp_balanced (default --seq-length)")
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
-    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "dpo_reference", "score", "grpo"],
+    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "simpo", "orpo", "dpo_reference", "score", "grpo"],
                    help="post-training stage (mindspeed_pack/training/stages): sft, dpo (preference pairs), "
+                        "simpo and orpo (preference pairs, no reference model), "
                         "dpo_reference (score a reference model's log-probs beside the data, once), "
                         "score (per-token log-probs of rollouts), grpo (PPO-clip on rollouts)")
     g.add_argument("--variable-seq-lengths", action="store_true",

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo")
+STAGES = ("sft", "dpo", "simpo", "orpo", "dpo_reference", "score", "grpo")
 
 
 def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -38,8 +38,10 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
                    help="conservative DPO: the probability that a pair's preference is flipped, in [0, 0.5) "
                         "(sigmoid loss only: refused with ipo and hinge, which have no smoothed form)")
-    g.add_argument("--dpo-ftx", type=float, default=0.0,
-                   help="weight of an SFT term on the chosen answer (its per-token mean NLL; LLaMA-Factory pref_ftx)")
+    g.add_argument("--pref-ftx", "--dpo-ftx", dest="pref_ftx", type=float, default=0.0,
+                   help="--stage dpo and simpo: weight of an SFT term on the chosen answer (its per-token mean NLL, "
+                        "per pair; MindSpeed-LLM's and LLaMA-Factory's pref_ftx; --dpo-ftx is the same flag). "
+                        "Refused with --stage orpo, whose NLL term is its own")
     g.add_argument("--ref-load", default=None,
                    help="the frozen reference model, run in this job: a Megatron checkpoint or a Hugging Face "
                         "directory (read as --load reads it; its model and tokenizer must be the run's). Default: a "
@@ -47,6 +49,17 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ref-logps", action="store_true",
                    help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
                         "(P_dpo_reference.pt): no reference model in memory")
+    g = p.add_argument_group("reference-free preference training (--stage simpo, --stage orpo)")
+    g.add_argument("--simpo-beta", type=float, default=2.5,
+                   help="SimPO: scale of the reward, beta x the answer's mean log-prob")
+    g.add_argument("--gamma-beta-ratio", type=float, default=1.4,
+                   help="SimPO: the target reward margin gamma, as gamma / --simpo-beta")
+    g.add_argument("--simpo-loss-type", default="sigmoid", choices=["sigmoid", "hinge", "ipo"])
+    g.add_argument("--simpo-label-smoothing", type=float, default=0.0,
+                   help="SimPO: the probability that a pair's preference is flipped, in [0, 0.5) (sigmoid loss only)")
+    g.add_argument("--orpo-beta", type=float, default=0.1,
+                   help="ORPO: weight of the odds-ratio term beside the chosen answers' NLL (TRL's beta, the paper's "
+                        "lambda)")
     g = p.add_argument_group("RL rollouts (--stage score, --stage grpo)")
     g.add_argument("--rollout-path", default=None,
                    help="rollout file or directory (.jsonl/.json/.parquet, one sample a row; see README)")
@@ -96,6 +109,14 @@ def get_stage(args):
         from mindspeed_pack.training.stages.dpo import DPOStage
 
         return DPOStage(args)
+    if args.stage == "simpo":
+        from mindspeed_pack.training.stages.simpo import SimPOStage
+
+        return SimPOStage(args)
+    if args.stage == "orpo":
+        from mindspeed_pack.training.stages.orpo import ORPOStage
+
+        return ORPOStage(args)
     if args.stage == "dpo_reference":
         from mindspeed_pack.training.stages.reference import ReferenceScoringStage
 
