@@ -6,7 +6,8 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
 * ``batch_source(args)``: how rows and their per-token / per-sequence fields reach a rank;
 * ``setup(trainer)``: what it needs besides the policy (a frozen reference model, a table);
 * ``prepare(trainer, batches, micro_batches, split, tokens_per_micro_batch)``: per-step inputs
-  attached to this rank's micro-batches (after the context-parallel split);
+  attached to this rank's micro-batches (after the context-parallel split), on every rank (so it may
+  sum a step's counts over DP x CP: ORPO's NLL is a per-token mean over the whole step);
 * ``loss_func(batch, output) -> (sum, count, reports)``: what ``forward_step`` returns. The
   trainer divides by the *global step's* total ``count`` (megatron-core's
   ``calculate_per_token_loss``), so ``normaliser`` (tokens, samples, pairs) never depends on
@@ -21,7 +22,9 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
   loss (an entropy term needs the whole distribution).
 
 Per-sequence quantities come from the packed batch's segment ids in one place:
-:func:`mindspeed_pack.training.stages.sequences.sequence_logps`.
+:func:`mindspeed_pack.training.stages.sequences.sequence_logps`. The stages on preference pairs
+(``dpo``, and ``simpo`` and ``orpo`` without a reference) share :mod:`.pairs`: the pair layout, the
+margin losses, the count by pairs and TRL's reports.
 """
 from __future__ import annotations
 
