@@ -83,7 +83,9 @@ class PairTerms(NamedTuple):
 
 
 class PairStage:
-    """A stage of packed preference pairs; a subclass supplies :meth:`pair_terms` (and ``name``)."""
+    """A stage of packed preference pairs. A subclass names itself (``name``) and supplies
+    ``pair_terms(batch, logps, counts, chosen, rejected) -> PairTerms`` from the per-sequence log-prob sums
+    and trained-token counts (whole over CP) and the pairs' segment indices."""
 
     name = "pairs"
     metric_names = PAIR_METRICS
@@ -120,9 +122,6 @@ class PairStage:
         """``--pref-ftx`` x the chosen answer's per-token mean NLL, per pair (0 when not asked for)."""
         ftx = self.args.pref_ftx
         return ftx * (-logps[chosen] / counts[chosen].clamp(min=1)) if ftx else torch.zeros_like(logps[chosen])
-
-    def pair_terms(self, batch, logps, counts, chosen, rejected) -> PairTerms:
-        raise NotImplementedError
 
     def loss_func(self, batch: PackedBatch, output_tensor: torch.Tensor):
         logps, counts = sequence_logps(batch, output_tensor)
