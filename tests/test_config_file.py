@@ -201,8 +201,21 @@ def test_finetuning_defaults_from_a_hf_model_are_applied_shown_and_overridable(t
     given = _parse(run + ["--lr-warmup-iters", "1", "--lr-decay-style", "linear", "--min-lr", "0"])
     assert (given.lr_warmup_fraction, given.lr_warmup_iters, given.lr_decay_style, given.min_lr) == \
         (None, 1, "linear", 0.0)
-    dpo = _parse(run + ["--stage", "dpo"])
-    assert (dpo.lr_warmup_fraction, dpo.lr_decay_style, dpo.save_hf) == (None, "linear", None)
+    for stage in ("dpo", "simpo", "orpo"):
+        other = _parse(run + ["--stage", stage])
+        assert (other.lr_warmup_fraction, other.lr_decay_style, other.save_hf) == (None, "linear", None), stage
+
+
+def test_a_flag_given_by_its_other_name_resolves_to_the_flag(tmp_path, packs):
+    """``dpo-ftx`` (the older name of --pref-ftx) in a file: the same value; the resolved configuration
+    writes MindSpeed-LLM's name, and repeats the run."""
+    config = tmp_path / "run.yaml"
+    config.write_text("stage: simpo\ndpo-ftx: 0.2\n")
+    args = _parse(["--config", str(config), *TINY_FLAGS, *RUN, "--data-path", packs])
+    assert args.pref_ftx == 0.2 and args.stage == "simpo"
+    text = resolved_config.text(args, "posttrain.py")
+    assert "\npref-ftx: 0.2\n" in text and "dpo-ftx" not in text
+    assert _comparable(_parse(["--config", _written(tmp_path, text)])) == _comparable(args)
 
 
 def test_a_resume_keeps_the_finetuning_defaults_its_run_started_with(tmp_path, packs):

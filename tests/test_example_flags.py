@@ -429,6 +429,28 @@ def test_qwen25_kto_recipe_packs_couples_and_trains_them_as_its_config():
     assert data.map_keys == {"label": "kto_tag"} and data.handler_name == "SharegptStyleKTOHandler"
 
 
+def test_qwen25_reference_free_preference_recipes():
+    """SimPO from the instruct model, ORPO (the wrapper) from the base model: the same model, layout and raw
+    pairs as each other, each its stage's flags, no reference; the pairs tokenised with the loaded model's tokenizer."""
+    simpo = _qwen25("tune_qwen25_7b_4k_simpo_pack.sh")
+    orpo = _qwen25("tune_qwen25_7b_4k_orpo_pack.sh")
+    full = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "padded_vocab_size", "seq_length",
+                "tensor_model_parallel_size", "prompt_type", "neat_pack", "bf16", "sequence_parallel"):
+        assert getattr(simpo, key) == getattr(orpo, key) == getattr(full, key), key
+    assert (simpo.stage, simpo.simpo_beta, simpo.gamma_beta_ratio, simpo.simpo_loss_type, simpo.lr) == \
+        ("simpo", 2.5, 0.55, "sigmoid", 1e-6)
+    assert (orpo.stage, orpo.orpo_beta, orpo.lr, orpo.pref_ftx) == ("orpo", 0.1, 5e-6, 0.0)
+    assert simpo.load.endswith("qwen2.5-7b-instruct") and orpo.load.endswith("qwen2.5-7b")
+    for a in (simpo, orpo):
+        assert a.handler_name == "AlpacaStylePairwiseHandler" and a.data_path == simpo.data_path
+        assert a.tokenizer_name_or_path == a.load and a.ref_load is None and not a.ref_logps
+        assert (a.data_parallel_size, a.global_batch_size, a.train_epochs) == (2, 16, 1)
+    assert len({simpo.save, orpo.save, simpo.metrics_file, orpo.metrics_file}) == 4
+    with pytest.raises(FlagError, match="STAGE=dpo"):
+        _qwen25("tune_qwen25_7b_4k_simpo_pack.sh", STAGE="dpo")
+
+
 def test_qwen25_training_validates_the_world_size():
     # 6 GPUs cannot hold TP 4: the world size the script computes reaches the real validation
     with pytest.raises(FlagError, match="world size 6 is not divisible by TP 4"):
@@ -506,6 +528,8 @@ CONFIGS = {
     "orm/qwen25_7b_4k_orm_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_orm_pack.sh", []),
     "prm/qwen25_7b_4k_prm_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_prm_pack.sh", []),
     "kto/qwen25_7b_4k_kto_pack.yaml": ("posttrain.py", 8, None, []),  # the script's two steps in one: test below
+    "simpo/qwen25_7b_4k_simpo_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_simpo_pack.sh", []),
+    "orpo/qwen25_7b_4k_orpo_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_orpo_pack.sh", []),
     "grpo/qwen3_8b_grpo_step.yaml": ("posttrain.py", 8, None, []),
     "pretrain/qwen25_7b_4k_pretrain.yaml": ("pretrain_gpt.py", 8, None, []),
     "data/qwen25_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN25 / "data_convert_qwen25_instruction_pack.sh", []),

@@ -45,6 +45,22 @@ def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=Non
     return proc, records
 
 
+def run_posttrain_runs(runs, nproc=1, timeout=600, env=None, model_flags=TINY_FLAGS):
+    """Several posttrain.py runs one after the other in the same ``nproc`` processes: one job, started once,
+    its process groups made once, so every run has the same parallel layout (e.g. one layout's DPO, SimPO and
+    ORPO runs). ``runs``: [(argv, metrics file)]. Returns (the job's completed process, each run's records)."""
+    argvs = [[*model_flags, *argv, "--metrics-file", metrics] for argv, metrics in runs]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = run_script("posttrain.py", argvs[0], nproc=nproc, env=full_env, cwd=ROOT, timeout=timeout, then=argvs[1:])
+    if proc.returncode != 0:
+        raise AssertionError(f"posttrain.py runs failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    records = []
+    for _, metrics in runs:
+        with open(metrics) as f:
+            records.append([r for r in (json.loads(line) for line in f if line.strip()) if r.get("split") != "setup"])
+    return proc, records
+
+
 def train_losses(records):
     return [r["lm loss"] for r in records if r["split"] == "train"]
 

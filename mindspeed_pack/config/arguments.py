@@ -365,8 +365,9 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
     g.add_argument("--stage", default="sft",
-                   choices=["sft", "dpo", "dpo_reference", "score", "grpo", "kto", "orm", "prm"],
+                   choices=["sft", "dpo", "simpo", "orpo", "dpo_reference", "score", "grpo", "kto", "orm", "prm"],
                    help="post-training stage (mindspeed_pack/training/stages): sft, dpo (preference pairs), "
+                        "simpo and orpo (preference pairs, no reference model), "
                         "dpo_reference (score a reference model's log-probs beside the data, once), "
                         "score (per-token log-probs of rollouts, or their rewards under a reward model), grpo "
                         "(PPO-clip on rollouts), kto (unpaired desirable/undesirable samples), orm (outcome reward "
