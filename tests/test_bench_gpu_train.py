@@ -1,22 +1,93 @@
 """bench/bench_gpu_train.py keeps running where the suite runs (a CPU, the tiny shape): both sides train the
-same packs and every figure the GPU table needs is produced (no timing is asserted)."""
+same packs step for step, the FLOPs are those of the timed packs, and ``--suite`` writes one JSON naming what
+it could not run (no timing is asserted)."""
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 
-@pytest.mark.slow
-def test_gpu_train_bench_runs_both_sides_at_the_tiny_shape(tmp_path):
+def _bench():
     path = Path(__file__).resolve().parents[1] / "bench" / "bench_gpu_train.py"
     spec = importlib.util.spec_from_file_location("bench_gpu_train", path)
     bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
     spec.loader.exec_module(bench)
-    results = bench.main(["--shape", "tiny", "--seq-length", "256", "--global-batch", "2", "--warmup", "1",
-                          "--steps", "1", "--json", str(tmp_path / "out.json")])
-    for side in ("ours", "transformers"):
-        r = results[side]
-        assert r["tokens/s"] > 0 and r["tokens"] > 0 and r["launches/step"] > 0 and r["peak memory GiB"] > 0
-    # identical packs: both sides count the same real tokens per step
-    assert results["ours"]["tokens"] == results["transformers"]["tokens"]
-    assert results["ratio"] > 0 and (tmp_path / "out.json").exists()
+    return bench
+
+
+@pytest.mark.slow
+def test_gpu_suite_trains_the_same_packs_and_names_what_it_skipped(tmp_path, monkeypatch):
+    bench = _bench()
+    monkeypatch.setitem(sys.modules, "peft", None)  # as on a machine without peft: the PEFT baseline is skipped
+    out = tmp_path / "suite.json"
+    bench.main(["--suite", "--profile", "--seq-length", "128", "--global-batch", "2", "--warmup", "1",
+                "--steps", "2", "--micro-batches", "1", "2", "--json", str(out)])
+    suite = json.loads(out.read_text())
+    parts = suite["suite"]
+    assert set(parts) == {"shapes", "lora", "microbatch"}, parts
+    skipped = " | ".join(f"{s['part']}: {s['why']}" for s in suite["skipped"])
+    assert "peft" in skipped and "no GPU" in skipped and "flash attention" in skipped, skipped
+
+    # (a) both sides walk packs 0, 1, 2, ... (G per step): the timed steps train the same packs on both sides
+    tiny = parts["shapes"]["tiny"]
+    ours, theirs = tiny["ours"], tiny["transformers"]
+    walk = [[2 * k, 2 * k + 1] for k in range(1 + 2 + 2 + 2)]  # warm-up, timed, launches, syncs, profile
+    assert ours["packs per step"] == theirs["packs per step"] == walk
+    assert ours["timed packs"] == theirs["timed packs"] == [[2, 3], [4, 5]]
+    assert tiny["same packs"] and ours["tokens"] == theirs["tokens"] > 0 and tiny["ratio"] > 0
+    # the FLOPs are the timed packs' (not the average pack's)
+    timed = [bench.sample_lengths(row) for row in bench.make_packs(128, 14, 1000)[2][2:6]]
+    expected = bench.step_flops("tiny", timed)
+    for side in (ours, theirs):
+        assert side["TFLOP/s"] * side["seconds"] * 1e12 == pytest.approx(expected, rel=1e-9)
+        profile = side["profile"]
+        assert set(profile["time split ms/iteration"]) == {*bench.CATEGORIES, "idle"}
+        assert profile["time split ms/iteration"]["matmuls"] > 0 and len(profile["top 10 kernels"]) == 10
+        assert profile["kernel launches/iteration"] > 0
+
+    # (b) LoRA: ours ran with adapters (tokens counted over the same packs), the PEFT side is named as skipped
+    lora = parts["lora"]
+    assert lora["r"] == 16 and lora["ours"]["tokens/s"] > 0 and "peft" in lora["transformers+peft"]["skipped"]
+    assert lora["ours"]["timed packs"] == [[2, 3], [4, 5]]
+    assert lora["ours"]["TFLOP/s"] * lora["ours"]["seconds"] * 1e12 == pytest.approx(
+        bench.step_flops("tiny", timed, lora_r=16), rel=1e-9)
+
+    # (c) the sweep: the same packs per step at every micro-batch size
+    sweep = parts["microbatch"]
+    assert sweep["1 packs per forward"]["packs per step"] == sweep["2 packs per forward"]["packs per step"] == walk
+
+
+def test_lora_flops_count_the_frozen_base_without_weight_gradients():
+    bench = _bench()
+    lengths = [np.array([100, 20]), np.array([7])]
+    full = bench.step_flops("0.5b", lengths)
+    lora = bench.step_flops("0.5b", lengths, lora_r=16)
+    # base: 4 of full training's 6 FLOPs per parameter and token; the adapters 6, attention unchanged
+    assert full * 2 / 3 < lora < full
+    c = bench.SHAPES["0.5b"]
+    h, ffn, layers, q, kv = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], 896, 128
+    assert bench.lora_parameters("0.5b", 16) == 16 * layers * ((h + q) + 2 * (h + kv) + (q + h) + 3 * (h + ffn))
+
+
+def test_profile_summary_splits_device_time_by_kernel_and_scope():
+    bench = _bench()
+    K = bench.KernelRecord
+    records = [  # microseconds; two iterations; the last two kernels overlap on two streams
+        K("sm90_xmma_gemm_bf16bf16", 300, 0, ("aten::mm", "aten::linear")),
+        K("flash_fwd_kernel", 200, 300, ("aten::_flash_attention_forward",)),
+        K("triton_red_fused_exp_sub_sum_0", 100, 500, ("aten::exp", "loss")),
+        K("multi_tensor_apply_kernel", 50, 600, ("aten::_fused_adamw_", "optimizer")),
+        K("vectorized_elementwise_kernel", 50, 650, ("aten::mul",)),
+        K("ncclDevKernel_AllReduce_Sum_f32", 100, 700, ("c10d::allreduce_",)),
+        K("vectorized_elementwise_kernel", 100, 750, ("aten::add",)),
+    ]
+    s = bench.summarize(records, wall_s=2e-3, iterations=2, on_device=True)
+    split = s["time split ms/iteration"]
+    assert split == pytest.approx({"matmuls": 0.15, "attention": 0.1, "loss": 0.05, "optimizer": 0.025,
+                                   "elementwise/norm/RoPE": 0.075, "communication": 0.05, "idle": 0.575})
+    assert s["GPU busy"] == pytest.approx(0.425)  # 850 us of kernels in the union, of 2000
+    assert s["top 10 kernels"][0]["name"].startswith("sm90") and s["top 10 kernels"][0]["category"] == "matmuls"

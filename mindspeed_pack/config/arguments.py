@@ -90,7 +90,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "0 = megatron-core's unfused loss")
     g.add_argument("--torch-compile-kernels", default="auto", choices=["auto", "off"],
                    help="auto: fuse RoPE's and the loss's elementwise steps with torch.compile on CUDA (eager on a "
-                        "CPU, or if compiling fails); off: always eager")
+                        "CPU; a region that fails to compile twice stops the run); off: always eager")
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted no-op: megatron-core models are the only models (always on)")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],

@@ -94,16 +94,19 @@ class PackedTopKRouter(TopKRouter):
     def __init__(self, config, pg_collection=None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
         self.routing_segments: Optional[torch.Tensor] = None  # [T] this micro-batch's, set by the trainer
+        self.routing_groups: Optional[int] = None  # above its largest routing segment, known on the host
         # the step's aux-loss gradient scale per unit (a number or a 0-dim tensor), set by the trainer
         # (:func:`scale_aux_loss`); 1 until then: megatron-core's convention (gradients divided by routed tokens)
         self.aux_loss_scale = 1.0
         self.reset_statistics()
 
     def reset_statistics(self) -> None:
-        self.step_tokens_per_expert = torch.zeros(self.config.num_moe_experts, dtype=torch.float64)
+        """The step's statistics, accumulated on the device (read once, by :func:`step_statistics`)."""
+        device = self.weight.device
+        self.step_tokens_per_expert = torch.zeros(self.config.num_moe_experts, dtype=torch.float64, device=device)
         # sum over micro-batches of this layer's loss (without the coefficient) x its units (tokens or samples)
-        self.step_aux_loss = 0.0
-        self.step_units = 0.0
+        self.step_aux_loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.step_units = torch.zeros((), dtype=torch.float64, device=device)
 
     def _local_segments(self, num_tokens: int) -> Optional[torch.Tensor]:
         """This rank's share of the segment ids (sequence parallelism splits the tokens over TP)."""
@@ -139,7 +142,7 @@ class PackedTopKRouter(TopKRouter):
                 pad_to_capacity=self.config.moe_pad_expert_input_to_capacity)
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
-                self.step_tokens_per_expert += routing_map.sum(0).double().cpu()
+                self.step_tokens_per_expert += routing_map.sum(0).double()
             coeff = self.config.moe_aux_loss_coeff
             if self.routing_type in ("aux_loss", "seq_aux_loss"):
                 scores = torch.softmax(logits.float(), dim=-1) if self.score_function == "softmax" else \
@@ -148,8 +151,8 @@ class PackedTopKRouter(TopKRouter):
                 if seg is None:
                     seg = torch.ones(logits.shape[0], dtype=torch.long, device=logits.device)
                 aux_loss, units, full = self._load_balancing_loss(scores, top, seg)
-                self.step_aux_loss += float(full) * float(units)
-                self.step_units += float(units)
+                self.step_aux_loss += full.detach().double() * units.detach().double()
+                self.step_units += units.detach().double()
                 if coeff:  # weighted by its units, scaled to the stage's normaliser (scale_aux_loss)
                     probs = MoEAuxLossAutoScaler.apply(probs, coeff * aux_loss * units * self.aux_loss_scale)
         return probs, routing_map
@@ -162,11 +165,10 @@ class PackedTopKRouter(TopKRouter):
         experts = self.config.num_moe_experts
         if self.routing_type == "aux_loss":
             groups, n = (seg != 0).long(), 2  # one group: every real token
-        else:  # the micro-batch's sample count (not this rank's: sequence parallelism splits samples)
+        else:  # the micro-batch's groups (not this rank's share: sequence and context parallelism split samples)
             groups = seg
-            n = int(self.routing_segments.max()) + 1 if self.routing_segments is not None else 2
-            if self.tp_cp_group.size() > 1:  # a CP rank may hold only padding of the last samples
-                n = int(_all_reduce(torch.tensor(n, device=scores.device), self.tp_cp_group, ReduceOp.MAX))
+            n = self.routing_groups or (int(self.routing_segments.max()) + 1 if self.routing_segments is not None
+                                        else 2)
         real = (groups != 0).float().unsqueeze(-1)
         prob_sums = torch.zeros(n, experts, dtype=scores.dtype, device=scores.device).index_add(
             0, groups, scores * real)
@@ -178,8 +180,8 @@ class PackedTopKRouter(TopKRouter):
         tokens = counts.sum(-1) / self.topk  # real tokens per group (all ranks)
         per_group = (prob_sums * counts).sum(-1) / (tokens.clamp(min=1) ** 2)
         per_group = per_group[1:] * experts / self.topk
-        present = tokens[1:] > 0
-        loss = per_group[present].sum() / present.sum().clamp(min=1)
+        present = tokens[1:] > 0  # (absent groups' terms are 0; selected by where: no boolean indexing)
+        loss = torch.where(present, per_group, torch.zeros_like(per_group)).sum() / present.sum().clamp(min=1)
         # what the loss is a mean over (all sequence-parallel ranks': each rank's partial loss is a share of one loss)
         units = tokens[1:].sum() if self.routing_type == "aux_loss" else present.sum().to(tokens.dtype)
         # the full loss for the statistics (each sequence-parallel rank holds a part of it)
@@ -202,9 +204,12 @@ def routers(model) -> List[PackedTopKRouter]:
     return found
 
 
-def set_routing_segments(model, routing_segments: Optional[torch.Tensor]) -> None:
+def set_routing_segments(model, routing_segments: Optional[torch.Tensor], groups: Optional[int] = None) -> None:
+    """The micro-batch's routing segments for the routers; ``groups``: a bound above the largest, known on the
+    host for the whole micro-batch (the same on every TP and CP rank; without it the routers read it back)."""
     for router in routers(model):
         router.routing_segments = routing_segments
+        router.routing_groups = groups
 
 
 def scale_aux_loss(model_chunks, batches, normaliser) -> None:
@@ -244,16 +249,16 @@ def step_statistics(model_chunks, num_layers: int, num_experts: int) -> Dict[str
     balanced); ``tokens per expert``: one list per MoE layer.
     Every rank must call it (collectives over the pipeline and data-parallel groups).
     """
-    loads = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-    aux = torch.zeros(num_layers, 2, dtype=torch.float64)  # loss x units, units
-    for chunk in model_chunks:
-        for r in routers(chunk):
-            loads[r.layer_number - 1] += r.step_tokens_per_expert
-            aux[r.layer_number - 1] += torch.tensor([r.step_aux_loss, r.step_units], dtype=torch.float64)
-            r.reset_statistics()
+    found = [r for chunk in model_chunks for r in routers(chunk)]
+    device = found[0].weight.device if found else \
+        (torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
+    loads = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+    aux = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)  # loss x units, units
+    for r in found:
+        loads[r.layer_number - 1] += r.step_tokens_per_expert
+        aux[r.layer_number - 1] += torch.stack([r.step_aux_loss, r.step_units])
+        r.reset_statistics()
     flat = torch.cat([loads.reshape(-1), aux.reshape(-1)])
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        flat = flat.to(torch.cuda.current_device())
     torch.distributed.all_reduce(flat, group=ps.get_pipeline_model_parallel_group())
     # routers of one sequence-parallel group count disjoint tokens; expert-parallel ranks are data-parallel
     torch.distributed.all_reduce(flat, group=ps.get_tensor_model_parallel_group())

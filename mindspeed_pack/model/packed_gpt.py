@@ -10,6 +10,9 @@
 * **A scalar head instead of the output layer** (``reward_head``, an outcome reward model): the
   vocab-parallel output layer is replaced by :class:`~.score_head.ScoreHead` on the last stage, and the
   model returns every token's reward ``[b, s]`` (with or without labels); embeddings are never tied to it.
+* **The vocabulary-parallel embedding without boolean indexing** (TP > 1): megatron-core masks the
+  tokens outside this rank's vocabulary shard with ``x[mask] = 0`` (a ``nonzero`` on a GPU: the host
+  waits, once per micro-batch); here with ``where`` / ``masked_fill``, the same values and gradients.
 * **Padded vocabulary rows out of the softmax**: the embedding holds ``--padded-vocab-size`` rows
   (a multiple of ``--make-vocab-size-divisible-by`` x TP) but only ``vocab_size`` are the model's;
   the others get no probability in every path (the fused loss: ``-inf`` logits; logits handed to a
@@ -22,11 +25,15 @@ import logging
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
 )
 
 from mindspeed_pack.model.packed_rope import ROPE_TABLE
@@ -35,6 +42,23 @@ from mindspeed_pack.model.thd import ThdParams
 from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy
 
 log = logging.getLogger(__name__)
+
+
+class MaskedVocabParallelEmbedding(VocabParallelEmbedding):
+    """megatron-core's ``VocabParallelEmbedding`` with its out-of-shard masking done by ``where`` and
+    ``masked_fill`` instead of boolean-mask assignment (which makes the host wait for the device)."""
+
+    def forward(self, input_):
+        if self.tp_group.size() == 1:
+            return super().forward(input_)
+        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        local = torch.where(outside, torch.zeros_like(input_), input_ - self.vocab_start_index)
+        output = self.weight[local] if self.deterministic_mode else F.embedding(local, self.weight)
+        output = output.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:  # [b s h] -> [s b h], then scattered over the sequence
+            return reduce_scatter_to_sequence_parallel_region(output.transpose(0, 1).contiguous(),
+                                                              group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(output, group=self.tp_group)
 
 
 class PackedGPTModel(GPTModel):
@@ -57,6 +81,8 @@ class PackedGPTModel(GPTModel):
             raise ValueError("interleaved RoPE is not supported by the packed attention backends")
         self.real_vocab_size = real_vocab_size if real_vocab_size and real_vocab_size < self.vocab_size else None
         self.loss_chunk = loss_chunk
+        if self.pre_process and type(self.embedding.word_embeddings) is VocabParallelEmbedding:
+            self.embedding.word_embeddings.__class__ = MaskedVocabParallelEmbedding
         self.score = None
         if reward_head and self.post_process:
             del self.output_layer  # built by GPTModel; a reward model has no vocabulary output

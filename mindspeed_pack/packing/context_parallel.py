@@ -88,7 +88,7 @@ def pad_segments(batch: PackedBatch, multiple: int, total: Optional[int] = None)
         routing_segments=spread(batch.routing_segments),  # added padding: 0, routed nowhere
         segment_index=None if batch.segment_index is None else torch.repeat_interleave(
             torch.arange(len(padded), device=device), padded).view(1, new_total),
-        segment_labels=labels,
+        segment_labels=labels, host_segment_labels=None if labels is None else labels.cpu().numpy(),
         cu_seqlens=torch.cat([zero, torch.cumsum(lengths, 0).to(torch.int32)]),
         cu_seqlens_padded=torch.cat([zero, torch.cumsum(padded, 0).to(torch.int32)]),
         max_seqlen=int(padded.max()),

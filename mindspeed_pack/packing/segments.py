@@ -55,6 +55,7 @@ class PackedBatch:
     # ``cu_seqlens`` every token belongs to, and each segment's stored id (0 = padding)
     segment_index: Optional[torch.Tensor] = None  # [1, T] int64
     segment_labels: Optional[torch.Tensor] = None  # [num_segments] int64
+    host_segment_labels: Optional[np.ndarray] = None  # the same, on the host (index plans built from it)
     # the offsets attention runs on (``cu_seqlens_padded`` under CP), on the host: set where the batch is built
     # (and padded for CP), so that nothing in the step reads them back from the device (:mod:`mindspeed_pack.model.thd`)
     host_cu_seqlens: Optional[np.ndarray] = None
@@ -62,6 +63,8 @@ class PackedBatch:
     # ranks, this rank being ``cp_rank`` of it (None: the run's --context-parallel-size, megatron's CP group)
     local_cp_size: Optional[int] = None
     cp_rank: int = 0
+    # above the largest ``routing_segments`` value (its groups, pads included, + 1), known on the host
+    routing_groups: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:
@@ -239,6 +242,7 @@ def build_packed_batch(
         weights = loss_mask.reshape(-1) / counts.clamp(min=1)[seg_index]
         loss_weights = weights.view(1, total)
 
+    segment_labels = segment_ids.reshape(-1)[flat_starts]
     return PackedBatch(
         tokens=input_ids.reshape(1, total).long(),
         target=target.clamp(min=0).reshape(1, total),
@@ -250,7 +254,9 @@ def build_packed_batch(
         num_pad_tokens=num_pad,
         loss_weights=loss_weights,
         routing_segments=routing_segments.view(1, total),
+        routing_groups=int(sample_index[-1]) + 1 if total else 1,
         segment_index=segment_index,
-        segment_labels=segment_ids.reshape(-1)[flat_starts],
+        segment_labels=segment_labels,
+        host_segment_labels=segment_labels.cpu().numpy(),
         host_cu_seqlens=cu_seqlens.cpu().numpy().astype(np.int64),
     )

@@ -1,7 +1,8 @@
 """Count the calls that make the host wait for the device, for tests and benchmarks.
 
 On a GPU the CPU queues kernels ahead of the device; any call that reads a device value back
-(``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``), whose output size depends on values
+(``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``, ``torch.tensor`` of a list holding tensors: one
+read per tensor), whose output size depends on values
 (``nonzero``, boolean-mask indexing, ``masked_select``, ``repeat_interleave`` without an output
 size, ``unique``), or that copies from pageable host memory without ``non_blocking`` (counted
 with ``device_only``, where the copy can be seen) makes the CPU stop until the queue drains, and the GPU idles while the CPU
@@ -11,9 +12,13 @@ CPU tells what a GPU step would wait for::
     with HostSyncCounter() as syncs:
         trainer.train_step()
     print(syncs.total, syncs.by_name)
+
+``where=True`` also records the line that made each call (:attr:`HostSyncCounter.by_place`).
 """
 from __future__ import annotations
 
+import os
+import sys
 from collections import Counter
 
 import torch
@@ -29,6 +34,33 @@ READS = {
 # aten ops whose output shape or result needs the values first
 _VALUE_SHAPED = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "_unique", "bincount",
                  "_local_scalar_dense", "equal", "is_nonzero", "allclose"}
+
+
+def _tensors_in(data) -> list:
+    """The tensors inside a (nested) list or tuple given to ``torch.tensor``: each is read back."""
+    if isinstance(data, torch.Tensor):
+        return [data]
+    if isinstance(data, (list, tuple)):
+        return [t for item in data for t in _tensors_in(item)]
+    return []
+
+
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.abspath(__file__), "runtime/platform.py")
+
+
+def _caller() -> str:
+    """``path:line`` of the innermost frame outside torch, this module and the CPU shim's function mode."""
+    frame = sys._getframe(2)
+    while frame is not None and any(part in frame.f_code.co_filename for part in _INTERNAL):
+        frame = frame.f_back
+    if frame is None:
+        return "?"
+    path = frame.f_code.co_filename
+    for root in ("site-packages/", "mindspeed_pack/"):
+        if root in path:
+            path = (root if root == "mindspeed_pack/" else "") + path.split(root, 1)[1]
+            break
+    return f"{path}:{frame.f_lineno}"
 
 
 def _aten_name(func) -> str:
@@ -57,10 +89,20 @@ class _Reads(TorchFunctionMode):
         self.counter = counter
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)) \
+                and not self.counter.inside:
+            read = [t for t in _tensors_in(args[0]) if self.counter.counts([t])]
+            if read:
+                self.counter.note("tensor(list of tensors)", len(read))
+                self.counter.inside += 1
+                try:
+                    return func(*args, **(kwargs or {}))
+                finally:
+                    self.counter.inside -= 1
         name = READS.get(func)
         if name is None or self.counter.inside or not self.counter.counts(args):
             return func(*args, **(kwargs or {}))
-        self.counter.by_name[name] += 1
+        self.counter.note(name)
         self.counter.inside += 1
         try:
             return func(*args, **(kwargs or {}))
@@ -78,14 +120,14 @@ class _Ops(TorchDispatchMode):
         if not self.counter.inside and self.counter.counts(args, kwargs):  # a read counted above dispatches its own
             name = _aten_name(func)
             if name in _VALUE_SHAPED:
-                self.counter.by_name[name] += 1
+                self.counter.note(name)
             elif name in ("index", "index_put", "index_put_", "_index_put_impl_") and _has_bool_index(args):
-                self.counter.by_name[f"{name} (boolean mask)"] += 1
+                self.counter.note(f"{name} (boolean mask)")
             elif self.counter.device_only and _blocking_upload(name, args, kwargs):
-                self.counter.by_name["copy from the host (blocking)"] += 1
+                self.counter.note("copy from the host (blocking)")
             elif name == "repeat_interleave" and kwargs.get("output_size") is None and \
                     isinstance(args[0], torch.Tensor) and not isinstance(args[1] if len(args) > 1 else None, int):
-                self.counter.by_name["repeat_interleave (no output_size)"] += 1
+                self.counter.note("repeat_interleave (no output_size)")
         return func(*args, **kwargs)
 
 
@@ -95,11 +137,18 @@ class HostSyncCounter:
     ``device_only``: count only calls on tensors off the CPU (on a GPU: exactly the calls that wait for it;
     host-side work on CPU tensors is free). By default every call counts, which on a CPU is the proxy."""
 
-    def __init__(self, device_only: bool = False):
+    def __init__(self, device_only: bool = False, where: bool = False):
         self.by_name: Counter = Counter()
+        self.by_place: Counter = Counter()  # (name, "path:line") of the caller, with ``where``
         self.inside = 0
         self.device_only = device_only
+        self.where = where
         self._modes = []
+
+    def note(self, name: str, n: int = 1) -> None:
+        self.by_name[name] += n
+        if self.where:
+            self.by_place[(name, _caller())] += n
 
     def counts(self, args, kwargs=None) -> bool:
         if not self.device_only:

@@ -21,6 +21,7 @@ from mindspeed_pack.model.te_spec import kernel_fallbacks
 from mindspeed_pack.runtime.platform import cuda_usable
 from mindspeed_pack.training.fused_adam import use_fused_adam
 from mindspeed_pack.training.init_weights import parallel_invariant_init
+from mindspeed_pack.training.multi_tensor import use_foreach_kernels
 from mindspeed_pack.training.schedule import build_scheduler
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ def build_optimizer(args, model: List[torch.nn.Module]):
     )
     optimizer = get_megatron_optimizer(opt_config, model)
     use_fused_adam(optimizer)
+    use_foreach_kernels()  # the gradient norm without a read per gradient tensor (no TE/Apex kernels)
     scheduler = build_scheduler(args, optimizer)  # counted in samples, as Megatron-LM does
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss

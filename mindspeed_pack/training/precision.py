@@ -6,10 +6,7 @@ log or metrics file shows, e.g., that a run said ``--bf16`` and really kept fp32
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-import torch.distributed as dist
 from megatron.core.utils import get_model_config
 
 from mindspeed_pack.runtime.platform import cuda_usable
@@ -91,32 +88,3 @@ def precision_record(args, model_chunks, optimizer) -> dict:
         "grad reduce in fp32": bool(ddp_config.grad_reduce_in_fp32),
         "device": "cuda" if torch.cuda.is_available() and params and params[0].is_cuda else "cpu",
     }
-
-
-def first_non_finite_grad(model_chunks) -> Optional[str]:
-    """Name of a parameter whose gradient holds inf/NaN (None if every one is finite).
-
-    One pass over the contiguous grad buffers; names are looked up only when one is bad.
-    Every rank agrees (a MAX all-reduce), so all skip or all stop together.
-    """
-    device = torch.cuda.current_device() if cuda_usable() else "cpu"
-    local = any(not bool(torch.isfinite(buf.grad_data).all())
-                for chunk in model_chunks for buf in [*chunk.buffers, *chunk.expert_parallel_buffers])
-    flag = torch.tensor([int(local)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
-        return None
-    name = None
-    if local:
-        for chunk in model_chunks:
-            for n, p in chunk.module.named_parameters():
-                g = getattr(p, "main_grad", None)
-                g = p.grad if g is None else g
-                if g is not None and not bool(torch.isfinite(g).all()):
-                    name = f"{n} on rank {dist.get_rank()}"
-                    break
-            if name:
-                break
-    names = [None] * dist.get_world_size()
-    dist.all_gather_object(names, name)
-    return next((n for n in names if n), "unknown parameter")

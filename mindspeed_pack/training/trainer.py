@@ -38,7 +38,8 @@ from mindspeed_pack.training.batches import BatchSource, host_packed_batch, mode
 from mindspeed_pack.training.fused_adam import use_fused_adam
 from mindspeed_pack.training.metrics import MetricsLogger
 from mindspeed_pack.training.model_setup import build_model, build_optimizer
-from mindspeed_pack.training.precision import first_non_finite_grad, loss_scale, precision_record, scaler_owns_overflow
+from mindspeed_pack.training.optimizer_step import guarded_step, non_finite_grad_name
+from mindspeed_pack.training.precision import loss_scale, precision_record
 from mindspeed_pack.training.reductions import any_rank, dp_sum, global_means
 
 log = logging.getLogger(__name__)
@@ -189,7 +190,7 @@ class Trainer:
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
             if args.num_experts:  # the routers group their statistics by sample, skip pads
-                moe.set_routing_segments(model, batch.routing_segments)
+                moe.set_routing_segments(model, batch.routing_segments, batch.routing_groups)
             # a stage that needs the distribution (entropy) gets the vocab-parallel logits, not the loss
             labels = None if getattr(self.stage, "needs_logits", False) else batch.target
             output = model(batch.tokens, batch.position_ids, None, labels=labels,
@@ -241,18 +242,17 @@ class Trainer:
             log.warning("non-finite loss at iteration %d: update skipped", self.iteration + 1)
             self.skipped += 1
             return loss, float("nan"), stats, False
-        # under --fp16 dynamic loss scaling an overflow is expected: optimizer.step() skips the
-        # update and lowers the scale (Megatron-LM); elsewhere it is a failed step
-        bad = None if scaler_owns_overflow(self.optimizer) else first_non_finite_grad(self.model)
-        if bad is not None:
-            where = f"iteration {self.iteration + 1} (first non-finite gradient: {bad})"
+        # a non-finite gradient norm stops the step before the update; under --fp16 dynamic loss scaling an
+        # overflow is expected: the scaler skips the update and lowers the scale (Megatron-LM)
+        ok, grad_norm, non_finite = guarded_step(self.optimizer)
+        if non_finite:
+            where = f"iteration {self.iteration + 1} (first non-finite gradient: {non_finite_grad_name(self.model)})"
             if args.nan_policy == "stop":
                 raise NonFiniteLossError(f"non-finite gradient at {where}; use --nan-policy skip to skip such "
                                          "updates")
             log.warning("non-finite gradient at %s: update skipped, weights unchanged", where)
             self.skipped += 1
             return loss, float("inf"), stats, False
-        ok, grad_norm, _ = self.optimizer.step()
         faults.fire("step", self.iteration + 1)  # crash tests: die after the update, before log and save
         if ok:
             self.scheduler.step(increment=args.global_batch_size)  # schedule counted in samples

@@ -8,11 +8,13 @@ backward is the identity, since each rank's tokens contribute to the sum once.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from mindspeed_pack.datasets.packed_dataset import DataError
+from mindspeed_pack.model.thd import to_device
 from mindspeed_pack.packing.segments import PackedBatch, sequence_sums
 
 
@@ -45,11 +47,17 @@ def sequence_logps(batch: PackedBatch, output_tensor: torch.Tensor) -> tuple[tor
 
 
 def pair_segments(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices (into the batch's segments) of every pair's chosen and rejected sequence."""
-    labels = batch.segment_labels
-    chosen = torch.nonzero((labels > 0) & (labels % 2 == 1)).squeeze(1)
+    """Indices (into the batch's segments) of every pair's chosen and rejected sequence, on the batch's device.
+
+    Found from the segment labels the host kept (:attr:`PackedBatch.host_segment_labels`): a device
+    ``nonzero`` and the checks' reads would stall the step once per micro-batch."""
+    labels = batch.host_segment_labels
+    if labels is None:  # a batch built elsewhere (tests, tools): read back once
+        labels = batch.segment_labels.cpu().numpy()
+    chosen = np.flatnonzero((labels > 0) & (labels % 2 == 1))
     rejected = chosen + 1
     if len(chosen) and (int(rejected.max()) >= len(labels) or bool((labels[rejected] != labels[chosen] + 1).any())):
         raise DataError("a preference pair is not whole in its micro-batch (segment 2k-1 without 2k): the data was "
                         "not written by preprocess_data.py with a pairwise handler")
-    return chosen, rejected
+    device = batch.loss_mask.device
+    return to_device(chosen, device), to_device(rejected, device)
