@@ -125,7 +125,8 @@ def stage_step(model, stage, step_rows, reference=None):
 
 
 def compare_stages(model_args, steps, real, repeats):
-    """Real tokens/s of each stage on the same packed steps, best of ``repeats`` alternating passes."""
+    """Real tokens/s of each stage on the same packed steps: the stages take turns step by step (a shared
+    machine's load hits them alike), each step's best of ``repeats`` timed passes kept."""
     p = stage_args(argparse.ArgumentParser())
     p.add_argument("--stage")
     runs = {}
@@ -139,20 +140,21 @@ def compare_stages(model_args, steps, real, repeats):
             reference.eval().requires_grad_(False)
         runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-5), get_stage(p.parse_args(["--stage", name])),
                       reference)
-    best = dict.fromkeys(runs, float("inf"))
+    best = {name: [float("inf")] * len(steps) for name in runs}
     for i in range(repeats + 1):  # the first pass warms up
-        for name, (model, optimizer, stage, reference) in runs.items():
-            start = time.perf_counter()
-            for step in steps:
+        for k, step in enumerate(steps):
+            for name, (model, optimizer, stage, reference) in runs.items():
+                start = time.perf_counter()
                 stage_step(model, stage, step, reference)
                 optimizer.step()
                 optimizer.zero_grad()
-            if i:
-                best[name] = min(best[name], time.perf_counter() - start)
+                if i:
+                    best[name][k] = min(best[name][k], time.perf_counter() - start)
+    total = {name: sum(times) for name, times in best.items()}
     print(f"{'stage':8s} {'reference':>9s} {'step (s)':>9s} {'tokens/s':>10s} {'vs dpo':>7s}")
     for name in runs:
-        print(f"{name:8s} {'forward' if name == 'dpo' else 'none':>9s} {best[name] / len(steps):9.3f} "
-              f"{real / best[name]:10.1f} {best['dpo'] / best[name]:6.2f}x")
+        print(f"{name:8s} {'forward' if name == 'dpo' else 'none':>9s} {total[name] / len(steps):9.3f} "
+              f"{real / total[name]:10.1f} {total['dpo'] / total[name]:6.2f}x")
 
 
 def main(argv=None):
