@@ -1,4 +1,5 @@
-"""Post-training on packed data (MindSpeed-LLM's posttrain_gpt.py): ``--stage sft`` (default), ``dpo``, ``grpo``.
+"""Post-training on packed data (MindSpeed-LLM's posttrain_gpt.py): ``--stage sft`` (default), ``dpo``, ``simpo``,
+``orpo``, ``kto``, ``grpo``, ``orm``, ``prm``.
 
     torchrun --nproc-per-node N posttrain.py --data-path P --neat-pack ... (Megatron-LM flags)
     posttrain.py --load HF_DIR --data-path data.jsonl --handler-name ... --prompt-type qwen --neat-pack \
@@ -6,7 +7,9 @@
     posttrain.py --config run.yaml [--flag value ...]   (flags from a YAML file; the command line overrides it)
     posttrain.py --train-data-path P --valid-data-path V ...   (a separately preprocessed validation set)
     posttrain.py --stage dpo --dpo-beta 0.1 --data-path PAIRS ...   (preference pairs; see README)
+    posttrain.py --stage simpo|orpo --data-path PAIRS ...   (preference pairs, no reference model)
     posttrain.py --stage score|grpo --rollout-path ROLLOUTS.jsonl ...   (RL rollouts; see README)
+    posttrain.py --stage orm|prm --data-path P ...   (outcome / process reward models; see README)
 """
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.config.arguments import parse_args, per_split_data_args
@@ -25,7 +28,7 @@ def posttrain_args(parser):
 def main(argv=None):
     setup_logging()
     args = parse_args(argv, extra_args_provider=posttrain_args,
-                      description="mindspeed-pack post-training (SFT, DPO, GRPO) on packed data")
+                      description="mindspeed-pack post-training (SFT, DPO, SimPO, ORPO, KTO, GRPO, reward models) on packed data")
     raw_data.prepare(args)  # raw --data-path files -> packs, once (rank 0); every rank trains on them
     resolve_vocab_size(args)
     run_plan.resolve_epochs(args)  # --train-epochs -> --train-iters

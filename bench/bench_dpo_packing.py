@@ -10,6 +10,11 @@ Both train the same pairs with the same model (forward + backward of the DPO los
 in global batches of ``--global-pairs`` pairs; printed: padding ratio, rows per step, real
 tokens/s and step time of each (best of ``--repeats`` alternating passes), and the speed-up.
 
+Then the stages on the same packed pairs, each through its real ``loss_func`` (``posttrain.py
+--stage``'s): ``dpo`` with its reference forward (a frozen copy of the policy, no gradient, before
+each micro-batch, as the in-job reference runs), ``simpo`` and ``orpo`` with none; real tokens/s and
+their ratio to DPO's.
+
     python bench/bench_dpo_packing.py [--pairs 128] [--seq-length 1024] [--hidden-size 512]
 """
 from __future__ import annotations
@@ -29,7 +34,10 @@ from mindspeed_pack.data.pairwise import pair_plan  # noqa: E402
 from mindspeed_pack.model.gpt import build_gpt_model  # noqa: E402
 from mindspeed_pack.packing.segments import IGNORE_INDEX, build_packed_batch, sequence_sums  # noqa: E402
 from mindspeed_pack.training.batches import packed_seq_params  # noqa: E402
-from mindspeed_pack.training.stages.dpo import pair_segments, preference_losses  # noqa: E402
+from mindspeed_pack.training.stages import get_stage, stage_args  # noqa: E402
+from mindspeed_pack.training.stages.dpo import preference_losses  # noqa: E402
+from mindspeed_pack.training.stages.sequences import pair_segments  # noqa: E402
+from mindspeed_pack.training.stages.sequences import sequence_logps  # noqa: E402
 from tests.model_utils import init_single_process, tiny_args  # noqa: E402
 
 
@@ -94,6 +102,61 @@ def run(model, optimizer, steps, packed: bool):
     return time.perf_counter() - start, tokens
 
 
+def _forward(model, batch):
+    return model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=packed_seq_params(batch))
+
+
+def stage_step(model, stage, step_rows, reference=None):
+    """One optimizer step's forward + backward of ``stage``'s loss over packed micro-batches; DPO's reference
+    log-probs from ``reference`` (forward only), the others' step inputs from ``stage.prepare``."""
+    batches = [build_packed_batch(*rows) for rows in step_rows]
+    if reference is not None:
+        with torch.no_grad():
+            for batch in batches:
+                seq = sequence_logps(batch, _forward(reference, batch))[0]
+                chosen, rejected = pair_segments(batch)
+                batch.ref_logps = torch.stack([seq[chosen], seq[rejected]], dim=1)
+    else:
+        stage.prepare(None, batches, None, "train", batches[0].num_tokens)
+    pairs = sum(len(pair_segments(b)[0]) for b in batches)
+    for batch in batches:
+        loss, _, _ = stage.loss_func(batch, _forward(model, batch))
+        (loss / pairs).backward()
+
+
+def compare_stages(model_args, steps, real, repeats):
+    """Real tokens/s of each stage on the same packed steps: the stages take turns step by step (a shared
+    machine's load hits them alike), each step's best of ``repeats`` timed passes kept."""
+    p = stage_args(argparse.ArgumentParser())
+    p.add_argument("--stage")
+    runs = {}
+    for name in ("dpo", "simpo", "orpo"):
+        torch.manual_seed(0)
+        model = build_gpt_model(model_args)
+        reference = None
+        if name == "dpo":  # a frozen copy of the starting policy, as --stage dpo builds it
+            reference = build_gpt_model(model_args)
+            reference.load_state_dict(model.state_dict())
+            reference.eval().requires_grad_(False)
+        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-5), get_stage(p.parse_args(["--stage", name])),
+                      reference)
+    best = {name: [float("inf")] * len(steps) for name in runs}
+    for i in range(repeats + 1):  # the first pass warms up
+        for k, step in enumerate(steps):
+            for name, (model, optimizer, stage, reference) in runs.items():
+                start = time.perf_counter()
+                stage_step(model, stage, step, reference)
+                optimizer.step()
+                optimizer.zero_grad()
+                if i:
+                    best[name][k] = min(best[name][k], time.perf_counter() - start)
+    total = {name: sum(times) for name, times in best.items()}
+    print(f"{'stage':8s} {'reference':>9s} {'step (s)':>9s} {'tokens/s':>10s} {'vs dpo':>7s}")
+    for name in runs:
+        print(f"{name:8s} {'forward' if name == 'dpo' else 'none':>9s} {total[name] / len(steps):9.3f} "
+              f"{real / total[name]:10.1f} {total['dpo'] / total[name]:6.2f}x")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=128)
@@ -102,7 +165,7 @@ def main(argv=None):
     p.add_argument("--packs-per-micro-batch", type=int, default=2, help="packed layout: packs per micro-batch")
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per layout (best kept)")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per layout and per stage (best kept)")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     init_single_process()
@@ -138,6 +201,8 @@ def main(argv=None):
         results[name] = real / best[name]
         print(f"{name:8s} {rows:9.1f} {(total - real) / total:8.3f} {best[name] / len(layout):9.3f} {results[name]:10.1f}")
     print(f"packed / padded tokens/s: {results['packed'] / results['padded']:.2f}x")
+    print()
+    compare_stages(model_args, layouts["packed"], real, args.repeats)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ the interpreter start:
 
 * :func:`preloaded_context`: the ``multiprocessing`` context whose processes start this way.
 * :func:`run_script`: ``python SCRIPT ARGV`` (or ``torchrun --nproc-per-node N SCRIPT ARGV``)
-  as a :class:`subprocess.CompletedProcess` with the exit code and the captured text.
+  as a :class:`subprocess.CompletedProcess` with the exit code and the captured text; ``then``:
+  more runs of the script in the same processes, one after the other (one job: its start and its
+  process groups paid once, e.g. one parallel layout's runs of several stages).
 * :class:`ScriptProcess`: one such process started in the background, Popen-like (poll, wait, signals).
 
 Launchers themselves (torchrun's restarts and rendezvous, the example shell scripts) are tested
@@ -64,16 +66,18 @@ def _threads(env: Dict[str, str]) -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _script_child(script: str, argv: Sequence[str], env: Dict[str, str], cwd: str, out: str, err: str) -> None:
+def _script_child(script: str, argvs: Sequence[Sequence[str]], env: Dict[str, str], cwd: str, out: str,
+                  err: str) -> None:
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(f, fd)
         os.close(f)
     adopt(env, cwd, _threads(env))
-    sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
-        runpy.run_path(script, run_name="__main__")
+        for argv in argvs:  # a run that fails ends the process: the ones after it do not start
+            sys.argv = [script, *argv]
+            runpy.run_path(script, run_name="__main__")
     finally:
         atexit._run_exitfuncs()  # what the interpreter runs at exit; multiprocessing's children skip it
 
@@ -84,11 +88,12 @@ class ScriptProcess:
     interface the tests use (``pid``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``)."""
 
     def __init__(self, script: str, argv: Sequence[str], *, env: Optional[Dict[str, str]] = None, cwd: str = ROOT,
-                 stdout: str = os.devnull, stderr: Optional[str] = None):
+                 stdout: str = os.devnull, stderr: Optional[str] = None, then: Sequence[Sequence[str]] = ()):
         script = script if os.path.isabs(script) else os.path.join(ROOT, script)
         self.args = [sys.executable, script, *argv]
+        argvs = [list(argv), *(list(a) for a in then)]
         self._process = preloaded_context().Process(
-            target=_script_child, args=(script, list(argv), dict(os.environ if env is None else env), cwd, stdout,
+            target=_script_child, args=(script, argvs, dict(os.environ if env is None else env), cwd, stdout,
                                         stderr or stdout))
         self._process.start()
         self.pid = self._process.pid
@@ -125,9 +130,11 @@ def _torchrun_env(rank: int, nproc: int, port: int) -> Dict[str, str]:
 
 
 def run_script(script: str, argv: Sequence[str], *, nproc: int = 1, env: Optional[Dict[str, str]] = None,
-               cwd: str = ROOT, timeout: float = 600.0) -> subprocess.CompletedProcess:
+               cwd: str = ROOT, timeout: float = 600.0,
+               then: Sequence[Sequence[str]] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` with ``argv`` in ``nproc`` preloaded processes (ranks with torchrun's variables when
-    ``nproc > 1``); ``env`` is the whole environment (default: this one). Like torchrun, once a rank fails
+    ``nproc > 1``), then with each argv of ``then`` in the same processes; ``env`` is the whole environment
+    (default: this one). Like torchrun, once a rank fails
     the others are stopped (SIGTERM) and the job's exit code is 1; one process returns its own code
     (negative: killed by that signal). Output is each rank's, in rank order; a run past ``timeout``
     is killed and raises :class:`subprocess.TimeoutExpired`."""
@@ -138,7 +145,7 @@ def run_script(script: str, argv: Sequence[str], *, nproc: int = 1, env: Optiona
     with tempfile.TemporaryDirectory(prefix="preloaded_run_") as tmp:
         files = [(os.path.join(tmp, f"{rank}.out"), os.path.join(tmp, f"{rank}.err")) for rank in range(nproc)]
         procs = [ScriptProcess(script, argv, env=env if nproc == 1 else {**env, **_torchrun_env(rank, nproc, port)},
-                               cwd=cwd, stdout=out, stderr=err) for rank, (out, err) in enumerate(files)]
+                               cwd=cwd, stdout=out, stderr=err, then=then) for rank, (out, err) in enumerate(files)]
         timed_out = not _wait(procs, timeout)
 
         def read(i):

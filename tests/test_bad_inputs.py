@@ -11,7 +11,8 @@ A case is a small JSON file::
 
 Edits: ``{"write": PATH, "text": S}`` (optionally ``"encoding": E``, default utf-8), ``{"truncate": PATH, "drop_bytes": N}``,
 ``{"copy": SRC, "to": DST}``, ``{"set_token": PATH, "index": I, "value": V}`` (an int32 of a
-``.bin``), ``{"json_set": PATH, "key": K, "value": V}``, ``{"crafted_pickle": PATH}`` (a
+``.bin``), ``{"flip_byte": PATH, "offset": B}`` (its bits inverted), ``{"json_set": PATH, "key": K, "value": V}``,
+``{"crafted_pickle": PATH}`` (a
 pickle whose loading would create ``{dir}/MARKER``). Every case must exit with code 2 and one
 ``error:`` line (no traceback), create no ``MARKER``, change no input, and leave ``{dir}/out``
 absent or empty. A newly reported bad input becomes one more file.
@@ -81,8 +82,8 @@ def _fill(value, case_dir, bases):
 
 
 def _apply(edit, case_dir):
-    path = os.path.join(case_dir, next(edit[k] for k in ("write", "truncate", "copy", "set_token", "json_set",
-                                                          "crafted_pickle") if k in edit))
+    path = os.path.join(case_dir, next(edit[k] for k in ("write", "truncate", "copy", "set_token", "flip_byte",
+                                                          "json_set", "crafted_pickle") if k in edit))
     if "write" in edit:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "w", encoding=edit.get("encoding", "utf-8")) as f:
@@ -97,6 +98,12 @@ def _apply(edit, case_dir):
         tokens[edit["index"]] = edit["value"]
         tokens.flush()
         del tokens
+    elif "flip_byte" in edit:
+        with open(path, "r+b") as f:
+            f.seek(edit["offset"])
+            byte = f.read(1)[0]
+            f.seek(edit["offset"])
+            f.write(bytes([byte ^ 0xFF]))
     elif "json_set" in edit:
         with open(path) as f:
             data = json.load(f)

@@ -89,27 +89,32 @@ def test_every_setting_that_changes_the_function_is_compared():
     assert model_differences({**recorded, "moe_router_topk": 8}, run) == []
 
 
-def test_load_refuses_a_checkpoint_of_another_rope_base_and_norm_epsilon(made):
-    """The issue's case: a converted checkpoint with rope_theta 10000 / eps 0.1 trained under 1e6 / 1e-6 flags."""
-    with pytest.raises(CheckpointError) as e:
-        posttrain.main(dpo(made, "--load", made["rope"], "--finetune"))
-    assert str(e.value).startswith(
-        f"--load {made['rope']}: the model flags differ from the checkpoint's ({_rank_file(made['rope'])}): "
-        "--norm-epsilon 1e-06 here, 0.1 in the checkpoint; --rotary-base 1000000 here, 10000 in the checkpoint; "
-        "pass the flags the checkpoint was trained with")
+@pytest.mark.parametrize("form", ["megatron", "hf"])
+def test_load_refuses_flags_that_differ_from_the_models_own(made, capsys, form):
+    """The issue's case: a model with rope_theta 10000 / eps 0.1 trained under 1e6 / 1e-6 flags. ``--load`` takes
+    the model flags from the model (a converted checkpoint's recorded arguments, a HF directory's config.json);
+    those given are compared by the same function, and the error names both values."""
+    hf = os.path.join(os.path.dirname(made["rope"]), "hf")
+    load, where, verb = ((made["rope"], _rank_file(made["rope"]), "records") if form == "megatron" else
+                         (hf, os.path.join(hf, "config.json"), "gives"))
+    with pytest.raises(SystemExit):
+        posttrain.main(dpo(made, "--load", load, "--finetune"))
+    assert (f"--norm-epsilon 1e-06 but {where} {verb} --norm-epsilon 0.1; --rotary-base 1000000 but {where} {verb} "
+            "--rotary-base 10000") in capsys.readouterr().err
 
 
-def test_load_hf_dir_refuses_flags_that_differ_from_its_config(made, capsys):
-    """--load HF_DIR fills the model flags from config.json; given ones are compared by the same function."""
+def test_a_megatron_load_fills_the_model_flags_it_records(made):
+    """No model flag given: the converted checkpoint's record gives them all, listed as its in the resolved
+    configuration."""
     from mindspeed_pack.config.arguments import parse_args
 
-    hf = os.path.join(os.path.dirname(made["rope"]), "hf")
-    with pytest.raises(SystemExit):
-        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", made["data"], "--load", hf,
-                    "--norm-epsilon", "1e-6", "--rotary-base", "1000000"], world_size=1)
-    config = os.path.join(hf, "config.json")
-    assert (f"--norm-epsilon 1e-06 but {config} gives --norm-epsilon 0.1; --rotary-base 1000000 but {config} gives "
-            "--rotary-base 10000") in capsys.readouterr().err
+    args = parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", made["data"], "--load",
+                       made["rope"], "--finetune"], world_size=1)
+    assert (args.num_layers, args.hidden_size, args.num_query_groups, args.add_qkv_bias, args.normalization,
+            args.norm_epsilon, args.rotary_base, args.vocab_size, args.padded_vocab_size) == (
+        2, 64, 2, True, "RMSNorm", 0.1, 10000, 256, 256)
+    assert args.flag_sources["hidden_size"][1] == args.flag_sources["norm_epsilon"][1] == "checkpoint"
+    assert args.flag_sources["seq_length"][1] == "given"
 
 
 @pytest.mark.parametrize("form", ["megatron", "hf"])

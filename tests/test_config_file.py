@@ -146,10 +146,30 @@ def test_the_resolved_configuration_repeats_the_run(tmp_path, packs):
     assert text == open(written[1]).read()
     # every flag, by origin: what was given, derived by validation, and Megatron-LM's defaults
     assert "\n# --- given" in text and "\nseq-length: 128\n" in text
-    assert "\n# --- derived from the flags above by validation\n" in text and "\nkv-channels: 16\n" in text
-    assert "\n# --- defaults\n" in text and "\nweight-decay: 0.01\n" in text
+    assert "\n# --- derived from the flags above by validation (on record" in text and "\nkv-channels: 16\n" in text
+    assert "\n# --- defaults (on record" in text and "\nweight-decay: 0.01\n" in text
     again = _parse(["--config", written[0]])
     assert _comparable(again) == _comparable(args)
+
+
+def test_training_again_from_the_resolved_configuration_repeats_a_non_default_handlers_run(tmp_path, packs):
+    """A run on packs of a non-default handler (ShareGPT here), trained again from its run_config.yaml with a new
+    --save: the same losses bit for bit (the file's defaults, read back as given, used to be checked against the
+    sidecar: "--handler-name AlpacaStyleInstructionHandler, but ... was preprocessed with Sharegpt...")."""
+    import shutil
+
+    sharegpt = str(tmp_path / "sg")
+    for suffix in ("_packed_input_ids_document", "_packed_attention_mask_document", "_packed_labels_document"):
+        for ext in (".bin", ".idx"):
+            shutil.copy(packs + suffix + ext, sharegpt + suffix + ext)
+    meta = json.load(open(packs + "_packed_meta.json"))
+    meta.setdefault("arguments", {})["handler_name"] = "SharegptStyleInstructionHandler"
+    json.dump(meta, open(sharegpt + "_packed_meta.json", "w"))
+    first = str(tmp_path / "first")
+    _, losses = run_posttrain([*RUN, "--data-path", sharegpt, "--save", first], metrics=str(tmp_path / "a.jsonl"))
+    _, again = run_posttrain(["--config", os.path.join(first, "run_config.yaml"), "--save", str(tmp_path / "again")],
+                             metrics=str(tmp_path / "b.jsonl"), model_flags=[])
+    assert [r["lm loss"] for r in again] == [r["lm loss"] for r in losses] and len(losses) == 3
 
 
 def _tiny_hf(path):
@@ -181,8 +201,21 @@ def test_finetuning_defaults_from_a_hf_model_are_applied_shown_and_overridable(t
     given = _parse(run + ["--lr-warmup-iters", "1", "--lr-decay-style", "linear", "--min-lr", "0"])
     assert (given.lr_warmup_fraction, given.lr_warmup_iters, given.lr_decay_style, given.min_lr) == \
         (None, 1, "linear", 0.0)
-    dpo = _parse(run + ["--stage", "dpo"])
-    assert (dpo.lr_warmup_fraction, dpo.lr_decay_style, dpo.save_hf) == (None, "linear", None)
+    for stage in ("dpo", "simpo", "orpo"):
+        other = _parse(run + ["--stage", stage])
+        assert (other.lr_warmup_fraction, other.lr_decay_style, other.save_hf) == (None, "linear", None), stage
+
+
+def test_a_flag_given_by_its_other_name_resolves_to_the_flag(tmp_path, packs):
+    """``dpo-ftx`` (the older name of --pref-ftx) in a file: the same value; the resolved configuration
+    writes MindSpeed-LLM's name, and repeats the run."""
+    config = tmp_path / "run.yaml"
+    config.write_text("stage: simpo\ndpo-ftx: 0.2\n")
+    args = _parse(["--config", str(config), *TINY_FLAGS, *RUN, "--data-path", packs])
+    assert args.pref_ftx == 0.2 and args.stage == "simpo"
+    text = resolved_config.text(args, "posttrain.py")
+    assert "\npref-ftx: 0.2\n" in text and "dpo-ftx" not in text
+    assert _comparable(_parse(["--config", _written(tmp_path, text)])) == _comparable(args)
 
 
 def test_a_resume_keeps_the_finetuning_defaults_its_run_started_with(tmp_path, packs):

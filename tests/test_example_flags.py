@@ -246,6 +246,26 @@ def test_qwen25_scripts_agree_with_each_other():
     assert data.tokenizer_name_or_path == tune.tokenizer_name_or_path == mg2hf.tokenizer_dir == hf2mg.load_dir
 
 
+def test_qwen25_reward_model_scripts_agree_with_their_data_and_the_sft_model():
+    pairs, orm = _qwen25("data_convert_qwen25_pairwise_pack.sh"), _qwen25("tune_qwen25_7b_4k_orm_pack.sh")
+    steps, prm = _qwen25("data_convert_qwen25_process_reward_pack.sh"), _qwen25("tune_qwen25_7b_4k_prm_pack.sh")
+    sft = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    assert pairs.handler_name == "AlpacaStylePairwiseHandler" and pairs.pack and pairs.neat_pack and orm.neat_pack
+    assert (pairs.output_prefix, pairs.seq_length, pairs.prompt_type) == (orm.data_path[0], orm.seq_length,
+                                                                          orm.prompt_type)
+    assert (orm.stage, orm.reward_head, prm.stage, prm.reward_head) == ("orm", True, "prm", False)
+    assert steps.handler_name == "AlpacaStyleProcessRewardHandler" and steps.pack and steps.neat_pack
+    assert (steps.placeholder_token, steps.reward_tokens, steps.prompt_type) == (" ки", ["+", "-"], None)
+    assert (steps.output_prefix, steps.seq_length) == (prm.data_path[0], prm.seq_length)
+    # both start from the SFT model at its sharding, with the tokenizer the data used
+    for tune in (orm, prm):
+        assert tune.finetune and tune.load == sft.save
+        assert (tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size) == \
+            (sft.tensor_model_parallel_size, sft.pipeline_model_parallel_size)
+    assert pairs.tokenizer_name_or_path == steps.tokenizer_name_or_path == orm.tokenizer_name_or_path == \
+        prm.tokenizer_name_or_path == sft.tokenizer_name_or_path
+
+
 # Qwen3-8B's config.json as published (transformers 4.51 layout)
 QWEN3_8B_CONFIG = {
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -350,6 +370,25 @@ def test_qwen25_32k_cp_scripts_agree_with_each_other():
     assert data.pad_to_multiple_of == 2 * 4 * 2
 
 
+def test_qwen25_dynamic_cp_scripts_agree_with_each_other():
+    """The dynamic CP recipe: one sample per document up to the longest sample a CP group of CP ranks holds."""
+    data = _qwen25("data_convert_qwen25_instruction_dynamic_cp.sh")
+    tune = _qwen25("tune_qwen25_7b_dynamic_cp.sh")
+    assert not data.pack and not data.neat_pack and not tune.neat_pack
+    assert tune.sequence_packing_scheduler == "default_dynamic_cp" and tune.overlong_samples == "refuse"
+    assert (data.output_prefix, data.prompt_type) == (tune.data_path[0], tune.prompt_type)
+    cp, per_rank = tune.context_parallel_size, tune.max_seqlen_per_dp_cp_rank
+    assert data.seq_length == tune.seq_length == cp * per_rank == 65536
+    assert (tune.tensor_model_parallel_size, cp, tune.data_parallel_size, per_rank) == (2, 4, 1, 16384)
+    assert tune.sequence_parallel and tune.micro_batch_size == 1 and tune.global_batch_size == 32
+    base = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    assert (tune.lr, tune.train_iters) == (base.lr, base.train_iters) and tune.save != base.save
+    # another pool reaches both scripts through the same environment variables
+    data = _qwen25("data_convert_qwen25_instruction_dynamic_cp.sh", SEQ_LEN="131072")
+    tune = _qwen25("tune_qwen25_7b_dynamic_cp.sh", CP="8", TP="1")
+    assert data.seq_length == tune.seq_length == 8 * 16384 and tune.context_parallel_size == 8
+
+
 def test_qwen25_lora_recipe_adapts_the_hf_model_on_one_gpu_per_rank():
     """The LoRA recipe: the full recipe's model, data and template, on the HF directory with adapters."""
     lora = _qwen25("tune_qwen25_7b_4k_lora_pack.sh")
@@ -364,6 +403,52 @@ def test_qwen25_lora_recipe_adapts_the_hf_model_on_one_gpu_per_rank():
     assert not lora.lora_merge and lora.lora_load is None
     one = _qwen25("tune_qwen25_7b_4k_lora_pack.sh", GPUS_PER_NODE="1", LORA_LOAD="ckpt/a", LORA_MERGE="1")
     assert (one.data_parallel_size, one.num_micro_batches, one.lora_load, one.lora_merge) == (1, 8, "ckpt/a", True)
+
+
+def test_qwen25_kto_recipe_packs_couples_and_trains_them_as_its_config():
+    """The KTO script's data step writes the packs its training step reads (KTO handler, the same length and
+    template), and configs/kto/ is the same job in one command (raw rows preprocessed first)."""
+    data, tune = check_script(QWEN25 / "tune_qwen25_7b_4k_kto_pack.sh")
+    assert data.handler_name == "AlpacaStyleKTOHandler" and data.pack and data.neat_pack and tune.neat_pack
+    assert data.map_keys == {"label": "label"}
+    assert (data.output_prefix, data.seq_length, data.prompt_type, data.tokenizer_name_or_path) == \
+        (tune.data_path[0], tune.seq_length, tune.prompt_type, tune.tokenizer_name_or_path)
+    assert (tune.stage, tune.kto_beta, tune.kto_desirable_weight, tune.kto_undesirable_weight) == ("kto", 0.1, 1.0, 1.0)
+    assert tune.finetune and tune.ref_load is None and not tune.ref_logps
+    assert (tune.tensor_model_parallel_size, tune.data_parallel_size, tune.global_batch_size) == (4, 2, 16)
+    config = check_command(_config_command("kto/qwen25_7b_4k_kto_pack.yaml"))
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "padded_vocab_size", "seq_length",
+                "stage", "kto_beta", "kto_desirable_weight", "kto_undesirable_weight", "micro_batch_size",
+                "global_batch_size", "lr", "min_lr", "lr_warmup_fraction", "train_iters", "load", "save", "bf16",
+                "tensor_model_parallel_size", "prompt_type", "neat_pack", "reset_position_ids"):
+        assert getattr(config, key) == getattr(tune, key), key
+    assert config.handler_name == data.handler_name and config.data_path[0].endswith(".jsonl")
+    # LLaMA-Factory's column and a ShareGPT handler reach the data step
+    data, _ = check_script(QWEN25 / "tune_qwen25_7b_4k_kto_pack.sh", LABEL_COLUMN="kto_tag",
+                           HANDLER="SharegptStyleKTOHandler")
+    assert data.map_keys == {"label": "kto_tag"} and data.handler_name == "SharegptStyleKTOHandler"
+
+
+def test_qwen25_reference_free_preference_recipes():
+    """SimPO from the instruct model, ORPO (the wrapper) from the base model: the same model, layout and raw
+    pairs as each other, each its stage's flags, no reference; the pairs tokenised with the loaded model's tokenizer."""
+    simpo = _qwen25("tune_qwen25_7b_4k_simpo_pack.sh")
+    orpo = _qwen25("tune_qwen25_7b_4k_orpo_pack.sh")
+    full = _qwen25("tune_qwen25_7b_4k_full_pack.sh")
+    for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "padded_vocab_size", "seq_length",
+                "tensor_model_parallel_size", "prompt_type", "neat_pack", "bf16", "sequence_parallel"):
+        assert getattr(simpo, key) == getattr(orpo, key) == getattr(full, key), key
+    assert (simpo.stage, simpo.simpo_beta, simpo.gamma_beta_ratio, simpo.simpo_loss_type, simpo.lr) == \
+        ("simpo", 2.5, 0.55, "sigmoid", 1e-6)
+    assert (orpo.stage, orpo.orpo_beta, orpo.lr, orpo.pref_ftx) == ("orpo", 0.1, 5e-6, 0.0)
+    assert simpo.load.endswith("qwen2.5-7b-instruct") and orpo.load.endswith("qwen2.5-7b")
+    for a in (simpo, orpo):
+        assert a.handler_name == "AlpacaStylePairwiseHandler" and a.data_path == simpo.data_path
+        assert a.tokenizer_name_or_path == a.load and a.ref_load is None and not a.ref_logps
+        assert (a.data_parallel_size, a.global_batch_size, a.train_epochs) == (2, 16, 1)
+    assert len({simpo.save, orpo.save, simpo.metrics_file, orpo.metrics_file}) == 4
+    with pytest.raises(FlagError, match="STAGE=dpo"):
+        _qwen25("tune_qwen25_7b_4k_simpo_pack.sh", STAGE="dpo")
 
 
 def test_qwen25_training_validates_the_world_size():
@@ -414,7 +499,9 @@ def test_abbreviated_flag_fails(tmp_path, name, flag, abbreviation):
     ("tune_qwen25_7b_4k_full_pack.sh", "\ntensor-model-parallel-size: 4\n"),
     ("data_convert_qwen25_instruction_pack.sh", "preprocess_data.py arguments OK"),
     ("tune_qwen25_7b_32k_full_pack_cp.sh", "\ncontext-parallel-size: 2\n"),  # through the wrapper's exec
+    ("tune_qwen25_7b_dynamic_cp.sh", "\nsequence-packing-scheduler: default_dynamic_cp\n"),
     ("tune_qwen25_7b_4k_lora_pack.sh", "\nlora-r: 16\n"),
+    ("tune_qwen25_7b_4k_kto_pack.sh", "\nkto-beta: 0.1\n"),  # both steps' checks, the packs not there
     # the converters' DRY_RUN is the same parse as above in a fresh interpreter (one megatron import, ~5 s): skipped
 ])
 def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):
@@ -432,16 +519,24 @@ CONFIGS_DIR = REPO / "configs"
 CONFIGS = {
     "sft/qwen25_7b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_full_pack.sh", []),
     "sft/qwen25_7b_32k_full_pack_cp.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_32k_full_pack_cp.sh", []),
+    "sft/qwen25_7b_dynamic_cp.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_dynamic_cp.sh", []),
     "sft/qwen3_8b_4k_full_pack.yaml": ("posttrain.py", 8, QWEN3 / "tune_qwen3_8b_4k_full_pack.sh", []),
     "sft/qwen3_30b_a3b_4k_full_pack.yaml": ("posttrain.py", 16, QWEN3_MOE / "tune_qwen3_30b_a3b_4k_full_pack.sh", []),
     "sft/qwen25_7b_4k_lora_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_lora_pack.sh", []),
     "sft/qwen25_7b_4k_from_hf.yaml": ("posttrain.py", 8, None, None),  # needs its HF --load: its own test below
     "dpo/qwen25_7b_4k_dpo_pack.yaml": ("posttrain.py", 8, None, []),
+    "orm/qwen25_7b_4k_orm_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_orm_pack.sh", []),
+    "prm/qwen25_7b_4k_prm_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_prm_pack.sh", []),
+    "kto/qwen25_7b_4k_kto_pack.yaml": ("posttrain.py", 8, None, []),  # the script's two steps in one: test below
+    "simpo/qwen25_7b_4k_simpo_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_simpo_pack.sh", []),
+    "orpo/qwen25_7b_4k_orpo_pack.yaml": ("posttrain.py", 8, QWEN25 / "tune_qwen25_7b_4k_orpo_pack.sh", []),
     "grpo/qwen3_8b_grpo_step.yaml": ("posttrain.py", 8, None, []),
     "pretrain/qwen25_7b_4k_pretrain.yaml": ("pretrain_gpt.py", 8, None, []),
     "data/qwen25_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN25 / "data_convert_qwen25_instruction_pack.sh", []),
     "data/qwen25_alpaca_32k_pack_cp.yaml": ("preprocess_data.py", 1,
                                             QWEN25 / "data_convert_qwen25_instruction_pack_32k_cp.sh", []),
+    "data/qwen25_alpaca_64k_unpacked.yaml": ("preprocess_data.py", 1,
+                                             QWEN25 / "data_convert_qwen25_instruction_dynamic_cp.sh", []),
     "data/qwen3_alpaca_4k_pack.yaml": ("preprocess_data.py", 1, QWEN3 / "data_convert_qwen3_instruction_pack.sh", []),
     "data/qwen25_pretrain_text.yaml": ("preprocess_data.py", 1, None, []),
     # the quickstart gives its paths on the command line (examples/quickstart/run.sh, checked above)

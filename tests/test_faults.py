@@ -216,3 +216,38 @@ def test_first_save_killed_before_its_tracker_starts_over(tmp_path, data, launch
     assert code == 0, out[-3000:]
     assert f"(iter_0000002 without {layout.TRACKER}: an interrupted first save): starting from scratch" in out
     assert sorted(read_metrics(str(tmp_path / "b.jsonl"))) == [1, 2, 3] and layout.read_tracker(ckpt) == 3
+
+
+def test_complete_iterations_without_their_tracker_are_refused_not_overwritten(tmp_path, data, monkeypatch):
+    """The tracker of a directory holding complete iterations 2, 4, 6 is deleted: --load D --save D refuses to
+    start over (which would overwrite them), naming the latest and how to resume from it; done so, it resumes."""
+    from tests.data_utils import fingerprint
+
+    ckpt = str(tmp_path / "ckpt")
+    posttrain.main(argv(data, ckpt, str(tmp_path / "a.jsonl"), "--train-iters", "8", "--exit-interval", "6"))
+    os.remove(os.path.join(ckpt, layout.TRACKER))
+    before = fingerprint(ckpt)
+    with pytest.raises(CheckpointError) as e:
+        posttrain.main(argv(data, ckpt, str(tmp_path / "b.jsonl"), "--train-iters", "8"))
+    msg = str(e.value)
+    assert f"--load (= --save) {ckpt} holds complete iterations 2, 4, 6 but no {layout.TRACKER}" in msg, msg
+    assert f"echo 6 > {os.path.join(ckpt, layout.TRACKER)}" in msg and "--overwrite-output-dir" in msg, msg
+    assert fingerprint(ckpt) == before  # nothing overwritten
+    with open(os.path.join(ckpt, layout.TRACKER), "w") as f:
+        f.write("6")
+    posttrain.main(argv(data, ckpt, str(tmp_path / "c.jsonl"), "--train-iters", "8"))
+    assert sorted(read_metrics(str(tmp_path / "c.jsonl"))) == [7, 8] and layout.read_tracker(ckpt) == 8
+
+
+def test_rerun_by_hand_after_a_kill_before_the_first_save_logs_each_step_once(tmp_path, data, launcher):
+    """Killed after step 4, before the first checkpoint (steps 1-3 logged), then the same command by hand: it
+    starts from scratch and its steps replace the logged ones, as a torchrun restart's do."""
+    ckpt, metrics, log = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl"), str(tmp_path / "log")
+    args = argv(data, ckpt, metrics, "--train-iters", "5", "--save-interval", "5")
+    assert launcher(args, fault="step@4:kill", log_path=log) == -signal.SIGKILL, open(log).read()[-3000:]
+    with open(metrics) as f:
+        assert [r["iteration"] for r in map(json.loads, f) if r["split"] == "train"] == [1, 2, 3]
+    assert launcher(args, log_path=log) == 0, open(log).read()[-3000:]
+    with open(metrics) as f:
+        assert [r["iteration"] for r in map(json.loads, f) if r["split"] == "train"] == [1, 2, 3, 4, 5]
+    assert f"iterations 1-3 (3 steps), logged before, are run again and replaced in {metrics}" in open(log).read()

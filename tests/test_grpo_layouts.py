@@ -1,9 +1,14 @@
-"""GRPO and scoring are exact in every parallel layout: at TP2, PP2, CP2 and DP2 the policy step's
-loss and gradients equal a per-sample, unpadded transformers computation for each ``--loss-agg``
-mode, and ``--stage score`` writes transformers' per-sample log-probs and entropies.
+"""GRPO, scoring and the reward models are exact in every parallel layout: at TP2, PP2, CP2 and DP2 the
+policy step's loss and gradients equal a per-sample, unpadded transformers computation for each
+``--loss-agg`` mode, ``--stage score`` writes transformers' per-sample log-probs and entropies, and three
+steps of the outcome and process reward models (``--stage orm``, ``--stage prm``) equal the TP1 run's.
 
 One 2-process launch per layout runs one step per mode on the same rollouts (``--lr 0``: the
-weights stay, so the steps are comparable) and then scores them. Gradients are compared as
+weights stay, so the steps are comparable) and then scores them; then, from the same checkpoint, three
+training steps of ``--stage orm`` (at TP2 also with ``--sequence-parallel``: the score head's gathered
+rewards and its TP-summed gradient) and of ``--stage prm``, and ``--stage score`` of the rollouts' rewards
+with the saved reward model. Those are compared with the DP2 job's (TP1: no model parallelism), step by step
+(loss, grad norm, logged metrics). Gradients are compared as
 per-layer norms (embedding, each transformer layer, final norm, output layer): every rank sums
 the squares of its DP-reduced gradient shards, counting TP-replicated tensors once, and the
 model-parallel group adds them up; exact under any sharding, and fused QKV / gate-up tensors
@@ -56,8 +61,9 @@ def _layer_grad_norms(model) -> list:
     return squares.sqrt().tolist()
 
 
-def _layout_rank(ckpt: str, rollouts: str, out: str, flags: list) -> dict:
-    """One rank: a GRPO step per mode (loss, optimizer's grad norm, per-layer grad norms), then score."""
+def _layout_rank(ckpt: str, rollouts: str, out: str, flags: list, reward: dict) -> dict:
+    """One rank: a GRPO step per mode (loss, optimizer's grad norm, per-layer grad norms), then score; then the
+    reward models' steps (:func:`_reward_stages`)."""
     from mindspeed_pack.config.arguments import parse_args, per_split_data_args
     from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
     from mindspeed_pack.training.stages import stage_args
@@ -84,7 +90,60 @@ def _layout_rank(ckpt: str, rollouts: str, out: str, flags: list) -> dict:
         ScoreStage(args).score(trainer)
     finally:
         trainer.cleanup()
+    results.update(_reward_stages(ckpt, rollouts, flags, **reward))
     return results
+
+
+REWARD_COMMON = [*TINY_FLAGS, "--seq-length", str(S), "--neat-pack", "--micro-batch-size", "1", "--global-batch-size",
+                 "4", "--train-iters", "3", "--lr", "2e-3", "--min-lr", "2e-3", "--lr-warmup-iters", "0", "--seed", "7",
+                 "--finetune"]
+ORM_KEYS = ("lm loss", "grad norm", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+PRM_KEYS = ("lm loss", "grad norm", "accuracy")
+
+
+def _train_steps(argv: list) -> tuple:
+    """(the logged records of a posttrain run's steps, its trainer) in this job; the trainer is cleaned up."""
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
+    from mindspeed_pack.training.stages import get_stage, stage_args
+    from mindspeed_pack.training.trainer import Trainer
+
+    args = parse_args(argv, extra_args_provider=stage_args)
+    resolve_vocab_size(args)
+    stage = get_stage(args)
+    trainer = Trainer(args, stage.batch_source(args), stage)
+    trainer.setup()
+    try:
+        for chunk in trainer.model:
+            chunk.train()
+        records = [trainer.train_iteration() for _ in range(args.train_iters)]
+        if args.save:
+            trainer.save()
+    finally:
+        trainer.cleanup()
+    return records
+
+
+def _reward_stages(ckpt: str, rollouts: str, flags: list, pairs: str, steps: str, save: str, scored: str,
+                   sp: bool) -> dict:
+    """Three steps of --stage orm (saved; its rewards of the rollouts scored by --stage score) and of --stage prm,
+    from the language model ``ckpt``; at TP2 (``sp``) the ORM steps again under --sequence-parallel."""
+    from mindspeed_pack.training.stages.score import ScoreStage
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.training.stages import stage_args
+
+    orm = [*REWARD_COMMON, "--stage", "orm", "--load", ckpt, "--data-path", pairs, *flags]
+    out = {"orm": _train_steps([*orm, "--save", save]),
+           "prm": _train_steps([*REWARD_COMMON, "--stage", "prm", "--load", ckpt, "--data-path", steps, *flags])}
+    if sp:
+        out["orm sp"] = _train_steps([*orm, "--sequence-parallel"])
+    score = parse_args([*TINY_FLAGS, "--stage", "score", "--load", save, "--finetune", "--rollout-path", rollouts,
+                        "--score-output", scored, "--seq-length", str(S), "--micro-batch-size", "1",
+                        "--global-batch-size", "8", "--max-seqlen-per-dp-cp-rank", "64", *flags],
+                       extra_args_provider=stage_args)
+    assert score.reward_head  # the saved checkpoint records its score head
+    ScoreStage(score).run(score)
+    return out
 
 
 def _hf_group_norms(hf) -> list:
@@ -109,6 +168,9 @@ def setup(tmp_path_factory):
 
     from mindspeed_pack.convert import hf_to_megatron
     from tests.model_utils import write_converted_tiny_qwen2
+
+    from tests.pair_utils import random_pairs, write_pair_dataset
+    from tests.step_utils import random_step_samples, write_step_dataset
 
     root = tmp_path_factory.mktemp("grpo_layouts")
     ckpts = {"tp1": write_converted_tiny_qwen2(root)}
@@ -135,23 +197,42 @@ def setup(tmp_path_factory):
         loss.backward()
         expected[mode] = (float(loss.detach()), _hf_group_norms(hf))
     return {"root": root, "ckpts": ckpts, "rollouts": write_jsonl(root / "rollouts.jsonl", rows), "rows": rows,
-            "scores": scores, "expected": expected}
+            "scores": scores, "expected": expected,
+            "pairs": write_pair_dataset(str(root / "pairs"), random_pairs(40, seed=5)),
+            "steps": write_step_dataset(str(root / "steps"), random_step_samples(60, seed=6))}
+
+
+LAYOUTS = {"tp2": ("tp2", ["--tensor-model-parallel-size", "2"]), "pp2": ("pp2", ["--pipeline-model-parallel-size", "2"]),
+           "cp2": ("tp1", ["--context-parallel-size", "2"]), "dp2": ("tp1", [])}
+
+
+@pytest.fixture(scope="module")
+def layout_run(setup):
+    """``layout_run(name)``: the results of the layout's 2-process job, run once per module."""
+    done = {}
+
+    def run(layout):
+        if layout not in done:
+            ckpt, flags = LAYOUTS[layout]
+            root = setup["root"]
+            reward = {"pairs": setup["pairs"], "steps": setup["steps"], "save": str(root / f"orm_{layout}"),
+                      "scored": str(root / f"rewards_{layout}.jsonl"), "sp": layout == "tp2"}
+            done[layout] = run_distributed(_layout_rank, 2, setup["ckpts"][ckpt], setup["rollouts"],
+                                           str(root / f"scored_{layout}.jsonl"), flags, reward, timeout=600,
+                                           threads_per_process=1, env={"OMP_NUM_THREADS": "1"})
+        return done[layout]
+
+    return run
 
 
 def _rel(a, b):
     return abs(a - b) / abs(b)
 
 
-@pytest.mark.parametrize("layout,ckpt,flags", [
-    ("tp2", "tp2", ["--tensor-model-parallel-size", "2"]),
-    ("pp2", "pp2", ["--pipeline-model-parallel-size", "2"]),
-    ("cp2", "tp1", ["--context-parallel-size", "2"]),
-    ("dp2", "tp1", []),
-])
-def test_grpo_and_score_equal_per_sample_transformers(setup, layout, ckpt, flags):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_grpo_and_score_equal_per_sample_transformers(setup, layout_run, layout):
     out = str(setup["root"] / f"scored_{layout}.jsonl")
-    results = run_distributed(_layout_rank, 2, setup["ckpts"][ckpt], setup["rollouts"], out, flags,
-                              timeout=300, threads_per_process=1, env={"OMP_NUM_THREADS": "1"})
+    results = layout_run(layout)
     for mode, _ in STEPS:
         loss, grad_norm, norms = results[0][mode]
         expected_loss, expected_norms = setup["expected"][mode]
@@ -167,3 +248,29 @@ def test_grpo_and_score_equal_per_sample_transformers(setup, layout, ckpt, flags
         for field, theirs in (("old_logprobs", logp), ("entropy", entropy)):
             mine = torch.tensor(row[field], dtype=torch.float64)
             assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5, (layout, field)
+
+
+def _same_steps(mine: list, theirs: list, keys, what) -> None:
+    assert len(mine) == len(theirs) == 3, what
+    for a, b in zip(mine, theirs):
+        for k in keys:
+            assert abs(a[k] - b[k]) <= 1e-6 + 1e-5 * max(abs(a[k]), abs(b[k])), (what, a["iteration"], k, a[k], b[k])
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "cp2"])
+def test_reward_models_equal_tp1_over_three_steps(setup, layout_run, layout):
+    """--stage orm and --stage prm at TP2 (ORM also under --sequence-parallel), PP2 and CP2: the three steps' loss,
+    grad norm and metrics are the TP1 (DP2) job's, and so are the rewards --stage score writes with the saved
+    reward model. The same jobs as the GRPO checks above: no launch of its own when they ran."""
+    mine, tp1 = layout_run(layout)[0], layout_run("dp2")[0]
+    assert all(r["lr"] > 0 and r["grad norm"] > 0 for r in tp1["orm"] + tp1["prm"])  # the weights move
+    _same_steps(mine["orm"], tp1["orm"], ORM_KEYS, (layout, "orm"))
+    _same_steps(mine["prm"], tp1["prm"], PRM_KEYS, (layout, "prm"))
+    if layout == "tp2":
+        _same_steps(mine["orm sp"], tp1["orm"], ORM_KEYS, (layout, "orm --sequence-parallel"))
+    rewards = {}
+    for name in (layout, "dp2"):
+        with open(setup["root"] / f"rewards_{name}.jsonl") as f:
+            rewards[name] = torch.tensor([json.loads(line)["reward"] for line in f], dtype=torch.float64)
+    assert len(rewards[layout]) == len(setup["rows"])
+    assert float((rewards[layout] - rewards["dp2"]).abs().max() / rewards["dp2"].abs().max()) <= 1e-5

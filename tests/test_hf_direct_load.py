@@ -23,14 +23,7 @@ from mindspeed_pack.convert.model_specs import args_from_hf_config, get_spec
 from mindspeed_pack.convert.weight_map import hf_to_mg_unit, units
 from tests.dist_harness import run_distributed
 from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
-from tests.train_utils import run_posttrain, write_copy_task
-
-# the run's own flags; the model's shape comes from config.json. The schedule is given in full, so the
-# HF run gets no fine-tuning default (finetune_defaults.py) the converted checkpoint's run would not get
-RUN_FLAGS = ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--neat-pack",
-             "--train-iters", "1", "--lr", "1e-3", "--min-lr", "1e-3", "--lr-decay-style", "constant",
-             "--lr-warmup-iters", "0",
-             "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--log-interval", "1", "--eval-iters", "0"]
+from tests.train_utils import RUN_FLAGS, run_posttrain, write_copy_task
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +127,15 @@ def _assert_same_step(direct, converted):
 def test_direct_load_takes_the_converted_checkpoints_first_step(tiny, tmp_path):
     direct, converted = _direct_and_converted(tiny["hf"], tiny["mg"], tiny["data"], str(tmp_path), 1)
     _assert_same_step(direct, converted)
+
+
+def test_a_converted_checkpoint_needs_no_model_flags(tiny, tmp_path):
+    """The README's ``--load ckpt --finetune`` as written: the model flags come from the checkpoint's record
+    (as from config.json for a HF directory) and the first step is that of the run given all of them."""
+    run = [*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["mg"], "--finetune"]
+    bare = _first_step(run, f"{tmp_path}/bare.jsonl")
+    flagged = _first_step([*TINY_FLAGS, *run], f"{tmp_path}/flagged.jsonl")
+    _assert_same_step(bare, flagged)
 
 
 def _tp2_rank(hf, mg, data, out):

@@ -5,6 +5,7 @@ The multi-process layouts (TP/PP/CP/SP), DPO and the other stages are in ``test_
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -197,6 +198,18 @@ def test_save_holds_the_adapters_and_the_bases_fingerprint(qwen, trained):
     assert len(record["optimizer"]["state"]) == 28
 
 
+def test_load_of_a_lora_runs_save_is_refused_by_name(qwen, trained, capsys):
+    """``--load SAVE`` of a LoRA run (the README promises "refused by name"; it printed the usage and
+    "missing required arguments: --num-layers, ...") says to pass the base as --load and SAVE as --lora-load."""
+    with pytest.raises(SystemExit):
+        parse_args(["--data-path", qwen["data"], "--seq-length", "128", "--neat-pack", "--train-iters", "1",
+                    "--load", trained["save"]])
+    err = capsys.readouterr().err
+    assert f"--load {trained['save']} holds LoRA adapters (a LoRA run's --save), not a model: pass their base " \
+           f"({os.path.abspath(qwen['mg'])}) as --load, {trained['save']} as --lora-load" in err, err
+    assert "missing required arguments" not in err
+
+
 def _logits(module, ids):
     module.eval()
     with torch.no_grad():
@@ -243,16 +256,27 @@ def test_peft_and_merged_exports_give_the_trained_models_logits(qwen, trained, t
     assert float((_merged_logits(base_hf, ids) - mine).abs().max()) > 1e-2  # the adapters matter
 
 
-def test_bf16_exports_logit_difference_is_reported(qwen, tmp_path, capsys):
-    """bf16 training: the PEFT and merged exports (bf16 weights) against the trained model's bf16 logits."""
+@pytest.fixture(scope="module")
+def trained_bf16(qwen):
+    """Three bf16 LoRA steps, saved (the optimizer keeps an fp32 master copy of the adapters)."""
     init_single_process()
-    trainer = _trainer(qwen, str(tmp_path / "run"), "--bf16", "--save-hf", str(tmp_path / "peft"))
+    out = str(qwen["root"] / "run_bf16")
+    trainer = _trainer(qwen, out, "--bf16", "--save-hf", str(qwen["root"] / "run_bf16_peft"))
     trainer.setup()
     trainer.train()
+    trainer.cleanup()
+    return {"trainer": trainer, "save": out}
+
+
+def test_bf16_exports_logit_difference_is_reported(qwen, trained_bf16, tmp_path, capsys):
+    """bf16 training: the PEFT and merged exports (bf16 weights) against the trained model's bf16 logits."""
+    trainer = trained_bf16["trainer"]
     hf_checkpoint.save_hf(trainer.args, trainer.model, str(tmp_path / "peft"))
     trainer.args.lora_merge = True
-    hf_checkpoint.save_hf(trainer.args, trainer.model, str(tmp_path / "merged"))
-    trainer.cleanup()
+    try:
+        hf_checkpoint.save_hf(trainer.args, trainer.model, str(tmp_path / "merged"))
+    finally:
+        trainer.args.lora_merge = False
     ids = torch.randint(3, 200, (1, 48), generator=torch.Generator().manual_seed(5))
     mine = _logits(trainer.model[0].module, ids)
     peft_diff = float((_peft_logits(qwen["hf"], str(tmp_path / "peft"), ids, torch.bfloat16) - mine).abs().max())
@@ -262,6 +286,46 @@ def test_bf16_exports_logit_difference_is_reported(qwen, tmp_path, capsys):
         print(f"\nbf16 LoRA exports: max |logit diff| PEFT {peft_diff:.4f}, merged {merged_diff:.4f} "
               f"(logits up to {scale:.2f})")
     assert peft_diff <= 0.05 * scale and merged_diff <= 0.05 * scale
+
+
+def test_bf16_adapter_checkpoint_reshards_with_its_fp32_master_copy(trained_bf16, tmp_path):
+    """convert_ckpt.py mg->mg of a bf16 LoRA run's checkpoint: at TP2 each rank holds its slice of the fp32
+    master copy beside its bf16 adapters (B of linear_qkv by rows, A of linear_proj by columns), and back at TP1
+    every tensor of the model and optimizer state is bit-identical to the saved one."""
+    from mindspeed_pack.convert import megatron_layout as layout
+
+    def reshard(load, save, tp):
+        assert convert_main(["--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", load, "--save-dir",
+                             save, "--target-tensor-parallel-size", str(tp)]) == 0
+        return [layout.load_file(layout.checkpoint_file(save, 3, t, 0, 1)) for t in range(tp)]
+
+    saved = layout.load_file(layout.checkpoint_file(trained_bf16["save"], 3, 0, 0, 1))
+    tp2 = reshard(trained_bf16["save"], str(tmp_path / "tp2"), 2)
+    names = list(saved["model"])
+    for name, rows, cols in (("decoder.layers.1.self_attention.linear_qkv.lora_B.k_proj", 2, 1),
+                             ("decoder.layers.1.self_attention.linear_proj.lora_A.o_proj", 1, 2)):
+        i = names.index(name)
+        master = saved["optimizer"]["fp32_from_fp16_params"][0][i]
+        for t, rank in enumerate(tp2):
+            assert rank["model"][name].dtype == torch.bfloat16, name
+            j = list(rank["model"]).index(name)
+            shard = rank["optimizer"]["fp32_from_fp16_params"][0][j]
+            h, w = master.shape[0] // rows, master.shape[1] // cols
+            expected = master[t * h:(t + 1) * h] if rows == 2 else master[:, t * w:(t + 1) * w]
+            assert shard.dtype == torch.float32 and torch.equal(shard, expected), (name, t)
+    (back,) = reshard(str(tmp_path / "tp2"), str(tmp_path / "back"), 1)
+    for key in ("model", "optimizer", "opt_param_scheduler", "iteration", "consumed_samples", "lora"):
+        assert _equal(saved[key], back[key]), key
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 # --------------------------------------------------------------------------- bad input
@@ -293,6 +357,75 @@ def test_adapters_of_another_base_are_refused(qwen, trained, tmp_path, capsys):
     code, line = _exit([*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", qwen["hf"], "--lora-load",
                         trained["save"], "--lora-r", "8"], capsys)
     assert code == 2 and "--lora-r: checkpoint 4, flags 8" in line
+
+
+def _peft_export(qwen, trained, out):
+    assert convert_main(["--load-model-type", "mg", "--load-dir", qwen["mg"], "--lora-load", trained["save"],
+                         "--save-model-type", "hf", "--save-dir", str(out)]) == 0
+    return str(out)
+
+
+def test_peft_dir_of_other_settings_or_another_base_is_refused_by_name(qwen, trained, tmp_path, capsys):
+    """--lora-load PEFT_DIR: LoRA flags that differ from adapter_config.json, settings this trainer cannot
+    express (DoRA), adapters missing on a layer, and a --load that is not the base the export records."""
+    import json
+    import shutil
+
+    peft_dir = _peft_export(qwen, trained, tmp_path / "peft")
+    argv = [*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", qwen["mg"], "--lora-load", peft_dir]
+    code, line = _exit([*argv, "--lora-r", "8", "--lora-target-modules", "q_proj", "v_proj"], capsys)
+    assert code == 2 and f"--lora-load {peft_dir}: the LoRA flags differ from the adapters' (--lora-r: " \
+        "adapter_config.json 4, flags 8; --lora-target-modules: adapter_config.json down_proj gate_proj k_proj " \
+        "o_proj q_proj up_proj v_proj, flags q_proj v_proj)" in line, line
+    dora = str(tmp_path / "dora")
+    shutil.copytree(peft_dir, dora)
+    config = json.load(open(os.path.join(dora, adapters.ADAPTER_CONFIG)))
+    json.dump({**config, "use_dora": True}, open(os.path.join(dora, adapters.ADAPTER_CONFIG), "w"))
+    code, line = _exit([*argv[:-1], dora], capsys)
+    assert code == 2 and "adapter_config.json: use_dora true (DoRA): this trainer's adapters are plain LoRA" in line
+    from safetensors.torch import load_file, save_file
+
+    gap = str(tmp_path / "gap")
+    shutil.copytree(peft_dir, gap)
+    weights = os.path.join(gap, adapters.ADAPTER_WEIGHTS)
+    save_file({k: v for k, v in load_file(weights).items() if ".layers.1.mlp." not in k}, weights)
+    code, line = _exit([*argv[:-1], gap], capsys)
+    assert code == 2 and "layer 1 holds ['k_proj.lora_A', 'k_proj.lora_B', 'o_proj.lora_A', 'o_proj.lora_B', " \
+        "'q_proj.lora_A', 'q_proj.lora_B', 'v_proj.lora_A', 'v_proj.lora_B'], the others lora_A and lora_B of " \
+        "['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']" in line, line
+    code, line = _exit([*argv[:-4], "--load", qwen["other_hf"], "--lora-load", peft_dir], capsys)
+    assert code == 2 and line.startswith(f"posttrain.py: error: --lora-load {peft_dir}: the adapters were trained "
+                                         f"on the base {os.path.abspath(qwen['mg'])}"), line
+
+
+def test_adapters_are_accepted_on_a_reshard_of_their_megatron_base(qwen, trained, tmp_path, capsys):
+    """A Megatron base's fingerprint is its files', which a reshard changes (TP2's files are others): the reshard
+    records the bases it came from, so the adapters trained on qwen/mg are accepted on its TP2 reshard (export) and
+    on that one's reshard back to TP1 (training), and a reshard of another model is still refused."""
+    import posttrain
+
+    def reshard(load, save, tp):
+        assert convert_main(["--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", load, "--save-dir",
+                             save, "--target-tensor-parallel-size", str(tp)]) == 0
+        return save
+
+    tp2 = reshard(qwen["mg"], str(tmp_path / "base_tp2"), 2)
+    assert convert_main(["--load-model-type", "mg", "--load-dir", tp2, "--lora-load", trained["save"],
+                         "--save-model-type", "hf", "--save-dir", str(tmp_path / "peft")]) == 0
+    back = reshard(tp2, str(tmp_path / "base_back"), 1)
+    assert adapters.same_weights_as(back) == [adapters.fingerprint(tp2), adapters.fingerprint(qwen["mg"])]
+    argv = [*TINY_FLAGS, *RUN, "--train-iters", "4", "--data-path", qwen["data"], "--load", back, "--lora-load",
+            trained["save"]]
+    code, line = _exit(argv, capsys)  # past the base check: the schedule (now named by the flag it came from)
+    assert code == 2 and f"--lora-load {trained['save']}: the learning-rate schedule differs" in line, line
+    posttrain.main([*argv, "--lr-decay-iters", "3", "--metrics-file", str(tmp_path / "m.jsonl")])
+    assert [json.loads(line)["iteration"] for line in open(tmp_path / "m.jsonl")
+            if json.loads(line).get("split") == "train"] == [4]
+    other = reshard(str(qwen["root"] / "other" / "mg"), str(tmp_path / "other_tp2"), 2)
+    capsys.readouterr()
+    assert convert_main(["--load-model-type", "mg", "--load-dir", other, "--lora-load", trained["save"],
+                         "--save-model-type", "hf", "--save-dir", str(tmp_path / "refused")]) == 2
+    assert "the adapters were trained on the base" in capsys.readouterr().err
 
 
 def test_dry_run_memory_counts_adapters_not_the_frozen_base():

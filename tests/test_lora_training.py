@@ -1,10 +1,12 @@
 """LoRA end to end (posttrain.py, pretrain_gpt.py; multi-process): TP2 x PP2 and CP2 x TP2 + SP (with the
 distributed optimizer) train exactly as TP1 and their saved adapter shards export the same PEFT adapters;
-DPO's reference is the base with the adapters off (step 1 is log 2) and a resume is exact; pretraining
-and GRPO train the adapters only. The single-process guarantees (PEFT's math, frozen base, exports,
-errors) are in ``test_lora.py``."""
+TP2 x PP2 adapter checkpoints resharded to TP1 and to TP1 x PP2 continue as the TP2 x PP2 run does, and a
+PEFT export loads at TP2; DPO's reference is the base with the adapters off (step 1 is log 2) and a resume
+is exact; pretraining and GRPO train the adapters only. The single-process guarantees (PEFT's math, frozen
+base, exports, errors) are in ``test_lora.py``."""
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -45,8 +47,8 @@ def _peft(setup, save, name):
     return load_file(os.path.join(out, adapters.ADAPTER_WEIGHTS))
 
 
-def _same_steps(a, b, rel=1e-5):
-    assert [r["iteration"] for r in a] == [r["iteration"] for r in b] == list(range(1, len(a) + 1))
+def _same_steps(a, b, rel=1e-5, first=1):
+    assert [r["iteration"] for r in a] == [r["iteration"] for r in b] == list(range(first, first + len(a)))
     for ra, rb in zip(a, b):
         for key in ("lm loss", "grad norm"):
             assert abs(ra[key] - rb[key]) <= rel * abs(rb[key]), (ra["iteration"], key, ra[key], rb[key])
@@ -61,14 +63,31 @@ def tp1(setup):
     return {"steps": steps, "save": save, "peft": _peft(setup, save, "tp1")}
 
 
-@pytest.mark.parametrize("name,flags", [
-    ("tp2pp2", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
-    ("cp2tp2sp", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                  "--use-distributed-optimizer"]),
-])
-def test_layouts_train_as_tp1_and_their_shards_export_the_same_adapters(setup, tp1, name, flags):
-    save = str(setup["root"] / name)
-    _, steps = _run(setup, name, ["--data-path", setup["data"], "--save", save, *flags], nproc=4)
+LAYOUTS = {
+    "tp2pp2": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    "cp2tp2sp": ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                 "--use-distributed-optimizer"],
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(setup):
+    """The 4-rank runs of :data:`LAYOUTS`, each run once (on first use) and saved at every iteration."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            save = str(setup["root"] / name)
+            _, steps = _run(setup, name, ["--data-path", setup["data"], "--save", save, "--save-interval", "1",
+                                          *LAYOUTS[name]], nproc=4)
+            runs[name] = {"steps": steps, "save": save}
+        return runs[name]
+    return run
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS, reverse=True))
+def test_layouts_train_as_tp1_and_their_shards_export_the_same_adapters(setup, tp1, layouts, name):
+    save, steps = layouts(name)["save"], layouts(name)["steps"]
     _same_steps(steps, tp1["steps"])
     exported = _peft(setup, save, name)
     assert set(exported) == set(tp1["peft"]) and len(exported) == 28
@@ -92,6 +111,91 @@ def test_merged_export_of_a_hf_base_equals_the_peft_export(setup, tp1):
     assert float((a - b).abs().max()) <= 1e-5
 
 
+# --------------------------------------------------------------------------- another layout
+def _at_iteration(setup, save, iteration, name):
+    """A copy of checkpoint directory ``save`` whose tracker names ``iteration``."""
+    copy = str(setup["root"] / name)
+    shutil.copytree(save, copy)
+    layout.write_tracker(copy, iteration)
+    return copy
+
+
+def _reshard(load, save, tp, pp):
+    return convert_main(["--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", load, "--save-dir", save,
+                         "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp)])
+
+
+def _same_tensors(a, b, where):
+    """The same structure, with bit-identical tensors."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            _same_tensors(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same_tensors(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_tp2pp2_adapters_resharded_to_tp1_and_pp2_continue_as_the_tp2pp2_run(setup, layouts):
+    """convert_ckpt.py mg->mg of a LoRA run's checkpoint (issue 40: it answered "resharding them is not
+    supported", and --lora-load at another layout sent users to that command; the command it prints now does
+    the job): TP2 x PP2's iteration 1, resharded to TP1 and to TP1 x PP2, continues with the TP2 x PP2 run's losses and grad norms at steps 2-3
+    (rel <= 1e-5: the layouts sum the row-parallel products in another order, so bits differ, as TP2 x PP2
+    differs from TP1; without the Adam moments step 3's loss is off by rel 2.7e-4). Back to TP2 x PP2, every rank
+    file is bit-identical to the saved one but for the RNG states, which no other layout can use."""
+    source = layouts("tp2pp2")
+    at1 = _at_iteration(setup, source["save"], 1, "tp2pp2_at1")
+    proc, _ = _run(setup, "tp1_refused", ["--data-path", setup["data"], "--lora-load", at1], check=False)
+    command = proc.stderr.split("reshard it first: python convert_ckpt.py ", 1)[1].split(";", 1)[0].split()
+    out = str(setup["root"] / "reshard_tp1")
+    assert proc.returncode != 0 and convert_main([out if a == "NEW_DIR" else a for a in command]) == 0  # no circle
+    for name, pp, nproc in (("tp1", 1, 1), ("tp1pp2", 2, 2)):
+        out = str(setup["root"] / f"reshard_{name}")
+        if pp > 1:
+            assert _reshard(at1, out, 1, pp) == 0
+        proc, steps = _run(setup, f"continued_{name}", ["--data-path", setup["data"], "--lora-load", out,
+                                                         "--pipeline-model-parallel-size", str(pp)], nproc=nproc)
+        assert "RNG states belong to that layout's ranks and were not carried" in proc.stderr
+        _same_steps(steps, source["steps"][1:], first=2)
+    back = str(setup["root"] / "reshard_back")
+    assert _reshard(str(setup["root"] / "reshard_tp1"), back, 2, 2) == 0
+    for rank_dir in ("mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"):
+        saved, again = (layout.load_file(os.path.join(d, "iter_0000001", rank_dir, "model_optim_rng.pt"))
+                        for d in (at1, back))
+        assert "rng_state" in saved and "rng_state" not in again and again["resharded_from"] == "TP1 PP1 EP1"
+        for key in ("model", "optimizer", "opt_param_scheduler", "iteration", "consumed_samples", "lora", "args"):
+            _same_tensors(saved[key], again[key], f"{rank_dir}: {key}")
+
+
+def test_reshard_of_a_distributed_optimizer_checkpoint_is_refused_by_name(setup, layouts, capsys):
+    """megatron's distributed optimizer keeps the moments in flat buffers of the saved layout's buckets."""
+    out = str(setup["root"] / "reshard_distopt")
+    capsys.readouterr()
+    assert _reshard(layouts("cp2tp2sp")["save"], out, 1, 1) == 2
+    err = capsys.readouterr().err
+    assert "distributed optimizer (--use-distributed-optimizer)" in err and "distrib_optim.pt" in err
+    assert "--lora-load PEFT_DIR" in err and not os.path.exists(out)
+
+
+def test_a_peft_export_loads_at_tp2_with_its_runs_loss_and_its_lora_flags(setup, tp1):
+    """--lora-load PEFT_DIR at TP2 with no LoRA flag (they come from adapter_config.json): the first loss and
+    grad norm of the TP1 run's exported adapters are those of that run's checkpoint loaded as weights at TP1
+    (--finetune; rel <= 1e-5 between the layouts)."""
+    one = ["--data-path", setup["data"], "--train-iters", "1"]
+    _, ref = _run(setup, "tp1_finetune", [*one, "--lora-load", tp1["save"], "--finetune"])
+    no_lora = BASE[:-len(LORA)]
+    proc, steps = _run(setup, "peft_tp2", [*one, "--lora-load", str(setup["root"] / "tp1_peft"),
+                                           "--tensor-model-parallel-size", "2"], nproc=2, base=no_lora)
+    assert "LoRA flags from its adapter_config.json: --lora-alpha 8.0 --lora-dropout 0.0 --lora-r 4" in proc.stderr
+    _same_steps(steps, ref)
+    assert ref[0]["lm loss"] < tp1["steps"][0]["lm loss"] - 0.1  # the adapters are trained ones, not zero
+
+
 # --------------------------------------------------------------------------- DPO
 def test_dpo_reference_is_the_base_with_adapters_off_and_resume_is_exact(setup):
     from tests.pair_utils import random_pairs, write_pair_dataset
@@ -109,6 +213,11 @@ def test_dpo_reference_is_the_base_with_adapters_off_and_resume_is_exact(setup):
     for a, b in zip(resumed, steps[2:]):
         assert a["lm loss"] == b["lm loss"] and a["grad norm"] == b["grad norm"] and \
             a["rewards/margins"] == b["rewards/margins"]
+    # the first command again (as after a crash): it resumes the adapters from its own --save
+    proc, again = _run(setup, "dpo_again", [*dpo, "--save", save, "--save-interval", "2"])
+    assert f"resumed from {save} at iteration 2" in proc.stderr, proc.stderr[-3000:]
+    assert [(r["iteration"], r["lm loss"], r["grad norm"]) for r in again] == \
+        [(r["iteration"], r["lm loss"], r["grad norm"]) for r in steps[2:]]
 
 
 # --------------------------------------------------------------------------- the other stages

@@ -242,6 +242,27 @@ def test_pad_id_equal_to_eos_routes_every_real_eos_and_no_pad(megatron):
     assert float(load.sum()) == TOPK * int(real.sum())
 
 
+def test_a_scoring_pass_routes_by_its_own_micro_batch(megatron):
+    """Reference / KL scoring runs the policy between training micro-batches: its routers must not keep the last
+    micro-batch's samples (there, tokens 7.. were padding: routed to no expert, their log-probs wrong)."""
+    from mindspeed_pack.model import moe
+    from mindspeed_pack.packing.segments import build_packed_batch
+    from mindspeed_pack.training.batches import packed_seq_params
+    from mindspeed_pack.training.stages.reference import score_sequences
+    from mindspeed_pack.training.stages.sequences import sequence_logps
+
+    model, _ = megatron
+    batch = build_packed_batch(*pack_rows([[0, 1, 2, 3]], 64))
+    moe.set_routing_segments(model, batch.routing_segments)
+    with torch.no_grad():
+        out = model(batch.tokens, batch.position_ids, None, labels=batch.target,
+                    packed_seq_params=packed_seq_params(batch))
+    expected, _ = sequence_logps(batch, out)
+    moe.set_routing_segments(model, build_packed_batch(*pack_rows([[1]], 64)).routing_segments)  # the last step's
+    (scored,) = score_sequences([model], [batch], 64)
+    assert torch.allclose(scored.float(), expected, rtol=1e-6, atol=1e-5), (scored, expected)
+
+
 def test_shared_expert_family_is_refused_by_name(tmp_path):
     import transformers
 

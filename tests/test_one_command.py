@@ -25,6 +25,7 @@ from mindspeed_pack.datasets.packed_documents import DataError, PackedDocuments,
 from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.stages.sft import SFTStage
 from mindspeed_pack.training.trainer import run
+from tests.data_utils import read_metrics
 from tests.train_utils import run_posttrain, train_losses
 
 SHAREGPT = ["--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "qwen"]
@@ -186,3 +187,116 @@ def test_two_ranks_preprocess_once_and_train_on_the_same_packs(assets, trained, 
     a, b = train_losses(records), train_losses(one_rank)
     assert len(a) == len(b) and max(abs(x - y) / abs(y) for x, y in zip(a, b)) <= 1e-5, (a, b)
     assert json.loads(open(tmp_path / "two_ranks.jsonl").readline())["split"] == "setup"
+
+
+# ------------------------------------------------------------------ a crash of the one command loses nothing
+RESUME_ITERS = 6
+
+
+def resume_argv(assets, save, *extra):
+    """The one command with --save S (a save every 2 steps): the run a crash interrupts."""
+    return one_command(assets, "--train-iters", str(RESUME_ITERS), "--save", str(save), "--save-interval", "2",
+                       "--data-cache-path", str(assets["root"] / "cache"), *extra)
+
+
+def train_iterations(path):
+    with open(path) as f:
+        return [r["iteration"] for r in map(json.loads, f) if r.get("split") == "train"]
+
+
+def assert_same_steps(got, want, tolerance=1e-6):
+    assert sorted(got) == list(range(1, RESUME_ITERS + 1)), sorted(got)
+    for it in got:
+        for key in ("lm loss", "grad norm", "lr"):
+            assert abs(got[it][key] - want[it][key]) <= tolerance * abs(want[it][key]), (it, key, got[it], want[it])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(assets, tmp_path_factory):
+    """{ranks: (train records by iteration, final weights)} of the uninterrupted one command."""
+    from mindspeed_pack.convert import megatron_layout as layout
+
+    out = {}
+    for nproc in (1, 2):
+        d = tmp_path_factory.mktemp(f"uninterrupted{nproc}")
+        run_posttrain(resume_argv(assets, d / "save"), nproc=nproc, model_flags=(), metrics=str(d / "m.jsonl"))
+        weights = layout.load_file(layout.checkpoint_file(str(d / "save"), RESUME_ITERS, 0, 0, 1))["model"]
+        out[nproc] = ({r["iteration"]: r for r in read_jsonl(d / "m.jsonl") if r.get("split") == "train"}, weights)
+    return out
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.mark.slow
+def test_one_command_killed_under_torchrun_resumes_from_save(assets, uninterrupted, tmp_path):
+    """rank 1 SIGKILLed after step 5 (S holds iteration 4): torchrun's restart resumes from S at iteration 4,
+    says so, and the job ends with the uninterrupted job's steps, each logged once."""
+    from tests.dist_harness import free_port, run_torchrun
+    from tests.train_utils import ROOT
+
+    save, metrics = tmp_path / "save", str(tmp_path / "m.jsonl")
+    proc = run_torchrun([os.path.join(ROOT, "posttrain.py"), *resume_argv(assets, save, "--metrics-file", metrics)],
+                        2, launcher_args=["--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                                          "--max-restarts", "1"],
+                        env={"OMP_NUM_THREADS": "1", "MINDSPEED_PACK_FAULT": "step@5:kill:rank1"}, cwd=ROOT,
+                        timeout=420)
+    out = proc.stdout + proc.stderr
+    assert "killing this process at step@5" in out, out[-4000:]
+    resumed = [line for line in out.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1 and f"resumed from {save} at iteration 4 (torchrun restart 1)" in resumed[0], resumed
+    assert train_iterations(metrics) == list(range(1, RESUME_ITERS + 1))
+    assert_same_steps(read_metrics(metrics), uninterrupted[2][0])
+    assert open(save / "latest_checkpointed_iteration.txt").read() == str(RESUME_ITERS)
+
+
+def test_one_command_rerun_by_hand_after_a_kill_resumes_from_save(assets, uninterrupted, tmp_path):
+    """Killed after step 5, then the same command again: it resumes from S at iteration 4 (steps 5 and 6
+    only), ends with the uninterrupted run's steps and weights, and never moves S's tracker back."""
+    from mindspeed_pack.convert import megatron_layout as layout
+
+    save = tmp_path / "save"
+    first, _ = run_posttrain(resume_argv(assets, save), model_flags=(), metrics=str(tmp_path / "a.jsonl"),
+                             check=False, env={"MINDSPEED_PACK_FAULT": "step@5:kill"})
+    assert first.returncode == -9 and layout.read_tracker(str(save)) == 4, first.stderr[-3000:]
+    proc, _ = run_posttrain(resume_argv(assets, save), model_flags=(), metrics=str(tmp_path / "b.jsonl"))
+    assert f"resumed from {save} at iteration 4" in proc.stderr, proc.stderr[-3000:]
+    assert train_iterations(tmp_path / "b.jsonl") == [5, 6]
+    merged = {**read_metrics(str(tmp_path / "a.jsonl")), **read_metrics(str(tmp_path / "b.jsonl"))}
+    want, want_weights = uninterrupted[1]
+    assert_same_steps(merged, want)
+    weights = layout.load_file(layout.checkpoint_file(str(save), RESUME_ITERS, 0, 0, 1))["model"]
+    assert weights.keys() == want_weights.keys() and all(torch.equal(weights[k], want_weights[k]) for k in weights)
+    # the finished run again: nothing to train, nothing overwritten
+    again, _ = run_posttrain(resume_argv(assets, save), model_flags=(), metrics=str(tmp_path / "c.jsonl"))
+    assert f"resumed from {save} at iteration {RESUME_ITERS}" in again.stderr and "nothing to train" in again.stderr
+    assert layout.read_tracker(str(save)) == RESUME_ITERS
+
+
+def test_one_command_refuses_a_save_holding_another_runs_checkpoint(assets, tmp_path):
+    """S holds a checkpoint of a run with another --lr: refused, naming the flag that differs and the way to
+    start over; with that flag the run starts from the Hugging Face weights and replaces S's checkpoints."""
+    from mindspeed_pack.convert import megatron_layout as layout
+
+    save = tmp_path / "save"
+    first, _ = run_posttrain(resume_argv(assets, save), model_flags=(), check=False,
+                             env={"MINDSPEED_PACK_FAULT": "step@3:kill"})
+    assert first.returncode == -9 and layout.read_tracker(str(save)) == 2, first.stderr[-3000:]
+    proc, _ = run_posttrain(resume_argv(assets, save, "--lr", "2e-3"), model_flags=(), check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    error = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"--save {save} holds iteration 2 of another run" in error[0] and "--lr 0.002 here, 0.001 there" in \
+        error[0] and "--overwrite-output-dir" in error[0], error
+    assert layout.read_tracker(str(save)) == 2
+    proc, records = run_posttrain(resume_argv(assets, save, "--lr", "2e-3", "--overwrite-output-dir"),
+                                  model_flags=(), metrics=str(tmp_path / "over.jsonl"))
+    assert [r["iteration"] for r in records if r["split"] == "train"] == list(range(1, RESUME_ITERS + 1))
+    assert "--overwrite-output-dir" in proc.stderr and layout.read_tracker(str(save)) == RESUME_ITERS
+    # a torchrun restart of that job resumes what it saved, instead of starting over again
+    proc, _ = run_posttrain(resume_argv(assets, save, "--lr", "2e-3", "--overwrite-output-dir"), model_flags=(),
+                            env={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert f"resumed from {save} at iteration {RESUME_ITERS} (torchrun restart 1)" in proc.stderr, proc.stderr[-3000:]
+    assert layout.read_tracker(str(save)) == RESUME_ITERS

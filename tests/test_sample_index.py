@@ -1,5 +1,6 @@
 """Guarantees of the training sample index: epoch structure, seeding, padding, on-disk cache."""
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -160,8 +161,8 @@ def test_bad_arguments_raise(kwargs, message):
 def test_cache_hit_returns_the_same_array(tmp_path, monkeypatch):
     args = dict(seed=11, shuffle=True, padded_samples=True, global_batch_size=8, tag="data/prefix")
     first = get_sample_index(str(tmp_path), 37, 500, **args)
-    files = [f for f in os.listdir(tmp_path)]
-    assert len(files) == 1 and files[0].endswith(".npy"), files
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 2 and files[0].endswith(".json") and files[1] == files[0][:-5] + ".npy", files  # + record
     assert isinstance(first, np.memmap)
 
     def must_not_rebuild(*a, **k):
@@ -185,7 +186,7 @@ def test_any_changed_input_changes_the_cache_key():
 def test_changed_input_writes_a_new_file_and_a_corrupt_file_is_rebuilt(tmp_path):
     a = get_sample_index(str(tmp_path), 20, 40, seed=1, shuffle=True, padded_samples=False, global_batch_size=1)
     b = get_sample_index(str(tmp_path), 20, 40, seed=2, shuffle=True, padded_samples=False, global_batch_size=1)
-    assert len(os.listdir(tmp_path)) == 2 and not np.array_equal(a, b)
+    assert len(os.listdir(tmp_path)) == 4 and not np.array_equal(a, b)  # two indices and their records
     # A truncated file (e.g. from a crashed writer that bypassed the rename) is rebuilt, not trusted.
     path = tmp_path / f"sample_index_{sample_index_key(20, 40, seed=1, shuffle=True, padded_samples=False, global_batch_size=1)}.npy"
     path.write_bytes(path.read_bytes()[:100])
@@ -206,3 +207,35 @@ def test_no_cache_dir_builds_in_memory():
     index = get_sample_index(None, 5, 7, seed=0, shuffle=False, padded_samples=False, global_batch_size=1)
     assert index.tolist() == [0, 1, 2, 3, 4, 0, 1]
 
+
+
+def test_a_cache_file_is_checked_against_what_built_it_not_trusted_by_its_name(tmp_path, caplog):
+    """Another seed's index copied under this run's name, or one with out-of-range values, is rebuilt (with a
+    warning saying why), never used: the cache records what built it and its bytes' digest."""
+    import logging
+
+    key = sample_index_key(20, 40, seed=1, shuffle=True, padded_samples=False, global_batch_size=1)
+    other = get_sample_index(str(tmp_path / "other"), 20, 40, seed=2, shuffle=True, padded_samples=False,
+                             global_batch_size=1)
+    os.makedirs(tmp_path / "run")
+    np.save(tmp_path / "run" / f"sample_index_{key}.npy", np.asarray(other))
+    want = build_sample_index(20, 40, seed=1)
+    assert not np.array_equal(other, want)
+    with caplog.at_level(logging.WARNING):
+        got = get_sample_index(str(tmp_path / "run"), 20, 40, seed=1, shuffle=True, padded_samples=False,
+                               global_batch_size=1)
+    assert np.array_equal(got, want) and "rebuilding it" in caplog.text
+    # the record copied along with another seed's file names the seed that built it
+    for name in os.listdir(tmp_path / "other"):
+        shutil.copy(tmp_path / "other" / name, tmp_path / "run" / name.replace(
+            sample_index_key(20, 40, seed=2, shuffle=True, padded_samples=False, global_batch_size=1), key))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        got = get_sample_index(str(tmp_path / "run"), 20, 40, seed=1, shuffle=True, padded_samples=False,
+                               global_batch_size=1)
+    assert np.array_equal(got, want) and "rebuilding it" in caplog.text
+    # values past the documents (same dtype and shape)
+    np.save(tmp_path / "run" / f"sample_index_{key}.npy", np.full(40, 99, dtype=np.int64))
+    got = get_sample_index(str(tmp_path / "run"), 20, 40, seed=1, shuffle=True, padded_samples=False,
+                           global_batch_size=1)
+    assert np.array_equal(got, want)

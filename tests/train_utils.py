@@ -13,6 +13,14 @@ def write_copy_task(prefix, num_packs=48, seq_length=128, seed=0, neat_pack=True
                                             neat_pack=neat_pack, meta=meta)
 
 
+# a one-step run's own flags; a HF --load takes the model's shape from config.json. The schedule is given in
+# full, so a HF run gets no fine-tuning default (finetune_defaults.py) a converted checkpoint's run would not get
+RUN_FLAGS = ["--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4", "--neat-pack",
+             "--train-iters", "1", "--lr", "1e-3", "--min-lr", "1e-3", "--lr-decay-style", "constant",
+             "--lr-warmup-iters", "0",
+             "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--log-interval", "1", "--eval-iters", "0"]
+
+
 def tiny_argv(data, *extra):
     """posttrain flags of a one-step tiny --neat-pack run on ``data`` (in-process tests)."""
     return [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "2",
@@ -37,8 +45,33 @@ def run_posttrain(extra, nproc=1, metrics=None, timeout=600, check=True, env=Non
     return proc, records
 
 
+def run_posttrain_runs(runs, nproc=1, timeout=600, env=None, model_flags=TINY_FLAGS):
+    """Several posttrain.py runs one after the other in the same ``nproc`` processes: one job, started once,
+    its process groups made once, so every run has the same parallel layout (e.g. one layout's DPO, SimPO and
+    ORPO runs). ``runs``: [(argv, metrics file)]. Returns (the job's completed process, each run's records)."""
+    argvs = [[*model_flags, *argv, "--metrics-file", metrics] for argv, metrics in runs]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = run_script("posttrain.py", argvs[0], nproc=nproc, env=full_env, cwd=ROOT, timeout=timeout, then=argvs[1:])
+    if proc.returncode != 0:
+        raise AssertionError(f"posttrain.py runs failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    records = []
+    for _, metrics in runs:
+        with open(metrics) as f:
+            records.append([r for r in (json.loads(line) for line in f if line.strip()) if r.get("split") != "setup"])
+    return proc, records
+
+
 def train_losses(records):
     return [r["lm loss"] for r in records if r["split"] == "train"]
+
+
+def first_loss(argv, metrics):
+    """The first step's loss of an in-process ``posttrain.py`` run (``argv``, metrics written to ``metrics``)."""
+    import posttrain
+
+    posttrain.main([*argv, "--metrics-file", metrics])
+    with open(metrics) as f:
+        return train_losses(json.loads(line) for line in f if line.strip())[0]
 
 
 def sft_trainer(args, batch_source):

@@ -9,6 +9,8 @@
 # ShareGPT data instead of Alpaca:
 #   HANDLER=SharegptStyleInstructionHandler MAP_KEYS='{"messages": "conversations"}' bash ...
 # 32k packs for context-parallel training: data_convert_qwen25_instruction_pack_32k_cp.sh (SEQ_LEN, PAD_MULTIPLE).
+# One sample per document, packed at load time by training (dynamic CP): data_convert_qwen25_instruction_dynamic_cp.sh
+# (PACK=0, SEQ_LEN = the longest sample).
 # PRINT_ARGS=1 prints the Python entry point and its arguments one per line (for tests/test_example_flags.py).
 set -euo pipefail
 
@@ -28,6 +30,9 @@ SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of tune_qwen25_7b_4k_full_p
 # 2 x CP x TP of the training (it uses --sequence-parallel), so training adds no padding.
 PAD_MULTIPLE=${PAD_MULTIPLE:-1}
 WORKERS=${WORKERS:-8}
+# 1: neat packs of SEQ_LEN tokens. 0: one sample per document (SEQ_LEN truncates), for training's online packing
+# (--sequence-packing-scheduler dp_balanced / default_dynamic_cp).
+PACK=${PACK:-1}
 
 # --neat-pack stores each sample's segment id in attention_mask, so training isolates the samples of a
 # pack. No --append-eod: the qwen template already ends every answer with <|im_end|> (the EOS).
@@ -45,6 +50,13 @@ PREPROCESS_ARGS=(
     --workers "$WORKERS"
     --log-interval 1000
 )
+if [[ "$PACK" != 1 ]]; then  # one sample per document: training packs at load time
+    UNPACKED=()
+    for arg in "${PREPROCESS_ARGS[@]}"; do
+        [[ "$arg" == --pack || "$arg" == --neat-pack ]] || UNPACKED+=("$arg")
+    done
+    PREPROCESS_ARGS=("${UNPACKED[@]}")
+fi
 if (( PAD_MULTIPLE > 1 )); then
     PREPROCESS_ARGS+=(--pad-to-multiple-of "$PAD_MULTIPLE")
 fi

@@ -54,6 +54,10 @@ SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of the data script: one pac
 MBS=${MBS:-1}
 GBS=${GBS:-8}          # a multiple of MBS x data-parallel size (WORLD_SIZE / (TP x PP x CP))
 PROMPT_TYPE=${PROMPT_TYPE:-qwen}   # the data script's --prompt-type
+# Packing at load time (data written with PACK=0, one sample per document): dp_balanced or default_dynamic_cp
+# (tune_qwen25_7b_dynamic_cp.sh), rows of MAX_SEQLEN_PER_RANK tokens per rank. none: the data's own neat packs.
+PACKING_SCHEDULER=${PACKING_SCHEDULER:-none}
+MAX_SEQLEN_PER_RANK=${MAX_SEQLEN_PER_RANK:-$SEQ_LEN}
 
 DISTRIBUTED_ARGS=(
     --nproc-per-node "$GPUS_PER_NODE"
@@ -122,12 +126,16 @@ DATA_ARGS=(
     --data-path "$DATA_PATH"
     --split 100,0,0
     --is-instruction-dataset
-    --neat-pack
     --reset-position-ids
     --prompt-type "$PROMPT_TYPE"
     --tokenizer-type PretrainedFromHF
     --tokenizer-name-or-path "$TOKENIZER_PATH"
 )
+if [[ "$PACKING_SCHEDULER" == none ]]; then
+    DATA_ARGS+=(--neat-pack)
+else  # unpacked data, packed per step: every sample isolated in its row, positions restarting per sample
+    DATA_ARGS+=(--sequence-packing-scheduler "$PACKING_SCHEDULER" --max-seqlen-per-dp-cp-rank "$MAX_SEQLEN_PER_RANK")
+fi
 
 # --finetune: take the converted weights only and start at iteration 0 with a fresh optimizer (implied when
 # CKPT_LOAD_DIR is a HF directory; the model flags above must then agree with its config.json).

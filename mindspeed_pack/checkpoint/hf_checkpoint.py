@@ -231,10 +231,11 @@ def check_exportable(args) -> None:
     mine = _export_args(args)
     try:
         spec = get_spec(mine["model_type_hf"]) if mine["model_type_hf"] else spec_for_args(args)
+        # what save_pretrained writes into config.json (to_diff_dict), as the converter reads it back; a reward
+        # model of a family without a sequence-classification class is refused here
+        config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_diff_dict()
     except ConversionError as e:
         raise CheckpointError(f"--save-hf {args.save_hf}: {e}") from None
-    # what save_pretrained writes into config.json (to_diff_dict), as the converter reads it back
-    config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_diff_dict()
     try:
         back = args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
                                    mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],

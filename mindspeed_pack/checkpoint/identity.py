@@ -7,6 +7,9 @@ silently training something else:
   setting that changes its function (:data:`~mindspeed_pack.convert.model_specs.FUNCTION_ARGS`: shape,
   RoPE base and scaling, norm epsilon, biases, tying, vocabulary, MoE) must be the flags', and its
   tokenizer (:mod:`~mindspeed_pack.convert.tokenizer_record`) this run's;
+* the head: a reward model's checkpoint (a scalar score head, no LM head) is refused by a run that
+  needs a language model; a language model's weights start a reward model (``--stage orm``) with a
+  fresh head, from a weights-only load (``--finetune``, a release or Hugging Face checkpoint);
 * the checkpoint's learning-rate schedule, counted in samples (Megatron-LM's rule: a resume
   whose ``--lr``, ``--min-lr``, warmup, decay samples or decay style differ from the checkpoint's is
   refused unless ``--override-opt_param-scheduler`` (follow the flags from the checkpoint's
@@ -57,6 +60,19 @@ def check_model_settings(recorded: dict, args, source: str, where: str) -> None:
     raise CheckpointError(f"{source}: the model flags differ from the checkpoint's ({where}): {what}; {hint}")
 
 
+def check_model_head(recorded_reward_head: bool, args, source: str) -> bool:
+    """Refuse a reward model's checkpoint where a language model is needed; True when the run's score head
+    starts fresh (a language model's weights into a reward model: its output layer is not loaded)."""
+    mine = bool(getattr(args, "reward_head", False))
+    if recorded_reward_head and not mine:
+        stage = getattr(args, "stage", None)
+        raise CheckpointError(f"{source} holds an outcome reward model (a scalar score head, no LM head)"
+                              + (f": --stage {stage} needs a language model" if stage else "")
+                              + "; train it on with --stage orm, score rollouts with it with --stage score, or load "
+                                "a language model")
+    return mine and not recorded_reward_head
+
+
 def check_tokenizer(record, run_record, source: str) -> None:
     """Refuse a checkpoint trained with another tokenizer than ``run_record`` (this run's: its ids must mean the
     same tokens to it); a checkpoint that records none is warned about, not refused."""
@@ -95,8 +111,10 @@ def check_resume_schedule(args, scheduler, saved: dict) -> None:
     differing = schedule_mismatches(saved, scheduler)
     if differing:
         what = "; ".join(f"{flag}: checkpoint {a}, flags {b}" for flag, a, b in differing)
+        own, adapters = getattr(args, "resumed_from", None), getattr(args, "lora_load", None)
+        source = f"--save {own}" if own else f"--lora-load {adapters}" if adapters else f"--load {args.load}"
         raise CheckpointError(
-            f"--load {args.load}: the learning-rate schedule differs from the checkpoint's ({what}). Pass "
+            f"{source}: the learning-rate schedule differs from the checkpoint's ({what}). Pass "
             "--override-opt_param-scheduler to follow these flags from the checkpoint's iteration, or "
             "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
 

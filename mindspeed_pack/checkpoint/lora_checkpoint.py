@@ -7,12 +7,20 @@ parallel over the ranks: :func:`mindspeed_pack.convert.adapters.fingerprint` giv
 optimizer state, the schedule, RNG states and data position, and a ``lora`` record: the LoRA
 settings and the base (path and fingerprint) (:func:`mindspeed_pack.model.lora.checkpoint_entries`).
 ``--lora-load DIR`` resumes from it exactly (with ``--finetune``: its adapters only, at iteration 0),
-after checking that the flags are its LoRA settings and that ``--load`` is its base. Loading itself
-is the ordinary checkpoint code (:mod:`.save_load`).
+after checking that the flags are its LoRA settings and that ``--load`` is its base (or a reshard of it:
+:func:`mindspeed_pack.convert.adapters.check_base`). Loading itself is the ordinary checkpoint code
+(:mod:`.save_load`); at another layout, ``convert_ckpt.py`` reshards the checkpoint first
+(:mod:`mindspeed_pack.convert.adapter_reshard`).
+
+``--lora-load PEFT_DIR`` (``adapter_config.json`` + ``adapter_model.safetensors``: the export's format, or
+PEFT's own) starts from those adapters at any layout, as weights (iteration 0, like ``--finetune``): each
+rank takes its slice with the base linears' sharding rules. Its settings are the flags'
+(:mod:`mindspeed_pack.config.peft_flags` fills or checks them at parse time); its base is checked against
+``--load`` by the fingerprint this project's export records, else by ``base_model_name_or_path`` when that
+is a local directory.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -30,33 +38,30 @@ from mindspeed_pack.model import lora
 log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _flags(args, **values):
-    saved = {k: getattr(args, k, None) for k in values}
-    for k, v in values.items():
-        setattr(args, k, v)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(args, k, v)
+def _fingerprint(path: str, flag: str) -> str:
+    """:func:`mindspeed_pack.convert.adapters.fingerprint` of ``path``, every rank hashing some of its files."""
+    start = time.perf_counter()
+    files = adapters.base_files(path)
+    if not files:
+        raise CheckpointError(f"{flag} {path}: no model files to fingerprint")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {f: adapters.file_sha256(os.path.join(path, f)) for f in files[rank::world]}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    fingerprint = adapters.combine({k: v for part in gathered for k, v in part.items()})
+    log.info("LoRA base %s %s: content fingerprint %s (%d files hashed over %d ranks in %.1f s)", flag, path,
+             fingerprint[:16], len(files), world, time.perf_counter() - start)
+    return fingerprint
 
 
 def base_record(args) -> dict:
-    """The base ``--load``: its path and content fingerprint (every rank hashes some of its files)."""
-    start = time.perf_counter()
-    files = adapters.base_files(args.load)
-    if not files:
-        raise CheckpointError(f"--load {args.load}: no model files to fingerprint")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {f: adapters.file_sha256(os.path.join(args.load, f)) for f in files[rank::world]}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, mine)
-    digests = {k: v for part in gathered for k, v in part.items()}
+    """The base ``--load``: its path, content fingerprint and (a Megatron reshard) the fingerprints of the
+    checkpoints it was resharded from."""
     record = {"path": os.path.abspath(args.load), "format": getattr(args, "load_format", None) or "mg",
-              "fingerprint": adapters.combine(digests)}
-    log.info("LoRA base --load %s: content fingerprint %s (%d files hashed over %d ranks in %.1f s)", args.load,
-             record["fingerprint"][:16], len(files), world, time.perf_counter() - start)
+              "fingerprint": _fingerprint(args.load, "--load")}
+    same = adapters.same_weights_as(args.load) if record["format"] == "mg" else []
+    if same:
+        record[adapters.SAME_WEIGHTS_AS] = same
     return record
 
 
@@ -88,38 +93,91 @@ def _refuse_adapters_as_base(args) -> None:
                               f"their base{f' ({base})' if base else ''} as --load and {args.load} as --lora-load")
 
 
-def _check_adapter_record(args) -> None:
-    """``--lora-load``: a LoRA checkpoint of these settings, trained on this base."""
-    root = args.lora_load
+def _check_adapter_record(args, root: str, flag: str) -> None:
+    """``--lora-load`` (or the run's own ``--save``): a LoRA checkpoint of these settings, trained on this base."""
     path, record = _rank_record(root)
     if record is None:
         return
     saved = record.get("lora")
     if saved is None:
-        raise CheckpointError(f"--lora-load {root}: {path} holds no LoRA adapters (a full model's checkpoint): pass "
+        raise CheckpointError(f"{flag} {root}: {path} holds no LoRA adapters (a full model's checkpoint): pass "
                               "it as --load instead")
     mine = lora.settings_from_args(args).record()
     flags = {"r": "--lora-r", "alpha": "--lora-alpha", "targets": "--lora-target-modules",
              "rslora": "--lora-use-rslora"}
-    differ = [f"{flag}: checkpoint {saved.get(k)}, flags {mine[k]}" for k, flag in flags.items()
+    differ = [f"{name}: checkpoint {saved.get(k)}, flags {mine[k]}" for k, name in flags.items()
               if saved.get(k) != mine[k]]
     if differ:
-        raise CheckpointError(f"--lora-load {root}: the LoRA flags differ from the checkpoint's ({'; '.join(differ)}): "
+        raise CheckpointError(f"{flag} {root}: the LoRA flags differ from the checkpoint's ({'; '.join(differ)}): "
                               "pass the flags it was trained with")
+    _check_base(saved, f"{flag} {root}", args)
+
+
+def _check_base(saved: dict, where: str, args) -> None:
+    base = args.lora_base
     try:
-        adapters.check_base(saved, args.load, args.lora_base["fingerprint"], f"--lora-load {root}")
+        adapters.check_base(saved, args.load, base["fingerprint"], where,
+                            same_here=base.get(adapters.SAME_WEIGHTS_AS, ()))
     except ConversionError as e:
         raise CheckpointError(str(e)) from None
 
 
-def load_checkpoint(args, model, optimizer, scheduler):
-    """The base (weights only), then ``--lora-load``'s adapters and training state; returns
-    (iteration, consumed_samples) as :func:`.save_load.load_checkpoint` does."""
+def _check_peft_base(args, peft: dict) -> None:
+    """A PEFT directory's base: this project's export records it (checked as a checkpoint's is); PEFT's own
+    ``base_model_name_or_path`` is checked by content when it is a local directory other than ``--load``."""
+    where = f"--lora-load {args.lora_load}"
+    if peft["base"] is not None:
+        _check_base({"base": peft["base"]}, where, args)
+        return
+    named = peft["base_model_name_or_path"]
+    if named and os.path.abspath(named) == os.path.abspath(args.load):
+        return
+    if named and os.path.isdir(named):
+        if _fingerprint(named, f"{where}: base_model_name_or_path") != args.lora_base["fingerprint"]:
+            raise CheckpointError(f"{where}: adapter_config.json names the base {named}, whose content differs from "
+                                  f"--load {args.load}'s: pass --load {named} (or that model's exact copy)")
+        return
+    log.warning("%s: adapter_config.json names the base %r, which is no local directory: the adapters cannot be "
+                "checked against --load %s", where, named, args.load)
+
+
+def _load_peft(args, model, optimizer) -> None:
+    """``--lora-load PEFT_DIR``: this rank's slice of its adapters into the model, as weights."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.convert.sharding import shard_state_dict
+
+    root = args.lora_load
+    try:
+        peft = adapters.read_peft_settings(root)
+        full = adapters.read_peft_adapters(root)
+        if peft["layers"] != args.num_layers:
+            raise ConversionError(f"{os.path.join(root, adapters.ADAPTER_WEIGHTS)}: adapters of {peft['layers']} "
+                                  f"layers, this model has {args.num_layers}")
+        _check_peft_base(args, peft)
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        local = shard_state_dict(full, args, ps.get_tensor_model_parallel_rank(), tp,
+                                 ps.get_pipeline_model_parallel_rank(), pp)
+    except ConversionError as e:
+        raise CheckpointError(f"--lora-load {root}: {e}") from None
+    save_load.load_adapter_weights(os.path.join(root, adapters.ADAPTER_WEIGHTS), model[0].module, local)
+    save_load.refresh_master_weights(optimizer)
+    log.info("loaded the PEFT adapters of %s (r=%d, %s): iteration 0", root, peft["r"], " ".join(peft["projections"]))
+
+
+def load_checkpoint(args, model, optimizer, scheduler, adapters_root=None):
+    """The base (weights only), then the adapters and training state of ``--lora-load`` (a PEFT directory: its
+    adapters only; or ``adapters_root``, the run's own ``--save`` it resumes from); returns (iteration,
+    consumed_samples) as :func:`.save_load.load_checkpoint` does."""
     _refuse_adapters_as_base(args)
-    with _flags(args, finetune=True):  # the base: weights only, iteration 0
-        save_load.load_checkpoint(args, model, optimizer, scheduler)
+    save_load.load_checkpoint(args, model, optimizer, scheduler, weights_only=True)  # the base: iteration 0
     args.lora_base = base_record(args)
-    if not args.lora_load:
+    root, flag = (adapters_root, "--save") if adapters_root else (args.lora_load, "--lora-load")
+    if not root:
         return 0, 0
-    _check_adapter_record(args)
-    return save_load.load_checkpoint(args, model, optimizer, scheduler, root=args.lora_load, flag="--lora-load")
+    if not adapters_root and adapters.is_peft_dir(root):
+        _load_peft(args, model, optimizer)
+        return 0, 0
+    _check_adapter_record(args, root, flag)
+    return save_load.load_checkpoint(args, model, optimizer, scheduler, root=root, flag=flag,
+                                     weights_only=False if adapters_root else None)

@@ -1,17 +1,136 @@
-"""The checkpoint a run starts from: ``--load`` as it is, or under LoRA the frozen base and then
-``--lora-load``'s adapters. The trainer calls :func:`load_run_checkpoint` and never asks which."""
+"""The checkpoint a run starts from: ``--load`` as it is, under LoRA the frozen base and then ``--lora-load``'s
+adapters, or the run's own ``--save``. The trainer calls :func:`load_run_checkpoint` and never asks which.
+
+A run that starts from weights at iteration 0 (``--load HF_DIR``, ``--finetune``, a release checkpoint; under
+LoRA fresh adapters or ``--lora-load D --finetune``) and saves elsewhere (``--save S``) repeats that start when
+it is run again: torchrun's restart after a crash, or the same command by hand. It resumes from S instead when
+S holds *this run's* checkpoint (HF Trainer's ``resume_from_checkpoint``, LLaMA-Factory and ms-swift do the
+same): ``S/run_config.yaml`` records the same value of every flag that defines the run (model, data, schedule,
+layout: :func:`~mindspeed_pack.config.resolved_config.run_differences`; where it writes and how often it logs
+may differ). A checkpoint of another run, or one without a record, is refused, naming the flags that differ.
+``--overwrite-output-dir`` starts over instead, removing S's checkpoints, on the job's first attempt only
+(torchrun's restarts then resume what the job saved).
+"""
 from __future__ import annotations
 
-from mindspeed_pack.checkpoint import lora_checkpoint, save_load
+import glob
+import logging
+import os
+from typing import Optional
+
+import torch.distributed as dist
+
+from mindspeed_pack.checkpoint import hf_checkpoint, lora_checkpoint, save_load
+from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.config import finetune_defaults, resolved_config
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.model import lora
+from mindspeed_pack.runtime import faults
+
+log = logging.getLogger(__name__)
 
 
-def load_run_checkpoint(args, model, optimizer, scheduler) -> tuple:
-    """(iteration, consumed samples) the run resumes at, after loading what it starts from."""
-    load = lora_checkpoint.load_checkpoint if lora.trains_adapters(args) else save_load.load_checkpoint
-    return load(args, model, optimizer, scheduler)
+def load_run_checkpoint(args, model, optimizer, scheduler, resume_save: bool = True) -> tuple:
+    """(iteration, consumed samples) the run resumes at, after loading what it starts from (``resume_save``:
+    its own ``--save`` when it holds this run's checkpoint)."""
+    save = _own_checkpoint(args) if resume_save else None
+    args.resumed_from = save
+    if lora.trains_adapters(args):
+        return lora_checkpoint.load_checkpoint(args, model, optimizer, scheduler, adapters_root=save)
+    if save:
+        return save_load.load_checkpoint(args, model, optimizer, scheduler, root=save, flag="--save",
+                                         weights_only=False)
+    return save_load.load_checkpoint(args, model, optimizer, scheduler)
 
 
 def loaded_from(args) -> str:
     """The checkpoint the iteration and data position came from (LoRA: the adapters' checkpoint)."""
-    return args.lora_load or args.load
+    return getattr(args, "resumed_from", None) or args.lora_load or args.load
+
+
+def resumed_own_save(args) -> bool:
+    """Whether the run resumed from its own ``--save``: its ``--load`` then still holds the weights it started
+    from (a reference model of the starting policy reads them again)."""
+    return bool(getattr(args, "resumed_from", None))
+
+
+def _same_dir(a, b) -> bool:
+    return bool(a and b) and os.path.abspath(a) == os.path.abspath(b)
+
+
+def _is_release(path: str) -> bool:
+    try:
+        return layout.read_tracker(path) == layout.RELEASE
+    except ValueError:
+        return False  # the loader names the unreadable tracker
+
+
+def starts_from_weights(args) -> bool:
+    """Whether the run starts at iteration 0 from weights it does not save over: its ``--save`` is then the
+    only place its progress is (the case :func:`_own_checkpoint` resumes)."""
+    if lora.trains_adapters(args):
+        source, fresh = args.lora_load, not args.lora_load or args.finetune
+    else:
+        source = args.load
+        fresh = args.finetune or hf_checkpoint.loads_hf(args) or bool(args.load and _is_release(args.load))
+    return bool(args.save) and fresh and not _same_dir(source, args.save)
+
+
+def _own_checkpoint(args) -> Optional[str]:
+    """``--save`` when the run resumes from it (it holds this run's checkpoint), else None; refuses another
+    run's checkpoint there, and starts over in it under ``--overwrite-output-dir``."""
+    save = args.save
+    if not save or not os.path.isdir(save) or args.skip_train:  # an evaluation saves nothing
+        return None
+    fresh = starts_from_weights(args)
+    if not fresh and not args.overwrite_output_dir:
+        return None  # --load D --save D resumes D itself (save_load.load_checkpoint)
+    try:
+        tracked = layout.read_tracker(save)
+    except ValueError as e:
+        raise CheckpointError(f"--save {save}: {e}") from None
+    differing = resolved_config.run_differences(args, save) if tracked is not None else None
+    same_run = differing == []
+    if args.overwrite_output_dir and not (faults.restart_attempt() and same_run):
+        _start_over(args, save)
+        return None
+    if not fresh:
+        return None
+    if tracked is None:
+        save_load.uncommitted_iterations(save, "--save")  # several without a tracker: refused
+        return None  # nothing saved yet, or an interrupted first save (saved over)
+    if same_run:
+        if dist.get_rank() == 0:
+            log.info("--save %s holds iteration %s of this run (%s records the same flags): resuming from it "
+                     "(--overwrite-output-dir starts over)", save, tracked, resolved_config.FILE_NAME)
+        export = os.path.join(save, finetune_defaults.SAVE_HF_SUBDIR)
+        if _same_dir(args.save_hf, export) and finetune_defaults.exported(export):
+            args.save_hf = None  # the run exported already, when it ended: no second export over it
+            if dist.get_rank() == 0:
+                log.info("--save-hf %s holds this run's export already: none is written again", export)
+        return save
+    record = os.path.join(save, resolved_config.FILE_NAME)
+    what = (f"of another run ({record}: {'; '.join(differing)}): pass the flags it was run with to resume it"
+            if differing else f"but no readable {record} says which run wrote it: pass --load {save} (with the model flags) to "
+            "resume it")
+    raise CheckpointError(f"--save {save} holds iteration {tracked} {what}, another --save, or --overwrite-output-dir "
+                          f"to start over in {save} (its checkpoints are removed)")
+
+
+def _start_over(args, save: str) -> None:
+    """``--overwrite-output-dir``: remove what runs write into ``save`` (checkpoints, tracker, resolved
+    configuration, the fine-tuning default export), rank 0, before this run writes anything there."""
+    export = os.path.join(save, finetune_defaults.SAVE_HF_SUBDIR)
+    paths = [os.path.join(save, layout.TRACKER), os.path.join(save, resolved_config.FILE_NAME),
+             *sorted(glob.glob(os.path.join(save, "iter_*"))),
+             *([export] if _same_dir(args.save_hf, export) else [])]
+    found = [p for p in paths if os.path.lexists(p)]
+    if found and dist.get_rank() == 0:
+        log.warning("--overwrite-output-dir: starting over in --save %s, removing %s", save,
+                    ", ".join(os.path.basename(p) for p in found))
+        for path in found:
+            if os.path.isdir(path) and not os.path.islink(path):
+                layout.remove_tree(path)
+            else:
+                os.remove(path)
+    dist.barrier()

@@ -41,12 +41,15 @@ from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import training_model_args
 from mindspeed_pack.convert.tokenizer_record import read_tokenizer_record
+from mindspeed_pack.convert.weight_map import MG_OUTPUT, MG_SCORE
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime import faults
 from mindspeed_pack.runtime.peers import all_ranks_ok
 from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
+
+POLICY_FLAGS = ("--load", "--save")  # checkpoints of the model this run trains (--save: its own, resumed)
 
 
 def _rng_state() -> dict:
@@ -255,13 +258,13 @@ def _read_rank_file(args, root: str, it_dir: str, saved_ep: int) -> tuple:
     return " + ".join(paths), record
 
 
-def _check_shapes(path: str, module, state: dict) -> None:
+def _check_shapes(path: str, module, state: dict, fresh=()) -> None:
     """Every tensor of ``state`` has the name and shape of the model built from the flags (what the recorded
     arguments cannot tell: checkpoints of other tools record other things). A LoRA run's checkpoint holds its
-    adapters only, a base model none."""
+    adapters only, a base model none; ``fresh`` names the parameters this load leaves as drawn."""
     adapters = lora.holds_adapters(state)
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
-                and not k.endswith("_extra_state") and lora.is_adapter_name(k) == adapters}
+                and not k.endswith("_extra_state") and lora.is_adapter_name(k) == adapters and k not in fresh}
     if adapters and not expected:
         raise CheckpointError(f"{path}: holds LoRA adapters only (a LoRA run's --save): pass their base as --load, "
                               "this checkpoint as --lora-load, and the LoRA flags they were trained with")
@@ -318,12 +321,6 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
             state["step"] = step.clone()
 
 
-def recorded_args(state: dict) -> dict:
-    """The model arguments a checkpoint file records (Megatron-LM's files hold a Namespace)."""
-    saved = state.get("args") or {}
-    return saved if isinstance(saved, dict) else vars(saved)
-
-
 def _check_tokenizer(args, record, source: str, policy: bool) -> None:
     """The checkpoint's tokenizer against this run's; a run that knows none takes the policy checkpoint's."""
     run_record = hf_checkpoint.run_tokenizer_record(args)
@@ -340,15 +337,31 @@ def load_hf_weights(args, path: str, module, flag: str = "--load") -> None:
     model_args = hf_checkpoint.hf_model_args(args, path, flag)
     identity.check_model_settings(vars(model_args), args, source, os.path.join(path, "config.json"))
     _check_tokenizer(args, read_tokenizer_record(path), source, policy=flag == "--load")
+    fresh = _fresh_head(identity.check_model_head(bool(getattr(model_args, "reward_head", False)), args, source),
+                        source)
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)}
     loaded = {}  # name -> a shape-only stand-in, for the final check
     for unit in hf_checkpoint.read_rank_units(args, path, flag):  # one unit in memory at a time
-        weights = layout.to_backend_names(unit, module.attention_backend, expected)
+        weights = layout.to_backend_names(_without_output_layer(unit) if fresh else unit, module.attention_backend,
+                                          expected)
         loaded.update({k: torch.empty(v.shape, device="meta") for k, v in weights.items()})
         if any(k in expected and tuple(v.shape) != tuple(expected[k]) for k, v in weights.items()):
             break  # named by the check below
         module.load_state_dict(weights, strict=False)
-    _check_shapes(path, module, loaded)
+    _check_shapes(path, module, loaded, fresh)
+
+
+def _fresh_head(fresh: bool, source: str) -> tuple:
+    """The parameters a load leaves as drawn: a reward model's score head, when the checkpoint is a language model."""
+    if not fresh:
+        return ()
+    log.info("%s is a language model: its output layer is not loaded, the reward model's score head starts from "
+             "its seeded draw", source)
+    return (MG_SCORE,)
+
+
+def _without_output_layer(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k != MG_OUTPUT}
 
 
 def _load_hf_weights(args, model, optimizer):
@@ -385,23 +398,39 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
             f"{source}: checkpoint saved at TP={saved_tp}, PP={saved_pp} but this run uses TP={tp}, PP={pp}; "
             f"reshard it first: python convert_ckpt.py --load-model-type mg --save-model-type mg --load-dir {root} "
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
-            + (f" --target-expert-parallel-size {ep}" if getattr(args, "num_experts", None) else ""))
+            + (f" --target-expert-parallel-size {ep}" if getattr(args, "num_experts", None) else "")
+            + ("; it keeps the adapters' optimizer state and data position (a PEFT export loads at any layout too, "
+               "as weights)" if flag == "--lora-load" else ""))
     if saved_ep != ep and not getattr(args, "num_experts", None):
         raise CheckpointError(f"{source}: checkpoint saved with expert parallelism (EP={saved_ep}) but this run "
                               "has no --num-experts: pass the model flags it was trained with")
     path, state = _read_rank_file(args, root, it_dir, saved_ep)
-    saved_args = recorded_args(state)
+    saved_args = layout.args_of(state)
     window = saved_args.get("sliding_window")
     if window is not None and args.seq_length > window:
         raise CheckpointError(f"{path}: the model's sliding_window={window} (config.json) is below --seq-length "
                               f"{args.seq_length}: the model attends to the whole sample, so train with "
                               f"--seq-length <= {window}")
     identity.check_model_settings(saved_args, args, source, path)
-    _check_tokenizer(args, state.get("tokenizer"), source, policy=flag == "--load")
-    weights = layout.to_backend_names(state["model"], module.attention_backend, module.state_dict().keys())
-    _check_shapes(path, module, weights)
+    fresh = _fresh_head(identity.check_model_head(bool(saved_args.get("reward_head")), args, source), source)
+    if fresh and iteration != layout.RELEASE and not getattr(args, "finetune", False):
+        raise CheckpointError(f"{source}: a language model's training checkpoint cannot be resumed as a reward model "
+                              "(its optimizer state has no score head): pass --finetune to start the reward model "
+                              "from its weights")
+    _check_tokenizer(args, state.get("tokenizer"), source, policy=flag in POLICY_FLAGS)
+    model = _without_output_layer(state["model"]) if fresh else state["model"]
+    weights = layout.to_backend_names(model, module.attention_backend, module.state_dict().keys())
+    _check_shapes(path, module, weights, fresh)
     module.load_state_dict(weights, strict=False)
     return iteration, it_dir, path, state
+
+
+def load_adapter_weights(path: str, module, state: dict) -> None:
+    """LoRA adapters (this rank's, canonical names; read from ``path``) into ``module``, checked name by name and
+    shape by shape against the model built from the flags."""
+    weights = layout.to_backend_names(state, module.attention_backend, module.state_dict().keys())
+    _check_shapes(path, module, weights)
+    module.load_state_dict(weights, strict=False)
 
 
 def load_model_weights(args, path: str, module, flag: str) -> None:
@@ -414,9 +443,28 @@ def load_model_weights(args, path: str, module, flag: str) -> None:
         load_weights(args, path, module, flag)
 
 
-def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "--load"):
-    """Restore from ``--load`` (or ``root``, named ``flag`` in messages: a LoRA run's ``--lora-load``);
-    returns (iteration, consumed_samples).
+def uncommitted_iterations(root: str, flag: str) -> list:
+    """The iteration directories of ``root``, which has no tracker (the tracker is a save's commit point).
+
+    A first save killed between its rename and its tracker leaves one, never committed, which the run
+    saves over. Two or more complete iterations without a tracker are damage (the file was removed),
+    not a first save: refused, naming the latest and how to resume from it."""
+    found = _saved_iterations(root) if os.path.isdir(root) else []
+    if len(found) > 1:
+        numbers = [int(name[len("iter_"):]) for name in found]
+        raise CheckpointError(
+            f"{flag} {root} holds complete iterations {', '.join(map(str, numbers))} but no {layout.TRACKER}: the "
+            "file was removed or lost (an interrupted first save leaves one iteration, not several), and starting "
+            f"over would overwrite them; to resume from the latest, iteration {numbers[-1]}, write its number into "
+            f"the file (echo {numbers[-1]} > {os.path.join(root, layout.TRACKER)}) and run again; to start over in "
+            "it, pass --overwrite-output-dir")
+    return found
+
+
+def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "--load", weights_only=None):
+    """Restore from ``--load`` (or ``root``, named ``flag`` in messages: a LoRA run's ``--lora-load``, a run's
+    own ``--save``); returns (iteration, consumed_samples). ``weights_only`` (default ``--finetune``): the
+    weights alone, at iteration 0 with a fresh optimizer.
 
     ``--load D --save D`` on a first launch (D empty or absent, or holding only a first save that
     died before its tracker was written) starts from scratch, so a job script can always pass both;
@@ -424,24 +472,23 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
     """
     if root is None and args.load_format == "hf":
         return _load_hf_weights(args, model, optimizer)
+    finetune = args.finetune if weights_only is None else weights_only
     root = args.load if root is None else root
     same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
-    if same_as_save and not args.finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
+    if same_as_save and not finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
             and not os.path.isdir(os.path.join(root, layout.RELEASE)):
-        # the tracker is a save's commit point: an iteration directory without it (a crash between the
-        # first save's rename and its tracker) was never committed, and is re-saved over
-        uncommitted = _saved_iterations(root) if os.path.isdir(root) else []
+        uncommitted = uncommitted_iterations(root, f"{flag} (= --save)")
         log.warning("%s %s (= --save) holds no checkpoint yet%s: starting from scratch", flag, root,
                     f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
                     if uncommitted else "")
         return 0, 0
     iteration, it_dir, path, state = load_weights(args, root, model[0].module, flag)
-    args.loaded_model_type_hf = recorded_args(state).get("model_type_hf")
-    args.loaded_sliding_window = recorded_args(state).get("sliding_window")
+    args.loaded_model_type_hf = layout.args_of(state).get("model_type_hf")
+    args.loaded_sliding_window = layout.args_of(state).get("sliding_window")
     release = iteration == layout.RELEASE
-    if args.finetune or release or args.no_load_optim:
+    if finetune or release or args.no_load_optim:
         refresh_master_weights(optimizer)
-    if args.finetune or release:
+    if finetune or release:
         log.info("loaded weights from %s (%s): iteration reset to 0", root, "release" if release else "finetune")
         return 0, 0
     if not args.no_load_optim:
@@ -462,6 +509,9 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
     if not args.no_load_rng:
         if "rng_state" in state:
             _restore_rng(state["rng_state"], path)
+        elif state.get("resharded_from"):  # convert_ckpt.py's reshard of a LoRA run's checkpoint
+            log.warning("%s was resharded from %s, whose RNG states belong to that layout's ranks and were not "
+                        "carried: dropout draws start afresh from --seed", path, state["resharded_from"])
         else:
             log.warning("%s holds no RNG state (--no-save-rng): dropout will not continue exactly", path)
     log.debug("loaded %s at iteration %d", root, iteration)  # the trainer logs the resume once

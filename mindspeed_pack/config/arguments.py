@@ -16,7 +16,15 @@ import logging
 import os
 import warnings
 
-from mindspeed_pack.config import finetune_defaults, hf_flags, resolved_config, yaml_file
+from mindspeed_pack.config import (
+    checkpoint_flags,
+    finetune_defaults,
+    hf_flags,
+    model_head,
+    peft_flags,
+    resolved_config,
+    yaml_file,
+)
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import padded_vocab_size
@@ -181,7 +189,9 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-use-rslora", action="store_true", help="rank-stabilised scale alpha / sqrt(r)")
     g.add_argument("--lora-load", default=None, metavar="DIR",
                    help="a LoRA run's checkpoint (its --save: adapters, optimizer, the base's fingerprint) to resume "
-                        "from (or, with --finetune, to start from); --load is the base it was trained on")
+                        "from (or, with --finetune, to start from); or a PEFT adapter directory to start from at any "
+                        "layout (iteration 0; the LoRA flags default to its adapter_config.json's); --load is the "
+                        "base they were trained on")
     g.add_argument("--lora-merge", action="store_true",
                    help="--save-hf writes the model with the adapters merged (transformers) instead of a PEFT "
                         "adapter directory")
@@ -337,17 +347,32 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--padded-samples", action="store_true",
                    help="repeat the first packs of each epoch to complete its last global batch")
     g.add_argument("--no-shuffle", action="store_true", help="sequential data order (for loss comparison runs)")
-    g.add_argument("--sequence-packing-scheduler", default="none", choices=["none", "dp_balanced"],
+    g.add_argument("--sequence-packing-scheduler", default="none",
+                   choices=["none", "dp_balanced", "default_dynamic_cp"],
                    help="dp_balanced: pack unpacked data at load time into rows of --max-seqlen-per-dp-cp-rank "
-                        "tokens and balance data-parallel ranks by estimated cost (offline packs: balance the packs)")
+                        "tokens and balance data-parallel ranks by estimated cost (offline packs: balance the packs); "
+                        "default_dynamic_cp: as dp_balanced, but every sample runs on the smallest power-of-two CP "
+                        "group (up to --context-parallel-size) whose ranks hold it at --max-seqlen-per-dp-cp-rank "
+                        "tokens each: short samples on one rank, long ones split")
     g.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None,
-                   help="tokens per packed row under --sequence-packing-scheduler dp_balanced (default --seq-length)")
+                   help="tokens per packed row (per CP rank) under --sequence-packing-scheduler dp_balanced or "
+                        "default_dynamic_cp (default --seq-length)")
+    g.add_argument("--min-dynamic-context-parallel-size", type=int, default=1,
+                   help="default_dynamic_cp: the smallest CP group a sample runs on (a power of two)")
+    g.add_argument("--overlong-samples", default="refuse", choices=["refuse", "drop"],
+                   help="default_dynamic_cp: a sample longer than --context-parallel-size x "
+                        "--max-seqlen-per-dp-cp-rank stops the run naming it (refuse), or is dropped and counted "
+                        "(drop); never truncated")
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
-    g.add_argument("--stage", default="sft", choices=["sft", "dpo", "dpo_reference", "score", "grpo"],
+    g.add_argument("--stage", default="sft",
+                   choices=["sft", "dpo", "simpo", "orpo", "dpo_reference", "score", "grpo", "kto", "orm", "prm"],
                    help="post-training stage (mindspeed_pack/training/stages): sft, dpo (preference pairs), "
+                        "simpo and orpo (preference pairs, no reference model), "
                         "dpo_reference (score a reference model's log-probs beside the data, once), "
-                        "score (per-token log-probs of rollouts), grpo (PPO-clip on rollouts)")
+                        "score (per-token log-probs of rollouts, or their rewards under a reward model), grpo "
+                        "(PPO-clip on rollouts), kto (unpaired desirable/undesirable samples), orm (outcome reward "
+                        "model on pairs), prm (process reward model)")
     g.add_argument("--variable-seq-lengths", action="store_true",
                    help="accepted no-op: packs have a fixed length and unpacked rows are padded to --seq-length")
     g.add_argument("--tokenizer-type", default=None, help="only PretrainedFromHF (with --tokenizer-name-or-path)")
@@ -372,6 +397,11 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer files) to DIR (must not exist or be empty)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true", help="load weights only and reset the iteration")
+    g.add_argument("--overwrite-output-dir", action="store_true",
+                   help="start over in --save, removing the checkpoints it holds (and its fine-tuning default "
+                        "--save-hf SAVE/hf). Without it a run that starts from --load's weights (a Hugging Face "
+                        "directory, --finetune, a release checkpoint) resumes from --save when it holds this run's "
+                        "checkpoint and refuses another run's. On torchrun's restarts the job resumes what it saved")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
@@ -461,6 +491,42 @@ def _check_data_flags(args) -> None:
         raise ArgumentError(f"--eval-interval {args.eval_interval} must be >= 1")
 
 
+def _check_dynamic_cp_flags(args) -> None:
+    """``--sequence-packing-scheduler default_dynamic_cp``: group sizes that the sub-groups and the zigzag
+    padding rule can serve, and the combinations it trains exactly (packing/dynamic_cp.py)."""
+    scheduler = args.sequence_packing_scheduler
+    if scheduler != "default_dynamic_cp":
+        if args.overlong_samples != "refuse":
+            raise ArgumentError(f"--overlong-samples {args.overlong_samples} applies to --sequence-packing-scheduler "
+                                f"default_dynamic_cp, not {scheduler}")
+        return
+    cp, low = args.context_parallel_size, args.min_dynamic_context_parallel_size
+    if cp < 2 or cp & (cp - 1):
+        raise ArgumentError(f"--sequence-packing-scheduler default_dynamic_cp: --context-parallel-size {cp} is the "
+                            "largest CP group a sample runs on; give a power of two >= 2")
+    if low < 1 or low & (low - 1) or low > cp:
+        raise ArgumentError(f"--min-dynamic-context-parallel-size {low} must be a power of two between 1 and "
+                            f"--context-parallel-size {cp}")
+    tp = args.tensor_model_parallel_size
+    rule = 2 * (tp if args.sequence_parallel else 1)
+    if args.max_seqlen_per_dp_cp_rank % rule:
+        raise ArgumentError(f"--max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank} must be a multiple of "
+                            f"{rule} under default_dynamic_cp: a sample on a CP group of g ranks is padded to a "
+                            f"multiple of 2 x g" + (f" x TP {tp} (--sequence-parallel)" if rule > 2 else "")
+                            + " and its row holds g x --max-seqlen-per-dp-cp-rank tokens")
+    refused = [(args.micro_batch_size != 1, f"--micro-batch-size {args.micro_batch_size} (a micro-batch is one "
+                "row of --max-seqlen-per-dp-cp-rank tokens per rank: use 1)"),
+               (args.stage != "sft", f"--stage {args.stage} (dynamic CP groups train --stage sft; the other stages "
+                "reduce per-sequence sums over megatron's fixed CP group)"),
+               (bool(args.num_experts), "--num-experts (the routers' statistics are reduced over megatron's fixed "
+                "CP group)"),
+               (args.attention_backend == "te", "--attention-backend te (megatron-core 0.16 applies THD RoPE over "
+                "its fixed CP group, not a micro-batch's own; use local or flash)")]
+    for bad, what in refused:
+        if bad:
+            raise ArgumentError(f"--sequence-packing-scheduler default_dynamic_cp does not support {what}")
+
+
 def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     """Check combinations and fill derived values (Megatron-LM semantics)."""
     need = ["num_layers", "hidden_size", "num_attention_heads", "seq_length"]
@@ -529,6 +595,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     _check_schedule_flags(args)
     _check_data_flags(args)
+    _check_dynamic_cp_flags(args)
     _check_moe_flags(args)
     _check_lora_flags(args)
     epochs = getattr(args, "train_epochs", None)  # posttrain.py: iterations computed from the packs (run_plan.py)
@@ -542,6 +609,8 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError("--skip-train needs --eval-iters > 0")
     if args.finetune and not args.load:
         raise ArgumentError("--finetune needs --load")
+    if args.overwrite_output_dir and not args.save:
+        raise ArgumentError("--overwrite-output-dir starts over in --save: give --save")
     per_split = [getattr(args, f"{name}_data_path", None) for name in ("train", "valid", "test")]
     if args.data_path and any(per_split):
         raise ArgumentError("give --data-path (divided by --split) or --train-data-path/--valid-data-path/"
@@ -575,6 +644,10 @@ def _refuse_ignored_flags(args, given: set) -> None:
                             + ("it" if len(ignored) == 1 else "them"))
 
 
+def _changed(before: dict, args) -> set:
+    return {k for k, v in vars(args).items() if k in before and before[k] != v}
+
+
 def parse_args(argv=None, world_size: int | None = None, extra_args_provider=None, description=None) -> argparse.Namespace:
     """The flags of the command line and its ``--config`` file, checked, with the Hugging Face ``--load``'s
     model flags and the fine-tuning defaults filled in; ``args.flag_sources`` says where each value came
@@ -586,16 +659,21 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     given = hf_flags.explicit_dests(parser, argv)  # flags the user chose (command line or file)
-    if args.lora_r is None and args.lora_target_modules is not None:
-        args.lora_r = LORA_DEFAULT_RANK  # LoRA is on (lora.trains_adapters) from here on
     try:
+        from_peft = peft_flags.fill_lora_flags(args, given)  # a PEFT --lora-load states its LoRA settings
+        if args.lora_r is None and args.lora_target_modules is not None:
+            args.lora_r = LORA_DEFAULT_RANK  # LoRA is on (lora.trains_adapters) from here on
         before = dict(vars(args))
         hf_flags.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
-        from_hf = {k for k, v in vars(args).items() if k in before and before[k] != v}
+        from_hf, before = _changed(before, args), dict(vars(args))
+        if args.load_format == "mg":  # a Megatron --load: model flags from the arguments it records
+            checkpoint_flags.fill_model_args(args, given)
+        from_checkpoint = _changed(before, args) | from_peft
+        model_head.apply(args)  # a reward model's score head (--stage orm, or --stage score of one)
         defaults = finetune_defaults.apply(args, given)
         validate_args(args, world_size)
         _refuse_ignored_flags(args, given)
     except ArgumentError as e:
         parser.error(str(e))
-    resolved_config.record_sources(parser, args, given, from_hf, defaults)
+    resolved_config.record_sources(parser, args, given, from_hf, defaults, from_checkpoint)
     return args

@@ -15,6 +15,7 @@ import os
 
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.convert import hf_io
+from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,13 @@ def _fresh_defaults(args, given: set) -> dict:
     return out
 
 
-def _exported(path: str) -> bool:
+def _holds_checkpoint(save) -> bool:
+    """Whether ``--save`` holds a checkpoint (a resume of its run, or another run's: the checkpoint loader tells)."""
+    return bool(save) and os.path.isfile(os.path.join(save, layout.TRACKER))
+
+
+def exported(path: str) -> bool:
+    """Whether a model was exported to ``path`` (it exists, and is not an empty directory)."""
     return os.path.exists(path) and (not os.path.isdir(path) or bool(os.listdir(path)))
 
 
@@ -71,14 +78,18 @@ def apply(args, given: set) -> set:
         return applied
     if args.load_format == "hf":
         defaults, why = _fresh_defaults(args, given), "--load is a Hugging Face model, --stage sft"
-        if "save_hf" not in given and _exported(defaults.get("save_hf", "")):
+        # with a checkpoint beside it, the export is its run's: a resume of that run writes none over it, another
+        # run is refused (checkpoint/resume.py), and --overwrite-output-dir removes both
+        if "save_hf" not in given and exported(defaults.get("save_hf", "")) and not args.overwrite_output_dir \
+                and not _holds_checkpoint(args.save):
             raise ArgumentError(f"--save {args.save}: the fine-tuning default --save-hf {defaults['save_hf']} exists "
-                                "and is not empty; pass --save-hf NEW_DIR, or another --save")
+                                "and is not empty; pass --save-hf NEW_DIR, another --save, or --overwrite-output-dir "
+                                "to start over in it")
     else:
         defaults = resolved_config.recorded(args.load, "finetune")
         defaults.pop("tokenizer_name_or_path", None)  # the checkpoint's run found its tokenizer its own way
         why = f"resuming the run of --load {args.load}: its {resolved_config.FILE_NAME}"
-        if _exported(defaults.get("save_hf") or ""):
+        if exported(defaults.get("save_hf") or ""):
             del defaults["save_hf"]  # that run exported already: no second export over it
     if args.load_format == "hf" and not {"save_hf"} & (given | set(defaults)):
         log.warning("--load %s is a Hugging Face model but neither --save nor --save-hf is given: the trained "

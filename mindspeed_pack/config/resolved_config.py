@@ -1,12 +1,16 @@
 """The resolved configuration of a run: every flag's final value, by where it came from.
 
 :func:`record_sources` (at the end of ``parse_args``) notes for every flag whether the user gave
-it (command line or ``--config``), a Hugging Face ``--load``'s config.json set it, a fine-tuning
-default filled it, validation derived it from other flags, or it kept the parser's default.
+it (command line or ``--config``), a Hugging Face ``--load``'s config.json or a Megatron ``--load``'s
+recorded arguments set it, a fine-tuning default filled it, validation derived it from other flags, or
+it kept the parser's default.
 :func:`write` puts the values, grouped by that origin, in ``SAVE/run_config.yaml`` and
 ``METRICS.config.yaml`` (beside ``--metrics-file``) once the run is set up (model, checkpoint and data
 loaded: a run that fails to start overwrites nothing): ``--config`` of that file repeats the run, since
-every key is a flag. :func:`recorded` reads a section back (a resume keeps its run's fine-tuning defaults). ``--train-iters`` derived from ``--train-epochs``
+every key is a flag; the derived and default sections are on record only (``yaml_file.RECORD_ONLY``): read
+back, they are left to the parser, so they never count as given (a preprocessing default would otherwise be
+checked against the data's sidecar as the user's choice). :func:`recorded` reads a section back (a resume keeps its run's fine-tuning defaults);
+:func:`run_differences` compares a recorded run with this one (is ``--save`` this run's?). ``--train-iters`` derived from ``--train-epochs``
 is shown as a comment, not set, so a repeat recomputes it from the data as the original did.
 """
 from __future__ import annotations
@@ -24,15 +28,22 @@ METRICS_SUFFIX = ".config.yaml"  # beside --metrics-file: METRICS (without .json
 SECTIONS = (  # origin -> title; written in this order
     ("given", "given (command line and --config file)", False),
     ("hf", "from the Hugging Face --load directory (config.json)", False),
+    ("checkpoint", "from the Megatron --load checkpoint (the model arguments it records)", False),
     ("finetune", "fine-tuning defaults (--stage sft from a Hugging Face --load, or a resume of such a run)", False),
-    ("derived", "derived from the flags above by validation", False),
-    ("default", "defaults", False),
+    ("derived", f"derived from the flags above by validation {yaml_file.RECORD_ONLY}", False),
+    ("default", f"defaults {yaml_file.RECORD_ONLY}", False),
     ("epochs", "derived from --train-epochs and the data (shown, not set: a repeat computes them again)", True),
 )
 NOT_WRITTEN = ("config", "dry_run", "help")
+# where a run writes, how often it reports and how long it waits: a run that differs only in these is the same run
+# (run_differences; a resume from --save may change them). Every other flag defines the run: model, data, schedule.
+NOT_DEFINING = ("save", "save_hf", "save_interval", "no_save_optim", "no_save_rng", "overwrite_output_dir",
+                "metrics_file", "tensorboard_dir", "log_interval", "log_throughput", "peak_tflops", "eval_interval",
+                "eval_iters", "exit_interval", "exit_signal_handler", "distributed_timeout_minutes",
+                "data_cache_path", "workers", "overwrite_cache")
 
 
-def record_sources(parser, args, given: set, from_hf: set, finetune: set) -> None:
+def record_sources(parser, args, given: set, from_hf: set, finetune: set, from_checkpoint: set = frozenset()) -> None:
     """``args.flag_sources`` = {dest: [flag name, origin]} for every flag of ``parser``."""
     sources = {}
     for action in parser._actions:
@@ -45,6 +56,8 @@ def record_sources(parser, args, given: set, from_hf: set, finetune: set) -> Non
             origin = "finetune"
         elif dest in from_hf:
             origin = "hf"
+        elif dest in from_checkpoint:
+            origin = "checkpoint"
         elif getattr(args, dest, None) != action.default:
             origin = "derived"
         else:
@@ -103,24 +116,66 @@ def write(args, script: str) -> list:
     return written
 
 
-def recorded(save_dir: str, origin: str) -> dict:
-    """{dest: value} of the ``origin`` section of ``save_dir``'s resolved configuration ({} without one)."""
+def _sections(text: str, where: str) -> dict:
+    """{origin: {dest: value}} of a resolved configuration's text (a shown-only section's lines are comments)."""
     import yaml
 
+    origins = {f"# --- {title}": origin for origin, title, _ in SECTIONS}
+    lines, origin = {}, None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("# --- "):
+            origin = origins.get(line.strip())
+        elif origin and line.strip() and not line.startswith("#"):
+            lines.setdefault(origin, []).append(line)
+    out = {}
+    for origin, block in lines.items():
+        try:
+            values = yaml.safe_load("".join(block)) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{where}: unreadable ({e})") from None
+        out[origin] = {key.replace("-", "_"): value for key, value in values.items()}
+    return out
+
+
+def _read(save_dir: str):
+    """{origin: {dest: value}} of ``save_dir``'s resolved configuration; None without one (ValueError: unreadable)."""
     path = os.path.join(save_dir, FILE_NAME)
-    title = dict((o, t) for o, t, _ in SECTIONS)[origin]
     if not os.path.isfile(path):
-        return {}
-    lines, inside = [], False
+        return None
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("# --- "):
-                inside = line.strip() == f"# --- {title}"
-            elif inside and line.strip() and not line.startswith("#"):
-                lines.append(line)
+        return _sections(f.read(), path)
+
+
+def recorded(save_dir: str, origin: str) -> dict:
+    """{dest: value} of the ``origin`` section of ``save_dir``'s resolved configuration ({} without one)."""
     try:
-        values = yaml.safe_load("".join(lines)) or {}
-    except yaml.YAMLError:
-        log.warning("%s: unreadable; its %s are not reused", path, title)
+        sections = _read(save_dir) or {}
+    except ValueError as e:
+        log.warning("%s; its %s are not reused", e, dict((o, t) for o, t, _ in SECTIONS)[origin])
         return {}
-    return {key.replace("-", "_"): value for key, value in values.items()}
+    return sections.get(origin, {})
+
+
+def _show(value) -> str:
+    if value is None:
+        return "(not set)"
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def run_differences(args, save_dir: str):
+    """How this run differs from the run ``save_dir``'s resolved configuration records: ``["--flag a here, b
+    there", ...]`` over the flags that define a run (all but :data:`NOT_DEFINING`), ``[]`` for the same run,
+    None when there is no record. Both sides are compared as written (YAML), so a value reads back alike."""
+    try:
+        theirs = _read(save_dir)
+    except ValueError:
+        return None
+    if theirs is None:
+        return None
+    mine = _sections(text(args, ""), "this run")
+    theirs = {k: v for section in theirs.values() for k, v in section.items()}
+    mine = {k: v for section in mine.values() for k, v in section.items()}
+    names = {dest: name for dest, (name, _) in getattr(args, "flag_sources", {}).items()}
+    return [f"--{names.get(dest, dest)} {_show(value)} here, {_show(theirs[dest])} there"
+            for dest, value in mine.items()
+            if dest in theirs and dest not in NOT_DEFINING and value != theirs[dest]]

@@ -63,8 +63,26 @@ def flag_name(action: argparse.Action) -> str:
 
 
 # ---------------------------------------------------------------------------- reading
+# A section of a file a run wrote (the resolved configuration) whose values are on record only: read back with
+# --config, they are left to the parser, which derives them again, so they never count as the user's choices
+# (e.g. a preprocessing default checked against the data's sidecar). Its title line ends with this.
+RECORD_ONLY = "(on record: --config leaves these to the parser)"
+
+
+def _record_only_lines(text: str) -> set:
+    """Line numbers (1-based) inside the sections whose ``# --- TITLE`` ends with :data:`RECORD_ONLY`."""
+    out, inside = set(), False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("# --- "):
+            inside = line.rstrip().endswith(RECORD_ONLY)
+        elif inside:
+            out.add(number)
+    return out
+
+
 def read(path: str) -> List[tuple]:
-    """``[(key, value, line)]`` of a config file's top-level mapping, in file order."""
+    """``[(key, value, line)]`` of a config file's top-level mapping, in file order (keys of record-only
+    sections left out)."""
     import yaml
 
     if not os.path.isfile(path):
@@ -86,7 +104,7 @@ def read(path: str) -> List[tuple]:
     if not isinstance(root, yaml.MappingNode):
         raise ConfigError(f"{path}: line {root.start_mark.line + 1}: the file must be a mapping of flag names to "
                           "values (e.g. 'seq-length: 4096')")
-    out, seen = [], {}
+    out, seen, record_only = [], {}, _record_only_lines(text)
     for key_node, _ in root.value:
         line = key_node.start_mark.line + 1
         plain = isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:str"
@@ -97,7 +115,8 @@ def read(path: str) -> List[tuple]:
         if _normalise(key) in seen:
             raise ConfigError(f"{path}: line {line}: {key} is given twice (first on line {seen[_normalise(key)]})")
         seen[_normalise(key)] = line
-        out.append((key, values[key], line))
+        if line not in record_only:
+            out.append((key, values[key], line))
     return out
 
 

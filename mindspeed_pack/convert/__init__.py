@@ -1,6 +1,7 @@
 """Checkpoint formats and conversion between them: Hugging Face directories (``hf_io``), Megatron's on-disk
 layout (``megatron_layout``), the model families as data (``model_specs``, ``weight_map``), TP/PP/EP
-sharding (``sharding``), PEFT adapters (``adapters``) and ``convert_ckpt.py``'s pipeline (``convert``).
+sharding (``sharding``), PEFT adapters (``adapters``), a LoRA run's checkpoint at another layout
+(``adapter_reshard``) and ``convert_ckpt.py``'s pipeline (``convert``).
 
 May import ``model`` and ``runtime``; the training run's checkpoints (``checkpoint``) build on it.
 """

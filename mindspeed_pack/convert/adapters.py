@@ -13,6 +13,11 @@ and a merged model adds ``scale * B @ A`` to each adapted projection's HF weight
 The base an adapter was trained on is recorded as its path and a content fingerprint: sha256 over
 the base's weight files (a HF directory's config.json and weight files, a Megatron checkpoint's
 ``model_optim_rng.pt`` files of its tracked iteration), checked wherever adapters meet a base again.
+A Megatron checkpoint's files depend on its layout, so ``convert_ckpt.py``'s mg->mg reshard records in
+the new files the fingerprints of the checkpoints it was resharded from (``same_weights_as``): a base
+and its reshards are the same model, and adapters of one are accepted on the others. The PEFT export
+records the base in ``adapter_model.safetensors``' metadata; a PEFT directory of another tool names
+its base by ``base_model_name_or_path`` only.
 """
 from __future__ import annotations
 
@@ -34,6 +39,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
+SAME_WEIGHTS_AS = "same_weights_as"  # a reshard's record: fingerprints of the checkpoints it was resharded from
+PEFT_BASE_METADATA = "mindspeed_pack.lora_base"  # adapter_model.safetensors metadata: the base record (JSON)
+
 _MG_ADAPTER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.(\w+)$")
 _PEFT_ADAPTER = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -54,19 +62,20 @@ def to_peft(adapters: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def canonical_name(key: str) -> str:
+    """A PEFT tensor's name -> its canonical adapter name (inverse of :func:`to_peft`'s renaming)."""
+    owners = {hf: mg for mg, hf in HF_MODULE.items()}
+    m = _PEFT_ADAPTER.match(key)
+    linear = None if m is None else next((lin for lin, parts in ADAPTED_LINEARS.items()
+                                          if lin.split(".")[0] == owners.get(m.group(2)) and m.group(3) in parts), None)
+    if linear is None:
+        raise ConversionError(f"PEFT tensor {key!r} is not a LoRA adapter of a projection this model adapts")
+    return f"decoder.layers.{m.group(1)}.{linear}.lora_{m.group(4)}.{m.group(3)}"
+
+
 def from_peft(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Inverse of :func:`to_peft`."""
-    owners = {hf: mg for mg, hf in HF_MODULE.items()}
-    out = {}
-    for key, tensor in tensors.items():
-        m = _PEFT_ADAPTER.match(key)
-        linear = None if m is None else next((lin for lin, parts in ADAPTED_LINEARS.items()
-                                              if lin.split(".")[0] == owners.get(m.group(2)) and m.group(3) in parts),
-                                             None)
-        if linear is None:
-            raise ConversionError(f"PEFT tensor {key!r} is not a LoRA adapter of a projection this model adapts")
-        out[f"decoder.layers.{m.group(1)}.{linear}.lora_{m.group(4)}.{m.group(3)}"] = tensor
-    return out
+    return {canonical_name(key): tensor for key, tensor in tensors.items()}
 
 
 def adapted_projections(adapters: Iterable[str]) -> List[str]:
@@ -113,7 +122,10 @@ def write_peft_dir(out_dir: str, adapters: Dict[str, torch.Tensor], record: dict
     from safetensors.torch import save_file
 
     tensors = {k: v.to(dtype).contiguous() for k, v in to_peft(adapters).items()}
-    save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    metadata = {"format": "pt"}
+    if record.get("base"):
+        metadata[PEFT_BASE_METADATA] = json.dumps(record["base"])
+    save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata=metadata)
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(peft_config(record, adapted_projections(adapters), base_model), f, indent=2)
 
@@ -153,17 +165,111 @@ def fingerprint(path: str) -> str:
     return combine({f: file_sha256(os.path.join(path, f)) for f in files})
 
 
-def check_base(record: dict, base_dir: str, fingerprint_here: str, where: str, flag: str = "--load") -> None:
-    """Refuse adapters (their checkpoint's ``lora`` record, from ``where``) on a base that is not theirs."""
+def same_weights_as(path: str) -> List[str]:
+    """Fingerprints of the checkpoints Megatron checkpoint ``path`` is a reshard of (none for a HF directory)."""
+    iteration = layout.read_tracker(path) if os.path.isdir(path) else None
+    files = base_files(path) if iteration is not None else []
+    if not files:
+        return []
+    record = layout.load_file(os.path.join(path, files[0]), mmap=True)
+    return list(record.get(SAME_WEIGHTS_AS) or []) if isinstance(record, dict) else []
+
+
+def check_base(record: dict, base_dir: str, fingerprint_here: str, where: str, flag: str = "--load",
+               same_here=()) -> None:
+    """Refuse adapters (their checkpoint's ``lora`` record, from ``where``) on a base that is not theirs: the
+    fingerprints of their base and of ``base_dir`` (``fingerprint_here``), each with the checkpoints it was
+    resharded from (``same_weights_as``; ``same_here``), have none in common."""
     base = record.get("base") or {}
-    if base.get("fingerprint") != fingerprint_here:
+    theirs = {base.get("fingerprint"), *(base.get(SAME_WEIGHTS_AS) or [])} - {None}
+    if not theirs & {fingerprint_here, *same_here}:
         raise ConversionError(
             f"{where}: the adapters were trained on the base {base.get('path')} (content fingerprint "
             f"{str(base.get('fingerprint'))[:16]}), but {flag} {base_dir} has fingerprint {fingerprint_here[:16]}: "
-            f"pass {flag} {base.get('path')} (or that model's exact copy)")
+            f"pass {flag} {base.get('path')} (or that model's exact copy, or its reshard by convert_ckpt.py)")
 
 
 def split_adapters(tensors: Dict[str, torch.Tensor]):
     """(base tensors, adapter tensors) of one unit."""
     adapters = {k: v for k, v in tensors.items() if is_adapter_name(k)}
     return {k: v for k, v in tensors.items() if k not in adapters}, adapters
+
+
+# --------------------------------------------------------------------------- a PEFT directory as --lora-load
+# adapter_config.json settings that this trainer's adapters (plain LoRA: one A and B per adapted projection, on
+# every layer, one rank and alpha) cannot express: each refused when set
+_PEFT_UNSUPPORTED = {
+    "use_dora": "DoRA", "lora_bias": "a bias on lora_B", "fan_in_fan_out": "transposed (Conv1D) weights",
+    "modules_to_save": "fully trained extra modules", "trainable_token_indices": "trained token rows",
+    "rank_pattern": "ranks per module", "alpha_pattern": "alphas per module",
+    "layers_to_transform": "adapters on some layers only", "layer_replication": "replicated layers",
+    "target_parameters": "adapters on parameters", "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
+    "alora_invocation_tokens": "activated LoRA",
+}
+
+
+def is_peft_dir(path: str) -> bool:
+    """A PEFT adapter directory (``adapter_config.json``; a Megatron checkpoint's tracker wins: ``--lora-load D
+    --save D`` resumes from D's own saves)."""
+    return os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, layout.TRACKER))
+
+
+def read_peft_settings(path: str) -> dict:
+    """What PEFT directory ``path`` holds, checked: ``r``, ``alpha``, ``rslora``, ``dropout`` (adapter_config.json),
+    ``projections`` (the HF projections its tensors adapt, on every layer), ``base`` (this project's base record,
+    from the weights' metadata; None from other tools) and ``base_model_name_or_path``."""
+    from safetensors import safe_open
+
+    where = os.path.join(path, ADAPTER_CONFIG)
+    try:
+        with open(where) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"{where}: unreadable ({e})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{where}: holds a {type(config).__name__}, not PEFT's settings")
+    if str(config.get("peft_type", "")).upper() != "LORA":
+        raise ConversionError(f"{where}: peft_type {config.get('peft_type')!r}; only LoRA adapters load")
+    for key, what in _PEFT_UNSUPPORTED.items():
+        if config.get(key):
+            raise ConversionError(f"{where}: {key} {json.dumps(config[key])} ({what}): this trainer's adapters are "
+                                  "plain LoRA, one A and B per adapted projection on every layer")
+    if config.get("bias", "none") != "none":
+        raise ConversionError(f"{where}: bias {config['bias']!r}: the adapters train no biases (bias \"none\")")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0 or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ConversionError(f"{where}: r {r!r} and lora_alpha {alpha!r} must be positive numbers (r an integer)")
+    weights = os.path.join(path, ADAPTER_WEIGHTS)
+    if not os.path.isfile(weights):
+        raise ConversionError(f"{path}: no {ADAPTER_WEIGHTS} (PEFT's safetensors weights; save the adapter with "
+                              "safe_serialization=True)")
+    try:
+        with safe_open(weights, "pt") as f:
+            names, metadata = [canonical_name(k) for k in f.keys()], f.metadata() or {}
+    except ConversionError as e:
+        raise ConversionError(f"{weights}: {e}") from None
+    except Exception as e:  # a truncated or foreign file
+        raise ConversionError(f"{weights}: unreadable ({e})") from None
+    layers: Dict[int, set] = {}
+    for layer, linear, ab, p in map(_parse, names):
+        layers.setdefault(layer, set()).add((p, ab))
+    projections = sorted({p for held in layers.values() for p, _ in held})
+    want = {(p, ab) for p in projections for ab in "AB"}
+    gap = next((i for i in range(max(layers, default=-1) + 1) if layers.get(i) != want), None)
+    if not names or gap is not None:
+        have = sorted(f"{p}.lora_{ab}" for p, ab in layers.get(gap, ()))
+        raise ConversionError(f"{weights}: " + ("no adapter tensors" if not names else
+                              f"layer {gap} holds {have or 'no adapters'}, the others lora_A and lora_B of "
+                              f"{projections}: this trainer adapts the same projections on every layer"))
+    base = metadata.get(PEFT_BASE_METADATA)
+    return {"r": r, "alpha": float(alpha), "rslora": bool(config.get("use_rslora")),
+            "dropout": float(config.get("lora_dropout") or 0.0), "projections": projections,
+            "layers": len(layers), "base": json.loads(base) if base else None,
+            "base_model_name_or_path": config.get("base_model_name_or_path")}
+
+
+def read_peft_adapters(path: str) -> Dict[str, torch.Tensor]:
+    """The canonical adapter tensors (full, global layer ids) of PEFT directory ``path``."""
+    from safetensors.torch import load_file
+
+    return from_peft(load_file(os.path.join(path, ADAPTER_WEIGHTS)))

@@ -15,7 +15,9 @@ Every direction follows the same plan:
 Converted Megatron checkpoints are ``release`` checkpoints (iteration 0) in Megatron's
 layout (:mod:`mindspeed_pack.convert.megatron_layout`), each file holding ``model``
 (canonical local-spec names, no ``_extra_state`` entries), ``args`` (the model-shape
-arguments, :data:`~.model_specs.MODEL_ARG_NAMES`), ``iteration``, ``checkpoint_version``
+arguments, :data:`~.model_specs.MODEL_ARG_NAMES`: among them ``vocab_size``, config.json's, the
+embedding's rows, all real, and ``padded_vocab_size``; training takes them as its flags,
+:mod:`mindspeed_pack.config.checkpoint_flags`), ``iteration``, ``checkpoint_version``
 ``hf_config`` (the source config.json, for the way back) and ``tokenizer`` (the vocabulary of
 the source directory's tokenizer, :mod:`.tokenizer_record`, or None without one: training checks
 it at ``--load``/``--ref-load``). Padded vocabulary rows are zero.
@@ -35,6 +37,7 @@ from typing import Dict, Optional
 import torch
 from tqdm import tqdm
 
+from mindspeed_pack.convert import adapter_reshard
 from mindspeed_pack.convert import adapters as lora_map
 from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
@@ -176,10 +179,15 @@ class MegatronCheckpoint:
         self.hf_config = first.get("hf_config")
         self.tokenizer = first.get("tokenizer")
         self.lora = first.get("lora")  # a LoRA run's checkpoint: adapter settings and the base they belong to
+        self.same_weights_as = list(first.get(lora_map.SAME_WEIGHTS_AS) or [])  # a reshard: what it was resharded from
 
     def holds_base(self) -> bool:
         """False for a LoRA ``--save`` (adapters only, no base weights)."""
         return any(not lora_map.is_adapter_name(k) for k in self._file(0, 0)["model"])
+
+    def rank_file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
+        """The whole record of one rank's file (model, optimizer, ...), read once."""
+        return self._file(tp_rank, pp_rank, ep_rank)
 
     def _file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
         key = (tp_rank, pp_rank, ep_rank)
@@ -249,7 +257,7 @@ def vocab_rows(source: MegatronCheckpoint, tokenizer_dir: Optional[str]) -> int:
         return max(rows or 0, n)
     if rows is None:
         return padded
-    if args.untie_embeddings_and_output_weights:
+    if args.untie_embeddings_and_output_weights and source.holds_base():  # adapters only: no embedding
         embedding = source.unit(EMBEDDING)[MG_EMBEDDING]
         trained = torch.nonzero(embedding[rows:].abs().sum(dim=1)).flatten()
         if len(trained):
@@ -260,8 +268,9 @@ def vocab_rows(source: MegatronCheckpoint, tokenizer_dir: Optional[str]) -> int:
     return rows
 
 
-def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict], tokenizer: Optional[dict]) -> dict:
-    return {
+def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict], tokenizer: Optional[dict],
+                 same_weights_as: Optional[list] = None) -> dict:
+    record = {
         "model": model,
         "args": args_to_dict(args),
         "iteration": 0,
@@ -269,18 +278,23 @@ def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict]
         "hf_config": hf_config,
         "tokenizer": tokenizer,
     }
+    if same_weights_as:
+        record[lora_map.SAME_WEIGHTS_AS] = same_weights_as
+    return record
 
 
 def _write_stage(root: str, rank_dicts: Dict[tuple, Dict[str, torch.Tensor]], args, hf_config, tokenizer,
-                 pp_rank: int) -> None:
+                 pp_rank: int, same_weights_as: Optional[list] = None) -> None:
     pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
     for (tp_rank, ep_rank), model in rank_dicts.items():
         path = layout.checkpoint_file(root, layout.RELEASE, tp_rank, pp_rank, pp, ep_rank, ep)
-        layout.save_file_atomic(_rank_record(model, args, hf_config, tokenizer), path)
+        layout.save_file_atomic(_rank_record(model, args, hf_config, tokenizer, same_weights_as), path)
 
 
-def _write_sharded(root: str, args, hf_config, tokenizer, full_unit, desc: str) -> None:
-    """Shard the units produced by ``full_unit(unit)`` stage by stage (TP, then EP) and write them."""
+def _write_sharded(root: str, args, hf_config, tokenizer, full_unit, desc: str,
+                   same_weights_as: Optional[list] = None) -> None:
+    """Shard the units produced by ``full_unit(unit)`` stage by stage (TP, then EP) and write them
+    (``same_weights_as``: a reshard's record of the checkpoints it was resharded from)."""
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     stages = [stage_units(args, p, pp) for p in range(pp)]
     with _progress(sum(len(s) for s in stages), desc) as bar:
@@ -294,7 +308,7 @@ def _write_sharded(root: str, args, hf_config, tokenizer, full_unit, desc: str) 
                         rank_dicts[(tp_rank, ep_rank)].update(expert_shard(shard, args.num_experts, ep_rank, ep))
                 del full
                 bar.update()
-            _write_stage(root, rank_dicts, args, hf_config, tokenizer, pp_rank)
+            _write_stage(root, rank_dicts, args, hf_config, tokenizer, pp_rank, same_weights_as)
             del rank_dicts
     layout.write_tracker(root, layout.RELEASE)
 
@@ -405,7 +419,7 @@ def megatron_to_hf(
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
         if tok_files:
             hf_io.copy_files(tokenizer_dir, tok_files, tmp)
-    log.info("wrote HF model %s (%s, %s)", save_dir, spec.hf_architecture, _HF_DTYPE_NAMES[dtype])
+    log.info("wrote HF model %s (%s, %s)", save_dir, config.architectures[0], _HF_DTYPE_NAMES[dtype])
 
 
 def megatron_to_megatron(
@@ -418,12 +432,14 @@ def megatron_to_megatron(
     (``make_vocab_size_divisible_by * tp``) when the source used that rule, else the
     source's explicit size is kept (or ``padded_vocab_size`` when given). The real rows
     kept are :func:`vocab_rows` (the tokenizer's length when ``tokenizer_dir`` is given).
+
+    A model is written as weights (a release checkpoint: iteration 0, no optimizer or RNG state) and
+    records the fingerprints of the checkpoints it is a reshard of (``same_weights_as``: LoRA adapters
+    trained on one of them are accepted on it). A LoRA run's checkpoint keeps its iteration and
+    what a resume needs (:mod:`.adapter_reshard`).
     """
     check_save_dir(save_dir, load_dir)
     source = MegatronCheckpoint(load_dir, allow_unsafe)
-    if source.lora is not None:
-        raise ConversionError(f"{load_dir} holds LoRA adapters: resharding them is not supported; export them "
-                              "(--save-model-type hf --lora-load, as PEFT adapters or merged) instead")
     args = copy.copy(source.args)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size = tp, pp, ep
     args.vocab_size = vocab_rows(source, tokenizer_dir)
@@ -433,6 +449,15 @@ def megatron_to_megatron(
         padded_vocab_size = source.args.padded_vocab_size  # explicit at conversion: keep it
     args.padded_vocab_size = resolve_padded_vocab(args.vocab_size, tp, divisible, padded_vocab_size)
     check_parallel_sizes(args, tp, pp, ep=ep)
+    layouts = f"TP{source.tp} PP{source.pp} EP{source.ep} -> TP{tp} PP{pp} EP{ep}"
+    if source.lora is not None:
+        plan = adapter_reshard.plan(source, args)  # every check before anything is written
+        with staged_output(save_dir) as tmp:
+            adapter_reshard.write(tmp, plan)
+        log.info("wrote LoRA adapter checkpoint %s at iteration %s (%s); RNG states are per rank of the old layout "
+                 "and not carried: the resumed run draws dropout afresh from --seed", save_dir, source.iteration,
+                 layouts)
+        return
 
     same_padding = args.padded_vocab_size == source.args.padded_vocab_size
 
@@ -444,9 +469,9 @@ def megatron_to_megatron(
         return full  # same size: padded rows kept as trained, so resharding is exact
 
     tokenizer = read_tokenizer_record(tokenizer_dir) if tokenizer_dir else source.tokenizer
+    same_weights_as = [lora_map.fingerprint(load_dir), *source.same_weights_as]
     with staged_output(save_dir) as tmp:
-        _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit,
-                       f"mg TP{source.tp} PP{source.pp} EP{source.ep} -> TP{tp} PP{pp} EP{ep}")
+        _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit, f"mg {layouts}", same_weights_as)
     log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d)", save_dir, tp, pp, ep)
 
 
@@ -533,7 +558,7 @@ def lora_export(load_type: str, load_dir: str, lora_dir: str, save_dir: str, mer
     adapters = _adapter_checkpoint(lora_dir, allow_unsafe)
     try:
         lora_map.check_base(adapters.lora, load_dir, lora_map.fingerprint(load_dir), f"--lora-load {lora_dir}",
-                            flag="--load-dir")
+                            flag="--load-dir", same_here=lora_map.same_weights_as(load_dir))
     except (OSError, ConversionError) as e:
         raise ConversionError(str(e)) from None
     if not merge:
@@ -549,7 +574,8 @@ def lora_export(load_type: str, load_dir: str, lora_dir: str, save_dir: str, mer
 # --------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Convert checkpoints between Hugging Face and Megatron (and reshard Megatron ones).")
+        description="Convert checkpoints between Hugging Face and Megatron (and reshard Megatron ones, a LoRA run's "
+                    "adapter checkpoint too: --load-model-type mg --save-model-type mg --load-dir SAVE).")
     p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--save-model-type", choices=["mg", "hf"], required=True)
     p.add_argument("--model-type-hf", choices=sorted(MODEL_SPECS), default=None,
@@ -590,8 +616,10 @@ def main(argv=None) -> int:
         if args.lora_merge and not args.lora_load:
             raise ConversionError("--lora-merge merges the adapters of --lora-load DIR: pass it")
         if args.lora_load and args.save_model_type != "hf":
-            raise ConversionError("--lora-load: adapters are exported to Hugging Face (--save-model-type hf: a PEFT "
-                                  "adapter directory, or merged with --lora-merge)")
+            raise ConversionError(
+                f"--lora-load: adapters are exported to Hugging Face (--save-model-type hf: a PEFT adapter directory, "
+                f"or merged with --lora-merge); to reshard the adapter checkpoint, pass it alone: --load-model-type mg "
+                f"--save-model-type mg --load-dir {args.lora_load} --target-tensor-parallel-size N ...")
         if args.lora_load:
             lora_export(args.load_model_type, args.load_dir, args.lora_load, args.save_dir, args.lora_merge,
                         args.params_dtype, args.tokenizer_dir, args.max_shard_size_mb * 1024**2,

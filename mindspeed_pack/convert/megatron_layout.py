@@ -237,8 +237,31 @@ def parallel_sizes_in(it_dir: str, allow_unsafe: bool = False) -> tuple[int, int
 def _saved_expert_parallel_size(path: str, allow_unsafe: bool) -> int:
     if not os.path.isfile(path):
         return 1
-    stored = (load_file(path, allow_unsafe=allow_unsafe, mmap=True) or {}).get("args") or {}
-    return int((stored if isinstance(stored, dict) else vars(stored)).get("expert_model_parallel_size") or 1)
+    return int(args_of(load_file(path, allow_unsafe=allow_unsafe, mmap=True) or {}).get("expert_model_parallel_size")
+               or 1)
+
+
+def args_of(record: dict) -> dict:
+    """The arguments a checkpoint file records, as a dict (Megatron-LM's files hold a Namespace)."""
+    saved = record.get("args") or {}
+    return saved if isinstance(saved, dict) else vars(saved)
+
+
+def first_rank_file(root: str) -> Optional[str]:
+    """The first rank file (TP, PP and EP rank 0) of checkpoint ``root``'s tracked iteration, whose ``args``
+    record the model it holds; None where ``root`` holds no tracked iteration (a first launch's
+    ``--load D --save D``) or that iteration lacks the file, for the load to report.
+    Raises ValueError for a tracker that names no iteration."""
+    iteration = read_tracker(root) if os.path.isdir(root) else None
+    if iteration is None:
+        return None
+    it_dir = iteration_dir(root, iteration)
+    if not os.path.isdir(it_dir) and os.path.isdir(it_dir + ".old"):  # an interrupted re-save: the load takes it
+        it_dir += ".old"
+    first = sorted(n for n in os.listdir(it_dir) if re.fullmatch(r"mp_rank_00(?:_000){0,2}", n)) \
+        if os.path.isdir(it_dir) else []
+    path = os.path.join(it_dir, first[0], "model_optim_rng.pt") if first else None
+    return path if path and os.path.isfile(path) else None
 
 
 def remove_tree(path: str) -> None:

@@ -8,6 +8,11 @@ each with its check. :func:`args_from_hf_config` maps a config through its row; 
 no row explains is refused by name (MoE fields with their own message), so a model is
 never built that silently differs from the one in config.json. Tensor names and fused
 layouts live in :mod:`.weight_map`, which reads the same row.
+
+An outcome reward model of a family (a scalar ``score`` head instead of the LM head,
+``--stage orm``) is the row's ``hf_reward_architecture`` (transformers' ``*ForSequenceClassification``
+with ``num_labels: 1``): config.json naming it maps to ``reward_head`` and the pad token transformers
+pools by (``reward_pad_token_id``); a family without that class has no reward model to write.
 """
 from __future__ import annotations
 
@@ -44,6 +49,19 @@ def equals(*allowed) -> FieldCheck:
             _refuse(ctx, field, value, f"the Megatron model is built for {' or '.join(map(repr, allowed))}")
 
     return check
+
+
+def one_label(field, value, config, ctx) -> None:
+    """A sequence classifier's labels: a reward model has one (``num_labels: 1``, a scalar score)."""
+    if not _is_reward_config(config) or value is None:
+        return
+    if len(value) != 1:
+        _refuse(ctx, field, value, f"a sequence classifier with {len(value)} labels; the reward model (a scalar score) "
+                                   "has num_labels 1")
+
+
+def _is_reward_config(config: dict) -> bool:
+    return any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or [])
 
 
 def full_attention_layers(field, value, config, ctx) -> None:
@@ -85,6 +103,8 @@ COMMON_FIELDS: Dict[str, FieldCheck] = {
         "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
         "attention_dropout",  # training dropout is --attention-dropout
     )},
+    "id2label": one_label,  # written by *ForSequenceClassification (a reward model: one label)
+    "label2id": one_label,
     "hidden_act": equals("silu"),
 }
 
@@ -117,22 +137,27 @@ class ModelSpec:
     fields: Dict[str, FieldCheck] = field(default_factory=dict)  # understood beyond COMMON/MAPPED_FIELDS
     hf_defaults: Dict[str, object] = field(default_factory=dict)  # written into a converted config.json
     moe: bool = False  # routed experts (no shared expert) in the layers --moe-layer-freq marks
+    hf_reward_architecture: Optional[str] = None  # *ForSequenceClassification: the outcome reward model's class
 
 
 MODEL_SPECS = {
-    "qwen2": ModelSpec("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, fields=_QWEN_FIELDS),
+    "qwen2": ModelSpec("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True, fields=_QWEN_FIELDS,
+                       hf_reward_architecture="Qwen2ForSequenceClassification"),
     "qwen3": ModelSpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True,
                        fields={**_QWEN_FIELDS, "attention_bias": equals(False)},
-                       hf_defaults={"attention_bias": False}),
+                       hf_defaults={"attention_bias": False}, hf_reward_architecture="Qwen3ForSequenceClassification"),
     "qwen3_moe": ModelSpec("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_layernorm=True,
                            moe=True, fields={**_QWEN_FIELDS, "attention_bias": equals(False),
                                              **{k: harmless for k in _QWEN3_MOE_FIELDS}},
-                           hf_defaults={"attention_bias": False}),
+                           hf_defaults={"attention_bias": False},
+                           hf_reward_architecture="Qwen3MoeForSequenceClassification"),
     "llama": ModelSpec("llama", "llama", "LlamaForCausalLM", qkv_bias=False, rope_types=("default", "llama3"),
                        fields={"attention_bias": equals(False), "mlp_bias": equals(False), "pretraining_tp": harmless},
-                       hf_defaults={"attention_bias": False, "mlp_bias": False}),
+                       hf_defaults={"attention_bias": False, "mlp_bias": False},
+                       hf_reward_architecture="LlamaForSequenceClassification"),
     "mistral": ModelSpec("mistral", "mistral", "MistralForCausalLM", qkv_bias=False,
-                         fields={"sliding_window": window_covers_sequence}),
+                         fields={"sliding_window": window_covers_sequence},
+                         hf_reward_architecture="MistralForSequenceClassification"),
 }
 
 # args stored in every converted checkpoint: the model shape the trainer must match
@@ -151,6 +176,9 @@ OPTIONAL_MODEL_ARGS = {
     # mixture of experts (qwen3_moe); a dense model has num_experts None
     "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
     "moe_layer_freq": 1, "expert_model_parallel_size": 1,
+    # an outcome reward model (--stage orm): a scalar score head, read at the last token that is not this pad
+    # token (transformers' pooling; None: the last token)
+    "reward_head": False, "reward_pad_token_id": None,
 }
 
 
@@ -251,6 +279,16 @@ def get_spec(model_type_hf: str) -> ModelSpec:
         ) from None
 
 
+def reward_architecture(spec: ModelSpec) -> str:
+    """The transformers class an outcome reward model of ``spec``'s family is written as."""
+    if not spec.hf_reward_architecture:
+        raise ConversionError(f"the {spec.name} family has no sequence-classification class in transformers "
+                              "(hf_reward_architecture of its row in MODEL_SPECS): its outcome reward model cannot be "
+                              "written as a Hugging Face model; keep the Megatron checkpoint (--save), or train a "
+                              "family that has one")
+    return spec.hf_reward_architecture
+
+
 def spec_for_args(args) -> ModelSpec:
     """The family whose fixed Megatron arguments ``args`` has (for checkpoints trained from flags)."""
     moe = bool(getattr(args, "num_experts", None))
@@ -275,7 +313,7 @@ def detect_model_type(hf_config: dict, config_path: str = "config.json") -> str:
             return spec.name
     for arch in hf_config.get("architectures") or []:
         for spec in MODEL_SPECS.values():
-            if arch == spec.hf_architecture:
+            if arch in (spec.hf_architecture, spec.hf_reward_architecture):
                 return spec.name
     raise ConversionError(
         f"{config_path}: unknown architecture (model_type={model_type!r}, "
@@ -445,6 +483,13 @@ def args_from_hf_config(
     )
     if spec.moe:
         vars(args).update(moe_args_from_hf_config(hf_config, args.num_layers, where))
+    if _is_reward_config(hf_config):
+        archs = hf_config.get("architectures")
+        if reward_architecture(spec) not in archs:
+            raise ConversionError(f"{where}: architectures {archs!r}: the {spec.name} reward model is "
+                                  f"{spec.hf_reward_architecture}")
+        pad = hf_config.get("pad_token_id")
+        args.reward_head, args.reward_pad_token_id = True, None if pad is None else int(pad)
     args.expert_model_parallel_size = ep
     check_parallel_sizes(args, tp, pp, where=f"{where}: ", ep=ep)
     return args
@@ -565,4 +610,7 @@ def hf_config_from_args(args, spec: ModelSpec, dtype: str, extra: Optional[dict]
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if extra and extra.get(key) is not None:
             fields[key] = extra[key]
+    if getattr(args, "reward_head", False):  # an outcome reward model: pooled at the token training read
+        fields.update(architectures=[reward_architecture(spec)], num_labels=1,
+                      pad_token_id=getattr(args, "reward_pad_token_id", None))
     return AutoConfig.for_model(spec.hf_model_type, **fields)

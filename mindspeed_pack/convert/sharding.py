@@ -18,13 +18,14 @@ MoE experts over expert-parallel ranks          whole experts: EP rank e holds e
                                                 ``[e*n, (e+1)*n)``, ``n = num_experts/EP``,
                                                 renumbered ``local_experts.0..n-1``
 norms, row-parallel biases, learned_absolute     replicated
-position embeddings (first stage only)
+position embeddings (first stage only), a
+reward model's score head (last stage only)
 LoRA adapters (``lora_A.<p>``, ``lora_B.<p>``)   like their linear: B by rows (dim 0) on
                                                 linear_qkv / fc1, A by columns (dim 1) on
                                                 linear_proj / fc2; the other replicated
 ==============================================  ======================================
 
-With tied embeddings and PP > 1, the last stage holds its own copy of the word
+With tied embeddings and PP > 1, the last stage of a language model (not a reward model) holds its own copy of the word
 embeddings as ``output_layer.weight`` (megatron-core keeps the two in sync), so
 :func:`shard_state_dict` writes it there and :func:`merge_state_dicts` reads the first
 stage's copy. :func:`expert_shard` / :func:`merge_expert_shards` do the same over
@@ -41,7 +42,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from mindspeed_pack.convert.model_specs import ConversionError
-from mindspeed_pack.convert.weight_map import EMBEDDING, FINAL, MG_EMBEDDING, MG_OUTPUT, pad_vocab
+from mindspeed_pack.convert.weight_map import EMBEDDING, FINAL, MG_EMBEDDING, MG_OUTPUT, MG_SCORE, has_score_head, pad_vocab
 from mindspeed_pack.model.lora import ADAPTED_LINEARS, COLUMN_PARALLEL
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ _RULES = (
     *_ADAPTER_RULES,
     (MG_EMBEDDING, VOCAB),
     (MG_OUTPUT, VOCAB),
+    (MG_SCORE, REPLICATED),  # a reward model's 1-wide head: every TP rank holds it whole
     (POSITION_EMBEDDING, REPLICATED),  # learned_absolute: a plain nn.Embedding on every TP rank
     ("self_attention.linear_qkv.weight", COLUMN),
     ("self_attention.linear_qkv.bias", COLUMN),
@@ -111,6 +113,11 @@ def stage_of_layer(layer: int, num_layers: int, pp_size: int) -> Tuple[int, int]
 
 def _tied(args) -> bool:
     return not getattr(args, "untie_embeddings_and_output_weights", False)
+
+
+def _output_copy(args) -> bool:
+    """Whether the last stage keeps its own copy of tied embeddings as its output layer (a reward model has none)."""
+    return _tied(args) and not has_score_head(args)
 
 
 def _split(tensor: torch.Tensor, kind: str, tp_rank: int, tp_size: int, name: str) -> torch.Tensor:
@@ -165,7 +172,7 @@ def shard_state_dict(
             tensor = pad_vocab(tensor, args.padded_vocab_size, name)
             if first:
                 out[name] = _split(tensor, VOCAB, tp_rank, tp_size, name)
-            if last and pp_size > 1 and _tied(args):
+            if last and pp_size > 1 and _output_copy(args):
                 out[MG_OUTPUT] = _split(tensor, VOCAB, tp_rank, tp_size, name)
             continue
         elif name == MG_OUTPUT:
@@ -173,7 +180,7 @@ def shard_state_dict(
                 continue  # tied: megatron derives it from the embedding
             tensor = pad_vocab(tensor, args.padded_vocab_size, name)
             target = name
-        elif name.startswith("decoder.final_layernorm."):
+        elif name.startswith("decoder.final_layernorm.") or name == MG_SCORE:
             if not last:
                 continue
             target = name
@@ -273,7 +280,7 @@ def stage_units(args, pp_rank: int, pp_size: int) -> list:
     offset = layer_offset(args.num_layers, pp_rank, pp_size)
     per_stage = args.num_layers // pp_size
     last = pp_rank == pp_size - 1
-    out = [EMBEDDING] if pp_rank == 0 or (last and _tied(args)) else []
+    out = [EMBEDDING] if pp_rank == 0 or (last and _output_copy(args)) else []
     out += list(range(offset, offset + per_stage))
     if last:
         out.append(FINAL)

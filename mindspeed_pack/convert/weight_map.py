@@ -16,6 +16,8 @@ Canonical names are megatron-core's local-spec parameter names of a TP1/PP1 mode
     decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight <- experts.{j}.down_proj
     decoder.final_layernorm.weight              <- model.norm.weight
     output_layer.weight                         <- lm_head.weight (untied only; vocab padded)
+    score.weight                                <- score.weight (a reward model's [1, hidden] head,
+                                                   in place of the output layer: *ForSequenceClassification)
 
 Fused QKV rows are grouped per query group, ``[q heads of group 0, k0, v0, q heads of
 group 1, k1, v1, ...]``, so that a contiguous split of the rows hands every tensor-parallel
@@ -39,6 +41,7 @@ MG_FINAL_NORM = "decoder.final_layernorm.weight"
 HF_EMBEDDING = "model.embed_tokens.weight"
 HF_OUTPUT = "lm_head.weight"
 HF_FINAL_NORM = "model.norm.weight"
+MG_SCORE = HF_SCORE = "score.weight"  # an outcome reward model's scalar head (args.reward_head)
 
 # per-head q/k RMSNorm weights ([head_dim], the same on every tensor-parallel rank)
 QK_NORMS = (("q_norm.weight", "q_layernorm.weight"), ("k_norm.weight", "k_layernorm.weight"))
@@ -52,6 +55,11 @@ HF_MODULE = {"self_attention": "self_attn", "mlp": "mlp"}
 
 def units(args) -> List[Unit]:
     return [EMBEDDING, *range(args.num_layers), FINAL]
+
+
+def has_score_head(args) -> bool:
+    """An outcome reward model: its final unit holds the score head instead of the output layer."""
+    return bool(getattr(args, "reward_head", False))
 
 
 def _hf_layer(i: int) -> str:
@@ -76,7 +84,9 @@ def hf_unit_shapes(unit: Unit, args, spec: ModelSpec) -> Dict[str, Tuple[int, ..
         return {HF_EMBEDDING: (args.vocab_size, h)}
     if unit == FINAL:
         shapes = {HF_FINAL_NORM: (h,)}
-        if args.untie_embeddings_and_output_weights:
+        if has_score_head(args):
+            shapes[HF_SCORE] = (1, h)
+        elif args.untie_embeddings_and_output_weights:
             shapes[HF_OUTPUT] = (args.vocab_size, h)
         return shapes
     p = _hf_layer(unit)
@@ -168,7 +178,9 @@ def hf_to_mg_unit(unit: Unit, get: Callable[[str], torch.Tensor], args, spec: Mo
         return {MG_EMBEDDING: pad_vocab(get(HF_EMBEDDING), args.padded_vocab_size, HF_EMBEDDING)}
     if unit == FINAL:
         out = {MG_FINAL_NORM: get(HF_FINAL_NORM)}
-        if args.untie_embeddings_and_output_weights:
+        if has_score_head(args):
+            out[MG_SCORE] = get(HF_SCORE)
+        elif args.untie_embeddings_and_output_weights:
             out[MG_OUTPUT] = pad_vocab(get(HF_OUTPUT), args.padded_vocab_size, HF_OUTPUT)
         return out
     hp, mp = _hf_layer(unit), _mg_layer(unit)
@@ -210,7 +222,9 @@ def mg_to_hf_unit(unit: Unit, full: Dict[str, torch.Tensor], args, spec: ModelSp
         return {HF_EMBEDDING: unpad_vocab(take(MG_EMBEDDING), args.vocab_size, MG_EMBEDDING)}
     if unit == FINAL:
         out = {HF_FINAL_NORM: take(MG_FINAL_NORM)}
-        if args.untie_embeddings_and_output_weights:
+        if has_score_head(args):
+            out[HF_SCORE] = take(MG_SCORE)
+        elif args.untie_embeddings_and_output_weights:
             out[HF_OUTPUT] = unpad_vocab(take(MG_OUTPUT), args.vocab_size, MG_OUTPUT)
         return out
     hp, mp = _hf_layer(unit), _mg_layer(unit)
@@ -249,7 +263,9 @@ def mg_unit_names(unit: Unit, args) -> List[str]:
         names = [MG_FINAL_NORM]
         if args.normalization == "LayerNorm":
             names.append("decoder.final_layernorm.bias")
-        if args.untie_embeddings_and_output_weights:
+        if has_score_head(args):
+            names.append(MG_SCORE)
+        elif args.untie_embeddings_and_output_weights:
             names.append(MG_OUTPUT)
         return names
     raise ValueError("layer units are selected by prefix, see mg_layer_prefix")

@@ -1,5 +1,5 @@
 """Samples from raw rows: file readers (``readers``: parquet/arrow/csv/json/jsonl/txt), the Alpaca,
-ShareGPT, OpenAI-messages and pairwise handlers (``handlers``, ``pairwise``), chat templates (JSON
+ShareGPT, OpenAI-messages, pairwise and KTO handlers (``handlers``, ``pairwise``, ``kto``), chat templates (JSON
 slot templates in ``templates``, the model's own Jinja template in ``chat_template``), tokenizers
 (``tokenizer``) and the deterministic demo data (``toy``).
 

@@ -60,7 +60,13 @@ PRETRAIN = "GeneralPretrainHandler"
 ALPACA_PAIRWISE = "AlpacaStylePairwiseHandler"
 SHAREGPT_PAIRWISE = "SharegptStylePairwiseHandler"
 PAIRWISE_BASE = {ALPACA_PAIRWISE: ALPACA, SHAREGPT_PAIRWISE: SHAREGPT}
-HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE)
+# process reward rows (mindspeed_pack/data/process_reward.py): a solution's text with a step tag after each step
+PROCESS_REWARD = "AlpacaStyleProcessRewardHandler"
+# KTO (mindspeed_pack/data/kto.py): the same rows with a desirable/undesirable ``label``
+ALPACA_KTO = "AlpacaStyleKTOHandler"
+SHAREGPT_KTO = "SharegptStyleKTOHandler"
+KTO_BASE = {ALPACA_KTO: ALPACA, SHAREGPT_KTO: SHAREGPT}
+HANDLERS = (ALPACA, SHAREGPT, PRETRAIN, ALPACA_PAIRWISE, SHAREGPT_PAIRWISE, PROCESS_REWARD, ALPACA_KTO, SHAREGPT_KTO)
 
 DEFAULT_MAP_KEYS = {
     ALPACA: {"prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history",
@@ -69,16 +75,23 @@ DEFAULT_MAP_KEYS = {
                "user_tag": "human", "assistant_tag": "gpt", "system_tag": "system", "observation_tag": "observation",
                "function_tag": "function_call"},
     PRETRAIN: {"text": "text"},
+    PROCESS_REWARD: {"input": "input", "value": "value"},
 }
-REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",)}
+REQUIRED_COLUMNS = {ALPACA: ("prompt", "response"), SHAREGPT: ("messages",), PRETRAIN: ("text",),
+                    PROCESS_REWARD: ("input", "value")}
 # which map-keys name columns (the others name fields inside a message or role values)
 COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history", "tools"), SHAREGPT: ("messages", "system", "tools"),
-               PRETRAIN: ("text",)}
+               PRETRAIN: ("text",), PROCESS_REWARD: ("input", "value")}
 for _pairwise, _base in PAIRWISE_BASE.items():  # the base handler's keys, its answer column replaced by the pair's
     DEFAULT_MAP_KEYS[_pairwise] = {**{k: v for k, v in DEFAULT_MAP_KEYS[_base].items() if k != "response"},
-                                   "chosen": "chosen", "rejected": "rejected"}
+                                   "chosen": "chosen", "rejected": "rejected", "margin": "margin"}
     REQUIRED_COLUMNS[_pairwise] = tuple(k for k in REQUIRED_COLUMNS[_base] if k != "response") + ("chosen", "rejected")
-    COLUMN_KEYS[_pairwise] = tuple(k for k in COLUMN_KEYS[_base] if k != "response") + ("chosen", "rejected")
+    COLUMN_KEYS[_pairwise] = tuple(k for k in COLUMN_KEYS[_base] if k != "response") + ("chosen", "rejected",
+                                                                                        "margin")
+for _kto, _base in KTO_BASE.items():  # the base handler's keys plus the row's label
+    DEFAULT_MAP_KEYS[_kto] = {**DEFAULT_MAP_KEYS[_base], "label": "label"}
+    REQUIRED_COLUMNS[_kto] = REQUIRED_COLUMNS[_base] + ("label",)
+    COLUMN_KEYS[_kto] = COLUMN_KEYS[_base] + ("label",)
 _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
                    "tool": "observation_tag"}
 
@@ -96,7 +109,8 @@ def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]
     mapping = dict(DEFAULT_MAP_KEYS[handler])
     explicit = set()
     for key, value in (map_keys or {}).items():
-        key = _OPENAI_ALIASES.get(key, key) if SHAREGPT in (handler, PAIRWISE_BASE.get(handler)) else key
+        base = PAIRWISE_BASE.get(handler, KTO_BASE.get(handler))
+        key = _OPENAI_ALIASES.get(key, key) if SHAREGPT in (handler, base) else key
         if key not in mapping:
             raise PreprocessError(f"--map-keys: unknown key {key!r} for {handler}; known keys: {', '.join(mapping)}")
         if not isinstance(value, str):
@@ -113,6 +127,7 @@ class EncodedChunk:
     input_ids: np.ndarray  # int32
     trained: np.ndarray  # uint8, 1 where the label is the token itself
     lengths: np.ndarray  # int32
+    pair_margins: Optional[np.ndarray] = None  # preference pairs: one reward margin per pair (float64)
     rows: int = 0
     truncated: int = 0
     skipped: Counter = field(default_factory=Counter)

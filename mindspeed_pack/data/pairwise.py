@@ -24,7 +24,9 @@ A pair is never truncated (a one-sided cut would bias the preference): a pair lo
 ``--seq-length`` (its padded lengths under ``--pad-to-multiple-of``) is dropped and counted,
 and so is a pair whose answers are the same tokens once the template is applied (it cannot teach a
 preference; warned): ``"hello  "`` against ``"hello"`` under Llama 3's trimming template.
-A row without ``chosen`` or ``rejected`` is a :class:`RowError`.
+A row without ``chosen`` or ``rejected`` is a :class:`RowError`. An optional ``margin`` column (a number per
+row; 0 where a row has none) is the pair's reward margin, TRL's RewardTrainer's: kept per pair, in pack
+order, for ``--stage orm`` (``P_packed_pair_margins``).
 """
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ from mindspeed_pack.data.templates import REASON_TOOLS
 SKIP_TOO_LONG = "pair longer than --seq-length"
 SKIP_IDENTICAL = "identical chosen and rejected"
 MISSING_ANSWER = "missing chosen/rejected"
+BAD_MARGIN = "margin not a number"
 
 
 def is_pairwise(handler: str) -> bool:
@@ -79,6 +82,29 @@ class PairwiseEncoder(SampleEncoder):
         super().__init__(PAIRWISE_BASE[handler], tokenizer, template, map_keys, None, append_eod, skip_bad_rows,
                          chat=chat)
         self.pair_handler, self.budget, self.multiple = handler, seq_length, pad_to_multiple_of
+        self.margins: list = []  # of the pairs kept so far in the chunk being encoded
+
+    def encode_rows(self, rows):
+        """A chunk's samples, chosen and rejected of each pair in turn, with the kept pairs' margins."""
+        self.margins = []
+        chunk = super().encode_rows(rows)
+        chunk.pair_margins = np.asarray(self.margins, dtype=np.float64)
+        return chunk
+
+    def _margin(self, row: dict, where: str) -> float:
+        """The row's reward margin (``--map-keys margin``), 0 without one."""
+        column = self.keys["margin"]
+        value = row.get(column)
+        if value is None or value == "":
+            return 0.0
+        try:
+            margin = float(value) if not isinstance(value, bool) else None
+        except (TypeError, ValueError):
+            margin = None
+        if margin is None or not np.isfinite(margin):
+            raise RowError(f"{where}: field {column!r} (--map-keys margin) must be a number, the pair's reward margin, "
+                           f"got {value!r}", BAD_MARGIN)
+        return margin
 
     def _fits(self, samples) -> bool:
         """Whether the pair, each sample padded to ``--pad-to-multiple-of``, fits ``--seq-length``."""
@@ -115,6 +141,7 @@ class PairwiseEncoder(SampleEncoder):
         if not isinstance(row, dict):
             raise not_an_object(where, row)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
+        margin = self._margin(row, where)
         prompt, system = (self._alpaca_prompt if self.handler == ALPACA else self._sharegpt_messages)(row, where)
         if isinstance(prompt, str):  # found unusable while reading it: the skip reason
             return None, prompt
@@ -126,7 +153,7 @@ class PairwiseEncoder(SampleEncoder):
             if plan is None:
                 return None, skip
             plans.append(final_answer_only(plan))
-        return tuple(plans), None
+        return (*plans, margin), None
 
     def plan_chat_row(self, row, where: str, texts: list):
         """``--prompt-type hf``: ((where, [(chosen plan, text index), (rejected plan, text index)]), None)
@@ -136,6 +163,7 @@ class PairwiseEncoder(SampleEncoder):
         if not isinstance(row, dict):
             raise not_an_object(where, row)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
+        margin = self._margin(row, where)
         prompt, tools = self._chat_messages(row, where, answer=False)
         if all(m["role"] == "system" for m in prompt):
             return None, SKIP_EMPTY
@@ -149,12 +177,12 @@ class PairwiseEncoder(SampleEncoder):
             sample, = self.chat_samples(messages, tools, where, trained=[len(messages) - 1])
             plan.append((sample, len(texts)))
             texts.append(sample.text)
-        return (where, plan), None
+        return (where, plan, margin), None
 
     def finish_chat(self, plan, encoded: list) -> list:
         """[chosen, rejected] as supervised samples, or one (None, skip reason, False) for the pair: a pair is
         never truncated, and its prompt must be the same tokens before both answers."""
-        out = super().finish_chat(plan, encoded)
+        out = super().finish_chat(plan[:2], encoded)
         for sample, skip, _ in out:
             if sample is None:
                 return [(None, skip, False)]
@@ -167,12 +195,14 @@ class PairwiseEncoder(SampleEncoder):
                            "(the answers merge with the prompt's last token)", REASON_TOKEN_BOUNDARY)
         if not self._fits([s for s, _, _ in out]):
             return [(None, SKIP_TOO_LONG, False)]
+        self.margins.append(plan[2])
         return out
 
     def finish_row(self, plan, encoded: list):
         """([chosen, rejected], None, False), or ([], skip reason, False): a pair is never truncated."""
+        *sides, margin = plan
         samples = []
-        for side in plan:
+        for side in sides:
             sample, skip, _ = self.finish(side, encoded)
             if sample is None:
                 return [], skip, False
@@ -181,4 +211,5 @@ class PairwiseEncoder(SampleEncoder):
             return [], SKIP_IDENTICAL, False
         if not self._fits(samples):
             return [], SKIP_TOO_LONG, False
+        self.margins.append(margin)
         return samples, None, False

@@ -34,18 +34,20 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import numpy as np
 
 from mindspeed_pack.datasets.packed_dataset import DataError, PackedBatchSource, SplitDataset, micro_batch
 from mindspeed_pack.packing.balance import balance_partition, cost_model, imbalance, plan_online_packing
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
+from mindspeed_pack.packing.dynamic_cp import DynamicCPPlan, group_size_options, plan_dynamic_cp
 from mindspeed_pack.packing.segments import IGNORE_INDEX
+from mindspeed_pack.runtime.process_groups import check_dynamic_cp_groups
 
 log = logging.getLogger(__name__)
 
-SCHEDULERS = ("none", "dp_balanced")
+SCHEDULERS = ("none", "dp_balanced", "default_dynamic_cp")
 
 
 def data_kind(docs) -> str:
@@ -172,18 +174,19 @@ class BalancedBatchSource(PackedBatchSource):
         for i in range(0, len(mine), mbs):
             yield micro_batch([docs.get(int(d)) for d in mine[i:i + mbs]], self.args)
 
-    def _pack_row(self, samples: List[dict]) -> dict:
+    def _pack_row(self, samples: List[dict], capacity: Optional[int] = None, multiple: Optional[int] = None) -> dict:
         """One row of ``capacity`` tokens: samples back to back as segments 1..k, then padding.
 
-        Each sample takes its CP-padded length (its plan length): the pads end its segment,
-        untrained, and are no real tokens (``pad_mask``)."""
-        c = self.capacity
+        Each sample takes its CP-padded length (its plan length, a multiple of ``multiple``): the pads end
+        its segment, untrained, and are no real tokens (``pad_mask``)."""
+        c = capacity or self.capacity
+        multiple = multiple or self.cp_multiple
         row = {"input_ids": np.zeros(c, np.int64), "labels": np.full(c, IGNORE_INDEX, np.int64),
                "attention_mask": np.zeros(c, np.int64), "pad_mask": np.zeros(c, bool)}
         pos = 0
         for k, s in enumerate(samples, start=1):
             n = min(len(s["input_ids"]), c - pos)
-            span = min(round_up(n, self.cp_multiple), c - pos)
+            span = min(round_up(n, multiple), c - pos)
             row["input_ids"][pos:pos + n] = s["input_ids"][:n]
             row["labels"][pos:pos + n] = s["labels"][:n]
             row["attention_mask"][pos:pos + span] = k
@@ -192,6 +195,164 @@ class BalancedBatchSource(PackedBatchSource):
         return micro_batch([row], self.args, seq_length=c, isolate=True)
 
 
+class DynamicCPBatchSource(BalancedBatchSource):
+    """posttrain's data under ``--sequence-packing-scheduler default_dynamic_cp``: every sample of a global
+    batch on the smallest CP group that holds it (:mod:`mindspeed_pack.packing.dynamic_cp`).
+
+    The pool is this replica's data x context parallel ranks; every rank derives the step's plan from the
+    samples' lengths and yields its ``M`` micro-batches: a job's whole row (``g x N`` tokens, samples laid
+    out at their ``2g``-padded lengths) with ``cp_size`` = ``g`` and ``cp_rank`` = its place in the group, the
+    trainer keeping its zigzag share; an empty row of ``N`` tokens where it has no job. Unpacked data only
+    (``preprocess_data.py`` without ``--pack``, the long limit as ``--seq-length``); a sample longer than
+    ``C x N`` is refused by name, or dropped and counted (``--overlong-samples drop``), never truncated."""
+
+    dynamic_cp = True
+
+    def setup(self, args, num_samples: dict) -> None:
+        from megatron.core import parallel_state as ps
+
+        PackedBatchSource.setup(self, args, num_samples)
+        docs = next(d.docs for d in self.splits.values() if d is not None)
+        if data_kind(docs) != "unpacked":
+            raise DataError(f"--sequence-packing-scheduler default_dynamic_cp packs samples at load time: "
+                            f"{docs.prefix!r} holds offline packs; preprocess without --pack (each sample its own "
+                            "document, --seq-length the longest sample)")
+        self.online = True
+        self.cost = cost_model(args)
+        self.per_rank = args.max_seqlen_per_dp_cp_rank
+        self.capacity = self.per_rank * args.context_parallel_size  # the longest sample
+        self._sizes = {id(d.docs): np.asarray(d.docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
+                       for d in self.splits.values() if d is not None}
+        self._plans = OrderedDict()
+        for name, split in self.splits.items():
+            if split is not None:
+                check_overlong(self._sizes[id(split.docs)][split.start:split.end], split.start, self.capacity,
+                               args, f"{split.docs.prefix!r} ({name} split)")
+        self.pool_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+        self.pool_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+        check_dynamic_cp_groups(args.context_parallel_size)
+        if not args.no_reset_position_ids:  # rows isolate their samples: positions restart per sample
+            args.reset_position_ids = True
+        log.info("default_dynamic_cp: samples on CP groups of %s ranks (rows of %d tokens per rank) over %d data x "
+                 "context parallel ranks", "/".join(map(str, group_size_options(
+                     args.context_parallel_size, args.min_dynamic_context_parallel_size))), self.per_rank,
+                 self.pool_size)
+
+    def _plan(self, split: str, consumed: int):
+        key = (split, consumed)
+        if key in self._plans:
+            return self._plans[key]
+        dataset = self.splits.get(split)
+        if dataset is None:
+            raise DataError(f"the {split} split is empty: check --split {self.args.split}")
+        gbs = self.args.global_batch_size
+        if consumed + gbs > len(dataset):
+            raise RuntimeError(f"{split} data exhausted at consumed samples {consumed}: the sample index "
+                               "is shorter than train-iters x global-batch-size")
+        docs = dataset.start + np.asarray(dataset.index[consumed:consumed + gbs], dtype=np.int64)
+        docs, lengths, dropped = kept_samples(docs, self._sizes[id(dataset.docs)][docs], self.capacity)
+        plan = step_plan(lengths, self.args, self.pool_size, self.cost)
+        stats = plan.stats(lengths)
+        if self.args.overlong_samples == "drop":
+            stats["dropped samples"] = dropped
+        out = {"docs": docs, "jobs": plan.rank_jobs(self.pool_rank), "slots": plan.slots, "stats": stats}
+        self._plans[key] = out
+        while len(self._plans) > self._CACHE:
+            self._plans.popitem(last=False)
+        return out
+
+    def step_shape(self, split: str, consumed: int):
+        """(micro-batches, tokens per micro-batch *as megatron counts them*: N x --context-parallel-size, which
+        its pipeline divides by the CP size to N per rank; the plan's statistics)."""
+        plan = self._plan(split, consumed)
+        return plan["slots"], self.capacity, plan["stats"]
+
+    @property
+    def max_tokens_per_cp_rank(self):
+        return self.per_rank
+
+    def micro_batches(self, split: str, consumed: int) -> Iterator[dict]:
+        plan = self._plan(split, consumed)
+        docs = self.splits[split].docs
+        args = self.args
+        for job in plan["jobs"]:
+            if job is None:  # no job for this rank in this slot: an empty row, alone
+                row = self._pack_row([], self.per_rank, 1)
+                row.update(cp_size=1, cp_rank=0)
+            else:
+                g = job.size
+                multiple = padding_multiple(g, args.tensor_model_parallel_size, args.sequence_parallel) if g > 1 else 1
+                row = self._pack_row([docs.get(int(d)) for d in plan["docs"][job.samples]], g * self.per_rank, multiple)
+                row.update(cp_size=g, cp_rank=self.pool_rank - job.first_rank)
+            yield row
+
+
+def step_plan(lengths, args, pool_size: int, cost) -> DynamicCPPlan:
+    """One global batch's dynamic CP plan over ``pool_size`` data x context parallel ranks."""
+    return plan_dynamic_cp(lengths, pool_size, args.max_seqlen_per_dp_cp_rank, args.context_parallel_size, cost,
+                           args.min_dynamic_context_parallel_size, args.tensor_model_parallel_size,
+                           args.sequence_parallel)
+
+
+def kept_samples(docs: np.ndarray, lengths: np.ndarray, longest: int):
+    """(documents, lengths, how many were dropped) of a global batch without its samples over ``longest``
+    (they reach here only under ``--overlong-samples drop``)."""
+    keep = lengths <= longest
+    return docs[keep], lengths[keep], int((~keep).sum())
+
+
+def check_overlong(lengths: np.ndarray, first_document: int, longest: int, args, where: str) -> int:
+    """Samples of a split longer than ``longest`` = C x N tokens: refused naming the first, or (``--overlong-samples
+    drop``) counted and logged; returns how many."""
+    over = np.flatnonzero(lengths > longest)
+    if not len(over):
+        return 0
+    first = int(over[0])
+    if args.overlong_samples == "refuse":
+        raise DataError(f"sample {first_document + first} of {where} has "
+                        f"{int(lengths[first])} tokens, more than --context-parallel-size {args.context_parallel_size} "
+                        f"x --max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank} = {longest} "
+                        f"({len(over)} such samples): raise either flag, or pass --overlong-samples drop to drop them "
+                        "(counted); they are never truncated")
+    log.warning("--overlong-samples drop: %d of the %d samples of %s are longer than %d tokens and are dropped "
+                "(counted per step as 'dropped samples')", len(over), len(lengths), where, longest)
+    return len(over)
+
+
+def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
+    """``--dry-run`` under ``default_dynamic_cp``: the plan of the first training steps, from the documents'
+    sizes in the ``.idx`` and the sample index built in memory (nothing is written)."""
+    from mindspeed_pack.datasets.packed_dataset import split_ranges
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+    from mindspeed_pack.datasets.sample_index import build_sample_index
+
+    per_split = getattr(args, "train_data_path", None)
+    docs = PackedDocuments((per_split or args.data_path)[0])
+    start, end = (0, len(docs)) if per_split else split_ranges(len(docs), args.split)[0]
+    sizes = np.asarray(docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
+    longest = args.max_seqlen_per_dp_cp_rank * args.context_parallel_size
+    check_overlong(sizes[start:end], start, longest, args, f"{docs.prefix!r} (train split)")
+    gbs, pool = args.global_batch_size, args.data_parallel_size * args.context_parallel_size
+    steps = min(steps, args.train_iters or steps)
+    index = start + build_sample_index(end - start, steps * gbs, seed=args.seed, shuffle=not args.no_shuffle,
+                                       padded_samples=args.padded_samples, global_batch_size=gbs)
+    sizes_used = group_size_options(args.context_parallel_size, args.min_dynamic_context_parallel_size)
+    lines = [f"dynamic CP: {pool} data x context parallel ranks, CP groups of {'/'.join(map(str, sizes_used))} ranks, {args.max_seqlen_per_dp_cp_rank} tokens per rank per micro-batch; samples named by document"]
+    for step in range(steps):
+        batch = index[step * gbs:(step + 1) * gbs]
+        batch, lengths, dropped = kept_samples(batch, sizes[batch], longest)
+        plan = step_plan(lengths, args, pool, cost_model(args))
+        figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                            for k, v in plan.stats(lengths).items())
+        lines.append(f"step {step + 1}: {plan.slots} micro-batches; {figures}; "
+                     f"padding {plan.padding_ratio(lengths):.3f}"
+                     + (f"; {dropped} samples dropped" if dropped else ""))
+        lines += [f"  {line}" for line in plan.describe(names=batch)]
+    return lines
+
+
 def batch_source(args) -> PackedBatchSource:
     """The posttrain data source for ``--sequence-packing-scheduler``."""
+    if args.sequence_packing_scheduler == "default_dynamic_cp":
+        return DynamicCPBatchSource()
     return BalancedBatchSource() if args.sequence_packing_scheduler == "dp_balanced" else PackedBatchSource()

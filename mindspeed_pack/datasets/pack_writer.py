@@ -17,7 +17,9 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
 
 * labels are not shifted: ``labels[i]`` is ``input_ids[i]`` where trained, else -100
   (prompt, padding). The FIRST token of every sample is always -100, so no label can cross a
-  sample boundary even when the mask does not isolate samples.
+  sample boundary even when the mask does not isolate samples. Process reward samples
+  (``mindspeed_pack/data/process_reward.py``) are the one exception: at each step tag the label is
+  the step's reward token (``+``/``-``), from the store's trained codes past 1 (:func:`label_values`).
 * ``--neat-pack``: ``attention_mask`` holds segment ids 1..k in pack order, then 0 for padding.
 * plain ``--pack``: ``attention_mask`` is all 1s. Samples are NOT isolated: a model that
   honours only causality attends across samples of a pack (MindSpeed-LLM's behaviour; use
@@ -26,6 +28,11 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
   ``[4, 3]`` above), records where samples end, for ``--reset-attention-mask``,
   ``--reset-position-ids`` and ``--per-sample-loss`` (a chat template's EOS also ends system and
   user turns, so the EOS cannot tell). Its name is outside MindSpeed-LLM's ``P_packed_*_document``.
+* preference pairs: ``P_packed_pair_margins`` (float32, one document per pack: its pairs' reward margins in
+  pack order, 0 where a row gave none) for ``--stage orm``.
+* KTO handlers (``mindspeed_pack/data/kto.py``): segments ``2k-1``/``2k`` are a sample and its KL partner, and
+  ``P_packed_kto_labels`` (int32, one document per pack) holds each segment's label: 1 desirable, 0
+  undesirable, -1 a KL partner (``[1, -1, 0, -1]`` for a pack of two couples).
 * no ``--pack``: one sample per document, of its own length, attention_mask all 1s; the same
   three names, so unpacked training and packed-vs-unpacked comparisons read one format.
 * ``--pad-to-multiple-of N`` (context parallelism): every sample is stored with pad tokens
@@ -70,8 +77,32 @@ def sample_lengths_prefix(output_prefix: str) -> str:
     return f"{output_prefix}_packed_sample_lengths"
 
 
+def pair_margins_prefix(output_prefix: str) -> str:
+    """Preference pairs' reward margins, one document per pack (see the module docstring)."""
+    return f"{output_prefix}_packed_pair_margins"
+
+
+def kto_labels_prefix(output_prefix: str) -> str:
+    """KTO packs' per-segment labels (``mindspeed_pack/data/kto.py``): one document per pack."""
+    return f"{output_prefix}_packed_kto_labels"
+
+
 def text_prefix(output_prefix: str) -> str:
     return f"{output_prefix}_text_document"
+
+
+def step_label_table(label_ids, first_code: int) -> np.ndarray:
+    """Label id of each trained code: codes ``first_code + k`` -> ``label_ids[k]`` (codes 0 and 1 unused here)."""
+    table = np.zeros(first_code + len(label_ids), dtype=np.int64)
+    table[first_code:] = label_ids
+    return table
+
+
+def label_values(ids: np.ndarray, codes: np.ndarray, table=None) -> np.ndarray:
+    """The stored label of trained tokens: the token itself (code 1), or ``table[code]`` for codes past 1."""
+    if table is None:
+        return ids
+    return np.where(codes > 1, table[np.minimum(codes, len(table) - 1)], ids).astype(ids.dtype)
 
 
 def pad_samples(input_ids: np.ndarray, trained: np.ndarray, lengths: np.ndarray, multiple: int,
@@ -111,6 +142,7 @@ class TokenStore:
         self.pad_to_multiple_of, self.pad_id = pad_to_multiple_of, pad_id
         self.num_tokens = 0  # stored tokens, pads included
         self.pad_tokens = 0
+        self._margins: list[np.ndarray] = []  # preference pairs: one margin per pair (samples 2i, 2i+1)
 
     def append(self, input_ids: np.ndarray, trained: np.ndarray, lengths: np.ndarray) -> None:
         if self.pad_to_multiple_of > 1:
@@ -122,10 +154,14 @@ class TokenStore:
         self._lengths.append(np.asarray(lengths, dtype=np.int32))
         self.num_tokens += int(len(input_ids))
 
+    def append_pair_margins(self, margins: np.ndarray) -> None:
+        self._margins.append(np.asarray(margins, dtype=np.float64))
+
     def close(self) -> "TokenStore":
         """Finish writing and map the tokens for reading."""
         self._ids.close()
         self._trained.close()
+        self.pair_margins = np.concatenate(self._margins) if self._margins else np.zeros(0)
         self.lengths = np.concatenate(self._lengths).astype(np.int64) if self._lengths else np.zeros(0, np.int64)
         self._lengths = []
         self.offsets = np.zeros(len(self.lengths) + 1, dtype=np.int64)
@@ -164,8 +200,9 @@ def _finalize(builders: dict, prefixes: dict) -> None:
 
 
 def assemble_packs(store: TokenStore, item_order: np.ndarray, bin_offsets: np.ndarray, bins: slice,
-                   seq_length: int, pad_id: int, neat_pack: bool) -> dict[str, np.ndarray]:
-    """Rows ``bins`` of the pack arrays, ``{key: int32[num_bins, seq_length]}``, vectorised."""
+                   seq_length: int, pad_id: int, neat_pack: bool, labels_of=None) -> dict[str, np.ndarray]:
+    """Rows ``bins`` of the pack arrays, ``{key: int32[num_bins, seq_length]}``, vectorised (``labels_of``: the
+    label table of trained codes past 1, :func:`step_label_table`)."""
     b0, b1 = bins.start, bins.stop
     first, last = int(bin_offsets[b0]), int(bin_offsets[b1])
     items = item_order[first:last]
@@ -186,12 +223,13 @@ def assemble_packs(store: TokenStore, item_order: np.ndarray, bin_offsets: np.nd
     col = pos_in_bin[token_item] + within
 
     ids = np.asarray(store.ids[src])
-    trained = np.asarray(store.trained[src]).astype(bool)
+    codes = np.asarray(store.trained[src])
+    trained = codes.astype(bool)
     shape = (b1 - b0, seq_length)
     out_ids = np.full(shape, pad_id, dtype=np.int32)
     out_ids[row, col] = ids
     labels = np.full(shape, IGNORE_INDEX, dtype=np.int32)
-    labels[row[trained], col[trained]] = ids[trained]
+    labels[row[trained], col[trained]] = label_values(ids, codes, labels_of)[trained]
     if neat_pack:
         mask = np.zeros(shape, dtype=np.int32)
         mask[row, col] = rank_in_bin[token_item]
@@ -234,34 +272,46 @@ def shuffle_bins(item_order: np.ndarray, bin_offsets: np.ndarray, seed: int) -> 
 
 
 def write_packed(store: TokenStore, plan, seq_length: int, pad_id: int, neat_pack: bool, prefixes: dict,
-                 *, seed: int, batch_bins: int = 1024, progress=None) -> None:
+                 *, seed: int, batch_bins: int = 1024, progress=None, labels=None, sample_values=None) -> None:
     """Write every pack of ``plan`` (a ``PackPlan``), in the order :func:`shuffle_bins` draws from ``seed``;
-    with a ``sample_lengths`` prefix (plain packs) also each pack's sample lengths."""
-    builders = {key: _builder(prefixes[key]) for key in (*PACKED_KEYS, "sample_lengths") if key in prefixes}
+    with a ``sample_lengths`` prefix (plain packs) also each pack's sample lengths, and for every
+    ``sample_values`` {prefix key: one int per sample of ``store``} each pack's values of its samples, in
+    pack order (KTO labels); with a ``pair_margins`` prefix each pack's pairs' margins; ``labels``: the label
+    table of trained codes past 1 (process reward steps)."""
+    per_pack = {"sample_lengths": store.lengths} if "sample_lengths" in prefixes else {}
+    per_pack.update(sample_values or {})
+    builders = {key: _builder(prefixes[key]) for key in (*PACKED_KEYS, *per_pack)}
+    if "pair_margins" in prefixes:  # preference pairs: samples 2i and 2i+1 are pair i
+        builders["pair_margins"] = _builder(prefixes["pair_margins"], dtype=np.float32)
     item_order, bin_offsets = shuffle_bins(np.asarray(plan.item_order, dtype=np.int64),
                                            np.asarray(plan.bin_offsets, dtype=np.int64), seed)
     for b0 in range(0, plan.num_bins, batch_bins):
         b1 = min(plan.num_bins, b0 + batch_bins)
-        rows = assemble_packs(store, item_order, bin_offsets, slice(b0, b1), seq_length, pad_id, neat_pack)
+        rows = assemble_packs(store, item_order, bin_offsets, slice(b0, b1), seq_length, pad_id, neat_pack, labels)
         for key in PACKED_KEYS:
             builder, arr = builders[key], rows[key]
             for r in range(arr.shape[0]):
                 builder.add_document(arr[r], [seq_length])
-        if "sample_lengths" in builders:
+        for key, values in per_pack.items():
             for b in range(b0, b1):
-                lengths = store.lengths[item_order[bin_offsets[b]:bin_offsets[b + 1]]].astype(np.int32)
-                builders["sample_lengths"].add_document(lengths, [len(lengths)])
+                mine = np.asarray(values)[item_order[bin_offsets[b]:bin_offsets[b + 1]]].astype(np.int32)
+                builders[key].add_document(mine, [len(mine)])
+        if "pair_margins" in builders:
+            for b in range(b0, b1):
+                pairs = item_order[bin_offsets[b]:bin_offsets[b + 1]:2] // 2
+                builders["pair_margins"].add_document(store.pair_margins[pairs].astype(np.float32), [len(pairs)])
         if progress is not None:
             progress.update(b1 - b0)
     _finalize(builders, prefixes)
 
 
-def write_unpacked(store: TokenStore, prefixes: dict, *, progress=None) -> None:
-    """One sample per document, in input order, same three datasets as packs."""
+def write_unpacked(store: TokenStore, prefixes: dict, *, progress=None, labels=None) -> None:
+    """One sample per document, in input order, same three datasets as packs (``labels``: as :func:`write_packed`'s)."""
+    table = labels
     builders = {key: _builder(prefixes[key]) for key in PACKED_KEYS}
     for i in range(len(store)):
         ids, trained = store.sample(i)
-        labels = np.where(trained.astype(bool), ids, IGNORE_INDEX).astype(np.int32)
+        labels = np.where(trained.astype(bool), label_values(ids, trained, table), IGNORE_INDEX).astype(np.int32)
         n = len(ids)
         builders["input_ids"].add_document(ids, [n])
         builders["labels"].add_document(labels, [n])

@@ -10,6 +10,7 @@ says which document each training sample is. Global batch ``g`` is samples
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Iterator, List, Optional
@@ -22,6 +23,8 @@ from mindspeed_pack.datasets.sample_index import get_sample_index, whole_epochs
 from mindspeed_pack.datasets.validation import validate_packed_documents
 from mindspeed_pack.packing.balance import segment_lengths
 from mindspeed_pack.packing.segments import IGNORE_INDEX, segment_ids_at_eos
+
+log = logging.getLogger(__name__)
 
 
 def split_ranges(num_docs: int, split: str) -> List[tuple]:
@@ -164,7 +167,9 @@ def micro_batch(samples: List[dict], args, seq_length: Optional[int] = None, iso
         segments_t, sample_ids = sample_ids, None
     else:
         segments_t = torch.from_numpy(segments)
-    return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids,
+    margins = {} if not all("pair_margins" in s for s in samples) else {  # pairs' reward margins, in segment order
+        "pair_margins": torch.from_numpy(np.concatenate([s["pair_margins"] for s in samples]))}
+    return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids, **margins,
             # the samples' real lengths (padding excluded) for throughput metrics
             "segment_lengths": np.concatenate([
                 segment_lengths(row, pad) for row, pad in zip(segments if segments_t is None else segments_t.numpy(),
@@ -221,16 +226,28 @@ class PackedBatchSource:
 
 
 def resolve_vocab_size(args) -> None:
-    """Fill ``--padded-vocab-size`` from the data's sidecar or the tokenizer when not given."""
+    """The model's real vocabulary rows (``args.vocab_size``: the rows its softmax covers, past them only
+    Megatron's padding, masked) and ``--padded-vocab-size``.
+
+    A loaded model sets its rows before this (config.json's ``vocab_size``, or those a Megatron checkpoint
+    records: :mod:`~mindspeed_pack.config.hf_flags`, :mod:`~mindspeed_pack.config.checkpoint_flags`); the
+    tokens the data's tokenizer holds past them (markers a template added at preprocessing, recorded in the
+    sidecar) are real rows too, as ``resize_token_embeddings(len(tokenizer))`` makes them. Without either,
+    the data's tokenizer tells the rows; ``--padded-vocab-size`` alone makes every row real.
+    """
     from mindspeed_pack.model.gpt import padded_vocab_size
 
-    if args.padded_vocab_size is not None:
-        return
-    vocab = args.vocab_size
     prefix = (args.data_path or getattr(args, "train_data_path", None) or [None])[0]
     meta = read_meta(prefix) if prefix else None
-    if vocab is None and meta:
-        vocab = meta.get("cache_key", {}).get("tokenizer", {}).get("vocab_size")
+    listed = ((meta or {}).get("cache_key") or {}).get("tokenizer", {}).get("vocab_size")
+    if args.vocab_size is not None and listed and listed > args.vocab_size:
+        rows = min(int(listed), args.padded_vocab_size or int(listed))
+        log.info("the data's tokenizer has %d tokens, past the model's %d vocabulary rows: rows %d..%d (tokens "
+                 "added at preprocessing) are real rows too", listed, args.vocab_size, args.vocab_size, rows - 1)
+        args.vocab_size = rows
+    if args.padded_vocab_size is not None:
+        return
+    vocab = args.vocab_size if args.vocab_size is not None else listed
     if vocab is None and args.tokenizer_name_or_path:
         from transformers import AutoTokenizer
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from typing import Optional
 
 import numpy as np
@@ -32,14 +33,37 @@ class DataError(ValueError):
     """Missing or inconsistent training data."""
 
 
-def check_index_header(path: str) -> None:
-    """``path.idx`` starts like a Megatron index (megatron-core would only assert, mid-construction)."""
-    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER
+INDEX_HEADER_BYTES = 34  # magic (9), version (8), dtype code (1), sequence count (8), document count (8)
 
-    with open(path + ".idx", "rb") as f:
-        if f.read(len(_INDEX_HEADER)) != _INDEX_HEADER:
-            raise DataError(f"{path}.idx: not a readable Megatron index (it does not start with "
-                            f"{_INDEX_HEADER!r}); re-run preprocess_data.py")
+
+def check_index_header(path: str) -> None:
+    """``path.idx`` is a whole Megatron index: its magic, version 1, a known dtype, and as long as its counts
+    say (lengths int32 and pointers int64 per sequence, an int64 per document boundary). On a damaged
+    header megatron-core would only assert, or fail mid-construction."""
+    from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
+
+    idx = path + ".idx"
+    with open(idx, "rb") as f:
+        head = f.read(INDEX_HEADER_BYTES)
+    if not head.startswith(_INDEX_HEADER):
+        raise DataError(f"{idx}: not a readable Megatron index (it does not start with {_INDEX_HEADER!r}); re-run "
+                        "preprocess_data.py")
+    problem = None
+    if len(head) < INDEX_HEADER_BYTES:
+        problem = f"it ends after {len(head)} bytes, inside its {INDEX_HEADER_BYTES}-byte header"
+    else:
+        version, code, sequences, documents = struct.unpack("<QBQQ", head[len(_INDEX_HEADER):])
+        expected = INDEX_HEADER_BYTES + 12 * sequences + 8 * documents
+        if version != 1:
+            problem = f"its header gives version {version}, not 1"
+        elif code not in {d.value for d in DType}:
+            problem = f"its header gives dtype code {code}, not one of {sorted(d.value for d in DType)}"
+        elif os.path.getsize(idx) != expected:
+            problem = (f"its header counts {sequences} documents and {documents} document boundaries, which take "
+                       f"{expected} bytes, but the file has {os.path.getsize(idx)}")
+    if problem:
+        raise DataError(f"{idx} does not describe {path}.bin: {problem} (a damaged or partly copied index); re-run "
+                        "preprocess_data.py (or copy the .bin and .idx of one run together)")
 
 
 class PackedDocuments:
@@ -62,17 +86,22 @@ class PackedDocuments:
                             f"{dataset_paths(prefix)['input_ids']}.idx {sizes['input_ids']}: the files come from "
                             "different preprocessing runs (an .idx of another dataset?); re-run preprocess_data.py")
         self.meta = read_meta(prefix)
-        self.sample_lengths = self._recorded_sample_lengths()
+        self.sample_lengths = self.recorded("sample_lengths", "the packs' sample boundaries")
+        self.pair_margins = self.recorded("pair_margins", "the pairs' reward margins")
+        if self.pair_margins is not None and len(self.pair_margins) != len(self):
+            raise DataError(f"{self.prefix}: the pairs' reward margins hold {len(self.pair_margins)} packs, the packs "
+                            f"{len(self)}: the files come from different preprocessing runs; re-run preprocess_data.py")
 
-    def _recorded_sample_lengths(self) -> Optional[IndexedDataset]:
-        """Plain ``--pack`` data: each pack's sample lengths, if the sidecar names the file that holds them."""
-        name = ((self.meta or {}).get("layout") or {}).get("sample_lengths")
+    def recorded(self, key: str, what: str) -> Optional[IndexedDataset]:
+        """A per-pack file beside the packs (one document per pack) that the sidecar's layout names under ``key``
+        (``sample_lengths``, ``pair_margins``, ``kto_labels``), opened; None when the sidecar names none."""
+        name = ((self.meta or {}).get("layout") or {}).get(key)
         if not name:
             return None
         path = os.path.join(os.path.dirname(self.prefix), name)
         missing = [path + ext for ext in (".bin", ".idx") if not os.path.isfile(path + ext)]
         if missing:
-            raise DataError(f"{self.prefix}_packed_meta.json names the packs' sample boundaries {name}, but "
+            raise DataError(f"{self.prefix}_packed_meta.json names {what} {name}, but "
                             f"{', '.join(missing)} cannot be found; copy it with the packs or re-run preprocess_data.py")
         check_index_header(path)
         return IndexedDataset(path, mmap=True)
@@ -88,4 +117,6 @@ class PackedDocuments:
             ids = np.zeros(len(out["input_ids"]), np.int64)
             ids[:int(lengths.sum())] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
             out["sample_ids"] = ids
+        if self.pair_margins is not None:
+            out["pair_margins"] = np.asarray(self.pair_margins[doc], dtype=np.float64)
         return out

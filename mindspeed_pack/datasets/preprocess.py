@@ -42,14 +42,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from mindspeed_pack.config import yaml_file
 from mindspeed_pack.data import chat_template as hf_chat
-from mindspeed_pack.data import pairwise, readers
+from mindspeed_pack.data import kto, pairwise, process_reward, readers
 from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (
     COLUMN_KEYS,
     HANDLERS,
     PRETRAIN,
+    PROCESS_REWARD,
     REQUIRED_COLUMNS,
     SampleEncoder,
     resolve_map_keys,
@@ -99,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sample with every turn's reasoning kept (differs from inference)")
     g.add_argument("--prompt-type-path", default=None, help="templates.json to use (default: configs/finetune/templates.json)")
     g.add_argument("--map-keys", default=None, help='JSON column/role renames, e.g. \'{"prompt": "question"}\'')
+    g.add_argument("--placeholder-token", default=process_reward.DEFAULT_PLACEHOLDER,
+                   help="AlpacaStyleProcessRewardHandler: the step tag that ends every reasoning step of 'input' "
+                        "(one token of the tokenizer; Math-Shepherd's ки)")
+    g.add_argument("--reward-tokens", nargs="+", default=list(process_reward.DEFAULT_REWARD_TOKENS),
+                   help="AlpacaStyleProcessRewardHandler: the step labels of 'value', each one token (+ -: right, "
+                        "wrong); --stage prm classifies each tag among their logits")
     g = p.add_argument_group("packing")
     g.add_argument("--seq-length", type=int, default=None, help="pack length; also the truncation budget of a sample")
     g.add_argument("--pack", action="store_true", help="pack samples into documents of exactly --seq-length tokens")
@@ -154,11 +163,18 @@ def validate_args(args) -> None:
             raise PreprocessError("--pad-to-multiple-of with --pack needs --neat-pack: plain packs are split into "
                                   "samples at EOS at training time, so pads after a sample's EOS would be read as "
                                   "the start of the next sample")
-        if args.prompt_type is None:
+        if args.handler_name == PROCESS_REWARD:
+            if args.prompt_type is not None or args.append_eod:
+                raise PreprocessError(f"{args.handler_name} tokenises each row's text as written (no template, no "
+                                      "EOS, as MindSpeed-LLM): drop --prompt-type and --append-eod")
+        elif args.prompt_type is None:
             raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json, or hf)")
         if pairwise.is_pairwise(args.handler_name) and not (args.pack and args.neat_pack):
             raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a preference pair is a unit of "
                                   "packing, its chosen and rejected answers told apart by their segment ids")
+        if kto.is_kto(args.handler_name) and not (args.pack and args.neat_pack):
+            raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a KTO sample and its KL partner "
+                                  "are a unit of packing, told apart by their segment ids")
     if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
         raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
     if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
@@ -196,10 +212,15 @@ class EncoderConfig:
     chat_template_kwargs: Optional[dict] = None
     reasoning_history: str = "split"
     pad_to_multiple_of: int = 1  # pairs: a pair's padded length must fit --seq-length
+    step_tags: Optional[tuple] = None  # process reward rows: (--placeholder-token, --reward-tokens)
 
     def build(self, tokenizer=None) -> SampleEncoder:
         tokenizer = tokenizer or load_tokenizer(self.tokenizer)
         template = chat = None
+        if self.handler == PROCESS_REWARD:
+            placeholder, reward_tokens = self.step_tags
+            return process_reward.ProcessRewardEncoder(self.handler, tokenizer, self.map_keys, self.seq_length,
+                                                       placeholder, reward_tokens, self.skip_bad_rows)
         if self.handler != PRETRAIN and self.prompt_type == HF_PROMPT_TYPE:
             source, origin = hf_chat.load_chat_template(tokenizer.hf, self.chat_template)
             chat = hf_chat.ChatTemplate(source, tokenizer.hf.special_tokens_map, self.chat_template_kwargs or {},
@@ -209,6 +230,9 @@ class EncoderConfig:
         if pairwise.is_pairwise(self.handler):
             return pairwise.PairwiseEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length,
                                             self.append_eod, self.pad_to_multiple_of, self.skip_bad_rows, chat)
+        if kto.is_kto(self.handler):
+            return kto.KTOEncoder(self.handler, tokenizer, template, self.map_keys, self.append_eod,
+                                  self.skip_bad_rows, chat)
         return SampleEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length, self.append_eod,
                              self.skip_bad_rows, self.add_bos, chat)
 
@@ -344,6 +368,12 @@ def _final_prefixes(args):
     if args.pack and not args.neat_pack:  # plain packs: where their samples end (the mask cannot tell)
         return pack_writer.packed_prefixes(args.output_prefix) | {
             "sample_lengths": pack_writer.sample_lengths_prefix(args.output_prefix)}
+    if pairwise.is_pairwise(args.handler_name):  # each pack's pairs' reward margins
+        return pack_writer.packed_prefixes(args.output_prefix) | {
+            "pair_margins": pack_writer.pair_margins_prefix(args.output_prefix)}
+    if kto.is_kto(args.handler_name):  # each segment's KTO label
+        return pack_writer.packed_prefixes(args.output_prefix) | {
+            "kto_labels": pack_writer.kto_labels_prefix(args.output_prefix)}
     return pack_writer.packed_prefixes(args.output_prefix)
 
 
@@ -394,7 +424,7 @@ def run(args) -> dict:
     tokenizer_spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
     template = None
-    if args.handler_name != PRETRAIN and args.prompt_type != HF_PROMPT_TYPE:
+    if args.handler_name not in (PRETRAIN, PROCESS_REWARD) and args.prompt_type != HF_PROMPT_TYPE:
         template = get_template(args.prompt_type, args.prompt_type_path)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
     check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
@@ -404,7 +434,9 @@ def run(args) -> dict:
     add_bos = resolve_add_bos(args, tokenizer)
     config = EncoderConfig(args.handler_name, tokenizer_spec, args.prompt_type, args.prompt_type_path, keys,
                            args.seq_length, args.append_eod, args.skip_bad_rows, add_bos, args.chat_template,
-                           args.chat_template_kwargs, args.reasoning_history, args.pad_to_multiple_of)
+                           args.chat_template_kwargs, args.reasoning_history, args.pad_to_multiple_of,
+                           (args.placeholder_token, tuple(args.reward_tokens)) if args.handler_name == PROCESS_REWARD
+                           else None)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
     if encoder.chat is not None and encoder.chat.reasoning_history == "keep":
         print("warning: --reasoning-history keep: turns are trained after a history that keeps earlier reasoning, "
@@ -413,7 +445,8 @@ def run(args) -> dict:
 
     cache_key = {
         "format_version": FORMAT_VERSION,
-        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys, "add_bos": add_bos},
+        "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys, "add_bos": add_bos}
+        | ({"step_tags": encoder.layout()} if args.handler_name == PROCESS_REWARD else {}),
         "inputs": readers.fingerprint(files),
         # vocab_size: of the tokenizer the ids come from (extended, when tokens were added)
         "tokenizer": tokenizer.identity() | changes,
@@ -442,7 +475,8 @@ def run(args) -> dict:
         store = stats.pop("_store")
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
-        stats.update(_write_outputs(args, store, tokenizer, tmp_prefixes))
+        stats.update(_write_outputs(args, store, tokenizer, tmp_prefixes, _label_table(encoder),
+                                    stats.pop("_kto_labels", None)))
         elapsed = time.time() - t0
         stats.update(encode_seconds=round(t_encoded - t0, 3), elapsed_seconds=round(elapsed, 3),
                      samples_per_second=round(stats["samples_read"] / max(elapsed, 1e-9), 1),
@@ -504,8 +538,15 @@ def _layout(args, tokenizer, encoder) -> dict:
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
             "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
             "pad_to_multiple_of": args.pad_to_multiple_of,
-            **({"pairs": "segments 2k-1 (chosen) and 2k (rejected) of a pack are its k-th preference pair"}
+            **({"pairs": "segments 2k-1 (chosen) and 2k (rejected) of a pack are its k-th preference pair",
+                "pair_margins": Path(pack_writer.pair_margins_prefix(args.output_prefix)).name}
                if pairwise.is_pairwise(args.handler_name) else {}),
+            # process reward samples: each step tag's label is a reward token's id (unshifted), read by --stage prm
+            **({"step_tags": encoder.layout()} if args.handler_name == PROCESS_REWARD else {}),
+            **({"kto": "segments 2k-1 (prompt + completion, labelled) and 2k (its KL partner: the same prompt + the "
+                       "previous sample's completion) of a pack are its k-th KTO couple",
+                "kto_labels": Path(pack_writer.kto_labels_prefix(args.output_prefix)).name}
+               if kto.is_kto(args.handler_name) else {}),
             **({"sample_lengths": Path(pack_writer.sample_lengths_prefix(args.output_prefix)).name}
                if args.pack and not args.neat_pack else {})}
 
@@ -516,9 +557,14 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
     rows = truncated = trained = max_len = 0
     skipped, first_skipped, notes, first_notes = Counter(), {}, Counter(), {}
     progress = _Progress("tokenize", "rows", args.log_interval)
+    where = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
+    couples = kto.KLCouples(args.seq_length, args.pad_to_multiple_of) if kto.is_kto(args.handler_name) else None
     try:
         for chunk in encode_in_order(readers.iter_chunks(files, CHUNK_ROWS), config, args.workers, encoder):
-            store.append(chunk.input_ids, chunk.trained, chunk.lengths)
+            ready = chunk if couples is None else couples.add(chunk)  # KTO: (sample, KL partner) couples
+            store.append(ready.input_ids, ready.trained, ready.lengths)
+            if chunk.pair_margins is not None:
+                store.append_pair_margins(chunk.pair_margins)
             rows += chunk.rows
             truncated += chunk.truncated
             skipped.update(chunk.skipped)
@@ -527,14 +573,19 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
             notes.update(chunk.notes)
             for what, example in chunk.first_notes.items():
                 first_notes.setdefault(what, example)
-            trained += int(chunk.trained.sum())
+            trained += int(np.count_nonzero(chunk.trained))
             if len(chunk.lengths):
                 max_len = max(max_len, int(chunk.lengths.max()))
             progress.update(chunk.rows)
+        if couples is not None:
+            last = couples.finish(where)
+            store.append(last.input_ids, last.trained, last.lengths)
+            if couples.skipped:
+                skipped[kto.SKIP_TOO_LONG] += couples.skipped
+                first_skipped.setdefault(kto.SKIP_TOO_LONG, couples.first_skipped)
     finally:
         progress.close()
         store.close()
-    where = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
     if rows == 0:
         raise PreprocessError(f"empty input: no rows in {where}")
     if len(store) == 0:
@@ -545,10 +596,19 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
             "notes": dict(sorted(notes.items())), "first_notes": dict(sorted(first_notes.items())),
             "truncated": truncated, "tokens": tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
             "cp_pad_tokens": store.pad_tokens, "max_sample_length": max_len,
-            "mean_sample_length": round(tokens / len(store), 2), "_store": store}
+            "mean_sample_length": round(tokens / len(store), 2), "_store": store,
+            **({"_kto_labels": couples.sample_labels()} if couples is not None else {})}
 
 
-def _write_outputs(args, store, tokenizer, prefixes) -> dict:
+def _label_table(encoder) -> Optional[np.ndarray]:
+    """The labels of trained codes past 1 (process reward steps: their reward tokens' ids), for the pack writer."""
+    if not isinstance(encoder, process_reward.ProcessRewardEncoder):
+        return None
+    return pack_writer.step_label_table(encoder.reward_token_ids, process_reward.STEP_CODE)
+
+
+def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray] = None,
+                   kto_labels=None) -> dict:
     if args.handler_name == PRETRAIN:
         progress = _Progress("write", "documents", args.log_interval, total=len(store))
         pack_writer.write_text_documents(store, prefixes["text"], tokenizer.vocab_size, progress=progress)
@@ -556,14 +616,14 @@ def _write_outputs(args, store, tokenizer, prefixes) -> dict:
         return {"documents": len(store)}
     if not args.pack:
         progress = _Progress("write", "samples", args.log_interval, total=len(store))
-        pack_writer.write_unpacked(store, prefixes, progress=progress)
+        pack_writer.write_unpacked(store, prefixes, progress=progress, labels=labels)
         progress.close()
         return {"documents": len(store)}
     from mindspeed_pack.packing.binpack import lower_bound, pack_lengths
 
     t = time.time()
     try:
-        pairs = pairwise.is_pairwise(args.handler_name)
+        pairs = pairwise.is_pairwise(args.handler_name) or kto.is_kto(args.handler_name)  # units of two samples
         plan = pairwise.pair_plan(store.lengths, args.seq_length) if pairs else pack_lengths(store.lengths,
                                                                                               args.seq_length)
     except ValueError as exc:  # lengths are truncated to seq_length, so this is a bug, not bad input
@@ -571,14 +631,21 @@ def _write_outputs(args, store, tokenizer, prefixes) -> dict:
     pack_seconds = time.time() - t
     progress = _Progress("write", "packs", args.log_interval, total=plan.num_bins)
     pack_writer.write_packed(store, plan, args.seq_length, tokenizer.pad_or_eos_id, args.neat_pack, prefixes,
-                             seed=args.seed, progress=progress)
+                             seed=args.seed, progress=progress, labels=labels,
+                             sample_values=None if kto_labels is None else {"kto_labels": kto_labels})
     progress.close()
     # lower bound: of the padded lengths the packer packs; fill rate: the samples' own tokens (CP pads are waste too)
     fill_rate = (store.num_tokens - store.pad_tokens) / (plan.num_bins * args.seq_length)
     out = {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
            "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
-    if pairs:  # what a precomputed reference must have scored (mindspeed_pack/stages/reference.py)
-        out.update(pairs=len(store) // 2, data_fingerprint=pack_writer.content_fingerprint(prefixes))
+    if pairs:  # what a precomputed reference must have scored (mindspeed_pack/stages/reference.py): the packs
+        packs = {k: v for k, v in prefixes.items() if k in pack_writer.PACKED_KEYS}
+        out.update(data_fingerprint=pack_writer.content_fingerprint(packs))
+        if kto_labels is None:
+            out.update(pairs=len(store) // 2, pairs_with_margin=int(np.count_nonzero(store.pair_margins)))
+        else:
+            out.update(kto_samples=len(store) // 2, desirable=int((kto_labels == 1).sum()),
+                       undesirable=int((kto_labels == 0).sum()))
     return out
 
 
@@ -606,6 +673,9 @@ def print_summary(meta: dict) -> None:
     lines += [f"  first skipped ({why}): {example}" for why, example in s.get("first_skipped", {}).items()]
     if "pairs" in s:
         lines.append(f"preference pairs {s['pairs']} (data fingerprint {s['data_fingerprint']})")
+    if "kto_samples" in s:
+        lines.append(f"KTO samples {s['kto_samples']} ({s['desirable']} desirable, {s['undesirable']} undesirable), "
+                     f"each packed with its KL partner (data fingerprint {s['data_fingerprint']})")
     for what, n in s.get("notes", {}).items():
         print(f"warning: {n} {what} (written as the template renders them, as apply_chat_template does; "
               f"first: {s['first_notes'][what]})", file=sys.stderr)

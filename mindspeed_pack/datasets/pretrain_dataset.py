@@ -213,6 +213,9 @@ class GPTBatchSource:
     def setup(self, args, num_samples: dict) -> None:
         from megatron.core import parallel_state as ps
 
+        if args.sequence_packing_scheduler == "default_dynamic_cp":
+            raise DataError("--sequence-packing-scheduler default_dynamic_cp packs instruction samples at load time "
+                            "(posttrain.py); pretrain_gpt.py reads documents in rows of --seq-length")
         self.args = args
         self.tokenizer = build_tokenizer(args)
         self.splits = build_gpt_datasets(args, num_samples, self.tokenizer)

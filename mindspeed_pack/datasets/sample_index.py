@@ -79,10 +79,10 @@ def whole_epochs(num_docs: int, num_samples: int, *, padded_samples: bool = Fals
     return -(-num_samples // epoch) * epoch
 
 
-def sample_index_key(num_docs: int, num_samples: int, *, seed: int, shuffle: bool, padded_samples: bool,
-                     global_batch_size: int, tag: str = "") -> str:
-    """Cache key: a hash of every input that changes the index, plus ``tag``."""
-    fields = {
+def _built_from(num_docs: int, num_samples: int, *, seed: int, shuffle: bool, padded_samples: bool,
+                global_batch_size: int, tag: str = "") -> dict:
+    """Every input that changes the index, plus ``tag``: the cache key's fields, and its record's."""
+    return {
         "version": _CACHE_FORMAT_VERSION,
         "num_docs": int(num_docs),
         "num_samples": int(num_samples),
@@ -93,7 +93,54 @@ def sample_index_key(num_docs: int, num_samples: int, *, seed: int, shuffle: boo
         "global_batch_size": int(global_batch_size) if padded_samples else None,
         "tag": str(tag),
     }
+
+
+def sample_index_key(num_docs: int, num_samples: int, *, seed: int, shuffle: bool, padded_samples: bool,
+                     global_batch_size: int, tag: str = "") -> str:
+    """Cache key: a hash of every input that changes the index, plus ``tag``."""
+    fields = _built_from(num_docs, num_samples, seed=seed, shuffle=shuffle, padded_samples=padded_samples,
+                         global_batch_size=global_batch_size, tag=tag)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _why_stale(path: str, record_path: str, built_from: dict):
+    """Why the cached index at ``path`` is not the one ``built_from`` describes (None: it is). A file is trusted
+    only with its record: the inputs that built it and the digest of its bytes (its name alone says nothing
+    of a file copied or damaged under it)."""
+    try:
+        with open(record_path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return f"has no readable record of what built it ({os.path.basename(record_path)})"
+    recorded = record.get("built_from") if isinstance(record, dict) else None
+    if recorded != built_from:
+        differ = sorted(k for k in built_from if not isinstance(recorded, dict) or recorded.get(k) != built_from[k])
+        return "was built from other inputs (" + ", ".join(
+            f"{k} {recorded.get(k) if isinstance(recorded, dict) else None}, not {built_from[k]}" for k in differ) + ")"
+    if record.get("sha256") != _digest(path):
+        return "does not hold the bytes its record describes (copied over or damaged)"
+    return None
+
+
+def _write_atomic(cache_dir: str, name: str, write) -> None:
+    """``write(file)`` into ``cache_dir/name`` under a temporary name, then renamed: readers never see half."""
+    fd, tmp_path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=cache_dir)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp_path, os.path.join(cache_dir, name))
+    except BaseException:
+        if os.path.exists(tmp_path):
+            os.remove(tmp_path)
+        raise
 
 
 def get_sample_index(cache_dir: str | None, num_docs: int, num_samples: int, *, seed: int, shuffle: bool = True,
@@ -101,34 +148,27 @@ def get_sample_index(cache_dir: str | None, num_docs: int, num_samples: int, *, 
     """:func:`build_sample_index`, cached as ``cache_dir/sample_index_<key>.npy`` (memory-mapped).
 
     ``tag`` should identify the dataset (e.g. its path prefix), so different datasets with equal
-    document counts do not share a file. ``cache_dir=None`` disables the cache. The file is
-    written under a temporary name and renamed, so concurrent ranks never read a partial file.
+    document counts do not share a file. ``cache_dir=None`` disables the cache. Beside the file,
+    ``sample_index_<key>.json`` records what built it (seed, sizes, shuffle, padding, tag) and the
+    digest of its bytes; a file whose record is missing or differs is rebuilt, with a warning. Both
+    are written under temporary names and renamed, so concurrent ranks never read a partial file.
     """
     build_args = dict(seed=seed, shuffle=shuffle, padded_samples=padded_samples, global_batch_size=global_batch_size)
     if cache_dir is None:
         return build_sample_index(num_docs, num_samples, **build_args)
+    built_from = _built_from(num_docs, num_samples, tag=tag, **build_args)
     key = sample_index_key(num_docs, num_samples, tag=tag, **build_args)
-    path = os.path.join(cache_dir, f"sample_index_{key}.npy")
+    name, record_name = f"sample_index_{key}.npy", f"sample_index_{key}.json"
+    path, record_path = os.path.join(cache_dir, name), os.path.join(cache_dir, record_name)
     if os.path.exists(path):
-        try:
-            index = np.load(path, mmap_mode="r")
-        except (ValueError, OSError) as err:
-            logger.warning("sample index cache %s is unreadable (%s); rebuilding it", path, err)
-        else:
-            if index.dtype == np.int64 and index.shape == (num_samples,):
-                return index
-            logger.warning("sample index cache %s has dtype %s shape %s, expected int64 (%d,); rebuilding it",
-                           path, index.dtype, index.shape, num_samples)
+        why = _why_stale(path, record_path, built_from)
+        if why is None:
+            return np.load(path, mmap_mode="r")
+        logger.warning("sample index cache %s %s; rebuilding it", path, why)
     index = build_sample_index(num_docs, num_samples, **build_args)
     os.makedirs(cache_dir, exist_ok=True)
-    fd, tmp_path = tempfile.mkstemp(prefix=f".sample_index_{key}.", suffix=".npy.tmp", dir=cache_dir)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, index)
-        os.replace(tmp_path, path)
-    except BaseException:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
-        raise
+    _write_atomic(cache_dir, name, lambda f: np.save(f, index))
+    record = {"built_from": built_from, "sha256": _digest(path)}
+    _write_atomic(cache_dir, record_name, lambda f: f.write(json.dumps(record, indent=1).encode()))
     logger.info("built sample index %s (%d samples over %d documents)", path, num_samples, num_docs)
     return np.load(path, mmap_mode="r")

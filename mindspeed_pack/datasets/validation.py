@@ -14,7 +14,8 @@ the embedding does not have). What is checked, cheapest first:
       good   1 1 1 2 2 3 3 3 0 0      bad  1 1 3 3 0 0   (skips 2)
                                            1 1 0 2 2 0   (a sample after padding)
 * token ids lie in ``[0, --padded-vocab-size)``; labels are ``-100`` or the token itself
-  (labels are stored aligned; the trainer shifts them);
+  (labels are stored aligned; the trainer shifts them), or at a process reward sample's step tag one of
+  the reward tokens its sidecar names (``layout.step_tags``);
 * plain ``--pack`` data's recorded sample boundaries (``P_packed_sample_lengths``, named in the
   sidecar): one entry per pack, as many samples as the sidecar counts, positive lengths that
   fit the pack, each sample starting with an unlabelled token (as every sample is stored).
@@ -132,8 +133,11 @@ def _check_vocab(path: str, chunk: _Chunk, vocab: Optional[int], unit: str) -> N
                         f"or train a model with --padded-vocab-size > {hi}")
 
 
-def _check_labels(path: str, labels: _Chunk, ids: _Chunk, unit: str) -> None:
-    bad = np.flatnonzero((labels.tokens != IGNORE_INDEX) & (labels.tokens != ids.tokens))
+def _check_labels(path: str, labels: _Chunk, ids: _Chunk, unit: str, steps: Optional[dict] = None) -> None:
+    wrong = (labels.tokens != IGNORE_INDEX) & (labels.tokens != ids.tokens)
+    if steps:  # a step tag is labelled with its step's reward token
+        wrong &= ~((ids.tokens == steps["placeholder_id"]) & np.isin(labels.tokens, steps["reward_token_ids"]))
+    bad = np.flatnonzero(wrong)
     if len(bad):
         pos = int(bad[0])
         doc, p = ids.locate(pos)
@@ -179,7 +183,7 @@ def validate_packed_documents(docs: PackedDocuments, args) -> None:
     chunks = {k: _chunks(ds, lengths) for k, ds in docs.datasets.items()}
     for ids, labels, mask in zip(chunks["input_ids"], chunks["labels"], chunks["attention_mask"]):
         _check_vocab(paths["input_ids"] + ".bin", ids, args.padded_vocab_size, unit)
-        _check_labels(paths["labels"] + ".bin", labels, ids, unit)
+        _check_labels(paths["labels"] + ".bin", labels, ids, unit, layout.get("step_tags"))
         if args.isolate_segments:
             _check_segments(paths["attention_mask"] + ".bin", mask, unit)
         if starts is not None:

@@ -31,7 +31,7 @@ import torch
 from mindspeed_pack.model.context_parallel_attention import gather_keys_values, global_to_gathered
 from mindspeed_pack.model.packed_attention import PackedDotProductAttention
 from mindspeed_pack.model.row_gather import RowPlan, gather_rows, row_plan
-from mindspeed_pack.model.thd import cached, host_cu_seqlens, to_device
+from mindspeed_pack.model.thd import cached, context_parallel_group, host_cu_seqlens, to_device
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -117,11 +117,12 @@ class FlashPackedAttention(PackedDotProductAttention):
     def thd_attention(self, query, key, value, params, dropout_p: float) -> torch.Tensor:
         if dropout_p:
             raise ValueError("the flash backend has no attention dropout: pass --attention-dropout 0")
-        if self.cp_group is None:
+        cp_group = context_parallel_group(params, self.cp_group)
+        if cp_group is None:
             cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
             return _kernel(query, key, value, cu, cu, params.max_seqlen_q, params.max_seqlen_q, self.scale)
-        cp, rank, t = self.cp_group.size(), self.cp_group.rank(), query.shape[0]
+        cp, rank, t = cp_group.size(), cp_group.rank(), query.shape[0]
         plan = cached(params, ("cp flash", cp, rank, t, str(query.device)),
                       lambda: cp_flash_plan(host_cu_seqlens(params), cp, rank, t, query.device))
-        k_all, v_all = gather_keys_values(key, value, self.cp_group)
+        k_all, v_all = gather_keys_values(key, value, cp_group)
         return cp_flash_attention(query, k_all, v_all, plan, self.scale)

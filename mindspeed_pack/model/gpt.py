@@ -3,7 +3,8 @@
 ``args`` is any object with Megatron-LM's argument names (``num_layers``, ``hidden_size``,
 ``group_query_attention``, ``swiglu``, ...): the training parser's namespace, or a
 converter's. The same function builds every pipeline stage; the layer spec decides the
-attention backend (see :mod:`mindspeed_pack.model.spec`).
+attention backend (see :mod:`mindspeed_pack.model.spec`); ``reward_head`` (an outcome reward model) puts
+a scalar score head where the output layer was (:mod:`mindspeed_pack.model.score_head`).
 """
 from __future__ import annotations
 
@@ -112,9 +113,17 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
     )
 
 
+def _no_te(args) -> str:
+    """Why this run cannot use Transformer Engine's attention ("" if it can)."""
+    if getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
+        return ("--sequence-packing-scheduler default_dynamic_cp: megatron-core 0.16 applies THD RoPE over its fixed "
+                "CP group, not a micro-batch's own (use --attention-backend flash or local)")
+    return ""
+
+
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> PackedGPTModel:
     backend = resolve_backend(getattr(args, "attention_backend", "auto"), params_dtype(args),
-                              getattr(args, "attention_dropout", 0.0))
+                              getattr(args, "attention_dropout", 0.0), _no_te(args))
     compiled.set_enabled(getattr(args, "torch_compile_kernels", "auto") != "off")
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)
@@ -138,6 +147,7 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
         rope_in_attention=backend in ("local", "flash"),
         real_vocab_size=getattr(args, "vocab_size", None),
         loss_chunk=getattr(args, "cross_entropy_chunk_size", None),
+        reward_head=bool(getattr(args, "reward_head", False)),  # an outcome reward model: a scalar score head
     )
     if model.position_embedding_type == "rope":
         scale_rotary_embedding(model, args)

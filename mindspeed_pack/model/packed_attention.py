@@ -42,7 +42,7 @@ from mindspeed_pack.model.context_parallel_attention import context_parallel_att
 from mindspeed_pack.model.packed_rope import apply_packed_rope
 from mindspeed_pack.model.row_gather import RowPlan, gather_rows, row_plan
 from mindspeed_pack.model.segment_buckets import segments_by_width
-from mindspeed_pack.model.thd import cached, host_cu_seqlens
+from mindspeed_pack.model.thd import cached, context_parallel_group, host_cu_seqlens
 
 
 @dataclass
@@ -182,8 +182,9 @@ class PackedDotProductAttention(MegatronModule):
         """Segment-causal attention of a THD micro-batch (this backend's kernel)."""
         out_dtype = query.dtype
         query, key, value = self._softmax_dtype(query, key, value)
-        if self.cp_group is not None:
-            out = context_parallel_attention(query, key, value, params, self.cp_group, scale=self.scale,
+        cp_group = context_parallel_group(params, self.cp_group)
+        if cp_group is not None:
+            out = context_parallel_attention(query, key, value, params, cp_group, scale=self.scale,
                                              dropout_p=dropout_p)
         else:
             out = segment_causal_attention(query, key, value, params, scale=self.scale, dropout_p=dropout_p)

@@ -9,6 +9,9 @@
 * **The loss without full logits** (:mod:`.vocab_cross_entropy`) when labels are given and the micro-batch's
   fp32 logits would exceed their budget (:func:`~.vocab_cross_entropy.loss_chunk`); megatron-core's unfused
   loss, which does not compute the output layer twice, when they fit.
+* **A scalar head instead of the output layer** (``reward_head``, an outcome reward model): the
+  vocab-parallel output layer is replaced by :class:`~.score_head.ScoreHead` on the last stage, and the
+  model returns every token's reward ``[b, s]`` (with or without labels); embeddings are never tied to it.
 * **The vocabulary-parallel embedding without boolean indexing** (TP > 1): megatron-core masks the
   tokens outside this rank's vocabulary shard with ``x[mask] = 0`` (a ``nonzero`` on a GPU: the host
   waits, once per micro-batch); here with ``where`` / ``masked_fill``, the same values and gradients.
@@ -36,6 +39,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from mindspeed_pack.model.packed_rope import ROPE_TABLE
+from mindspeed_pack.model.score_head import ScoreHead
 from mindspeed_pack.model.thd import ThdParams
 from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy, loss_chunk
 from mindspeed_pack.model.vocab_parallel_loss import vocab_parallel_cross_entropy
@@ -66,11 +70,14 @@ class PackedGPTModel(GPTModel):
     ``rope_in_attention``: the core attention applies RoPE (local and flash backends);
     ``real_vocab_size``: the model's own vocabulary (rows past it are padding, masked);
     ``loss_chunk``: tokens per chunk of the fused output-layer loss (0 = megatron-core's unfused loss,
-    ``None`` = chosen per micro-batch by :func:`~.vocab_cross_entropy.loss_chunk`).
+    ``None`` = chosen per micro-batch by :func:`~.vocab_cross_entropy.loss_chunk`);
+    ``reward_head``: a scalar score head in place of the output layer (see the module docstring).
     """
 
     def __init__(self, *args, rope_in_attention: bool = False, real_vocab_size: Optional[int] = None,
-                 loss_chunk: Optional[int] = None, **kwargs):
+                 loss_chunk: Optional[int] = None, reward_head: bool = False, **kwargs):
+        if reward_head:
+            kwargs["share_embeddings_and_output_weights"] = False  # the score head is a weight of its own
         super().__init__(*args, **kwargs)
         self.rope_in_attention = rope_in_attention and self.position_embedding_type == "rope"
         if self.rope_in_attention and self.config.rotary_interleaved:
@@ -79,7 +86,12 @@ class PackedGPTModel(GPTModel):
         self.loss_chunk = loss_chunk
         if self.pre_process and type(self.embedding.word_embeddings) is VocabParallelEmbedding:
             self.embedding.word_embeddings.__class__ = MaskedVocabParallelEmbedding
-        if self.post_process and self.real_vocab_size:
+        self.score = None
+        if reward_head and self.post_process:
+            del self.output_layer  # built by GPTModel; a reward model has no vocabulary output
+            self.output_layer = None
+            self.score = ScoreHead(self.config, self.pg_collection.tp)
+        if self.post_process and self.real_vocab_size and self.score is None:
             self.output_layer.register_forward_hook(self._mask_padded_vocab)
             log.info("vocabulary: %d rows, padded to %d (--make-vocab-size-divisible-by x TP); the %d padded rows are "
                      "masked out of the softmax, so losses and log-probs are those of the %d-row model",
@@ -127,6 +139,8 @@ class PackedGPTModel(GPTModel):
         return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s]
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        if self.score is not None and self.post_process:
+            return self.score(hidden_states).transpose(0, 1).contiguous()  # [b, s] rewards, labels or not
         fused = (self.post_process and labels is not None and self.loss_chunk != 0
                  and not self.config.mtp_num_layers and not kwargs.get("mtp_in_postprocess")
                  and kwargs.get("inference_context") is None)

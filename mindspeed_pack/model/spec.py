@@ -65,28 +65,36 @@ def _stage_layers(config, dense, moe, vp_stage=None) -> list:
             for i in range(get_num_layers_to_build(config, vp_stage))]
 
 
-def resolve_backend(requested: str = "auto", dtype=None, attention_dropout: float = 0.0) -> str:
-    """The attention backend to build for a model of ``dtype``; logs the choice and the reason."""
+def resolve_backend(requested: str = "auto", dtype=None, attention_dropout: float = 0.0,
+                    no_te: str = "") -> str:
+    """The attention backend to build for a model of ``dtype``; logs the choice and the reason.
+    ``no_te``: why this run cannot use Transformer Engine (``auto`` then skips it)."""
     import torch
 
     if requested not in BACKENDS:
         raise ValueError(f"unknown attention backend {requested!r}; choose one of {BACKENDS}")
     on_gpu = cuda_usable()
     no_flash = flash_unavailable_reason(dtype or torch.float32, on_gpu, attention_dropout)
+    if requested == "te" and no_te:
+        raise RuntimeError(f"--attention-backend te: {no_te}")
     if requested == "te" and not (HAVE_TE and on_gpu):
         raise RuntimeError("--attention-backend te needs Transformer Engine and a CUDA device")
     if requested == "flash" and no_flash:
         raise RuntimeError(f"--attention-backend flash: {no_flash}")
     if requested != "auto":
         why = "requested with --attention-backend"
-    elif HAVE_TE and on_gpu:
+    elif HAVE_TE and on_gpu and not no_te:
         requested, why = "te", "auto: Transformer Engine imports and a CUDA device is present"
-    elif not no_flash:
-        requested, why = "flash", "auto: CUDA without Transformer Engine, varlen FlashAttention available"
     else:
-        requested = "local"
-        why = "auto: " + ("no CUDA device" if not on_gpu else
-                          f"Transformer Engine is not importable (pip install -e .[gpu]) and flash cannot run: {no_flash}")
+        te = f"Transformer Engine skipped ({no_te})" if HAVE_TE and no_te else None
+        if not no_flash:
+            requested = "flash"
+            why = f"auto: {te or 'CUDA without Transformer Engine'}, varlen FlashAttention available"
+        else:
+            requested = "local"
+            why = "auto: " + ("no CUDA device" if not on_gpu else
+                              f"{te or 'Transformer Engine is not importable (pip install -e .[gpu])'} and "
+                              f"flash cannot run: {no_flash}")
     desc = {"te": "Transformer Engine fused attention (THD)",
             "flash": "varlen FlashAttention (torch.nn.attention.varlen, THD), RoPE by position",
             "local": "local spec with exact segment-causal SDPA (THD), RoPE by position"}[requested]

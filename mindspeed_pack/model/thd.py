@@ -12,8 +12,9 @@ tensor stalls the CPU until the GPU queue drains, and once per layer that idles 
 
 Under context parallelism ``host_cu_seqlens`` are the padded *global* offsets and
 ``rope_positions`` this rank's zigzag share of them (see
-:mod:`mindspeed_pack.packing.context_parallel`). Index plans that attention backends derive
-from the layout (:func:`cached`) are built once per micro-batch, on the host, moved to the
+:mod:`mindspeed_pack.packing.context_parallel`). Under dynamic context parallelism a micro-batch names
+its own group (megatron-core's ``local_cp_size`` and ``cp_group``; :func:`context_parallel_group`).
+Index plans that attention backends derive from the layout (:func:`cached`) are built once per micro-batch, on the host, moved to the
 device once and reused by every layer.
 """
 from __future__ import annotations
@@ -37,6 +38,14 @@ class ThdParams(PackedSeqParams):
     rope_positions: Optional[torch.Tensor] = None  # [t] int64, on the model's device
     cp_size: int = 1
     cp_rank: int = 0
+
+
+def context_parallel_group(params: Optional[PackedSeqParams], layer_group):
+    """The CP group a micro-batch's attention communicates over: its own under dynamic context parallelism
+    (``local_cp_size`` set; None when it runs on one rank), else the layer's (``--context-parallel-size``)."""
+    if params is None or getattr(params, "local_cp_size", None) is None:
+        return layer_group
+    return params.cp_group if params.local_cp_size > 1 else None
 
 
 def host_cu_seqlens(params: PackedSeqParams) -> np.ndarray:
@@ -66,9 +75,10 @@ def to_device(array: np.ndarray, device) -> torch.Tensor:
     return t
 
 
-def packed_seq_params(batch, cp_size: int = 1, cp_rank: int = 0) -> ThdParams:
+def packed_seq_params(batch, cp_size: int = 1, cp_rank: int = 0, cp_group=None, dynamic: bool = False) -> ThdParams:
     """THD parameters of a :class:`~mindspeed_pack.packing.segments.PackedBatch`; under CP ``cu_seqlens`` are
-    the real lengths and ``*_padded`` the physical ones (Transformer Engine's convention)."""
+    the real lengths and ``*_padded`` the physical ones (Transformer Engine's convention). ``dynamic``: the
+    micro-batch runs on its own CP group ``cp_group`` of ``cp_size`` ranks (None for one rank)."""
     host = batch.host_cu_seqlens if batch.host_cu_seqlens is not None else attention_offsets(batch)
     positions = segment_positions(host, cp_size, cp_rank)
     return ThdParams(
@@ -78,4 +88,5 @@ def packed_seq_params(batch, cp_size: int = 1, cp_rank: int = 0) -> ThdParams:
         max_seqlen_q=batch.max_seqlen, max_seqlen_kv=batch.max_seqlen,
         host_cu_seqlens=host, rope_positions=to_device(positions, batch.tokens.device),
         cp_size=cp_size, cp_rank=cp_rank,
+        local_cp_size=cp_size if dynamic else None, cp_group=cp_group if dynamic else None,
     )

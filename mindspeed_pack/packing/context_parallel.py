@@ -186,6 +186,13 @@ def context_parallel_view(batch: PackedBatch, cp_size: int, cp_rank: int, multip
     return split_for_rank(pad_segments(batch, multiple, total), cp_size, cp_rank)
 
 
+def group_view(batch: PackedBatch, cp_size: int, cp_rank: int, multiple: int, total: int) -> PackedBatch:
+    """Dynamic context parallelism: this rank's share of a micro-batch that runs on its own group of
+    ``cp_size`` ranks (on one rank: the whole batch, unpadded), marked with the group for the attention."""
+    view = batch if cp_size == 1 else context_parallel_view(batch, cp_size, cp_rank, multiple, total)
+    return replace(view, local_cp_size=cp_size, cp_rank=cp_rank)
+
+
 def padded_size(batch: PackedBatch, multiple: int) -> int:
     """Tokens of ``batch`` once every segment is padded to ``multiple``."""
     return int(round_up(torch.diff(batch.cu_seqlens.long()), multiple).sum())

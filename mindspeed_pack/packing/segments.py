@@ -59,6 +59,10 @@ class PackedBatch:
     # the offsets attention runs on (``cu_seqlens_padded`` under CP), on the host: set where the batch is built
     # (and padded for CP), so that nothing in the step reads them back from the device (:mod:`mindspeed_pack.model.thd`)
     host_cu_seqlens: Optional[np.ndarray] = None
+    # dynamic context parallelism (:mod:`.dynamic_cp`): the micro-batch runs on its own CP group of this many
+    # ranks, this rank being ``cp_rank`` of it (None: the run's --context-parallel-size, megatron's CP group)
+    local_cp_size: Optional[int] = None
+    cp_rank: int = 0
     # above the largest ``routing_segments`` value (its groups, pads included, + 1), known on the host
     routing_groups: Optional[int] = None
 
@@ -94,6 +98,35 @@ def sequence_sums(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     sits in, whatever the packing or this rank's share of a context-parallel split."""
     out = values.new_zeros(len(batch.segment_labels))
     return out.index_add(0, batch.segment_index.reshape(-1), values.reshape(-1))
+
+
+def reward_positions(input_ids: torch.Tensor, segment_ids: torch.Tensor, pad_id: Optional[int] = None) -> torch.Tensor:
+    """Float ``[b, s]``: 1 at the token each sample's reward is read at, 0 elsewhere (an outcome reward model).
+
+    That token is the sample's last one whose id is not ``pad_id`` (its last token when ``pad_id`` is None):
+    transformers' ``*ForSequenceClassification`` pooling of the sample alone, with ``pad_token_id`` = ``pad_id``
+    (its first token when every token is ``pad_id``, as there). Samples are the segments of ``segment_ids``
+    (rows ``[b, s]``, 0 = padding, which has none)::
+
+        input_ids     a0 a1 a2 P  b0 b1 P  P        (P = pad_id: a sample padded to a multiple, then the pack's)
+        segment_ids   1  1  1  1  2  2  0  0
+        reward        0  0  1  0  0  1  0  0
+    """
+    b, s = input_ids.shape
+    starts = segment_boundaries(segment_ids).reshape(-1)
+    segment = torch.cumsum(starts.long(), 0) - 1
+    n = int(starts.sum())
+    position = torch.arange(b * s, device=input_ids.device)
+    real = segment_ids.reshape(-1) != 0
+    kept = real if pad_id is None else real & (input_ids.reshape(-1) != pad_id)
+    last = torch.full((n,), -1, dtype=torch.long, device=input_ids.device).scatter_reduce(
+        0, segment[kept], position[kept], "amax")
+    first = torch.full((n,), b * s, dtype=torch.long, device=input_ids.device).scatter_reduce(
+        0, segment[real], position[real], "amin")
+    chosen = torch.where(last >= 0, last, first)[first < b * s]  # padding segments have no real token
+    out = torch.zeros(b * s, device=input_ids.device)
+    out[chosen] = 1.0
+    return out.view(b, s)
 
 
 def segment_ids_from_eod(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:

@@ -35,12 +35,15 @@ def initialize_distributed(
     backend: str | None = None,
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    dynamic_context_parallel: bool = False,
 ) -> None:
     """Initialise torch.distributed from torchrun's environment and megatron's groups.
 
     A plain ``python script.py`` (no torchrun) runs as a world of one process. ``backend``
     (``--distributed-backend``) defaults to nccl with CUDA, gloo without. ``timeout_minutes``
     (``--distributed-timeout-minutes``, fractions allowed) bounds the rendezvous and every collective.
+    ``dynamic_context_parallel`` (``--sequence-packing-scheduler default_dynamic_cp``): megatron's sub-groups
+    of every power-of-two size of the data x context parallel ranks are made too (:func:`dynamic_cp_group`).
     """
     if not platform.cuda_usable():
         platform.enable()
@@ -77,7 +80,8 @@ def initialize_distributed(
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
                                                  context_parallel_size=context_parallel_size,
                                                  expert_model_parallel_size=expert_model_parallel_size,
-                                                 distributed_timeout_minutes=timeout_minutes)
+                                                 distributed_timeout_minutes=timeout_minutes,
+                                                 hybrid_context_parallel=dynamic_context_parallel)
     set_seed(seed)
 
 
@@ -92,7 +96,35 @@ def initialize_from_args(args) -> None:
     initialize_distributed(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.seed,
                            args.distributed_timeout_minutes, backend=args.distributed_backend,
                            context_parallel_size=args.context_parallel_size,
-                           expert_model_parallel_size=args.expert_model_parallel_size)
+                           expert_model_parallel_size=args.expert_model_parallel_size,
+                           dynamic_context_parallel=getattr(args, "sequence_packing_scheduler", None)
+                           == "default_dynamic_cp")
+
+
+def dynamic_cp_group(size: int):
+    """The CP group of ``size`` ranks this rank belongs to under dynamic context parallelism: the aligned
+    block ``[k size, (k+1) size)`` of its data x context parallel ranks (None: one rank, no CP)."""
+    if size == 1:
+        return None
+    if size == parallel_state.get_data_parallel_world_size(with_context_parallel=True):
+        return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return parallel_state.get_hybrid_data_context_parallel_groups(group_size=size)
+
+
+def check_dynamic_cp_groups(max_cp: int) -> None:
+    """Every sub-group up to ``max_cp`` ranks is the aligned block of the pool the planner assumes, with
+    group ranks in pool order (the planner places a row's zigzag shares by them)."""
+    pool = dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=True))
+    me = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    size = 2
+    while size <= max_cp:
+        block = pool[me - me % size:me - me % size + size]
+        group = dynamic_cp_group(size)
+        if dist.get_process_group_ranks(group) != block or group.rank() != me % size:
+            raise RuntimeError(f"dynamic CP: the sub-group of {size} ranks of rank {dist.get_rank()} holds ranks "
+                               f"{dist.get_process_group_ranks(group)} (its rank {group.rank()}), not the aligned "
+                               f"block {block} of the data x context parallel ranks {pool}")
+        size *= 2
 
 
 def _free_port() -> int:

@@ -16,6 +16,7 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.model import thd
 from mindspeed_pack.packing.segments import PackedBatch, build_packed_batch
 from mindspeed_pack.runtime.platform import cuda_usable
+from mindspeed_pack.runtime.process_groups import dynamic_cp_group
 
 
 class BatchSource(Protocol):
@@ -55,5 +56,9 @@ def to_packed_batch(mb: dict, args) -> PackedBatch:
 
 
 def packed_seq_params(batch: PackedBatch) -> thd.ThdParams:
-    """THD parameters of a micro-batch (:mod:`mindspeed_pack.model.thd`), for this rank's CP share."""
+    """THD parameters of a micro-batch (:mod:`mindspeed_pack.model.thd`), for this rank's CP share: of
+    megatron's CP group, or under dynamic context parallelism of the micro-batch's own group."""
+    if batch.local_cp_size is not None:
+        return thd.packed_seq_params(batch, batch.local_cp_size, batch.cp_rank, dynamic_cp_group(batch.local_cp_size),
+                                     dynamic=True)
     return thd.packed_seq_params(batch, ps.get_context_parallel_world_size(), ps.get_context_parallel_rank())

@@ -31,7 +31,7 @@ def _finite_mean(values) -> float:
 
 class MetricsLogger:
     def __init__(self, args, enabled: bool, start_iteration: int = 0, extra_metrics: tuple = ()):
-        """``start_iteration``: where training starts; on a resume the records after it are
+        """``start_iteration``: where training starts; the records after it are
         replaced (:mod:`mindspeed_pack.training.metrics_history`); ``replaced`` lists them.
         ``extra_metrics``: a stage's own metrics, printed as interval means."""
         self.args = args
@@ -50,16 +50,16 @@ class MetricsLogger:
         self.replaced = []
         if not enabled:
             return
-        resume = metrics_history.is_resume(start_iteration)
+        replace = metrics_history.replaces_records(start_iteration, trains=not getattr(args, "skip_train", False))
         if args.metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            if resume:
+            if replace:
                 self.replaced = metrics_history.drop_records_after(args.metrics_file, start_iteration)
             self.jsonl = open(args.metrics_file, "a", buffering=1)
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if resume else None)
+            self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if replace else None)
 
     def resumed(self, iteration: int, loaded_from: str) -> None:
         """Once per job start: where training resumes (``loaded_from`` at ``iteration``) and which logged

@@ -1,10 +1,11 @@
-"""A resumed run's metrics file: one record per step, the re-run steps replacing the old ones.
+"""A rerun's metrics file: one record per step, the re-run steps replacing the old ones.
 
-A run that resumes at iteration I (a restart, or ``--load`` of a checkpoint) trains I+1, I+2,
-... again, although the run before it may have logged some of them after its last save. Before
-the first new record, every record of an iteration after I is taken out of the file (train,
-validation and setup records alike, and a last line cut off by a kill); everything up to I stays
-as it was. The rewrite goes through a temporary file and an atomic rename, so a kill at any
+A training run that starts at iteration I (a checkpoint's, after a torchrun restart or the same
+command by hand; 0 when nothing was saved yet) trains I+1, I+2, ... again, although the run before
+it may have logged some of them after its last save. Before the first new record, every record of
+an iteration after I is taken out of the file (train, validation and setup records alike, and a
+last line cut off by a kill); everything up to I stays as it was. An evaluation (``--skip-train``)
+replaces records only as a restart or from a checkpoint's iteration. The rewrite goes through a temporary file and an atomic rename, so a kill at any
 moment leaves the old file or the new one, never a shorter one. TensorBoard gets the same
 effect from ``SummaryWriter(purge_step=I + 1)``.
 """
@@ -15,9 +16,10 @@ import os
 from typing import List
 
 
-def is_resume(start_iteration: int) -> bool:
-    """Whether this start continues an earlier one: a checkpoint's iteration, or a torchrun restart."""
-    return start_iteration > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+def replaces_records(start_iteration: int, trains: bool) -> bool:
+    """Whether this start runs logged steps again: every training run (whichever way it came back, by torchrun's
+    restart or by hand, from a checkpoint or from scratch), an evaluation from a checkpoint or a restart."""
+    return trains or start_iteration > 0 or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def drop_records_after(path: str, start_iteration: int) -> List[int]:

@@ -16,6 +16,7 @@ from megatron.core.utils import get_model_config
 
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import build_gpt_model
+from mindspeed_pack.model.score_head import SCORE
 from mindspeed_pack.model.te_spec import kernel_fallbacks
 from mindspeed_pack.runtime.platform import cuda_usable
 from mindspeed_pack.training.fused_adam import use_fused_adam
@@ -33,6 +34,8 @@ def build_model(args) -> List[torch.nn.Module]:
         parallel_invariant_init(model, args, args.seed)
     elif lora.trains_adapters(args):  # the adapters of a loaded base: the same draw at every layout
         parallel_invariant_init(model, args, args.seed, only=lora.is_adapter_name)
+    elif model.score is not None:  # a reward model started from a language model's weights: a fresh head, the
+        parallel_invariant_init(model, args, args.seed, only=lambda name: name == SCORE)  # same at every layout
     if cuda_usable():
         model.cuda(torch.cuda.current_device())
     config = get_model_config(model)

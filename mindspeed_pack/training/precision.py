@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from megatron.core.utils import get_model_config
 
-from mindspeed_pack.runtime.platform import cuda_usable
 
 
 def _dtype_names(tensors) -> str:

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # preprocess_data.py flags that only preprocessing reads (posttrain.py takes them for raw --data-path files)
 PREPROCESS_ONLY = ("handler_name", "map_keys", "chat_template", "chat_template_kwargs", "reasoning_history",
                    "prompt_type_path", "pack", "append_eod", "pad_to_multiple_of", "workers", "skip_bad_rows",
-                   "overwrite_cache")
+                   "overwrite_cache", "placeholder_token", "reward_tokens")
 # flags of both halves, given once
 SHARED = ("seq_length", "prompt_type", "tokenizer_name_or_path", "neat_pack", "seed")
 # preprocessing flags that shape the packs: checked against a packed prefix's sidecar when given
@@ -92,7 +92,7 @@ def raw_inputs(args) -> Optional[list]:
 # ---------------------------------------------------------------------------- preprocessing
 def preprocess_namespace(args, inputs: list):
     """preprocess_data.py's arguments for ``inputs``: its defaults, this run's shared and preprocessing flags."""
-    from mindspeed_pack.data.handlers import PRETRAIN
+    from mindspeed_pack.data.handlers import PRETRAIN, PROCESS_REWARD
     from mindspeed_pack.datasets.preprocess import _OUTPUT_ARGS, build_parser
 
     ns = build_parser().parse_args(["--input", *inputs, "--output-prefix", "unset"])
@@ -106,7 +106,9 @@ def preprocess_namespace(args, inputs: list):
     # the prefix names what shapes the packs, so runs with other flags keep their own cache
     identity = {"inputs": [os.path.abspath(p) for p in inputs], "tokenizer": ns.tokenizer_name_or_path,
                 **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "map_keys", "prompt_type_path", "chat_template",
-                                                 "chat_template_kwargs", "reasoning_history")}}
+                                                 "chat_template_kwargs", "reasoning_history")},
+                **({"step_tags": [ns.placeholder_token, *ns.reward_tokens]}
+                   if ns.handler_name == PROCESS_REWARD else {})}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
     first = Path(os.path.abspath(inputs[0]))
     root = args.data_cache_path or os.path.join(first.parent, CACHE_DIR)

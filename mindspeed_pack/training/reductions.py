@@ -3,7 +3,8 @@
 Losses and a stage's reports are ``[sum, count]`` pairs on the ranks that computed them (the last
 pipeline stage, each CP rank with its share of the tokens); :func:`global_means` turns them into
 the whole global batch's means on every rank. Counts (tokens, samples, rows) are summed over data
-parallelism by :func:`dp_sum`; :func:`any_rank` is the agreement to stop.
+parallelism by :func:`dp_sum`; :func:`any_rank` is the agreement to stop. :func:`step_totals` sums a
+step's counts over DP x CP on the device, before the forward, for a loss that needs them.
 """
 from __future__ import annotations
 
@@ -38,11 +39,20 @@ def global_means(sums: dict, maxima=()) -> dict:
     return {k: out[k] for k in sums}
 
 
-def dp_sum(stats: dict) -> dict:
-    """``stats`` summed over the data-parallel group: the whole job's step, not one rank's."""
+def step_totals(counts: torch.Tensor) -> torch.Tensor:
+    """This rank's share of a global step's counts (a tensor on the device: its CP share of the tokens, its
+    micro-batches) summed over the DP x CP group; on the device throughout, so the step does not wait for it.
+    Every rank of the group must call it (a collective)."""
+    dist.all_reduce(counts, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return counts
+
+
+def dp_sum(stats: dict, with_context_parallel: bool = False) -> dict:
+    """``stats`` summed over the data-parallel group: the whole job's step, not one rank's (over the data x
+    context parallel ranks where each counts its own share: dynamic context parallelism)."""
     keys = sorted(stats)
     t = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=_device())
-    dist.all_reduce(t, group=ps.get_data_parallel_group())
+    dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=with_context_parallel))
     return {k: float(v) for k, v in zip(keys, t.cpu().tolist())}
 
 

@@ -121,7 +121,8 @@ class RLSession:
 
         self.args = args
         self.source = HandedRollouts()
-        self.trainer = Trainer(args, self.source, GRPOStage(args))
+        # the driver resumes a session with --load (its rounds of rollouts restart with it), never from --save
+        self.trainer = Trainer(args, self.source, GRPOStage(args), resume_save=False)
         self.scorer = _ScoresInMemory(args)
         self.closed = False
         try:

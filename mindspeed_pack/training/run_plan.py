@@ -105,17 +105,22 @@ def memory_estimate(args) -> dict:
     dp_shards = args.data_parallel_size * args.context_parallel_size if args.use_distributed_optimizer else 1
     states = (4 if half else 0) + (8 if args.optimizer == "adam" else 4)  # fp32 master copy, Adam moments
     tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
-    sbh = args.seq_length * args.micro_batch_size * args.hidden_size / cp
+    # tokens one rank holds of a micro-batch (dynamic CP: every rank holds --max-seqlen-per-dp-cp-rank)
+    dynamic = getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp"
+    local = args.max_seqlen_per_dp_cp_rank if dynamic else args.seq_length * args.micro_batch_size / cp
+    sbh = local * args.hidden_size
     # bytes per layer without recomputation, fused attention (no s x s scores): Korthikanti et al. 2022
     per_layer = sbh * (34 / tp if args.sequence_parallel else 10 + 24 / tp) * (1 if half else 2)
     in_flight = min(pp, args.num_micro_batches)  # 1F1B: micro-batches the first stage holds
     # the fused loss holds one chunk of fp32 logits (model/vocab_cross_entropy.py), megatron's unfused one all
-    rows = args.seq_length * args.micro_batch_size / cp
+    rows = local
     vocab = (args.padded_vocab_size or 0) / tp
     chunk = loss_path(args)
     if chunk:
         rows = min(rows, chunk)
     logits = rows * vocab * 4 * 2
+    if chunk != 0 and half and not adapters:  # its backward sums a trained output layer's gradient in fp32
+        logits += vocab * args.hidden_size * 4
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
            "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
            "optimizer": trained * states / dp_shards / GiB,
@@ -204,6 +209,8 @@ def plan_lines(args) -> list:
                  f"{args.data_parallel_size} (EP {args.expert_model_parallel_size}); global batch "
                  f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
                  f"{args.num_micro_batches} micro-batches of {args.seq_length} tokens per row")
+    if getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
+        lines += _dynamic_cp_lines(args)
     m = memory_estimate(args)
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
     lines.append(f"model: {_count(m['parameters'])} parameters, {_count(m['parameters per GPU'])} per GPU "
@@ -216,6 +223,18 @@ def plan_lines(args) -> list:
                  "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
                  "Korthikanti et al.; allocator and communication buffers come on top)")
     return lines
+
+
+def _dynamic_cp_lines(args) -> list:
+    """The first steps' dynamic CP plans (the data's sizes), or why they cannot be shown."""
+    from mindspeed_pack.datasets.online_packing import dynamic_cp_preview
+
+    if not args.data_path and not getattr(args, "train_data_path", None):
+        return ["dynamic CP plan: needs --data-path"]
+    try:
+        return dynamic_cp_preview(args)
+    except (DataError, OSError, FileNotFoundError) as exc:
+        return [f"dynamic CP plan: {exc}"]
 
 
 def _count(n: float) -> str:

@@ -50,8 +50,11 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, args, batch_source: BatchSource, stage):
+    def __init__(self, args, batch_source: BatchSource, stage, resume_save: bool = True):
+        """``resume_save``: a run started again resumes from its own ``--save`` (checkpoint/resume.py); an RL
+        session's driver chooses that itself (its rounds of rollouts are its own)."""
         self.args = args
+        self.resume_save = resume_save
         self.source = batch_source
         self.stage = stage
         self.stage_reports = {}
@@ -59,6 +62,7 @@ class Trainer:
         self.consumed_samples = 0
         self.consumed_valid_samples = 0  # where the next validation starts in its split
         self.skipped = 0
+        self.dynamic_cp = False  # set by setup from the batch source
         self.exit_signal = None
         self.slowest_step_s = 0.0
         self.phase = "the start (process groups, model, checkpoint, data)"  # what a peer failure interrupted
@@ -74,13 +78,16 @@ class Trainer:
         identity.guard_scheduler_resume(args, self.scheduler)
         if args.load:  # LoRA: the base (weights only), then the adapters of --lora-load
             self.iteration, self.consumed_samples = load_run_checkpoint(args, self.model, self.optimizer,
-                                                                        self.scheduler)
+                                                                        self.scheduler, self.resume_save)
             use_fused_adam(self.optimizer)  # a loaded optimizer takes the saved groups' settings
         # validation goes on through its split (cycling) from evaluation to evaluation, as in Megatron-LM:
         # its place after a resume follows from the iteration; --skip-train reads from the split's start
         eval_samples = args.eval_iters * args.global_batch_size
         self.consumed_valid_samples = 0 if args.skip_train else self.iteration // args.eval_interval * eval_samples
         self.source.setup(args, self._samples_to_read())
+        # dynamic CP: each rank of the data x context parallel pool holds its own micro-batches, so the step's
+        # counts are summed over the pool (with a fixed CP group, every CP rank counts its replica's rows)
+        self.dynamic_cp = getattr(self.source, "dynamic_cp", False)
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
             check_data(docs, args)
         self.stage.setup(self)
@@ -128,7 +135,8 @@ class Trainer:
         args = self.args
         num_micro_batches, tokens_per_micro_batch, plan_stats = self._step_shape(split, consumed)
         source = self.source.micro_batches(split, consumed)
-        stats = {"rows": 0, "samples": 0, "tokens": 0, **plan_stats}
+        # the plan's figures are the whole job's already (kept out of the sums over ranks)
+        stats = {"rows": 0, "samples": 0, "tokens": 0, "real tokens": 0, "sum sq lengths": 0, "plan": plan_stats}
         batches, raw = [], []
         for _ in range(num_micro_batches):
             try:
@@ -137,13 +145,24 @@ class Trainer:
                 raise RuntimeError(f"{split} data exhausted at consumed samples {consumed}: the sample index "
                                    "is shorter than train-iters x global-batch-size") from None
             b = host_packed_batch(mb, args)
-            stats["rows"] += mb["input_ids"].shape[0]
-            stats["samples"] += b.num_samples
-            stats["tokens"] += b.num_tokens
-            throughput.add_micro_batch(stats, mb)
+            if mb.get("cp_rank", 0) == 0:  # dynamic CP: a group's micro-batch is counted by its first rank
+                stats["rows"] += mb["input_ids"].shape[0]
+                stats["samples"] += b.num_samples
+                stats["tokens"] += b.num_tokens
+                throughput.add_micro_batch(stats, mb)
             batches.append(b)
             raw.append(mb)
-        if args.context_parallel_size > 1:  # this rank's zigzag share of every sample (packing/context_parallel.py)
+        if self.dynamic_cp:  # each micro-batch on its own CP group (packing/dynamic_cp.py)
+            tp, sp = args.tensor_model_parallel_size, args.sequence_parallel
+            per_rank = self.source.max_tokens_per_cp_rank
+            batches = [cp_view.group_view(b, mb["cp_size"], mb["cp_rank"],
+                                          cp_view.padding_multiple(mb["cp_size"], tp, sp), mb["cp_size"] * per_rank)
+                       for b, mb in zip(batches, raw)]
+            if any(b.num_tokens != per_rank for b in batches):
+                raise ValueError(f"dynamic CP: a micro-batch holds {[b.num_tokens for b in batches]} tokens on this "
+                                 f"rank, not --max-seqlen-per-dp-cp-rank {per_rank}")
+            stats["tokens"] = sum(b.num_tokens for b in batches)  # this rank's, summed over the whole pool
+        elif args.context_parallel_size > 1:  # this rank's zigzag share of every sample (packing/context_parallel.py)
             multiple = cp_view.padding_multiple(args.context_parallel_size, args.tensor_model_parallel_size,
                                                 args.sequence_parallel)
             batches, tokens_per_micro_batch = cp_view.step_views(
@@ -303,10 +322,9 @@ class Trainer:
 
     def _log_step(self, loss, grad_norm, stats, elapsed) -> dict:
         args = self.args
-        # the balanced plan's figure is the whole job's already: keep it out of the DP sum
-        plan = {k: stats.pop(k) for k in list(stats) if k == "rank imbalance"}
+        plan = stats.pop("plan")  # the whole job's already: kept out of the sum
         stage_metrics = global_means(self.stage_reports, getattr(self.stage, "max_metrics", ()))
-        stats = dp_sum(stats)
+        stats = dp_sum(stats, with_context_parallel=self.dynamic_cp)
         total = int(stats["tokens"])
         real = int(stats["real tokens"])
         stats.update(plan)
@@ -328,6 +346,7 @@ class Trainer:
             **throughput.step_fields(args, stats, elapsed, 1, dist.get_world_size()),
             **(moe.step_statistics(self.model, args.num_layers, args.num_experts) if args.num_experts else {}),
             **stage_metrics,
+            **{k: v for k, v in plan.items() if k != "rank imbalance"},  # e.g. dynamic CP's group sizes
         }
         self.metrics.step(record, total_tokens=total, samples=stats["samples"], rows=stats["rows"])
         return record
@@ -353,7 +372,7 @@ class Trainer:
         if split == "valid":
             self.consumed_valid_samples += args.eval_iters * args.global_batch_size
         loss = self._global_mean(total)
-        tokens = int(dp_sum({"tokens": tokens})["tokens"])
+        tokens = int(dp_sum({"tokens": tokens}, with_context_parallel=self.dynamic_cp)["tokens"])
         self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
         for chunk in self.model:
             chunk.train()

@@ -6,7 +6,8 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
 * ``batch_source(args)``: how rows and their per-token / per-sequence fields reach a rank;
 * ``setup(trainer)``: what it needs besides the policy (a frozen reference model, a table);
 * ``prepare(trainer, batches, micro_batches, split, tokens_per_micro_batch)``: per-step inputs
-  attached to this rank's micro-batches (after the context-parallel split);
+  attached to this rank's micro-batches (after the context-parallel split), on every rank (so it may
+  sum a step's counts over DP x CP: ORPO's NLL is a per-token mean over the whole step);
 * ``loss_func(batch, output) -> (sum, count, reports)``: what ``forward_step`` returns. The
   trainer divides by the *global step's* total ``count`` (megatron-core's
   ``calculate_per_token_loss``), so ``normaliser`` (tokens, samples, pairs) never depends on
@@ -21,13 +22,15 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
   loss (an entropy term needs the whole distribution).
 
 Per-sequence quantities come from the packed batch's segment ids in one place:
-:func:`mindspeed_pack.training.stages.sequences.sequence_logps`.
+:func:`mindspeed_pack.training.stages.sequences.sequence_logps`. The stages on preference pairs
+(``dpo``, and ``simpo`` and ``orpo`` without a reference) share :mod:`.pairs`: the pair layout, the
+margin losses, the count by pairs and TRL's reports.
 """
 from __future__ import annotations
 
 import argparse
 
-STAGES = ("sft", "dpo", "dpo_reference", "score", "grpo")
+STAGES = ("sft", "dpo", "simpo", "orpo", "dpo_reference", "score", "grpo", "kto", "orm", "prm")
 
 
 def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -38,8 +41,10 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--dpo-label-smoothing", type=float, default=0.0,
                    help="conservative DPO: the probability that a pair's preference is flipped, in [0, 0.5) "
                         "(sigmoid loss only: refused with ipo and hinge, which have no smoothed form)")
-    g.add_argument("--dpo-ftx", type=float, default=0.0,
-                   help="weight of an SFT term on the chosen answer (its per-token mean NLL; LLaMA-Factory pref_ftx)")
+    g.add_argument("--pref-ftx", "--dpo-ftx", dest="pref_ftx", type=float, default=0.0,
+                   help="--stage dpo and simpo: weight of an SFT term on the chosen answer (its per-token mean NLL, "
+                        "per pair; MindSpeed-LLM's and LLaMA-Factory's pref_ftx; --dpo-ftx is the same flag). "
+                        "Refused with --stage orpo, whose NLL term is its own")
     g.add_argument("--ref-load", default=None,
                    help="the frozen reference model, run in this job: a Megatron checkpoint or a Hugging Face "
                         "directory (read as --load reads it; its model and tokenizer must be the run's). Default: a "
@@ -47,6 +52,26 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--ref-logps", action="store_true",
                    help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
                         "(P_dpo_reference.pt): no reference model in memory")
+    g = p.add_argument_group("reference-free preference training (--stage simpo, --stage orpo)")
+    g.add_argument("--simpo-beta", type=float, default=2.5,
+                   help="SimPO: scale of the reward, beta x the answer's mean log-prob")
+    g.add_argument("--gamma-beta-ratio", type=float, default=1.4,
+                   help="SimPO: the target reward margin gamma, as gamma / --simpo-beta")
+    g.add_argument("--simpo-loss-type", default="sigmoid", choices=["sigmoid", "hinge", "ipo"])
+    g.add_argument("--simpo-label-smoothing", type=float, default=0.0,
+                   help="SimPO: the probability that a pair's preference is flipped, in [0, 0.5) (sigmoid loss only)")
+    g.add_argument("--orpo-beta", type=float, default=0.1,
+                   help="ORPO: weight of the odds-ratio term beside the chosen answers' NLL (TRL's beta, the paper's "
+                        "lambda)")
+    g = p.add_argument_group("KTO (--stage kto; its reference as dpo's: --ref-load, --ref-logps)")
+    g.add_argument("--kto-beta", type=float, default=0.1, help="KTO's beta: the temperature of the implied reward")
+    g.add_argument("--kto-desirable-weight", type=float, default=1.0, help="weight of a desirable sample's loss")
+    g.add_argument("--kto-undesirable-weight", type=float, default=1.0,
+                   help="weight of an undesirable sample's loss")
+    g = p.add_argument_group("reward models (--stage orm, --stage prm)")
+    g.add_argument("--center-rewards-coefficient", type=float, default=0.0,
+                   help="--stage orm: weight of c x mean((r_chosen + r_rejected)^2), which keeps rewards centred at "
+                        "0 (TRL's center_rewards_coefficient; 0: off)")
     g = p.add_argument_group("RL rollouts (--stage score, --stage grpo)")
     g.add_argument("--rollout-path", default=None,
                    help="rollout file or directory (.jsonl/.json/.parquet, one sample a row; see README)")
@@ -96,6 +121,14 @@ def get_stage(args):
         from mindspeed_pack.training.stages.dpo import DPOStage
 
         return DPOStage(args)
+    if args.stage == "simpo":
+        from mindspeed_pack.training.stages.simpo import SimPOStage
+
+        return SimPOStage(args)
+    if args.stage == "orpo":
+        from mindspeed_pack.training.stages.orpo import ORPOStage
+
+        return ORPOStage(args)
     if args.stage == "dpo_reference":
         from mindspeed_pack.training.stages.reference import ReferenceScoringStage
 
@@ -104,10 +137,18 @@ def get_stage(args):
         from mindspeed_pack.training.stages.grpo import GRPOStage
 
         return GRPOStage(args)
+    if args.stage == "kto":
+        from mindspeed_pack.training.stages.kto import KTOStage
+
+        return KTOStage(args)
     if args.stage == "score":
         from mindspeed_pack.training.stages.score import ScoreStage
 
         return ScoreStage(args)
+    if args.stage in ("orm", "prm"):
+        from mindspeed_pack.training.stages.reward_models import OutcomeRewardStage, ProcessRewardStage
+
+        return OutcomeRewardStage(args) if args.stage == "orm" else ProcessRewardStage(args)
     from mindspeed_pack.training.stages.sft import SFTStage
 
     return SFTStage(args)

@@ -2,13 +2,15 @@
 
 ``posttrain.py --stage dpo_reference --load REF --data-path P ...`` runs the reference over
 every pack of ``P`` (forward only, any TP/PP/CP/DP layout) and writes ``P_dpo_reference.pt``
-beside the data: per pack, its pairs' (chosen, rejected) log-prob sums, and the data's
-identity (content fingerprint of the packs, tokenizer, template) from its sidecar.
-``--stage dpo --ref-logps`` then trains with no reference model in memory; a file scored on
-other data, another tokenizer or template is refused, naming both identities.
+beside the data: per pack, its segment pairs' log-prob sums (a preference pair's chosen and rejected
+answer; a KTO sample and its KL partner), and the data's identity (content fingerprint of the packs,
+tokenizer, template) from its sidecar. ``--stage dpo --ref-logps`` (or ``kto``) then trains with no
+reference model in memory; a file scored on other data, another tokenizer or template is refused,
+naming both identities. :class:`Reference` is the one place a stage gets its reference log-probs.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -21,8 +23,9 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed_pack.datasets.packed_dataset import DataError, micro_batch
-from mindspeed_pack.model import lora
+from mindspeed_pack.model import lora, moe
 from mindspeed_pack.packing import context_parallel as cp_view
+from mindspeed_pack.runtime.platform import cuda_usable
 from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
 
 log = logging.getLogger(__name__)
@@ -50,6 +53,80 @@ def has_reference_model(args) -> bool:
     return reference_source(args) in (REF_LOAD, STARTING_POLICY)
 
 
+class Reference:
+    """The reference log-probs of every micro-batch's segment pairs ``(2k-1, 2k)`` (a preference pair's chosen
+    and rejected answer, a KTO sample and its KL partner), from where :func:`reference_source` says: a frozen
+    model run in the job (``--ref-load``, or a copy of the starting policy), the policy itself with its LoRA
+    adapters off, or a table precomputed by ``--stage dpo_reference`` (``--ref-logps``)."""
+
+    def __init__(self, chunks=None, adapters_off: bool = False, tables=None):
+        self.chunks, self.adapters_off, self.tables = chunks, adapters_off, tables
+
+    @classmethod
+    def of_run(cls, trainer, args, stage: str) -> "Reference":
+        """This run's reference, logged by ``stage``."""
+        source = reference_source(args)
+        if source == TABLE:
+            tables = {docs.prefix: ReferenceTable.load_for(docs) for docs in trainer.source.docs}
+            log.info("%s: precomputed reference log-probs (%s)", stage, ", ".join(t.path for t in tables.values()))
+            return cls(tables=tables)
+        if source == ADAPTERS_OFF:
+            log.info("%s: reference model = the frozen base --load %s: the policy's own module with its LoRA adapters "
+                     "switched off (no second model in memory)", stage, args.load)
+            return cls(trainer.model, adapters_off=True)
+        return cls([frozen_model(trainer, args, stage)])
+
+    def pair_logps(self, batches, micro_batches, prefix: str, tokens_per_micro_batch: int) -> list:
+        """[pairs, 2] per micro-batch (segments 2k-1, 2k); None where this pipeline stage holds no scores."""
+        if self.tables is not None:
+            return [self.tables[prefix].lookup(mb).to(b.loss_mask.device) for b, mb in zip(batches, micro_batches)]
+        with lora.base_model_only(self.chunks) if self.adapters_off else contextlib.nullcontext():
+            scores = score_sequences(self.chunks, batches, tokens_per_micro_batch)
+        out = []
+        for batch, seq in zip(batches, scores):
+            first, second = pair_segments(batch) if seq is not None else (None, None)
+            out.append(None if seq is None else torch.stack([seq[first], seq[second]], dim=1))
+        return out
+
+
+def frozen_model(trainer, args, stage: str):
+    """The reference model of this job: ``--ref-load`` (a Megatron checkpoint or HF directory, read as ``--load``
+    reads it) or a copy of the starting policy, frozen, in eval mode."""
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.utils import get_model_config
+
+    from mindspeed_pack.checkpoint import resume, save_load
+    from mindspeed_pack.model.gpt import build_gpt_model
+
+    model = build_gpt_model(lora.without_lora(args), pre_process=ps.is_pipeline_first_stage(),
+                            post_process=ps.is_pipeline_last_stage())
+    if args.ref_load:
+        save_load.load_model_weights(args, args.ref_load, model, "--ref-load")
+        log.info("%s: reference model loaded from %s (frozen)", stage, args.ref_load)
+    elif trainer.iteration > 0 and resume.resumed_own_save(args):  # --load still holds the starting policy
+        save_load.load_model_weights(args, args.load, model, "--load")
+        log.info("%s: reference model = the starting policy, read again from --load %s (the run resumed from "
+                 "its --save)", stage, args.load)
+    elif trainer.iteration > 0:
+        raise DataError(f"--stage {stage} resumes at iteration {trainer.iteration}: the reference is the *starting* "
+                        "policy, which the checkpoint no longer holds; pass --ref-load (the model the run "
+                        "started from: its Megatron checkpoint or Hugging Face directory) or --ref-logps")
+    else:
+        policy = trainer.model[0]
+        while hasattr(policy, "module"):
+            policy = policy.module
+        model.load_state_dict(policy.state_dict(), strict=True)
+        log.info("%s: reference model = a frozen copy of the starting policy", stage)
+    if cuda_usable():
+        model.cuda(torch.cuda.current_device())
+    if args.bf16 or args.fp16:
+        model = Float16Module(get_model_config(model), model)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def score_sequences(model_chunks, batches, tokens_per_micro_batch: int) -> list:
     """Per-segment log-prob sums of every micro-batch under ``model_chunks`` (forward only, the
     same pipeline schedule as training); tensors on the last pipeline stage, None elsewhere."""
@@ -69,6 +146,8 @@ def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score, nee
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
+        # a mixture of experts routes by this micro-batch's samples (the policy's routers hold the last step's)
+        moe.set_routing_segments(model, batch.routing_segments)
         output = model(batch.tokens, batch.position_ids, None, labels=None if needs_logits else batch.target,
                        packed_seq_params=packed_seq_params(batch))
 

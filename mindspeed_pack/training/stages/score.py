@@ -9,6 +9,11 @@ order; ``--score-entropy`` adds ``entropy``, the policy's entropy where each res
 predicted (from the full vocab-parallel logits). Under context parallelism every rank scores its
 zigzag share of each row and the CP group puts the tokens back together before writing. The
 forward pass is the reference scorer's (:func:`.reference.score_batches`).
+
+With an outcome reward model as ``--load`` (``--stage orm``'s, or a transformers
+``*ForSequenceClassification`` directory) each row gets ``reward`` instead: the score head at the
+rollout's last token that is not the model's pad token, as ``--stage orm`` reads it and
+transformers pools it (the scalar ``reward`` that ``--stage grpo`` turns into advantages with ``group``).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from megatron.core import parallel_state as ps
 
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing import context_parallel as cp_view
+from mindspeed_pack.packing.segments import reward_positions
 from mindspeed_pack.training.stages.reference import ReferenceScoringStage
 
 log = logging.getLogger(__name__)
@@ -35,7 +41,11 @@ class ScoreStage(ReferenceScoringStage):
     def __init__(self, args):
         super().__init__(args)
         self.entropy = bool(getattr(args, "score_entropy", False))
-        self.fields = (args.score_field,) + (("entropy",) if self.entropy else ())
+        self.reward = bool(getattr(args, "reward_head", False))  # --load is an outcome reward model
+        if self.reward and self.entropy:
+            raise DataError(f"--score-entropy: --load {args.load} is an outcome reward model (a scalar score head, no "
+                            "token distribution); drop --score-entropy")
+        self.fields = ("reward",) if self.reward else (args.score_field,) + (("entropy",) if self.entropy else ())
 
     def batch_source(self, args):
         from mindspeed_pack.datasets.rollouts import RolloutBatchSource
@@ -81,7 +91,11 @@ class ScoreStage(ReferenceScoringStage):
                     values = cp_view.whole_from_shares(shares, view, mb["input_ids"].shape[1])
                 values = values.cpu()
                 for i, first in zip(row, mb["response_starts"]):
-                    end = first + len(source.rollouts[int(i)].response_ids)
+                    rollout = source.rollouts[int(i)]
+                    if self.reward:
+                        mine[int(i)] = {"reward": float(values[0, self.reward_position(rollout, first)])}
+                        continue
+                    end = first + len(rollout.response_ids)
                     mine[int(i)] = {f: values[k, first:end].tolist() for k, f in enumerate(self.fields)}
         writer = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0)
         if writer:
@@ -95,11 +109,21 @@ class ScoreStage(ReferenceScoringStage):
         dist.barrier()
         return mine
 
+    def reward_position(self, rollout, response_start: int) -> int:
+        """Where in its row a rollout's reward is read (``response_start``: the position predicting its first
+        response token): its last token that is not the model's pad token."""
+        ids = torch.from_numpy(np.concatenate([rollout.prompt_ids, rollout.response_ids]))[None]
+        at = int(torch.argmax(reward_positions(ids, torch.ones_like(ids), self.args.reward_pad_token_id)))
+        return response_start - len(rollout.prompt_ids) + 1 + at
+
     def token_values(self, batch, output_tensor: torch.Tensor) -> torch.Tensor:
-        """[fields, T]: the log-prob of every position's target (and the policy's entropy there)."""
+        """[fields, T]: the log-prob of every position's target (and the policy's entropy there); a reward
+        model's per-token rewards."""
         from mindspeed_pack.training.stages.grpo import vocab_parallel_logp_entropy
         from mindspeed_pack.training.stages.reference import token_logps
 
+        if self.reward:
+            return output_tensor.float().reshape(1, -1)
         if not self.entropy:
             return token_logps(batch, output_tensor)
         logp, entropy = vocab_parallel_logp_entropy(output_tensor, batch.target.reshape(output_tensor.shape[:-1]))

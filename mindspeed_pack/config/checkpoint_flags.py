@@ -1,0 +1,92 @@
+"""The model flags of a Megatron ``--load``, taken from the arguments its files record, before validation.
+
+Every converted or saved checkpoint records the model it holds (``convert_ckpt.py`` writes the converter's
+arguments, a training run's ``--save`` the run's: :data:`~mindspeed_pack.convert.model_specs.MODEL_ARG_NAMES`
+and the optional ones). As :mod:`.hf_flags` takes them from a HF directory's config.json, a flag the user also
+passed must agree (the error names both values) and the rest are filled in, so ``--load ckpt --finetune``
+needs no ``--num-layers`` and friends. The vocabulary is among them: ``vocab_size`` is the model's own rows
+(for a converted model config.json's ``vocab_size``, the embedding's rows, which may be more than its
+tokenizer's entries: Qwen2.5 has 152,064 rows for 151,665 tokens) and ``padded_vocab_size`` those rows with
+Megatron's padding; so every row of the model stays in the softmax and only Megatron's padding is masked.
+Dropout is not recorded: Megatron-LM's defaults hold unless given. Loading the weights, and checking them
+against the flags, is :mod:`mindspeed_pack.checkpoint.save_load`'s.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from mindspeed_pack.config.errors import ArgumentError
+from mindspeed_pack.convert import megatron_layout as layout
+from mindspeed_pack.convert.model_specs import (
+    MODEL_ARG_NAMES,
+    OPTIONAL_MODEL_ARGS,
+    RUN_LAYOUT_ARGS,
+    flag_of,
+    model_differences,
+    show_setting,
+)
+from mindspeed_pack.model import lora
+
+log = logging.getLogger(__name__)
+
+# the recorded model arguments that are flags (the run's layout is the run's; the family and sliding window
+# are no flags: the load takes them from the record; a reward model's head is the stage's: config/model_head.py)
+FILLED_ARGS = tuple(k for k in (*MODEL_ARG_NAMES, *OPTIONAL_MODEL_ARGS)
+                    if k not in (*RUN_LAYOUT_ARGS, "model_type_hf", "sliding_window", "reward_head",
+                                 "reward_pad_token_id"))
+# what a run cannot be described without (parse_args' required model flags)
+_REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
+
+
+def read_record(args):
+    """(file, its record) of ``args.load``'s tracked iteration, or None when it holds none yet."""
+    root = args.load
+    try:
+        path = layout.first_rank_file(root)
+    except ValueError as e:  # a tracker naming no iteration
+        raise ArgumentError(f"--load {root}: {e}") from None
+    if path is None:
+        return None
+    try:
+        record = layout.load_file(path, allow_unsafe=args.allow_unsafe_checkpoint_load, mmap=True)
+    except layout.UnsafeCheckpointError as e:
+        raise ArgumentError(str(e)) from None
+    except Exception as e:  # truncated or corrupt
+        raise ArgumentError(f"--load {root}: {path} cannot be read ({type(e).__name__}: {e}); the file is truncated "
+                            f"or corrupt: load an earlier iteration (edit the number in "
+                            f"{os.path.join(root, layout.TRACKER)})") from None
+    return path, record if isinstance(record, dict) else {}
+
+
+def fill_model_args(args, explicit: set) -> None:
+    """Set the recorded model arguments of ``args.load`` that the user did not pass; refuse those passed with
+    another value. A checkpoint that records none (another tool's), or none yet, leaves the flags as given."""
+    try:
+        found = read_record(args)
+    except ArgumentError:
+        if all(getattr(args, k) is not None for k in _REQUIRED):
+            return  # the model flags are given: the load refuses the unreadable or unsafe file, in the same words
+        raise  # the run cannot be described without the record: its reason, not "missing --num-layers"
+    if found is None:
+        return
+    path, record = found
+    if record.get("lora") is not None and not lora.trains_adapters(args):
+        base = (record["lora"].get("base") or {}).get("path")
+        raise ArgumentError(f"--load {args.load} holds LoRA adapters (a LoRA run's --save), not a model: pass their base"
+                            f"{f' ({base})' if base else ''} as --load, {args.load} as --lora-load, and the LoRA flags "
+                            "they were trained with (--lora-r, --lora-alpha, --lora-target-modules)")
+    recorded = layout.args_of(record)
+    keys = [k for k in FILLED_ARGS if recorded.get(k) is not None]  # None: not recorded (another tool's file)
+    given = [k for k in keys if k in explicit]
+    disagree = [f"{flag_of(key)} {show_setting(mine)} but {path} records {flag_of(key)} {show_setting(theirs)}"
+                for key, theirs, mine in model_differences(recorded, args, given)]
+    if disagree:
+        raise ArgumentError("model flags disagree with the --load checkpoint (drop them, or pass its values): "
+                            + "; ".join(disagree))
+    filled = [k for k in keys if k not in given]
+    for key in filled:
+        setattr(args, key, recorded[key])
+    if filled:
+        log.info("--load %s: model flags from the arguments %s records: %s", args.load, path,
+                 " ".join(f"{flag_of(k)} {show_setting(recorded[k])}" for k in filled))

@@ -1,0 +1,60 @@
+"""The LoRA flags of a PEFT ``--lora-load`` directory, before validation.
+
+``--lora-load`` takes a LoRA run's checkpoint (its ``--save``, whose settings the flags must repeat) or a
+PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``: the ``--save-hf`` /
+``convert_ckpt.py`` export, or PEFT's own). A PEFT directory states what its adapters are, so, as
+:mod:`.hf_flags` takes the model flags from config.json, the LoRA flags not given are taken from it (rank,
+alpha, rsLoRA, the adapted projections, dropout) and those given must agree; dropout excepted: it is how the
+adapters go on training, not what they are. Loading the adapters is
+:mod:`mindspeed_pack.checkpoint.lora_checkpoint`'s.
+"""
+from __future__ import annotations
+
+import logging
+
+from mindspeed_pack.config.errors import ArgumentError
+from mindspeed_pack.convert import adapters
+from mindspeed_pack.convert.model_specs import ConversionError
+from mindspeed_pack.model import lora
+
+log = logging.getLogger(__name__)
+
+
+def fill_lora_flags(args, given: set) -> set:
+    """Fill the LoRA flags from ``--lora-load``'s adapter_config.json (a PEFT directory; else nothing) and refuse
+    given ones that differ; returns the destinations filled."""
+    root = args.lora_load
+    if not root or not adapters.is_peft_dir(root):
+        return set()
+    try:
+        peft = adapters.read_peft_settings(root)
+    except ConversionError as e:
+        raise ArgumentError(f"--lora-load {root}: {e}") from None
+    values = {"lora_r": peft["r"], "lora_alpha": peft["alpha"], "lora_use_rslora": peft["rslora"],
+              "lora_target_modules": peft["projections"], "lora_dropout": peft["dropout"]}
+    differ = []
+    for dest, theirs in values.items():
+        if dest not in given:
+            continue
+        mine = getattr(args, dest)
+        if dest == "lora_target_modules":
+            try:
+                same = lora.resolve_targets(mine) == lora.resolve_targets(theirs)
+            except ValueError as e:
+                raise ArgumentError(str(e)) from None
+        else:
+            same = dest == "lora_dropout" or mine == theirs
+        if not same:
+            show = lambda v: " ".join(v) if isinstance(v, list) else v  # noqa: E731
+            differ.append(f"--{dest.replace('_', '-')}: adapter_config.json {show(theirs)}, flags {show(mine)}")
+    if differ:
+        raise ArgumentError(f"--lora-load {root}: the LoRA flags differ from the adapters' ({'; '.join(differ)}): drop "
+                            "them (they are read from adapter_config.json) or pass its values")
+    filled = {dest for dest in values if dest not in given}
+    for dest in filled:
+        setattr(args, dest, values[dest])
+    if filled:
+        shown = {d: " ".join(v) if isinstance(v, list) else v for d, v in values.items()}
+        log.info("--lora-load %s: LoRA flags from its adapter_config.json: %s", root,
+                 " ".join(f"--{d.replace('_', '-')} {shown[d]}" for d in sorted(filled)))
+    return filled

@@ -1,0 +1,310 @@
+"""Dynamic context parallelism (--sequence-packing-scheduler default_dynamic_cp) trains exactly what one sample
+per row on one rank trains, with short samples on single ranks and long ones split over CP groups.
+
+Long-tail data: most samples under N tokens, some between N and 4N (up to 128 tokens), unpacked (one sample a
+document). Reference: one sample per row of 128 tokens on one rank (scheduler none). Dynamic CP must give the
+same loss and gradient norm every step (rel <= 1e-5) on 2 ranks (CP groups of 1 and 2, N = 64) and on 4 ranks
+(groups of 1, 2 and 4, N = 32), with steps that really mix group sizes, and resume exactly mid-epoch.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from tests.data_utils import IGNORE_INDEX, _builder, read_metrics, rel_err
+from tests.model_utils import TINY_FLAGS
+from tests.train_utils import run_posttrain
+
+ITERS = 3
+GBS = 8
+COMMON = ["--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", str(GBS), "--lr", "1e-3",
+          "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--log-interval", "1", "--train-iters", str(ITERS),
+          "--no-shuffle", "--split", "100,0,0",
+          "--rotary-base", "100"]  # positions matter to every dimension: a CP rank's misplaced share shows
+DYNAMIC = ["--sequence-packing-scheduler", "default_dynamic_cp"]
+
+# most samples short, one in four long: 33..128 tokens (over N = 32 at CP 4, over N = 64 for some at CP 2)
+LENGTHS = [9, 17, 100, 5, 23, 30, 41, 12, 7, 26, 3, 128, 19, 70, 11, 28, 6, 14, 57, 21, 31, 2, 95, 16,
+           8, 29, 13, 66, 4, 25]
+
+
+def write_long_tail(prefix, lengths=LENGTHS, seed=0, vocab=200):
+    """One sample per document (preprocess_data.py without --pack): prompt = first half, answer copies it."""
+    rng = np.random.default_rng(seed)
+    keys = ("input_ids", "attention_mask", "labels")
+    builders = {k: _builder(f"{prefix}_packed_{k}_document.bin") for k in keys}
+    for n in lengths:
+        x = rng.integers(3, vocab, n).astype(np.int32)
+        x[n // 2:] = x[: n - n // 2]
+        labels = np.full(n, IGNORE_INDEX, np.int32)
+        labels[max(1, n // 2):] = x[max(1, n // 2):]
+        for key, arr in zip(keys, (x, np.ones(n, np.int32), labels)):
+            builders[key].add_document(arr, [n])
+    for key, b in builders.items():
+        b.finalize(f"{prefix}_packed_{key}_document.idx")
+    with open(f"{prefix}_packed_meta.json", "w") as f:
+        json.dump({"layout": {"kind": "unpacked", "seq_length": 128, "neat_pack": False}}, f)
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_long_tail(str(tmp_path_factory.mktemp("long_tail") / "docs"))
+
+
+def _run(tmp_path, name, data, nproc, *extra, model_flags=TINY_FLAGS):
+    metrics = str(tmp_path / f"{name}.jsonl")
+    run_posttrain([*COMMON, "--data-path", data, *extra], nproc=nproc, metrics=metrics, model_flags=model_flags)
+    return read_metrics(metrics)
+
+
+@pytest.fixture(scope="module")
+def one_per_row(tmp_path_factory, data):
+    return _run(tmp_path_factory.mktemp("ref"), "ref", data, 1)
+
+
+def _assert_same_steps(got, want, rel=1e-5):
+    assert sorted(got) == sorted(want) == list(range(1, ITERS + 1))
+    for it in want:
+        for key in ("lm loss", "grad norm"):
+            assert rel_err(got[it][key], want[it][key]) <= rel, (it, key, got[it][key], want[it][key])
+        assert got[it]["tokens"] == want[it]["tokens"]  # every real token trained, none twice
+
+
+def _group_sizes_used(records):
+    return [sorted(int(k.rsplit(" ", 1)[1]) for k in rec if k.startswith("samples at CP ")) for rec in records.values()]
+
+
+def test_dynamic_cp2_equals_one_sample_per_row_and_resumes_exactly(tmp_path, data, one_per_row):
+    ckpt = str(tmp_path / "ckpt")
+    flags = [*DYNAMIC, "--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64"]
+    first = _run(tmp_path, "first", data, 2, *flags, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2")
+    assert sorted(first) == [1, 2]
+    resumed = _run(tmp_path, "resumed", data, 2, *flags, "--load", ckpt)
+    assert sorted(resumed) == [3]
+    got = {**first, **resumed}
+    _assert_same_steps(got, one_per_row)
+    assert [1, 2] in _group_sizes_used(got)  # short samples alone, long ones over two ranks, in one step
+    for rec in got.values():
+        assert sum(v for k, v in rec.items() if k.startswith("samples at CP ")) == GBS
+
+
+def test_dynamic_cp4_equals_one_sample_per_row_and_fixed_cp(tmp_path, data, one_per_row):
+    got = _run(tmp_path, "dyn4", data, 4, *DYNAMIC, "--context-parallel-size", "4", "--max-seqlen-per-dp-cp-rank", "32")
+    _assert_same_steps(got, one_per_row)
+    assert [1, 2, 4] in _group_sizes_used(got)
+    # fixed CP 4 (dp_balanced: every sample split over all four ranks) trains the same
+    fixed = _run(tmp_path, "fixed4", data, 4, "--sequence-packing-scheduler", "dp_balanced",
+                 "--context-parallel-size", "4", "--max-seqlen-per-dp-cp-rank", "32")
+    _assert_same_steps(got, fixed)
+
+
+
+@pytest.mark.parametrize("layout", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],  # samples on two ranks padded to 2 x 2 x TP 2
+    ["--pipeline-model-parallel-size", "2"],  # every micro-batch N tokens per rank: one shape for the stages
+], ids=["tp2-sp", "pp2"])
+def test_dynamic_cp2_with_other_parallelism_equals_one_sample_per_row(tmp_path, data, one_per_row, layout):
+    got = _run(tmp_path, "dyn", data, 4, *DYNAMIC, "--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64",
+               *layout)
+    _assert_same_steps(got, one_per_row)
+
+
+@pytest.fixture(scope="module")
+def lora_base(tmp_path_factory):
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("lora_base")
+    write_converted_tiny_qwen2(root / "qwen", rope_theta=100.0)
+    return str(root / "qwen" / "hf")
+
+
+def test_lora_bf16_under_dynamic_cp_tracks_one_sample_per_row(tmp_path, data, lora_base):
+    """The 7B LoRA recipe's precision (bf16 weights, fp32 masters) on a Hugging Face base: only the
+    reduction order changes."""
+    flags = ["--load", lora_base, "--lora-r", "4", "--lora-alpha", "8", "--bf16", "--lr", "2e-2"]
+    ref = _run(tmp_path, "lora-ref", data, 1, *flags, model_flags=())
+    got = _run(tmp_path, "lora-dyn", data, 2, *flags, *DYNAMIC, "--context-parallel-size", "2",
+               "--max-seqlen-per-dp-cp-rank", "64", model_flags=())
+    _assert_same_steps(got, ref, rel=1e-3)
+
+
+# ---------------------------------------------------------------------------- the plan (pure, no ranks)
+def _plan(lengths, ranks=4, per_rank=32, max_cp=4, **kw):
+    from mindspeed_pack.packing.balance import CostModel
+    from mindspeed_pack.packing.dynamic_cp import plan_dynamic_cp
+
+    return plan_dynamic_cp(lengths, ranks, per_rank, max_cp, CostModel(linear=1.0, attention=0.05), **kw)
+
+
+def test_each_sample_gets_the_smallest_power_of_two_group_that_holds_it_padded():
+    from mindspeed_pack.packing.dynamic_cp import group_sizes
+
+    assert group_sizes([1, 32, 33, 64, 65, 128, 129], per_rank=32, max_cp=4).tolist() == [1, 1, 2, 2, 4, 4, 0]
+    # 62 tokens pad to 64 (2 x 2 x TP 2 = 8) and fit 2 x 32; 63 pads to 64 too; at TP 4 x SP 61 pads to 64
+    assert group_sizes([62, 63], per_rank=32, max_cp=4, tp=2, sequence_parallel=True).tolist() == [2, 2]
+    # --min-dynamic-context-parallel-size 2: nothing runs alone
+    assert group_sizes([3, 40], per_rank=32, max_cp=4, min_cp=2).tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("ranks, max_cp, min_cp", [(4, 4, 1), (8, 4, 1), (8, 2, 1), (4, 4, 2)])
+def test_plan_places_every_sample_once_on_aligned_groups_in_the_fewest_slots(ranks, max_cp, min_cp):
+    from mindspeed_pack.packing.dynamic_cp import group_sizes, planned_lengths
+
+    rng = np.random.default_rng(ranks + max_cp)
+    per_rank = 32
+    lengths = np.where(rng.random(96) < 0.85, rng.integers(1, 33, 96), rng.integers(33, max_cp * per_rank + 1, 96))
+    plan = _plan(lengths, ranks, per_rank, max_cp, min_cp=min_cp)
+    again = _plan(lengths, ranks, per_rank, max_cp, min_cp=min_cp)  # deterministic: every rank derives the same
+    assert [(j.slot, j.first_rank, j.samples.tolist()) for j in plan.jobs] == \
+        [(j.slot, j.first_rank, j.samples.tolist()) for j in again.jobs]
+    placed = np.concatenate([job.samples for job in plan.jobs])
+    assert sorted(placed.tolist()) == list(range(len(lengths)))  # every sample exactly once
+    sizes = group_sizes(lengths, per_rank, max_cp, min_cp)
+    for job in plan.jobs:
+        # a row's group is its longest sample's own size; shorter samples only fill its room
+        assert sizes[job.samples].max() == job.size
+        assert job.first_rank % job.size == 0 and job.first_rank + job.size <= ranks  # an aligned block
+        assert planned_lengths(lengths[job.samples], job.size).sum() <= job.size * per_rank  # the row holds it
+        assert list(job.samples) == sorted(job.samples)  # data order within a row
+    assert plan.slots == -(-sum(j.size for j in plan.jobs) // ranks)
+    for rank in range(ranks):  # one job per rank and slot, the same job on every rank of its group
+        jobs = plan.rank_jobs(rank)
+        assert len(jobs) == plan.slots
+        for slot, job in enumerate(jobs):
+            assert job is None or (job.slot == slot and job.first_rank <= rank < job.first_rank + job.size)
+    stats = plan.stats(lengths)
+    assert sum(v for k, v in stats.items() if k.startswith("samples at CP ")) == len(lengths)
+    assert 1.0 <= stats["rank imbalance"] < 1.5
+
+
+def test_plan_mixes_group_sizes_in_one_step_and_balances_the_ranks():
+    plan = _plan([3, 5, 2, 12, 30, 6], ranks=4, per_rank=8, max_cp=4)
+    assert plan.slots == 2
+    # the 3-token sample fills the room of the 12-token one's CP 2 row (the module docstring's example)
+    assert [(j.slot, j.first_rank, j.size, j.samples.tolist()) for j in plan.jobs] == \
+        [(0, 0, 4, [4]), (1, 0, 2, [0, 3]), (1, 2, 1, [2, 5]), (1, 3, 1, [1])]
+    assert plan.stats([3, 5, 2, 12, 30, 6])["samples at CP 1"] == 3
+    # the long-tail mix of the training tests: a step with samples on one, two and four ranks
+    sizes = [sorted(int(k.rsplit(" ", 1)[1]) for k in _plan(LENGTHS[i:i + GBS]).stats(LENGTHS[i:i + GBS])
+                    if k.startswith("samples at CP ")) for i in range(0, ITERS * GBS, GBS)]
+    assert [1, 2, 4] in sizes
+
+
+def test_the_micro_batch_names_its_group_for_the_attention():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from mindspeed_pack.model.thd import context_parallel_group
+
+    layer, own = object(), object()
+    assert context_parallel_group(None, layer) is layer  # no packed params: the layer's (megatron's) group
+    assert context_parallel_group(PackedSeqParams(qkv_format="thd"), layer) is layer  # fixed CP
+    assert context_parallel_group(PackedSeqParams(qkv_format="thd", local_cp_size=1), layer) is None  # alone
+    assert context_parallel_group(PackedSeqParams(qkv_format="thd", local_cp_size=2, cp_group=own), layer) is own
+
+
+# ---------------------------------------------------------------------------- bad input, dry run
+def _parse(*extra, world_size=2, data_path="x"):
+    from mindspeed_pack.config.arguments import parse_args
+    from tests.model_utils import TINY_FLAGS
+
+    return parse_args([*TINY_FLAGS, *COMMON, "--data-path", data_path, *DYNAMIC, *extra], world_size=world_size)
+
+
+@pytest.mark.parametrize("extra, world_size, message", [
+    (["--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "33"], 2,
+     "--max-seqlen-per-dp-cp-rank 33 must be a multiple of 2 under default_dynamic_cp"),
+    (["--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "34", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel"], 4, r"--max-seqlen-per-dp-cp-rank 34 must be a multiple of 4 .* x TP 2"),
+    (["--context-parallel-size", "3"], 3, "--context-parallel-size 3 is the largest CP group"),
+    (["--context-parallel-size", "2", "--min-dynamic-context-parallel-size", "4"], 2,
+     "--min-dynamic-context-parallel-size 4 must be a power of two between 1 and --context-parallel-size 2"),
+    (["--context-parallel-size", "2", "--attention-backend", "te"], 2, "does not support --attention-backend te"),
+    (["--context-parallel-size", "2", "--stage", "dpo"], 2, "does not support --stage dpo"),
+])
+def test_bad_dynamic_cp_flags_are_refused_by_name(extra, world_size, message, capsys):
+    with pytest.raises(SystemExit):
+        _parse(*extra, world_size=world_size)
+    assert len(__import__("re").findall(message, capsys.readouterr().err)) == 1
+
+
+def test_overlong_samples_flag_belongs_to_the_dynamic_scheduler(capsys):
+    from mindspeed_pack.config.arguments import parse_args
+    from tests.model_utils import TINY_FLAGS
+
+    with pytest.raises(SystemExit):
+        parse_args([*TINY_FLAGS, *COMMON, "--data-path", "x", "--overlong-samples", "drop"])
+    err = capsys.readouterr().err
+    assert "--overlong-samples drop applies to --sequence-packing-scheduler default_dynamic_cp" in err
+
+
+def test_a_sample_over_c_times_n_is_refused_naming_it_and_the_flag(data, monkeypatch):
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.datasets.online_packing import DynamicCPBatchSource
+    from mindspeed_pack.datasets.packed_documents import DataError
+
+    monkeypatch.setattr(ps, "get_data_parallel_rank", lambda **kw: 0)
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda **kw: 2)
+    args = _parse("--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "48", data_path=data)
+    with pytest.raises(DataError, match=r"sample 2 of '.*docs' \(train split\) has 100 tokens, more than "
+                                        r"--context-parallel-size 2 x --max-seqlen-per-dp-cp-rank 48 = 96 \(2 such "
+                                        r"samples\): .* --overlong-samples drop"):
+        DynamicCPBatchSource().setup(args, {"train": ITERS * GBS})
+
+
+def test_dry_run_shows_the_first_steps_plan_and_writes_nothing(tmp_path, data, monkeypatch, capsys):
+    import os
+    import shutil
+
+    import posttrain
+    from tests.model_utils import TINY_FLAGS
+
+    copy = tmp_path / "d"
+    copy.mkdir()
+    for name in os.listdir(os.path.dirname(data)):
+        shutil.copy(os.path.join(os.path.dirname(data), name), copy / name)
+    before = sorted(os.listdir(copy))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    posttrain.main([*TINY_FLAGS, *COMMON, "--data-path", str(copy / "docs"), *DYNAMIC, "--context-parallel-size", "4",
+                    "--max-seqlen-per-dp-cp-rank", "32", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "# dynamic CP: 4 data x context parallel ranks, CP groups of 1/2/4 ranks" in out
+    assert "# step 1: 2 micro-batches; samples at CP 1 4, samples at CP 2 2, samples at CP 4 2" in out
+    # document 2 (100 tokens) on all four ranks, document 4 (23 tokens) in the room its row leaves
+    assert "#   micro-batch 0: ranks 0-3: CP 4 samples [2, 4]" in out
+    assert sorted(os.listdir(copy)) == before
+
+
+def test_overlong_samples_drop_counts_them_per_step(data, monkeypatch):
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.datasets import online_packing
+
+    monkeypatch.setattr(ps, "get_data_parallel_rank", lambda **kw: 0)
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda **kw: 2)
+    monkeypatch.setattr(online_packing, "check_dynamic_cp_groups", lambda max_cp: None)  # no process groups here
+    args = _parse("--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "48", "--overlong-samples", "drop",
+                  data_path=data)
+    source = online_packing.DynamicCPBatchSource()
+    source.setup(args, {"train": ITERS * GBS})
+    for consumed, dropped in ((0, 1), (GBS, 1), (2 * GBS, 0)):  # documents 2 (100 tokens) and 11 (128)
+        slots, tokens, stats = source.step_shape("train", consumed)
+        assert tokens == 2 * 48 and stats["dropped samples"] == dropped
+        assert sum(v for k, v in stats.items() if k.startswith("samples at CP ")) == GBS - dropped
+        rows = list(source.micro_batches("train", consumed))
+        assert len(rows) == slots and all(len(r["input_ids"][0]) == r["cp_size"] * 48 for r in rows)
+
+
+def test_transformer_engine_is_refused_at_model_build_and_auto_skips_it():
+    """A GPU run with --attention-backend auto must not pick TE under dynamic CP (its RoPE uses the fixed group)."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.model.gpt import _no_te
+    from mindspeed_pack.model.spec import resolve_backend
+
+    reason = _no_te(SimpleNamespace(sequence_packing_scheduler="default_dynamic_cp"))
+    assert reason and not _no_te(SimpleNamespace(sequence_packing_scheduler="dp_balanced"))
+    with pytest.raises(RuntimeError, match="--attention-backend te: --sequence-packing-scheduler default_dynamic_cp"):
+        resolve_backend("te", no_te=reason)
+    assert resolve_backend("auto", no_te=reason) in ("flash", "local")

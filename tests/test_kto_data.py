@@ -1,0 +1,125 @@
+"""KTO rows through preprocessing: every sample is packed with its KL partner (its own prompt, the previous
+row's completion, as TRL's KTOTrainer pairs them), and its label is recorded per segment."""
+import json
+
+import numpy as np
+import pytest
+
+from mindspeed_pack.data import toy
+from tests.chat_corpus import TEMPLATES
+
+ROWS = 24
+OPENAI_KEYS = {"messages": "messages", "role": "role", "content": "content", "user": "user", "assistant": "assistant",
+               "label": "kto_tag"}
+
+
+def _rows(shape: str, n: int = ROWS):
+    """(rows, labels, completions): every completion ends with its row number, so a pack tells which row it is."""
+    rows, labels, completions = [], [], []
+    for i, r in enumerate(toy.generate_alpaca(n, seed=5, max_words=12, with_system=True)):
+        label, answer = i % 3 != 1, f"{r['output']} row {i}"
+        prompt = f"{r['instruction']}\n{r['input']}"
+        if shape == "alpaca":
+            rows.append({**r, "output": answer, "label": label})
+        elif shape == "sharegpt":
+            rows.append({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"},
+                                           {"from": "human", "value": prompt}, {"from": "gpt", "value": answer}],
+                         "system": r["system"], "label": label})
+        else:  # OpenAI messages, LLaMA-Factory's kto_tag
+            rows.append({"messages": [{"role": "system", "content": r["system"]}, {"role": "user", "content": prompt},
+                                      {"role": "assistant", "content": answer}], "kto_tag": label})
+        labels.append(label)
+        completions.append(answer)
+    return rows, labels, completions
+
+
+def _couples(read_indexed, prefix):
+    """[(sample ids, sample labels, partner ids, partner labels, recorded label)] over every pack."""
+    ids, seg, lab = (read_indexed(f"{prefix}_packed_{k}_document") for k in ("input_ids", "attention_mask", "labels"))
+    kto = read_indexed(f"{prefix}_packed_kto_labels")
+    out = []
+    for i, s, t, recorded in zip(ids, seg, lab, kto):
+        k = int(s.max())
+        assert k % 2 == 0 and len(recorded) == k and (recorded[1::2] == -1).all()
+        for j in range(1, k, 2):
+            a, b = s == j, s == j + 1
+            out.append((i[a], t[a], i[b], t[b], int(recorded[j - 1])))
+    return out
+
+
+@pytest.mark.parametrize("shape,fmt,prompt_type", [("alpaca", "jsonl", "qwen"), ("alpaca", "parquet", "qwen"),
+                                                   ("alpaca", "csv", "qwen"), ("sharegpt", "jsonl", "qwen"),
+                                                   ("openai", "jsonl", "qwen"), ("openai", "jsonl", "hf")])
+def test_each_sample_is_packed_with_its_kl_partner(tmp_path, run_preprocess, read_indexed, toy_tokenizer_dir,
+                                                   shape, fmt, prompt_type):
+    from transformers import AutoTokenizer
+
+    rows, labels, completions = _rows(shape)
+    data = toy.write_dataset(tmp_path / f"kto.{fmt}", rows)
+    handler = "AlpacaStyleKTOHandler" if shape == "alpaca" else "SharegptStyleKTOHandler"
+    extra = {"map_keys": json.dumps(OPENAI_KEYS)} if shape == "openai" else {}
+    if prompt_type == "hf":
+        extra["chat_template"] = str(TEMPLATES / "qwen2_5.jinja")
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "k", handler_name=handler,
+                                    prompt_type=prompt_type, seq_length=512, pack=True, neat_pack=True, **extra)
+    assert code == 0, err
+    meta = json.load(open(tmp_path / "k_packed_meta.json"))
+    stats = meta["statistics"]
+    assert (stats["kto_samples"], stats["desirable"], stats["undesirable"]) == (ROWS, labels.count(True),
+                                                                               labels.count(False))
+    assert len(stats["data_fingerprint"]) == 16 and meta["layout"]["kto_labels"] == "k_packed_kto_labels"
+    assert f"KTO samples {ROWS}" in out
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer_dir)
+    seen = set()
+    for sample, sample_labels, partner, partner_labels, recorded in _couples(read_indexed, tmp_path / "k"):
+        text = tok.decode(sample[sample_labels != -100])
+        row = int(text.split(" row ")[-1].split("<")[0])
+        assert text.startswith(completions[row])  # only the final answer is trained
+        # the partner: the same prompt (and context), then the previous row's completion, trained as it was
+        start = int(np.argmax(sample_labels != -100))
+        assert np.array_equal(partner[:start], sample[:start]) and (partner_labels[:start] == -100).all()
+        assert tok.decode(partner[partner_labels != -100]).startswith(completions[row - 1])
+        assert recorded == int(labels[row])
+        seen.add(row)
+    assert seen == set(range(ROWS))
+
+
+def test_a_couple_too_long_is_dropped_its_completion_still_a_partner(tmp_path, run_preprocess, read_indexed,
+                                                                      toy_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    rows, labels, completions = _rows("alpaca", 8)
+    rows[3]["input"] = " ".join(["apple"] * 300)  # its couple cannot fit 512 tokens
+    data = toy.write_dataset(tmp_path / "kto.jsonl", rows)
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "k", handler_name="AlpacaStyleKTOHandler",
+                                  prompt_type="qwen", seq_length=512, pack=True, neat_pack=True)
+    assert code == 0, err
+    stats = json.load(open(tmp_path / "k_packed_meta.json"))["statistics"]
+    reason = "KTO sample with its KL partner longer than --seq-length"
+    assert stats["skipped"] == {reason: 1} and stats["kto_samples"] == 7 and "line 4" in stats["first_skipped"][reason]
+    tok = AutoTokenizer.from_pretrained(toy_tokenizer_dir)
+    partners = {}
+    for sample, sample_labels, partner, partner_labels, _ in _couples(read_indexed, tmp_path / "k"):
+        row = int(tok.decode(sample[sample_labels != -100]).split(" row ")[-1].split("<")[0])
+        partners[row] = tok.decode(partner[partner_labels != -100])
+    assert 3 not in partners and partners[4].startswith(completions[3])
+
+
+def test_kto_bad_inputs(tmp_path, run_preprocess):
+    rows, _, _ = _rows("alpaca", 4)
+    for bad, needle in (({"label": "maybe"}, "line 3: field 'label' (--map-keys label) must be true (desirable) or "
+                                             "false (undesirable), got 'maybe'"),
+                        ({"label": 2}, "line 3: field 'label' (--map-keys label) must be true"),
+                        ({"label": None}, "line 3: missing field 'label' (--map-keys label): a KTO row needs its "
+                                          "label")):
+        data = toy.write_dataset(tmp_path / "bad.jsonl", rows[:2] + [{**rows[2], **bad}] + rows[3:])
+        code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "out" / "k",
+                                      handler_name="AlpacaStyleKTOHandler", prompt_type="qwen", seq_length=512,
+                                      pack=True, neat_pack=True)
+        assert code == 2 and f"bad.jsonl: {needle}" in err, err
+        assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    data = toy.write_dataset(tmp_path / "one.jsonl", rows[:1])
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "out" / "k", handler_name="AlpacaStyleKTOHandler",
+                                  prompt_type="qwen", seq_length=512, pack=True, neat_pack=True)
+    assert code == 2 and "one usable KTO row: its KL partner needs another row's completion" in err, err
+    assert not any((tmp_path / "out").iterdir())

@@ -1,0 +1,324 @@
+"""posttrain.py --stage orm / --stage prm end to end: an outcome reward model learns a rule, its --save-hf export
+is a transformers sequence classifier that scores every sample alone as the project scored it packed, trains on
+when loaded, and scores rollouts for GRPO (--stage score); process reward rows are preprocessed in MindSpeed-LLM's
+shape and trained; bad input stops with one error and writes nothing."""
+import json
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from tests.pair_utils import hf_reward, packed_orm, random_pairs, write_pair_dataset
+from tests.train_utils import run_posttrain
+
+S = 128
+ORM = ["--stage", "orm", "--seq-length", str(S), "--neat-pack", "--micro-batch-size", "2", "--global-batch-size", "8",
+       "--lr", "2e-3", "--min-lr", "2e-3", "--lr-warmup-iters", "0", "--seed", "7"]
+STEPS = 12
+PAD = 0  # the packs' pad id (tests/pair_utils.py): the pad token the exported model pools by
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("reward_training")
+    mg = write_converted_tiny_qwen2(root / "qwen")
+    pairs = random_pairs(60, seed=11)
+    return {"root": root, "mg": mg, "pairs": pairs, "data": write_pair_dataset(str(root / "pairs"), pairs)}
+
+
+@pytest.fixture(scope="module")
+def trained(setup):
+    """A reward model trained from the converted language model: its Megatron checkpoint and --save-hf export."""
+    root = setup["root"]
+    ckpt, export = str(root / "orm_ckpt"), str(root / "orm_hf")
+    proc, records = run_posttrain([*ORM, "--train-iters", str(STEPS), "--data-path", setup["data"], "--load",
+                                   setup["mg"], "--finetune", "--save", ckpt, "--save-hf", export],
+                                  metrics=str(root / "orm.jsonl"))
+    assert "rewards/accuracies:" in proc.stdout and "Qwen2ForSequenceClassification" in proc.stderr
+    return {"ckpt": ckpt, "export": export, "steps": [r for r in records if r["split"] == "train"]}
+
+
+def _sequence_classifier(path):
+    import transformers
+
+    return transformers.AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32,
+                                                                           attn_implementation="eager")
+
+
+def _megatron_reward_model(ckpt):
+    """The trained Megatron checkpoint in this process (TP1), built with the score head."""
+    from mindspeed_pack.checkpoint.save_load import load_weights
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from tests.model_utils import init_single_process, tiny_args
+
+    init_single_process()
+    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, reward_head=True)
+    model = build_gpt_model(args)
+    load_weights(args, ckpt, model)
+    return model.eval()
+
+
+def test_orm_learns_a_rule_and_its_export_scores_every_sample_alone_as_packed(setup, trained):
+    """Rejected answers repeat one token: accuracy passes 0.9. The export is a Qwen2ForSequenceClassification
+    (num_labels 1, pad_token_id the data's pad) whose reward of each sample alone, and Bradley-Terry loss, are the
+    project's packed ones (rel <= 1e-5)."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.stages.reward_models import OutcomeRewardStage, bradley_terry_losses
+
+    steps = trained["steps"]
+    assert len(steps) == STEPS and steps[0]["rewards/accuracies"] < 0.8
+    late = steps[-4:]
+    assert sum(r["rewards/accuracies"] for r in late) / len(late) > 0.9
+    assert late[-1]["rewards/margins"] > 1.0 and late[-1]["lm loss"] < steps[0]["lm loss"] / 3
+
+    hf = _sequence_classifier(trained["export"])
+    assert type(hf).__name__ == "Qwen2ForSequenceClassification"
+    assert hf.config.num_labels == 1 and hf.config.pad_token_id == PAD
+    pairs = setup["pairs"][:9]
+    mg = _megatron_reward_model(trained["ckpt"])
+    stage = OutcomeRewardStage(SimpleNamespace(center_rewards_coefficient=0.0, reward_pad_token_id=PAD))
+    with torch.no_grad():
+        loss, n, mine = packed_orm(mg, stage, pairs, [[0, 1, 2, 3], [4, 5, 6, 7, 8]], S)
+        theirs = torch.stack([torch.stack([hf_reward(hf, p, c), hf_reward(hf, p, r)]) for p, c, r in pairs])
+    assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+    expected = bradley_terry_losses(theirs[:, 0], theirs[:, 1]).mean()
+    assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
+
+
+def test_score_writes_each_rollouts_reward_for_grpo(setup, trained):
+    """--stage score with the exported reward model (loaded as a HF directory, at DP2): each row gets 'reward',
+    transformers' score of the rollout alone, rows in input order, 'group' kept (what --stage grpo reads)."""
+    from tests.rollout_utils import write_jsonl
+
+    rows = [{"prompt_ids": p.tolist(), "response_ids": a.tolist(), "group": k}
+            for k, (p, c, r) in enumerate(setup["pairs"][:6]) for a in (c, r)]
+    rows[1]["response_ids"] += [PAD]  # ends with the pad token: read where transformers reads it
+    scored = str(setup["root"] / "scored.jsonl")
+    run_posttrain(["--stage", "score", "--load", trained["export"], "--rollout-path",
+                   write_jsonl(setup["root"] / "rollouts.jsonl", rows), "--score-output", scored, "--seq-length",
+                   str(S), "--max-seqlen-per-dp-cp-rank", "64", "--micro-batch-size", "1", "--global-batch-size", "4"],
+                  nproc=2)
+    with open(scored) as f:
+        out = [json.loads(line) for line in f]
+    assert [(r["prompt_ids"], r["response_ids"], r["group"]) for r in out] == \
+        [(r["prompt_ids"], r["response_ids"], r["group"]) for r in rows]
+    hf = _sequence_classifier(trained["export"])
+    with torch.no_grad():
+        theirs = torch.stack([hf(torch.tensor([r["prompt_ids"] + r["response_ids"]])).logits[0, 0] for r in rows])
+    mine = torch.tensor([r["reward"] for r in out])
+    assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+
+
+def test_a_reward_model_trains_on_from_its_export(setup, trained):
+    """--load of the exported directory (Qwen2ForSequenceClassification) trains the reward model on: step 1's loss
+    is the export's Bradley-Terry loss on the first global batch's pairs (--no-shuffle: packs 0..7)."""
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+    from mindspeed_pack.training.stages.reward_models import bradley_terry_losses
+
+    _, records = run_posttrain([*ORM, "--train-iters", "1", "--no-shuffle", "--data-path", setup["data"],
+                                "--load", trained["export"]], metrics=str(setup["root"] / "on.jsonl"))
+    hf = _sequence_classifier(trained["export"])
+    docs = PackedDocuments(setup["data"])
+    rewards = []
+    with torch.no_grad():
+        for d in range(8):
+            pack = docs.get(d)
+            ids, seg = np.asarray(pack["input_ids"]), np.asarray(pack["attention_mask"])
+            for k in range(1, int(seg.max()) + 1):
+                rewards.append(hf(torch.from_numpy(ids[seg == k].astype(np.int64))[None]).logits[0, 0])
+    rewards = torch.stack(rewards).reshape(-1, 2)
+    expected = float(bradley_terry_losses(rewards[:, 0], rewards[:, 1]).mean())
+    assert records[0]["lm loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_an_export_of_a_family_without_a_sequence_classifier_is_refused(trained, tmp_path, monkeypatch):
+    """convert_ckpt.py mg->hf and --save-hf (checked before training): one error naming the family, nothing
+    written."""
+    from mindspeed_pack.checkpoint.errors import CheckpointError
+    from mindspeed_pack.checkpoint.hf_checkpoint import check_exportable
+    from mindspeed_pack.convert import convert
+    from mindspeed_pack.convert.model_specs import MODEL_SPECS
+
+    monkeypatch.setitem(MODEL_SPECS, "qwen2", replace(MODEL_SPECS["qwen2"], hf_reward_architecture=None))
+    out = tmp_path / "hf"
+    code = convert.main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", trained["ckpt"],
+                         "--save-dir", str(out)])
+    assert code == 2 and not out.exists() and os.listdir(tmp_path) == []
+    from types import SimpleNamespace
+
+    from tests.model_utils import TINY
+
+    args = SimpleNamespace(**{**TINY, "reward_head": True, "reward_pad_token_id": PAD, "model_type_hf": "qwen2",
+                              "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+                              "make_vocab_size_divisible_by": 128, "vocab_size": 256, "save_hf": str(out)})
+    with pytest.raises(CheckpointError, match="the qwen2 family has no sequence-classification class"):
+        check_exportable(args)
+
+
+def test_a_reward_model_is_refused_where_a_language_model_is_needed(trained):
+    """Its checkpoint into a language model (--stage sft, dpo, ...): one error naming the stage; a language model's
+    checkpoint into a reward model starts its head fresh."""
+    from mindspeed_pack.checkpoint.errors import CheckpointError
+    from mindspeed_pack.checkpoint.save_load import load_weights
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from tests.model_utils import init_single_process, tiny_args
+
+    init_single_process()
+    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, stage="sft")
+    with pytest.raises(CheckpointError, match=f"--load {trained['ckpt']} holds an outcome reward model .*--stage sft "
+                                              "needs a language model"):
+        load_weights(args, trained["ckpt"], build_gpt_model(args), "--load")
+
+
+def test_convert_round_trips_a_reward_model(trained, tmp_path):
+    """HF sequence classifier -> Megatron at TP2 x PP2 (the score head on the last stage, whole on each TP rank)
+    -> HF: the same tensors and config."""
+    from safetensors.torch import load_file
+
+    from mindspeed_pack.convert import hf_to_megatron, megatron_to_hf
+
+    hf_to_megatron(trained["export"], str(tmp_path / "mg"), 2, 2, padded_vocab_size=256)
+    megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "back"))
+    a = load_file(os.path.join(trained["export"], "model.safetensors"))
+    b = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and "score.weight" in a and "lm_head.weight" not in a
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with open(tmp_path / "back" / "config.json") as f:
+        config = json.load(f)
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["pad_token_id"] == PAD
+
+
+def test_pair_margins_are_kept_per_pair_in_pack_order(tmp_path, run_preprocess, toy_tokenizer_dir):
+    """A 'margin' column goes with its pair into the packs (P_packed_pair_margins, read with the packs); a row
+    without one has 0; a margin that is not a number is one error naming the row, nothing written."""
+    import transformers
+
+    from mindspeed_pack.data.toy import WORDS
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+
+    rows = [{"instruction": f"{WORDS[k // 8]} {WORDS[k % 8]}", "input": "", "chosen": f"{WORDS[k % 5]} yes",
+             "rejected": f"{WORDS[k % 7]} no", **({"margin": k + 0.5} if k % 4 else {})} for k in range(40)]
+    prefix = str(tmp_path / "pairs")
+    code, _, err = run_preprocess(input=_write_rows(tmp_path / "pairs.jsonl", rows), output_prefix=prefix,
+                                  handler_name="AlpacaStylePairwiseHandler", prompt_type="qwen", seq_length=S,
+                                  pack=True, neat_pack=True)
+    assert code == 0, err
+    tokenizer = transformers.AutoTokenizer.from_pretrained(toy_tokenizer_dir)
+    docs, seen = PackedDocuments(prefix), []
+    for d in range(len(docs)):
+        pack = docs.get(d)
+        assert len(pack["pair_margins"]) == int(pack["attention_mask"].max()) // 2
+        for j, margin in enumerate(pack["pair_margins"]):
+            chosen = tokenizer.decode(pack["input_ids"][pack["attention_mask"] == 2 * j + 1])
+            k = next(k for k in range(40) if f"{WORDS[k // 8]} {WORDS[k % 8]}" in chosen)
+            assert margin == (k + 0.5 if k % 4 else 0.0), (k, margin)
+            seen.append(k)
+    assert sorted(seen) == list(range(40))
+
+    rows[3]["margin"] = "big"
+    out = tmp_path / "bad"
+    out.mkdir()
+    code, _, err = run_preprocess(input=_write_rows(out / "pairs.jsonl", rows), output_prefix=str(out / "pairs"),
+                                  handler_name="AlpacaStylePairwiseHandler", prompt_type="qwen", seq_length=S,
+                                  pack=True, neat_pack=True)
+    assert code == 2 and "pairs.jsonl: line 4: field 'margin' (--map-keys margin) must be a number" in err
+    assert os.listdir(out) == ["pairs.jsonl"]
+
+
+# ----------------------------------------------------------------------------------------- process reward model
+STEP_WORDS = [f"w{i}" for i in range(40)]
+
+
+def _prm_rows(n, seed=0):
+    """Math-Shepherd-shaped rows: a question and steps, each ending with the step tag; a step is right ('+') when
+    it holds the word 'good'."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        text, labels = " ".join(rng.choice(STEP_WORDS, 4)), []
+        for _ in range(int(rng.integers(1, 4))):
+            words = list(rng.choice(STEP_WORDS, int(rng.integers(2, 5))))
+            if rng.integers(2):
+                words[int(rng.integers(len(words)))] = "good"
+                labels.append("+")
+            else:
+                labels.append("-")
+            text += " " + " ".join(words) + " ки"
+        rows.append({"input": text, "value": labels})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def prm_tokenizer(tmp_path_factory):
+    from tests.model_utils import save_word_tokenizer
+
+    return save_word_tokenizer(tmp_path_factory.mktemp("prm_tok"), ["<pad>", "</s>", "ки", "+", "-", "good",
+                                                                      *STEP_WORDS])
+
+
+def _write_rows(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return str(path)
+
+
+def test_prm_rows_are_preprocessed_with_the_label_at_each_step_tag(tmp_path, run_preprocess, read_indexed,
+                                                                    prm_tokenizer):
+    rows = _prm_rows(30, seed=1)
+    prefix = str(tmp_path / "prm")
+    code, out, err = run_preprocess(input=_write_rows(tmp_path / "prm.jsonl", rows), output_prefix=prefix,
+                                    handler_name="AlpacaStyleProcessRewardHandler", tokenizer_name_or_path=prm_tokenizer,
+                                    seq_length=S, pack=True, neat_pack=True)
+    assert code == 0, err
+    with open(prefix + "_packed_meta.json") as f:
+        meta = json.load(f)
+    steps = meta["layout"]["step_tags"]
+    assert steps == {"placeholder_token": "ки", "placeholder_id": 2, "reward_tokens": ["+", "-"],
+                     "reward_token_ids": [3, 4]}
+    ids = np.concatenate(read_indexed(prefix + "_packed_input_ids_document"))
+    labels = np.concatenate(read_indexed(prefix + "_packed_labels_document"))
+    tagged = labels != -100
+    assert np.array_equal(tagged, ids == 2)  # a label at every tag and nowhere else
+    assert sorted(labels[tagged].tolist()) == sorted([3 if v == "+" else 4 for r in rows for v in r["value"]])
+    assert meta["statistics"]["trained_tokens"] == int(tagged.sum())
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"input": "w1 w2 w3 w4", "value": ["+"]}, "holds no step tag 'ки'"),
+    ({"input": "w1 w2 ки w3 ки", "value": ["+"]}, "has 2 step tags 'ки' but field 'value' 1 labels"),
+    ({"input": "w1 w2 ки", "value": ["ok"]}, "holds 'ok'; each label is one of --reward-tokens"),
+])
+def test_a_bad_prm_row_is_one_error_and_nothing_is_written(tmp_path, run_preprocess, prm_tokenizer, row, message):
+    rows = _prm_rows(5) + [row]
+    prefix = tmp_path / "prm"
+    code, _, err = run_preprocess(input=_write_rows(tmp_path / "rows.jsonl", rows), output_prefix=str(prefix),
+                                  handler_name="AlpacaStyleProcessRewardHandler", tokenizer_name_or_path=prm_tokenizer,
+                                  seq_length=S, pack=True, neat_pack=True)
+    assert code == 2 and message in err and "rows.jsonl: line 6" in err and err.count("error:") == 1, err
+    assert sorted(os.listdir(tmp_path)) == ["rows.jsonl"]
+
+
+def test_prm_trains_on_raw_rows_in_one_command(tmp_path, prm_tokenizer):
+    """posttrain.py --stage prm on the raw rows (preprocessed first with the handler and the step-tag flags, then
+    trained with the sidecar's reward tokens and the labels at the tags): the step loss falls and the step
+    accuracy is logged; --stage prm refuses data without step tags."""
+    flags = ["--stage", "prm", "--seq-length", str(S), "--neat-pack", "--micro-batch-size", "2",
+             "--global-batch-size", "4", "--lr", "5e-3", "--min-lr", "5e-3", "--lr-warmup-iters", "0",
+             "--train-iters", "16", "--seed", "3"]
+    raw = ["--data-path", _write_rows(tmp_path / "prm.jsonl", _prm_rows(200, seed=2)), "--handler-name",
+           "AlpacaStyleProcessRewardHandler", "--placeholder-token", "ки", "--reward-tokens", "+", "-",
+           "--tokenizer-name-or-path", prm_tokenizer]
+    proc, records = run_posttrain([*flags, *raw], metrics=str(tmp_path / "prm_metrics.jsonl"))
+    steps = [r for r in records if r["split"] == "train"]
+    assert "accuracy:" in proc.stdout and all(0 <= r["accuracy"] <= 1 for r in steps)
+    first, last = np.mean([r["lm loss"] for r in steps[:4]]), np.mean([r["lm loss"] for r in steps[-4:]])
+    assert last < first, (first, last)
+    pairs = write_pair_dataset(str(tmp_path / "pairs"), random_pairs(8, seed=1))
+    proc, _ = run_posttrain([*flags, "--data-path", pairs], check=False)
+    assert proc.returncode != 0 and "holds no step tags" in proc.stderr
