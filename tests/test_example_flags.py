@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -461,14 +462,19 @@ def test_qwen25_training_validates_the_world_size():
 
 
 def _mutated_copy(script: Path, tmp_path: Path, flag: str, replacement: str) -> Path:
-    """A copy of ``script`` in which the argument-array element ``flag`` is renamed."""
-    text = script.read_text()
+    """A copy of ``script`` in which the argument-array element ``flag`` is renamed: examples/ and scripts/ are
+    copied whole (the scripts source their neighbours), and the flag is renamed in the first of the script and
+    the ``*.bash`` files it may source (its model's arguments, examples/common/) that holds it."""
+    for tree in ("examples", "scripts"):
+        shutil.copytree(REPO / tree, tmp_path / tree)
+    copy = tmp_path / script.relative_to(REPO)
     pattern = re.compile(rf"^(\s+){re.escape(flag)}(?=\s|$)", re.M)
-    mutated, n = pattern.subn(lambda m: m.group(1) + replacement, text, count=1)
-    assert n == 1, f"{script} has no argument line starting with {flag}"
-    copy = tmp_path / script.name
-    copy.write_text(mutated)
-    return copy
+    for path in [copy, *sorted(copy.parent.glob("*.bash")), *sorted((tmp_path / "examples" / "common").glob("*.bash"))]:
+        mutated, n = pattern.subn(lambda m: m.group(1) + replacement, path.read_text(), count=1)
+        if n:
+            path.write_text(mutated)
+            return copy
+    raise AssertionError(f"{script} and the files it sources have no argument line starting with {flag}")
 
 
 @pytest.mark.parametrize("name, flag", [

@@ -14,12 +14,15 @@
 # Every variable below can be overridden from the environment; tune_qwen25_7b_32k_full_pack_cp.sh runs this
 # script with SEQ_LEN=32768 CP=2 (context parallelism) and its own names; examples/qwen3/ runs it for
 # Qwen3-8B (MODEL_ARGS_FILE, PROMPT_TYPE). Further hooks:
-#   MODEL_ARGS_FILE=f  sourced right after MODEL_ARGS below: another model's MODEL_ARGS array
+#   MODEL_ARGS_FILE=f  sourced instead of qwen25_7b_model_args.bash: another model's MODEL_ARGS array
 #   OVERRIDES=file.sh  sourced after the argument arrays are built, so it may reassign any
 #                      *_ARGS array (site settings; tests/test_multinode.py puts a tiny model here)
 #   PRINT_ARGS=1       print the Python entry point and its arguments one per line, then exit
 #                      (tests/test_example_flags.py parses them with the real parsers)
+# The cluster variables and DISTRIBUTED_ARGS come from ../common/cluster.bash, the hooks and the launch from
+# ../common/launch_posttrain.bash (shared by every tune_*.sh).
 set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 # Megatron's tensor/sequence-parallel communication overlap relies on kernels being issued in order.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -35,12 +38,7 @@ RUN_NAME=${RUN_NAME:-tune_qwen25_7b_4k_full_pack}   # names the tensorboard dir,
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$LOG_DIR/tensorboard/$RUN_NAME}
 
 # ------------------------------------------------------------------ cluster (one value per node for NODE_RANK)
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}   # address of the node with NODE_RANK=0, reachable from all nodes
-MASTER_PORT=${MASTER_PORT:-6000}
-WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+source "$HERE/../common/cluster.bash"   # GPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 
 # Must equal --target-tensor/pipeline/expert-parallel-size of ckpt_convert_qwen25_hf2mcore.sh.
 TP=${TP:-4}
@@ -59,39 +57,7 @@ PROMPT_TYPE=${PROMPT_TYPE:-qwen}   # the data script's --prompt-type
 PACKING_SCHEDULER=${PACKING_SCHEDULER:-none}
 MAX_SEQLEN_PER_RANK=${MAX_SEQLEN_PER_RANK:-$SEQ_LEN}
 
-DISTRIBUTED_ARGS=(
-    --nproc-per-node "$GPUS_PER_NODE"
-    --nnodes "$NNODES"
-    --node-rank "$NODE_RANK"
-    --master-addr "$MASTER_ADDR"
-    --master-port "$MASTER_PORT"
-)
-
-# Qwen2.5-7B architecture (config.json of the HF checkpoint).
-MODEL_ARGS=(
-    --num-layers 28
-    --hidden-size 3584
-    --ffn-hidden-size 18944
-    --num-attention-heads 28
-    --group-query-attention
-    --num-query-groups 4
-    --add-qkv-bias                 # Qwen2 has biases on q/k/v only ...
-    --disable-bias-linear          # ... and on no other linear layer
-    --swiglu
-    --normalization RMSNorm
-    --norm-epsilon 1e-6
-    --position-embedding-type rope
-    --rotary-base 1000000
-    --untie-embeddings-and-output-weights
-    --padded-vocab-size 152064     # the HF embedding's row count, so converted weights fit exactly
-    --seq-length "$SEQ_LEN"
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-)
-if [[ -n "${MODEL_ARGS_FILE:-}" ]]; then
-    # shellcheck source=/dev/null
-    source "$MODEL_ARGS_FILE"
-fi
+source "${MODEL_ARGS_FILE:-$HERE/qwen25_7b_model_args.bash}"   # MODEL_ARGS: Qwen2.5-7B, or another model's
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
@@ -150,36 +116,4 @@ if [[ -n "$SAVE_HF_DIR" ]]; then
     CKPT_ARGS+=(--save-hf "$SAVE_HF_DIR")
 fi
 
-OUTPUT_ARGS=(
-    --log-interval 1
-    --eval-iters 0
-    --tensorboard-dir "$TENSORBOARD_DIR"
-    --metrics-file "$LOG_DIR/$RUN_NAME.metrics.jsonl"
-)
-
-if [[ -n "${OVERRIDES:-}" ]]; then
-    # shellcheck source=/dev/null
-    source "$OVERRIDES"
-fi
-
-TRAIN_CMD_ARGS=(
-    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"
-    "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${OUTPUT_ARGS[@]}"
-)
-
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ posttrain.py world_size=%s\n' "$WORLD_SIZE"
-    printf '%s\n' "${TRAIN_CMD_ARGS[@]}"
-    exit 0
-fi
-source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    # One plain process that believes it is one of WORLD_SIZE ranks: the TP/PP/batch-size checks are real.
-    WORLD_SIZE=$WORLD_SIZE "$PYTHON" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
-    exit 0
-fi
-
-mkdir -p "$LOG_DIR"
-# One log per node: on a shared filesystem the nodes would otherwise write the same file.
-"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
-    2>&1 | tee "$LOG_DIR/${RUN_NAME}_node${NODE_RANK}.log"
+source "$HERE/../common/launch_posttrain.bash"   # OVERRIDES, PRINT_ARGS, DRY_RUN, then torchrun

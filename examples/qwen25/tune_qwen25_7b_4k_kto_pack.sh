@@ -16,6 +16,7 @@
 # Multi-node (NNODES, NODE_RANK, MASTER_ADDR) and OVERRIDES=file.sh work as in tune_qwen25_7b_4k_full_pack.sh;
 # with several nodes, preprocess once (NNODES=1 TRAIN=0 bash ...), then run PREPROCESS=0 bash ... on every node.
 set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
@@ -31,12 +32,7 @@ RUN_NAME=${RUN_NAME:-tune_qwen25_7b_4k_kto_pack}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$LOG_DIR/tensorboard/$RUN_NAME}
 
 # ------------------------------------------------------------------ cluster
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+source "$HERE/../common/cluster.bash"   # GPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 
 TP=${TP:-4}
 PP=${PP:-1}
@@ -50,7 +46,7 @@ PREPROCESS=${PREPROCESS:-1}   # 0: the packs exist already (skip the data step)
 TRAIN=${TRAIN:-1}             # 0: the data step only
 
 # ------------------------------------------------------------------ KTO (TRL's KTOConfig defaults)
-KTO_ARGS=(
+STAGE_ARGS=(
     --stage kto
     --kto-beta 0.1
     --kto-desirable-weight 1.0      # raise the rarer kind's weight so that desirable x weight is 1 to 4/3 of
@@ -72,35 +68,7 @@ PREPROCESS_ARGS=(
     --log-interval 1000
 )
 
-DISTRIBUTED_ARGS=(
-    --nproc-per-node "$GPUS_PER_NODE"
-    --nnodes "$NNODES"
-    --node-rank "$NODE_RANK"
-    --master-addr "$MASTER_ADDR"
-    --master-port "$MASTER_PORT"
-)
-
-# Qwen2.5-7B architecture (config.json of the HF checkpoint).
-MODEL_ARGS=(
-    --num-layers 28
-    --hidden-size 3584
-    --ffn-hidden-size 18944
-    --num-attention-heads 28
-    --group-query-attention
-    --num-query-groups 4
-    --add-qkv-bias
-    --disable-bias-linear
-    --swiglu
-    --normalization RMSNorm
-    --norm-epsilon 1e-6
-    --position-embedding-type rope
-    --rotary-base 1000000
-    --untie-embeddings-and-output-weights
-    --padded-vocab-size 152064
-    --seq-length "$SEQ_LEN"
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-)
+source "$HERE/qwen25_7b_model_args.bash"   # MODEL_ARGS
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
@@ -146,50 +114,4 @@ if [[ -n "$REF_LOAD" ]]; then
     CKPT_ARGS+=(--ref-load "$REF_LOAD")
 fi
 
-OUTPUT_ARGS=(
-    --log-interval 1
-    --eval-iters 0
-    --tensorboard-dir "$TENSORBOARD_DIR"
-    --metrics-file "$LOG_DIR/$RUN_NAME.metrics.jsonl"
-)
-
-if [[ -n "${OVERRIDES:-}" ]]; then
-    # shellcheck source=/dev/null
-    source "$OVERRIDES"
-fi
-
-TRAIN_CMD_ARGS=(
-    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${KTO_ARGS[@]}"
-    "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${OUTPUT_ARGS[@]}"
-)
-
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ preprocess_data.py\n'
-    printf '%s\n' "${PREPROCESS_ARGS[@]}"
-    printf '#@ posttrain.py world_size=%s\n' "$WORLD_SIZE"
-    printf '%s\n' "${TRAIN_CMD_ARGS[@]}"
-    exit 0
-fi
-source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
-import sys
-from mindspeed_pack.data.errors import PreprocessError
-from mindspeed_pack.datasets.preprocess import build_parser, validate_args
-try:
-    validate_args(build_parser().parse_args(sys.argv[1:]))
-except PreprocessError as exc:
-    sys.exit(f"preprocess_data.py: error: {exc}")
-print("preprocess_data.py arguments OK")' "${PREPROCESS_ARGS[@]}"
-    WORLD_SIZE=$WORLD_SIZE "$PYTHON" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
-    exit 0
-fi
-
-mkdir -p "$(dirname "$DATA_PATH")" "$LOG_DIR"
-if [[ "$PREPROCESS" == 1 ]]; then
-    "$PYTHON" "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/${RUN_NAME}_data.log"
-fi
-if [[ "$TRAIN" == 1 ]]; then
-    "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
-        2>&1 | tee "$LOG_DIR/${RUN_NAME}_node${NODE_RANK}.log"
-fi
+source "$HERE/../common/launch_posttrain.bash"   # OVERRIDES, PRINT_ARGS, DRY_RUN, then torchrun

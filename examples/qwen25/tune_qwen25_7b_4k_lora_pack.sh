@@ -18,6 +18,7 @@
 # content fingerprint: a resume (LORA_LOAD) or an export on another base is refused. The multi-node variables
 # (NNODES, NODE_RANK, MASTER_ADDR), OVERRIDES=file.sh and PRINT_ARGS=1 work as in tune_qwen25_7b_4k_full_pack.sh.
 set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
@@ -34,12 +35,7 @@ RUN_NAME=${RUN_NAME:-tune_qwen25_7b_4k_lora_pack}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$LOG_DIR/tensorboard/$RUN_NAME}
 
 # ------------------------------------------------------------------ cluster
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+source "$HERE/../common/cluster.bash"   # GPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 
 TP=${TP:-1}       # any TP/PP/CP works (the adapters shard like their linears); TP 1 needs no communication
 PP=${PP:-1}
@@ -51,45 +47,17 @@ PROMPT_TYPE=${PROMPT_TYPE:-qwen}
 # ------------------------------------------------------------------ LoRA
 LORA_R=${LORA_R:-16}
 LORA_ALPHA=${LORA_ALPHA:-32}       # scale alpha / r = 2
-LORA_ARGS=(
+STAGE_ARGS=(
     --lora-r "$LORA_R"
     --lora-alpha "$LORA_ALPHA"
     --lora-dropout 0.0
     --lora-target-modules linear_qkv linear_proj linear_fc1 linear_fc2   # = q k v o gate up down_proj (all-linear)
 )
 if [[ -n "$LORA_LOAD" ]]; then
-    LORA_ARGS+=(--lora-load "$LORA_LOAD")
+    STAGE_ARGS+=(--lora-load "$LORA_LOAD")
 fi
 
-DISTRIBUTED_ARGS=(
-    --nproc-per-node "$GPUS_PER_NODE"
-    --nnodes "$NNODES"
-    --node-rank "$NODE_RANK"
-    --master-addr "$MASTER_ADDR"
-    --master-port "$MASTER_PORT"
-)
-
-# Qwen2.5-7B architecture: the same as the HF directory's config.json (a flag that differs is refused).
-MODEL_ARGS=(
-    --num-layers 28
-    --hidden-size 3584
-    --ffn-hidden-size 18944
-    --num-attention-heads 28
-    --group-query-attention
-    --num-query-groups 4
-    --add-qkv-bias
-    --disable-bias-linear
-    --swiglu
-    --normalization RMSNorm
-    --norm-epsilon 1e-6
-    --position-embedding-type rope
-    --rotary-base 1000000
-    --untie-embeddings-and-output-weights
-    --padded-vocab-size 152064
-    --seq-length "$SEQ_LEN"
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-)
+source "$HERE/qwen25_7b_model_args.bash"   # MODEL_ARGS
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
@@ -135,34 +103,4 @@ if [[ "$LORA_MERGE" == 1 ]]; then
     CKPT_ARGS+=(--lora-merge)
 fi
 
-OUTPUT_ARGS=(
-    --log-interval 1
-    --eval-iters 0
-    --tensorboard-dir "$TENSORBOARD_DIR"
-    --metrics-file "$LOG_DIR/$RUN_NAME.metrics.jsonl"
-)
-
-if [[ -n "${OVERRIDES:-}" ]]; then
-    # shellcheck source=/dev/null
-    source "$OVERRIDES"
-fi
-
-TRAIN_CMD_ARGS=(
-    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${LORA_ARGS[@]}"
-    "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${OUTPUT_ARGS[@]}"
-)
-
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ posttrain.py world_size=%s\n' "$WORLD_SIZE"
-    printf '%s\n' "${TRAIN_CMD_ARGS[@]}"
-    exit 0
-fi
-source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    WORLD_SIZE=$WORLD_SIZE "$PYTHON" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
-    exit 0
-fi
-
-mkdir -p "$LOG_DIR"
-"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
-    2>&1 | tee "$LOG_DIR/${RUN_NAME}_node${NODE_RANK}.log"
+source "$HERE/../common/launch_posttrain.bash"   # OVERRIDES, PRINT_ARGS, DRY_RUN, then torchrun

@@ -14,6 +14,7 @@
 # Same job: configs/simpo/qwen25_7b_4k_simpo_pack.yaml. NNODES/NODE_RANK/MASTER_ADDR, OVERRIDES=file.sh and
 # PRINT_ARGS=1 work as in tune_qwen25_7b_4k_full_pack.sh.
 set -euo pipefail
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 
@@ -38,12 +39,7 @@ RUN_NAME=${RUN_NAME:-tune_qwen25_7b_4k_${STAGE}_pack}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-$LOG_DIR/tensorboard/$RUN_NAME}
 
 # ------------------------------------------------------------------ cluster
-GPUS_PER_NODE=${GPUS_PER_NODE:-8}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-WORLD_SIZE=$((GPUS_PER_NODE * NNODES))
+source "$HERE/../common/cluster.bash"   # GPUS_PER_NODE NNODES NODE_RANK MASTER_ADDR MASTER_PORT
 
 TP=${TP:-4}
 PP=${PP:-1}
@@ -53,35 +49,7 @@ GBS=${GBS:-16}             # pairs' packs per step: the loss is normalised by th
 LR=${LR:-$DEFAULT_LR}
 PROMPT_TYPE=${PROMPT_TYPE:-qwen}
 
-DISTRIBUTED_ARGS=(
-    --nproc-per-node "$GPUS_PER_NODE"
-    --nnodes "$NNODES"
-    --node-rank "$NODE_RANK"
-    --master-addr "$MASTER_ADDR"
-    --master-port "$MASTER_PORT"
-)
-
-# Qwen2.5-7B architecture: the same as the HF directory's config.json (a flag that differs is refused).
-MODEL_ARGS=(
-    --num-layers 28
-    --hidden-size 3584
-    --ffn-hidden-size 18944
-    --num-attention-heads 28
-    --group-query-attention
-    --num-query-groups 4
-    --add-qkv-bias
-    --disable-bias-linear
-    --swiglu
-    --normalization RMSNorm
-    --norm-epsilon 1e-6
-    --position-embedding-type rope
-    --rotary-base 1000000
-    --untie-embeddings-and-output-weights
-    --padded-vocab-size 152064
-    --seq-length "$SEQ_LEN"
-    --attention-dropout 0.0
-    --hidden-dropout 0.0
-)
+source "$HERE/qwen25_7b_model_args.bash"   # MODEL_ARGS
 
 PARALLEL_ARGS=(
     --tensor-model-parallel-size "$TP"
@@ -126,34 +94,4 @@ if [[ -n "$SAVE_HF_DIR" ]]; then
     CKPT_ARGS+=(--save-hf "$SAVE_HF_DIR")
 fi
 
-OUTPUT_ARGS=(
-    --log-interval 1
-    --eval-iters 0
-    --tensorboard-dir "$TENSORBOARD_DIR"
-    --metrics-file "$LOG_DIR/$RUN_NAME.metrics.jsonl"
-)
-
-if [[ -n "${OVERRIDES:-}" ]]; then
-    # shellcheck source=/dev/null
-    source "$OVERRIDES"
-fi
-
-TRAIN_CMD_ARGS=(
-    "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${TRAIN_ARGS[@]}"
-    "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "${OUTPUT_ARGS[@]}"
-)
-
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ posttrain.py world_size=%s\n' "$WORLD_SIZE"
-    printf '%s\n' "${TRAIN_CMD_ARGS[@]}"
-    exit 0
-fi
-source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    WORLD_SIZE=$WORLD_SIZE "$PYTHON" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" --dry-run
-    exit 0
-fi
-
-mkdir -p "$LOG_DIR"
-"$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" "$REPO_DIR/posttrain.py" "${TRAIN_CMD_ARGS[@]}" \
-    2>&1 | tee "$LOG_DIR/${RUN_NAME}_node${NODE_RANK}.log"
+source "$HERE/../common/launch_posttrain.bash"   # OVERRIDES, PRINT_ARGS, DRY_RUN, then torchrun
