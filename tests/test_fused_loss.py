@@ -136,6 +136,43 @@ def test_dry_run_shows_the_loss_path(capsys):
         in capsys.readouterr().out
 
 
+
+def test_dry_run_suggests_the_largest_micro_batch_that_fits(monkeypatch):
+    """Several packs per forward are one THD sequence (the same losses, fewer host launches per token): --dry-run
+    names the largest micro-batch the memory estimate fits and the global batch it needs."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training import run_plan
+
+    qwen7b = dict(num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
+                  kv_channels=None, swiglu=True, add_qkv_bias=True, padded_vocab_size=152064,
+                  max_position_embeddings=4096, position_embedding_type="rope",
+                  untie_embeddings_and_output_weights=True, pipeline_model_parallel_size=1,
+                  expert_model_parallel_size=1, context_parallel_size=1, data_parallel_size=2,
+                  use_distributed_optimizer=True, bf16=True, fp16=False, optimizer="adam", seq_length=4096,
+                  micro_batch_size=1, sequence_parallel=True, num_micro_batches=4, num_experts=None, lora_r=None,
+                  tensor_model_parallel_size=4, global_batch_size=8, cross_entropy_chunk_size=None)
+    args = SimpleNamespace(**qwen7b)
+    totals = {m: run_plan.memory_estimate(run_plan._with_micro_batch(args, m))["total"] for m in (1, 2, 4, 8)}
+    assert totals[1] < totals[2] < totals[4] < totals[8]
+    # a device between the estimates at 2 and 4 packs: 2 fit, the global batch 8 = 2 x DP 2 x 2 allows it
+    gib = (totals[2] + totals[4]) / 2 / run_plan.HEADROOM
+    monkeypatch.setattr(run_plan, "device_memory_gib", lambda: (gib, "test"))
+    assert run_plan.largest_micro_batch(args, gib) == (2, totals[2])
+    line = run_plan._micro_batch_line(args)
+    assert line.startswith("micro-batch: up to 2 packs per forward"), line
+    assert line.endswith("--micro-batch-size 2 trains the same losses with fewer launches per token (its packs are "
+                         "one THD sequence per forward)"), line
+    # 8 packs fit a bigger device, but need a global batch of 16 at DP 2
+    monkeypatch.setattr(run_plan, "device_memory_gib", lambda: (totals[8] / run_plan.HEADROOM + 1, "test"))
+    assert run_plan._micro_batch_line(args).endswith("with --global-batch-size a multiple of 16")
+    # already at the largest, or not even one pack fits
+    args.micro_batch_size = 8
+    assert "--micro-batch-size" not in run_plan._micro_batch_line(args)
+    monkeypatch.setattr(run_plan, "device_memory_gib", lambda: (totals[1] / 2, "test"))
+    assert run_plan._micro_batch_line(args).startswith("micro-batch: even 1 pack per forward is estimated at")
+
+
 BF16_TOKENS, BF16_HIDDEN, BF16_VOCAB = 1024, 64, 2048
 BF16_SLACK = 1.5  # fused error / unfused error; 3.1x at 32 chunks, 6.6x at 1024 with a bf16 accumulator
 

@@ -9,10 +9,13 @@ documents, said in the log). The global batch already holds the data-parallel si
 (micro-batch x DP x micro-batches).
 
 ``--dry-run`` prints the resolved configuration (as ``resolved_config`` writes it) and the plan:
-the data found, its packs, the iterations, the parallel layout and a memory estimate per GPU.
+the data found, its packs, the iterations, the parallel layout, a memory estimate per GPU and the largest
+micro-batch that estimate fits: several packs per forward are one THD sequence (the same losses), so the
+host's per-layer launches are paid once for more tokens (issue 42: a 24-layer model is host-bound at one pack).
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 
@@ -222,7 +225,60 @@ def plan_lines(args) -> list:
                  f"optimizer {m['optimizer']:.2f} GiB + activations {m['activations']:.2f} GiB = {m['total']:.2f} GiB "
                  "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
                  "Korthikanti et al.; allocator and communication buffers come on top)")
+    if getattr(args, "sequence_packing_scheduler", "none") == "none":  # load-time packing: one row per forward
+        lines.append(_micro_batch_line(args))
     return lines
+
+
+ASSUMED_DEVICE_GIB = 80.0  # an H100's memory, when --dry-run runs where no GPU is visible
+HEADROOM = 0.85  # the share of a GPU's memory the estimate may fill: allocator and communication buffers on top
+
+
+def device_memory_gib() -> tuple:
+    """(GiB of GPU 0, how it was found): the visible GPU's, else an H100's assumed."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GiB, props.name
+    return ASSUMED_DEVICE_GIB, "no GPU visible: an 80 GiB H100 assumed"
+
+
+def largest_micro_batch(args, device_gib: float) -> tuple:
+    """(the largest micro-batch size up to 8, a power of two, whose estimate fits ``HEADROOM`` of ``device_gib``,
+    its estimated GiB); (0, GiB at 1) when even one pack does not fit."""
+    best, best_gib = 0, memory_estimate(_with_micro_batch(args, 1))["total"]
+    for mbs in (1, 2, 4, 8):
+        total = memory_estimate(_with_micro_batch(args, mbs))["total"]
+        if total > HEADROOM * device_gib:
+            break
+        best, best_gib = mbs, total
+    return best, best_gib
+
+
+def _with_micro_batch(args, mbs: int):
+    trial = copy.copy(args)
+    trial.micro_batch_size = mbs
+    trial.num_micro_batches = max(1, args.global_batch_size // (mbs * args.data_parallel_size))
+    return trial
+
+
+def _micro_batch_line(args) -> str:
+    """The largest micro-batch the estimate fits: packs per forward flattened into one THD sequence."""
+    gib, where = device_memory_gib()
+    best, total = largest_micro_batch(args, gib)
+    budget = f"{HEADROOM:.0%} of {gib:.0f} GiB ({where})"
+    if best == 0:
+        return f"micro-batch: even 1 pack per forward is estimated at {total:.1f} GiB, over {budget}"
+    line = f"micro-batch: up to {best} pack{'s' if best > 1 else ''} per forward fit{'s' if best == 1 else ''} " \
+           f"{budget} (estimate {total:.1f} GiB)"
+    if best <= args.micro_batch_size:
+        return line
+    why = "trains the same losses with fewer launches per token (its packs are one THD sequence per forward)"
+    per_step = best * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        return f"{line}; --micro-batch-size {best} {why}, with --global-batch-size a multiple of {per_step}"
+    return f"{line}; --micro-batch-size {best} {why}"
 
 
 def _dynamic_cp_lines(args) -> list:
