@@ -5,6 +5,10 @@ Long-tail data: most samples under N tokens, some between N and 4N (up to 128 to
 document). Reference: one sample per row of 128 tokens on one rank (scheduler none). Dynamic CP must give the
 same loss and gradient norm every step (rel <= 1e-5) on 2 ranks (CP groups of 1 and 2, N = 64) and on 4 ranks
 (groups of 1, 2 and 4, N = 32), with steps that really mix group sizes, and resume exactly mid-epoch.
+
+The stages on units of two sequences (DPO, SimPO, ORM on preference pairs, KTO on couples: one unit a document)
+and a mixture of experts train the same way: one 2-rank job runs them all under dynamic CP, one 1-rank job one
+unit (sample) per row; every unit is planned whole on one group.
 """
 import json
 
@@ -220,7 +224,9 @@ def _parse(*extra, world_size=2, data_path="x"):
     (["--context-parallel-size", "2", "--min-dynamic-context-parallel-size", "4"], 2,
      "--min-dynamic-context-parallel-size 4 must be a power of two between 1 and --context-parallel-size 2"),
     (["--context-parallel-size", "2", "--attention-backend", "te"], 2, "does not support --attention-backend te"),
-    (["--context-parallel-size", "2", "--stage", "dpo"], 2, "does not support --stage dpo"),
+    (["--context-parallel-size", "2", "--stage", "grpo"], 2, r"does not support --stage grpo \(a rollout's per-token"),
+    (["--context-parallel-size", "2", "--stage", "dpo_reference"], 2, "--stage dpo_reference .* score with "
+     "--sequence-packing-scheduler none"),
 ])
 def test_bad_dynamic_cp_flags_are_refused_by_name(extra, world_size, message, capsys):
     with pytest.raises(SystemExit):
@@ -308,3 +314,176 @@ def test_transformer_engine_is_refused_at_model_build_and_auto_skips_it():
     with pytest.raises(RuntimeError, match="--attention-backend te: --sequence-packing-scheduler default_dynamic_cp"):
         resolve_backend("te", no_te=reason)
     assert resolve_backend("auto", no_te=reason) in ("flash", "local")
+
+
+
+# ---------------------------------------------------------------------------- units of two sequences, MoE
+def long_tail_pairs(n=32, seed=11):
+    """Preference pairs, one in four long (82-92 tokens: a CP group of 2 at N = 64), the rest 12-33 tokens."""
+    from tests.pair_utils import random_pairs
+
+    short = random_pairs(n, seed=seed)
+    long = random_pairs(n, seed=seed + 1, prompt=(18, 26), answer=(14, 24))
+    return [long[i] if i % 4 == 1 else short[i] for i in range(n)]
+
+
+def long_tail_kto(n=32, seed=5):
+    from tests.pair_utils import random_kto_rows
+
+    short, labels = random_kto_rows(n, seed=seed)
+    long, _ = random_kto_rows(n, seed=seed + 1, prompt=(20, 28), answer=(16, 24))
+    return [long[i] if i % 4 == 2 else short[i] for i in range(n)], labels
+
+
+UNIT_FLAGS = ["--neat-pack", "--lr-warmup-iters", "0", "--seed", "7"]
+DYNAMIC2 = [*DYNAMIC, "--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.1"]
+STAGE_RUNS = {
+    "dpo": ["--stage", "dpo", "--dpo-beta", "0.5", *UNIT_FLAGS],
+    "kto": ["--stage", "kto", *UNIT_FLAGS],
+    "orm": ["--stage", "orm", "--center-rewards-coefficient", "0.01", *UNIT_FLAGS],
+    "simpo": ["--stage", "simpo", "--simpo-beta", "2.0", "--gamma-beta-ratio", "0.5", *UNIT_FLAGS],
+    "moe": MOE,
+}
+STAGE_KEYS = {
+    "dpo": ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"),
+    "kto": ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
+    "orm": ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"),
+    "simpo": ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
+    "moe": ("moe aux loss", "expert load max/mean"),
+}
+
+
+@pytest.fixture(scope="module")
+def unit_runs(tmp_path_factory, data):
+    """{stage: (dynamic CP steps, one unit per row on one rank steps)}: one 2-rank job trains every stage under
+    dynamic CP (SimPO stopped at step 2 and resumed from its checkpoint), one 1-rank job the references."""
+    from tests.pair_utils import write_kto_units, write_pair_units
+    from tests.train_utils import run_posttrain_runs
+
+    root = tmp_path_factory.mktemp("units")
+    pairs = long_tail_pairs()
+    # pad id 1 (no token is 1): a reward read at a CP pad (id 0) instead of the sample's last token would show
+    sources = {"pairs": write_pair_units(str(root / "pairs"), pairs, margins=[(i % 5) / 4 for i in range(len(pairs))],
+                                         pad_id=1),
+               "kto": write_kto_units(str(root / "kto"), *long_tail_kto()), "sft": data}
+    source_of = {"dpo": "pairs", "kto": "kto", "orm": "pairs", "simpo": "pairs", "moe": "sft"}
+
+    def argv(stage, *extra):
+        return [*COMMON, *STAGE_RUNS[stage], "--data-path", sources[source_of[stage]], *extra]
+
+    ckpt = str(root / "simpo_ckpt")
+    dynamic = [(argv(stage, *DYNAMIC2), str(root / f"dyn_{stage}.jsonl")) for stage in ("dpo", "kto", "orm", "moe")]
+    dynamic += [(argv("simpo", *DYNAMIC2, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"),
+                 str(root / "dyn_simpo_first.jsonl")),
+                (argv("simpo", *DYNAMIC2, "--load", ckpt), str(root / "dyn_simpo_resumed.jsonl"))]
+    run_posttrain_runs(dynamic, nproc=2)
+    # the MoE reference's row padding is its own segment, routed nowhere (as every pad under dynamic CP)
+    one_per_row = {"moe": ["--reset-attention-mask"]}
+    run_posttrain_runs([(argv(stage, *one_per_row.get(stage, ())), str(root / f"ref_{stage}.jsonl"))
+                        for stage in STAGE_RUNS], nproc=1)
+    out = {stage: (read_metrics(str(root / f"dyn_{stage}.jsonl")), read_metrics(str(root / f"ref_{stage}.jsonl")))
+           for stage in ("dpo", "kto", "orm", "moe")}
+    first, resumed = (read_metrics(str(root / f"dyn_simpo_{part}.jsonl")) for part in ("first", "resumed"))
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3]  # stopped mid-epoch, resumed at its step 3
+    out["simpo"] = ({**first, **resumed}, read_metrics(str(root / "ref_simpo.jsonl")))
+    return out
+
+
+@pytest.mark.parametrize("stage", list(STAGE_RUNS))
+def test_pair_kto_orm_and_moe_under_dynamic_cp_equal_one_unit_per_row(unit_runs, stage):
+    """DPO (its reference model on the same group layout), SimPO (resumed at step 2), ORM (rewards read at each
+    sequence's last real token, not its CP pads) on preference pairs, KTO on couples (its KL point summed over the
+    pool, each micro-batch counted on its group's first rank) and a mixture of experts (seq_aux_loss: each sample's
+    routing statistic over its own group) train as one unit per row on one rank, with steps mixing groups of 1 and 2."""
+    got, want = unit_runs[stage]
+    _assert_same_steps(got, want)
+    assert [1, 2] in _group_sizes_used(got)
+    for it in want:
+        for key in STAGE_KEYS[stage]:
+            atol = 1e-4 if key.startswith("rewards/") else 1e-6  # beta x differences of log-prob sums ~50 (fp32)
+            assert abs(got[it][key] - want[it][key]) <= atol + 1e-5 * abs(want[it][key]), \
+                (stage, it, key, got[it][key], want[it][key])
+        if stage == "moe":
+            assert got[it]["tokens per expert"] == want[it]["tokens per expert"]
+
+
+def _unit_source(data, rank, monkeypatch, *extra):
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.datasets import online_packing
+
+    monkeypatch.setattr(ps, "get_data_parallel_rank", lambda **kw: rank)
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda **kw: 2)
+    monkeypatch.setattr(online_packing, "check_dynamic_cp_groups", lambda max_cp: None)  # no process groups here
+    args = _parse("--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64", "--neat-pack", "--stage",
+                  "dpo", *extra, data_path=data)
+    source = online_packing.DynamicCPBatchSource()
+    source.setup(args, {"train": ITERS * GBS})
+    return source, args
+
+
+def test_the_plan_never_splits_a_pair_and_each_sequence_is_padded_on_its_own(tmp_path, monkeypatch):
+    """Every pair of a global batch lies in exactly one job: the same row on every rank of its group, its chosen
+    and rejected answers neighbouring segments 2j-1, 2j, each padded to a multiple of 2 x CP on its own."""
+    from mindspeed_pack.packing.dynamic_cp import group_sizes
+    from mindspeed_pack.packing.segments import build_packed_batch
+    from mindspeed_pack.training.stages.sequences import pair_segments
+    from tests.pair_utils import sequence, write_pair_units
+
+    # a unit's sequences pad separately: 30 + 2 fit one rank; 31 + 31 pad to 32 + 32 at CP 2; 30 + 33 to 32 + 36
+    assert group_sizes([[10, 12], [30, 2], [31, 31], [30, 33]], per_rank=32, max_cp=2).tolist() == [1, 1, 2, 0]
+    pairs = long_tail_pairs()
+    data = write_pair_units(str(tmp_path / "pairs"), pairs)
+    sources = [_unit_source(data, rank, monkeypatch)[0] for rank in (0, 1)]
+    sizes = []
+    for consumed in range(0, ITERS * GBS, GBS):
+        seen = {}  # document -> (slot, cp size, ranks)
+        for rank, source in enumerate(sources):
+            for slot, row in enumerate(source.micro_batches("train", consumed)):
+                seg = row["segment_ids"][0].numpy()
+                k = 0
+                for doc in row["documents"]:
+                    prompt, chosen, rejected = pairs[doc]
+                    for j, answer in ((k + 1, chosen), (k + 2, rejected)):
+                        n = len(sequence(prompt, answer)[0])
+                        span = int((seg == j).sum())  # the segment, its CP pads included
+                        assert span == (n if row["cp_size"] == 1 else -(-n // 4) * 4), (consumed, doc, j)
+                        assert np.array_equal(row["input_ids"][0].numpy()[seg == j][:n], sequence(prompt, answer)[0])
+                    k += 2
+                    where = seen.setdefault(doc, (slot, row["cp_size"], set()))
+                    assert where[:2] == (slot, row["cp_size"])  # one job: same slot and group on each of its ranks
+                    where[2].add(rank)
+                assert int(seg.max()) == k  # nothing but whole pairs in the row
+                batch = build_packed_batch(row["input_ids"], row["labels"], row["segment_ids"])
+                assert len(pair_segments(batch)[0]) == len(row["documents"])
+        assert sorted(seen) == list(range(consumed, consumed + GBS))  # every pair of the batch, once
+        assert all(len(ranks) == size for _, size, ranks in seen.values())  # on all of its group's ranks
+        sizes.append(sorted({size for _, size, _ in seen.values()}))
+    assert [1, 2] in sizes
+
+
+def test_a_unit_over_c_times_n_once_padded_is_refused_naming_it(tmp_path, monkeypatch):
+    """A pair of 5 + 122 tokens fits 2 x 64 (and --seq-length) unpadded, not once each answer is padded to a
+    multiple of 4 (8 + 124)."""
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from tests.pair_utils import write_pair_units
+
+    pairs = long_tail_pairs()
+    pairs[5] = (pairs[5][0][:3], pairs[5][1][:2], np.arange(4, 123, dtype=np.int64))
+    data = write_pair_units(str(tmp_path / "pairs"), pairs)
+    with pytest.raises(DataError, match=r"sample 5 of '.*pairs' \(train split\) has 127 tokens \(132 with each "
+                                        r"sequence padded to a multiple of 4\), more than --context-parallel-size 2"):
+        _unit_source(data, 0, monkeypatch)
+
+
+def test_pair_stages_refuse_dp_balanced_naming_the_units():
+    from types import SimpleNamespace
+
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.training.stages.sequences import unit_batch_source
+
+    with pytest.raises(DataError, match="--stage kto reads whole KTO couples: --sequence-packing-scheduler dp_balanced "
+                                        "packs single samples"):
+        unit_batch_source(SimpleNamespace(sequence_packing_scheduler="dp_balanced"), "kto", "KTO couples")
