@@ -356,9 +356,10 @@ STAGE_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def unit_runs(tmp_path_factory, data):
-    """{stage: (dynamic CP steps, one unit per row on one rank steps)}: one 2-rank job trains every stage under
-    dynamic CP (SimPO stopped at step 2 and resumed from its checkpoint), one 1-rank job the references."""
+def unit_runs(tmp_path_factory, data, lora_base):
+    """{stage: (dynamic CP steps, one unit per row on one rank steps)}: one 1-rank job trains the references (and
+    scores DPO's reference log-probs once, --stage dpo_reference), one 2-rank job every stage under dynamic CP (DPO
+    also from the precomputed table; SimPO stopped at step 2 and resumed from its checkpoint)."""
     from tests.pair_utils import write_kto_units, write_pair_units
     from tests.train_utils import run_posttrain_runs
 
@@ -369,39 +370,51 @@ def unit_runs(tmp_path_factory, data):
                                          pad_id=1),
                "kto": write_kto_units(str(root / "kto"), *long_tail_kto()), "sft": data}
     source_of = {"dpo": "pairs", "kto": "kto", "orm": "pairs", "simpo": "pairs", "moe": "sft"}
+    # DPO's and KTO's reference another model (a Hugging Face directory): margins and KL point are not 0
+    reference = {"dpo": ["--ref-load", lora_base], "kto": ["--ref-load", lora_base]}
 
-    def argv(stage, *extra):
-        return [*COMMON, *STAGE_RUNS[stage], "--data-path", sources[source_of[stage]], *extra]
+    def argv(stage, *extra, ref=True):
+        return [*COMMON, *STAGE_RUNS[stage], "--data-path", sources[source_of[stage]],
+                *(reference.get(stage, ()) if ref else ()), *extra]
 
-    ckpt = str(root / "simpo_ckpt")
-    dynamic = [(argv(stage, *DYNAMIC2), str(root / f"dyn_{stage}.jsonl")) for stage in ("dpo", "kto", "orm", "moe")]
-    dynamic += [(argv("simpo", *DYNAMIC2, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"),
-                 str(root / "dyn_simpo_first.jsonl")),
-                (argv("simpo", *DYNAMIC2, "--load", ckpt), str(root / "dyn_simpo_resumed.jsonl"))]
-    run_posttrain_runs(dynamic, nproc=2)
+    def metrics(name):
+        return str(root / f"{name}.jsonl")
+
     # the MoE reference's row padding is its own segment, routed nowhere (as every pad under dynamic CP)
     one_per_row = {"moe": ["--reset-attention-mask"]}
-    run_posttrain_runs([(argv(stage, *one_per_row.get(stage, ())), str(root / f"ref_{stage}.jsonl"))
-                        for stage in STAGE_RUNS], nproc=1)
-    out = {stage: (read_metrics(str(root / f"dyn_{stage}.jsonl")), read_metrics(str(root / f"ref_{stage}.jsonl")))
+    scoring = [*COMMON, "--stage", "dpo_reference", "--neat-pack", "--data-path", sources["pairs"], "--load", lora_base]
+    run_posttrain_runs([(scoring, metrics("scoring"))] + [(argv(stage, *one_per_row.get(stage, ())), metrics(f"ref_{stage}"))
+                                                         for stage in STAGE_RUNS], nproc=1)
+    ckpt = str(root / "simpo_ckpt")
+    dynamic = [(argv(stage, *DYNAMIC2), metrics(f"dyn_{stage}")) for stage in ("dpo", "kto", "orm", "moe")]
+    dynamic += [(argv("dpo", *DYNAMIC2, "--ref-logps", ref=False), metrics("dyn_dpo_table")),
+                (argv("simpo", *DYNAMIC2, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"),
+                 metrics("dyn_simpo_first")),
+                (argv("simpo", *DYNAMIC2, "--load", ckpt), metrics("dyn_simpo_resumed"))]
+    run_posttrain_runs(dynamic, nproc=2)
+    out = {stage: (read_metrics(metrics(f"dyn_{stage}")), read_metrics(metrics(f"ref_{stage}")))
            for stage in ("dpo", "kto", "orm", "moe")}
-    first, resumed = (read_metrics(str(root / f"dyn_simpo_{part}.jsonl")) for part in ("first", "resumed"))
+    out["dpo --ref-logps"] = (read_metrics(metrics("dyn_dpo_table")), out["dpo"][1])
+    first, resumed = (read_metrics(metrics(f"dyn_simpo_{part}")) for part in ("first", "resumed"))
     assert sorted(first) == [1, 2] and sorted(resumed) == [3]  # stopped mid-epoch, resumed at its step 3
-    out["simpo"] = ({**first, **resumed}, read_metrics(str(root / "ref_simpo.jsonl")))
+    out["simpo"] = ({**first, **resumed}, read_metrics(metrics("ref_simpo")))
     return out
 
 
-@pytest.mark.parametrize("stage", list(STAGE_RUNS))
+@pytest.mark.parametrize("stage", [*STAGE_RUNS, "dpo --ref-logps"])
 def test_pair_kto_orm_and_moe_under_dynamic_cp_equal_one_unit_per_row(unit_runs, stage):
-    """DPO (its reference model on the same group layout), SimPO (resumed at step 2), ORM (rewards read at each
+    """DPO (its reference model on the same group layout, or its log-probs scored once and looked up per
+    document), SimPO (resumed at step 2), ORM (rewards read at each
     sequence's last real token, not its CP pads) on preference pairs, KTO on couples (its KL point summed over the
     pool, each micro-batch counted on its group's first rank) and a mixture of experts (seq_aux_loss: each sample's
     routing statistic over its own group) train as one unit per row on one rank, with steps mixing groups of 1 and 2."""
     got, want = unit_runs[stage]
     _assert_same_steps(got, want)
+    if stage == "kto":
+        assert all(rec["kl"] > 0.1 for rec in want.values())  # a KL point summed over the wrong ranks would show
     assert [1, 2] in _group_sizes_used(got)
     for it in want:
-        for key in STAGE_KEYS[stage]:
+        for key in STAGE_KEYS[stage.split()[0]]:
             atol = 1e-4 if key.startswith("rewards/") else 1e-6  # beta x differences of log-prob sums ~50 (fp32)
             assert abs(got[it][key] - want[it][key]) <= atol + 1e-5 * abs(want[it][key]), \
                 (stage, it, key, got[it][key], want[it][key])
