@@ -383,8 +383,8 @@ def unit_runs(tmp_path_factory, data, lora_base):
     # the MoE reference's row padding is its own segment, routed nowhere (as every pad under dynamic CP)
     one_per_row = {"moe": ["--reset-attention-mask"]}
     scoring = [*COMMON, "--stage", "dpo_reference", "--neat-pack", "--data-path", sources["pairs"], "--load", lora_base]
-    run_posttrain_runs([(scoring, metrics("scoring"))] + [(argv(stage, *one_per_row.get(stage, ())), metrics(f"ref_{stage}"))
-                                                         for stage in STAGE_RUNS], nproc=1)
+    run_posttrain_runs([(scoring, metrics("scoring"))] + [
+        (argv(stage, *one_per_row.get(stage, ())), metrics(f"ref_{stage}")) for stage in STAGE_RUNS], nproc=1)
     ckpt = str(root / "simpo_ckpt")
     dynamic = [(argv(stage, *DYNAMIC2), metrics(f"dyn_{stage}")) for stage in ("dpo", "kto", "orm", "moe")]
     dynamic += [(argv("dpo", *DYNAMIC2, "--ref-logps", ref=False), metrics("dyn_dpo_table")),

@@ -360,8 +360,8 @@ def check_overlong(lengths: np.ndarray, first_document: int, args, where: str) -
         return 0
     first = int(over[0])
     real = int(unit_totals(lengths)[first])
-    size = f"{real} tokens" + (f" ({int(planned[first])} with each sequence padded to a multiple of "
-                               f"{padding_multiple(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)})"
+    multiple = padding_multiple(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
+    size = f"{real} tokens" + (f" ({int(planned[first])} with each sequence padded to a multiple of {multiple})"
                                if planned[first] != real else "")
     if args.overlong_samples == "refuse":
         raise DataError(f"sample {first_document + first} of {where} has "

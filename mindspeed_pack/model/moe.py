@@ -282,7 +282,8 @@ def step_statistics(model_chunks, num_layers: int, num_experts: int) -> Dict[str
     device = found[0].weight.device if found else \
         (torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
     loads = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
-    aux = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)  # loss x units, units
+    # loss x units, units: each rank holding part of a micro-batch recorded its share, so the sum counts it once
+    aux = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)
     for r in found:
         loads[r.layer_number - 1] += r.step_tokens_per_expert
         aux[r.layer_number - 1] += torch.stack([r.step_aux_loss, r.step_units])

@@ -103,8 +103,8 @@ class PairStage:
             if not ((docs.meta or {}).get("layout") or {}).get("pairs"):
                 raise DataError(f"--stage {self.name}: {docs.prefix!r} holds no preference pairs (its sidecar records "
                                 "no pairing): preprocess with --handler-name AlpacaStylePairwiseHandler or "
-                                "SharegptStylePairwiseHandler (--pack --neat-pack: packs of whole pairs; without --pack: "
-                                "each pair its own document)")
+                                "SharegptStylePairwiseHandler (--pack --neat-pack: packs of whole pairs; without "
+                                "--pack: each pair its own document)")
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         return batches
