@@ -493,9 +493,10 @@ def _check_data_flags(args) -> None:
 
 # stages whose per-token inputs are laid out for megatron's fixed CP split, or that run their own loop
 DYNAMIC_CP_REFUSED_STAGES = {
-    "grpo": "a rollout's per-token inputs (advantages, old and reference log-probs) are laid out for megatron's "
-            "fixed CP split",
-    "score": "a rollout's per-token outputs are gathered over megatron's fixed CP group",
+    "grpo": "rollouts are packed by their own batch source for megatron's fixed CP split, and their per-token "
+            "advantages, old and reference log-probs cut for it",
+    "score": "rollouts are packed by their own batch source for megatron's fixed CP split, and their per-token "
+             "outputs gathered over its CP group",
     "prm": "its step labels are laid out for megatron's fixed CP split",
     "dpo_reference": "it scores every document once in its own fixed layout; score with --sequence-packing-scheduler "
                      "none: its table serves a dynamic CP run of the same data (--ref-logps)",
