@@ -224,7 +224,8 @@ def _parse(*extra, world_size=2, data_path="x"):
     (["--context-parallel-size", "2", "--min-dynamic-context-parallel-size", "4"], 2,
      "--min-dynamic-context-parallel-size 4 must be a power of two between 1 and --context-parallel-size 2"),
     (["--context-parallel-size", "2", "--attention-backend", "te"], 2, "does not support --attention-backend te"),
-    (["--context-parallel-size", "2", "--stage", "grpo"], 2, r"does not support --stage grpo \(rollouts are packed by their own batch source"),
+    (["--context-parallel-size", "2", "--stage", "grpo"], 2,
+     r"does not support --stage grpo \(rollouts are packed by their own batch source"),
     (["--context-parallel-size", "2", "--stage", "dpo_reference"], 2, "--stage dpo_reference .* score with "
      "--sequence-packing-scheduler none"),
 ])
