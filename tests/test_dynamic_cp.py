@@ -345,6 +345,7 @@ STAGE_RUNS = {
     "kto": ["--stage", "kto", *UNIT_FLAGS],
     "orm": ["--stage", "orm", "--center-rewards-coefficient", "0.01", *UNIT_FLAGS],
     "simpo": ["--stage", "simpo", "--simpo-beta", "2.0", "--gamma-beta-ratio", "0.5", *UNIT_FLAGS],
+    "orpo": ["--stage", "orpo", "--orpo-beta", "0.5", *UNIT_FLAGS],
     "moe": MOE,
 }
 STAGE_KEYS = {
@@ -352,6 +353,7 @@ STAGE_KEYS = {
     "kto": ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
     "orm": ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"),
     "simpo": ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
+    "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/rejected"),
     "moe": ("moe aux loss", "expert load max/mean"),
 }
 
@@ -370,7 +372,7 @@ def unit_runs(tmp_path_factory, data, lora_base):
     sources = {"pairs": write_pair_units(str(root / "pairs"), pairs, margins=[(i % 5) / 4 for i in range(len(pairs))],
                                          pad_id=1),
                "kto": write_kto_units(str(root / "kto"), *long_tail_kto()), "sft": data}
-    source_of = {"dpo": "pairs", "kto": "kto", "orm": "pairs", "simpo": "pairs", "moe": "sft"}
+    source_of = {"dpo": "pairs", "kto": "kto", "orm": "pairs", "simpo": "pairs", "orpo": "pairs", "moe": "sft"}
     # DPO's and KTO's reference another model (a Hugging Face directory): margins and KL point are not 0
     reference = {"dpo": ["--ref-load", lora_base], "kto": ["--ref-load", lora_base]}
 
@@ -387,39 +389,46 @@ def unit_runs(tmp_path_factory, data, lora_base):
     run_posttrain_runs([(scoring, metrics("scoring"))] + [
         (argv(stage, *one_per_row.get(stage, ())), metrics(f"ref_{stage}")) for stage in STAGE_RUNS], nproc=1)
     ckpt = str(root / "simpo_ckpt")
-    dynamic = [(argv(stage, *DYNAMIC2), metrics(f"dyn_{stage}")) for stage in ("dpo", "kto", "orm", "moe")]
-    dynamic += [(argv("dpo", *DYNAMIC2, "--ref-logps", ref=False), metrics("dyn_dpo_table")),
+    trained_once = ("dpo", "kto", "orm", "orpo", "moe")
+    dynamic = [(argv(stage, *DYNAMIC2), metrics(f"dyn_{stage}")) for stage in trained_once]
+    # fixed CP 2 (dp_balanced) lays its rows out the same way: their CP pads reach no expert either
+    fixed = ["--sequence-packing-scheduler", "dp_balanced", "--context-parallel-size", "2",
+             "--max-seqlen-per-dp-cp-rank", "64"]
+    dynamic += [(argv("moe", *fixed), metrics("fixed_moe")),
+                (argv("dpo", *DYNAMIC2, "--ref-logps", ref=False), metrics("dyn_dpo_table")),
                 (argv("simpo", *DYNAMIC2, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"),
                  metrics("dyn_simpo_first")),
                 (argv("simpo", *DYNAMIC2, "--load", ckpt), metrics("dyn_simpo_resumed"))]
     run_posttrain_runs(dynamic, nproc=2)
     out = {stage: (read_metrics(metrics(f"dyn_{stage}")), read_metrics(metrics(f"ref_{stage}")))
-           for stage in ("dpo", "kto", "orm", "moe")}
+           for stage in trained_once}
     out["dpo --ref-logps"] = (read_metrics(metrics("dyn_dpo_table")), out["dpo"][1])
+    out["moe dp_balanced"] = (read_metrics(metrics("fixed_moe")), out["moe"][1])
     first, resumed = (read_metrics(metrics(f"dyn_simpo_{part}")) for part in ("first", "resumed"))
     assert sorted(first) == [1, 2] and sorted(resumed) == [3]  # stopped mid-epoch, resumed at its step 3
     out["simpo"] = ({**first, **resumed}, read_metrics(metrics("ref_simpo")))
     return out
 
 
-@pytest.mark.parametrize("stage", [*STAGE_RUNS, "dpo --ref-logps"])
+@pytest.mark.parametrize("stage", [*STAGE_RUNS, "dpo --ref-logps", "moe dp_balanced"])
 def test_pair_kto_orm_and_moe_under_dynamic_cp_equal_one_unit_per_row(unit_runs, stage):
     """DPO (its reference model on the same group layout, or its log-probs scored once and looked up per
-    document), SimPO (resumed at step 2), ORM (rewards read at each
-    sequence's last real token, not its CP pads) on preference pairs, KTO on couples (its KL point summed over the
-    pool, each micro-batch counted on its group's first rank) and a mixture of experts (seq_aux_loss: each sample's
-    routing statistic over its own group) train as one unit per row on one rank, with steps mixing groups of 1 and 2."""
+    document), SimPO (resumed at step 2), ORPO (its NLL weight from the step's pairs and tokens over the pool), ORM
+    (rewards read at each sequence's last real token, not its CP pads) on preference pairs, KTO on couples (its KL
+    point summed over the pool, each micro-batch counted on its group's first rank) and a mixture of experts
+    (seq_aux_loss: each sample's routing statistic over its own group; also at fixed CP 2) train as one unit per
+    row on one rank, with steps mixing groups of 1 and 2."""
     got, want = unit_runs[stage]
     _assert_same_steps(got, want)
     if stage == "kto":
         assert all(rec["kl"] > 0.1 for rec in want.values())  # a KL point summed over the wrong ranks would show
-    assert [1, 2] in _group_sizes_used(got)
+    assert stage == "moe dp_balanced" or [1, 2] in _group_sizes_used(got)
     for it in want:
         for key in STAGE_KEYS[stage.split()[0]]:
             atol = 1e-4 if key.startswith("rewards/") else 1e-6  # beta x differences of log-prob sums ~50 (fp32)
             assert abs(got[it][key] - want[it][key]) <= atol + 1e-5 * abs(want[it][key]), \
                 (stage, it, key, got[it][key], want[it][key])
-        if stage == "moe":
+        if stage.startswith("moe"):
             assert got[it]["tokens per expert"] == want[it]["tokens per expert"]
 
 
