@@ -170,3 +170,54 @@ def write_kto_dataset(prefix: str, rows, labels, seq_length: int = 128, groups=N
     return _write_packs(prefix, couples, groups, seq_length, tokenizer, template,
                         {"kto": "segments 2k-1 (sample) and 2k (its KL partner)", "kto_labels": path.split("/")[-1]},
                         {"kto_samples": len(rows)}, {"kto_labels": (path, per_segment)})
+
+
+# ---------------------------------------------------------------------------- one unit a document (no --pack)
+def write_pair_units(prefix: str, pairs, seq_length: int = 128, margins=None, pad_id: int = 0):
+    """``pairs`` one a document, as preprocess_data.py writes them without --pack: segment 1 the chosen, 2 the
+    rejected answer; ``margins`` (one per pair) in the pair margins file."""
+    extra = {}
+    if margins is not None:
+        extra["pair_margins"] = (f"{prefix}_packed_pair_margins", [[m] for m in margins], np.float32)
+    return _write_units(prefix, pairs, seq_length, pad_id, {"pairs": "segments 1 (chosen) and 2 (rejected)"},
+                        {"pairs": len(pairs)}, extra)
+
+
+def write_kto_units(prefix: str, rows, labels, seq_length: int = 128):
+    """KTO couples one a document, as preprocess_data.py writes them without --pack: segment 1 the sample, 2 its KL
+    partner, labelled ``[label, -1]``."""
+    from mindspeed_pack.datasets.pack_writer import kto_labels_prefix
+
+    path = kto_labels_prefix(prefix)
+    return _write_units(prefix, kto_couples(rows), seq_length, 0,
+                        {"kto": "segments 1 (sample) and 2 (its KL partner)", "kto_labels": path.split("/")[-1]},
+                        {"kto_samples": len(rows)}, {"kto_labels": (path, [[int(g), -1] for g in labels], np.int32)})
+
+
+def _write_units(prefix, units, seq_length, pad_id, layout, statistics, per_unit):
+    keys = ("input_ids", "labels", "attention_mask")
+    prefixes = packed_prefixes(prefix)
+    builders = {k: _builder(prefixes[k] + ".bin") for k in keys}
+    for p, a, b in units:
+        (ia, la), (ib, lb) = sequence(p, a), sequence(p, b)
+        for key, arr in zip(keys, (np.concatenate([ia, ib]), np.concatenate([la, lb]),
+                                   np.repeat([1, 2], [len(ia), len(ib)]))):
+            arr = np.asarray(arr, np.int32)
+            builders[key].add_document(arr, [len(arr)])
+    for key, b in builders.items():
+        b.finalize(prefixes[key] + ".idx")
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    for path, values, dtype in per_unit.values():
+        b = IndexedDatasetBuilder(path + ".bin", dtype=dtype)
+        for v in values:
+            b.add_document(np.asarray(v, dtype), [len(v)])
+        b.finalize(path + ".idx")
+    layout = {"kind": "unpacked", "seq_length": seq_length, "neat_pack": True, "pad_id": pad_id,
+              "pad_to_multiple_of": 1, **layout,
+              **{k: path.split("/")[-1] for k, (path, _, _) in per_unit.items()}}
+    meta = {"layout": layout, "cache_key": {"tokenizer": {"name": "toy"}, "template": {"name": "qwen"}},
+            "statistics": {**statistics, "documents": len(units), "data_fingerprint": content_fingerprint(prefixes)}}
+    with open(f"{prefix}_packed_meta.json", "w") as f:
+        json.dump(meta, f)
+    return prefix

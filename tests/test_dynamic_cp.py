@@ -5,6 +5,10 @@ Long-tail data: most samples under N tokens, some between N and 4N (up to 128 to
 document). Reference: one sample per row of 128 tokens on one rank (scheduler none). Dynamic CP must give the
 same loss and gradient norm every step (rel <= 1e-5) on 2 ranks (CP groups of 1 and 2, N = 64) and on 4 ranks
 (groups of 1, 2 and 4, N = 32), with steps that really mix group sizes, and resume exactly mid-epoch.
+
+The stages on units of two sequences (DPO, SimPO, ORM on preference pairs, KTO on couples: one unit a document)
+and a mixture of experts train the same way: one 2-rank job runs them all under dynamic CP, one 1-rank job one
+unit (sample) per row; every unit is planned whole on one group.
 """
 import json
 
@@ -220,7 +224,10 @@ def _parse(*extra, world_size=2, data_path="x"):
     (["--context-parallel-size", "2", "--min-dynamic-context-parallel-size", "4"], 2,
      "--min-dynamic-context-parallel-size 4 must be a power of two between 1 and --context-parallel-size 2"),
     (["--context-parallel-size", "2", "--attention-backend", "te"], 2, "does not support --attention-backend te"),
-    (["--context-parallel-size", "2", "--stage", "dpo"], 2, "does not support --stage dpo"),
+    (["--context-parallel-size", "2", "--stage", "grpo"], 2,
+     r"does not support --stage grpo \(rollouts are packed by their own batch source"),
+    (["--context-parallel-size", "2", "--stage", "dpo_reference"], 2, "--stage dpo_reference .* score with "
+     "--sequence-packing-scheduler none"),
 ])
 def test_bad_dynamic_cp_flags_are_refused_by_name(extra, world_size, message, capsys):
     with pytest.raises(SystemExit):
@@ -308,3 +315,198 @@ def test_transformer_engine_is_refused_at_model_build_and_auto_skips_it():
     with pytest.raises(RuntimeError, match="--attention-backend te: --sequence-packing-scheduler default_dynamic_cp"):
         resolve_backend("te", no_te=reason)
     assert resolve_backend("auto", no_te=reason) in ("flash", "local")
+
+
+
+# ---------------------------------------------------------------------------- units of two sequences, MoE
+def long_tail_pairs(n=32, seed=11):
+    """Preference pairs, one in four long (82-92 tokens: a CP group of 2 at N = 64), the rest 12-33 tokens."""
+    from tests.pair_utils import random_pairs
+
+    short = random_pairs(n, seed=seed)
+    long = random_pairs(n, seed=seed + 1, prompt=(18, 26), answer=(14, 24))
+    return [long[i] if i % 4 == 1 else short[i] for i in range(n)]
+
+
+def long_tail_kto(n=32, seed=5):
+    from tests.pair_utils import random_kto_rows
+
+    short, labels = random_kto_rows(n, seed=seed)
+    long, _ = random_kto_rows(n, seed=seed + 1, prompt=(20, 28), answer=(16, 24))
+    return [long[i] if i % 4 == 2 else short[i] for i in range(n)], labels
+
+
+UNIT_FLAGS = ["--neat-pack", "--lr-warmup-iters", "0", "--seed", "7"]
+DYNAMIC2 = [*DYNAMIC, "--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.1"]
+STAGE_RUNS = {
+    "dpo": ["--stage", "dpo", "--dpo-beta", "0.5", *UNIT_FLAGS],
+    "kto": ["--stage", "kto", *UNIT_FLAGS],
+    "orm": ["--stage", "orm", "--center-rewards-coefficient", "0.01", *UNIT_FLAGS],
+    "simpo": ["--stage", "simpo", "--simpo-beta", "2.0", "--gamma-beta-ratio", "0.5", *UNIT_FLAGS],
+    "orpo": ["--stage", "orpo", "--orpo-beta", "0.5", *UNIT_FLAGS],
+    "moe": MOE,
+}
+STAGE_KEYS = {
+    "dpo": ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected"),
+    "kto": ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
+    "orm": ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"),
+    "simpo": ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected"),
+    "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/rejected"),
+    "moe": ("moe aux loss", "expert load max/mean"),
+}
+
+
+@pytest.fixture(scope="module")
+def unit_runs(tmp_path_factory, data, lora_base):
+    """{stage: (dynamic CP steps, one unit per row on one rank steps)}: one 1-rank job trains the references (and
+    scores DPO's reference log-probs once, --stage dpo_reference), one 2-rank job every stage under dynamic CP (DPO
+    also from the precomputed table; SimPO stopped at step 2 and resumed from its checkpoint)."""
+    from tests.pair_utils import write_kto_units, write_pair_units
+    from tests.train_utils import run_posttrain_runs
+
+    root = tmp_path_factory.mktemp("units")
+    pairs = long_tail_pairs()
+    # pad id 1 (no token is 1): a reward read at a CP pad (id 0) instead of the sample's last token would show
+    sources = {"pairs": write_pair_units(str(root / "pairs"), pairs, margins=[(i % 5) / 4 for i in range(len(pairs))],
+                                         pad_id=1),
+               "kto": write_kto_units(str(root / "kto"), *long_tail_kto()), "sft": data}
+    source_of = {"dpo": "pairs", "kto": "kto", "orm": "pairs", "simpo": "pairs", "orpo": "pairs", "moe": "sft"}
+    # DPO's and KTO's reference another model (a Hugging Face directory): margins and KL point are not 0
+    reference = {"dpo": ["--ref-load", lora_base], "kto": ["--ref-load", lora_base]}
+
+    def argv(stage, *extra, ref=True):
+        return [*COMMON, *STAGE_RUNS[stage], "--data-path", sources[source_of[stage]],
+                *(reference.get(stage, ()) if ref else ()), *extra]
+
+    def metrics(name):
+        return str(root / f"{name}.jsonl")
+
+    # the MoE reference's row padding is its own segment, routed nowhere (as every pad under dynamic CP)
+    one_per_row = {"moe": ["--reset-attention-mask"]}
+    scoring = [*COMMON, "--stage", "dpo_reference", "--neat-pack", "--data-path", sources["pairs"], "--load", lora_base]
+    run_posttrain_runs([(scoring, metrics("scoring"))] + [
+        (argv(stage, *one_per_row.get(stage, ())), metrics(f"ref_{stage}")) for stage in STAGE_RUNS], nproc=1)
+    ckpt = str(root / "simpo_ckpt")
+    trained_once = ("dpo", "kto", "orm", "orpo", "moe")
+    dynamic = [(argv(stage, *DYNAMIC2), metrics(f"dyn_{stage}")) for stage in trained_once]
+    # fixed CP 2 (dp_balanced) lays its rows out the same way: their CP pads reach no expert either
+    fixed = ["--sequence-packing-scheduler", "dp_balanced", "--context-parallel-size", "2",
+             "--max-seqlen-per-dp-cp-rank", "64"]
+    dynamic += [(argv("moe", *fixed), metrics("fixed_moe")),
+                (argv("dpo", *DYNAMIC2, "--ref-logps", ref=False), metrics("dyn_dpo_table")),
+                (argv("simpo", *DYNAMIC2, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"),
+                 metrics("dyn_simpo_first")),
+                (argv("simpo", *DYNAMIC2, "--load", ckpt), metrics("dyn_simpo_resumed"))]
+    run_posttrain_runs(dynamic, nproc=2)
+    out = {stage: (read_metrics(metrics(f"dyn_{stage}")), read_metrics(metrics(f"ref_{stage}")))
+           for stage in trained_once}
+    out["dpo --ref-logps"] = (read_metrics(metrics("dyn_dpo_table")), out["dpo"][1])
+    out["moe dp_balanced"] = (read_metrics(metrics("fixed_moe")), out["moe"][1])
+    first, resumed = (read_metrics(metrics(f"dyn_simpo_{part}")) for part in ("first", "resumed"))
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3]  # stopped mid-epoch, resumed at its step 3
+    out["simpo"] = ({**first, **resumed}, read_metrics(metrics("ref_simpo")))
+    return out
+
+
+@pytest.mark.parametrize("stage", [*STAGE_RUNS, "dpo --ref-logps", "moe dp_balanced"])
+def test_pair_kto_orm_and_moe_under_dynamic_cp_equal_one_unit_per_row(unit_runs, stage):
+    """DPO (its reference model on the same group layout, or its log-probs scored once and looked up per
+    document), SimPO (resumed at step 2), ORPO (its NLL weight from the step's pairs and tokens over the pool), ORM
+    (rewards read at each sequence's last real token, not its CP pads) on preference pairs, KTO on couples (its KL
+    point summed over the pool, each micro-batch counted on its group's first rank) and a mixture of experts
+    (seq_aux_loss: each sample's routing statistic over its own group; also at fixed CP 2) train as one unit per
+    row on one rank, with steps mixing groups of 1 and 2."""
+    got, want = unit_runs[stage]
+    _assert_same_steps(got, want)
+    if stage == "kto":
+        assert all(rec["kl"] > 0.1 for rec in want.values())  # a KL point summed over the wrong ranks would show
+    assert stage == "moe dp_balanced" or [1, 2] in _group_sizes_used(got)
+    for it in want:
+        for key in STAGE_KEYS[stage.split()[0]]:
+            atol = 1e-4 if key.startswith("rewards/") else 1e-6  # beta x differences of log-prob sums ~50 (fp32)
+            assert abs(got[it][key] - want[it][key]) <= atol + 1e-5 * abs(want[it][key]), \
+                (stage, it, key, got[it][key], want[it][key])
+        if stage.startswith("moe"):
+            assert got[it]["tokens per expert"] == want[it]["tokens per expert"]
+
+
+def _unit_source(data, rank, monkeypatch, *extra):
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.datasets import online_packing
+
+    monkeypatch.setattr(ps, "get_data_parallel_rank", lambda **kw: rank)
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda **kw: 2)
+    monkeypatch.setattr(online_packing, "check_dynamic_cp_groups", lambda max_cp: None)  # no process groups here
+    args = _parse("--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64", "--neat-pack", "--stage",
+                  "dpo", *extra, data_path=data)
+    source = online_packing.DynamicCPBatchSource()
+    source.setup(args, {"train": ITERS * GBS})
+    return source, args
+
+
+def test_the_plan_never_splits_a_pair_and_each_sequence_is_padded_on_its_own(tmp_path, monkeypatch):
+    """Every pair of a global batch lies in exactly one job: the same row on every rank of its group, its chosen
+    and rejected answers neighbouring segments 2j-1, 2j, each padded to a multiple of 2 x CP on its own."""
+    from mindspeed_pack.packing.dynamic_cp import group_sizes
+    from mindspeed_pack.packing.segments import build_packed_batch
+    from mindspeed_pack.training.stages.sequences import pair_segments
+    from tests.pair_utils import sequence, write_pair_units
+
+    # a unit's sequences pad separately: 30 + 2 fit one rank; 31 + 31 pad to 32 + 32 at CP 2; 30 + 33 to 32 + 36
+    assert group_sizes([[10, 12], [30, 2], [31, 31], [30, 33]], per_rank=32, max_cp=2).tolist() == [1, 1, 2, 0]
+    pairs = long_tail_pairs()
+    data = write_pair_units(str(tmp_path / "pairs"), pairs)
+    sources = [_unit_source(data, rank, monkeypatch)[0] for rank in (0, 1)]
+    sizes = []
+    for consumed in range(0, ITERS * GBS, GBS):
+        seen = {}  # document -> (slot, cp size, ranks)
+        for rank, source in enumerate(sources):
+            for slot, row in enumerate(source.micro_batches("train", consumed)):
+                seg = row["segment_ids"][0].numpy()
+                k = 0
+                for doc in row["documents"]:
+                    prompt, chosen, rejected = pairs[doc]
+                    for j, answer in ((k + 1, chosen), (k + 2, rejected)):
+                        n = len(sequence(prompt, answer)[0])
+                        span = int((seg == j).sum())  # the segment, its CP pads included
+                        assert span == (n if row["cp_size"] == 1 else -(-n // 4) * 4), (consumed, doc, j)
+                        assert np.array_equal(row["input_ids"][0].numpy()[seg == j][:n], sequence(prompt, answer)[0])
+                    k += 2
+                    where = seen.setdefault(doc, (slot, row["cp_size"], set()))
+                    assert where[:2] == (slot, row["cp_size"])  # one job: same slot and group on each of its ranks
+                    where[2].add(rank)
+                assert int(seg.max()) == k  # nothing but whole pairs in the row
+                batch = build_packed_batch(row["input_ids"], row["labels"], row["segment_ids"])
+                assert len(pair_segments(batch)[0]) == len(row["documents"])
+        assert sorted(seen) == list(range(consumed, consumed + GBS))  # every pair of the batch, once
+        assert all(len(ranks) == size for _, size, ranks in seen.values())  # on all of its group's ranks
+        sizes.append(sorted({size for _, size, _ in seen.values()}))
+    assert [1, 2] in sizes
+
+
+def test_a_unit_over_c_times_n_once_padded_is_refused_naming_it(tmp_path, monkeypatch):
+    """A pair of 5 + 122 tokens fits 2 x 64 (and --seq-length) unpadded, not once each answer is padded to a
+    multiple of 4 (8 + 124)."""
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from tests.pair_utils import write_pair_units
+
+    pairs = long_tail_pairs()
+    pairs[5] = (pairs[5][0][:3], pairs[5][1][:2], np.arange(4, 123, dtype=np.int64))
+    data = write_pair_units(str(tmp_path / "pairs"), pairs)
+    with pytest.raises(DataError, match=r"sample 5 of '.*pairs' \(train split\) has 127 tokens \(132 with each "
+                                        r"sequence padded to a multiple of 4\), more than --context-parallel-size 2"):
+        _unit_source(data, 0, monkeypatch)
+
+
+def test_pair_stages_refuse_dp_balanced_naming_the_units():
+    from types import SimpleNamespace
+
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.training.stages.sequences import unit_batch_source
+
+    with pytest.raises(DataError, match="--stage kto reads whole KTO couples: --sequence-packing-scheduler dp_balanced "
+                                        "packs single samples"):
+        unit_batch_source(SimpleNamespace(sequence_packing_scheduler="dp_balanced"), "kto", "KTO couples")

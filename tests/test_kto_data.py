@@ -123,3 +123,26 @@ def test_kto_bad_inputs(tmp_path, run_preprocess):
                                   prompt_type="qwen", seq_length=512, pack=True, neat_pack=True)
     assert code == 2 and "one usable KTO row: its KL partner needs another row's completion" in err, err
     assert not any((tmp_path / "out").iterdir())
+
+
+def test_without_pack_each_couple_is_its_own_document(tmp_path, run_preprocess, read_indexed):
+    """Without --pack (dynamic context parallelism plans each couple whole): one document per KTO couple, the
+    sample segment 1 and its KL partner 2, labelled [label, -1], the same couples as the packs hold."""
+    rows, labels, _ = _rows("alpaca")
+    data = toy.write_dataset(tmp_path / "kto.jsonl", rows)
+    common = dict(input=data, handler_name="AlpacaStyleKTOHandler", prompt_type="qwen", seq_length=512)
+    code, _, err = run_preprocess(output_prefix=tmp_path / "u", **common)
+    assert code == 0, err
+    code, _, err = run_preprocess(output_prefix=tmp_path / "p", pack=True, neat_pack=True, **common)
+    assert code == 0, err
+    meta = json.load(open(tmp_path / "u_packed_meta.json"))
+    assert meta["layout"]["kind"] == "unpacked" and "segments 1 (prompt + completion" in meta["layout"]["kto"]
+    assert meta["statistics"]["documents"] == meta["statistics"]["kto_samples"] == ROWS
+    docs = _couples(read_indexed, tmp_path / "u")
+    assert all(int(s.max()) == 2 for s in read_indexed(tmp_path / "u_packed_attention_mask_document"))
+    key = [(a.tolist(), b.tolist(), c.tolist(), d.tolist(), e) for a, b, c, d, e in docs]
+    packed = [(a.tolist(), b.tolist(), c.tolist(), d.tolist(), e) for a, b, c, d, e in
+              _couples(read_indexed, tmp_path / "p")]
+    assert sorted(key) == sorted(packed) and len(key) == ROWS
+    # input order: the first row's couple is stored last (its partner takes the last completion)
+    assert [e for *_, e in key] == [int(x) for x in labels[1:] + labels[:1]]

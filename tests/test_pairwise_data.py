@@ -103,3 +103,37 @@ def test_pair_history_answers_are_context_not_trained(tmp_path, run_preprocess, 
             assert "<|im_start|>assistant\nhello friend<|im_end|>" in tok.decode(ids[s][labels[s] == -100])
     expected = [f"{kind} answer {i}<|im_end|>" for i in range(6) for kind in ("good", "bad")]
     assert sorted(trained) == sorted(expected)
+
+
+def test_without_pack_each_pair_is_its_own_document(tmp_path, run_preprocess, read_indexed):
+    """Without --pack (dynamic context parallelism plans each pair whole): one document per pair in input order,
+    segment 1 the chosen and 2 the rejected answer, the same pairs as the packs hold, one margin a document."""
+    rows = [{**r, **({"margin": i + 0.5} if i % 3 else {})} for i, r in
+            enumerate(toy.generate_preference(24, seed=3, max_words=30))]
+    data = toy.write_dataset(tmp_path / "pref.jsonl", rows)
+    common = dict(input=data, handler_name="AlpacaStylePairwiseHandler", prompt_type="qwen", seq_length=256)
+    code, _, err = run_preprocess(output_prefix=tmp_path / "u", **common)
+    assert code == 0, err
+    code, _, err = run_preprocess(output_prefix=tmp_path / "p", pack=True, neat_pack=True, **common)
+    assert code == 0, err
+    meta = json.load(open(tmp_path / "u_packed_meta.json"))
+    assert meta["layout"]["kind"] == "unpacked" and meta["layout"]["neat_pack"]  # segment ids: train with --neat-pack
+    assert "segments 1 (chosen) and 2 (rejected)" in meta["layout"]["pairs"]
+    assert meta["statistics"]["documents"] == meta["statistics"]["pairs"] == 24
+    assert len(meta["statistics"]["data_fingerprint"]) == 16
+    docs = []
+    for ids, seg, labels in zip(*_packs(read_indexed, tmp_path / "u")):
+        k = int(np.argmax(seg == 2))
+        assert k > 0 and (seg[:k] == 1).all() and (seg[k:] == 2).all()  # one pair, chosen first
+        docs.append((ids[:k].tolist(), ids[k:].tolist()))
+    packed = [(ids[seg == j].tolist(), ids[seg == j + 1].tolist())
+              for ids, seg, _ in zip(*_packs(read_indexed, tmp_path / "p")) for j in range(1, int(seg.max()), 2)]
+    assert sorted(docs) == sorted(packed) and len(docs) == 24
+    margins = read_indexed(tmp_path / "u_packed_pair_margins")
+    assert [m.tolist() for m in margins] == [[i + 0.5 if i % 3 else 0.0] for i in range(24)]  # input order
+
+    from mindspeed_pack.datasets.online_packing import unit_lengths
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+
+    lengths = unit_lengths(PackedDocuments(str(tmp_path / "u")))
+    assert lengths.tolist() == [[len(c), len(r)] for c, r in docs]

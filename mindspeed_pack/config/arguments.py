@@ -491,6 +491,18 @@ def _check_data_flags(args) -> None:
         raise ArgumentError(f"--eval-interval {args.eval_interval} must be >= 1")
 
 
+# stages whose per-token inputs are laid out for megatron's fixed CP split, or that run their own loop
+DYNAMIC_CP_REFUSED_STAGES = {
+    "grpo": "rollouts are packed by their own batch source for megatron's fixed CP split, and their per-token "
+            "advantages, old and reference log-probs cut for it",
+    "score": "rollouts are packed by their own batch source for megatron's fixed CP split, and their per-token "
+             "outputs gathered over its CP group",
+    "prm": "its step labels are laid out for megatron's fixed CP split",
+    "dpo_reference": "it scores every document once in its own fixed layout; score with --sequence-packing-scheduler "
+                     "none: its table serves a dynamic CP run of the same data (--ref-logps)",
+}
+
+
 def _check_dynamic_cp_flags(args) -> None:
     """``--sequence-packing-scheduler default_dynamic_cp``: group sizes that the sub-groups and the zigzag
     padding rule can serve, and the combinations it trains exactly (packing/dynamic_cp.py)."""
@@ -516,10 +528,9 @@ def _check_dynamic_cp_flags(args) -> None:
                             + " and its row holds g x --max-seqlen-per-dp-cp-rank tokens")
     refused = [(args.micro_batch_size != 1, f"--micro-batch-size {args.micro_batch_size} (a micro-batch is one "
                 "row of --max-seqlen-per-dp-cp-rank tokens per rank: use 1)"),
-               (args.stage != "sft", f"--stage {args.stage} (dynamic CP groups train --stage sft; the other stages "
-                "reduce per-sequence sums over megatron's fixed CP group)"),
-               (bool(args.num_experts), "--num-experts (the routers' statistics are reduced over megatron's fixed "
-                "CP group)"),
+               (args.stage in DYNAMIC_CP_REFUSED_STAGES,
+                f"--stage {args.stage} ({DYNAMIC_CP_REFUSED_STAGES.get(args.stage)}; dynamic CP trains --stage "
+                "sft, dpo, simpo, orpo, kto and orm)"),
                (args.attention_backend == "te", "--attention-backend te (megatron-core 0.16 applies THD RoPE over "
                 "its fixed CP group, not a micro-batch's own; use local or flash)")]
     for bad, what in refused:

@@ -37,11 +37,13 @@ from collections import OrderedDict
 from typing import Iterator, List, Optional
 
 import numpy as np
+import torch
 
 from mindspeed_pack.datasets.packed_dataset import DataError, PackedBatchSource, SplitDataset, micro_batch
 from mindspeed_pack.packing.balance import balance_partition, cost_model, imbalance, plan_online_packing
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
-from mindspeed_pack.packing.dynamic_cp import DynamicCPPlan, group_size_options, plan_dynamic_cp
+from mindspeed_pack.packing.dynamic_cp import (DynamicCPPlan, group_size_options, plan_dynamic_cp,
+                                                planned_lengths, unit_totals)
 from mindspeed_pack.packing.segments import IGNORE_INDEX
 from mindspeed_pack.runtime.process_groups import check_dynamic_cp_groups
 
@@ -175,24 +177,35 @@ class BalancedBatchSource(PackedBatchSource):
             yield micro_batch([docs.get(int(d)) for d in mine[i:i + mbs]], self.args)
 
     def _pack_row(self, samples: List[dict], capacity: Optional[int] = None, multiple: Optional[int] = None) -> dict:
-        """One row of ``capacity`` tokens: samples back to back as segments 1..k, then padding.
+        """One row of ``capacity`` tokens: the documents' sequences back to back as segments 1..k, then padding.
 
-        Each sample takes its CP-padded length (its plan length, a multiple of ``multiple``): the pads end
-        its segment, untrained, and are no real tokens (``pad_mask``)."""
+        A document is one sample, or a unit of several sequences told apart by its attention mask's segment ids
+        (a preference pair, a KTO couple: they keep their order, 2j-1 then 2j). Each sequence takes its CP-padded
+        length (a multiple of ``multiple``): the pads end its segment, untrained, and are no real tokens
+        (``pad_mask``, also returned: an outcome reward is read at a sequence's last real token)."""
         c = capacity or self.capacity
         multiple = multiple or self.cp_multiple
         row = {"input_ids": np.zeros(c, np.int64), "labels": np.full(c, IGNORE_INDEX, np.int64),
                "attention_mask": np.zeros(c, np.int64), "pad_mask": np.zeros(c, bool)}
-        pos = 0
-        for k, s in enumerate(samples, start=1):
-            n = min(len(s["input_ids"]), c - pos)
-            span = min(round_up(n, multiple), c - pos)
-            row["input_ids"][pos:pos + n] = s["input_ids"][:n]
-            row["labels"][pos:pos + n] = s["labels"][:n]
-            row["attention_mask"][pos:pos + span] = k
-            row["pad_mask"][pos + n:pos + span] = True
-            pos += span
-        return micro_batch([row], self.args, seq_length=c, isolate=True)
+        margins = [s["pair_margins"] for s in samples if "pair_margins" in s]
+        pos, k = 0, 0
+        for s in samples:
+            ids = s["input_ids"]
+            cuts = np.concatenate([[0], np.flatnonzero(np.diff(s["attention_mask"])) + 1, [len(ids)]])
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                k += 1
+                n = min(int(b - a), c - pos)
+                span = min(round_up(n, multiple), c - pos)
+                row["input_ids"][pos:pos + n] = ids[a:a + n]
+                row["labels"][pos:pos + n] = s["labels"][a:a + n]
+                row["attention_mask"][pos:pos + span] = k
+                row["pad_mask"][pos + n:pos + span] = True
+                pos += span
+        if samples and len(margins) == len(samples):
+            row["pair_margins"] = np.concatenate(margins)
+        out = micro_batch([row], self.args, seq_length=c, isolate=True)
+        out["pad_mask"] = torch.from_numpy(row["pad_mask"][None])
+        return out
 
 
 class DynamicCPBatchSource(BalancedBatchSource):
@@ -204,7 +217,13 @@ class DynamicCPBatchSource(BalancedBatchSource):
     out at their ``2g``-padded lengths) with ``cp_size`` = ``g`` and ``cp_rank`` = its place in the group, the
     trainer keeping its zigzag share; an empty row of ``N`` tokens where it has no job. Unpacked data only
     (``preprocess_data.py`` without ``--pack``, the long limit as ``--seq-length``); a sample longer than
-    ``C x N`` is refused by name, or dropped and counted (``--overlong-samples drop``), never truncated."""
+    ``C x N`` is refused by name, or dropped and counted (``--overlong-samples drop``), never truncated.
+
+    A document of preference pairs or KTO couples written without ``--pack`` is one *unit* (chosen + rejected,
+    sample + KL partner): planned as one item, placed whole in one row on one group (its sequences padded each
+    on its own), so a stage's per-pair sums are taken over that group alone. Each micro-batch names its
+    documents in segment order (``documents``, one unit each: ``document_segments``), for the per-document
+    data beside them (KTO labels, precomputed reference log-probs)."""
 
     dynamic_cp = True
 
@@ -215,26 +234,25 @@ class DynamicCPBatchSource(BalancedBatchSource):
         docs = next(d.docs for d in self.splits.values() if d is not None)
         if data_kind(docs) != "unpacked":
             raise DataError(f"--sequence-packing-scheduler default_dynamic_cp packs samples at load time: "
-                            f"{docs.prefix!r} holds offline packs; preprocess without --pack (each sample its own "
-                            "document, --seq-length the longest sample)")
+                            f"{docs.prefix!r} holds offline packs; preprocess without --pack (each sample, "
+                            "preference pair or KTO couple its own document, --seq-length the longest)")
         self.online = True
         self.cost = cost_model(args)
         self.per_rank = args.max_seqlen_per_dp_cp_rank
         self.capacity = self.per_rank * args.context_parallel_size  # the longest sample
-        self._sizes = {id(d.docs): np.asarray(d.docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
-                       for d in self.splits.values() if d is not None}
+        self._sizes = {id(d.docs): unit_lengths(d.docs) for d in self.splits.values() if d is not None}
         self._plans = OrderedDict()
         for name, split in self.splits.items():
             if split is not None:
-                check_overlong(self._sizes[id(split.docs)][split.start:split.end], split.start, self.capacity,
-                               args, f"{split.docs.prefix!r} ({name} split)")
+                check_overlong(self._sizes[id(split.docs)][split.start:split.end], split.start, args,
+                               f"{split.docs.prefix!r} ({name} split)")
         self.pool_rank = ps.get_data_parallel_rank(with_context_parallel=True)
         self.pool_size = ps.get_data_parallel_world_size(with_context_parallel=True)
         check_dynamic_cp_groups(args.context_parallel_size)
         if not args.no_reset_position_ids:  # rows isolate their samples: positions restart per sample
             args.reset_position_ids = True
-        log.info("default_dynamic_cp: samples on CP groups of %s ranks (rows of %d tokens per rank) over %d data x "
-                 "context parallel ranks", "/".join(map(str, group_size_options(
+        log.info("default_dynamic_cp: %s on CP groups of %s ranks (rows of %d tokens per rank) over %d data x "
+                 "context parallel ranks", UNIT_NAMES[units_per_document(docs)], "/".join(map(str, group_size_options(
                      args.context_parallel_size, args.min_dynamic_context_parallel_size))), self.per_rank,
                  self.pool_size)
 
@@ -250,7 +268,7 @@ class DynamicCPBatchSource(BalancedBatchSource):
             raise RuntimeError(f"{split} data exhausted at consumed samples {consumed}: the sample index "
                                "is shorter than train-iters x global-batch-size")
         docs = dataset.start + np.asarray(dataset.index[consumed:consumed + gbs], dtype=np.int64)
-        docs, lengths, dropped = kept_samples(docs, self._sizes[id(dataset.docs)][docs], self.capacity)
+        docs, lengths, dropped = kept_samples(docs, self._sizes[id(dataset.docs)][docs], self.args)
         plan = step_plan(lengths, self.args, self.pool_size, self.cost)
         stats = plan.stats(lengths)
         if self.args.overlong_samples == "drop":
@@ -275,16 +293,41 @@ class DynamicCPBatchSource(BalancedBatchSource):
         plan = self._plan(split, consumed)
         docs = self.splits[split].docs
         args = self.args
+        segments = units_per_document(docs)
         for job in plan["jobs"]:
             if job is None:  # no job for this rank in this slot: an empty row, alone
+                mine = []
                 row = self._pack_row([], self.per_rank, 1)
                 row.update(cp_size=1, cp_rank=0)
             else:
                 g = job.size
+                mine = [int(d) for d in plan["docs"][job.samples]]
                 multiple = padding_multiple(g, args.tensor_model_parallel_size, args.sequence_parallel) if g > 1 else 1
-                row = self._pack_row([docs.get(int(d)) for d in plan["docs"][job.samples]], g * self.per_rank, multiple)
+                row = self._pack_row([docs.get(d) for d in mine], g * self.per_rank, multiple)
                 row.update(cp_size=g, cp_rank=self.pool_rank - job.first_rank)
+            row.update(documents=mine, document_segments=[segments] * len(mine))
             yield row
+
+
+UNIT_NAMES = {1: "samples", 2: "preference pairs / KTO couples (one unit per document, never split)"}
+
+
+def units_per_document(docs) -> int:
+    """Sequences per document of unpacked data: 2 for preference pairs and KTO couples written without
+    ``--pack`` (segments 1 and 2 of its attention mask), else 1."""
+    layout = (docs.meta or {}).get("layout") or {}
+    return 2 if layout.get("kind") == "unpacked" and (layout.get("pairs") or layout.get("kto")) else 1
+
+
+def unit_lengths(docs) -> np.ndarray:
+    """Each document's sequence lengths: ``[documents]`` from the ``.idx`` (one sample each), or ``[documents,
+    2]`` for pairs and couples (from their attention masks, read once)."""
+    from mindspeed_pack.datasets.validation import document_segment_lengths
+
+    segments = units_per_document(docs)
+    if segments == 1:
+        return np.asarray(docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
+    return document_segment_lengths(docs, segments)
 
 
 def step_plan(lengths, args, pool_size: int, cost) -> DynamicCPPlan:
@@ -294,23 +337,35 @@ def step_plan(lengths, args, pool_size: int, cost) -> DynamicCPPlan:
                            args.sequence_parallel)
 
 
-def kept_samples(docs: np.ndarray, lengths: np.ndarray, longest: int):
-    """(documents, lengths, how many were dropped) of a global batch without its samples over ``longest``
-    (they reach here only under ``--overlong-samples drop``)."""
-    keep = lengths <= longest
+def largest_group_lengths(lengths, args) -> np.ndarray:
+    """Tokens each sample (or unit) takes on the largest CP group: what must fit ``C x N``."""
+    return planned_lengths(lengths, args.context_parallel_size, args.tensor_model_parallel_size,
+                           args.sequence_parallel)
+
+
+def kept_samples(docs: np.ndarray, lengths: np.ndarray, args):
+    """(documents, lengths, how many were dropped) of a global batch without its samples over ``C x N`` once
+    padded (they reach here only under ``--overlong-samples drop``)."""
+    keep = largest_group_lengths(lengths, args) <= args.context_parallel_size * args.max_seqlen_per_dp_cp_rank
     return docs[keep], lengths[keep], int((~keep).sum())
 
 
-def check_overlong(lengths: np.ndarray, first_document: int, longest: int, args, where: str) -> int:
-    """Samples of a split longer than ``longest`` = C x N tokens: refused naming the first, or (``--overlong-samples
-    drop``) counted and logged; returns how many."""
-    over = np.flatnonzero(lengths > longest)
+def check_overlong(lengths: np.ndarray, first_document: int, args, where: str) -> int:
+    """Samples (or units) of a split longer than ``C x N`` tokens once padded for the largest group: refused
+    naming the first, or (``--overlong-samples drop``) counted and logged; returns how many."""
+    longest = args.context_parallel_size * args.max_seqlen_per_dp_cp_rank
+    planned = largest_group_lengths(lengths, args)
+    over = np.flatnonzero(planned > longest)
     if not len(over):
         return 0
     first = int(over[0])
+    real = int(unit_totals(lengths)[first])
+    multiple = padding_multiple(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
+    size = f"{real} tokens" + (f" ({int(planned[first])} with each sequence padded to a multiple of {multiple})"
+                               if planned[first] != real else "")
     if args.overlong_samples == "refuse":
         raise DataError(f"sample {first_document + first} of {where} has "
-                        f"{int(lengths[first])} tokens, more than --context-parallel-size {args.context_parallel_size} "
+                        f"{size}, more than --context-parallel-size {args.context_parallel_size} "
                         f"x --max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank} = {longest} "
                         f"({len(over)} such samples): raise either flag, or pass --overlong-samples drop to drop them "
                         "(counted); they are never truncated")
@@ -321,7 +376,8 @@ def check_overlong(lengths: np.ndarray, first_document: int, longest: int, args,
 
 def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
     """``--dry-run`` under ``default_dynamic_cp``: the plan of the first training steps, from the documents'
-    sizes in the ``.idx`` and the sample index built in memory (nothing is written)."""
+    sizes in the ``.idx`` (and a pair's or couple's sequences from its attention mask) and the sample index built
+    in memory (nothing is written)."""
     from mindspeed_pack.datasets.packed_dataset import split_ranges
     from mindspeed_pack.datasets.packed_documents import PackedDocuments
     from mindspeed_pack.datasets.sample_index import build_sample_index
@@ -329,9 +385,8 @@ def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
     per_split = getattr(args, "train_data_path", None)
     docs = PackedDocuments((per_split or args.data_path)[0])
     start, end = (0, len(docs)) if per_split else split_ranges(len(docs), args.split)[0]
-    sizes = np.asarray(docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
-    longest = args.max_seqlen_per_dp_cp_rank * args.context_parallel_size
-    check_overlong(sizes[start:end], start, longest, args, f"{docs.prefix!r} (train split)")
+    sizes = unit_lengths(docs)
+    check_overlong(sizes[start:end], start, args, f"{docs.prefix!r} (train split)")
     gbs, pool = args.global_batch_size, args.data_parallel_size * args.context_parallel_size
     steps = min(steps, args.train_iters or steps)
     index = start + build_sample_index(end - start, steps * gbs, seed=args.seed, shuffle=not args.no_shuffle,
@@ -340,7 +395,7 @@ def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
     lines = [f"dynamic CP: {pool} data x context parallel ranks, CP groups of {'/'.join(map(str, sizes_used))} ranks, {args.max_seqlen_per_dp_cp_rank} tokens per rank per micro-batch; samples named by document"]
     for step in range(steps):
         batch = index[step * gbs:(step + 1) * gbs]
-        batch, lengths, dropped = kept_samples(batch, sizes[batch], longest)
+        batch, lengths, dropped = kept_samples(batch, sizes[batch], args)
         plan = step_plan(lengths, args, pool, cost_model(args))
         figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in plan.stats(lengths).items())

@@ -34,7 +34,9 @@ answer a2 a3) and ``b`` (prompt b0, answer b1 b2), seq_length 10, ``--neat-pack`
   ``P_packed_kto_labels`` (int32, one document per pack) holds each segment's label: 1 desirable, 0
   undesirable, -1 a KL partner (``[1, -1, 0, -1]`` for a pack of two couples).
 * no ``--pack``: one sample per document, of its own length, attention_mask all 1s; the same
-  three names, so unpacked training and packed-vs-unpacked comparisons read one format.
+  three names, so unpacked training and packed-vs-unpacked comparisons read one format. Preference pairs
+  and KTO couples stay units (:func:`write_units`): one document each, its two sequences segments 1 and 2,
+  the margins and KTO labels files one document per unit (dynamic context parallelism plans them whole).
 * ``--pad-to-multiple-of N`` (context parallelism): every sample is stored with pad tokens
   appended up to a multiple of N (:func:`pad_samples`, in :class:`TokenStore`), so packer,
   packs and unpacked documents all see the padded length. The pads are part of the sample:
@@ -316,6 +318,33 @@ def write_unpacked(store: TokenStore, prefixes: dict, *, progress=None, labels=N
         builders["input_ids"].add_document(ids, [n])
         builders["labels"].add_document(labels, [n])
         builders["attention_mask"].add_document(np.ones(n, dtype=np.int32), [n])
+        if progress is not None:
+            progress.update(1)
+    _finalize(builders, prefixes)
+
+
+def write_units(store: TokenStore, prefixes: dict, *, progress=None, kto_labels=None) -> None:
+    """Preference pairs or KTO couples without ``--pack``: samples ``2i`` and ``2i+1`` of the store as one document
+    (segment ids 1 and 2 in its attention mask), in input order; with the ``pair_margins`` prefix each pair's
+    margin, with ``kto_labels`` (one per stored sample) each couple's ``[label, -1]``, one document per unit."""
+    builders = {key: _builder(prefixes[key]) for key in PACKED_KEYS}
+    if "pair_margins" in prefixes:
+        builders["pair_margins"] = _builder(prefixes["pair_margins"], dtype=np.float32)
+    if kto_labels is not None:
+        builders["kto_labels"] = _builder(prefixes["kto_labels"])
+    for unit in range(len(store) // 2):
+        parts = [store.sample(2 * unit), store.sample(2 * unit + 1)]
+        ids = np.concatenate([i for i, _ in parts])
+        trained = np.concatenate([t for _, t in parts]).astype(bool)
+        n = len(ids)
+        builders["input_ids"].add_document(ids, [n])
+        builders["labels"].add_document(np.where(trained, ids, IGNORE_INDEX).astype(np.int32), [n])
+        builders["attention_mask"].add_document(np.repeat(np.array([1, 2], np.int32), [len(i) for i, _ in parts]),
+                                                [n])
+        if "pair_margins" in builders:
+            builders["pair_margins"].add_document(store.pair_margins[unit:unit + 1].astype(np.float32), [1])
+        if kto_labels is not None:
+            builders["kto_labels"].add_document(np.asarray(kto_labels[2 * unit:2 * unit + 2], np.int32), [2])
         if progress is not None:
             progress.update(1)
     _finalize(builders, prefixes)

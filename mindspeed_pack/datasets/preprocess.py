@@ -169,12 +169,14 @@ def validate_args(args) -> None:
                                       "EOS, as MindSpeed-LLM): drop --prompt-type and --append-eod")
         elif args.prompt_type is None:
             raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json, or hf)")
-        if pairwise.is_pairwise(args.handler_name) and not (args.pack and args.neat_pack):
+        if pairwise.is_pairwise(args.handler_name) and args.pack and not args.neat_pack:
             raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a preference pair is a unit of "
-                                  "packing, its chosen and rejected answers told apart by their segment ids")
-        if kto.is_kto(args.handler_name) and not (args.pack and args.neat_pack):
+                                  "packing, its chosen and rejected answers told apart by their segment ids (or "
+                                  "neither flag: each pair its own document)")
+        if kto.is_kto(args.handler_name) and args.pack and not args.neat_pack:
             raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a KTO sample and its KL partner "
-                                  "are a unit of packing, told apart by their segment ids")
+                                  "are a unit of packing, told apart by their segment ids (or neither flag: each "
+                                  "couple its own document)")
     if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
         raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
     if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
@@ -534,17 +536,21 @@ def _layout(args, tokenizer, encoder) -> dict:
         return {"kind": "text_documents", "eod_id": tokenizer.eos_id, "append_eod": args.append_eod,
                 "bos_id": tokenizer.bos_id, "add_bos": add_bos,
                 "add_bos_from": "tokenizer" if args.add_bos is None else f"--{'' if add_bos else 'no-'}add-bos"}
-    return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": args.neat_pack,
+    units = _units_per_document(args)  # unpacked pairs and KTO couples: one unit a document, segment ids 1, 2
+    where = "a document's" if units else "a pack's k-th"
+    first, second = ("1", "2") if units else ("2k-1", "2k")
+    segment_ids = args.neat_pack or units
+    return {"kind": "packed" if args.pack else "unpacked", "seq_length": args.seq_length, "neat_pack": segment_ids,
             "pad_id": tokenizer.pad_or_eos_id, "eos_id": encoder.eos_id, "ignore_index": pack_writer.IGNORE_INDEX,
-            "attention_mask": "segment_ids" if args.neat_pack else "all_ones", "labels": "aligned",
+            "attention_mask": "segment_ids" if segment_ids else "all_ones", "labels": "aligned",
             "pad_to_multiple_of": args.pad_to_multiple_of,
-            **({"pairs": "segments 2k-1 (chosen) and 2k (rejected) of a pack are its k-th preference pair",
+            **({"pairs": f"segments {first} (chosen) and {second} (rejected) are {where} preference pair",
                 "pair_margins": Path(pack_writer.pair_margins_prefix(args.output_prefix)).name}
                if pairwise.is_pairwise(args.handler_name) else {}),
             # process reward samples: each step tag's label is a reward token's id (unshifted), read by --stage prm
             **({"step_tags": encoder.layout()} if args.handler_name == PROCESS_REWARD else {}),
-            **({"kto": "segments 2k-1 (prompt + completion, labelled) and 2k (its KL partner: the same prompt + the "
-                       "previous sample's completion) of a pack are its k-th KTO couple",
+            **({"kto": f"segments {first} (prompt + completion, labelled) and {second} (its KL partner: the same "
+                       f"prompt + the previous sample's completion) are {where} KTO couple",
                 "kto_labels": Path(pack_writer.kto_labels_prefix(args.output_prefix)).name}
                if kto.is_kto(args.handler_name) else {}),
             **({"sample_lengths": Path(pack_writer.sample_lengths_prefix(args.output_prefix)).name}
@@ -614,6 +620,11 @@ def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray
         pack_writer.write_text_documents(store, prefixes["text"], tokenizer.vocab_size, progress=progress)
         progress.close()
         return {"documents": len(store)}
+    if _units_per_document(args):  # one preference pair / KTO couple a document, in input order
+        progress = _Progress("write", "units", args.log_interval, total=len(store) // 2)
+        pack_writer.write_units(store, prefixes, progress=progress, kto_labels=kto_labels)
+        progress.close()
+        return {"documents": len(store) // 2, **_unit_statistics(store, prefixes, kto_labels)}
     if not args.pack:
         progress = _Progress("write", "samples", args.log_interval, total=len(store))
         pack_writer.write_unpacked(store, prefixes, progress=progress, labels=labels)
@@ -638,14 +649,26 @@ def _write_outputs(args, store, tokenizer, prefixes, labels: Optional[np.ndarray
     fill_rate = (store.num_tokens - store.pad_tokens) / (plan.num_bins * args.seq_length)
     out = {"packs": plan.num_bins, "lower_bound": lower_bound(store.lengths, args.seq_length),
            "fill_rate": round(fill_rate, 6), "pack_seconds": round(pack_seconds, 3)}
-    if pairs:  # what a precomputed reference must have scored (mindspeed_pack/stages/reference.py): the packs
-        packs = {k: v for k, v in prefixes.items() if k in pack_writer.PACKED_KEYS}
-        out.update(data_fingerprint=pack_writer.content_fingerprint(packs))
-        if kto_labels is None:
-            out.update(pairs=len(store) // 2, pairs_with_margin=int(np.count_nonzero(store.pair_margins)))
-        else:
-            out.update(kto_samples=len(store) // 2, desirable=int((kto_labels == 1).sum()),
-                       undesirable=int((kto_labels == 0).sum()))
+    if pairs:
+        out.update(_unit_statistics(store, prefixes, kto_labels))
+    return out
+
+
+def _units_per_document(args) -> bool:
+    """Preference pairs or KTO couples written without ``--pack``: each unit its own document."""
+    return not args.pack and (pairwise.is_pairwise(args.handler_name) or kto.is_kto(args.handler_name))
+
+
+def _unit_statistics(store, prefixes: dict, kto_labels) -> dict:
+    """What a precomputed reference must have scored (mindspeed_pack/stages/reference.py): the written documents'
+    fingerprint; and the pairs, or the KTO samples and their labels."""
+    documents = {k: v for k, v in prefixes.items() if k in pack_writer.PACKED_KEYS}
+    out = {"data_fingerprint": pack_writer.content_fingerprint(documents)}
+    if kto_labels is None:
+        out.update(pairs=len(store) // 2, pairs_with_margin=int(np.count_nonzero(store.pair_margins)))
+    else:
+        out.update(kto_samples=len(store) // 2, desirable=int((kto_labels == 1).sum()),
+                   undesirable=int((kto_labels == 0).sum()))
     return out
 
 

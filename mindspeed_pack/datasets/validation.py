@@ -258,3 +258,30 @@ def validate_text_documents(prefixes, padded_vocab_size: Optional[int]) -> None:
         check_index_matches_bin(prefix, ds)
         for chunk in _chunks(ds, np.asarray(ds.index.sequence_lengths)):
             _check_vocab(prefix + ".bin", chunk, padded_vocab_size, "document")
+
+
+def document_segment_lengths(docs: PackedDocuments, segments: int) -> np.ndarray:
+    """``[documents, segments]``: the tokens of each document's segments ``1..segments``, read from its
+    attention mask in one pass (documents that are units of several sequences: a preference pair, a KTO couple
+    written without ``--pack``). A document whose mask holds another id, or lacks one of them, stops the run."""
+    ds = docs.datasets["attention_mask"]
+    lengths = np.asarray(ds.index.sequence_lengths, dtype=np.int64)
+    out = np.zeros((len(lengths), segments), np.int64)
+    for chunk in _chunks(ds, lengths):
+        n = len(chunk.ends)
+        mask = np.asarray(chunk.tokens, dtype=np.int64)
+        doc = np.repeat(np.arange(n), np.diff(np.concatenate([[0], chunk.ends])))
+        bad = np.flatnonzero((mask < 1) | (mask > segments))
+        if len(bad):
+            d, p = chunk.locate(int(bad[0]))
+            raise DataError(f"{docs.prefix}_packed_attention_mask_document: document {d} has segment id "
+                            f"{int(mask[bad[0]])} at position {p}; a document of this data is one unit of segments "
+                            f"1..{segments}: {PREPROCESS_HINT}")
+        counts = np.bincount(doc * (segments + 1) + mask, minlength=n * (segments + 1)).reshape(n, segments + 1)
+        out[chunk.first:chunk.first + n] = counts[:, 1:]
+    empty = np.flatnonzero((out == 0).any(1))
+    if len(empty):
+        raise DataError(f"{docs.prefix}_packed_attention_mask_document: document {int(empty[0])} holds segments "
+                        f"{(np.flatnonzero(out[empty[0]]) + 1).tolist()}, not 1..{segments} ({len(empty)} such "
+                        f"documents): {PREPROCESS_HINT}")
+    return out

@@ -19,7 +19,10 @@ so that
 
 Under sequence or context parallelism a rank holds part of every sample: the per-sample
 expert counts are summed over the TP x CP group, so each sample's statistic is that of the
-whole sample, whatever the split.
+whole sample, whatever the split. Under dynamic context parallelism
+(``--sequence-packing-scheduler default_dynamic_cp``) a micro-batch's samples are split over the CP
+group its plan chose (``local_cp_size`` ranks; alone when 1): the counts are summed over TP, then over that
+group (:meth:`PackedTopKRouter.sample_groups`), never over megatron's fixed CP group.
 
 Routing is dropless unless ``--moe-expert-capacity-factor`` is set, so a token's experts do
 not depend on its pack-mates. The trainer hands each micro-batch's segments to the routers
@@ -35,6 +38,7 @@ packing. Its gradient is ``coeff x grad`` of that, whatever the stage divides it
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -47,6 +51,8 @@ from megatron.core.transformer.moe.moe_utils import (
 )
 from megatron.core.transformer.moe.router import TopKRouter
 from torch.distributed import ReduceOp
+
+from mindspeed_pack.runtime.process_groups import dynamic_cp_group
 
 # megatron-core 0.16.1 binds TE's router GEMM only when TE imports, then reads the name anyway:
 # without TE the router's gating falls back to torch.mm once the name exists (as None)
@@ -95,6 +101,8 @@ class PackedTopKRouter(TopKRouter):
         super().__init__(config=config, pg_collection=pg_collection)
         self.routing_segments: Optional[torch.Tensor] = None  # [T] this micro-batch's, set by the trainer
         self.routing_groups: Optional[int] = None  # above its largest routing segment, known on the host
+        # dynamic context parallelism: the ranks of the micro-batch's own CP group (None: megatron's CP group)
+        self.local_cp_size: Optional[int] = None
         # the step's aux-loss gradient scale per unit (a number or a 0-dim tensor), set by the trainer
         # (:func:`scale_aux_loss`); 1 until then: megatron-core's convention (gradients divided by routed tokens)
         self.aux_loss_scale = 1.0
@@ -151,8 +159,11 @@ class PackedTopKRouter(TopKRouter):
                 if seg is None:
                     seg = torch.ones(logits.shape[0], dtype=torch.long, device=logits.device)
                 aux_loss, units, full = self._load_balancing_loss(scores, top, seg)
-                self.step_aux_loss += full.detach().double() * units.detach().double()
-                self.step_units += units.detach().double()
+                # every rank holding part of the micro-batch records it: each its share, so the job's sum counts
+                # it once whatever the group's size (dynamic CP mixes sizes in one step)
+                share = 1.0 / self.sample_ranks()
+                self.step_aux_loss += full.detach().double() * units.detach().double() * share
+                self.step_units += units.detach().double() * share
                 if coeff:  # weighted by its units, scaled to the stage's normaliser (scale_aux_loss)
                     probs = MoEAuxLossAutoScaler.apply(probs, coeff * aux_loss * units * self.aux_loss_scale)
         return probs, routing_map
@@ -174,9 +185,8 @@ class PackedTopKRouter(TopKRouter):
             0, groups, scores * real)
         counts = torch.zeros(n, experts, dtype=torch.float32, device=scores.device).index_add(
             0, groups, (top.float() * real))
-        tp_cp = self.tp_cp_group
-        if tp_cp.size() > 1:  # sequence / context parallel: each rank holds part of every sample
-            counts = _all_reduce(counts, tp_cp)
+        for group in self.sample_groups():  # sequence / context parallel: each rank holds part of every sample
+            counts = _all_reduce(counts, group)
         tokens = counts.sum(-1) / self.topk  # real tokens per group (all ranks)
         per_group = (prob_sums * counts).sum(-1) / (tokens.clamp(min=1) ** 2)
         per_group = per_group[1:] * experts / self.topk
@@ -185,8 +195,24 @@ class PackedTopKRouter(TopKRouter):
         # what the loss is a mean over (all sequence-parallel ranks': each rank's partial loss is a share of one loss)
         units = tokens[1:].sum() if self.routing_type == "aux_loss" else present.sum().to(tokens.dtype)
         # the full loss for the statistics (each sequence-parallel rank holds a part of it)
-        full = _all_reduce(loss, tp_cp) if tp_cp.size() > 1 else loss.detach()
+        full = loss.detach()
+        for group in self.sample_groups():
+            full = _all_reduce(full, group)
         return loss, units, full
+
+    def sample_groups(self) -> list:
+        """The groups over which this micro-batch's samples are split, to sum a statistic over in turn: megatron's
+        TP x CP group, or under dynamic context parallelism TP, then the CP group the plan chose for the
+        micro-batch (none when it runs on one rank)."""
+        if self.local_cp_size is None:
+            groups = [self.tp_cp_group]
+        else:
+            groups = [self.tp_group, dynamic_cp_group(self.local_cp_size)]
+        return [g for g in groups if g is not None and g.size() > 1]
+
+    def sample_ranks(self) -> int:
+        """How many ranks hold parts of this micro-batch's samples (the product of :meth:`sample_groups`)."""
+        return math.prod(g.size() for g in self.sample_groups())
 
 
 def _all_reduce(t: torch.Tensor, group, op=None) -> torch.Tensor:
@@ -204,12 +230,15 @@ def routers(model) -> List[PackedTopKRouter]:
     return found
 
 
-def set_routing_segments(model, routing_segments: Optional[torch.Tensor], groups: Optional[int] = None) -> None:
+def set_routing_segments(model, routing_segments: Optional[torch.Tensor], groups: Optional[int] = None,
+                         local_cp_size: Optional[int] = None) -> None:
     """The micro-batch's routing segments for the routers; ``groups``: a bound above the largest, known on the
-    host for the whole micro-batch (the same on every TP and CP rank; without it the routers read it back)."""
+    host for the whole micro-batch (the same on every TP and CP rank; without it the routers read it back);
+    ``local_cp_size``: under dynamic context parallelism, the size of the micro-batch's own CP group."""
     for router in routers(model):
         router.routing_segments = routing_segments
         router.routing_groups = groups
+        router.local_cp_size = local_cp_size
 
 
 def scale_aux_loss(model_chunks, batches, normaliser) -> None:
@@ -253,7 +282,8 @@ def step_statistics(model_chunks, num_layers: int, num_experts: int) -> Dict[str
     device = found[0].weight.device if found else \
         (torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else "cpu")
     loads = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
-    aux = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)  # loss x units, units
+    # loss x units, units: each rank holding part of a micro-batch recorded its share, so the sum counts it once
+    aux = torch.zeros(num_layers, 2, dtype=torch.float64, device=device)
     for r in found:
         loads[r.layer_number - 1] += r.step_tokens_per_expert
         aux[r.layer_number - 1] += torch.stack([r.step_aux_loss, r.step_units])
@@ -266,8 +296,6 @@ def step_statistics(model_chunks, num_layers: int, num_experts: int) -> Dict[str
     flat = flat.cpu()
     loads = flat[:loads.numel()].view(num_layers, num_experts)
     aux = flat[loads.numel():].view(num_layers, 2)
-    tp = ps.get_tensor_model_parallel_world_size()
-    aux = aux / tp  # each TP rank recorded the full loss and the units of every micro-batch
     out: Dict[str, object] = {}
     moe_layers = loads.sum(-1) > 0
     if moe_layers.any():

@@ -27,6 +27,11 @@ samples' cost / ``g``, :class:`~.balance.CostModel`, the cost model of ``dp_bala
 placed before one of width ``g`` covers whole ``g``-blocks, the ranks of a block always have the same load
 and the same free slots.
 
+A *unit* is what must run whole on one group: a sample, or a preference pair (chosen + rejected) or a KTO
+couple (sample + its KL partner), whose sequences a stage compares. ``lengths`` is ``[units]`` (one sequence
+each) or ``[units, sequences]`` (0 where a unit has fewer): a unit is one item of the plan, placed in one row
+on one group; each of its sequences is padded on its own for the zigzag split, as every segment is.
+
 Pure numpy and deterministic (ties by index): every rank derives the same plan from the same lengths.
 """
 from __future__ import annotations
@@ -49,16 +54,29 @@ def group_size_options(max_cp: int, min_cp: int = 1) -> List[int]:
     return sizes
 
 
-def planned_lengths(lengths, group: int, tp: int = 1, sequence_parallel: bool = False) -> np.ndarray:
-    """Tokens each sample takes in a row of a ``group``-rank CP group: padded to ``2 x group`` (x TP under
-    sequence parallelism) for the zigzag split; on one rank, its own length."""
+def unit_totals(lengths) -> np.ndarray:
+    """Real tokens of each unit (``lengths`` ``[units]`` or ``[units, sequences]``)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    return lengths if group == 1 else round_up(lengths, padding_multiple(group, tp, sequence_parallel))
+    return lengths if lengths.ndim == 1 else lengths.sum(-1)
+
+
+def unit_costs(model: CostModel, lengths) -> np.ndarray:
+    """Estimated cost of each unit: its sequences' costs (attention is quadratic per sequence)."""
+    costs = model.sample_costs(lengths)
+    return costs if costs.ndim == 1 else costs.sum(-1)
+
+
+def planned_lengths(lengths, group: int, tp: int = 1, sequence_parallel: bool = False) -> np.ndarray:
+    """Tokens each unit takes in a row of a ``group``-rank CP group: every sequence padded to ``2 x group`` (x TP
+    under sequence parallelism) for the zigzag split; on one rank, its own length."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    padded = lengths if group == 1 else round_up(lengths, padding_multiple(group, tp, sequence_parallel))
+    return unit_totals(padded)
 
 
 def group_sizes(lengths, per_rank: int, max_cp: int, min_cp: int = 1, tp: int = 1,
                 sequence_parallel: bool = False) -> np.ndarray:
-    """Each sample's CP group size: the smallest allowed ``g`` whose ``g x per_rank`` tokens hold it once
+    """Each unit's CP group size: the smallest allowed ``g`` whose ``g x per_rank`` tokens hold it once
     padded (0: longer than ``max_cp x per_rank``, no group holds it)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     out = np.zeros(len(lengths), np.int64)
@@ -100,7 +118,7 @@ class DynamicCPPlan:
     def stats(self, lengths) -> dict:
         """The step's figures, the same on every rank: samples per CP size, rank imbalance (max / mean
         estimated cost) and real tokens per rank (max / mean)."""
-        lengths = np.asarray(lengths, dtype=np.int64)
+        lengths = unit_totals(lengths)
         tokens = np.zeros(self.num_ranks)
         out = {}
         for job in self.jobs:
@@ -115,7 +133,7 @@ class DynamicCPPlan:
 
     def padding_ratio(self, lengths) -> float:
         """The share of the step's rows (``slots x num_ranks x per_rank`` tokens) that is padding."""
-        real = sum(int(np.asarray(lengths, dtype=np.int64)[job.samples].sum()) for job in self.jobs)
+        real = sum(int(unit_totals(lengths)[job.samples].sum()) for job in self.jobs)
         return 1.0 - real / (self.num_ranks * self.slots * self.per_rank)
 
     def describe(self, names=None) -> List[str]:
@@ -145,7 +163,7 @@ def pack_rows(lengths, sizes, per_rank: int, tp: int = 1, sequence_parallel: boo
     row is rarely full (a 9k sample at N = 8k takes a 16k row): shorter samples fill it, at no extra
     communication, since a CP group exchanges every rank's whole share whatever it holds."""
     lengths, sizes = np.asarray(lengths, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
-    order = np.lexsort((np.arange(len(lengths)), -lengths, -sizes))  # widest, longest, then data order
+    order = np.lexsort((np.arange(len(lengths)), -unit_totals(lengths), -sizes))  # widest, longest, then data order
     options = np.unique(sizes)  # the group sizes in use, ascending: a row's width is one of them
     planned = np.stack([planned_lengths(lengths, int(g), tp, sequence_parallel) for g in options])  # [width, sample]
     row_option = np.zeros(len(lengths), np.int64)  # per row (at most one per sample): index into options
@@ -172,14 +190,15 @@ def plan_dynamic_cp(lengths, num_ranks: int, per_rank: int, max_cp: int, model: 
                     tp: int = 1, sequence_parallel: bool = False) -> DynamicCPPlan:
     """Group sizes, rows and their placement for one global batch's samples (see the module docstring).
 
-    ``lengths``: the samples' token counts, each at most ``max_cp x per_rank`` once padded (the caller
-    refuses or drops longer ones); ``num_ranks`` a multiple of ``max_cp``, a power of two."""
+    ``lengths``: the units' token counts (``[units]``, or ``[units, sequences]``), each at most ``max_cp x
+    per_rank`` once padded (the caller refuses or drops longer ones); ``num_ranks`` a multiple of ``max_cp``, a
+    power of two."""
     lengths = np.asarray(lengths, dtype=np.int64)
     sizes = group_sizes(lengths, per_rank, max_cp, min_cp, tp, sequence_parallel)
     if (sizes == 0).any():
         i = int(np.flatnonzero(sizes == 0)[0])
-        raise ValueError(f"sample {i} of {lengths[i]} tokens is longer than {max_cp} x {per_rank}")
-    costs = model.sample_costs(lengths)
+        raise ValueError(f"sample {i} of {unit_totals(lengths)[i]} tokens is longer than {max_cp} x {per_rank}")
+    costs = unit_costs(model, lengths)
     jobs = [Job(g, samples, float(costs[samples].sum()) / g)
             for g, samples in pack_rows(lengths, sizes, per_rank, tp, sequence_parallel)]
     slots = max(1, -(-sum(j.size for j in jobs) // num_ranks))

@@ -44,6 +44,8 @@ def host_packed_batch(mb: dict, args) -> PackedBatch:
     )
     if "loss_mask" in mb:  # e.g. --eod-mask-loss: extra untrained targets from the data side
         batch.loss_mask = batch.loss_mask * mb["loss_mask"].reshape(batch.loss_mask.shape).float()
+    if "pad_mask" in mb:  # online rows' context-parallel pads end their samples: routed nowhere, as pad_segments'
+        batch.routing_segments = batch.routing_segments.masked_fill(mb["pad_mask"].reshape(1, -1), 0)
     return batch
 
 

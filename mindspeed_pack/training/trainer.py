@@ -189,8 +189,8 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            if args.num_experts:  # the routers group their statistics by sample, skip pads
-                moe.set_routing_segments(model, batch.routing_segments, batch.routing_groups)
+            if args.num_experts:  # the routers group their statistics by sample (over its CP group), skip pads
+                moe.set_routing_segments(model, batch.routing_segments, batch.routing_groups, batch.local_cp_size)
             # a stage that needs the distribution (entropy) gets the vocab-parallel logits, not the loss
             labels = None if getattr(self.stage, "needs_logits", False) else batch.target
             output = model(batch.tokens, batch.position_ids, None, labels=labels,

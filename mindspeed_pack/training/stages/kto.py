@@ -2,7 +2,8 @@
 
 A pack holds whole couples (``mindspeed_pack/data/kto.py``): segment ``2k-1`` is a sample (prompt and its
 completion, desirable or not: ``P_packed_kto_labels``), ``2k`` its KL partner (the same prompt with another
-sample's completion). From the per-sequence log-prob sums of the policy
+sample's completion). Written without ``--pack``, each couple is its own document: one a row under scheduler
+``none``, whole on one CP group each under ``default_dynamic_cp``. From the per-sequence log-prob sums of the policy
 (:func:`~mindspeed_pack.training.stages.sequences.sequence_logps`) and of the reference::
 
     r_i  = logp(sample i) - ref(sample i)                        the implied reward, / beta
@@ -12,9 +13,11 @@ sample's completion). From the per-sequence log-prob sums of the policy
 
 The step's loss is the mean over the global batch's samples: each micro-batch returns (sum, samples) and
 megatron divides by the total, whatever the packing or the DP/PP/CP layout (under CP the sums are
-all-reduced first and the samples counted once). The KL reference point is the *whole global batch's*: it is
-known before any micro-batch's loss, from a forward-only pass of the policy over the step's micro-batches at
-:meth:`KTOStage.prepare` (the partners' log-probs, summed over the micro-batches and data-parallel ranks), so
+all-reduced over the micro-batch's CP group first and the samples counted once, on its first rank). The KL
+reference point is the *whole global batch's*: it is known before any micro-batch's loss, from a forward-only
+pass of the policy over the step's micro-batches at :meth:`KTOStage.prepare` (the partners' log-probs, summed
+over the micro-batches and the data x context parallel ranks, each micro-batch counted on its CP group's first
+rank), so
 a KTO step runs the policy forward twice and the reference once (TRL runs the KL batch through the policy
 with gradients and detaches it; the values are the same). The reference is DPO's
 (:class:`~mindspeed_pack.training.stages.reference.Reference`: ``--ref-load``, the starting policy, the
@@ -35,7 +38,8 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch
 from mindspeed_pack.training.stages import reference
-from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
+from mindspeed_pack.training.stages.sequences import (counts_here, document_units, pair_segments, sequence_logps,
+                                                      unit_batch_source)
 
 KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
 DESIRABLE, UNDESIRABLE, PARTNER = 1, 0, -1  # a segment's label in P_packed_kto_labels
@@ -57,17 +61,17 @@ class KTOLabels:
         if self.labels is None:
             raise DataError(f"--stage kto: {docs.prefix!r} holds no KTO couples (its sidecar names no KTO labels): "
                             "preprocess with --handler-name AlpacaStyleKTOHandler or SharegptStyleKTOHandler "
-                            "--pack --neat-pack")
+                            "(--pack --neat-pack: packs of whole couples; without --pack: each couple its own "
+                            "document)")
         if len(self.labels) != len(docs):
             raise DataError(f"{self.path}: {len(self.labels)} documents for {len(docs)} packs of {docs.prefix!r}: it "
                             "belongs to other data; re-run preprocess_data.py")
 
     def lookup(self, micro_batch: dict) -> torch.Tensor:
-        """[samples] bool (desirable) of a micro-batch's rows, in segment order (as :func:`pair_segments`)."""
-        out = []
-        for doc, seg in zip(micro_batch["documents"], micro_batch["segment_ids"]):
+        """[samples] bool (desirable) of a micro-batch's documents, in segment order (as :func:`pair_segments`)."""
+        out = [torch.zeros(0, dtype=torch.bool)]  # (a dynamic context parallel row may hold none)
+        for doc, segments in document_units(micro_batch):
             labels = np.asarray(self.labels[doc])
-            segments = int(seg.max())
             if len(labels) != segments or (labels[1::2] != PARTNER).any() or \
                     not np.isin(labels[0::2], (DESIRABLE, UNDESIRABLE)).all():
                 raise DataError(f"{self.path}: pack {doc} has {segments} segments but labels {labels.tolist()} "
@@ -97,11 +101,7 @@ class KTOStage:
         self.labels = None  # {prefix: KTOLabels}
 
     def batch_source(self, args):
-        if args.sequence_packing_scheduler != "none":
-            raise DataError("--stage kto reads offline packs of whole KTO couples: drop --sequence-packing-scheduler")
-        from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
-
-        return PackedBatchSource()
+        return unit_batch_source(args, self.name, "KTO couples")
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer) -> None:
@@ -125,17 +125,19 @@ class KTOStage:
         for batch, seq in zip(batches, policy):
             _, partner = pair_segments(batch)
             difference = (seq[partner] - batch.ref_logps[:, 1].to(seq.dtype)).sum()
-            total += torch.stack([difference, difference.new_tensor(float(len(partner)))])
-        # every CP rank holds whole-sequence sums: the partners are counted over data parallelism only
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
+            # every rank of the micro-batch's CP group holds its whole-sequence sums: counted on the first
+            once = float(counts_here(batch))
+            total += torch.stack([difference, difference.new_tensor(float(len(partner)))]) * once
+        dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         kl = (total[0] / total[1].clamp(min=1)).clamp(min=0)
         for batch in batches:
             batch.kl = kl
         return batches
 
     def count(self, batch: PackedBatch) -> torch.Tensor:
-        """The samples of ``batch``, counted once, on CP rank 0 (every CP rank holds the same samples' loss)."""
-        once = ps.get_context_parallel_rank() == 0
+        """The samples of ``batch``, counted once, on its CP group's first rank (every rank of the group holds the
+        same samples' loss)."""
+        once = counts_here(batch)
         return torch.full((), len(pair_segments(batch)[0]) if once else 0, dtype=torch.int,
                           device=batch.loss_mask.device)
 
@@ -150,7 +152,7 @@ class KTOStage:
         losses = kto_losses(logratios, kl, desirable, args.kto_beta, args.kto_desirable_weight,
                             args.kto_undesirable_weight)
         n = self.count(batch)
-        once = float(ps.get_context_parallel_rank() == 0)  # reported once, on CP rank 0
+        once = float(counts_here(batch))  # reported once, on the CP group's first rank
         with torch.no_grad():
             rewards = args.kto_beta * logratios
             chosen, rejected = desirable.to(policy.dtype) * once, (~desirable).to(policy.dtype) * once

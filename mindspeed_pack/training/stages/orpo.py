@@ -23,12 +23,12 @@ import logging
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state as ps
 
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import sequence_sums
 from mindspeed_pack.training.reductions import step_totals
 from mindspeed_pack.training.stages.pairs import PAIR_METRICS, PairStage, PairTerms, refuse_reference
+from mindspeed_pack.training.stages.sequences import counts_here
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,10 @@ class ORPOStage(PairStage):
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         """The step's pairs and chosen-answer tokens over DP x CP (a collective on the device): the NLL
-        term's weight. Pairs count on CP rank 0; tokens are each CP rank's share."""
-        once = float(ps.get_context_parallel_rank() == 0)
+        term's weight. Pairs count on their CP group's first rank; tokens are each CP rank's share."""
         local = torch.zeros(2, dtype=torch.float32, device=batches[0].loss_mask.device)
         for batch in batches:
+            once = float(counts_here(batch))
             labels = batch.segment_labels
             chosen = ((labels > 0) & (labels % 2 == 1)).float()  # segments 2k-1 (no index: no host sync)
             local += torch.stack([chosen.sum() * once, (sequence_sums(batch.loss_mask, batch) * chosen).sum()])

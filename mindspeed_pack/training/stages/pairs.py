@@ -1,13 +1,15 @@
 """What every stage on packed preference pairs shares: ``--stage dpo``, ``simpo``, ``orpo``.
 
 A pack holds whole pairs (``mindspeed_pack/data/pairwise.py``): segments ``2k-1`` (chosen) and
-``2k`` (rejected), never split across packs, micro-batches or ranks. A pair stage reads the
+``2k`` (rejected), never split across packs, micro-batches or ranks; so does a row of pairs written one
+a document (``preprocess_data.py`` without ``--pack``), one pair a row under scheduler ``none`` or whole
+pairs on one CP group each under ``default_dynamic_cp``. A pair stage reads the
 per-sequence log-prob sums and trained-token counts of the policy
-(:func:`~mindspeed_pack.training.stages.sequences.sequence_logps`, summed over CP ranks) and
+(:func:`~mindspeed_pack.training.stages.sequences.sequence_logps`, summed over the micro-batch's CP group) and
 returns one loss per pair (:meth:`PairStage.pair_terms`); the step's loss is the sum over the
 global batch's pairs divided by their number: each micro-batch returns (sum, pairs) and megatron
 divides by the total, whatever the packing or the DP/PP/CP layout (under CP the sums are
-all-reduced first and the pairs counted once).
+all-reduced first and the pairs counted once, on the group's first rank).
 
 The losses of a pair's margin ``z`` that DPO and SimPO share (``s`` the label smoothing)::
 
@@ -25,11 +27,10 @@ from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state as ps
 
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch
-from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
+from mindspeed_pack.training.stages.sequences import counts_here, pair_segments, sequence_logps, unit_batch_source
 
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected")
@@ -95,26 +96,23 @@ class PairStage:
         self.args = args
 
     def batch_source(self, args):
-        if args.sequence_packing_scheduler != "none":
-            raise DataError(f"--stage {self.name} reads offline packs of whole pairs: drop --sequence-packing-scheduler")
-        from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
-
-        return PackedBatchSource()
+        return unit_batch_source(args, self.name, "preference pairs")
 
     def setup(self, trainer) -> None:
         for docs in trainer.source.docs:
             if not ((docs.meta or {}).get("layout") or {}).get("pairs"):
                 raise DataError(f"--stage {self.name}: {docs.prefix!r} holds no preference pairs (its sidecar records "
                                 "no pairing): preprocess with --handler-name AlpacaStylePairwiseHandler or "
-                                "SharegptStylePairwiseHandler --pack --neat-pack")
+                                "SharegptStylePairwiseHandler (--pack --neat-pack: packs of whole pairs; without "
+                                "--pack: each pair its own document)")
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         return batches
 
     def count(self, batch: PackedBatch) -> torch.Tensor:
-        """The pairs of ``batch``: every CP rank holds the same pairs' loss (its backward carries
-        that rank's share of the gradient); they are counted once, on CP rank 0."""
-        once = ps.get_context_parallel_rank() == 0
+        """The pairs of ``batch``: every rank of its CP group holds the same pairs' loss (its backward carries
+        that rank's share of the gradient); they are counted once, on the group's first rank."""
+        once = counts_here(batch)
         return torch.full((), len(pair_segments(batch)[0]) if once else 0, dtype=torch.int,
                           device=batch.loss_mask.device)  # a fill on the device: no copy from the host
 
@@ -128,7 +126,7 @@ class PairStage:
         chosen, rejected = pair_segments(batch)
         terms = self.pair_terms(batch, logps, counts, chosen, rejected)
         n = self.count(batch)
-        once = float(ps.get_context_parallel_rank() == 0)  # reported once, on CP rank 0
+        once = float(counts_here(batch))  # reported once, on the CP group's first rank
         nf = n.to(torch.float32)
         with torch.no_grad():
             rc, rr = terms.reward_chosen, terms.reward_rejected

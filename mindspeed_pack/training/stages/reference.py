@@ -26,7 +26,7 @@ from mindspeed_pack.datasets.packed_dataset import DataError, micro_batch
 from mindspeed_pack.model import lora, moe
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.runtime.platform import cuda_usable
-from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
+from mindspeed_pack.training.stages.sequences import document_units, pair_segments, sequence_logps
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def score_batches(model_chunks, batches, tokens_per_micro_batch: int, score, nee
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         # a mixture of experts routes by this micro-batch's samples (the policy's routers hold the last step's)
-        moe.set_routing_segments(model, batch.routing_segments)
+        moe.set_routing_segments(model, batch.routing_segments, batch.routing_groups, batch.local_cp_size)
         output = model(batch.tokens, batch.position_ids, None, labels=None if needs_logits else batch.target,
                        packed_seq_params=packed_seq_params(batch))
 
@@ -205,12 +205,12 @@ class ReferenceTable:
         return cls(path, saved["pair_offsets"], saved["logps"])
 
     def lookup(self, micro_batch: dict) -> torch.Tensor:
-        """[pairs, 2] (chosen, rejected) of a micro-batch's rows, in segment order."""
-        out = []
-        for doc, seg in zip(micro_batch["documents"], micro_batch["segment_ids"]):
+        """[pairs, 2] (chosen, rejected) of a micro-batch's documents, in segment order."""
+        out = [self.logps[:0]]  # (a dynamic context parallel row may hold none)
+        for doc, segments in document_units(micro_batch):
             first, last = int(self.pair_offsets[doc]), int(self.pair_offsets[doc + 1])
-            if last - first != int(seg.max()) // 2:
-                raise DataError(f"{self.path}: pack {doc} has {int(seg.max()) // 2} pairs but the file "
+            if last - first != segments // 2:
+                raise DataError(f"{self.path}: pack {doc} has {segments // 2} pairs but the file "
                                 f"{last - first}: it belongs to other data")
             out.append(self.logps[first:last])
         return torch.cat(out)

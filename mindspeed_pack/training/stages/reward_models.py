@@ -32,7 +32,8 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import IGNORE_INDEX, PackedBatch, reward_positions
-from mindspeed_pack.training.stages.sequences import pair_segments, whole_sequence_sums
+from mindspeed_pack.training.stages.sequences import (counts_here, pair_segments, unit_batch_source,
+                                                      whole_sequence_sums)
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +50,14 @@ def bradley_terry_losses(chosen: torch.Tensor, rejected: torch.Tensor, center: f
 
 
 def _local_share(values: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-    """Per-token values of a micro-batch [1, T] as this rank holds its tokens (its CP share)."""
+    """Per-token values of a micro-batch [1, T] as this rank holds its tokens (its share over the micro-batch's
+    CP group: megatron's, or the one the dynamic plan chose)."""
     values = values.reshape(1, -1).to(batch.loss_mask.device)
-    cp = ps.get_context_parallel_world_size()
-    return cp_view.rank_share(values, batch, cp, ps.get_context_parallel_rank()) if cp > 1 else values
+    if batch.local_cp_size is not None:
+        cp, rank = batch.local_cp_size, batch.cp_rank
+    else:
+        cp, rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    return cp_view.rank_share(values, batch, cp, rank) if cp > 1 else values
 
 
 def _sidecar_layouts(trainer) -> list:
@@ -70,11 +75,7 @@ class OutcomeRewardStage:
         self.args = args
 
     def batch_source(self, args):
-        if args.sequence_packing_scheduler != "none":
-            raise DataError("--stage orm reads offline packs of whole pairs: drop --sequence-packing-scheduler")
-        from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
-
-        return PackedBatchSource()
+        return unit_batch_source(args, self.name, "preference pairs")
 
     def setup(self, trainer) -> None:
         args = self.args
@@ -83,7 +84,8 @@ class OutcomeRewardStage:
             if not layout.get("pairs"):
                 raise DataError(f"--stage orm: {docs.prefix!r} holds no preference pairs (its sidecar records no "
                                 "pairing): preprocess with --handler-name AlpacaStylePairwiseHandler or "
-                                "SharegptStylePairwiseHandler --pack --neat-pack")
+                                "SharegptStylePairwiseHandler (--pack --neat-pack: packs of whole pairs; without "
+                                "--pack: each pair its own document)")
             pads.add(layout.get("pad_id"))
         if args.reward_pad_token_id is None:  # a fresh head: the data's pad token, what the tokenizer pads with
             if len(pads) > 1:
@@ -95,10 +97,14 @@ class OutcomeRewardStage:
                  "pooling; the exported model's pad_token_id)", args.reward_pad_token_id)
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
-        """Each micro-batch's reward tokens (this rank's share) and its pairs' margins (from the data, else 0)."""
+        """Each micro-batch's reward tokens (this rank's share) and its pairs' margins (from the data, else 0).
+        A dynamic context parallel row's sequences end with their CP pads (``pad_mask``): read before them."""
         pad = self.args.reward_pad_token_id
         for batch, mb in zip(batches, micro_batches):
-            batch.reward_mask = _local_share(reward_positions(mb["input_ids"], mb["segment_ids"], pad), batch)
+            segments = mb["segment_ids"]
+            if "pad_mask" in mb:
+                segments = segments.masked_fill(mb["pad_mask"], 0)
+            batch.reward_mask = _local_share(reward_positions(mb["input_ids"], segments, pad), batch)
             margins = mb.get("pair_margins")
             if margins is not None:
                 pairs = sum(int(row.max()) // 2 for row in mb["segment_ids"])
@@ -110,8 +116,8 @@ class OutcomeRewardStage:
         return batches
 
     def count(self, batch: PackedBatch) -> torch.Tensor:
-        """The pairs of ``batch``, counted once per CP group (on its rank 0), as DPO counts them."""
-        once = ps.get_context_parallel_rank() == 0
+        """The pairs of ``batch``, counted once per CP group (on its first rank), as DPO counts them."""
+        once = counts_here(batch)
         return torch.full((), len(pair_segments(batch)[0]) if once else 0, dtype=torch.int,
                           device=batch.loss_mask.device)
 
@@ -126,7 +132,7 @@ class OutcomeRewardStage:
         rc, rr = rewards[chosen], rewards[rejected]
         losses = bradley_terry_losses(rc, rr, self.args.center_rewards_coefficient, batch.pair_margins)
         n = self.count(batch)
-        once = float(ps.get_context_parallel_rank() == 0)  # reported once per CP group
+        once = float(counts_here(batch))  # reported once per CP group
         nf = n.to(torch.float32)
         with torch.no_grad():
             reports = {name: torch.stack([value.sum() * once, nf]) for name, value in (
