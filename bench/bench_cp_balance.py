@@ -141,14 +141,15 @@ def main(argv=None) -> None:
     p.add_argument("--cp-comm", choices=["p2p", "all_gather"], default="p2p",
                    help="--dynamic: CP communication (p2p: Megatron's default ring, 3 KV-sized passes per layer; "
                         "all_gather: 2)")
-    p.add_argument("--hardware", nargs="+", default=["nvlink:400:150:20", "ib:400:25:30"],
+    p.add_argument("--hardware", nargs="+", default=["nvlink:400:150:20", "ib:400:25:30", "slow:400:5:30"],
                    help="--dynamic: name:TFLOP/s:GB/s per rank:us per ring step (effective figures)")
     p.add_argument("--real-cpu", action="store_true",
                    help="fixed vs dynamic CP trained on 2 CPU ranks, real tokens/s (bench/cp_dynamic_cpu.py)")
     p.add_argument("--cpu-per-rank", type=int, default=512, help="--real-cpu: N (C = 2)")
-    p.add_argument("--cpu-gbs", type=int, default=64, help="--real-cpu: samples per step")
-    p.add_argument("--cpu-steps", type=int, default=5, help="--real-cpu: steps per run (the first a warm-up)")
-    p.add_argument("--cpu-rounds", type=int, default=2, help="--real-cpu: fixed/dynamic run pairs (order alternates)")
+    p.add_argument("--cpu-gbs", type=int, default=128, help="--real-cpu: samples per step")
+    p.add_argument("--cpu-steps", type=int, default=8,
+                   help="--real-cpu: steps per run, each the same batch (the first a warm-up)")
+    p.add_argument("--cpu-rounds", type=int, default=3, help="--real-cpu: fixed/dynamic run pairs (order alternates)")
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--seq-length", type=int, default=32768, help="pack capacity (try 4096 too)")
     p.add_argument("--samples", type=int, default=8000)

@@ -1,24 +1,25 @@
 """Fixed vs dynamic context parallelism, trained for real on 2 CPU ranks: ``bench_cp_balance.py --real-cpu``.
 
-The same long-tail samples, preprocessed once without ``--pack`` (``preprocess_data.py``, the toy tokenizer of
-``mindspeed_pack.data.toy``, qwen template, one sample per document, ``--seq-length`` 2N so nothing is cut), are
-trained by ``posttrain.py`` under ``torchrun --nproc-per-node 2`` (gloo) twice per round, in alternating order:
+One global batch of long-tail samples (the toy word tasks of ``mindspeed_pack.data.toy``, lengths drawn from a
+long-tail mix: 90% lognormal, median N/8, up to N; 10% log-uniform in N+1..2N; the words per row chosen to hit the
+drawn length, the toy tokenizer having one token per word), written ``--cpu-steps`` times over and preprocessed
+once without ``--pack`` (``preprocess_data.py``, qwen template, one sample per document, ``--seq-length`` 2N so
+nothing is cut), is trained by ``posttrain.py`` under ``torchrun --nproc-per-node 2`` (gloo) with
 
 * fixed: ``--sequence-packing-scheduler dp_balanced --context-parallel-size 2``: every row of 2N tokens split
   over both ranks (zigzag, keys and values all-gathered in every layer of every micro-batch);
-* dynamic: ``default_dynamic_cp --context-parallel-size 2``: samples <= N on one rank each, longer ones on two.
+* dynamic: ``default_dynamic_cp --context-parallel-size 2``: samples <= N on one rank each, longer ones on two;
 
-Both with ``--max-seqlen-per-dp-cp-rank N``, ``--no-shuffle`` (the same global batches in the same order), the
-quickstart's tiny Qwen2-style model (configs/quickstart.yaml: 2 layers, hidden 128) and seed. Samples: the toy word
-tasks, lengths drawn from a long-tail mix (90% lognormal, median N/8, up to N; 10% log-uniform in N+1..2N), the
-words per row chosen to hit the drawn length (the toy tokenizer has one token per word). The first step is a
-warm-up; tokens/s = the trained tokens of the other steps / their step time (the trainer's metrics JSONL, which
-also carries the plan: samples at each CP size, padding ratio, tokens per rank max/mean). The runs must train the
-same tokens every step (checked).
+both with ``--max-seqlen-per-dp-cp-rank N``, ``--no-shuffle``, the quickstart's tiny Qwen2-style model
+(configs/quickstart.yaml: 2 layers, hidden 128) and seed, in ``--cpu-rounds`` rounds of the two runs back to back
+(the order alternating). Every step trains the same batch with the same plan, so a run's steps are repeated
+measurements: tokens/s = the step's trained tokens / its time (the trainer's metrics JSONL, which also carries the
+plan: samples at each CP size, padding ratio, tokens per rank max/mean), median and best over the steps after the
+first (a warm-up) of every round. The runs must train the same tokens every step (checked).
 
 CPU-bound: gloo over loopback is fast next to CPU matmuls, so this shows the work each plan gives the ranks
 (micro-batches, padding, the CP attention's gather and index work, the balance), not the GPU communication the
-simulation models.
+simulation models; on a shared machine other processes slow random steps (hence the median and the best).
 """
 from __future__ import annotations
 
@@ -70,15 +71,17 @@ def _run(cmd, env=None) -> None:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
 
 
-def prepare(work: str, per_rank: int, samples: int, seed: int) -> tuple:
-    """Toy tokenizer, long-tail rows, preprocessed without --pack; returns (data prefix, tokenized lengths)."""
+def prepare(work: str, per_rank: int, samples: int, repeats: int, seed: int) -> tuple:
+    """Toy tokenizer, ``samples`` long-tail rows written ``repeats`` times, preprocessed without --pack; returns
+    (data prefix, tokenizer, the batch's tokenized lengths)."""
     from mindspeed_pack.data.toy import write_dataset
 
     # the toy CLI in its own process, as the quickstart runs it: training the tokenizer (Rust threads) in a
     # process that has imported torch can crash
     _run([sys.executable, "-m", "mindspeed_pack.data.toy", "--out", os.path.join(work, "toy"), "--samples", "1"])
     tokenizer = os.path.join(work, "toy", "tokenizer")
-    rows = write_dataset(os.path.join(work, "long_tail.jsonl"), rows_of(target_lengths(samples, per_rank, seed), seed))
+    batch = rows_of(target_lengths(samples, per_rank, seed), seed)
+    rows = write_dataset(os.path.join(work, "long_tail.jsonl"), batch * repeats)
     prefix = os.path.join(work, "data", "long_tail")
     os.makedirs(os.path.dirname(prefix))
     _run([sys.executable, "preprocess_data.py", "--input", str(rows), "--tokenizer-type", "PretrainedFromHF",
@@ -88,7 +91,7 @@ def prepare(work: str, per_rank: int, samples: int, seed: int) -> tuple:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     docs = IndexedDataset(f"{prefix}_packed_input_ids_document")
-    lengths = np.array(docs.sequence_lengths, np.int64)  # a copy: the index is a view of a map closed with docs
+    lengths = np.array(docs.sequence_lengths[:samples], np.int64)  # a copy: the index maps a file closed with docs
     return prefix, tokenizer, lengths
 
 
@@ -111,46 +114,35 @@ def compare_real_cpu(a) -> None:
     per_rank, gbs, steps = a.cpu_per_rank, a.cpu_gbs, a.cpu_steps
     work = tempfile.mkdtemp(prefix="cp_dynamic_cpu_")
     try:
-        prefix, tokenizer, lengths = prepare(work, per_rank, gbs * steps, a.seed)
+        prefix, tokenizer, lengths = prepare(work, per_rank, gbs, steps, a.seed)
         long = lengths > per_rank
-        print(f"real CPU run: 2 gloo ranks, C 2, N {per_rank}; {len(lengths)} samples preprocessed without --pack "
+        print(f"real CPU run: 2 gloo ranks, C 2, N {per_rank}; one batch of {gbs} samples preprocessed without --pack "
               f"(median {np.median(lengths):.0f}, max {lengths.max()} tokens; {long.mean():.0%} over N holding "
-              f"{lengths[long].sum() / lengths.sum():.0%} of the tokens), {gbs} samples a step, {steps} steps "
-              f"(step 1 warm-up), {a.cpu_rounds} round(s) fixed/dynamic alternating; tiny model (2 layers, hidden 128)")
+              f"{lengths[long].sum() / lengths.sum():.0%} of the tokens) trained {steps} times (the first a warm-up) "
+              f"per run, {a.cpu_rounds} round(s) of fixed and dynamic back to back; tiny model (2 layers, hidden 128)")
         runs = {"fixed": [], "dynamic": []}
         for r in range(a.cpu_rounds):
             for name in (("fixed", "dynamic") if r % 2 == 0 else ("dynamic", "fixed")):
                 runs[name].append(train(work, name, prefix, tokenizer, per_rank, gbs, steps))
-        tokens = {name: [[rec["tokens"] for rec in recs] for recs in rs] for name, rs in runs.items()}
-        if any(t != tokens["fixed"][0] for t in tokens["fixed"] + tokens["dynamic"]):
-            sys.exit(f"the runs trained different tokens per step: {tokens}")
-        # the machine is shared: per step, the fastest of the rounds (the least disturbed); each round's two runs
-        # ran back to back, so their ratio sees the same load
-        steps_ms = {name: np.array([[x["step time (ms)"] for x in recs[1:]] for recs in rs])
-                    for name, rs in runs.items()}
-        step_tokens = np.array(tokens["fixed"][0][1:], np.float64)
-        print(f"\n{'run':>8} {'tokens/s: best per step':>23} {'per round':>28} {'padding':>8} "
-              f"{'tok/rank max/mean':>17} plan (samples at CP g, all steps)")
-        rate, best = {}, {}
+        tokens = {x["tokens"] for rs in runs.values() for recs in rs for x in recs}
+        if len(tokens) != 1:
+            sys.exit(f"the runs trained different tokens per step: {sorted(tokens)}")
+        tokens = tokens.pop()
+        print(f"\n{'run':>8} {'tokens/s median':>15} {'best':>7} {'per round (median)':>24} {'padding':>8} "
+              f"{'mb/rank':>7} {'tok/rank max/mean':>17} plan of a step")
+        med, best = {}, {}
         for name, rs in runs.items():
-            best[name] = step_tokens.sum() / (steps_ms[name].min(0).sum() / 1e3)
-            rate[name] = step_tokens.sum() / (steps_ms[name].sum(1) / 1e3)
-            recs = [x for recs in rs for x in recs[1:]]
-            plan = {}
-            for x in rs[0]:
-                for k, v in x.items():
-                    if k.startswith("samples at CP "):
-                        plan[k] = plan.get(k, 0) + v
-            balance = [x["tokens per rank max/mean"] for x in recs if "tokens per rank max/mean" in x]
-            print(f"{name:>8} {best[name]:>23.0f} {' '.join(f'{t:.0f}' for t in rate[name]):>28} "
-                  f"{np.mean([x['padding ratio'] for x in recs]):>8.3f} "
-                  f"{np.mean(balance) if balance else float('nan'):>17.3f} "
-                  + (", ".join(f"{k[len('samples at '):]}: {v}" for k, v in plan.items()) or "every sample at CP 2"))
-        pairs = rate["dynamic"] / rate["fixed"]
-        print(f"dynamic / fixed tokens/s: {best['dynamic'] / best['fixed']:.2f}x best per step; per round "
-              f"{' '.join(f'{p:.2f}x' for p in pairs)} (median {np.median(pairs):.2f}x); "
-              f"{sum(tokens['fixed'][0])} tokens in each run, the same every step")
-        print("per-step best ms: " + "; ".join(f"{name} {' '.join(f'{t:.0f}' for t in steps_ms[name].min(0))}"
-                                           for name in runs))
+            ms = np.array([[x["step time (ms)"] for x in recs[1:]] for recs in rs])
+            med[name], best[name] = tokens / (np.median(ms) / 1e3), tokens / (ms.min() / 1e3)
+            last = rs[0][-1]
+            balance = f"{last['tokens per rank max/mean']:.3f}" if "tokens per rank max/mean" in last else "-"
+            plan = ", ".join(f"{k[len('samples at '):]}: {v}" for k, v in last.items()
+                             if k.startswith("samples at CP "))
+            print(f"{name:>8} {med[name]:>15.0f} {best[name]:>7.0f} "
+                  f"{' '.join(f'{tokens / (np.median(r) / 1e3):.0f}' for r in ms):>24} {last['padding ratio']:>8.3f} "
+                  f"{tokens / (1 - last['padding ratio']) / (2 * per_rank):>7.1f} {balance:>17} "
+                  f"{plan or 'every sample at CP 2'}")
+        print(f"dynamic / fixed tokens/s: {med['dynamic'] / med['fixed']:.2f}x (medians), "
+              f"{best['dynamic'] / best['fixed']:.2f}x (best steps); {tokens} tokens a step in every run")
     finally:
         shutil.rmtree(work, ignore_errors=True)
