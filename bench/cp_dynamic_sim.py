@@ -103,7 +103,7 @@ def dynamic_cp_rows(lengths, dp: int, cp: int, per_rank: int, model):
 
 def row_work(model, args, per_rank: int, rows, passes: int):
     """Per row, on each of its ranks: (first rank, group size, [linear FLOPs, attention FLOPs, CP bytes, ring
-    steps, real tokens])."""
+    steps])."""
     first = np.array([r[0] for r in rows], np.int64)
     g = np.array([r[1] for r in rows], np.int64)
     n = [np.asarray(r[2], np.float64) for r in rows]
@@ -112,7 +112,6 @@ def row_work(model, args, per_rank: int, rows, passes: int):
         3 * model.attention * np.array([(x * x).sum() for x in n]) / g,
         passes * args.num_layers * (g - 1) * per_rank * kv_bytes(args),
         2.0 * args.num_layers * (g - 1),
-        np.array([x.sum() for x in n]) / g,
     ], axis=1)
     return first, g, work
 
@@ -172,7 +171,7 @@ def compare_dynamic(a) -> None:
         result = {}
         for name, rows_of in (("fixed", fixed_cp_rows), ("dynamic", dynamic_cp_rows)):
             t0 = time.perf_counter()
-            work = np.zeros((ranks, 5))
+            work = np.zeros((ranks, 4))
             slots, times = 0, np.zeros((len(hw), 2))
             short_comm = np.zeros(len(hw))  # fixed CP: the short samples' share of each row's exchange
             for step in range(a.steps):
