@@ -27,19 +27,15 @@ shows in packs of many short samples (little work in total).
     python bench/bench_cp_balance.py                      # CP 2/4/8, packs of 32768
     python bench/bench_cp_balance.py --seq-length 4096
 
-``--dynamic`` instead compares fixed CP (``dp_balanced`` at ``--context-parallel-size C``: every sample split over
-C ranks) with dynamic CP (``default_dynamic_cp``: each sample on the smallest power-of-two group that holds it,
-:mod:`mindspeed_pack.packing.dynamic_cp`) on a long-tail mix (``--long-share`` 10% of the samples log-uniform in
-16k-128k tokens, the rest lognormal with median 400, all under 2k; samples over C x N are cut to C x N for both),
-Qwen2.5-7B, DP x CP = ``--dp`` x C ranks, ``--gbs`` samples per step, both plans as the schedulers make them. Per
-rank and micro-batch, as the training runs it: linear FLOPs of all N tokens (pads run through the layers too),
-attention FLOPs of the real samples / group size (zigzag), and the all-gather CP communication: keys and values
-of the group's other ``g - 1`` shares in every layer, forward, and their gradients backward (``(g-1) x N x 2 x
-kv heads x head dim x 2 bytes`` per layer and direction; one ring step latency each). Step time = the slowest
-rank's sum over its micro-batches (no overlap of compute and communication), under stated hardware numbers;
-FLOPs and bytes are also printed bare.
+``--dynamic`` instead simulates fixed CP (``dp_balanced`` at ``--context-parallel-size C``: every sample split
+over C ranks) against dynamic CP (``default_dynamic_cp``: each sample on the smallest power-of-two group that holds
+it) on a length mix, both plans as the schedulers make them: per rank linear and attention FLOPs and CP bytes, step
+time with and without compute/communication overlap, and the ceilings (bench/cp_dynamic_sim.py). ``--real-cpu``
+trains both on 2 CPU ranks and reports real tokens/s (bench/cp_dynamic_cpu.py).
 
-    python bench/bench_cp_balance.py --dynamic             # C 8, N 8k and 16k, DP 8, GBS 512
+    python bench/bench_cp_balance.py --dynamic             # the issue's long-tail mix: Qwen2.5-7B, C 8, N 8k and 16k
+    python bench/bench_cp_balance.py --dynamic --mix verl  # the anchor's setting: Qwen3-30B-A3B, 1k-16k, C 4, N 4k
+    python bench/bench_cp_balance.py --real-cpu            # 2 gloo ranks, tiny model, C 2, N 512
 """
 from __future__ import annotations
 
@@ -47,7 +43,6 @@ import argparse
 import os
 import sys
 import time
-import types
 
 import numpy as np
 import torch
@@ -55,10 +50,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_balance import heavy_tailed_lengths  # noqa: E402  (the same length mix as the DP balance bench)
 
-from mindspeed_pack.packing.balance import cost_model, plan_online_packing  # noqa: E402
+from cp_dynamic_cpu import compare_real_cpu  # noqa: E402  (--real-cpu)
+from cp_dynamic_sim import MIXES, compare_dynamic  # noqa: E402  (--dynamic)
+
 from mindspeed_pack.packing.binpack import pack_lengths  # noqa: E402
 from mindspeed_pack.packing.context_parallel import attention_pairs, round_up  # noqa: E402
-from mindspeed_pack.packing.dynamic_cp import plan_dynamic_cp  # noqa: E402
 
 TARGET = 1.01  # zigzag max/mean per pack
 
@@ -131,110 +127,29 @@ def run(lengths: np.ndarray, seq_length: int, cp: int) -> dict:
                 zz=zz, zz_real=zz_real, cont=cont, cont_real=cont_real)
 
 
-# ---------------------------------------------------------------------------- fixed vs dynamic CP
-QWEN25_7B = dict(hidden_size=3584, num_layers=28, num_attention_heads=28, num_query_groups=4, ffn_hidden_size=18944,
-                 swiglu=True, padded_vocab_size=152064, kv_channels=None)
-ANCHOR = 1.6  # fixed / dynamic step time the issue expects
-
-
-def long_tail_lengths(n: int, long_share: float, seed: int = 0) -> np.ndarray:
-    """``long_share`` of the samples log-uniform in [16384, 131072], the rest lognormal (median 400) under 2048."""
-    rng = np.random.default_rng(seed)
-    short = np.clip(np.rint(rng.lognormal(np.log(400), 0.9, n)), 16, 2047)
-    long = np.rint(np.exp(rng.uniform(np.log(16384), np.log(131072), n)))
-    return np.where(rng.random(n) < long_share, long, short).astype(np.int64)
-
-
-def kv_bytes(args) -> int:
-    """Bytes of one token's keys and values in one layer (bf16)."""
-    head_dim = args.kv_channels or args.hidden_size // args.num_attention_heads
-    return 2 * args.num_query_groups * head_dim * 2
-
-
-def rank_work(model, args, per_rank: int, rows) -> dict:
-    """Per rank training FLOPs (linear, attention) and CP bytes / ring steps of ``rows``: an iterable of
-    (first rank, group size, real sample lengths) per micro-batch, every rank running ``per_rank`` tokens."""
-    out = {}
-    for first, g, lengths in rows:
-        n = np.asarray(lengths, dtype=np.float64)
-        for r in range(first, first + g):
-            w = out.setdefault(r, np.zeros(4))
-            w += (3 * model.linear * per_rank, 3 * model.attention * float((n * n).sum()) / g,
-                  args.num_layers * 2 * (g - 1) * per_rank * kv_bytes(args), args.num_layers * 2 * (g - 1))
-    return out
-
-
-def fixed_cp_rows(lengths, dp: int, cp: int, per_rank: int, model):
-    """``dp_balanced`` at CP ``cp``: rows of ``cp x per_rank`` tokens (samples padded to 2 x cp) per DP rank."""
-    ranks = plan_online_packing(round_up(lengths, 2 * cp), dp, cp * per_rank, model)
-    return [(d * cp, cp, lengths[row]) for d, r in enumerate(ranks) for row in r.rows], len(ranks[0].rows)
-
-
-def dynamic_cp_rows(lengths, dp: int, cp: int, per_rank: int, model):
-    plan = plan_dynamic_cp(lengths, dp * cp, per_rank, cp, model)
-    rows = [(j.first_rank, j.size, lengths[j.samples]) for j in plan.jobs]
-    used = {(r, j.slot) for j in plan.jobs for r in range(j.first_rank, j.first_rank + j.size)}
-    empty = [(r, 1, []) for r in range(dp * cp) for s in range(plan.slots) if (r, s) not in used]
-    return rows + empty, plan.slots
-
-
-def compare_dynamic(a) -> None:
-    args = types.SimpleNamespace(**QWEN25_7B)
-    model = cost_model(args)
-    cp, dp = a.max_cp, a.dp
-    lengths_all = long_tail_lengths(a.gbs * a.steps, a.long_share, a.seed)
-    short = lengths_all < 2048
-    long_tokens = (~short) @ lengths_all / lengths_all.sum()
-    print(f"long-tail mix: {len(lengths_all)} samples, {short.mean():.1%} under 2k (median "
-          f"{np.median(lengths_all[short]):.0f}), {(~short).mean():.1%} in 16k-128k; {long_tokens:.1%} of the tokens "
-          f"in long samples. Qwen2.5-7B, CP up to {cp}, DP {dp} ({dp * cp} ranks), GBS {a.gbs}, {a.steps} steps")
-    hw = [(name, float(f) * 1e12, float(b) * 1e9, float(lat) * 1e-6) for name, f, b, lat in
-          (x.split(":") for x in a.hardware)]
-    print("hardware (effective): " + "; ".join(f"{n}: {f / 1e12:.0f} TFLOP/s, {b / 1e9:.0f} GB/s per rank, "
-                                                f"{lat * 1e6:.0f} us per ring step" for n, f, b, lat in hw))
-    print(f"\n{'N':>6} {'sched':>8} {'mb/step':>8} | {'attn TFLOP/rank':>15} {'max/mean':>8} | {'CP GB/rank':>10} "
-          f"{'max/mean':>8} | " + " | ".join(f"{n + ' s/step':>14}" for n, *_ in hw))
-    for per_rank in a.per_rank:
-        longest = cp * per_rank
-        lengths_all_n = np.minimum(lengths_all, longest)
-        result = {}
-        for name, rows_of in (("fixed", fixed_cp_rows), ("dynamic", dynamic_cp_rows)):
-            t0 = time.perf_counter()
-            work = np.zeros((dp * cp, 4))
-            slots, times = 0, np.zeros(len(hw))
-            for step in range(a.steps):
-                lengths = lengths_all_n[step * a.gbs:(step + 1) * a.gbs]
-                rows, m = rows_of(lengths, dp, cp, per_rank, model)
-                step_work = np.zeros((dp * cp, 4))
-                for r, w in rank_work(model, args, per_rank, rows).items():
-                    step_work[r] += w
-                work += step_work
-                slots += m
-                for i, (_, flops, bw, lat) in enumerate(hw):
-                    times[i] += ((step_work[:, 0] + step_work[:, 1]) / flops + step_work[:, 2] / bw
-                                 + step_work[:, 3] * lat).max()
-            result[name] = times / a.steps
-            print(f"{per_rank:>6} {name:>8} {slots / a.steps:>8.1f} | {work[:, 1].mean() / a.steps / 1e12:>15.1f} "
-                  f"{imbalance(work[:, 1]):>8.3f} | {work[:, 2].mean() / a.steps / 1e9:>10.2f} "
-                  f"{imbalance(work[:, 2]) if work[:, 2].any() else 1.0:>8.3f} | "
-                  + " | ".join(f"{t:>14.2f}" for t in times / a.steps)
-                  + f"   ({time.perf_counter() - t0:.1f} s to plan)")
-        ratio = result["fixed"] / result["dynamic"]
-        print(f"{per_rank:>6} {'fixed / dynamic step time':>38} | " + " | ".join(f"{r:>13.2f}x" for r in ratio)
-              + "   (anchor " + f"{ANCHOR}x: " + ", ".join("met" if r >= ANCHOR else "missed" for r in ratio) + ")")
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dynamic", action="store_true", help="fixed vs dynamic CP on a long-tail mix (see above)")
-    p.add_argument("--max-cp", type=int, default=8, help="--dynamic: C, the (largest) CP group")
-    p.add_argument("--per-rank", type=int, nargs="+", default=[8192, 16384], help="--dynamic: N values")
-    p.add_argument("--dp", type=int, default=8, help="--dynamic: data-parallel size (ranks = DP x C)")
-    p.add_argument("--gbs", type=int, default=512, help="--dynamic: samples per step")
+    p.add_argument("--dynamic", action="store_true", help="fixed vs dynamic CP, simulated (bench/cp_dynamic_sim.py)")
+    p.add_argument("--mix", choices=sorted(MIXES), default="long-tail",
+                   help="--dynamic: length mix and its model, C, N, DP and samples a step (bench/cp_dynamic_sim.py)")
+    p.add_argument("--max-cp", type=int, help="--dynamic: C, the (largest) CP group (default: the mix's)")
+    p.add_argument("--per-rank", type=int, nargs="+", help="--dynamic: N values (default: the mix's)")
+    p.add_argument("--dp", type=int, help="--dynamic: data-parallel size, ranks = DP x C (default: the mix's)")
+    p.add_argument("--gbs", type=int, help="--dynamic: samples per step (default: the mix's)")
     p.add_argument("--steps", type=int, default=10, help="--dynamic: steps")
-    p.add_argument("--long-share", type=float, default=0.1, help="--dynamic: share of 16k-128k samples")
-    p.add_argument("--hardware", nargs="+", default=["nvlink:400:150:20", "ib:400:25:30"],
+    p.add_argument("--long-share", type=float, default=0.1, help="--dynamic --mix long-tail: share of 16k-128k samples")
+    p.add_argument("--cp-comm", choices=["p2p", "all_gather"], default="p2p",
+                   help="--dynamic: CP communication (p2p: Megatron's default ring, 3 KV-sized passes per layer; "
+                        "all_gather: 2)")
+    p.add_argument("--hardware", nargs="+", default=["nvlink:400:150:20", "ib:400:25:30", "slow:400:5:30"],
                    help="--dynamic: name:TFLOP/s:GB/s per rank:us per ring step (effective figures)")
+    p.add_argument("--real-cpu", action="store_true",
+                   help="fixed vs dynamic CP trained on 2 CPU ranks, real tokens/s (bench/cp_dynamic_cpu.py)")
+    p.add_argument("--cpu-per-rank", type=int, default=512, help="--real-cpu: N (C = 2)")
+    p.add_argument("--cpu-gbs", type=int, default=128, help="--real-cpu: samples per step")
+    p.add_argument("--cpu-steps", type=int, default=8,
+                   help="--real-cpu: steps per run, each the same batch (the first a warm-up)")
+    p.add_argument("--cpu-rounds", type=int, default=3, help="--real-cpu: fixed/dynamic run pairs (order alternates)")
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--seq-length", type=int, default=32768, help="pack capacity (try 4096 too)")
     p.add_argument("--samples", type=int, default=8000)
@@ -242,6 +157,9 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.dynamic:
         compare_dynamic(a)
+        return
+    if a.real_cpu:
+        compare_real_cpu(a)
         return
     torch.set_num_threads(1)  # one small tensor op per pack: threads only add overhead
     C = a.seq_length
