@@ -438,7 +438,8 @@ def test_orm_lora_on_a_megatron_base_exports_a_reward_model(setup, tmp_path):
     for merge in (True, False):
         out = tmp_path / ("merged" if merge else "peft")
         assert convert_main(["--load-model-type", "mg", "--load-dir", setup["mg"], "--lora-load", ckpt,
-                             "--save-model-type", "hf", "--save-dir", str(out), *(["--lora-merge"] if merge else [])]) == 0
+                             "--save-model-type", "hf", "--save-dir", str(out),
+                             *(["--lora-merge"] if merge else [])]) == 0
     merged, base = load_file(str(tmp_path / "merged" / "model.safetensors")), \
         load_file(str(setup["root"] / "qwen" / "hf" / "model.safetensors"))
     with open(tmp_path / "merged" / "config.json") as f:

@@ -563,8 +563,10 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str =
         with staged_output(save_dir) as tmp:
             writer = hf_io.ShardedSafetensorsWriter(tmp, max_shard_bytes)
             for unit in units(args):
-                head = lora_map.trained_in_full(adapters.unit(FINAL)) if unit == FINAL and getattr(args, "reward_head", False) else {}
-                hf = {name: head[name] if name in head else reader.get(name)  # score: HF name = Megatron name
+                # a reward model's adapters: the head trained beside them, whatever the base holds (its HF name is
+                # its Megatron name)
+                head = lora_map.trained_in_full(adapters.unit(FINAL)) if unit == FINAL else {}
+                hf = {name: head[name] if name in head else reader.get(name)
                       for name in hf_unit_shapes(unit, args, spec)}
                 if unit != EMBEDDING and unit != FINAL:
                     hf = lora_map.merge_into_hf(hf, lora_map.split_adapters(adapters.unit(unit))[1], scale)
