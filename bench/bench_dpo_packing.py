@@ -13,7 +13,20 @@ tokens/s and step time of each (best of ``--repeats`` alternating passes), and t
 Then the stages on the same packed pairs, each through its real ``loss_func`` (``posttrain.py
 --stage``'s): ``dpo`` with its reference forward (a frozen copy of the policy, no gradient, before
 each micro-batch, as the in-job reference runs), ``simpo`` and ``orpo`` with none; real tokens/s and
-their ratio to DPO's.
+their ratio to DPO's. ``orm`` (the scalar score head in place of the output layer, Bradley-Terry on
+the pairs) and ``sft`` (the language model's per-token loss on the same packed sequences, chosen and
+rejected alike): real tokens/s and ORM's ratio to SFT's.
+
+Last, the peak memory of training two steps of ``dpo`` with its reference model, ``dpo`` with
+``--ref-logps`` (the reference log-probs precomputed: no reference model), ``simpo``, ``orm`` and
+``sft``, each in a fresh process of its own (``--memory-of``): the process's peak resident set while
+it builds the model and trains (Linux's ``VmHWM``, CPU tensors live in it; the high-water mark is
+reset just before the model is built, ``/proc/self/clear_refs``, so the imports' transient peak is not
+it; ``getrusage``'s ``ru_maxrss`` would not do: it keeps the peak of the parent this process was
+forked from) and that peak less the resident set at that moment (imports, the process group and the
+pairs already in): what the model, its reference, the optimizer state and the steps' activations and
+gradients add at the high-water mark. Memory the allocator keeps after freeing still counts, as in a
+device's peak reserved.
 
     python bench/bench_dpo_packing.py [--pairs 128] [--seq-length 1024] [--hidden-size 512]
 """
@@ -21,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 
@@ -107,39 +121,57 @@ def _forward(model, batch):
 
 
 def stage_step(model, stage, step_rows, reference=None):
-    """One optimizer step's forward + backward of ``stage``'s loss over packed micro-batches; DPO's reference
-    log-probs from ``reference`` (forward only), the others' step inputs from ``stage.prepare``."""
+    """One optimizer step's forward + backward of ``stage``'s loss over packed micro-batches, divided by the step's
+    total count as the trainer divides it; DPO's reference log-probs from ``reference`` (forward only; a DPO stage
+    without one: zeros, as a precomputed ``--ref-logps`` table hands them over), the others' step inputs from
+    ``stage.prepare``."""
     batches = [build_packed_batch(*rows) for rows in step_rows]
-    if reference is not None:
+    if stage.name == "dpo":
         with torch.no_grad():
             for batch in batches:
-                seq = sequence_logps(batch, _forward(reference, batch))[0]
                 chosen, rejected = pair_segments(batch)
+                if reference is None:
+                    batch.ref_logps = torch.zeros(len(chosen), 2)
+                    continue
+                seq = sequence_logps(batch, _forward(reference, batch))[0]
                 batch.ref_logps = torch.stack([seq[chosen], seq[rejected]], dim=1)
     else:
-        stage.prepare(None, batches, None, "train", batches[0].num_tokens)
-    pairs = sum(len(pair_segments(b)[0]) for b in batches)
+        stage.prepare(None, batches, [{"input_ids": rows[0], "segment_ids": rows[2]} for rows in step_rows], "train",
+                      batches[0].num_tokens)
+    total = sum(int(stage.count(b)) for b in batches)
     for batch in batches:
         loss, _, _ = stage.loss_func(batch, _forward(model, batch))
-        (loss / pairs).backward()
+        (loss / total).backward()
+
+
+STAGES = ("dpo", "simpo", "orpo", "orm", "sft")
+MEMORY = ("dpo", "dpo --ref-logps", "simpo", "orm", "sft")  # --memory-of configurations
+
+
+def build_stage(config: str, model_args):
+    """(model, optimizer, stage, reference model or None) of a configuration: a stage name, ``dpo`` with a frozen
+    copy of the starting policy as its reference (as --stage dpo builds it), ``dpo --ref-logps`` without one."""
+    p = stage_args(argparse.ArgumentParser())
+    p.add_argument("--stage")
+    args = p.parse_args(["--stage", config.split()[0]])
+    args.per_sample_loss, args.reward_pad_token_id = False, None  # sft's token mean; orm: each sample's last token
+    torch.manual_seed(0)
+    orm = args.stage == "orm"
+    if orm:  # the scalar score head in place of the output layer
+        model_args = argparse.Namespace(**{**vars(model_args), "reward_head": True})
+    model = build_gpt_model(model_args)
+    reference = None
+    if config == "dpo":
+        reference = build_gpt_model(model_args)
+        reference.load_state_dict(model.state_dict())
+        reference.eval().requires_grad_(False)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-5), get_stage(args), reference
 
 
 def compare_stages(model_args, steps, real, repeats):
     """Real tokens/s of each stage on the same packed steps: the stages take turns step by step (a shared
     machine's load hits them alike), each step's best of ``repeats`` timed passes kept."""
-    p = stage_args(argparse.ArgumentParser())
-    p.add_argument("--stage")
-    runs = {}
-    for name in ("dpo", "simpo", "orpo"):
-        torch.manual_seed(0)
-        model = build_gpt_model(model_args)
-        reference = None
-        if name == "dpo":  # a frozen copy of the starting policy, as --stage dpo builds it
-            reference = build_gpt_model(model_args)
-            reference.load_state_dict(model.state_dict())
-            reference.eval().requires_grad_(False)
-        runs[name] = (model, torch.optim.AdamW(model.parameters(), lr=1e-5), get_stage(p.parse_args(["--stage", name])),
-                      reference)
+    runs = {name: build_stage(name, model_args) for name in STAGES}
     best = {name: [float("inf")] * len(steps) for name in runs}
     for i in range(repeats + 1):  # the first pass warms up
         for k, step in enumerate(steps):
@@ -151,10 +183,43 @@ def compare_stages(model_args, steps, real, repeats):
                 if i:
                     best[name][k] = min(best[name][k], time.perf_counter() - start)
     total = {name: sum(times) for name, times in best.items()}
-    print(f"{'stage':8s} {'reference':>9s} {'step (s)':>9s} {'tokens/s':>10s} {'vs dpo':>7s}")
+    print(f"{'stage':8s} {'reference':>9s} {'step (s)':>9s} {'tokens/s':>10s} {'ratio':>13s}")
     for name in runs:
+        against = "sft" if name == "orm" else "dpo"
+        ratio = f"{total[against] / total[name]:6.2f}x {against}" if name not in ("dpo", "sft") else ""
         print(f"{name:8s} {'forward' if name == 'dpo' else 'none':>9s} {total[name] / len(steps):9.3f} "
-              f"{real / total[name]:10.1f} {total['dpo'] / total[name]:6.2f}x")
+              f"{real / total[name]:10.1f} {ratio:>13s}")
+
+
+def _status_mib(field: str) -> float:
+    """A memory field of /proc/self/status (``VmRSS``: resident now, ``VmHWM``: its high-water mark), in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def measure_memory(config: str, model_args, steps) -> None:
+    """This process (a fresh one): two steps of ``config``; prints its resident set before the model is built and
+    its peak from then on (the high-water mark reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: reset the peak resident set (VmHWM) to the current one
+    before = _status_mib("VmRSS")
+    model, optimizer, stage, reference = build_stage(config, model_args)
+    for step in steps[:2]:
+        stage_step(model, stage, step, reference)
+        optimizer.step()
+        optimizer.zero_grad()
+    print(f"MEMORY {before:.1f} {_status_mib('VmHWM'):.1f}")
+
+
+def compare_memory(argv) -> None:
+    """Each :data:`MEMORY` configuration in a fresh process (this script with ``--memory-of``): peak RSS."""
+    print(f"{'config':16s} {'reference':>9s} {'peak RSS (MiB)':>15s} {'over start (MiB)':>17s}")
+    for config in MEMORY:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--memory-of", config],
+                             capture_output=True, text=True, check=True).stdout
+        line = next(line for line in out.splitlines() if line.startswith("MEMORY"))
+        before, peak = (float(x) for x in line.split()[1:])
+        print(f"{config:16s} {'model' if config == 'dpo' else 'none':>9s} {peak:15.1f} {peak - before:17.1f}")
 
 
 def main(argv=None):
@@ -165,20 +230,26 @@ def main(argv=None):
     p.add_argument("--packs-per-micro-batch", type=int, default=2, help="packed layout: packs per micro-batch")
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=1024, help="the model's (padded) vocabulary")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per layout and per stage (best kept)")
+    p.add_argument("--memory-of", choices=MEMORY, default=None,
+                   help="(internal) measure this configuration's peak memory in this process, print it, stop")
     args = p.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     init_single_process()
     model_args = tiny_args(seq_length=args.seq_length, hidden_size=args.hidden_size, ffn_hidden_size=4 * args.hidden_size,
-                           padded_vocab_size=1024)
-    pairs = heavy_tailed_pairs(args.pairs, args.seq_length, 1000)
+                           num_layers=args.num_layers, padded_vocab_size=args.vocab_size)
+    pairs = heavy_tailed_pairs(args.pairs, args.seq_length, min(1000, args.vocab_size - 24))
     real = sum(len(x[0]) + len(x[2]) for x in pairs)
     steps = range(0, len(pairs), args.global_pairs)
-    layouts = {  # packed: one pack per micro-batch, each step's packs planned from its own pairs
-        "packed": [packed_step_rows(pairs[s:s + args.global_pairs], args.seq_length, args.packs_per_micro_batch)
-                   for s in steps],
-        "padded": [padded_micro_batches(pairs[s:s + args.global_pairs], args.pairs_per_micro_batch) for s in steps],
-    }
+    packed = [packed_step_rows(pairs[s:s + args.global_pairs], args.seq_length, args.packs_per_micro_batch)
+              for s in steps]  # one pack per micro-batch, each step's packs planned from its own pairs
+    if args.memory_of:
+        measure_memory(args.memory_of, model_args, packed)
+        return
+    layouts = {"packed": packed, "padded": [padded_micro_batches(pairs[s:s + args.global_pairs],
+                                                                 args.pairs_per_micro_batch) for s in steps]}
     print(f"{len(pairs)} pairs (heavy-tailed, real tokens {real}), {len(steps)} steps of "
           f"{args.global_pairs} pairs, seq_length {args.seq_length}, hidden {args.hidden_size}")
     print(f"{'layout':8s} {'rows/step':>9s} {'padding':>8s} {'step (s)':>9s} {'tokens/s':>10s}")
@@ -203,6 +274,8 @@ def main(argv=None):
     print(f"packed / padded tokens/s: {results['packed'] / results['padded']:.2f}x")
     print()
     compare_stages(model_args, layouts["packed"], real, args.repeats)
+    print()
+    compare_memory(argv if argv is not None else sys.argv[1:])
 
 
 if __name__ == "__main__":

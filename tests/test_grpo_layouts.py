@@ -22,6 +22,7 @@ import torch
 from tests.dist_harness import run_distributed
 from tests.model_utils import TINY_FLAGS
 from tests.rollout_utils import hf_logps_entropy, per_sample_grpo_loss, random_rollouts, write_jsonl
+from tests.train_utils import trainer_steps
 
 S = 128
 CLIP_LOW, CLIP_HIGH, KL, ENTROPY = 0.1, 0.3, 0.05, 0.01
@@ -101,29 +102,6 @@ ORM_KEYS = ("lm loss", "grad norm", "rewards/chosen", "rewards/rejected", "rewar
 PRM_KEYS = ("lm loss", "grad norm", "accuracy")
 
 
-def _train_steps(argv: list) -> tuple:
-    """(the logged records of a posttrain run's steps, its trainer) in this job; the trainer is cleaned up."""
-    from mindspeed_pack.config.arguments import parse_args
-    from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
-    from mindspeed_pack.training.stages import get_stage, stage_args
-    from mindspeed_pack.training.trainer import Trainer
-
-    args = parse_args(argv, extra_args_provider=stage_args)
-    resolve_vocab_size(args)
-    stage = get_stage(args)
-    trainer = Trainer(args, stage.batch_source(args), stage)
-    trainer.setup()
-    try:
-        for chunk in trainer.model:
-            chunk.train()
-        records = [trainer.train_iteration() for _ in range(args.train_iters)]
-        if args.save:
-            trainer.save()
-    finally:
-        trainer.cleanup()
-    return records
-
-
 def _reward_stages(ckpt: str, rollouts: str, flags: list, pairs: str, steps: str, save: str, scored: str,
                    sp: bool) -> dict:
     """Three steps of --stage orm (saved; its rewards of the rollouts scored by --stage score) and of --stage prm,
@@ -133,10 +111,10 @@ def _reward_stages(ckpt: str, rollouts: str, flags: list, pairs: str, steps: str
     from mindspeed_pack.training.stages import stage_args
 
     orm = [*REWARD_COMMON, "--stage", "orm", "--load", ckpt, "--data-path", pairs, *flags]
-    out = {"orm": _train_steps([*orm, "--save", save]),
-           "prm": _train_steps([*REWARD_COMMON, "--stage", "prm", "--load", ckpt, "--data-path", steps, *flags])}
+    out = {"orm": trainer_steps([*orm, "--save", save]),
+           "prm": trainer_steps([*REWARD_COMMON, "--stage", "prm", "--load", ckpt, "--data-path", steps, *flags])}
     if sp:
-        out["orm sp"] = _train_steps([*orm, "--sequence-parallel"])
+        out["orm sp"] = trainer_steps([*orm, "--sequence-parallel"])
     score = parse_args([*TINY_FLAGS, "--stage", "score", "--load", save, "--finetune", "--rollout-path", rollouts,
                         "--score-output", scored, "--seq-length", str(S), "--micro-batch-size", "1",
                         "--global-batch-size", "8", "--max-seqlen-per-dp-cp-rank", "64", *flags],

@@ -383,6 +383,15 @@ def test_peft_dir_of_other_settings_or_another_base_is_refused_by_name(qwen, tra
     json.dump({**config, "use_dora": True}, open(os.path.join(dora, adapters.ADAPTER_CONFIG), "w"))
     code, line = _exit([*argv[:-1], dora], capsys)
     assert code == 2 and "adapter_config.json: use_dora true (DoRA): this trainer's adapters are plain LoRA" in line
+    json.dump({**config, "modules_to_save": ["lm_head"]}, open(os.path.join(dora, adapters.ADAPTER_CONFIG), "w"))
+    code, line = _exit([*argv[:-1], dora], capsys)
+    assert code == 2 and "adapter_config.json: modules_to_save [\"lm_head\"] (fully trained extra modules): this " \
+        "trainer trains in full beside the adapters only a reward model's ['score']" in line, line
+    json.dump({**config, "modules_to_save": ["classifier", "score"]}, open(os.path.join(dora, adapters.ADAPTER_CONFIG),
+                                                                           "w"))
+    code, line = _exit([*argv[:-1], dora], capsys)  # PEFT's sequence classifiers name both: the tensor must be there
+    assert code == 2 and "adapter_model.safetensors: no tensors of modules_to_save ['score'] (named in " \
+        "adapter_config.json)" in line, line
     from safetensors.torch import load_file, save_file
 
     gap = str(tmp_path / "gap")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.pair_utils import hf_reward, packed_orm, random_pairs, write_pair_dataset
-from tests.train_utils import run_posttrain
+from tests.train_utils import run_posttrain, write_copy_task
 
 S = 128
 ORM = ["--stage", "orm", "--seq-length", str(S), "--neat-pack", "--micro-batch-size", "2", "--global-batch-size", "8",
@@ -228,6 +228,232 @@ def test_pair_margins_are_kept_per_pair_in_pack_order(tmp_path, run_preprocess, 
                                   pack=True, neat_pack=True)
     assert code == 2 and "pairs.jsonl: line 4: field 'margin' (--map-keys margin) must be a number" in err
     assert os.listdir(out) == ["pairs.jsonl"]
+
+
+# ----------------------------------------------------------------------------------------- reward model with LoRA
+LORA = ["--lora-r", "8", "--lora-alpha", "16"]
+LORA_SCALE = 16 / 8
+
+
+@pytest.fixture(scope="module")
+def lora_trained(setup):
+    """A reward model trained with LoRA on the Hugging Face language model (adapters on every linear, the score head
+    in full), saved at iterations 6 and 12, its --save-hf --lora-merge export a sequence classifier."""
+    root = setup["root"]
+    ckpt, merged = str(root / "orm_lora_ckpt"), str(root / "orm_lora_merged")
+    proc, records = run_posttrain([*ORM, *LORA, "--train-iters", str(STEPS), "--data-path", setup["data"], "--load",
+                                   str(root / "qwen" / "hf"), "--save", ckpt, "--save-interval", "6", "--save-hf",
+                                   merged, "--lora-merge"], metrics=str(root / "orm_lora.jsonl"))
+    assert "adapter parameters train" in proc.stderr and "Qwen2ForSequenceClassification" in proc.stderr
+    return {"ckpt": ckpt, "merged": merged, "base": str(root / "qwen" / "hf"),
+            "steps": [r for r in records if r["split"] == "train"]}
+
+
+def _lora_record(ckpt, iteration):
+    from mindspeed_pack.convert import megatron_layout as layout
+
+    return layout.load_file(layout.checkpoint_file(ckpt, iteration, 0, 0, 1))
+
+
+def _megatron_lora_reward_model(mg_base, ckpt):
+    """The LoRA reward model as the project runs it (TP1, this process): the base's weights, then the checkpoint's
+    adapters and score head."""
+    from mindspeed_pack.checkpoint.save_load import load_adapter_weights, load_weights
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from tests.model_utils import init_single_process, tiny_args
+
+    init_single_process()
+    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, reward_head=True,
+                     lora_r=8, lora_alpha=16.0, lora_dropout=0.0, lora_target_modules=None)
+    model = build_gpt_model(args)
+    load_weights(args, mg_base, model)  # a language model: the head is left as drawn, then loaded below
+    load_adapter_weights(ckpt, model, _lora_record(ckpt, STEPS)["model"])
+    return model.eval()
+
+
+def test_orm_with_lora_learns_with_a_frozen_base_and_a_trained_head(setup, lora_trained):
+    """--stage orm with LoRA (refused before): the accuracy passes 0.9; the checkpoints hold the adapters and the score
+    head only, and the head changes from iteration 6 to 12; the merged export's weights are the base's exactly where
+    no adapter is, base + scale B A where one is (the base did not move), with the checkpoint's score head."""
+    from safetensors.torch import load_file
+
+    from mindspeed_pack.convert import adapters
+    from mindspeed_pack.model.lora import is_adapter_name
+
+    steps = lora_trained["steps"]
+    assert len(steps) == STEPS and steps[0]["rewards/accuracies"] < 0.8
+    assert sum(r["rewards/accuracies"] for r in steps[-4:]) / 4 > 0.9 and steps[-1]["lm loss"] < steps[0]["lm loss"] / 3
+    half, last = _lora_record(lora_trained["ckpt"], 6)["model"], _lora_record(lora_trained["ckpt"], STEPS)["model"]
+    assert sorted(k for k in last if not is_adapter_name(k)) == ["score.weight"] and len(last) == 29
+    assert float((last["score.weight"] - half["score.weight"]).abs().max()) > 1e-3
+
+    base, merged = load_file(os.path.join(lora_trained["base"], "model.safetensors")), \
+        load_file(os.path.join(lora_trained["merged"], "model.safetensors"))
+    assert sorted(merged) == sorted([k for k in base if k != "lm_head.weight"] + ["score.weight"])
+    assert torch.equal(merged["score.weight"], last["score.weight"])
+    deltas = {}
+    for name, tensor in adapters.to_peft({k: v for k, v in last.items() if is_adapter_name(k)}).items():
+        weight = name[len(adapters.PEFT_PREFIX):].split(".lora_")[0] + ".weight"
+        deltas.setdefault(weight, {})[name.split(".lora_")[1][0]] = tensor
+    assert len(deltas) == 14
+    for name, tensor in base.items():
+        if name in deltas:
+            expected = tensor + LORA_SCALE * deltas[name]["B"] @ deltas[name]["A"]
+            assert float((merged[name] - expected).abs().max()) <= 1e-6 * float(expected.abs().max()), name
+            assert float((merged[name] - tensor).abs().max()) > 1e-4, name  # the adapters trained
+        elif name != "lm_head.weight":
+            assert torch.equal(merged[name], tensor), name
+
+
+def test_orm_lora_export_scores_every_sample_alone_as_packed(setup, lora_trained):
+    """The --save-hf --lora-merge export, loaded by AutoModelForSequenceClassification, scores each sample alone as
+    the project's LoRA model scored it packed, and its Bradley-Terry loss is the project's (rel <= 1e-5)."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.stages.reward_models import OutcomeRewardStage, bradley_terry_losses
+
+    hf = _sequence_classifier(lora_trained["merged"])
+    assert type(hf).__name__ == "Qwen2ForSequenceClassification" and hf.config.pad_token_id == PAD
+    pairs = setup["pairs"][:9]
+    mg = _megatron_lora_reward_model(setup["mg"], lora_trained["ckpt"])
+    stage = OutcomeRewardStage(SimpleNamespace(center_rewards_coefficient=0.0, reward_pad_token_id=PAD))
+    with torch.no_grad():
+        loss, n, mine = packed_orm(mg, stage, pairs, [[0, 1, 2, 3], [4, 5, 6, 7, 8]], S)
+        theirs = torch.stack([torch.stack([hf_reward(hf, p, c), hf_reward(hf, p, r)]) for p, c, r in pairs])
+    assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+    assert float((theirs[:, 0] - theirs[:, 1]).min()) > 0  # the rule is learnt on these pairs too
+    expected = bradley_terry_losses(theirs[:, 0], theirs[:, 1]).mean()
+    assert abs(float(loss / n) - float(expected)) <= 1e-5 * abs(float(expected))
+
+
+@pytest.fixture(scope="module")
+def lora_resumed(setup, lora_trained):
+    """The LoRA reward model's run resumed from its iteration 6 (--lora-load) to 12, its --save-hf without
+    --lora-merge: a PEFT adapter directory."""
+    import shutil
+
+    from mindspeed_pack.convert import megatron_layout as layout
+
+    root = setup["root"]
+    at6, peft_dir = str(root / "orm_lora_at6"), str(root / "orm_lora_peft")
+    shutil.copytree(lora_trained["ckpt"], at6)
+    layout.write_tracker(at6, 6)
+    proc, records = run_posttrain([*ORM, *LORA, "--train-iters", str(STEPS), "--data-path", setup["data"], "--load",
+                                   lora_trained["base"], "--lora-load", at6, "--save-hf", peft_dir],
+                                  metrics=str(root / "orm_lora_resumed.jsonl"))
+    return {"steps": [r for r in records if r["split"] == "train"], "peft": peft_dir, "log": proc.stderr}
+
+
+def test_orm_lora_resume_is_exact_and_its_peft_export_loads_in_peft(setup, lora_trained, lora_resumed):
+    """Resumed from iteration 6 (--lora-load), steps 7-12 are the run's bit for bit, and so are the adapters and the
+    head; its --save-hf (no --lora-merge) is a PEFT sequence-classifier adapter (task SEQ_CLS, modules_to_save
+    score) that peft loads on the base and that scores as the merged export (rel <= 1e-5); convert_ckpt.py's exports of
+    the checkpoint on the base are the same files."""
+    peft = pytest.importorskip("peft")
+    import transformers
+    from safetensors.torch import load_file
+
+    from mindspeed_pack.convert import adapters
+    from mindspeed_pack.convert.convert import main as convert_main
+
+    root, peft_dir = setup["root"], lora_resumed["peft"]
+    keys = ("iteration", "lm loss", "grad norm", "rewards/accuracies", "rewards/margins")
+    assert [[r[k] for k in keys] for r in lora_resumed["steps"]] == \
+        [[r[k] for k in keys] for r in lora_trained["steps"][6:]]
+    assert "modules_to_save" in lora_resumed["log"] and "pad_token_id=0" in lora_resumed["log"]
+
+    with open(os.path.join(peft_dir, adapters.ADAPTER_CONFIG)) as f:
+        config = json.load(f)
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
+    exported = load_file(os.path.join(peft_dir, adapters.ADAPTER_WEIGHTS))
+    last = _lora_record(lora_trained["ckpt"], STEPS)["model"]
+    assert len(exported) == 29 and torch.equal(exported["base_model.model.score.weight"], last["score.weight"])
+    assert all(torch.equal(exported[k], v) for k, v in adapters.to_peft(last).items())
+
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(
+        lora_trained["base"], num_labels=1, pad_token_id=PAD, dtype=torch.float32, attn_implementation="eager")
+    with_adapters = peft.PeftModel.from_pretrained(base, peft_dir).eval()
+    merged = _sequence_classifier(lora_trained["merged"])
+    ids = [torch.from_numpy(np.concatenate([p, c]))[None] for p, c, _ in setup["pairs"][:6]]
+    with torch.no_grad():
+        a = torch.stack([with_adapters(x).logits[0, 0] for x in ids])
+        b = torch.stack([merged(x).logits[0, 0] for x in ids])
+    assert float((a - b).abs().max() / b.abs().max()) <= 1e-5
+
+    for merge, out in ((False, "orm_lora_converted_peft"), (True, "orm_lora_converted_merged")):
+        assert convert_main(["--load-model-type", "hf", "--load-dir", lora_trained["base"], "--lora-load",
+                             lora_trained["ckpt"], "--save-model-type", "hf", "--save-dir", str(root / out),
+                             *(["--lora-merge"] if merge else [])]) == 0
+    converted = load_file(str(root / "orm_lora_converted_peft" / adapters.ADAPTER_WEIGHTS))
+    assert sorted(converted) == sorted(exported) and all(torch.equal(converted[k], exported[k]) for k in exported)
+    converted = load_file(str(root / "orm_lora_converted_merged" / "model.safetensors"))
+    run_export = load_file(os.path.join(lora_trained["merged"], "model.safetensors"))
+    assert sorted(converted) == sorted(run_export) and all(torch.equal(converted[k], run_export[k]) for k in converted)
+    with open(root / "orm_lora_converted_merged" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen2ForSequenceClassification"]
+
+
+def test_orm_lora_trains_on_from_its_peft_export_and_a_language_model_refuses_it(setup, lora_trained, lora_resumed):
+    """--lora-load of the PEFT export (the LoRA flags from adapter_config.json) starts a reward model from its
+    adapters and head: step 1's loss is the merged export's Bradley-Terry loss on the first global batch's pairs
+    (--no-shuffle: packs 0..7); --stage sft with it: one error naming the head and --stage orm."""
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+    from mindspeed_pack.training.stages.reward_models import bradley_terry_losses
+
+    loads = ["--load", lora_trained["base"], "--lora-load", lora_resumed["peft"]]
+    proc, records = run_posttrain([*ORM, "--train-iters", "1", "--no-shuffle", "--data-path", setup["data"], *loads],
+                                  metrics=str(setup["root"] / "orm_lora_on.jsonl"))
+    assert "the reward model's score head from its modules_to_save" in proc.stderr
+    hf = _sequence_classifier(lora_trained["merged"])
+    docs, rewards = PackedDocuments(setup["data"]), []
+    with torch.no_grad():
+        for d in range(8):
+            pack = docs.get(d)
+            ids, seg = np.asarray(pack["input_ids"]), np.asarray(pack["attention_mask"])
+            for k in range(1, int(seg.max()) + 1):
+                rewards.append(hf(torch.from_numpy(ids[seg == k].astype(np.int64))[None]).logits[0, 0])
+    rewards = torch.stack(rewards).reshape(-1, 2)
+    assert records[0]["lm loss"] == pytest.approx(float(bradley_terry_losses(rewards[:, 0], rewards[:, 1]).mean()),
+                                                  rel=1e-5)
+    sft = ["--stage", "sft", "--seq-length", str(S), "--neat-pack", "--micro-batch-size", "2", "--global-batch-size",
+           "4", "--train-iters", "1", "--data-path", write_copy_task(str(setup["root"] / "copy" / "copy")), *loads]
+    proc, _ = run_posttrain(sft, check=False)
+    assert proc.returncode != 0 and "holds a reward model's score head (score.weight, its modules_to_save) beside " \
+        "the adapters: train it on with --stage orm" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_orm_lora_on_a_megatron_base_exports_a_reward_model(setup, tmp_path):
+    """convert_ckpt.py --lora-load of a LoRA reward model trained on a Megatron base (a language model): with
+    --lora-merge a Qwen2ForSequenceClassification, the base's weights with the adapters merged and the checkpoint's
+    score head; without, a PEFT directory with the head in modules_to_save."""
+    from safetensors.torch import load_file
+
+    from mindspeed_pack.convert import adapters
+    from mindspeed_pack.convert.convert import main as convert_main
+
+    ckpt = str(tmp_path / "ckpt")
+    run_posttrain([*ORM, *LORA, "--train-iters", "1", "--data-path", setup["data"], "--load", setup["mg"],
+                   "--finetune", "--save", ckpt])
+    last = _lora_record(ckpt, 1)["model"]
+    for merge in (True, False):
+        out = tmp_path / ("merged" if merge else "peft")
+        assert convert_main(["--load-model-type", "mg", "--load-dir", setup["mg"], "--lora-load", ckpt,
+                             "--save-model-type", "hf", "--save-dir", str(out),
+                             *(["--lora-merge"] if merge else [])]) == 0
+    merged, base = load_file(str(tmp_path / "merged" / "model.safetensors")), \
+        load_file(str(setup["root"] / "qwen" / "hf" / "model.safetensors"))
+    with open(tmp_path / "merged" / "config.json") as f:
+        config = json.load(f)
+    assert config["architectures"] == ["Qwen2ForSequenceClassification"] and config["pad_token_id"] == PAD
+    assert "lm_head.weight" not in merged and torch.equal(merged["score.weight"], last["score.weight"])
+    q = "model.layers.1.self_attn.q_proj.weight"
+    ab = {x: last[f"decoder.layers.1.self_attention.linear_qkv.lora_{x}.q_proj"] for x in "AB"}
+    assert torch.allclose(merged[q], base[q] + LORA_SCALE * ab["B"] @ ab["A"], rtol=0, atol=1e-6)
+    assert torch.equal(merged["model.norm.weight"], base["model.norm.weight"])
+    with open(tmp_path / "peft" / adapters.ADAPTER_CONFIG) as f:
+        assert json.load(f)["modules_to_save"] == ["score"]
+    peft = load_file(str(tmp_path / "peft" / adapters.ADAPTER_WEIGHTS))
+    assert torch.equal(peft["base_model.model.score.weight"], last["score.weight"])
 
 
 # ----------------------------------------------------------------------------------------- process reward model

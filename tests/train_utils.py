@@ -74,6 +74,30 @@ def first_loss(argv, metrics):
         return train_losses(json.loads(line) for line in f if line.strip())[0]
 
 
+def trainer_steps(argv: list) -> list:
+    """The logged records of a posttrain run's steps (``argv``: its whole command line), trained in this process
+    (a rank of a :func:`tests.dist_harness.run_distributed` job); the trainer is cleaned up."""
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
+    from mindspeed_pack.training.stages import get_stage, stage_args
+    from mindspeed_pack.training.trainer import Trainer
+
+    args = parse_args(argv, extra_args_provider=stage_args)
+    resolve_vocab_size(args)
+    stage = get_stage(args)
+    trainer = Trainer(args, stage.batch_source(args), stage)
+    trainer.setup()
+    try:
+        for chunk in trainer.model:
+            chunk.train()
+        records = [trainer.train_iteration() for _ in range(args.train_iters)]
+        if args.save:
+            trainer.save()
+    finally:
+        trainer.cleanup()
+    return records
+
+
 def sft_trainer(args, batch_source):
     """A :class:`Trainer` of the SFT stage, as ``posttrain.py`` builds it for ``--stage sft``."""
     from mindspeed_pack.training.stages.sft import SFTStage

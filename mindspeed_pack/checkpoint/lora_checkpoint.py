@@ -155,14 +155,21 @@ def _load_peft(args, model, optimizer) -> None:
             raise ConversionError(f"{os.path.join(root, adapters.ADAPTER_WEIGHTS)}: adapters of {peft['layers']} "
                                   f"layers, this model has {args.num_layers}")
         _check_peft_base(args, peft)
+        head = bool(getattr(args, "reward_head", False))
+        if peft["trained_in_full"] and not head:
+            raise ConversionError(f"holds a reward model's score head ({', '.join(peft['trained_in_full'])}, its "
+                                  "modules_to_save) beside the adapters: train it on with --stage orm")
         tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
         local = shard_state_dict(full, args, ps.get_tensor_model_parallel_rank(), tp,
                                  ps.get_pipeline_model_parallel_rank(), pp)
     except ConversionError as e:
         raise CheckpointError(f"--lora-load {root}: {e}") from None
-    save_load.load_adapter_weights(os.path.join(root, adapters.ADAPTER_WEIGHTS), model[0].module, local)
+    fresh = tuple(k for k in lora.TRAINED_IN_FULL if head and k not in peft["trained_in_full"])
+    save_load.load_adapter_weights(os.path.join(root, adapters.ADAPTER_WEIGHTS), model[0].module, local, fresh)
     save_load.refresh_master_weights(optimizer)
-    log.info("loaded the PEFT adapters of %s (r=%d, %s): iteration 0", root, peft["r"], " ".join(peft["projections"]))
+    log.info("loaded the PEFT adapters of %s (r=%d, %s%s): iteration 0", root, peft["r"], " ".join(peft["projections"]),
+             "; the reward model's score head from its modules_to_save" if peft["trained_in_full"] else
+             "; it holds no score head: the reward model's head is --load's (or its seeded draw)" if head else "")
 
 
 def load_checkpoint(args, model, optimizer, scheduler, adapters_root=None):

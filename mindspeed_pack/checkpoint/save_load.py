@@ -260,12 +260,14 @@ def _read_rank_file(args, root: str, it_dir: str, saved_ep: int) -> tuple:
 
 def _check_shapes(path: str, module, state: dict, fresh=()) -> None:
     """Every tensor of ``state`` has the name and shape of the model built from the flags (what the recorded
-    arguments cannot tell: checkpoints of other tools record other things). A LoRA run's checkpoint holds its
-    adapters only, a base model none; ``fresh`` names the parameters this load leaves as drawn."""
+    arguments cannot tell: checkpoints of other tools record other things). A LoRA run's checkpoint holds what
+    it trains (its adapters, a reward model's score head), a base model no adapters; ``fresh`` names the
+    parameters this load leaves as drawn."""
     adapters = lora.holds_adapters(state)
+    held = lora.is_trained_name if adapters else (lambda k: not lora.is_adapter_name(k))
     expected = {k: v.shape for k, v in module.state_dict().items() if isinstance(v, torch.Tensor)
-                and not k.endswith("_extra_state") and lora.is_adapter_name(k) == adapters and k not in fresh}
-    if adapters and not expected:
+                and not k.endswith("_extra_state") and held(k) and k not in fresh}
+    if adapters and not lora.holds_adapters(expected):  # a model built without them
         raise CheckpointError(f"{path}: holds LoRA adapters only (a LoRA run's --save): pass their base as --load, "
                               "this checkpoint as --lora-load, and the LoRA flags they were trained with")
     for name, tensor in state.items():
@@ -425,11 +427,11 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
     return iteration, it_dir, path, state
 
 
-def load_adapter_weights(path: str, module, state: dict) -> None:
+def load_adapter_weights(path: str, module, state: dict, fresh=()) -> None:
     """LoRA adapters (this rank's, canonical names; read from ``path``) into ``module``, checked name by name and
-    shape by shape against the model built from the flags."""
+    shape by shape against the model built from the flags (``fresh``: the parameters ``state`` may lack, kept)."""
     weights = layout.to_backend_names(state, module.attention_backend, module.state_dict().keys())
-    _check_shapes(path, module, weights)
+    _check_shapes(path, module, weights, fresh)
     module.load_state_dict(weights, strict=False)
 
 

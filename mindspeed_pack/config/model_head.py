@@ -17,7 +17,6 @@ from typing import Optional
 from mindspeed_pack.config import checkpoint_flags
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.convert import megatron_layout as layout
-from mindspeed_pack.model import lora
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +41,7 @@ def loaded_reward_model(args) -> tuple[bool, Optional[int]]:
 def apply(args) -> None:
     """Set ``args.reward_head`` and ``args.reward_pad_token_id`` for the stage and the loaded model."""
     reward, pad = loaded_reward_model(args)
-    if args.stage == REWARD_STAGE:
-        if lora.trains_adapters(args):
-            raise ArgumentError("--stage orm with LoRA: the reward model's score head trains in full and is not an "
-                                "adapter; train without --lora-r/--lora-target-modules")
+    if args.stage == REWARD_STAGE:  # under LoRA the head trains in full beside the adapters (lora.TRAINED_IN_FULL)
         args.reward_head = True
         args.reward_pad_token_id = pad if reward else None  # a fresh head: the stage takes the data's pad token
     elif args.stage == SCORING_STAGE:

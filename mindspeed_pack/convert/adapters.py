@@ -9,6 +9,9 @@ The PEFT export is therefore a renaming through the weight map's module names::
         <->  base_model.model.model.layers.3.self_attn.k_proj.lora_B.weight
 
 and a merged model adds ``scale * B @ A`` to each adapted projection's HF weight (computed in fp32).
+A reward model's score head, trained in full beside the adapters, is PEFT's ``modules_to_save``: its
+tensor goes in as ``base_model.model.score.weight`` (``task_type`` ``SEQ_CLS``), and into a merged
+model as is.
 
 The base an adapter was trained on is recorded as its path and a content fingerprint: sha256 over
 the base's weight files (a HF directory's config.json and weight files, a Megatron checkpoint's
@@ -33,7 +36,7 @@ from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import ConversionError
 from mindspeed_pack.convert.weight_map import HF_MODULE, hf_projection
-from mindspeed_pack.model.lora import ADAPTED_LINEARS, is_adapter_name
+from mindspeed_pack.model.lora import ADAPTED_LINEARS, TRAINED_IN_FULL, is_adapter_name, is_trained_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -54,9 +57,13 @@ def _parse(name: str):
 
 
 def to_peft(adapters: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Canonical adapter tensors -> PEFT's ``adapter_model.safetensors`` keys (same tensors)."""
+    """Canonical adapter tensors (and the score head) -> PEFT's ``adapter_model.safetensors`` keys (same tensors;
+    the score head's HF name is its Megatron name)."""
     out = {}
     for name, tensor in adapters.items():
+        if name in TRAINED_IN_FULL:
+            out[PEFT_PREFIX + name] = tensor
+            continue
         layer, linear, ab, p = _parse(name)
         out[f"{PEFT_PREFIX}{hf_projection(layer, linear, p)}.lora_{ab}.weight"] = tensor
     return out
@@ -64,6 +71,8 @@ def to_peft(adapters: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 
 def canonical_name(key: str) -> str:
     """A PEFT tensor's name -> its canonical adapter name (inverse of :func:`to_peft`'s renaming)."""
+    if key.startswith(PEFT_PREFIX) and key[len(PEFT_PREFIX):] in TRAINED_IN_FULL:
+        return key[len(PEFT_PREFIX):]
     owners = {hf: mg for mg, hf in HF_MODULE.items()}
     m = _PEFT_ADAPTER.match(key)
     linear = None if m is None else next((lin for lin, parts in ADAPTED_LINEARS.items()
@@ -106,19 +115,22 @@ def scale_of(record: dict) -> float:
     return float(record["alpha"]) / (r ** 0.5 if record.get("rslora") else r)
 
 
-def peft_config(record: dict, target_modules: List[str], base_model: Optional[str]) -> dict:
-    """``adapter_config.json``: what ``peft.PeftModel.from_pretrained`` needs (the rest are PEFT's defaults)."""
+def peft_config(record: dict, target_modules: List[str], base_model: Optional[str], modules_to_save=()) -> dict:
+    """``adapter_config.json``: what ``peft.PeftModel.from_pretrained`` needs (the rest are PEFT's defaults); a
+    reward model's (``modules_to_save`` ``["score"]``) is a sequence classifier's (``SEQ_CLS``)."""
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(record["r"]), "lora_alpha": record["alpha"],
-        "lora_dropout": record.get("dropout", 0.0), "use_rslora": bool(record.get("rslora")),
-        "target_modules": target_modules, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "init_lora_weights": True, "modules_to_save": None, "base_model_name_or_path": base_model,
+        "peft_type": "LORA", "task_type": "SEQ_CLS" if modules_to_save else "CAUSAL_LM", "r": int(record["r"]),
+        "lora_alpha": record["alpha"], "lora_dropout": record.get("dropout", 0.0),
+        "use_rslora": bool(record.get("rslora")), "target_modules": target_modules, "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "modules_to_save": list(modules_to_save) or None, "base_model_name_or_path": base_model,
     }
 
 
 def write_peft_dir(out_dir: str, adapters: Dict[str, torch.Tensor], record: dict, base_model: Optional[str],
                    dtype: torch.dtype) -> None:
-    """``adapter_config.json`` + ``adapter_model.safetensors`` of canonical ``adapters`` into ``out_dir``."""
+    """``adapter_config.json`` + ``adapter_model.safetensors`` of canonical ``adapters`` (with the tensors trained
+    in full beside them) into ``out_dir``."""
     from safetensors.torch import save_file
 
     tensors = {k: v.to(dtype).contiguous() for k, v in to_peft(adapters).items()}
@@ -126,8 +138,10 @@ def write_peft_dir(out_dir: str, adapters: Dict[str, torch.Tensor], record: dict
     if record.get("base"):
         metadata[PEFT_BASE_METADATA] = json.dumps(record["base"])
     save_file(tensors, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata=metadata)
+    modules = sorted(TRAINED_IN_FULL[k] for k in adapters if k in TRAINED_IN_FULL)
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
-        json.dump(peft_config(record, adapted_projections(adapters), base_model), f, indent=2)
+        json.dump(peft_config(record, adapted_projections([k for k in adapters if is_adapter_name(k)]), base_model,
+                              modules), f, indent=2)
 
 
 # --------------------------------------------------------------------------- the base
@@ -195,12 +209,18 @@ def split_adapters(tensors: Dict[str, torch.Tensor]):
     return {k: v for k, v in tensors.items() if k not in adapters}, adapters
 
 
+def trained_in_full(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The tensors of a unit that a LoRA run trained in full beside its adapters (a reward model's score head)."""
+    return {k: v for k, v in tensors.items() if k in TRAINED_IN_FULL}
+
+
 # --------------------------------------------------------------------------- a PEFT directory as --lora-load
 # adapter_config.json settings that this trainer's adapters (plain LoRA: one A and B per adapted projection, on
-# every layer, one rank and alpha) cannot express: each refused when set
+# every layer, one rank and alpha) cannot express: each refused when set (modules_to_save: but a reward model's
+# score head, see _modules_to_save)
 _PEFT_UNSUPPORTED = {
     "use_dora": "DoRA", "lora_bias": "a bias on lora_B", "fan_in_fan_out": "transposed (Conv1D) weights",
-    "modules_to_save": "fully trained extra modules", "trainable_token_indices": "trained token rows",
+    "trainable_token_indices": "trained token rows",
     "rank_pattern": "ranks per module", "alpha_pattern": "alphas per module",
     "layers_to_transform": "adapters on some layers only", "layer_replication": "replicated layers",
     "target_parameters": "adapters on parameters", "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
@@ -214,10 +234,22 @@ def is_peft_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, layout.TRACKER))
 
 
+def _modules_to_save(config: dict, where: str) -> List[str]:
+    """The modules trained in full that adapter_config.json names: none, or a reward model's score head (PEFT's
+    sequence classifiers name ``classifier`` and ``score`` whichever the model has)."""
+    named = config.get("modules_to_save") or []
+    known = set(TRAINED_IN_FULL.values())
+    if not isinstance(named, list) or not set(named) & known or set(named) - known - {"classifier"}:
+        raise ConversionError(f"{where}: modules_to_save {json.dumps(named)} (fully trained extra modules): this "
+                              f"trainer trains in full beside the adapters only a reward model's {sorted(known)}")
+    return sorted(set(named) & known)
+
+
 def read_peft_settings(path: str) -> dict:
     """What PEFT directory ``path`` holds, checked: ``r``, ``alpha``, ``rslora``, ``dropout`` (adapter_config.json),
-    ``projections`` (the HF projections its tensors adapt, on every layer), ``base`` (this project's base record,
-    from the weights' metadata; None from other tools) and ``base_model_name_or_path``."""
+    ``projections`` (the HF projections its tensors adapt, on every layer), ``trained_in_full`` (the canonical
+    names of the tensors of its ``modules_to_save``: a reward model's score head), ``base`` (this project's base
+    record, from the weights' metadata; None from other tools) and ``base_model_name_or_path``."""
     from safetensors import safe_open
 
     where = os.path.join(path, ADAPTER_CONFIG)
@@ -234,6 +266,7 @@ def read_peft_settings(path: str) -> dict:
         if config.get(key):
             raise ConversionError(f"{where}: {key} {json.dumps(config[key])} ({what}): this trainer's adapters are "
                                   "plain LoRA, one A and B per adapted projection on every layer")
+    modules = _modules_to_save(config, where) if config.get("modules_to_save") else []
     if config.get("bias", "none") != "none":
         raise ConversionError(f"{where}: bias {config['bias']!r}: the adapters train no biases (bias \"none\")")
     r, alpha = config.get("r"), config.get("lora_alpha")
@@ -250,6 +283,13 @@ def read_peft_settings(path: str) -> dict:
         raise ConversionError(f"{weights}: {e}") from None
     except Exception as e:  # a truncated or foreign file
         raise ConversionError(f"{weights}: unreadable ({e})") from None
+    full = sorted(k for k in names if k in TRAINED_IN_FULL)
+    missing = sorted(set(modules) - {TRAINED_IN_FULL[k] for k in full})
+    if missing or (full and not modules):
+        raise ConversionError(f"{weights}: " + (f"no tensors of modules_to_save {missing} (named in {ADAPTER_CONFIG})"
+                                                if missing else f"holds {full}, which {ADAPTER_CONFIG}'s "
+                                                "modules_to_save does not name"))
+    names = [k for k in names if k not in TRAINED_IN_FULL]
     layers: Dict[int, set] = {}
     for layer, linear, ab, p in map(_parse, names):
         layers.setdefault(layer, set()).add((p, ab))
@@ -264,7 +304,7 @@ def read_peft_settings(path: str) -> dict:
     base = metadata.get(PEFT_BASE_METADATA)
     return {"r": r, "alpha": float(alpha), "rslora": bool(config.get("use_rslora")),
             "dropout": float(config.get("lora_dropout") or 0.0), "projections": projections,
-            "layers": len(layers), "base": json.loads(base) if base else None,
+            "layers": len(layers), "trained_in_full": full, "base": json.loads(base) if base else None,
             "base_model_name_or_path": config.get("base_model_name_or_path")}
 
 

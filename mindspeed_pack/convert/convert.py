@@ -182,8 +182,8 @@ class MegatronCheckpoint:
         self.same_weights_as = list(first.get(lora_map.SAME_WEIGHTS_AS) or [])  # a reshard: what it was resharded from
 
     def holds_base(self) -> bool:
-        """False for a LoRA ``--save`` (adapters only, no base weights)."""
-        return any(not lora_map.is_adapter_name(k) for k in self._file(0, 0)["model"])
+        """False for a LoRA ``--save`` (what the run trained only: adapters, a reward model's score head)."""
+        return any(not lora_map.is_trained_name(k) for k in self._file(0, 0)["model"])
 
     def rank_file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
         """The whole record of one rank's file (model, optimizer, ...), read once."""
@@ -379,7 +379,7 @@ def megatron_to_hf(
                               f"--load-dir and {load_dir} as --lora-load")
     adapters = _adapter_checkpoint(lora_dir, allow_unsafe, source.args) if lora_dir else \
         (source if source.lora is not None else None)
-    args = source.args
+    args = _export_args(source.args, adapters if adapters is not source else None)
     spec = get_spec(model_type_hf or args.model_type_hf)
     if spec.name != args.model_type_hf:
         log.warning("checkpoint was converted as %s, writing it as %s", args.model_type_hf, spec.name)
@@ -398,6 +398,8 @@ def megatron_to_hf(
         with _progress(len(all_units), f"mg->hf from TP{source.tp} PP{source.pp} EP{source.ep}") as bar:
             for unit in all_units:
                 base, own = lora_map.split_adapters(source.unit(unit))
+                if unit == FINAL and adapters is not None and adapters is not source:
+                    base = _with_trained_head(base, adapters)
                 hf = mg_to_hf_unit(unit, base, args, spec)
                 if adapters is not None and unit != EMBEDDING and unit != FINAL:
                     if adapters is not source:
@@ -476,6 +478,24 @@ def megatron_to_megatron(
 
 
 # --------------------------------------------------------------------------- LoRA adapters
+def _export_args(base_args, adapters: Optional[MegatronCheckpoint]):
+    """The merged model's arguments: the base's, or a reward model's when the adapter checkpoint ``adapters`` holds
+    a score head trained in full beside them (a language model as base then exports a reward model)."""
+    if adapters is None or not getattr(adapters.args, "reward_head", False):
+        return base_args
+    args = copy.copy(base_args)
+    args.reward_head, args.reward_pad_token_id = True, adapters.args.reward_pad_token_id
+    return args
+
+
+def _with_trained_head(final: Dict[str, torch.Tensor], adapters: MegatronCheckpoint) -> Dict[str, torch.Tensor]:
+    """The base's final unit (Megatron names) with the adapter checkpoint's score head in place of its own head."""
+    head = lora_map.trained_in_full(adapters.unit(FINAL)) if getattr(adapters.args, "reward_head", False) else {}
+    if not head:
+        return final
+    return {**{k: v for k, v in final.items() if k not in (MG_OUTPUT, *head)}, **head}
+
+
 # model shape arguments the adapters and their base must share
 _ADAPTER_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                        "kv_channels")
@@ -508,6 +528,9 @@ def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", b
     tensors = {}
     for layer in range(source.args.num_layers):
         tensors.update(lora_map.split_adapters(source.unit(layer))[1])
+    reward = bool(getattr(source.args, "reward_head", False))
+    if reward:  # the score head trained in full beside the adapters: PEFT's modules_to_save
+        tensors.update(lora_map.trained_in_full(source.unit(FINAL)))
     if getattr(source.args, "num_experts", None) and any(".mlp." in k for k in tensors):
         log.warning("%s: MoE model with adapters on dense layers' MLPs: peft (0.21, transformers 5) re-targets "
                     "gate_proj/up_proj/down_proj of MoE families to the fused experts and skips them; merge instead "
@@ -516,6 +539,10 @@ def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", b
         lora_map.write_peft_dir(tmp, tensors, source.lora, base_model, dtype)
     log.info("wrote PEFT adapter %s (%d tensors, r=%d, base %s)", save_dir, len(tensors), source.lora["r"],
              base_model)
+    if reward:
+        log.info("%s is a reward model's: its score head is in modules_to_save; load it on its base as a sequence "
+                 "classifier: peft.PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(BASE, "
+                 "num_labels=1, pad_token_id=%s), %r)", save_dir, source.args.reward_pad_token_id, save_dir)
 
 
 def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str = "fp32",
@@ -530,12 +557,17 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str =
         reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
         adapters = _adapter_checkpoint(lora_dir, allow_unsafe, args)
         scale = lora_map.scale_of(adapters.lora)
+        args = _export_args(args, adapters)
         config = hf_config_from_args(args, spec, _HF_DTYPE_NAMES[dtype], reader.config)
         tok_dir = tokenizer_dir or hf_dir
         with staged_output(save_dir) as tmp:
             writer = hf_io.ShardedSafetensorsWriter(tmp, max_shard_bytes)
             for unit in units(args):
-                hf = {name: reader.get(name) for name in hf_unit_shapes(unit, args, spec)}
+                # a reward model's adapters: the head trained beside them, whatever the base holds (its HF name is
+                # its Megatron name)
+                head = lora_map.trained_in_full(adapters.unit(FINAL)) if unit == FINAL else {}
+                hf = {name: head[name] if name in head else reader.get(name)
+                      for name in hf_unit_shapes(unit, args, spec)}
                 if unit != EMBEDDING and unit != FINAL:
                     hf = lora_map.merge_into_hf(hf, lora_map.split_adapters(adapters.unit(unit))[1], scale)
                 writer.add_all({k: v.to(dtype) for k, v in hf.items()})

@@ -14,7 +14,9 @@ order, and the projections' outputs are interleaved into the base's fused layout
 group, ``[gate; up]``) in the forward only, so the export is a renaming
 (:mod:`mindspeed_pack.convert.adapters`). ``scale = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA);
 B starts at zero, so the adapted model starts as the base model exactly. The base is frozen:
-megatron's DDP and optimizers then keep no gradient buffer and no state for it.
+megatron's DDP and optimizers then keep no gradient buffer and no state for it. An outcome reward
+model's score head is no adapter: it trains in full beside them (PEFT's ``modules_to_save``,
+:data:`TRAINED_IN_FULL`), and is saved and exported with them.
 
 Only the rank-r activations ``h = A x`` cross tensor-parallel ranks:
 
@@ -46,6 +48,8 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mindspeed_pack.model.score_head import SCORE
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +159,16 @@ def without_lora(args):
 
 def is_adapter_name(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
+
+
+# parameters a LoRA run trains in full beside the adapters (PEFT's modules_to_save), by the module PEFT names:
+# a reward model's score head, which no adapter can stand for (a model without one has no such parameter)
+TRAINED_IN_FULL = {SCORE: "score"}
+
+
+def is_trained_name(name: str) -> bool:
+    """What a LoRA run trains, saves and exports: its adapters and the parameters of :data:`TRAINED_IN_FULL`."""
+    return is_adapter_name(name) or name in TRAINED_IN_FULL
 
 
 def holds_adapters(state: dict) -> bool:
@@ -292,9 +306,9 @@ def adapt_layer_spec(spec, settings: LoRASettings):
 
 
 def freeze_base(model: torch.nn.Module) -> None:
-    """Only the adapters train."""
+    """Only the adapters (and a reward model's score head) train."""
     for name, p in model.named_parameters():
-        p.requires_grad_(is_adapter_name(name))
+        p.requires_grad_(is_trained_name(name))
 
 
 def lora_modules(model_chunks):
@@ -323,10 +337,11 @@ def base_model_only(model_chunks):
 
 
 def checkpoint_entries(args, model_state: dict) -> dict:
-    """What a LoRA run's checkpoint holds instead of the whole model: the adapters, their settings and the
-    base they were trained on (path and content fingerprint, ``args.lora_base``). Empty without LoRA."""
+    """What a LoRA run's checkpoint holds instead of the whole model: the adapters (and a reward model's score
+    head), their settings and the base they were trained on (path and content fingerprint, ``args.lora_base``).
+    Empty without LoRA."""
     settings = settings_from_args(args)
     if settings is None:
         return {}
-    return {"model": {k: v for k, v in model_state.items() if is_adapter_name(k)},
+    return {"model": {k: v for k, v in model_state.items() if is_trained_name(k)},
             "lora": {**settings.record(), "base": getattr(args, "lora_base", None)}}

@@ -32,8 +32,8 @@ def build_model(args) -> List[torch.nn.Module]:
     model = build_gpt_model(args, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     if not args.load and not args.no_parallel_invariant_init:
         parallel_invariant_init(model, args, args.seed)
-    elif lora.trains_adapters(args):  # the adapters of a loaded base: the same draw at every layout
-        parallel_invariant_init(model, args, args.seed, only=lora.is_adapter_name)
+    elif lora.trains_adapters(args):  # the adapters of a loaded base, and a reward model's head (a reward model
+        parallel_invariant_init(model, args, args.seed, only=lora.is_trained_name)  # as base loads its own over it)
     elif model.score is not None:  # a reward model started from a language model's weights: a fresh head, the
         parallel_invariant_init(model, args, args.seed, only=lambda name: name == SCORE)  # same at every layout
     if cuda_usable():
