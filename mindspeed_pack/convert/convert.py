@@ -76,6 +76,7 @@ from mindspeed_pack.convert.weight_map import (
     units,
 )
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
+from mindspeed_pack.runtime import faults
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ def staged_output(save_dir: str):
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save_dir)}.tmp-", dir=parent)
     try:
         yield tmp
+        faults.fire("exported", 0, tmp)  # crash tests: killed with the output whole but not in place
         check_save_dir(save_dir)  # still free?
         if os.path.isdir(save_dir):
             os.rmdir(save_dir)

@@ -60,6 +60,7 @@ from mindspeed_pack.data.handlers import (
 from mindspeed_pack.data.templates import get_template, marker_tokens
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
 from mindspeed_pack.datasets import pack_writer
+from mindspeed_pack.runtime import faults
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 
 HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
@@ -473,6 +474,7 @@ def run(args) -> dict:
             config = dataclasses.replace(config, tokenizer=TokenizerSpec("PretrainedFromHF", str(tmp_out / TOKENIZER_SUFFIX)))
         stats = _encode_all(args, files, config, tmp_store, tokenizer.pad_or_eos_id, encoder)
         store = stats.pop("_store")
+        faults.fire("tokenized", 0, str(tmp_store))  # crash tests: killed with only the temporaries written
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
         stats.update(_write_outputs(args, store, tokenizer, tmp_prefixes, _label_table(encoder),
