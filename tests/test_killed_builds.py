@@ -49,9 +49,15 @@ def _until(what, condition, proc=None, timeout=TIMEOUT):
         time.sleep(0.05)
 
 
-def _stopped(pid: int) -> bool:
+def _reader(path):
+    """What the process logging to ``path`` has written so far ("" before it starts)."""
+    return lambda: path.read_text() if path.exists() else ""
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (R, S, T stopped, Z zombie, ...)."""
     with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def _finished_outputs(out_dir, name="a") -> list:
@@ -82,10 +88,10 @@ def test_two_jobs_building_one_cache_build_it_once(tmp_path, raw, toy_tokenizer_
     argv = _argv(raw, out / "a", toy_tokenizer_dir)
     first = _start(argv, tmp_path / "first.log", fault="tokenized@0:stop")
     try:
-        _until("the first job to stop inside its build", lambda: _stopped(first.pid), first)
+        _until("the first job to stop inside its build", lambda: _state(first.pid) == "T", first)
         building = sorted(os.listdir(out))
         second = _start(argv, tmp_path / "second.log")
-        second_log = (tmp_path / "second.log").read_text
+        second_log = _reader(tmp_path / "second.log")
         _until("the second job to wait for the first",
                lambda: f"waiting for PID {first.pid}" in second_log() or second.poll() is not None)
         assert f"waiting for PID {first.pid}" in second_log() and f"building {out / 'a'}" in second_log(), \
@@ -109,9 +115,9 @@ def test_a_killed_cache_builder_does_not_block_the_job_waiting_for_it(tmp_path, 
     argv = _argv(raw, out / "a", toy_tokenizer_dir)
     first = _start(argv, tmp_path / "first.log", fault="tokenized@0:stop")
     try:
-        _until("the first job to stop inside its build", lambda: _stopped(first.pid), first)
+        _until("the first job to stop inside its build", lambda: _state(first.pid) == "T", first)
         second = _start(argv, tmp_path / "second.log")
-        second_log = (tmp_path / "second.log").read_text
+        second_log = _reader(tmp_path / "second.log")
         _until("the second job to wait for the first",
                lambda: f"waiting for PID {first.pid}" in second_log() or second.poll() is not None)
         assert f"waiting for PID {first.pid}" in second_log(), second_log()[-3000:]
@@ -130,8 +136,11 @@ def test_only_temporaries_of_dead_processes_on_this_host_are_removed(tmp_path, c
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # ended, not yet reaped: its locks are free
+    _until("a zombie", lambda: _state(zombie.pid) == "Z")
     try:
-        names = {"dead": f".a.tmp-{HOST}-{gone.pid}", "live": f".a.tmp-{HOST}-{sleeper.pid}",
+        names = {"dead": f".a.tmp-{HOST}-{gone.pid}", "zombie": f".a.tmp-{HOST}-{zombie.pid}",
+                 "live": f".a.tmp-{HOST}-{sleeper.pid}",
                  "parent": f".a.tmp-{HOST}-{os.getppid()}", "mine": owned_name(".a.tmp-"),
                  "other host": f".a.tmp-elsewhere-{gone.pid}", "other output": f".b.tmp-{HOST}-{gone.pid}",
                  "not a pid": f".a.tmp-{HOST}-x1"}
@@ -141,24 +150,24 @@ def test_only_temporaries_of_dead_processes_on_this_host_are_removed(tmp_path, c
         (tmp_path / f".a.tokens-{HOST}-{gone.pid}").write_bytes(b"\0" * 500)  # a file, not a directory
         with caplog.at_level("INFO"):
             freed = remove_stale(str(tmp_path), [".a.tmp-", ".a.tokens-"], "preprocessing a")
-        assert freed == 1500
-        assert sorted(os.listdir(tmp_path)) == sorted(v for k, v in names.items() if k != "dead")
-        assert f"removed 2 leftovers of killed runs from {tmp_path} (1.5 KB freed)" in caplog.text
+        assert freed == 2500
+        assert sorted(os.listdir(tmp_path)) == sorted(v for k, v in names.items() if k not in ("dead", "zombie"))
+        assert f"removed 3 leftovers of killed runs from {tmp_path} (2.5 KB freed)" in caplog.text
         assert f".a.tmp-elsewhere-{gone.pid}" in caplog.text and "another host" in caplog.text
     finally:
         sleeper.kill()
         sleeper.wait()
+        zombie.wait()
 
 
-def test_the_lock_file_is_gone_after_a_build(tmp_path):
-    from mindspeed_pack.runtime.stale_files import exclusive
+def test_the_lock_excludes_other_processes_and_its_file_is_gone_after_the_build(tmp_path):
+    from mindspeed_pack.runtime.stale_files import HOST, exclusive
 
     lock = tmp_path / ".a.lock"
+    # another process: this one must not open the file while it holds the lock (a close would release it)
+    try_lock = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); print(os.read(fd, 200).decode())\n"
+                "try:\n    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n    sys.exit(3)")
     with exclusive(str(lock), "a"):
-        assert lock.read_text().startswith(f"{os.getpid()} ")
-        with open(lock) as f:  # held: another open file description cannot take it
-            import fcntl
-
-            with pytest.raises(BlockingIOError):
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        other = subprocess.run([sys.executable, "-c", try_lock, str(lock)], capture_output=True, text=True)
+        assert other.returncode == 3 and other.stdout.split() == [str(os.getpid()), HOST], other
     assert not lock.exists()
