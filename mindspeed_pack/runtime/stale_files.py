@@ -65,9 +65,13 @@ def owner(name: str, prefix: str) -> Optional[Tuple[str, int]]:
     return (host, int(pid)) if host and pid.isdigit() else None
 
 
+PF_EXITING = 0x4  # Linux's flag of a process inside exit(): killed, its files (and locks) being released
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` of this host runs (a process of another user counts: it is not ours to judge).
-    A zombie does not: killed, its parent has not reaped it yet, yet its locks are already released."""
+    One that is exiting or a zombie does not: killed, it releases its locks before its parent reaps it, and
+    a job waiting on such a lock must see its temporaries as stale."""
     if pid <= 0:
         return True  # never made by owned_name; os.kill(0, ...) would mean this process group
     try:
@@ -78,8 +82,9 @@ def process_alive(pid: int) -> bool:
         return True
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):  # no /proc (not Linux), or it ended just now
+            fields = f.read().rpartition(")")[2].split()  # after "pid (comm)": state, ppid, ..., flags (the 7th)
+        return fields[0] not in ("Z", "X") and not int(fields[6]) & PF_EXITING
+    except (OSError, IndexError, ValueError):  # no /proc (not Linux), or it ended just now
         return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
