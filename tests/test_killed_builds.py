@@ -167,7 +167,8 @@ def test_the_lock_excludes_other_processes_and_its_file_is_gone_after_the_build(
     # another process: this one must not open the file while it holds the lock (a close would release it)
     try_lock = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); print(os.read(fd, 200).decode())\n"
                 "try:\n    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\nexcept OSError:\n    sys.exit(3)")
-    with exclusive(str(lock), "a"):
+    with exclusive(str(lock), "a") as waited:
+        assert waited is False
         other = subprocess.run([sys.executable, "-c", try_lock, str(lock)], capture_output=True, text=True)
         assert other.returncode == 3 and other.stdout.split() == [str(os.getpid()), HOST], other
     assert not lock.exists()

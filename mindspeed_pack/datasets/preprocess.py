@@ -468,9 +468,11 @@ def run_or_reuse(args) -> Tuple[dict, bool]:
     cached = _cached(args, cache_key)
     if cached is None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        with stale_files.exclusive(str(out_dir / f".{Path(args.output_prefix).name}.lock"), args.output_prefix):
-            _remove_leftovers(args, out_dir)  # a build this job waited for may have been killed
-            cached = _cached(args, cache_key)  # or finished: this job reuses it
+        with stale_files.exclusive(str(out_dir / f".{Path(args.output_prefix).name}.lock"),
+                                   args.output_prefix) as waited:
+            if waited:  # the build this job waited for was killed: its leftovers go
+                _remove_leftovers(args, out_dir)
+            cached = _cached(args, cache_key)  # or it finished (even as this job checked): reused
             if cached is None:
                 meta = _build(args, files, config, tokenizer, encoder, changes, cache_key, out_dir, t0)
                 print_summary(meta)

@@ -134,15 +134,17 @@ def remove_stale(directory: str, prefixes: Sequence[str], what: str) -> int:
 
 
 @contextlib.contextmanager
-def exclusive(lock_path: str, what: str) -> Iterator[None]:
+def exclusive(lock_path: str, what: str) -> Iterator[bool]:
     """Hold an exclusive lock on ``lock_path`` while the block builds ``what``; a job holding it is waited for
-    (logged with its PID). The file is removed on release; a holder killed leaves it, unlocked, to the next.
+    (logged with its PID), and the block gets whether it waited. The file is removed on release; a holder
+    killed leaves it, unlocked, to the next.
     A POSIX lock belongs to the process: it does not exclude the process's own threads, and closing any
     descriptor of the file in the holder releases it (only :func:`exclusive` opens it)."""
+    waited = False
     while True:
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            _lock(fd, lock_path, what)
+            waited = _lock(fd, lock_path, what) or waited
             mine = os.fstat(fd)
             now = os.stat(lock_path)
         except FileNotFoundError:  # the holder we waited for removed the file: lock the one at the path now
@@ -158,22 +160,23 @@ def exclusive(lock_path: str, what: str) -> Iterator[None]:
         with contextlib.suppress(OSError):  # who holds it, for the log of a job that waits (a full disk: unsaid)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()} {HOST}\n".encode(), 0)
-        yield
+        yield waited
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(lock_path)  # before the unlock: a job that locks this file next sees it gone and retries
         os.close(fd)
 
 
-def _lock(fd: int, lock_path: str, what: str) -> None:
+def _lock(fd: int, lock_path: str, what: str) -> bool:
+    """Lock ``fd``; whether another process held it first."""
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return
+        return False
     except OSError as e:
         if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
             log.warning("%s: %s cannot be locked on this file system (%s): two jobs building it at once would "
                         "both build it", what, lock_path, e.strerror)
-            return
+            return False
         if e.errno not in (errno.EACCES, errno.EAGAIN):  # these two: another process holds it
             raise
     holder = os.pread(fd, 200, 0).decode(errors="replace").split()
@@ -182,3 +185,4 @@ def _lock(fd: int, lock_path: str, what: str) -> None:
     start = time.monotonic()
     fcntl.lockf(fd, fcntl.LOCK_EX)
     log.warning("%s: the lock is free after %.1f s", what, time.monotonic() - start)
+    return True
