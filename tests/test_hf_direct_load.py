@@ -270,3 +270,19 @@ def test_a_hf_model_keeps_its_own_dropout_unless_the_flags_are_given(tiny):
     assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
     args = parse_args([*base, "--attention-dropout", "0.2", "--hidden-dropout", "0.1"], world_size=1)
     assert (args.attention_dropout, args.hidden_dropout) == (0.2, 0.1)
+
+
+def test_an_export_killed_before_its_rename_leaves_a_temporary_the_next_run_removes(tiny, tmp_path):
+    """SIGKILL with the HF model complete in ``.out.tmp-HOST-PID`` (fault ``exported@0``): the rerun removes it (its
+    owner is gone) and its export is the only thing left beside the output."""
+    import signal
+
+    exports = tmp_path / "exports"
+    argv = [*RUN_FLAGS, "--data-path", tiny["data"], "--load", tiny["hf"], "--save-hf", str(exports / "out")]
+    proc, _ = run_posttrain(argv, model_flags=[], check=False, env={"MINDSPEED_PACK_FAULT": "exported@0:kill"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    leftover = [n for n in os.listdir(exports) if n.startswith(".out.tmp-")]
+    assert leftover and os.path.isfile(exports / leftover[0] / "model.safetensors"), os.listdir(exports)
+    proc, _ = run_posttrain(argv, model_flags=[])
+    assert os.listdir(exports) == ["out"]
+    assert f"removed 1 leftover of killed runs from {exports}" in proc.stderr and leftover[0] in proc.stderr

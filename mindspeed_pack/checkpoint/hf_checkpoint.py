@@ -17,7 +17,8 @@ with ``--load-format hf``) needs no offline ``convert_ckpt.py`` step:
 ``--save-hf DIR`` writes a transformers-loadable model when training ends: every TP x PP
 shard is written as a weights-only Megatron checkpoint next to DIR, then rank 0 merges it
 with the converter (``megatron_to_hf``: the same weight map, one unit at a time, into a
-temporary directory renamed onto DIR when complete) and copies the tokenizer files.
+temporary directory renamed onto DIR when complete) and copies the tokenizer files. That
+temporary (``.DIR.tmp-HOST-PID``) of an export killed midway is removed when the next run starts.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit,
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 from mindspeed_pack.runtime.peers import all_ranks_ok
+from mindspeed_pack.runtime.stale_files import remove_stale_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +250,15 @@ def check_exportable(args) -> None:
         raise CheckpointError(f"--save-hf {args.save_hf}: this model cannot be written as a Hugging Face "
                               f"{spec.hf_architecture}: {'; '.join(lost)}; drop --save-hf and keep the Megatron "
                               "checkpoint (--save)")
+
+
+def remove_killed_exports(args) -> None:
+    """Before training, on rank 0 (the rank that writes the export): the temporary directory of an export to
+    ``--save-hf`` that was killed before its rename (the whole model) is removed, not kept through training."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        remove_stale_temporaries(os.path.abspath(args.save_hf), f"--save-hf {args.save_hf}")
 
 
 def _weights_record(args, model) -> dict:

@@ -28,6 +28,8 @@ import json
 import os
 from typing import Iterable, List, Optional
 
+from mindspeed_pack.runtime import stale_files
+
 FLAG = "--config"
 
 
@@ -272,7 +274,7 @@ def render(sections: List[tuple], header: str = "") -> str:
 def write(path: str, text: str) -> None:
     """``text`` to ``path``, replaced whole (a reader never sees half a file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = stale_files.temporary_for(path, path)
     with open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
     os.replace(tmp, path)

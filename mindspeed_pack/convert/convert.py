@@ -31,7 +31,6 @@ import logging
 import os
 import pickle
 import sys
-import tempfile
 from typing import Dict, Optional
 
 import torch
@@ -76,6 +75,7 @@ from mindspeed_pack.convert.weight_map import (
     units,
 )
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
+from mindspeed_pack.runtime import faults, stale_files
 
 log = logging.getLogger(__name__)
 
@@ -102,13 +102,16 @@ def check_save_dir(save_dir: str, load_dir: Optional[str] = None) -> None:
 
 @contextlib.contextmanager
 def staged_output(save_dir: str):
-    """A temporary directory next to ``save_dir``, renamed onto it when the block succeeds."""
+    """A temporary directory next to ``save_dir`` (``.NAME.tmp-HOST-PID``), renamed onto it when the block
+    succeeds; those of killed exports to ``save_dir`` are removed first."""
     save_dir = os.path.abspath(save_dir)
-    parent = os.path.dirname(save_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save_dir)}.tmp-", dir=parent)
+    os.makedirs(os.path.dirname(save_dir), exist_ok=True)
+    tmp = stale_files.temporary_for(save_dir, save_dir)
+    layout.remove_tree(tmp)  # this process's own, of an earlier export that failed
+    os.mkdir(tmp)
     try:
         yield tmp
+        faults.fire("exported", 0, tmp)  # crash tests: killed with the output whole but not in place
         check_save_dir(save_dir)  # still free?
         if os.path.isdir(save_dir):
             os.rmdir(save_dir)

@@ -40,7 +40,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -60,6 +60,7 @@ from mindspeed_pack.data.handlers import (
 from mindspeed_pack.data.templates import get_template, marker_tokens
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
 from mindspeed_pack.datasets import pack_writer
+from mindspeed_pack.runtime import faults, stale_files
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 
 HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
@@ -419,6 +420,14 @@ class _Progress:
 
 def run(args) -> dict:
     """Preprocess as ``args`` say; returns the sidecar metadata (statistics included)."""
+    return run_or_reuse(args)[0]
+
+
+def run_or_reuse(args) -> Tuple[dict, bool]:
+    """:func:`run`, and whether a cached output was reused (this job built nothing).
+
+    One job builds an output at a time (a lock beside it): a second one waits, then reuses what the first
+    built. A killed build leaves temporaries that the next run of the same output removes."""
     t0 = time.time()
     validate_args(args)
     inputs = args.input if isinstance(args.input, list) else [args.input]
@@ -456,16 +465,40 @@ def run(args) -> dict:
                      None if template is None else {"name": template.name, "definition": template.definition}),
     }
     cache_key = json.loads(json.dumps(cache_key))  # compare in the form the sidecar stores
-    cached = _cached(args, cache_key)
-    if cached is not None:
-        print(f"cache hit: reusing cached output {args.output_prefix} (inputs, tokenizer, template and arguments match "
-              f"{_meta_path(args)}; pass --overwrite-cache to rebuild)")
-        return cached
-
     out_dir = Path(args.output_prefix).resolve().parent
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tmp_out = out_dir / f".{Path(args.output_prefix).name}.tmp-{os.getpid()}"
-    tmp_store = Path(args.cache_dir or out_dir) / f".{Path(args.output_prefix).name}.tokens-{os.getpid()}"
+    _remove_leftovers(args, out_dir)
+    cached = _cached(args, cache_key)
+    if cached is None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with stale_files.exclusive(str(out_dir / f".{Path(args.output_prefix).name}.lock"),
+                                   args.output_prefix) as waited:
+            if waited:  # the build this job waited for was killed: its leftovers go
+                _remove_leftovers(args, out_dir)
+            cached = _cached(args, cache_key)  # or it finished (even as this job checked): reused
+            if cached is None:
+                meta = _build(args, files, config, tokenizer, encoder, changes, cache_key, out_dir, t0)
+                print_summary(meta)
+                return meta, False
+    print(f"cache hit: reusing cached output {args.output_prefix} (inputs, tokenizer, template and arguments match "
+          f"{_meta_path(args)}; pass --overwrite-cache to rebuild)")
+    return cached, True
+
+
+def _remove_leftovers(args, out_dir: Path) -> None:
+    """The temporaries of killed runs of this output (their owner process gone): outputs, token store, sidecar."""
+    name = Path(args.output_prefix).name
+    where = {str(out_dir): [f".{name}.tmp-", f".{Path(_meta_path(args)).name}.tmp-"]}
+    where.setdefault(str(Path(args.cache_dir or out_dir).resolve()), []).append(f".{name}.tokens-")
+    for directory, prefixes in where.items():
+        stale_files.remove_stale(directory, prefixes, f"preprocessing {args.output_prefix}")
+
+
+def _build(args, files, config: EncoderConfig, tokenizer, encoder, changes: dict, cache_key: dict, out_dir: Path,
+           t0: float) -> dict:
+    """Tokenize and pack into temporaries named after this process, then move them into place."""
+    name = Path(args.output_prefix).name
+    tmp_out = out_dir / stale_files.owned_name(f".{name}.tmp-")
+    tmp_store = Path(args.cache_dir or out_dir) / stale_files.owned_name(f".{name}.tokens-")
     store = None  # the tokenised samples, once encoded
     try:
         shutil.rmtree(tmp_out, ignore_errors=True)
@@ -475,6 +508,7 @@ def run(args) -> dict:
             config = dataclasses.replace(config, tokenizer=TokenizerSpec("PretrainedFromHF", str(tmp_out / TOKENIZER_SUFFIX)))
         stats = _encode_all(args, files, config, tmp_store, tokenizer.pad_or_eos_id, encoder)
         store = stats.pop("_store")
+        faults.fire("tokenized", 0, str(tmp_store))  # crash tests: killed with only the temporaries written
         t_encoded = time.time()
         tmp_prefixes = {k: str(tmp_out / Path(v).name) for k, v in _final_prefixes(args).items()}
         stats.update(_write_outputs(args, store, tokenizer, tmp_prefixes, _label_table(encoder),
@@ -507,7 +541,6 @@ def run(args) -> dict:
     finally:
         shutil.rmtree(tmp_out, ignore_errors=True)
         shutil.rmtree(tmp_store, ignore_errors=True)
-    print_summary(meta)
     return meta
 
 
@@ -683,7 +716,7 @@ def _publish(args, tmp_prefixes: dict, meta: dict, tmp_tokenizer: Optional[Path]
     if tmp_tokenizer is not None:
         shutil.rmtree(_tokenizer_dir(args), ignore_errors=True)
         os.replace(tmp_tokenizer, _tokenizer_dir(args))
-    tmp_meta = f"{meta_path}.tmp-{os.getpid()}"
+    tmp_meta = stale_files.temporary_for(meta_path, f"preprocessing {args.output_prefix}")
     with open(tmp_meta, "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2, default=str)
     os.replace(tmp_meta, meta_path)

@@ -3,16 +3,21 @@
 ``MINDSPEED_PACK_FAULT="POINT@ITER[:ACTION][:rankR][:attemptA][,...]"`` arms one or more
 faults; each fires when the run reaches ``POINT`` at iteration ``ITER``:
 
-=========  ==================================================================
-``step``    after iteration ITER's optimizer step, before it is logged or saved
-``write``   half-way through writing a rank file of the save of ITER
-``written`` every rank file of the save written, before ``iter_N.tmp`` is renamed
-``renamed`` ``iter_N`` in place, the tracker not yet moved to it
-``tracker`` the tracker moved, the previous copy of a re-save not yet removed
-=========  ==================================================================
+=============  ==============================================================
+``step``       after iteration ITER's optimizer step, before it is logged or saved
+``write``      half-way through writing a rank file of the save of ITER
+``written``    every rank file of the save written, before ``iter_N.tmp`` is renamed
+``renamed``    ``iter_N`` in place, the tracker not yet moved to it
+``tracker``    the tracker moved, the previous copy of a re-save not yet removed
+``tokenized``  preprocessing: every row in its temporary token store, no output written
+               yet (ITER 0: it runs once)
+``exported``   an export (``--save-hf``, ``convert_ckpt.py``) complete in its temporary
+               directory, not yet renamed onto the target (ITER 0)
+=============  ==============================================================
 
 ``ACTION`` is ``kill`` (SIGKILL this process: a power cut as seen by the files; the
-default) or ``enospc`` (raise ``OSError(ENOSPC)``, as a full disk does).
+default), ``enospc`` (raise ``OSError(ENOSPC)``, as a full disk does) or ``stop`` (SIGSTOP
+this process: a job stalled there until the test sends SIGCONT, or kills it).
 ``rankR`` limits a fault to global rank R (default: every rank); ``attemptA`` to torchrun's
 restart attempt A (``TORCHELASTIC_RESTART_COUNT``; default 0, the first attempt), so a
 restarted job that resumes before the armed iteration does not die there again.
@@ -36,8 +41,8 @@ log = logging.getLogger(__name__)
 FAULT_ENV = "MINDSPEED_PACK_FAULT"
 START_DELAY_ENV = "MINDSPEED_PACK_START_DELAY"
 LEGACY_KILL_ENV = "MINDSPEED_PACK_KILL_DURING_SAVE"
-POINTS = ("step", "write", "written", "renamed", "tracker")
-ACTIONS = ("kill", "enospc")
+POINTS = ("step", "write", "written", "renamed", "tracker", "tokenized", "exported")
+ACTIONS = ("kill", "enospc", "stop")
 
 
 def parse(spec: str, rank: int = 0, attempt: int = 0) -> Dict[Tuple[str, int], str]:
@@ -92,6 +97,12 @@ def trigger(action: str, point: str, iteration: int, path: str = "") -> None:
         log.warning("%s: killing this process at %s@%d%s", FAULT_ENV, point, iteration, where)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+    if action == "stop":
+        log.warning("%s: stopping this process at %s@%d%s (SIGCONT resumes it)", FAULT_ENV, point, iteration, where)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} (injected by {FAULT_ENV} at {point}@{iteration})",
                   path or None)
 

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+from mindspeed_pack.runtime import stale_files
 from mindspeed_pack.tools.run_metrics import (
     RunMetrics,
     RunMetricsError,
@@ -369,7 +370,7 @@ def _json_safe(value):
 
 def _write_atomically(path: Path, write) -> None:
     """Call ``write(tmp)`` then rename: a reader never sees a half-written plot or JSON."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = Path(stale_files.temporary_for(str(path), str(path)))
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -15,6 +15,8 @@ import json
 import os
 from typing import List
 
+from mindspeed_pack.runtime import stale_files
+
 
 def replaces_records(start_iteration: int, trains: bool) -> bool:
     """Whether this start runs logged steps again: every training run (whichever way it came back, by torchrun's
@@ -45,7 +47,7 @@ def drop_records_after(path: str, start_iteration: int) -> List[int]:
             continue
         kept.append(line)
     if changed:
-        tmp = f"{path}.tmp{os.getpid()}"
+        tmp = stale_files.temporary_for(path, "--metrics-file")
         with open(tmp, "wb") as f:
             f.write(b"".join(line + b"\n" for line in kept))
             f.flush()

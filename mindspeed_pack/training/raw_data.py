@@ -11,7 +11,8 @@ of a packed prefix is preprocessed by ``preprocess_data.py``'s own code and cach
 * the packs go to ``CACHE/<name>-<hash of the inputs' paths and the preprocessing flags>`` (``CACHE``:
   ``--data-cache-path``, default ``mindspeed_pack_cache/`` beside the first input); the sidecar's
   cache key (the inputs' content, tokenizer, template, arguments) decides whether they are reused
-  ("cache hit") or rebuilt (an edited file);
+  ("cache hit") or rebuilt (an edited file); two jobs on the same cache build it once (the second waits for
+  the first, then reuses it), and a killed build's temporaries are removed by the next run;
 * rank 0 preprocesses (with its progress bar) while the other ranks wait, then tells them the prefix:
   every rank trains on the same packs (one file system shared by the nodes, as for ``--save``).
 
@@ -119,18 +120,15 @@ def preprocess_namespace(args, inputs: list):
 def _preprocess(ns) -> dict:
     """Run preprocess_data.py's pipeline (cache included); bad input becomes a :class:`DataError`."""
     from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
-    from mindspeed_pack.datasets.preprocess import run
+    from mindspeed_pack.datasets.preprocess import run_or_reuse
 
-    sidecar = f"{ns.output_prefix}_packed_meta.json"
-    before = os.stat(sidecar).st_mtime_ns if os.path.exists(sidecar) else None
     start = time.perf_counter()
     try:
-        meta = run(ns)
+        meta, hit = run_or_reuse(ns)
     except RowError as e:
         raise DataError(f"{e}; {SKIP_BAD_ROWS_HINT}") from None
     except PreprocessError as e:
         raise DataError(str(e)) from None
-    hit = before is not None and os.stat(sidecar).st_mtime_ns == before
     stats = meta.get("statistics") or {}
     return {"prefix": ns.output_prefix, "cache hit": hit, "seconds": round(time.perf_counter() - start, 3),
             "packs": stats.get("packs", stats.get("documents")), "samples": stats.get("samples_written")}

@@ -403,6 +403,7 @@ def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable]
             trainer.setup()
             if args.save_hf:
                 hf_checkpoint.check_exportable(args)  # before training, not after it
+                hf_checkpoint.remove_killed_exports(args)
             if before_train:
                 before_train(trainer)
             trainer.train()

@@ -25,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from mindspeed_pack.datasets.packed_dataset import DataError, micro_batch
 from mindspeed_pack.model import lora, moe
 from mindspeed_pack.packing import context_parallel as cp_view
+from mindspeed_pack.runtime import stale_files
 from mindspeed_pack.runtime.platform import cuda_usable
 from mindspeed_pack.training.stages.sequences import document_units, pair_segments, sequence_logps
 
@@ -306,7 +307,7 @@ class ReferenceScoringStage:
                 counts = np.array([len(table[d]) for d in range(n)], dtype=np.int64)
                 offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]))
                 logps = torch.cat([table[d] for d in range(n)]).double()
-                tmp = f"{path}.tmp-{os.getpid()}"
+                tmp = stale_files.temporary_for(path, "dpo_reference")
                 torch.save({"format": FORMAT, "identity": identity, "reference": str(args.load),
                             "pair_offsets": offsets, "logps": logps}, tmp)
                 os.replace(tmp, path)

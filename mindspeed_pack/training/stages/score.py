@@ -28,6 +28,7 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import reward_positions
+from mindspeed_pack.runtime import stale_files
 from mindspeed_pack.training.stages.reference import ReferenceScoringStage
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class ScoreStage(ReferenceScoringStage):
             row = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in r.row.items()}
             row.update(table[i])
             rows.append(row)
-        tmp = f"{path}.tmp-{os.getpid()}"
+        tmp = stale_files.temporary_for(path, "--score-output")
         if rollout_file_format(path) == "parquet":
             import pyarrow as pa
             import pyarrow.parquet as pq
