@@ -195,6 +195,19 @@ def test_plan_mixes_group_sizes_in_one_step_and_balances_the_ranks():
     assert [1, 2, 4] in sizes
 
 
+def test_single_rank_rows_are_packed_as_tightly_as_the_cpp_packer_packs():
+    """Best-fit decreasing alone leaves gaps between short samples that cost a step a micro-batch; the rows of
+    one rank are packed again by the C++ packer (its exact-fill pass) when it needs fewer."""
+    # best fit: [15 14] [13 9 8] [4], three rows of N = 32 on two ranks, two micro-batches; [13 15 4] [9 14 8]: one
+    plan = _plan([9, 13, 14, 15, 8, 4], ranks=2, per_rank=32, max_cp=2)
+    assert plan.slots == 1 and sorted(j.samples.tolist() for j in plan.jobs) == [[0, 2, 4], [1, 3, 5]]
+    # beside a row over two ranks (56 tokens and room for a sample padded to 4): 2 x 2 rank-rows, two micro-batches
+    lengths = [11, 9, 9, 56, 9, 1, 10, 13]
+    plan = _plan(lengths, ranks=2, per_rank=32, max_cp=2)
+    assert plan.slots == 2 and [j.size for j in plan.jobs] == [2, 1, 1]
+    assert sorted(np.concatenate([j.samples for j in plan.jobs]).tolist()) == list(range(len(lengths)))
+
+
 def test_the_micro_batch_names_its_group_for_the_attention():
     from megatron.core.packed_seq_params import PackedSeqParams
 
