@@ -8,7 +8,8 @@ same loss and gradient norm every step (rel <= 1e-5) on 2 ranks (CP groups of 1 
 
 The stages on units of two sequences (DPO, SimPO, ORM on preference pairs, KTO on couples: one unit a document)
 and a mixture of experts train the same way: one 2-rank job runs them all under dynamic CP, one 1-rank job one
-unit (sample) per row; every unit is planned whole on one group.
+unit (sample) per row; every unit is planned whole on one group. The same 2-rank job runs DPO and KTO under
+dp_balanced (units packed whole into rows) at fixed CP 2 and at DP 2.
 """
 import json
 
