@@ -8,7 +8,8 @@ same loss and gradient norm every step (rel <= 1e-5) on 2 ranks (CP groups of 1 
 
 The stages on units of two sequences (DPO, SimPO, ORM on preference pairs, KTO on couples: one unit a document)
 and a mixture of experts train the same way: one 2-rank job runs them all under dynamic CP, one 1-rank job one
-unit (sample) per row; every unit is planned whole on one group.
+unit (sample) per row; every unit is planned whole on one group. The same 2-rank job runs DPO and KTO under
+dp_balanced (units packed whole into rows) at fixed CP 2 and at DP 2.
 """
 import json
 
@@ -195,6 +196,19 @@ def test_plan_mixes_group_sizes_in_one_step_and_balances_the_ranks():
     assert [1, 2, 4] in sizes
 
 
+def test_single_rank_rows_are_packed_as_tightly_as_the_cpp_packer_packs():
+    """Best-fit decreasing alone leaves gaps between short samples that cost a step a micro-batch; the rows of
+    one rank are packed again by the C++ packer (its exact-fill pass) when it needs fewer."""
+    # best fit: [15 14] [13 9 8] [4], three rows of N = 32 on two ranks, two micro-batches; [13 15 4] [9 14 8]: one
+    plan = _plan([9, 13, 14, 15, 8, 4], ranks=2, per_rank=32, max_cp=2)
+    assert plan.slots == 1 and sorted(j.samples.tolist() for j in plan.jobs) == [[0, 2, 4], [1, 3, 5]]
+    # beside a row over two ranks (56 tokens and room for a sample padded to 4): 2 x 2 rank-rows, two micro-batches
+    lengths = [11, 9, 9, 56, 9, 1, 10, 13]
+    plan = _plan(lengths, ranks=2, per_rank=32, max_cp=2)
+    assert plan.slots == 2 and [j.size for j in plan.jobs] == [2, 1, 1]
+    assert sorted(np.concatenate([j.samples for j in plan.jobs]).tolist()) == list(range(len(lengths)))
+
+
 def test_the_micro_batch_names_its_group_for_the_attention():
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -362,8 +376,9 @@ STAGE_KEYS = {
 def unit_runs(tmp_path_factory, data, lora_base):
     """{stage: (dynamic CP steps, one unit per row on one rank steps)}: one 1-rank job trains the references (and
     scores DPO's reference log-probs once, --stage dpo_reference), one 2-rank job every stage under dynamic CP (DPO
-    also from the precomputed table; SimPO stopped at step 2 and resumed from its checkpoint)."""
-    from tests.pair_utils import write_kto_units, write_pair_units
+    also from the precomputed table; SimPO stopped at step 2 and resumed from its checkpoint), then DPO and KTO under
+    dp_balanced at fixed CP 2 and, after it, at DP 2 (KTO also on packs of one couple each)."""
+    from tests.pair_utils import write_kto_dataset, write_kto_units, write_pair_units
     from tests.train_utils import run_posttrain_runs
 
     root = tmp_path_factory.mktemp("units")
@@ -372,6 +387,8 @@ def unit_runs(tmp_path_factory, data, lora_base):
     sources = {"pairs": write_pair_units(str(root / "pairs"), pairs, margins=[(i % 5) / 4 for i in range(len(pairs))],
                                          pad_id=1),
                "kto": write_kto_units(str(root / "kto"), *long_tail_kto()), "sft": data}
+    rows, labels = long_tail_kto()
+    kto_packs = write_kto_dataset(str(root / "kto_packs"), rows, labels, groups=[[i] for i in range(len(rows))])
     source_of = {"dpo": "pairs", "kto": "kto", "orm": "pairs", "simpo": "pairs", "orpo": "pairs", "moe": "sft"}
     # DPO's and KTO's reference another model (a Hugging Face directory): margins and KL point are not 0
     reference = {"dpo": ["--ref-load", lora_base], "kto": ["--ref-load", lora_base]}
@@ -399,30 +416,47 @@ def unit_runs(tmp_path_factory, data, lora_base):
                 (argv("simpo", *DYNAMIC2, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"),
                  metrics("dyn_simpo_first")),
                 (argv("simpo", *DYNAMIC2, "--load", ckpt), metrics("dyn_simpo_resumed"))]
+    # dp_balanced: whole units packed into rows, at fixed CP 2, then (the job's groups made anew) at DP 2
+    balanced = ["--sequence-packing-scheduler", "dp_balanced"]
+    dynamic += [(argv(stage, *fixed), metrics(f"fixed_{stage}")) for stage in ("dpo", "kto")]
+    dynamic += [(argv(stage, *balanced), metrics(f"balanced_{stage}")) for stage in ("dpo", "kto")]
+    dynamic += [(argv("kto", *balanced, "--data-path", kto_packs), metrics("balanced_kto_packs"))]
     run_posttrain_runs(dynamic, nproc=2)
     out = {stage: (read_metrics(metrics(f"dyn_{stage}")), read_metrics(metrics(f"ref_{stage}")))
            for stage in trained_once}
     out["dpo --ref-logps"] = (read_metrics(metrics("dyn_dpo_table")), out["dpo"][1])
     out["moe dp_balanced"] = (read_metrics(metrics("fixed_moe")), out["moe"][1])
+    for stage in ("dpo", "kto"):
+        out[f"{stage} dp_balanced cp2"] = (read_metrics(metrics(f"fixed_{stage}")), out[stage][1])
+        out[f"{stage} dp_balanced dp2"] = (read_metrics(metrics(f"balanced_{stage}")), out[stage][1])
+    out["kto dp_balanced dp2 packs"] = (read_metrics(metrics("balanced_kto_packs")), out["kto"][1])
     first, resumed = (read_metrics(metrics(f"dyn_simpo_{part}")) for part in ("first", "resumed"))
     assert sorted(first) == [1, 2] and sorted(resumed) == [3]  # stopped mid-epoch, resumed at its step 3
     out["simpo"] = ({**first, **resumed}, read_metrics(metrics("ref_simpo")))
     return out
 
 
-@pytest.mark.parametrize("stage", [*STAGE_RUNS, "dpo --ref-logps", "moe dp_balanced"])
+BALANCED_RUNS = ["dpo dp_balanced cp2", "kto dp_balanced cp2", "dpo dp_balanced dp2", "kto dp_balanced dp2",
+                 "kto dp_balanced dp2 packs"]
+
+
+@pytest.mark.parametrize("stage", [*STAGE_RUNS, "dpo --ref-logps", "moe dp_balanced", *BALANCED_RUNS])
 def test_pair_kto_orm_and_moe_under_dynamic_cp_equal_one_unit_per_row(unit_runs, stage):
     """DPO (its reference model on the same group layout, or its log-probs scored once and looked up per
     document), SimPO (resumed at step 2), ORPO (its NLL weight from the step's pairs and tokens over the pool), ORM
     (rewards read at each sequence's last real token, not its CP pads) on preference pairs, KTO on couples (its KL
     point summed over the pool, each micro-batch counted on its group's first rank) and a mixture of experts
     (seq_aux_loss: each sample's routing statistic over its own group; also at fixed CP 2) train as one unit per
-    row on one rank, with steps mixing groups of 1 and 2."""
+    row on one rank, with steps mixing groups of 1 and 2. So do DPO and KTO under dp_balanced (whole units packed
+    into rows, at fixed CP 2 and over DP 2: the KL point over both ranks' rows; KTO also on offline packs)."""
     got, want = unit_runs[stage]
     _assert_same_steps(got, want)
-    if stage == "kto":
+    if stage.startswith("kto"):
         assert all(rec["kl"] > 0.1 for rec in want.values())  # a KL point summed over the wrong ranks would show
-    assert stage == "moe dp_balanced" or [1, 2] in _group_sizes_used(got)
+    if "dp_balanced" not in stage:
+        assert [1, 2] in _group_sizes_used(got)
+    elif "packs" not in stage:  # units share rows (two sequences each): packed, not one a row
+        assert all(rec["samples per pack"] > 2 for rec in got.values())
     for it in want:
         for key in STAGE_KEYS[stage.split()[0]]:
             atol = 1e-4 if key.startswith("rewards/") else 1e-6  # beta x differences of log-prob sums ~50 (fp32)
@@ -432,24 +466,34 @@ def test_pair_kto_orm_and_moe_under_dynamic_cp_equal_one_unit_per_row(unit_runs,
             assert got[it]["tokens per expert"] == want[it]["tokens per expert"]
 
 
-def _unit_source(data, rank, monkeypatch, *extra):
+# the layouts of a 2-rank job: (scheduler, CP, N): groups of 1 and 2 over the pool; rows over DP 2; or CP 2
+UNIT_LAYOUTS = [("default_dynamic_cp", 2, 64), ("dp_balanced", 1, 128), ("dp_balanced", 2, 64)]
+
+
+def _unit_source(data, rank, monkeypatch, scheduler="default_dynamic_cp", cp=2, per_rank=64):
+    """Rank ``rank``'s batch source of a 2-rank job on ``data``: a dynamic CP pool of 2, or dp_balanced over the
+    job's 2 / ``cp`` data-parallel ranks."""
     from megatron.core import parallel_state as ps
 
     from mindspeed_pack.datasets import online_packing
 
+    dp = 2 if scheduler == "default_dynamic_cp" else 2 // cp
     monkeypatch.setattr(ps, "get_data_parallel_rank", lambda **kw: rank)
-    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda **kw: 2)
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda **kw: dp)
     monkeypatch.setattr(online_packing, "check_dynamic_cp_groups", lambda max_cp: None)  # no process groups here
-    args = _parse("--context-parallel-size", "2", "--max-seqlen-per-dp-cp-rank", "64", "--neat-pack", "--stage",
-                  "dpo", *extra, data_path=data)
-    source = online_packing.DynamicCPBatchSource()
+    args = _parse("--context-parallel-size", str(cp), "--max-seqlen-per-dp-cp-rank", str(per_rank), "--neat-pack",
+                  "--stage", "dpo", "--sequence-packing-scheduler", scheduler, data_path=data)
+    source = online_packing.batch_source(args)
     source.setup(args, {"train": ITERS * GBS})
-    return source, args
+    return source, dp
 
 
-def test_the_plan_never_splits_a_pair_and_each_sequence_is_padded_on_its_own(tmp_path, monkeypatch):
-    """Every pair of a global batch lies in exactly one job: the same row on every rank of its group, its chosen
-    and rejected answers neighbouring segments 2j-1, 2j, each padded to a multiple of 2 x CP on its own."""
+@pytest.mark.parametrize("scheduler, cp, per_rank", UNIT_LAYOUTS, ids=["dynamic", "dp_balanced-dp2", "dp_balanced-cp2"])
+def test_the_plan_never_splits_a_pair_and_each_sequence_is_padded_on_its_own(tmp_path, monkeypatch, scheduler, cp,
+                                                                             per_rank):
+    """Every pair of a global batch lies in exactly one job: the same row on every rank of its group (dynamic CP),
+    or one row of one data-parallel rank (dp_balanced, packed with others); its chosen and rejected answers
+    neighbouring segments 2j-1, 2j, each padded to a multiple of 2 x CP on its own."""
     from mindspeed_pack.packing.dynamic_cp import group_sizes
     from mindspeed_pack.packing.segments import build_packed_batch
     from mindspeed_pack.training.stages.sequences import pair_segments
@@ -459,12 +503,19 @@ def test_the_plan_never_splits_a_pair_and_each_sequence_is_padded_on_its_own(tmp
     assert group_sizes([[10, 12], [30, 2], [31, 31], [30, 33]], per_rank=32, max_cp=2).tolist() == [1, 1, 2, 0]
     pairs = long_tail_pairs()
     data = write_pair_units(str(tmp_path / "pairs"), pairs)
-    sources = [_unit_source(data, rank, monkeypatch)[0] for rank in (0, 1)]
-    sizes = []
+    sources = [_unit_source(data, rank, monkeypatch, scheduler, cp, per_rank) for rank in (0, 1)]
+    sources = [source for source, dp in sources][:sources[0][1]]  # dp_balanced: one source per data-parallel rank
+    dynamic = scheduler == "default_dynamic_cp"
+    sizes, shared = [], 0
     for consumed in range(0, ITERS * GBS, GBS):
         seen = {}  # document -> (slot, cp size, ranks)
+        slots = []
         for rank, source in enumerate(sources):
-            for slot, row in enumerate(source.micro_batches("train", consumed)):
+            rows = list(source.micro_batches("train", consumed))
+            slots.append(len(rows))
+            for slot, row in enumerate(rows):
+                size = row["cp_size"] if dynamic else cp
+                assert row["input_ids"].shape[1] == size * per_rank
                 seg = row["segment_ids"][0].numpy()
                 k = 0
                 for doc in row["documents"]:
@@ -472,19 +523,23 @@ def test_the_plan_never_splits_a_pair_and_each_sequence_is_padded_on_its_own(tmp
                     for j, answer in ((k + 1, chosen), (k + 2, rejected)):
                         n = len(sequence(prompt, answer)[0])
                         span = int((seg == j).sum())  # the segment, its CP pads included
-                        assert span == (n if row["cp_size"] == 1 else -(-n // 4) * 4), (consumed, doc, j)
+                        assert span == (n if size == 1 else -(-n // (2 * size)) * 2 * size), (consumed, doc, j)
                         assert np.array_equal(row["input_ids"][0].numpy()[seg == j][:n], sequence(prompt, answer)[0])
                     k += 2
-                    where = seen.setdefault(doc, (slot, row["cp_size"], set()))
-                    assert where[:2] == (slot, row["cp_size"])  # one job: same slot and group on each of its ranks
+                    where = seen.setdefault(doc, (slot, size, set()))
+                    assert where[:2] == (slot, size) and (dynamic or not where[2])  # one job (dp_balanced: one row)
                     where[2].add(rank)
                 assert int(seg.max()) == k  # nothing but whole pairs in the row
+                assert row["document_segments"] == [2] * len(row["documents"])
+                shared += len(row["documents"]) > 1
                 batch = build_packed_batch(row["input_ids"], row["labels"], row["segment_ids"])
                 assert len(pair_segments(batch)[0]) == len(row["documents"])
         assert sorted(seen) == list(range(consumed, consumed + GBS))  # every pair of the batch, once
-        assert all(len(ranks) == size for _, size, ranks in seen.values())  # on all of its group's ranks
+        assert len(set(slots)) == 1  # every rank runs the same number of micro-batches
+        if dynamic:
+            assert all(len(ranks) == size for _, size, ranks in seen.values())  # on all of its group's ranks
         sizes.append(sorted({size for _, size, _ in seen.values()}))
-    assert [1, 2] in sizes
+    assert [1, 2] in sizes if dynamic else shared  # dynamic: groups of 1 and 2 in one step; else rows shared
 
 
 def test_a_unit_over_c_times_n_once_padded_is_refused_naming_it(tmp_path, monkeypatch):
@@ -497,16 +552,12 @@ def test_a_unit_over_c_times_n_once_padded_is_refused_naming_it(tmp_path, monkey
     pairs[5] = (pairs[5][0][:3], pairs[5][1][:2], np.arange(4, 123, dtype=np.int64))
     data = write_pair_units(str(tmp_path / "pairs"), pairs)
     with pytest.raises(DataError, match=r"sample 5 of '.*pairs' \(train split\) has 127 tokens \(132 with each "
-                                        r"sequence padded to a multiple of 4\), more than --context-parallel-size 2"):
+                                        r"sequence padded to a multiple of 4\), more than --context-parallel-size 2 "
+                                        r".*--overlong-samples drop"):
         _unit_source(data, 0, monkeypatch)
-
-
-def test_pair_stages_refuse_dp_balanced_naming_the_units():
-    from types import SimpleNamespace
-
-    from mindspeed_pack.datasets.packed_documents import DataError
-    from mindspeed_pack.training.stages.sequences import unit_batch_source
-
-    with pytest.raises(DataError, match="--stage kto reads whole KTO couples: --sequence-packing-scheduler dp_balanced "
-                                        "packs single samples"):
-        unit_batch_source(SimpleNamespace(sequence_packing_scheduler="dp_balanced"), "kto", "KTO couples")
+    # dp_balanced: a row of 2 x 64 at fixed CP 2; a unit is never truncated to it (nor dropped: no such flag there)
+    with pytest.raises(DataError, match=r"sample 5 of '.*pairs' \(train split\) has 127 tokens \(132 with each "
+                                        r"sequence padded to a multiple of 4\), more than --context-parallel-size 2 "
+                                        r"x --max-seqlen-per-dp-cp-rank 64 = 128 \(1 such samples\): raise either "
+                                        r"flag; they are never truncated"):
+        _unit_source(data, 0, monkeypatch, "dp_balanced", 2, 64)

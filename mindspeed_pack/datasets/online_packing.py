@@ -16,14 +16,20 @@ communication), see :mod:`mindspeed_pack.packing.balance`.
       rank 1:  row 0 = [s2 s2 s2 s2 s2 s2 s2 s2]   row 1 = [s4 s4 s6 s6 s6 . . . ]
 
   Samples longer than ``C`` are truncated to ``C`` (a warning at start counts them).
+  A document of preference pairs or KTO couples is one *unit* (chosen + rejected, sample + KL
+  partner: segments 1 and 2, as under ``default_dynamic_cp``): balanced and packed as one item,
+  whole in one row; a unit longer than a row is refused by name, never truncated.
   Under ``--context-parallel-size N`` a row holds ``N x C`` tokens (each CP rank keeps ``C``):
-  samples are planned *and laid out* at their length padded to ``2N`` (the pads end the sample,
-  untrained, as ``--pad-to-multiple-of`` pads do; see :mod:`mindspeed_pack.packing.context_parallel`),
-  so the CP view adds nothing and every CP rank holds exactly ``C`` tokens (Megatron-LM's cap).
-  Changing ``C`` needs no new preprocessing.
+  samples (a unit's sequences each on its own) are planned *and laid out* at their length padded
+  to ``2N`` (the pads end the sample, untrained, as ``--pad-to-multiple-of`` pads do; see
+  :mod:`mindspeed_pack.packing.context_parallel`), so the CP view adds nothing and every CP rank
+  holds exactly ``C`` tokens (Megatron-LM's cap). Changing ``C`` needs no new preprocessing.
 * Offline packs (``--pack``): each global batch's packs are assigned to ranks, ``GBS/DP``
   each, balancing the packs' costs (from the samples :func:`micro_batch` finds in them, the
   recorded or EOS boundaries of plain packs included); the micro-batch count is unchanged.
+
+Every micro-batch names its documents (``documents``), for the per-document data beside them
+(KTO labels, precomputed reference log-probs).
 
 Micro-batches come from :func:`~mindspeed_pack.datasets.packed_dataset.micro_batch`, as under
 scheduler ``none``, so both schedulers isolate, position and count samples alike.
@@ -43,7 +49,7 @@ from mindspeed_pack.datasets.packed_dataset import DataError, PackedBatchSource,
 from mindspeed_pack.packing.balance import balance_partition, cost_model, imbalance, plan_online_packing
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 from mindspeed_pack.packing.dynamic_cp import (DynamicCPPlan, group_size_options, plan_dynamic_cp,
-                                                planned_lengths, unit_totals)
+                                                planned_lengths, unit_costs, unit_totals)
 from mindspeed_pack.packing.segments import IGNORE_INDEX
 from mindspeed_pack.runtime.process_groups import check_dynamic_cp_groups
 
@@ -73,9 +79,8 @@ class BalancedBatchSource(PackedBatchSource):
         docs = next(d.docs for d in self.splits.values() if d is not None)
         self.online = data_kind(docs) == "unpacked"
         self.cost = cost_model(args)
-        # document sizes per prefix (--train/--valid-data-path may name different ones)
-        self._sizes = {id(d.docs): np.asarray(d.docs.datasets["input_ids"].sequence_lengths, dtype=np.int64)
-                       for d in self.splits.values() if d is not None}
+        # document sizes per prefix (--train/--valid-data-path may name different ones); a unit's, per sequence
+        self._sizes = {id(d.docs): unit_lengths(d.docs) for d in self.splits.values() if d is not None}
         # under context parallelism a row is split over the CP group: each rank holds exactly
         # --max-seqlen-per-dp-cp-rank tokens of it, samples planned and laid out at their CP-padded length
         cp = args.context_parallel_size
@@ -110,7 +115,11 @@ class BalancedBatchSource(PackedBatchSource):
         for name, split in self.splits.items():
             if split is None:
                 continue
-            too_long = int((self._sizes[id(split.docs)][split.start:split.end] > self.capacity).sum())
+            lengths = self._sizes[id(split.docs)][split.start:split.end]
+            if lengths.ndim > 1:  # a unit is never truncated: refused by name
+                check_overlong(lengths, split.start, args, f"{split.docs.prefix!r} ({name} split)")
+                continue
+            too_long = int((lengths > self.capacity).sum())
             if too_long:
                 log.warning("%d of the %d %s documents of %r are longer than --max-seqlen-per-dp-cp-rank %d "
                             "and will be truncated to it", too_long, split.end - split.start, name, docs.prefix,
@@ -130,9 +139,10 @@ class BalancedBatchSource(PackedBatchSource):
                                "is shorter than train-iters x global-batch-size")
         docs = dataset.start + np.asarray(dataset.index[consumed:consumed + gbs], dtype=np.int64)
         if self.online:
-            lengths = np.minimum(self._sizes[id(dataset.docs)][docs], self.capacity)
-            planned = round_up(lengths, self.cp_multiple)  # the rows' real size once padded for CP
-            ranks = plan_online_packing(planned, self.dp_size, self.capacity, self.cost)
+            lengths = np.minimum(self._sizes[id(dataset.docs)][docs], self.capacity)  # (units are checked at setup)
+            padded = round_up(lengths, self.cp_multiple)  # every sequence padded on its own for CP
+            ranks = plan_online_packing(unit_totals(padded), self.dp_size, self.capacity, self.cost,
+                                        costs=unit_costs(self.cost, padded))
             plan = {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks])}
         else:
             costs = np.array([self.cost.sample_costs(self._pack_segments(dataset, int(d))).sum() for d in docs])
@@ -169,12 +179,22 @@ class BalancedBatchSource(PackedBatchSource):
         docs = self.splits[split].docs
         if self.online:
             for row in plan["rows"]:
-                yield self._pack_row([docs.get(int(d)) for d in plan["docs"][row]])
+                yield self._unit_row(docs, plan["docs"][row])
             return
         mbs = self.args.micro_batch_size
-        mine = plan["docs"]
+        mine = [int(d) for d in plan["docs"]]
         for i in range(0, len(mine), mbs):
-            yield micro_batch([docs.get(int(d)) for d in mine[i:i + mbs]], self.args)
+            batch = micro_batch([docs.get(d) for d in mine[i:i + mbs]], self.args)
+            batch["documents"] = mine[i:i + mbs]  # which packs (per-pack data beside them: labels, reference)
+            yield batch
+
+    def _unit_row(self, docs, documents, capacity: Optional[int] = None, multiple: Optional[int] = None) -> dict:
+        """One row of ``documents`` (:meth:`_pack_row`) naming them in segment order, one unit each
+        (``document_segments``), for the per-document data beside them (KTO labels, reference log-probs)."""
+        documents = [int(d) for d in documents]
+        row = self._pack_row([docs.get(d) for d in documents], capacity, multiple)
+        row.update(documents=documents, document_segments=[units_per_document(docs)] * len(documents))
+        return row
 
     def _pack_row(self, samples: List[dict], capacity: Optional[int] = None, multiple: Optional[int] = None) -> dict:
         """One row of ``capacity`` tokens: the documents' sequences back to back as segments 1..k, then padding.
@@ -293,19 +313,15 @@ class DynamicCPBatchSource(BalancedBatchSource):
         plan = self._plan(split, consumed)
         docs = self.splits[split].docs
         args = self.args
-        segments = units_per_document(docs)
         for job in plan["jobs"]:
             if job is None:  # no job for this rank in this slot: an empty row, alone
-                mine = []
-                row = self._pack_row([], self.per_rank, 1)
+                row = self._unit_row(docs, [], self.per_rank, 1)
                 row.update(cp_size=1, cp_rank=0)
             else:
                 g = job.size
-                mine = [int(d) for d in plan["docs"][job.samples]]
                 multiple = padding_multiple(g, args.tensor_model_parallel_size, args.sequence_parallel) if g > 1 else 1
-                row = self._pack_row([docs.get(d) for d in mine], g * self.per_rank, multiple)
+                row = self._unit_row(docs, plan["docs"][job.samples], g * self.per_rank, multiple)
                 row.update(cp_size=g, cp_rank=self.pool_rank - job.first_rank)
-            row.update(documents=mine, document_segments=[segments] * len(mine))
             yield row
 
 
@@ -351,8 +367,9 @@ def kept_samples(docs: np.ndarray, lengths: np.ndarray, args):
 
 
 def check_overlong(lengths: np.ndarray, first_document: int, args, where: str) -> int:
-    """Samples (or units) of a split longer than ``C x N`` tokens once padded for the largest group: refused
-    naming the first, or (``--overlong-samples drop``) counted and logged; returns how many."""
+    """Samples (or units) of a split longer than ``C x N`` tokens once padded for the largest group (under
+    ``dp_balanced``: the one group, a row): refused naming the first, or (``--overlong-samples drop``,
+    ``default_dynamic_cp``) counted and logged; returns how many."""
     longest = args.context_parallel_size * args.max_seqlen_per_dp_cp_rank
     planned = largest_group_lengths(lengths, args)
     over = np.flatnonzero(planned > longest)
@@ -364,11 +381,12 @@ def check_overlong(lengths: np.ndarray, first_document: int, args, where: str) -
     size = f"{real} tokens" + (f" ({int(planned[first])} with each sequence padded to a multiple of {multiple})"
                                if planned[first] != real else "")
     if args.overlong_samples == "refuse":
+        drop = (", or pass --overlong-samples drop to drop them (counted)"
+                if args.sequence_packing_scheduler == "default_dynamic_cp" else "")
         raise DataError(f"sample {first_document + first} of {where} has "
                         f"{size}, more than --context-parallel-size {args.context_parallel_size} "
                         f"x --max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank} = {longest} "
-                        f"({len(over)} such samples): raise either flag, or pass --overlong-samples drop to drop them "
-                        "(counted); they are never truncated")
+                        f"({len(over)} such samples): raise either flag{drop}; they are never truncated")
     log.warning("--overlong-samples drop: %d of the %d samples of %s are longer than %d tokens and are dropped "
                 "(counted per step as 'dropped samples')", len(over), len(lengths), where, longest)
     return len(over)

@@ -157,19 +157,21 @@ class RankRows:
     cost: float
 
 
-def plan_online_packing(lengths, num_ranks: int, capacity: int, model: CostModel) -> List[RankRows]:
+def plan_online_packing(lengths, num_ranks: int, capacity: int, model: CostModel,
+                        costs: Optional[np.ndarray] = None) -> List[RankRows]:
     """Balance one global batch's samples over ranks, then pack each rank's samples into rows.
 
-    ``lengths`` are the samples' token counts (already clipped to ``capacity``). Samples are
-    spread by :func:`balance_partition` on their cost, each rank's share is packed with the C++
-    best-fit-decreasing packer into rows of ``capacity`` tokens, and every rank then gets the
-    same number of rows (pipelines and DDP need one micro-batch count per step): ranks short of
-    rows split their fullest multi-sample row into two, or, when every row holds one sample,
-    add an empty row (all padding, no trained tokens). Row order follows the first sample of
-    each row, so data order is kept as far as packing allows.
+    ``lengths`` are the samples' token counts (already clipped to ``capacity``); ``costs`` their
+    costs where a sample is several sequences (a preference pair: its sequences' costs), else
+    from ``lengths``. Samples are spread by :func:`balance_partition` on their cost, each rank's
+    share is packed with the C++ best-fit-decreasing packer into rows of ``capacity`` tokens, and
+    every rank then gets the same number of rows (pipelines and DDP need one micro-batch count per
+    step): ranks short of rows split their fullest multi-sample row into two, or, when every row
+    holds one sample, add an empty row (all padding, no trained tokens). Row order follows the
+    first sample of each row, so data order is kept as far as packing allows.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    costs = model.sample_costs(lengths)
+    costs = model.sample_costs(lengths) if costs is None else np.asarray(costs, dtype=np.float64)
     parts = balance_partition(costs, num_ranks)
     ranks = []
     for part in parts:

@@ -32,7 +32,7 @@ couple (sample + its KL partner), whose sequences a stage compares. ``lengths`` 
 each) or ``[units, sequences]`` (0 where a unit has fewer): a unit is one item of the plan, placed in one row
 on one group; each of its sequences is padded on its own for the zigzag split, as every segment is.
 
-Pure numpy and deterministic (ties by index): every rank derives the same plan from the same lengths.
+Deterministic (numpy and the C++ packer, ties by index): every rank derives the same plan from the same lengths.
 """
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ from typing import List, Optional
 import numpy as np
 
 from mindspeed_pack.packing.balance import CostModel, imbalance
+from mindspeed_pack.packing.binpack import pack_lengths
 from mindspeed_pack.packing.context_parallel import padding_multiple, round_up
 
 
@@ -161,7 +162,8 @@ def pack_rows(lengths, sizes, per_rank: int, tp: int = 1, sequence_parallel: boo
     Longest first, each sample goes to the open row it fills best among those at least as wide as its own
     group size (its length padded for that row's group), else opens a row of its own size. A long sample's
     row is rarely full (a 9k sample at N = 8k takes a 16k row): shorter samples fill it, at no extra
-    communication, since a CP group exchanges every rank's whole share whatever it holds."""
+    communication, since a CP group exchanges every rank's whole share whatever it holds. The rows of the
+    narrowest width are then packed again when the C++ packer needs fewer (:func:`_repack_narrowest`)."""
     lengths, sizes = np.asarray(lengths, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
     order = np.lexsort((np.arange(len(lengths)), -unit_totals(lengths), -sizes))  # widest, longest, then data order
     options = np.unique(sizes)  # the group sizes in use, ascending: a row's width is one of them
@@ -182,8 +184,23 @@ def pack_rows(lengths, sizes, per_rank: int, tp: int = 1, sequence_parallel: boo
             members.append([])
         room[r] -= planned[row_option[r], i]
         members[r].append(int(i))
-    row_width = options[row_option]
-    return [(int(row_width[r]), np.array(sorted(m), np.int64)) for r, m in enumerate(members)]
+    rows = [(int(options[row_option[r]]), np.array(sorted(m), np.int64)) for r, m in enumerate(members)]
+    return _repack_narrowest(rows, int(options[0]), planned[0], per_rank)
+
+
+def _repack_narrowest(rows: List[tuple], width: int, planned: np.ndarray, per_rank: int) -> List[tuple]:
+    """``rows`` with those of the narrowest width packed again by the C++ packer (best-fit decreasing plus its
+    exact-fill pass, :mod:`~.binpack`) when that takes fewer of them: only samples of that size are in them (wider
+    ones open wider rows), and on many short samples plain best-fit leaves a few bins' worth of gaps, which can
+    cost the step a micro-batch. ``planned``: every sample's tokens in a row of that ``width``."""
+    narrow = [samples for w, samples in rows if w == width]
+    if len(narrow) < 2:
+        return rows
+    items = np.concatenate(narrow)
+    plan = pack_lengths(planned[items], width * per_rank)
+    if plan.num_bins >= len(narrow):
+        return rows
+    return [row for row in rows if row[0] != width] + [(width, np.sort(items[b])) for b in plan.bins()]
 
 
 def plan_dynamic_cp(lengths, num_ranks: int, per_rank: int, max_cp: int, model: CostModel, min_cp: int = 1,

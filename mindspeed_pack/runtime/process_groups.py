@@ -23,6 +23,9 @@ from mindspeed_pack.runtime import faults, platform
 from mindspeed_pack.runtime.rendezvous import attempt_store
 
 
+_LAYOUT = None  # (TP, PP, CP, EP, dynamic CP) of the megatron groups this module made
+
+
 class LaunchError(RuntimeError):
     """The process was started in a way no rendezvous can complete (the message says how to start it)."""
 
@@ -44,6 +47,8 @@ def initialize_distributed(
     (``--distributed-timeout-minutes``, fractions allowed) bounds the rendezvous and every collective.
     ``dynamic_context_parallel`` (``--sequence-packing-scheduler default_dynamic_cp``): megatron's sub-groups
     of every power-of-two size of the data x context parallel ranks are made too (:func:`dynamic_cp_group`).
+    Called again with the same layout, a no-op; with another (a later run in the same processes), megatron's
+    groups are made anew.
     """
     if not platform.cuda_usable():
         platform.enable()
@@ -76,12 +81,19 @@ def initialize_distributed(
             f"world size {world_size} is not divisible by tensor ({tensor_model_parallel_size}) x "
             f"pipeline ({pipeline_model_parallel_size}) x context ({context_parallel_size}) parallel size"
         )
+    global _LAYOUT
+    layout = (tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+              expert_model_parallel_size, dynamic_context_parallel)
+    if parallel_state.model_parallel_is_initialized() and _LAYOUT not in (None, layout):
+        # an earlier run in this process (runs one after the other in one job) made another layout's groups
+        parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
                                                  context_parallel_size=context_parallel_size,
                                                  expert_model_parallel_size=expert_model_parallel_size,
                                                  distributed_timeout_minutes=timeout_minutes,
                                                  hybrid_context_parallel=dynamic_context_parallel)
+        _LAYOUT = layout
     set_seed(seed)
 
 

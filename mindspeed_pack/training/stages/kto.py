@@ -3,8 +3,9 @@
 A pack holds whole couples (``mindspeed_pack/data/kto.py``): segment ``2k-1`` is a sample (prompt and its
 completion, desirable or not: ``P_packed_kto_labels``), ``2k`` its KL partner (the same prompt with another
 sample's completion). Written without ``--pack``, each couple is its own document: one a row under scheduler
-``none``, whole on one CP group each under ``default_dynamic_cp``. From the per-sequence log-prob sums of the policy
-(:func:`~mindspeed_pack.training.stages.sequences.sequence_logps`) and of the reference::
+``none``, packed whole into rows under ``dp_balanced``, whole on one CP group each under ``default_dynamic_cp``.
+From the per-sequence log-prob sums of the policy (:func:`~mindspeed_pack.training.stages.sequences.sequence_logps`)
+and of the reference::
 
     r_i  = logp(sample i) - ref(sample i)                        the implied reward, / beta
     KL   = max(0, mean over the global batch's partners j of (logp(partner j) - ref(partner j)))    detached
@@ -38,8 +39,7 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch
 from mindspeed_pack.training.stages import reference
-from mindspeed_pack.training.stages.sequences import (counts_here, document_units, pair_segments, sequence_logps,
-                                                      unit_batch_source)
+from mindspeed_pack.training.stages.sequences import counts_here, document_units, pair_segments, sequence_logps
 
 KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
 DESIRABLE, UNDESIRABLE, PARTNER = 1, 0, -1  # a segment's label in P_packed_kto_labels
@@ -101,7 +101,9 @@ class KTOStage:
         self.labels = None  # {prefix: KTOLabels}
 
     def batch_source(self, args):
-        return unit_batch_source(args, self.name, "KTO couples")
+        from mindspeed_pack.datasets.online_packing import batch_source
+
+        return batch_source(args)  # whole units: one a document (packed at load time) or packs of them
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer) -> None:

@@ -2,8 +2,8 @@
 
 A pack holds whole pairs (``mindspeed_pack/data/pairwise.py``): segments ``2k-1`` (chosen) and
 ``2k`` (rejected), never split across packs, micro-batches or ranks; so does a row of pairs written one
-a document (``preprocess_data.py`` without ``--pack``), one pair a row under scheduler ``none`` or whole
-pairs on one CP group each under ``default_dynamic_cp``. A pair stage reads the
+a document (``preprocess_data.py`` without ``--pack``), one pair a row under scheduler ``none``, whole pairs
+packed into rows under ``dp_balanced`` or on one CP group each under ``default_dynamic_cp``. A pair stage reads the
 per-sequence log-prob sums and trained-token counts of the policy
 (:func:`~mindspeed_pack.training.stages.sequences.sequence_logps`, summed over the micro-batch's CP group) and
 returns one loss per pair (:meth:`PairStage.pair_terms`); the step's loss is the sum over the
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch
-from mindspeed_pack.training.stages.sequences import counts_here, pair_segments, sequence_logps, unit_batch_source
+from mindspeed_pack.training.stages.sequences import counts_here, pair_segments, sequence_logps
 
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                 "logps/chosen", "logps/rejected")
@@ -96,7 +96,9 @@ class PairStage:
         self.args = args
 
     def batch_source(self, args):
-        return unit_batch_source(args, self.name, "preference pairs")
+        from mindspeed_pack.datasets.online_packing import batch_source
+
+        return batch_source(args)  # whole units: one a document (packed at load time) or packs of them
 
     def setup(self, trainer) -> None:
         for docs in trainer.source.docs:

@@ -32,8 +32,7 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import IGNORE_INDEX, PackedBatch, reward_positions
-from mindspeed_pack.training.stages.sequences import (counts_here, pair_segments, unit_batch_source,
-                                                      whole_sequence_sums)
+from mindspeed_pack.training.stages.sequences import counts_here, pair_segments, whole_sequence_sums
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,9 @@ class OutcomeRewardStage:
         self.args = args
 
     def batch_source(self, args):
-        return unit_batch_source(args, self.name, "preference pairs")
+        from mindspeed_pack.datasets.online_packing import batch_source
+
+        return batch_source(args)  # whole units: one a document (packed at load time) or packs of them
 
     def setup(self, trainer) -> None:
         args = self.args

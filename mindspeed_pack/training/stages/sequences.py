@@ -81,20 +81,9 @@ def pair_segments(batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
 
 def document_units(micro_batch: dict) -> list:
     """``[(document, its segments in the micro-batch)]`` in segment order: rows of packs (one document a row,
-    all its segments), or a dynamic context parallel row of whole units (``document_segments``)."""
+    all its segments), or a row of whole units packed at load time (``dp_balanced``, ``default_dynamic_cp``:
+    ``document_segments``)."""
     if "document_segments" in micro_batch:
         return list(zip(micro_batch["documents"], micro_batch["document_segments"]))
     return [(doc, int(seg.max())) for doc, seg in zip(micro_batch["documents"], micro_batch["segment_ids"])]
 
-
-def unit_batch_source(args, stage: str, units: str):
-    """The batch source of a stage on whole ``units`` (preference pairs, KTO couples): offline packs of whole
-    units or one unit a document (scheduler none), or one unit a document placed whole on one CP group
-    (``default_dynamic_cp``); ``dp_balanced`` packs single samples and is refused."""
-    if args.sequence_packing_scheduler == "dp_balanced":
-        raise DataError(f"--stage {stage} reads whole {units}: --sequence-packing-scheduler dp_balanced packs single "
-                        "samples; drop it (offline packs of whole units), or use default_dynamic_cp on data "
-                        "preprocessed without --pack (each unit its own document, placed whole on one CP group)")
-    from mindspeed_pack.datasets.online_packing import batch_source
-
-    return batch_source(args)
