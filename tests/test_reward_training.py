@@ -533,7 +533,8 @@ def test_a_bad_prm_row_is_one_error_and_nothing_is_written(tmp_path, run_preproc
 def test_prm_trains_on_raw_rows_in_one_command(tmp_path, prm_tokenizer):
     """posttrain.py --stage prm on the raw rows (preprocessed first with the handler and the step-tag flags, then
     trained with the sidecar's reward tokens and the labels at the tags): the step loss falls and the step
-    accuracy is logged; --stage prm refuses data without step tags."""
+    accuracy is logged; stopped at step 8 and resumed, steps 9-16 repeat exactly; --stage prm refuses data without
+    step tags."""
     flags = ["--stage", "prm", "--seq-length", str(S), "--neat-pack", "--micro-batch-size", "2",
              "--global-batch-size", "4", "--lr", "5e-3", "--min-lr", "5e-3", "--lr-warmup-iters", "0",
              "--train-iters", "16", "--seed", "3"]
@@ -545,6 +546,16 @@ def test_prm_trains_on_raw_rows_in_one_command(tmp_path, prm_tokenizer):
     assert "accuracy:" in proc.stdout and all(0 <= r["accuracy"] <= 1 for r in steps)
     first, last = np.mean([r["lm loss"] for r in steps[:4]]), np.mean([r["lm loss"] for r in steps[-4:]])
     assert last < first, (first, last)
+    # stopped after step 8 and resumed (the same command, --save holding iteration 8): steps 9-16 repeat exactly
+    ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "8"]
+    run_posttrain([*flags, *raw, *ckpt, "--exit-interval", "8"], metrics=str(tmp_path / "first.jsonl"))
+    _, resumed = run_posttrain([*flags, *raw, *ckpt, "--load", str(tmp_path / "ckpt")],
+                               metrics=str(tmp_path / "resumed.jsonl"))
+    resumed = [r for r in resumed if r["split"] == "train"]
+    assert [r["iteration"] for r in resumed] == list(range(9, 17)), resumed
+    for want, got in zip(steps[8:], resumed):
+        for key in ("lm loss", "accuracy", "grad norm"):
+            assert abs(got[key] - want[key]) <= 1e-6 * max(1.0, abs(want[key])), (key, want, got)
     pairs = write_pair_dataset(str(tmp_path / "pairs"), random_pairs(8, seed=1))
     proc, _ = run_posttrain([*flags, "--data-path", pairs], check=False)
     assert proc.returncode != 0 and "holds no step tags" in proc.stderr
