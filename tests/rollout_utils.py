@@ -70,8 +70,8 @@ def long_tail_rollouts(n, seed=0, vocab=256, long_every=4):
         r = int(rng.integers(50, 80) if long else rng.integers(2, 40))
         mask = [int(x) for x in rng.random(r) > 0.15]
         mask[0] = 1
-        rows.append({"prompt_ids": rng.integers(1, vocab, p).tolist(), "response_ids": rng.integers(1, vocab, r).tolist(),
-                     "response_mask": mask,
+        rows.append({"prompt_ids": rng.integers(1, vocab, p).tolist(),
+                     "response_ids": rng.integers(1, vocab, r).tolist(), "response_mask": mask,
                      "old_logprobs": (-5.5 + 0.3 * rng.standard_normal(r)).round(4).tolist(),
                      "ref_logprobs": (-5.5 + 0.3 * rng.standard_normal(r)).round(4).tolist(),
                      "reward": round(float(rng.normal()), 3), "group": i // 4})

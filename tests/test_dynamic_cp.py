@@ -556,7 +556,8 @@ def _rollout_args(path, *extra, stage="grpo"):
 def test_each_rollout_runs_once_on_the_smallest_group_its_fields_laid_out_for_that_group(tmp_path, monkeypatch):
     """The rollout source under dynamic CP: every rollout of a global batch in exactly one job, the same row on
     every rank of its group (a row's group: its longest rollout's, CP 1 up to N = 64 tokens, CP 2 beyond), its
-    segment padded to 2 x 2 on two ranks and not at all on one, its advantage and old/ref log-probs at the positions that predict its response tokens."""
+    segment padded to 2 x 2 on two ranks and not at all on one, its advantage and old/ref log-probs at the
+    positions that predict its response tokens."""
     from megatron.core import parallel_state as ps
 
     from mindspeed_pack.datasets.rollouts import RolloutBatchSource

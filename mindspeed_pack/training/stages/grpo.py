@@ -10,7 +10,7 @@ that token's old log-prob, reference log-prob and advantage at the same position
     loss  = pg + kl_coef kl - entropy_coef H            (H: the policy's entropy at that position)
 
 Aggregated over the *global step* (each micro-batch returns (sum, count); megatron divides by
-the step's total count, whatever the packing or DP/PP layout):
+the step's total count, whatever the packing or DP/PP/CP layout, dynamic CP groups included):
 
 * ``token-mean``: sum over trained tokens / trained tokens;
 * ``seq-mean-token-mean``: sum over samples of the sample's token mean / samples with a trained token
@@ -182,7 +182,7 @@ class GRPOStage:
             tokens = mask.sum()
             once = float(counts_here(batch))  # a CP group's samples are counted once
             samples = trained_samples(batch).sum().float() * once
-            # token-mean: this rank's share; per-sample modes: the CP group's whole terms, on CP rank 0
+            # token-mean: this rank's share; per-sample modes: the CP group's whole terms, on its first rank
             shown = loss.detach() * (once if args.loss_agg != "token-mean" else 1.0)
             log_ratio = old - logp
             reports = {

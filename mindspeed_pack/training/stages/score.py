@@ -8,9 +8,8 @@ and writes every row back with the log-prob of each response token under ``--sco
 order; ``--score-entropy`` adds ``entropy``, the policy's entropy where each response token is
 predicted (from the full vocab-parallel logits). Under context parallelism every rank scores its
 zigzag share of each row and the CP group puts the tokens back together before writing; under
-``--sequence-packing-scheduler default_dynamic_cp`` each rollout is scored on the smallest CP group that holds it,
-as ``--stage grpo`` trains it. The
-forward pass is the reference scorer's (:func:`.reference.score_batches`).
+``--sequence-packing-scheduler default_dynamic_cp`` each rollout is scored on the smallest CP group that holds
+it, as ``--stage grpo`` trains it. The forward pass is the reference scorer's (:func:`.reference.score_batches`).
 
 With an outcome reward model as ``--load`` (``--stage orm``'s, or a transformers
 ``*ForSequenceClassification`` directory) each row gets ``reward`` instead: the score head at the
