@@ -56,3 +56,23 @@ def per_sample_grpo_loss(hf, rows, mode, *, clip_low, clip_high, kl_coef, entrop
     if mode == "seq-mean-token-mean":
         return (sums / counts).mean()
     return (sums / seq_length).mean()
+
+
+def long_tail_rollouts(n, seed=0, vocab=256, long_every=4):
+    """``n`` rollout rows, one in ``long_every`` long (70-119 tokens: past 64, a CP group of 2 at N = 64), the rest
+    5-50; scalar rewards in groups of four consecutive rows (advantages from the group at load), a few response
+    tokens masked out, old and reference log-probs near the tiny models' uniform -log 256 (so ratios clip)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        long = i % long_every == long_every // 2
+        p = int(rng.integers(20, 40) if long else rng.integers(3, 12))
+        r = int(rng.integers(50, 80) if long else rng.integers(2, 40))
+        mask = [int(x) for x in rng.random(r) > 0.15]
+        mask[0] = 1
+        rows.append({"prompt_ids": rng.integers(1, vocab, p).tolist(),
+                     "response_ids": rng.integers(1, vocab, r).tolist(), "response_mask": mask,
+                     "old_logprobs": (-5.5 + 0.3 * rng.standard_normal(r)).round(4).tolist(),
+                     "ref_logprobs": (-5.5 + 0.3 * rng.standard_normal(r)).round(4).tolist(),
+                     "reward": round(float(rng.normal()), 3), "group": i // 4})
+    return rows

@@ -9,7 +9,8 @@ same loss and gradient norm every step (rel <= 1e-5) on 2 ranks (CP groups of 1 
 The stages on units of two sequences (DPO, SimPO, ORM on preference pairs, KTO on couples: one unit a document)
 and a mixture of experts train the same way: one 2-rank job runs them all under dynamic CP, one 1-rank job one
 unit (sample) per row; every unit is planned whole on one group. The same 2-rank job runs DPO and KTO under
-dp_balanced (units packed whole into rows) at fixed CP 2 and at DP 2.
+dp_balanced (units packed whole into rows) at fixed CP 2 and at DP 2. So do GRPO on long-tailed rollouts (each
+rollout a unit, under three --loss-agg modes) and --stage score of them, against the same rollouts on one rank.
 """
 import json
 
@@ -22,10 +23,10 @@ from tests.train_utils import run_posttrain
 
 ITERS = 3
 GBS = 8
-COMMON = ["--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", str(GBS), "--lr", "1e-3",
-          "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--log-interval", "1", "--train-iters", str(ITERS),
-          "--no-shuffle", "--split", "100,0,0",
-          "--rotary-base", "100"]  # positions matter to every dimension: a CP rank's misplaced share shows
+BASE = ["--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", str(GBS), "--lr", "1e-3",
+        "--min-lr", "1e-4", "--lr-warmup-iters", "1", "--log-interval", "1", "--train-iters", str(ITERS),
+        "--rotary-base", "100"]  # positions matter to every dimension: a CP rank's misplaced share shows
+COMMON = [*BASE, "--no-shuffle", "--split", "100,0,0"]  # the rollout stages read their file in order, no split
 DYNAMIC = ["--sequence-packing-scheduler", "default_dynamic_cp"]
 
 # most samples short, one in four long: 33..128 tokens (over N = 32 at CP 4, over N = 64 for some at CP 2)
@@ -238,8 +239,9 @@ def _parse(*extra, world_size=2, data_path="x"):
     (["--context-parallel-size", "2", "--min-dynamic-context-parallel-size", "4"], 2,
      "--min-dynamic-context-parallel-size 4 must be a power of two between 1 and --context-parallel-size 2"),
     (["--context-parallel-size", "2", "--attention-backend", "te"], 2, "does not support --attention-backend te"),
-    (["--context-parallel-size", "2", "--stage", "grpo"], 2,
-     r"does not support --stage grpo \(rollouts are packed by their own batch source"),
+    (["--context-parallel-size", "2", "--stage", "prm"], 2, r"does not support --stage prm \(its step labels"),
+    (["--context-parallel-size", "2", "--stage", "grpo", "--overlong-samples", "drop"], 2,
+     "--overlong-samples drop: --stage grpo reads rollouts, whose over-long ones --rollout-overlong refuses or drops"),
     (["--context-parallel-size", "2", "--stage", "dpo_reference"], 2, "--stage dpo_reference .* score with "
      "--sequence-packing-scheduler none"),
 ])
@@ -370,18 +372,28 @@ STAGE_KEYS = {
     "orpo": ("nll_loss", "log_odds_ratio", "log_odds_chosen", "rewards/chosen", "rewards/rejected"),
     "moe": ("moe aux loss", "expert load max/mean"),
 }
+# GRPO on long-tailed rollouts: PPO-clip with a k3 KL to their reference log-probs; token-mean also takes the
+# logits path (an entropy bonus, the vocabulary's entropy per position)
+GRPO_FLAGS = ["--stage", "grpo", "--kl-coef", "0.05", "--clip-ratio", "0.1", "0.3"]
+GRPO_MODES = {"token-mean": ["--entropy-coef", "0.01"], "seq-mean-token-mean": [], "dr-grpo": [],
+              "token-mean moe": MOE}  # a mixture of experts: a long rollout's CP pads reach no expert
+GRPO_KEYS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max", "response length", "ref kl")
 
 
 @pytest.fixture(scope="module")
 def unit_runs(tmp_path_factory, data, lora_base):
     """{stage: (dynamic CP steps, one unit per row on one rank steps)}: one 1-rank job trains the references (and
     scores DPO's reference log-probs once, --stage dpo_reference), one 2-rank job every stage under dynamic CP (DPO
-    also from the precomputed table; SimPO stopped at step 2 and resumed from its checkpoint), then DPO and KTO under
-    dp_balanced at fixed CP 2 and, after it, at DP 2 (KTO also on packs of one couple each)."""
+    also from the precomputed table; SimPO stopped at step 2 and resumed from its checkpoint), GRPO on the
+    long-tailed rollouts under each --loss-agg mode (on one rank: rows of 128 tokens, packed as the rollout stages
+    pack) and --stage score of them (``score``: the two written files), then DPO and KTO under dp_balanced at fixed
+    CP 2 and, after it, at DP 2 (KTO also on packs of one couple each)."""
     from tests.pair_utils import write_kto_dataset, write_kto_units, write_pair_units
+    from tests.rollout_utils import long_tail_rollouts, write_jsonl
     from tests.train_utils import run_posttrain_runs
 
     root = tmp_path_factory.mktemp("units")
+    rollouts = write_jsonl(root / "rollouts.jsonl", long_tail_rollouts(ITERS * GBS, seed=3))
     pairs = long_tail_pairs()
     # pad id 1 (no token is 1): a reward read at a CP pad (id 0) instead of the sample's last token would show
     sources = {"pairs": write_pair_units(str(root / "pairs"), pairs, margins=[(i % 5) / 4 for i in range(len(pairs))],
@@ -400,11 +412,19 @@ def unit_runs(tmp_path_factory, data, lora_base):
     def metrics(name):
         return str(root / f"{name}.jsonl")
 
+    def rl(layout):  # GRPO per mode and score, on one rank (rows of 128 tokens) or under dynamic CP
+        flags = {"ref": ["--max-seqlen-per-dp-cp-rank", "128"], "dyn": DYNAMIC2}[layout]
+        runs = [([*BASE, *GRPO_FLAGS, "--rollout-path", rollouts, "--loss-agg", mode.split()[0], *extra, *flags],
+                 metrics(f"{layout}_grpo_{mode.replace(' ', '_')}")) for mode, extra in GRPO_MODES.items()]
+        return runs + [([*BASE, "--stage", "score", "--rollout-path", rollouts, "--load", lora_base, "--score-entropy",
+                         "--score-output", str(root / f"{layout}_scored.jsonl"), *flags], metrics(f"{layout}_score"))]
+
     # the MoE reference's row padding is its own segment, routed nowhere (as every pad under dynamic CP)
     one_per_row = {"moe": ["--reset-attention-mask"]}
     scoring = [*COMMON, "--stage", "dpo_reference", "--neat-pack", "--data-path", sources["pairs"], "--load", lora_base]
     run_posttrain_runs([(scoring, metrics("scoring"))] + [
-        (argv(stage, *one_per_row.get(stage, ())), metrics(f"ref_{stage}")) for stage in STAGE_RUNS], nproc=1)
+        (argv(stage, *one_per_row.get(stage, ())), metrics(f"ref_{stage}")) for stage in STAGE_RUNS] + rl("ref"),
+        nproc=1)
     ckpt = str(root / "simpo_ckpt")
     trained_once = ("dpo", "kto", "orm", "orpo", "moe")
     dynamic = [(argv(stage, *DYNAMIC2), metrics(f"dyn_{stage}")) for stage in trained_once]
@@ -415,7 +435,7 @@ def unit_runs(tmp_path_factory, data, lora_base):
                 (argv("dpo", *DYNAMIC2, "--ref-logps", ref=False), metrics("dyn_dpo_table")),
                 (argv("simpo", *DYNAMIC2, "--save", ckpt, "--save-interval", "2", "--exit-interval", "2"),
                  metrics("dyn_simpo_first")),
-                (argv("simpo", *DYNAMIC2, "--load", ckpt), metrics("dyn_simpo_resumed"))]
+                (argv("simpo", *DYNAMIC2, "--load", ckpt), metrics("dyn_simpo_resumed"))] + rl("dyn")
     # dp_balanced: whole units packed into rows, at fixed CP 2, then (the job's groups made anew) at DP 2
     balanced = ["--sequence-packing-scheduler", "dp_balanced"]
     dynamic += [(argv(stage, *fixed), metrics(f"fixed_{stage}")) for stage in ("dpo", "kto")]
@@ -433,6 +453,10 @@ def unit_runs(tmp_path_factory, data, lora_base):
     first, resumed = (read_metrics(metrics(f"dyn_simpo_{part}")) for part in ("first", "resumed"))
     assert sorted(first) == [1, 2] and sorted(resumed) == [3]  # stopped mid-epoch, resumed at its step 3
     out["simpo"] = ({**first, **resumed}, read_metrics(metrics("ref_simpo")))
+    for mode in GRPO_MODES:
+        out[f"grpo {mode}"] = tuple(read_metrics(metrics(f"{layout}_grpo_{mode.replace(' ', '_')}"))
+                                    for layout in ("dyn", "ref"))
+    out["score"] = (str(root / "dyn_scored.jsonl"), str(root / "ref_scored.jsonl"))
     return out
 
 
@@ -464,6 +488,40 @@ def test_pair_kto_orm_and_moe_under_dynamic_cp_equal_one_unit_per_row(unit_runs,
                 (stage, it, key, got[it][key], want[it][key])
         if stage.startswith("moe"):
             assert got[it]["tokens per expert"] == want[it]["tokens per expert"]
+
+
+@pytest.mark.parametrize("mode", GRPO_MODES)
+def test_grpo_under_dynamic_cp_equals_one_rank(unit_runs, mode):
+    """GRPO on long-tailed rollouts (short ones alone on a rank, long ones over two; advantages from their groups'
+    rewards at load, so a group's rollouts may land on different groups of ranks): per-sample means and the
+    sample count (seq-mean-token-mean, dr-grpo) reduce over each micro-batch's own CP group and count on its first
+    rank, the advantages and old/reference log-probs follow each row's own zigzag split, a mixture of experts'
+    routers see no CP pad; loss, grad norm and the policy metrics equal the same rollouts on one rank, with steps
+    mixing groups of 1 and 2."""
+    got, want = unit_runs[f"grpo {mode}"]
+    _assert_same_steps(got, want)
+    assert [1, 2] in _group_sizes_used(got)
+    assert all(0.05 < rec["clip fraction"] < 0.95 for rec in want.values())  # ratios both clipped and not
+    keys = GRPO_KEYS + (("entropy",) if mode == "token-mean" else ()) + \
+        (STAGE_KEYS["moe"] if mode.endswith("moe") else ())
+    for it in want:
+        for key in keys:
+            assert abs(got[it][key] - want[it][key]) <= 1e-6 + 1e-5 * abs(want[it][key]), (mode, it, key)
+        if mode.endswith("moe"):
+            assert got[it]["tokens per expert"] == want[it]["tokens per expert"]
+
+
+def test_score_under_dynamic_cp_writes_what_one_rank_writes(unit_runs):
+    """--stage score of the long-tailed rollouts (the long ones scored over a CP group of two, their shares put
+    back together by that group; the short ones alone): every rollout once, in file order, with the log-probs and
+    entropies one rank writes."""
+    got, want = ([json.loads(line) for line in open(path)] for path in unit_runs["score"])
+    assert [r["response_ids"] for r in got] == [r["response_ids"] for r in want] and len(want) == ITERS * GBS
+    assert any(len(r["prompt_ids"]) + len(r["response_ids"]) > 64 for r in want)  # over N: scored on two ranks
+    for mine, theirs in zip(got, want):
+        for field in ("old_logprobs", "entropy"):
+            a, b = np.array(mine[field]), np.array(theirs[field])
+            assert a.shape == b.shape and np.abs(a - b).max() <= 1e-5 * np.abs(b).max(), field
 
 
 # the layouts of a 2-rank job: (scheduler, CP, N): groups of 1 and 2 over the pool; rows over DP 2; or CP 2
@@ -540,6 +598,82 @@ def test_the_plan_never_splits_a_pair_and_each_sequence_is_padded_on_its_own(tmp
             assert all(len(ranks) == size for _, size, ranks in seen.values())  # on all of its group's ranks
         sizes.append(sorted({size for _, size, _ in seen.values()}))
     assert [1, 2] in sizes if dynamic else shared  # dynamic: groups of 1 and 2 in one step; else rows shared
+
+
+def _rollout_args(path, *extra, stage="grpo"):
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.training.stages import stage_args
+
+    return parse_args([*TINY_FLAGS, *BASE, "--stage", stage, "--rollout-path", path, *DYNAMIC2, *extra],
+                      world_size=2, extra_args_provider=stage_args)
+
+
+def test_each_rollout_runs_once_on_the_smallest_group_its_fields_laid_out_for_that_group(tmp_path, monkeypatch):
+    """The rollout source under dynamic CP: every rollout of a global batch in exactly one job, the same row on
+    every rank of its group (a row's group: its longest rollout's, CP 1 up to N = 64 tokens, CP 2 beyond), its
+    segment padded to 2 x 2 on two ranks and not at all on one, its advantage and old/ref log-probs at the
+    positions that predict its response tokens."""
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.datasets.rollouts import RolloutBatchSource
+    from mindspeed_pack.runtime import process_groups
+    from tests.rollout_utils import long_tail_rollouts, write_jsonl
+
+    rows = long_tail_rollouts(ITERS * GBS, seed=3)
+    path = write_jsonl(tmp_path / "r.jsonl", rows)
+    monkeypatch.setattr(process_groups, "check_dynamic_cp_groups", lambda max_cp: None)  # no process groups here
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda with_context_parallel=False: 2)
+    sources = []
+    for rank in (0, 1):
+        monkeypatch.setattr(ps, "get_data_parallel_rank", lambda with_context_parallel=False, r=rank: r)
+        source = RolloutBatchSource(need_advantages=True)
+        source.setup(_rollout_args(path), {})
+        sources.append(source)
+    assert all(s.dynamic_cp for s in sources)
+    sizes = []
+    for consumed in range(0, ITERS * GBS, GBS):
+        seen = {}  # rollout -> (slot, cp size, ranks)
+        shapes = [source.step_shape("train", consumed) for source in sources]
+        assert shapes[0] == shapes[1] and shapes[0][1] == 128  # C x N, as megatron counts a micro-batch
+        for rank, source in enumerate(sources):
+            mbs = list(source.micro_batches("train", consumed))
+            assert len(mbs) == shapes[0][0]
+            for slot, mb in enumerate(mbs):
+                g = mb["cp_size"]
+                seg = mb["segment_ids"][0].numpy()
+                assert len(seg) == g * 64 and int(seg.max()) == len(mb["rollouts"])
+                own = [1 if len(source.rollouts[i]) <= 64 else 2 for i in mb["rollouts"]]
+                assert not own or max(own) == g  # the row's longest rollout's own group; short ones fill its room
+                for k, (i, start) in enumerate(zip(mb["rollouts"], mb["response_starts"]), start=1):
+                    row, n = rows[i], len(rows[i]["prompt_ids"]) + len(rows[i]["response_ids"])
+                    assert int((seg == k).sum()) == (n if g == 1 else -(-n // 4) * 4)
+                    r = len(row["response_ids"])
+                    for field in ("old_logprobs", "ref_logprobs"):
+                        assert np.allclose(mb[field][0, start:start + r].numpy(), row[field])
+                    assert np.all(mb["advantages"][0, start:start + r].numpy() == source.rollouts[i].advantages)
+                    where = seen.setdefault(i, (slot, g, set()))
+                    assert where[:2] == (slot, g)
+                    where[2].add(rank)
+        assert sorted(seen) == list(range(consumed, consumed + GBS))  # every rollout of the batch, once
+        assert all(len(ranks) == size for _, size, ranks in seen.values())  # on all of its group's ranks
+        sizes.append(sorted({size for _, size, _ in seen.values()}))
+    assert [1, 2] in sizes
+
+
+def test_dry_run_of_grpo_shows_the_rollouts_plan(tmp_path, monkeypatch, capsys):
+    import posttrain
+    from tests.rollout_utils import long_tail_rollouts, write_jsonl
+
+    path = write_jsonl(tmp_path / "r.jsonl", long_tail_rollouts(ITERS * GBS, seed=3))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    posttrain.main([*TINY_FLAGS, *BASE, "--stage", "grpo", "--rollout-path", path, *DYNAMIC2, "--dry-run"])
+    out = capsys.readouterr().out
+    assert f"# dynamic CP: 2 data x context parallel ranks, CP groups of 1/2 ranks, 64 tokens per rank per " \
+           f"micro-batch; rollouts named by their place in {path}" in out
+    assert "# step 1: 3 micro-batches; samples at CP 1 4, samples at CP 2 4" in out
+    # rollouts 2 (90 tokens) and 6 (98) on both ranks, 1 and 5 in the room they leave; the short ones alone
+    assert "#   micro-batch 1: ranks 0-1: CP 2 samples [1, 2]" in out
+    assert "#   micro-batch 2: rank 0: CP 1 samples [3, 4]; rank 1: CP 1 samples [0, 7]" in out
 
 
 def test_a_unit_over_c_times_n_once_padded_is_refused_naming_it(tmp_path, monkeypatch):

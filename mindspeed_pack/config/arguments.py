@@ -493,10 +493,6 @@ def _check_data_flags(args) -> None:
 
 # stages whose per-token inputs are laid out for megatron's fixed CP split, or that run their own loop
 DYNAMIC_CP_REFUSED_STAGES = {
-    "grpo": "rollouts are packed by their own batch source for megatron's fixed CP split, and their per-token "
-            "advantages, old and reference log-probs cut for it",
-    "score": "rollouts are packed by their own batch source for megatron's fixed CP split, and their per-token "
-             "outputs gathered over its CP group",
     "prm": "its step labels are laid out for megatron's fixed CP split",
     "dpo_reference": "it scores every document once in its own fixed layout; score with --sequence-packing-scheduler "
                      "none: its table serves a dynamic CP run of the same data (--ref-logps)",
@@ -512,6 +508,9 @@ def _check_dynamic_cp_flags(args) -> None:
             raise ArgumentError(f"--overlong-samples {args.overlong_samples} applies to --sequence-packing-scheduler "
                                 f"default_dynamic_cp, not {scheduler}")
         return
+    if args.overlong_samples != "refuse" and args.stage in ("grpo", "score"):
+        raise ArgumentError(f"--overlong-samples {args.overlong_samples}: --stage {args.stage} reads rollouts, whose "
+                            "over-long ones --rollout-overlong refuses or drops; use it instead")
     cp, low = args.context_parallel_size, args.min_dynamic_context_parallel_size
     if cp < 2 or cp & (cp - 1):
         raise ArgumentError(f"--sequence-packing-scheduler default_dynamic_cp: --context-parallel-size {cp} is the "
@@ -530,7 +529,7 @@ def _check_dynamic_cp_flags(args) -> None:
                 "row of --max-seqlen-per-dp-cp-rank tokens per rank: use 1)"),
                (args.stage in DYNAMIC_CP_REFUSED_STAGES,
                 f"--stage {args.stage} ({DYNAMIC_CP_REFUSED_STAGES.get(args.stage)}; dynamic CP trains --stage "
-                "sft, dpo, simpo, orpo, kto and orm)"),
+                "sft, dpo, simpo, orpo, kto, orm and grpo, and scores with --stage score)"),
                (args.attention_backend == "te", "--attention-backend te (megatron-core 0.16 applies THD RoPE over "
                 "its fixed CP group, not a micro-batch's own; use local or flash)")]
     for bad, what in refused:

@@ -405,22 +405,32 @@ def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
     start, end = (0, len(docs)) if per_split else split_ranges(len(docs), args.split)[0]
     sizes = unit_lengths(docs)
     check_overlong(sizes[start:end], start, args, f"{docs.prefix!r} (train split)")
-    gbs, pool = args.global_batch_size, args.data_parallel_size * args.context_parallel_size
+    gbs = args.global_batch_size
     steps = min(steps, args.train_iters or steps)
     index = start + build_sample_index(end - start, steps * gbs, seed=args.seed, shuffle=not args.no_shuffle,
                                        padded_samples=args.padded_samples, global_batch_size=gbs)
-    sizes_used = group_size_options(args.context_parallel_size, args.min_dynamic_context_parallel_size)
-    lines = [f"dynamic CP: {pool} data x context parallel ranks, CP groups of {'/'.join(map(str, sizes_used))} ranks, {args.max_seqlen_per_dp_cp_rank} tokens per rank per micro-batch; samples named by document"]
+    batches = []
     for step in range(steps):
         batch = index[step * gbs:(step + 1) * gbs]
-        batch, lengths, dropped = kept_samples(batch, sizes[batch], args)
+        batches.append(kept_samples(batch, sizes[batch], args))  # (documents, lengths, dropped)
+    return preview_lines(args, batches, "samples named by document")
+
+
+def preview_lines(args, batches, naming: str) -> List[str]:
+    """The dry run's lines for the first steps' ``batches`` ((names, lengths, dropped) each): the pool, then per
+    step its figures and which ranks run which samples (by name) on which group size."""
+    pool = args.data_parallel_size * args.context_parallel_size
+    sizes_used = group_size_options(args.context_parallel_size, args.min_dynamic_context_parallel_size)
+    lines = [f"dynamic CP: {pool} data x context parallel ranks, CP groups of {'/'.join(map(str, sizes_used))} "
+             f"ranks, {args.max_seqlen_per_dp_cp_rank} tokens per rank per micro-batch; {naming}"]
+    for step, (names, lengths, dropped) in enumerate(batches):
         plan = step_plan(lengths, args, pool, cost_model(args))
         figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in plan.stats(lengths).items())
         lines.append(f"step {step + 1}: {plan.slots} micro-batches; {figures}; "
                      f"padding {plan.padding_ratio(lengths):.3f}"
                      + (f"; {dropped} samples dropped" if dropped else ""))
-        lines += [f"  {line}" for line in plan.describe(names=batch)]
+        lines += [f"  {line}" for line in plan.describe(names=names)]
     return lines
 
 

@@ -225,10 +225,12 @@ def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bo
     (each sample's first such position) for writing scores back. ``every_response_token`` trains
     (scores) every response token, ``response_mask`` ignored. Under context parallelism each
     sample's segment spans its length rounded up to ``multiple`` (the CP split's; the pads end
-    the segment, untrained), so the CP view splits the row as laid out here."""
+    the segment, untrained, and are marked in ``pad_mask``: a mixture of experts routes them nowhere), so the CP
+    view splits the row as laid out here."""
     ids = np.zeros(capacity, np.int64)
     labels = np.full(capacity, IGNORE_INDEX, np.int64)
     seg = np.zeros(capacity, np.int64)
+    pad = np.zeros(capacity, bool)
     fields = {f: np.zeros(capacity) for f in TOKEN_FIELDS}
     # a field is laid out only if every rollout of the row has it: --stage grpo refuses files whose
     # old_logprobs are in some rollouts only, so no rollout's ratio depends on its pack-mates
@@ -243,6 +245,7 @@ def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bo
         trained = np.ones(len(r.response_ids), bool) if every_response_token else r.response_mask
         labels[pos + p:pos + n] = np.where(trained, r.response_ids, IGNORE_INDEX)
         seg[pos:pos + span] = k
+        pad[pos + n:pos + span] = True
         for f in TOKEN_FIELDS:
             if present[f]:
                 fields[f][pos + p - 1:pos + n - 1] = getattr(r, f)
@@ -250,10 +253,33 @@ def rollout_row(rollouts: List[Rollout], capacity: int, every_response_token: bo
         pos += span
     out = {"input_ids": torch.from_numpy(ids[None]), "labels": torch.from_numpy(labels[None]),
            "segment_ids": torch.from_numpy(seg[None]), "sample_ids": None,
-           "segment_lengths": np.array([len(r) for r in rollouts], np.int64), "response_starts": starts}
+           "segment_lengths": np.array([len(r) for r in rollouts], np.int64), "response_starts": starts,
+           "pad_mask": torch.from_numpy(pad[None])}
     for f in TOKEN_FIELDS:
         out[f] = torch.from_numpy(fields[f][None]) if present[f] else None
     return out
+
+
+def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
+    """``--dry-run`` of ``--stage grpo|score`` under ``default_dynamic_cp``: the first steps' plans from the rollouts'
+    lengths (read and checked as the run reads them; nothing is written). A rollout is named by its place among the
+    kept rollouts (file order; after those dropped as over-long under ``--rollout-overlong drop``)."""
+    from mindspeed_pack.datasets.online_packing import preview_lines
+
+    rollouts, counts = load_rollouts(args.rollout_path, args.vocab_size or args.padded_vocab_size,
+                                     args.max_seqlen_per_dp_cp_rank * args.context_parallel_size,
+                                     args.rollout_overlong, args.advantage_estimator, need_advantages=False,
+                                     text_args=args)
+    lengths = np.array([len(r) for r in rollouts], np.int64)
+    n, gbs = len(rollouts), args.global_batch_size
+    batches = []
+    for step in range(steps):  # grpo cycles through the file; score reads it once
+        index = np.arange(step * gbs, (step + 1) * gbs)
+        index = index % n if args.stage == "grpo" else index[index < n]
+        if len(index):
+            batches.append((index, lengths[index], 0))
+    dropped = f" ({counts['dropped over-long']} dropped as over-long)" if counts["dropped over-long"] else ""
+    return preview_lines(args, batches, f"rollouts named by their place in {args.rollout_path}{dropped}")
 
 
 def rollout_file_format(path: str) -> str:
@@ -266,6 +292,16 @@ def rollout_file_format(path: str) -> str:
     return fmt
 
 
+@dataclass
+class PlannedRow:
+    """One micro-batch of a rank: its rollouts (indices, in row order) and, under dynamic context parallelism,
+    the CP group the row runs on (``cp_size`` ranks, this rank its ``cp_rank``; None: the job's fixed CP split)."""
+
+    rollouts: np.ndarray
+    cp_size: Optional[int] = None
+    cp_rank: int = 0
+
+
 class RolloutBatchSource:
     """The trainer's data under ``--stage grpo`` (and the rows of ``--stage score``).
 
@@ -274,9 +310,16 @@ class RolloutBatchSource:
     attention cost, each share packed with the C++ best-fit-decreasing packer into rows of
     ``--max-seqlen-per-dp-cp-rank`` x CP tokens (a hard cap; under CP at the samples' CP-padded
     lengths, so each CP rank holds at most the cap), the same number of rows on every rank
-    (:func:`mindspeed_pack.packing.balance.plan_online_packing`). A micro-batch is one row."""
+    (:func:`mindspeed_pack.packing.balance.plan_online_packing`). A micro-batch is one row.
+
+    Under ``--sequence-packing-scheduler default_dynamic_cp`` a rollout is a unit of one sequence, planned as
+    every sample is (:mod:`mindspeed_pack.packing.dynamic_cp`): on the smallest CP group of the data x context
+    parallel ranks that holds it, a row of ``g x N`` tokens laid out for that group's zigzag split (an empty row
+    of ``N`` where a rank has no job). Rollouts of one prompt need not share a row: their advantages are taken
+    from the group's rewards when the file is read."""
 
     docs: list = []  # no packed prefixes (the trainer's sidecar checks read those)
+    dynamic_cp = False  # the trainer sums the step's counts over the data x context parallel pool when True
 
     def __init__(self, need_advantages: bool = True):
         self.need_advantages = need_advantages
@@ -293,7 +336,7 @@ class RolloutBatchSource:
         # --max-seqlen-per-dp-cp-rank tokens of it); samples are planned and laid out at their CP-padded length
         cp = args.context_parallel_size
         self.multiple = padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel) if cp > 1 else 1
-        self.capacity = args.max_seqlen_per_dp_cp_rank * cp
+        self.capacity = args.max_seqlen_per_dp_cp_rank * cp  # the longest rollout (under dynamic CP too)
         if self.capacity % self.multiple:
             raise DataError(f"--max-seqlen-per-dp-cp-rank {args.max_seqlen_per_dp_cp_rank} x --context-parallel-size "
                             f"{cp} must be a multiple of {self.multiple} (every sample is padded to it for the CP "
@@ -301,6 +344,13 @@ class RolloutBatchSource:
         self.args = args
         self.rollouts, self.counts = self.read(args)
         self.cost = cost_model(args)
+        self.dynamic_cp = args.sequence_packing_scheduler == "default_dynamic_cp"
+        if self.dynamic_cp:
+            from mindspeed_pack.runtime.process_groups import check_dynamic_cp_groups
+
+            self.pool_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+            self.pool_size = ps.get_data_parallel_world_size(with_context_parallel=True)
+            check_dynamic_cp_groups(cp)
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self._plans: dict = {}
 
@@ -312,13 +362,23 @@ class RolloutBatchSource:
     def has_split(self, split: str) -> bool:
         return split == "train"
 
-    def plan(self, indices: np.ndarray):
-        """(this rank's rows as lists of rollout indices, rank imbalance) for the given rollouts."""
+    def plan(self, indices: np.ndarray) -> tuple[List[PlannedRow], dict]:
+        """(this rank's rows, the step's plan statistics) for the given rollouts."""
         from mindspeed_pack.packing.balance import imbalance, plan_online_packing
 
-        lengths = round_up(np.array([len(self.rollouts[i]) for i in indices], np.int64), self.multiple)
-        ranks = plan_online_packing(lengths, self.dp_size, self.capacity, self.cost)
-        return [indices[row] for row in ranks[self.dp_rank].rows], imbalance([r.cost for r in ranks])
+        indices = np.asarray(indices, np.int64)
+        lengths = np.array([len(self.rollouts[i]) for i in indices], np.int64)
+        if self.dynamic_cp:
+            from mindspeed_pack.datasets.online_packing import step_plan
+
+            plan = step_plan(lengths, self.args, self.pool_size, self.cost)
+            rows = [PlannedRow(indices[:0], 1, 0) if job is None
+                    else PlannedRow(indices[job.samples], job.size, self.pool_rank - job.first_rank)
+                    for job in plan.rank_jobs(self.pool_rank)]
+            return rows, plan.stats(lengths)
+        ranks = plan_online_packing(round_up(lengths, self.multiple), self.dp_size, self.capacity, self.cost)
+        return [PlannedRow(indices[row]) for row in ranks[self.dp_rank].rows], \
+            {"rank imbalance": imbalance([r.cost for r in ranks])}
 
     def _step(self, consumed: int):
         if consumed not in self._plans:
@@ -332,18 +392,28 @@ class RolloutBatchSource:
         """Megatron-LM's cap on a micro-batch's tokens per CP rank, checked by the trainer."""
         return self.args.max_seqlen_per_dp_cp_rank
 
-    def row(self, indices, every_response_token: bool) -> dict:
-        """The packed row of the given rollouts (laid out for this job's CP split)."""
-        return rollout_row([self.rollouts[int(i)] for i in indices], self.capacity, every_response_token,
-                           self.multiple)
+    def row(self, planned: PlannedRow, every_response_token: bool) -> dict:
+        """The packed row of ``planned`` rollouts, laid out for the CP split it runs under: the job's fixed one,
+        or (dynamic CP) its own group's, with ``cp_size`` and ``cp_rank`` for the trainer's view of it."""
+        rollouts = [self.rollouts[int(i)] for i in planned.rollouts]
+        if planned.cp_size is None:
+            return rollout_row(rollouts, self.capacity, every_response_token, self.multiple)
+        args, g = self.args, planned.cp_size
+        multiple = padding_multiple(g, args.tensor_model_parallel_size, args.sequence_parallel) if g > 1 else 1
+        # an empty row (no job for this rank in this slot) is N tokens on this rank alone
+        out = rollout_row(rollouts, g * args.max_seqlen_per_dp_cp_rank, every_response_token, multiple)
+        out.update(cp_size=g, cp_rank=planned.cp_rank)
+        return out
 
     def step_shape(self, split: str, consumed: int):
-        rows, imbalance = self._step(consumed)
-        return len(rows), self.capacity, {"rank imbalance": imbalance}
+        """(micro-batches, tokens per micro-batch as megatron counts them: N x --context-parallel-size, which its
+        pipeline divides by the CP size, the plan's statistics)."""
+        rows, stats = self._step(consumed)
+        return len(rows), self.capacity, stats
 
     def micro_batches(self, split: str, consumed: int):
         rows, _ = self._step(consumed)
-        for row in rows:
-            mb = self.row(row, every_response_token=not self.need_advantages)
-            mb["rollouts"] = [int(i) for i in row]
+        for planned in rows:
+            mb = self.row(planned, every_response_token=not self.need_advantages)
+            mb["rollouts"] = [int(i) for i in planned.rollouts]
             yield mb

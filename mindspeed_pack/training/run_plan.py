@@ -283,12 +283,15 @@ def _micro_batch_line(args) -> str:
 
 def _dynamic_cp_lines(args) -> list:
     """The first steps' dynamic CP plans (the data's sizes), or why they cannot be shown."""
-    from mindspeed_pack.datasets.online_packing import dynamic_cp_preview
+    from mindspeed_pack.datasets import online_packing, rollouts
 
-    if not args.data_path and not getattr(args, "train_data_path", None):
+    if getattr(args, "rollouts_in_process", False):
+        return ["dynamic CP plan: made per step from the lengths of the rollouts each round hands over"]
+    rollout_path = getattr(args, "rollout_path", None)
+    if not args.data_path and not getattr(args, "train_data_path", None) and not rollout_path:
         return ["dynamic CP plan: needs --data-path"]
     try:
-        return dynamic_cp_preview(args)
+        return (rollouts if rollout_path else online_packing).dynamic_cp_preview(args)
     except (DataError, OSError, FileNotFoundError) as exc:
         return [f"dynamic CP plan: {exc}"]
 

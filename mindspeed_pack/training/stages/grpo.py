@@ -10,7 +10,7 @@ that token's old log-prob, reference log-prob and advantage at the same position
     loss  = pg + kl_coef kl - entropy_coef H            (H: the policy's entropy at that position)
 
 Aggregated over the *global step* (each micro-batch returns (sum, count); megatron divides by
-the step's total count, whatever the packing or DP/PP layout):
+the step's total count, whatever the packing or DP/PP/CP layout, dynamic CP groups included):
 
 * ``token-mean``: sum over trained tokens / trained tokens;
 * ``seq-mean-token-mean``: sum over samples of the sample's token mean / samples with a trained token
@@ -29,7 +29,7 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import PackedBatch
-from mindspeed_pack.training.stages.sequences import whole_sequence_sums
+from mindspeed_pack.training.stages.sequences import counts_here, whole_sequence_sums
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "dr-grpo")
 GRPO_METRICS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max", "response length")
@@ -78,8 +78,9 @@ def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: floa
 
     Under context parallelism each rank holds a zigzag share of every sample: token sums are
     this rank's share (the DP x CP reduction adds them up); a sample's mean needs its whole sum
-    and count (reduced over the CP group), so every CP rank holds the same per-sample terms,
-    whose backward carries that rank's share of the gradient (they are counted on CP rank 0 only)."""
+    and count (reduced over the micro-batch's CP group: megatron's, or under dynamic CP the row's own),
+    so every rank of that group holds the same per-sample terms, whose backward carries that rank's share of
+    the gradient (they are counted on the group's first rank only: :func:`counts_here`)."""
     mask = batch.loss_mask
     if mode == "token-mean":
         return (per_token * mask).sum()
@@ -90,12 +91,13 @@ def aggregate(per_token: torch.Tensor, batch: PackedBatch, mode: str, norm: floa
 
 
 def normaliser_count(batch: PackedBatch, mode: str) -> torch.Tensor:
-    """``batch``'s share of the step's normaliser under ``--loss-agg mode`` (on CP rank 0 only, each sample once):
-    its trained tokens; under ``seq-mean-token-mean`` its samples with a trained token (a sample's mean needs
-    one); under ``dr-grpo`` every sample, trained token or not, as Dr. GRPO and TRL divide by all rollouts."""
+    """``batch``'s share of the step's normaliser under ``--loss-agg mode``: its trained tokens (this rank's share);
+    under ``seq-mean-token-mean`` its samples with a trained token (a sample's mean needs one); under ``dr-grpo``
+    every sample, trained token or not, as Dr. GRPO and TRL divide by all rollouts (samples: each once, on its CP
+    group's first rank)."""
     if mode == "token-mean":
         return batch.loss_mask.sum().to(torch.int)
-    once = ps.get_context_parallel_rank() == 0
+    once = counts_here(batch)
     counted = (batch.segment_labels > 0) if mode == "dr-grpo" else trained_samples(batch)
     return (counted.sum() * int(once)).to(torch.int)
 
@@ -143,9 +145,13 @@ class GRPOStage:
         return normaliser_count(batch, self.args.loss_agg)
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
-        """Each micro-batch's per-token fields, as this rank holds its tokens (its CP share)."""
-        cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        """Each micro-batch's per-token fields, as this rank holds its tokens: its share of the row under the
+        row's CP split (megatron's group, or under dynamic CP the row's own; on one rank the whole row)."""
         for batch, mb in zip(batches, micro_batches):
+            if batch.local_cp_size is not None:
+                cp, cp_rank = batch.local_cp_size, batch.cp_rank
+            else:
+                cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
             for field in ("old_logprobs", "ref_logprobs", "advantages"):
                 value = mb.get(field)
                 if value is not None:
@@ -174,9 +180,9 @@ class GRPOStage:
         loss, count = aggregate(per_token, batch, args.loss_agg, float(args.seq_length)), self.count(batch)
         with torch.no_grad():
             tokens = mask.sum()
-            once = float(ps.get_context_parallel_rank() == 0)  # a CP group's samples are counted once
+            once = float(counts_here(batch))  # a CP group's samples are counted once
             samples = trained_samples(batch).sum().float() * once
-            # token-mean: this rank's share; per-sample modes: the CP group's whole terms, on CP rank 0
+            # token-mean: this rank's share; per-sample modes: the CP group's whole terms, on its first rank
             shown = loss.detach() * (once if args.loss_agg != "token-mean" else 1.0)
             log_ratio = old - logp
             reports = {

@@ -7,8 +7,9 @@ and writes every row back with the log-prob of each response token under ``--sco
 (``old_logprobs`` for the sampling policy, ``ref_logprobs`` for the reference), rows in input
 order; ``--score-entropy`` adds ``entropy``, the policy's entropy where each response token is
 predicted (from the full vocab-parallel logits). Under context parallelism every rank scores its
-zigzag share of each row and the CP group puts the tokens back together before writing. The
-forward pass is the reference scorer's (:func:`.reference.score_batches`).
+zigzag share of each row and the CP group puts the tokens back together before writing; under
+``--sequence-packing-scheduler default_dynamic_cp`` each rollout is scored on the smallest CP group that holds
+it, as ``--stage grpo`` trains it. The forward pass is the reference scorer's (:func:`.reference.score_batches`).
 
 With an outcome reward model as ``--load`` (``--stage orm``'s, or a transformers
 ``*ForSequenceClassification`` directory) each row gets ``reward`` instead: the score head at the
@@ -62,12 +63,19 @@ class ScoreStage(ReferenceScoringStage):
         rollout_file_format(args.score_output)
 
     def score(self, trainer) -> dict:
-        """{rollout index: {field: values of its response tokens}} of this rank, gathered and written on one rank."""
+        """{rollout index: {field: values of its response tokens}} of this rank, gathered and written on one rank.
+
+        Each row is scored where the plan puts it: split over megatron's CP group, or under dynamic CP over the
+        row's own group (alone on one rank); the group puts its tokens back together and its first rank keeps
+        them. Dynamic CP gives every rank of the data x context parallel pool its own rows, so the writer gathers
+        the table over the pool."""
+        from mindspeed_pack.runtime.process_groups import dynamic_cp_group
         from mindspeed_pack.training.batches import to_packed_batch
         from mindspeed_pack.training.stages.reference import score_batches
 
         args, source = self.args, trainer.source
         cp, cp_rank = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+        tp, sp = args.tensor_model_parallel_size, args.sequence_parallel
         n = len(source.rollouts)
         per_step = args.global_batch_size
         mine = {}
@@ -75,9 +83,12 @@ class ScoreStage(ReferenceScoringStage):
             rows, _ = source.plan(np.arange(start, min(n, start + per_step)))
             raw = [source.row(row, every_response_token=True) for row in rows]
             views, tokens = [to_packed_batch(mb, args) for mb in raw], source.capacity
-            if cp > 1:  # this rank's zigzag share of every row, as training splits it
-                multiple = cp_view.padding_multiple(cp, args.tensor_model_parallel_size, args.sequence_parallel)
-                views, tokens = cp_view.step_views(views, cp, cp_rank, multiple,
+            if source.dynamic_cp:  # each row on its own group, this rank's share of it
+                views = [cp_view.group_view(v, row.cp_size, row.cp_rank, cp_view.padding_multiple(row.cp_size, tp, sp),
+                                            row.cp_size * source.max_tokens_per_cp_rank)
+                         for v, row in zip(views, rows)]
+            elif cp > 1:  # this rank's zigzag share of every row, as training splits it
+                views, tokens = cp_view.step_views(views, cp, cp_rank, cp_view.padding_multiple(cp, tp, sp),
                                                    same_length=ps.get_pipeline_model_parallel_world_size() > 1,
                                                    max_per_rank=source.max_tokens_per_cp_rank)
             # every DP rank runs the same number of rows (empty ones where it has fewer samples)
@@ -86,23 +97,29 @@ class ScoreStage(ReferenceScoringStage):
                 if values is None:
                     continue
                 values = values.reshape(len(self.fields), -1)
-                if cp > 1:  # every token back where the row holds it
-                    shares = [torch.empty_like(values) for _ in range(cp)]
-                    dist.all_gather(shares, values.contiguous(), group=ps.get_context_parallel_group())
+                size, rank = (row.cp_size, row.cp_rank) if source.dynamic_cp else (cp, cp_rank)
+                if size > 1:  # every token back where the row holds it
+                    group = dynamic_cp_group(size) if source.dynamic_cp else ps.get_context_parallel_group()
+                    shares = [torch.empty_like(values) for _ in range(size)]
+                    dist.all_gather(shares, values.contiguous(), group=group)
                     values = cp_view.whole_from_shares(shares, view, mb["input_ids"].shape[1])
+                if source.dynamic_cp and rank:  # the row's group keeps it once, on its first rank
+                    continue
                 values = values.cpu()
-                for i, first in zip(row, mb["response_starts"]):
+                for i, first in zip(row.rollouts, mb["response_starts"]):
                     rollout = source.rollouts[int(i)]
                     if self.reward:
                         mine[int(i)] = {"reward": float(values[0, self.reward_position(rollout, first)])}
                         continue
                     end = first + len(rollout.response_ids)
                     mine[int(i)] = {f: values[k, first:end].tolist() for k, f in enumerate(self.fields)}
-        writer = (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and cp_rank == 0)
+        writer = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and \
+            (source.dynamic_cp or cp_rank == 0)
         if writer:
-            gathered = [None] * ps.get_data_parallel_world_size()
-            dist.all_gather_object(gathered, mine, group=ps.get_data_parallel_group())
-            if ps.get_data_parallel_rank() == 0:
+            group = ps.get_data_parallel_group(with_context_parallel=source.dynamic_cp)
+            gathered = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, mine, group=group)
+            if dist.get_rank(group) == 0:
                 table = {}
                 for part in gathered:
                     table.update(part)
