@@ -8,9 +8,9 @@ same loss and gradient norm every step (rel <= 1e-5) on 2 ranks (CP groups of 1 
 
 The stages on units of two sequences (DPO, SimPO, ORM on preference pairs, KTO on couples: one unit a document)
 and a mixture of experts train the same way: one 2-rank job runs them all under dynamic CP, one 1-rank job one
-unit (sample) per row; every unit is planned whole on one group. The same 2-rank job runs DPO and KTO under
-dp_balanced (units packed whole into rows) at fixed CP 2 and at DP 2. So do GRPO on long-tailed rollouts (each
-rollout a unit, under three --loss-agg modes) and --stage score of them, against the same rollouts on one rank.
+unit (sample) per row; every unit is planned whole on one group. The same 2-rank job runs DPO, KTO and ORM
+under dp_balanced (units packed whole into rows) at fixed CP 2 and at DP 2 (SimPO too at DP 2). So do GRPO on
+long-tailed rollouts (each rollout a unit, under three --loss-agg modes) and --stage score of them, against the same rollouts on one rank.
 """
 import json
 
@@ -380,6 +380,11 @@ GRPO_MODES = {"token-mean": ["--entropy-coef", "0.01"], "seq-mean-token-mean": [
 GRPO_KEYS = ("pg loss", "clip fraction", "approx kl", "ratio mean", "ratio max", "response length", "ref kl")
 
 
+# the unit stages under dp_balanced: at fixed CP 2 (ORM's reward read past each sequence's own CP pads) and at DP 2
+BALANCED_FIXED = ("dpo", "kto", "orm")
+BALANCED_DP = ("dpo", "kto", "orm", "simpo")
+
+
 @pytest.fixture(scope="module")
 def unit_runs(tmp_path_factory, data, lora_base):
     """{stage: (dynamic CP steps, one unit per row on one rank steps)}: one 1-rank job trains the references (and
@@ -438,17 +443,19 @@ def unit_runs(tmp_path_factory, data, lora_base):
                 (argv("simpo", *DYNAMIC2, "--load", ckpt), metrics("dyn_simpo_resumed"))] + rl("dyn")
     # dp_balanced: whole units packed into rows, at fixed CP 2, then (the job's groups made anew) at DP 2
     balanced = ["--sequence-packing-scheduler", "dp_balanced"]
-    dynamic += [(argv(stage, *fixed), metrics(f"fixed_{stage}")) for stage in ("dpo", "kto")]
-    dynamic += [(argv(stage, *balanced), metrics(f"balanced_{stage}")) for stage in ("dpo", "kto")]
+    dynamic += [(argv(stage, *fixed), metrics(f"fixed_{stage}")) for stage in BALANCED_FIXED]
+    dynamic += [(argv(stage, *balanced), metrics(f"balanced_{stage}")) for stage in BALANCED_DP]
     dynamic += [(argv("kto", *balanced, "--data-path", kto_packs), metrics("balanced_kto_packs"))]
     run_posttrain_runs(dynamic, nproc=2)
     out = {stage: (read_metrics(metrics(f"dyn_{stage}")), read_metrics(metrics(f"ref_{stage}")))
            for stage in trained_once}
     out["dpo --ref-logps"] = (read_metrics(metrics("dyn_dpo_table")), out["dpo"][1])
     out["moe dp_balanced"] = (read_metrics(metrics("fixed_moe")), out["moe"][1])
-    for stage in ("dpo", "kto"):
+    for stage in BALANCED_FIXED:
         out[f"{stage} dp_balanced cp2"] = (read_metrics(metrics(f"fixed_{stage}")), out[stage][1])
-        out[f"{stage} dp_balanced dp2"] = (read_metrics(metrics(f"balanced_{stage}")), out[stage][1])
+    for stage in BALANCED_DP:
+        ref = read_metrics(metrics(f"ref_{stage}"))
+        out[f"{stage} dp_balanced dp2"] = (read_metrics(metrics(f"balanced_{stage}")), ref)
     out["kto dp_balanced dp2 packs"] = (read_metrics(metrics("balanced_kto_packs")), out["kto"][1])
     first, resumed = (read_metrics(metrics(f"dyn_simpo_{part}")) for part in ("first", "resumed"))
     assert sorted(first) == [1, 2] and sorted(resumed) == [3]  # stopped mid-epoch, resumed at its step 3
@@ -460,7 +467,7 @@ def unit_runs(tmp_path_factory, data, lora_base):
     return out
 
 
-BALANCED_RUNS = ["dpo dp_balanced cp2", "kto dp_balanced cp2", "dpo dp_balanced dp2", "kto dp_balanced dp2",
+BALANCED_RUNS = [*(f"{s} dp_balanced cp2" for s in BALANCED_FIXED), *(f"{s} dp_balanced dp2" for s in BALANCED_DP),
                  "kto dp_balanced dp2 packs"]
 
 
@@ -471,8 +478,9 @@ def test_pair_kto_orm_and_moe_under_dynamic_cp_equal_one_unit_per_row(unit_runs,
     (rewards read at each sequence's last real token, not its CP pads) on preference pairs, KTO on couples (its KL
     point summed over the pool, each micro-batch counted on its group's first rank) and a mixture of experts
     (seq_aux_loss: each sample's routing statistic over its own group; also at fixed CP 2) train as one unit per
-    row on one rank, with steps mixing groups of 1 and 2. So do DPO and KTO under dp_balanced (whole units packed
-    into rows, at fixed CP 2 and over DP 2: the KL point over both ranks' rows; KTO also on offline packs)."""
+    row on one rank, with steps mixing groups of 1 and 2. So do DPO, KTO, ORM and SimPO under dp_balanced (whole
+    units packed into rows, at fixed CP 2 and over DP 2: the KL point over both ranks' rows; KTO also on offline
+    packs)."""
     got, want = unit_runs[stage]
     _assert_same_steps(got, want)
     if stage.startswith("kto"):
