@@ -10,7 +10,8 @@ The stages on units of two sequences (DPO, SimPO, ORM on preference pairs, KTO o
 and a mixture of experts train the same way: one 2-rank job runs them all under dynamic CP, one 1-rank job one
 unit (sample) per row; every unit is planned whole on one group. The same 2-rank job runs DPO, KTO and ORM
 under dp_balanced (units packed whole into rows) at fixed CP 2 and at DP 2 (SimPO too at DP 2). So do GRPO on
-long-tailed rollouts (each rollout a unit, under three --loss-agg modes) and --stage score of them, against the same rollouts on one rank.
+long-tailed rollouts (each rollout a unit, under three --loss-agg modes) and --stage score of them, against the
+same rollouts on one rank.
 """
 import json
 
