@@ -242,3 +242,15 @@ def test_full_disk_is_one_error_line_and_keeps_the_previous_output(tmp_path, run
     assert err.startswith(f"error: --output-prefix {out / 'p'}: the disk is full: this needs about "), err
     assert "GiB are free there" in err and "nothing was written there" in err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no temporary or partial file either
+
+
+def test_dry_run_checks_the_flags_and_writes_nothing(tmp_path, run_preprocess):
+    """--dry-run (the example scripts' DRY_RUN=1): the parser and its combination checks, nothing read or written
+    (the input need not exist yet)."""
+    common = dict(input=str(tmp_path / "not_yet.jsonl"), output_prefix=str(tmp_path / "out" / "p"),
+                  handler_name="AlpacaStyleInstructionHandler", prompt_type="qwen", seq_length=128, dry_run=True)
+    code, out, err = run_preprocess(pack=True, neat_pack=True, **common)
+    assert code == 0 and "preprocess_data.py arguments OK" in out, err
+    code, out, err = run_preprocess(neat_pack=True, **common)
+    assert code == 2 and "--neat-pack requires --pack" in err
+    assert not (tmp_path / "out").exists()

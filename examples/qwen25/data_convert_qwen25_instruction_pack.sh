@@ -69,15 +69,7 @@ fi
 source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
     # preprocess_data.py's own parser and checks, without reading data or loading the tokenizer
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
-import sys
-from mindspeed_pack.data.errors import PreprocessError
-from mindspeed_pack.datasets.preprocess import build_parser, validate_args
-try:
-    validate_args(build_parser().parse_args(sys.argv[1:]))
-except PreprocessError as exc:
-    sys.exit(f"preprocess_data.py: error: {exc}")
-print("preprocess_data.py arguments OK")' "${PREPROCESS_ARGS[@]}"
+    "$PYTHON" "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" --dry-run
     exit 0
 fi
 

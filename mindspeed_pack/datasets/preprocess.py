@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-prefix", required=True, help="path prefix P of the outputs P_packed_*_document.{bin,idx}")
     g.add_argument("--cache-dir", default=None, help="where the temporary token store goes (default: next to the output)")
     g.add_argument("--overwrite-cache", action="store_true", help="rebuild even if matching outputs exist")
+    g.add_argument("--dry-run", action="store_true",
+                   help="check the flags (the parser and its combinations) and exit: no data read, no tokenizer loaded")
     g.add_argument("--skip-bad-rows", action="store_true",
                    help="skip malformed rows (bad JSON, missing field, wrong type, unknown role) and count them by "
                         "reason instead of stopping at the first one (default: stop, naming file, row and field)")
@@ -764,6 +766,10 @@ def main(argv=None) -> int:
     parser = build_parser()
     args, _ = yaml_file.parse(parser, argv)  # --config run.yaml: the same flags from a file
     try:
+        if args.dry_run:
+            validate_args(args)
+            print("preprocess_data.py arguments OK")
+            return 0
         run(args)
     except RowError as exc:
         print(f"error: {exc}; {SKIP_BAD_ROWS_HINT}", file=sys.stderr)
