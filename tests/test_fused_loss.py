@@ -297,15 +297,16 @@ BF16_TOKENS, BF16_HIDDEN, BF16_VOCAB = 1024, 64, 2048
 BF16_SLACK = 1.5  # fused error / unfused error; 3.1x at 32 chunks, 6.6x at 1024 with a bf16 accumulator
 
 
-def _bf16_loss_and_grads(chunk, dtype=torch.bfloat16):
+def _bf16_loss_and_grads(chunk, dtype=torch.bfloat16, masked=False, summed=False):
     """(per-token loss, input gradient, this TP rank's output-weight gradient) of the mean loss of one fixed
     problem whose inputs are bf16 numbers, computed in ``dtype``; chunk 0 = megatron-core's unfused output
     layer + ``vocab_parallel_cross_entropy``. The input gradient is summed over the vocabulary shards, as
-    in the model."""
+    in the model. ``masked``: the mean over the tokens not a multiple of 4 instead (SFT's masked mean); ``summed``:
+    that masked sum formed by :func:`linear_cross_entropy_sum` (the gradients in the forward)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
-    from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy
+    from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy, linear_cross_entropy_sum
 
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(BF16_TOKENS, BF16_HIDDEN, generator=g).bfloat16()
@@ -316,12 +317,19 @@ def _bf16_loss_and_grads(chunk, dtype=torch.bfloat16):
     hidden = hidden.to(dtype).clone().requires_grad_()
     weight = weight[start:start + rows].to(dtype).clone().requires_grad_()
     x = copy_to_tensor_model_parallel_region(hidden, group=ps.get_tensor_model_parallel_group())
-    if chunk == 0:
+    mask = (torch.arange(BF16_TOKENS) % 4 != 0).float()
+    mask = mask / mask.sum() if masked or summed else torch.full((BF16_TOKENS,), 1.0 / BF16_TOKENS)
+    if summed:
+        total, loss = linear_cross_entropy_sum(x, weight, target, mask, vocab_start=start, chunk=chunk,
+                                               group=ps.get_tensor_model_parallel_group())
+    elif chunk == 0:
         loss = vocab_parallel_cross_entropy(torch.matmul(x, weight.t())[:, None], target[:, None])[:, 0]
     else:
         loss = linear_cross_entropy(x, weight, target, vocab_start=start, chunk=chunk,
                                     group=ps.get_tensor_model_parallel_group())
-    loss.mean().backward()
+    if not summed:
+        total = (loss * mask).sum() if masked else loss.mean()
+    total.backward()
     return loss.detach(), hidden.grad, weight.grad
 
 
@@ -337,6 +345,18 @@ def test_bf16_gradients_are_as_close_to_fp64_as_unfused_at_many_chunks(chunks):
     ref = _bf16_loss_and_grads(0, torch.float64)
     unfused = _bf16_loss_and_grads(0)
     _assert_bf16_as_close_as_unfused(_bf16_loss_and_grads(BF16_TOKENS // chunks), unfused, ref)
+
+
+@pytest.mark.parametrize("chunks", [32, BF16_TOKENS])
+def test_bf16_gradients_formed_in_the_forward_are_as_close_to_fp64_as_unfused(chunks):
+    """SFT's masked mean (a quarter of the tokens untrained), its gradients formed in the forward: as close to fp64
+    as the unfused bf16 path's, and the per-token chunked path's bit for bit."""
+    init_single_process()
+    ref = _bf16_loss_and_grads(0, torch.float64, masked=True)
+    summed = _bf16_loss_and_grads(BF16_TOKENS // chunks, summed=True)
+    _assert_bf16_as_close_as_unfused(summed, _bf16_loss_and_grads(0, masked=True), ref)
+    per_token = _bf16_loss_and_grads(BF16_TOKENS // chunks, masked=True)
+    assert all(torch.equal(a, b) for a, b in zip(summed, per_token))
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +406,9 @@ def test_padded_vocabulary_rows_take_no_probability(padded_vocab):
 
 
 def _tp2_losses_and_grads(root, batch):
-    """Rank's (fused loss, model gradients fused and unfused, the bf16 problem unfused and at 32 chunks)."""
+    """Rank's (fused loss, model gradients fused and unfused, the bf16 problem unfused and at 32 chunks, the model's
+    gradients with SFT's masked sum formed in the forward (chunks of 7), the bf16 masked problem unfused and
+    summed at 32 chunks)."""
     from mindspeed_pack.runtime.process_groups import initialize_distributed
 
     initialize_distributed(2, 1)
@@ -394,21 +416,29 @@ def _tp2_losses_and_grads(root, batch):
     assert model.output_layer.weight.shape[0] == PADDED // 2  # rank 1 holds rows 128..255, 250..255 padding
     loss, fused = _losses_and_grads(model, batch, None)
     _, unfused = _losses_and_grads(model, batch, 0)
-    return loss, fused, unfused, _bf16_loss_and_grads(0), _bf16_loss_and_grads(BF16_TOKENS // 32)
+    _, summed = _losses_and_grads(model, batch, 7, summed=True)
+    return (loss, fused, unfused, _bf16_loss_and_grads(0), _bf16_loss_and_grads(BF16_TOKENS // 32), summed,
+            _bf16_loss_and_grads(0, masked=True), _bf16_loss_and_grads(BF16_TOKENS // 32, summed=True))
 
 
 def test_vocab_parallel_loss_and_gradients_at_tp2(padded_vocab):
     """At TP2 the fused loss masks the padded rows, its gradients are the unfused path's (fp32), and in bf16 at
-    32 chunks they are as close to fp64 as the unfused path's."""
+    32 chunks they are as close to fp64 as the unfused path's; so are those of SFT's masked sum formed in the
+    forward (the input gradient summed over the shards after the loss, as for the per-token path)."""
     ranks = run_distributed(_tp2_losses_and_grads, 2, padded_vocab["root"], padded_vocab["batch"], timeout=300)
     batch = padded_vocab["batch"]
     assert _rel(_trained(ranks[0][0], batch).double(), padded_vocab["ref_loss"]) <= 1e-5
-    for _, fused, unfused, _, _ in ranks:
-        assert fused.keys() == unfused.keys()
+    for _, fused, unfused, _, _, summed, _, _ in ranks:
+        assert fused.keys() == unfused.keys() == summed.keys()
         worst = max(_rel(fused[n], unfused[n]) for n in fused)
+        assert worst <= 1e-5, worst
+        worst = max(_rel(summed[n], unfused[n]) for n in fused)
         assert worst <= 1e-5, worst
     init_single_process()
     ref = _bf16_loss_and_grads(0, torch.float64)
     # the loss and input gradient are whole on every rank, the weight gradient is split into vocabulary rows
     unfused, fused = ((*ranks[0][k][:2], torch.cat([r[k][2] for r in ranks])) for k in (3, 4))
     _assert_bf16_as_close_as_unfused(fused, unfused, ref)
+    ref = _bf16_loss_and_grads(0, torch.float64, masked=True)
+    unfused, summed = ((*ranks[0][k][:2], torch.cat([r[k][2] for r in ranks])) for k in (6, 7))
+    _assert_bf16_as_close_as_unfused(summed, unfused, ref)
