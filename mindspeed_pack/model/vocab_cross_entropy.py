@@ -23,7 +23,10 @@ weights) has the gradient ``w_i * (softmax_i - onehot_i)`` times one scalar, the
 So the forward applies it to each chunk's logits while they exist (the same arithmetic as the backward,
 ``w_i`` in place of the incoming per-token gradient), keeps the input gradient and the weight gradient
 (summed in fp32, rounded once), and the backward only multiplies them by that scalar: no recomputed logits,
-one output-layer matmul less per step. Losses whose per-token gradients are known only after the forward
+one output-layer matmul less per step. The fp32 sum now exists during the forward instead of the backward;
+from one to the other the loss holds the input gradient (tokens x hidden) and the weight gradient in the
+weight's dtype. The input gradient is this vocabulary shard's share, summed over TP by the caller's
+mapping, as the per-token form's. Losses whose per-token gradients are known only after the forward
 (DPO, KTO, GRPO: sequence sums through a nonlinearity) keep the per-token form. An fp16 weight keeps it too:
 the stored gradients would be rounded to fp16 before the loss scale reaches them.
 
@@ -55,9 +58,9 @@ def loss_chunk(tokens: int, vocab_local: int, requested: Optional[int] = None) -
     unfused loss (the output layer's logits whole, then its vocab-parallel cross-entropy).
 
     ``requested`` (``--cross-entropy-chunk-size``) is kept. By default the path is chosen by cost: the fused
-    loss computes the output layer's matmul twice (again in the backward) and pays only when the logits do not
-    fit, so the unfused loss runs while the micro-batch's fp32 logits fit one chunk's budget (512 MiB,
-    :data:`CHUNK_ELEMENTS`), the chunked loss beyond it."""
+    loss makes its passes chunk by chunk (and, for a per-token loss, computes the output layer's matmul again in
+    the backward) and pays only when the logits do not fit, so the unfused loss runs while the micro-batch's
+    fp32 logits fit one chunk's budget (512 MiB, :data:`CHUNK_ELEMENTS`), the chunked loss beyond it."""
     if requested is not None:
         return int(requested)
     return 0 if tokens * vocab_local <= CHUNK_ELEMENTS else chunk_tokens(vocab_local)
