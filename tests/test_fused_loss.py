@@ -161,9 +161,11 @@ def test_the_models_masked_sum_equals_the_per_token_losses_summed(model, chunk):
     assert max(_rel(grads[n], unfused[n]) for n in grads) <= 1e-6
 
 
-def test_an_sft_step_is_the_same_with_the_gradients_formed_in_the_forward(tmp_path, monkeypatch):
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_an_sft_step_is_the_same_with_the_gradients_formed_in_the_forward(tmp_path, monkeypatch, per_sample):
     """One SFT step with the fused loss forced (--cross-entropy-chunk-size 16): the same loss and gradient norm
-    (rel 1e-6) whether the model forms the gradients in the forward or the stage sums per-token losses."""
+    (rel 1e-6) whether the model forms the gradients in the forward or the stage sums per-token losses; also
+    with --per-sample-loss (each sample's tokens weighted 1 / its trained tokens)."""
     import json
 
     import posttrain
@@ -172,7 +174,7 @@ def test_an_sft_step_is_the_same_with_the_gradients_formed_in_the_forward(tmp_pa
 
     data = write_copy_task(str(tmp_path / "copy"), num_packs=8)
     argv = tiny_argv(data, "--cross-entropy-chunk-size", "16", "--lr", "1e-3", "--log-interval", "1",
-                     "--attention-dropout", "0.0", "--hidden-dropout", "0.0")
+                     "--attention-dropout", "0.0", "--hidden-dropout", "0.0", *(["--per-sample-loss"] * per_sample))
 
     def step(name):
         posttrain.main([*argv, "--metrics-file", str(tmp_path / name)])
@@ -193,6 +195,18 @@ def test_an_sft_step_is_the_same_with_the_gradients_formed_in_the_forward(tmp_pa
     assert not calls
     assert abs(in_forward[0] - per_token[0]) <= 1e-6 * abs(per_token[0])
     assert abs(in_forward[1] - per_token[1]) <= 1e-6 * abs(per_token[1]), (in_forward, per_token)
+
+
+def test_only_sft_takes_the_summed_loss():
+    """The trainer hands a stage the model's weighted sum only where the stage gives fixed token weights: SFT.
+    The stages whose token gradients depend on the forward's values keep the per-token losses."""
+    from mindspeed_pack.training.stages import dpo, grpo, kto, orpo, reference, reward_models, score, sft, simpo
+
+    per_token = (dpo.DPOStage, simpo.SimPOStage, orpo.ORPOStage, kto.KTOStage, grpo.GRPOStage,
+                 reference.ReferenceScoringStage, score.ScoreStage, reward_models.OutcomeRewardStage,
+                 reward_models.ProcessRewardStage)
+    assert [c.__name__ for c in per_token if hasattr(c, "loss_weights")] == []
+    assert callable(sft.SFTStage.loss_weights)
 
 
 def test_the_loss_path_is_chosen_by_the_size_of_the_logits():
