@@ -14,7 +14,8 @@ Also reports the packed attention's time against the sum of squared segment leng
 share of the step spent building the batch (``get_batch``).
 
 ``--against-transformers`` instead trains the same packs with ours (posttrain's model and loss path,
-``--cross-entropy-chunk-size`` as posttrain takes it) and with a transformers Qwen2 of the same shape in
+``--cross-entropy-chunk-size`` as posttrain takes it, SFT's masked loss sum from the model; ``--per-token-loss``:
+the per-token losses summed outside, as DPO/KTO/GRPO take them) and with a transformers Qwen2 of the same shape in
 the padding-free layout (each pack one row, ``position_ids`` restarting per sample, sdpa, the loss over
 fp32 logits), alternating passes, best of ``--repeats``; prints real tokens/s and ours / transformers.
 
@@ -92,6 +93,9 @@ def padded_rows(samples, batch, segments=False):
     return rows
 
 
+PER_TOKEN_LOSS = {"value": False}  # --per-token-loss
+
+
 def run(model, optimizer, rows, real_tokens):
     """Train once over ``rows``; returns (seconds, real tokens/s, batch-building seconds)."""
     batch_time = 0.0
@@ -100,8 +104,13 @@ def run(model, optimizer, rows, real_tokens):
         t0 = time.perf_counter()
         b = build_packed_batch(ids, labels, seg)
         batch_time += time.perf_counter() - t0
-        out = model(b.tokens, b.position_ids, None, labels=b.target, packed_seq_params=packed_seq_params(b))
-        loss = (out * b.loss_mask).sum() / b.loss_mask.sum().clamp(min=1)
+        if PER_TOKEN_LOSS["value"]:
+            out = model(b.tokens, b.position_ids, None, labels=b.target, packed_seq_params=packed_seq_params(b))
+            loss = (out * b.loss_mask).sum() / b.loss_mask.sum().clamp(min=1)
+        else:  # SFT's path: the model returns the masked sum (the fused loss forms its gradients in the forward)
+            out = model(b.tokens, b.position_ids, None, labels=b.target, packed_seq_params=packed_seq_params(b),
+                        loss_weights=b.loss_mask)
+            loss = out / b.loss_mask.sum().clamp(min=1)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -173,6 +182,7 @@ def against_transformers(args, model_args, rows, real):
             best[name] = [max(best[name][0], real / wall), max(best[name][1], real / cpu)]
     chunk = loss_path(model_args)
     path = "megatron-core's unfused loss" if chunk == 0 else f"fused loss, chunks of {chunk} tokens"
+    path += ", per-token losses summed outside" if args.per_token_loss else ", SFT's masked sum"
     print(f"\n{len(rows)} packs of {args.seq_length}, {real} real tokens; hidden {args.hidden_size}, {args.layers} "
           f"layers, vocabulary {args.vocab_size}; ours: {path}; best of {args.repeats}; {args.threads} thread(s)")
     for name in sides:
@@ -197,7 +207,11 @@ def main(argv=None):
     p.add_argument("--cross-entropy-chunk-size", type=int, default=None,
                    help="ours: posttrain's flag (default: the loss path chosen by the logits' size)")
     p.add_argument("--repeats", type=int, default=2, help="--against-transformers: alternating passes")
+    p.add_argument("--per-token-loss", action="store_true",
+                   help="ours: the model returns per-token losses, summed outside (the path of DPO, KTO, GRPO: the "
+                        "fused loss recomputes its logits in the backward), instead of SFT's masked sum")
     args = p.parse_args(argv)
+    PER_TOKEN_LOSS["value"] = args.per_token_loss
     torch.set_num_threads(args.threads)
     init_single_process()
     model_args = tiny_args(seq_length=args.seq_length, hidden_size=args.hidden_size, ffn_hidden_size=4 * args.hidden_size,

@@ -4,6 +4,10 @@
   losses and every gradient (fp32, rel <= 1e-6) at any chunk size, without full logits, at TP1 and TP2.
 * In bf16 its gradients are as close to fp64 as the unfused bf16 path's at 32 or 1024 chunks, at TP1
   and TP2: the output layer's weight gradient is summed over the chunks in fp32, rounded once (issue 40).
+* SFT's weighted sum with its gradients formed in the forward (no recomputed logits) gives the per-token
+  chunked path's loss and gradients bit for bit in fp32 and bf16 (an incoming gradient of 1), and
+  megatron-core's unfused ones within the tolerances above, at TP1 and TP2, with untrained tokens and
+  per-sample weights; an end-to-end SFT step gives the same loss and gradient norm either way.
 * A Hugging Face model whose vocabulary (250) is padded to 256 rows gives transformers' per-token
   losses and log-probs: the 6 padded rows are out of the softmax (issue 32, items 3 and 9), at TP1 and
   in the vocab-parallel loss at TP2; without the mask the loss is off by about log(256/250) per token.
@@ -55,11 +59,14 @@ def model():
     return build_gpt_model(tiny_args(seq_length=S))
 
 
-def _losses_and_grads(model, batch, chunk):
+def _losses_and_grads(model, batch, chunk, summed=False):
+    """(per-token losses, or with ``summed`` the model's masked sum (SFT's path), and the mean loss's gradients)."""
     model.loss_chunk = chunk
     model.zero_grad()
-    out = model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=packed_seq_params(batch))
-    ((out * batch.loss_mask).sum() / batch.loss_mask.sum()).backward()
+    extra = {"loss_weights": batch.loss_mask} if summed else {}
+    out = model(batch.tokens, batch.position_ids, None, labels=batch.target, packed_seq_params=packed_seq_params(batch),
+                **extra)
+    (((out if summed else (out * batch.loss_mask).sum())) / batch.loss_mask.sum()).backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -73,6 +80,133 @@ def test_chunked_loss_and_gradients_equal_megatron_unfused(model, chunk):
     assert grads.keys() == ref_grads.keys()
     worst = max(_rel(grads[n], ref_grads[n]) for n in grads)
     assert worst <= 1e-6, worst
+
+
+def _problem(dtype, tokens=40, hidden=16, vocab=96, seed=2):
+    """(hidden, weight, target, token weights): SFT's per-sample weights, a third of the tokens untrained."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    weight = (torch.randn(vocab, hidden, generator=g) * 2 / hidden ** 0.5).to(dtype)
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    w = torch.rand(tokens, generator=g) + 0.5
+    w[torch.arange(tokens) % 3 == 0] = 0.0
+    return x, weight, target, w
+
+
+def _summed_grads(dtype, chunk, path="summed", scale=1.0, frozen=False):
+    """(weighted sum, d/dx, d/dweight) of ``scale`` x the weighted loss sum: ``path`` "per_token" = the chunked
+    per-token losses summed by the caller, "unfused" = megatron-core's, "summed" = the sum formed in the forward."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy, linear_cross_entropy_sum
+
+    x, weight, target, w = _problem(dtype)
+    x, weight = x.requires_grad_(), weight.requires_grad_(not frozen)
+    if path == "per_token":
+        total = (linear_cross_entropy(x, weight, target, chunk=chunk) * w).sum()
+    elif path == "unfused":
+        total = (vocab_parallel_cross_entropy(torch.matmul(x, weight.t())[:, None], target[:, None])[:, 0] * w).sum()
+    else:
+        total, losses = linear_cross_entropy_sum(x, weight, target, w, chunk=chunk)
+        assert not losses.requires_grad and losses.shape == target.shape
+    (total * scale).backward()
+    return total.detach(), x.grad, weight.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [1, 7, 40])
+def test_gradients_formed_in_the_forward_equal_the_per_token_path(dtype, chunk):
+    """The forward applies each token's weight where the backward applies its incoming gradient: the same
+    numbers, bit for bit, with an incoming gradient of 1; megatron-core's unfused loss within the tolerances."""
+    init_single_process()
+    per_token, unfused = _summed_grads(dtype, chunk, "per_token"), _summed_grads(dtype, chunk, "unfused")
+    summed = _summed_grads(dtype, chunk)
+    for a, b in zip(summed, per_token):
+        assert torch.equal(a, b), _rel(a.float(), b.float())
+    if dtype == torch.float32:
+        assert max(_rel(a, b) for a, b in zip(summed, unfused)) <= 1e-6
+    # an incoming gradient other than 1 (a loss scale) scales both gradients
+    scaled = _summed_grads(dtype, chunk, scale=4.0)
+    assert all(torch.equal(a, b * 4.0) for a, b in zip(scaled[1:], summed[1:]))
+    # a frozen output layer (LoRA): no weight gradient, the same input gradient
+    frozen = _summed_grads(dtype, chunk, frozen=True)
+    assert frozen[2] is None and torch.equal(frozen[1], summed[1])
+
+
+def test_the_sum_takes_the_per_token_path_without_a_gradient():
+    """Evaluation (no grad) and an fp16 weight (the loss scale must reach the gradients before they are rounded
+    to fp16) sum the per-token path: the same values."""
+    from mindspeed_pack.model import vocab_cross_entropy as vce
+
+    init_single_process()
+    x, weight, target, w = _problem(torch.float32)
+    with torch.no_grad():
+        total, losses = vce.linear_cross_entropy_sum(x, weight, target, w, chunk=7)
+    assert torch.equal(losses, vce.linear_cross_entropy(x, weight, target, chunk=7))
+    assert torch.equal(total, (losses * w).sum())
+    assert vce.forms_gradients_in_forward(x.requires_grad_(), weight)
+    assert not vce.forms_gradients_in_forward(x, weight.half())
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_the_models_masked_sum_equals_the_per_token_losses_summed(model, chunk):
+    """``loss_weights`` (SFT's path): the model returns the masked sum, on the unfused and the fused path, with the
+    per-token path's gradients."""
+    batch, _ = _pack()
+    ref_loss, ref_grads = _losses_and_grads(model, batch, chunk)
+    total, grads = _losses_and_grads(model, batch, chunk, summed=True)
+    assert total.dim() == 0 and _rel(total, (ref_loss * batch.loss_mask).sum()) <= 1e-6
+    assert max(_rel(grads[n], ref_grads[n]) for n in grads) <= 1e-6
+    _, unfused = _losses_and_grads(model, batch, 0)
+    assert max(_rel(grads[n], unfused[n]) for n in grads) <= 1e-6
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_an_sft_step_is_the_same_with_the_gradients_formed_in_the_forward(tmp_path, monkeypatch, per_sample):
+    """One SFT step with the fused loss forced (--cross-entropy-chunk-size 16): the same loss and gradient norm
+    (rel 1e-6) whether the model forms the gradients in the forward or the stage sums per-token losses; also
+    with --per-sample-loss (each sample's tokens weighted 1 / its trained tokens)."""
+    import json
+
+    import posttrain
+    from mindspeed_pack.training.stages.sft import SFTStage
+    from tests.train_utils import tiny_argv, write_copy_task
+
+    data = write_copy_task(str(tmp_path / "copy"), num_packs=8)
+    argv = tiny_argv(data, "--cross-entropy-chunk-size", "16", "--lr", "1e-3", "--log-interval", "1",
+                     "--attention-dropout", "0.0", "--hidden-dropout", "0.0", *(["--per-sample-loss"] * per_sample))
+
+    def step(name):
+        posttrain.main([*argv, "--metrics-file", str(tmp_path / name)])
+        with open(tmp_path / name) as f:
+            record = [r for r in map(json.loads, f) if r.get("split") == "train"][0]
+        return record["lm loss"], record["grad norm"]
+
+    calls = []
+    from mindspeed_pack.model import packed_gpt
+
+    summed = packed_gpt.linear_cross_entropy_sum
+    monkeypatch.setattr(packed_gpt, "linear_cross_entropy_sum", lambda *a, **k: calls.append(1) or summed(*a, **k))
+    in_forward = step("summed.jsonl")
+    assert calls, "the SFT step did not take the summed path"
+    monkeypatch.delattr(SFTStage, "loss_weights")  # the stage sums the per-token losses itself
+    calls.clear()
+    per_token = step("per_token.jsonl")
+    assert not calls
+    assert abs(in_forward[0] - per_token[0]) <= 1e-6 * abs(per_token[0])
+    assert abs(in_forward[1] - per_token[1]) <= 1e-6 * abs(per_token[1]), (in_forward, per_token)
+
+
+def test_only_sft_takes_the_summed_loss():
+    """The trainer hands a stage the model's weighted sum only where the stage gives fixed token weights: SFT.
+    The stages whose token gradients depend on the forward's values keep the per-token losses."""
+    from mindspeed_pack.training.stages import dpo, grpo, kto, orpo, reference, reward_models, score, sft, simpo
+
+    per_token = (dpo.DPOStage, simpo.SimPOStage, orpo.ORPOStage, kto.KTOStage, grpo.GRPOStage,
+                 reference.ReferenceScoringStage, score.ScoreStage, reward_models.OutcomeRewardStage,
+                 reward_models.ProcessRewardStage)
+    assert [c.__name__ for c in per_token if hasattr(c, "loss_weights")] == []
+    assert callable(sft.SFTStage.loss_weights)
 
 
 def test_the_loss_path_is_chosen_by_the_size_of_the_logits():
@@ -177,15 +311,16 @@ BF16_TOKENS, BF16_HIDDEN, BF16_VOCAB = 1024, 64, 2048
 BF16_SLACK = 1.5  # fused error / unfused error; 3.1x at 32 chunks, 6.6x at 1024 with a bf16 accumulator
 
 
-def _bf16_loss_and_grads(chunk, dtype=torch.bfloat16):
+def _bf16_loss_and_grads(chunk, dtype=torch.bfloat16, masked=False, summed=False):
     """(per-token loss, input gradient, this TP rank's output-weight gradient) of the mean loss of one fixed
     problem whose inputs are bf16 numbers, computed in ``dtype``; chunk 0 = megatron-core's unfused output
     layer + ``vocab_parallel_cross_entropy``. The input gradient is summed over the vocabulary shards, as
-    in the model."""
+    in the model. ``masked``: the mean over the tokens not a multiple of 4 instead (SFT's masked mean); ``summed``:
+    that masked sum formed by :func:`linear_cross_entropy_sum` (the gradients in the forward)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, vocab_parallel_cross_entropy
 
-    from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy
+    from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy, linear_cross_entropy_sum
 
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(BF16_TOKENS, BF16_HIDDEN, generator=g).bfloat16()
@@ -196,12 +331,19 @@ def _bf16_loss_and_grads(chunk, dtype=torch.bfloat16):
     hidden = hidden.to(dtype).clone().requires_grad_()
     weight = weight[start:start + rows].to(dtype).clone().requires_grad_()
     x = copy_to_tensor_model_parallel_region(hidden, group=ps.get_tensor_model_parallel_group())
-    if chunk == 0:
+    mask = (torch.arange(BF16_TOKENS) % 4 != 0).float()
+    mask = mask / mask.sum() if masked or summed else torch.full((BF16_TOKENS,), 1.0 / BF16_TOKENS)
+    if summed:
+        total, loss = linear_cross_entropy_sum(x, weight, target, mask, vocab_start=start, chunk=chunk,
+                                               group=ps.get_tensor_model_parallel_group())
+    elif chunk == 0:
         loss = vocab_parallel_cross_entropy(torch.matmul(x, weight.t())[:, None], target[:, None])[:, 0]
     else:
         loss = linear_cross_entropy(x, weight, target, vocab_start=start, chunk=chunk,
                                     group=ps.get_tensor_model_parallel_group())
-    loss.mean().backward()
+    if not summed:
+        total = (loss * mask).sum() if masked else loss.mean()
+    total.backward()
     return loss.detach(), hidden.grad, weight.grad
 
 
@@ -217,6 +359,18 @@ def test_bf16_gradients_are_as_close_to_fp64_as_unfused_at_many_chunks(chunks):
     ref = _bf16_loss_and_grads(0, torch.float64)
     unfused = _bf16_loss_and_grads(0)
     _assert_bf16_as_close_as_unfused(_bf16_loss_and_grads(BF16_TOKENS // chunks), unfused, ref)
+
+
+@pytest.mark.parametrize("chunks", [32, BF16_TOKENS])
+def test_bf16_gradients_formed_in_the_forward_are_as_close_to_fp64_as_unfused(chunks):
+    """SFT's masked mean (a quarter of the tokens untrained), its gradients formed in the forward: as close to fp64
+    as the unfused bf16 path's, and the per-token chunked path's bit for bit."""
+    init_single_process()
+    ref = _bf16_loss_and_grads(0, torch.float64, masked=True)
+    summed = _bf16_loss_and_grads(BF16_TOKENS // chunks, summed=True)
+    _assert_bf16_as_close_as_unfused(summed, _bf16_loss_and_grads(0, masked=True), ref)
+    per_token = _bf16_loss_and_grads(BF16_TOKENS // chunks, masked=True)
+    assert all(torch.equal(a, b) for a, b in zip(summed, per_token))
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +420,9 @@ def test_padded_vocabulary_rows_take_no_probability(padded_vocab):
 
 
 def _tp2_losses_and_grads(root, batch):
-    """Rank's (fused loss, model gradients fused and unfused, the bf16 problem unfused and at 32 chunks)."""
+    """Rank's (fused loss, model gradients fused and unfused, the bf16 problem unfused and at 32 chunks, the model's
+    gradients with SFT's masked sum formed in the forward (chunks of 7), the bf16 masked problem unfused and
+    summed at 32 chunks)."""
     from mindspeed_pack.runtime.process_groups import initialize_distributed
 
     initialize_distributed(2, 1)
@@ -274,21 +430,29 @@ def _tp2_losses_and_grads(root, batch):
     assert model.output_layer.weight.shape[0] == PADDED // 2  # rank 1 holds rows 128..255, 250..255 padding
     loss, fused = _losses_and_grads(model, batch, None)
     _, unfused = _losses_and_grads(model, batch, 0)
-    return loss, fused, unfused, _bf16_loss_and_grads(0), _bf16_loss_and_grads(BF16_TOKENS // 32)
+    _, summed = _losses_and_grads(model, batch, 7, summed=True)
+    return (loss, fused, unfused, _bf16_loss_and_grads(0), _bf16_loss_and_grads(BF16_TOKENS // 32), summed,
+            _bf16_loss_and_grads(0, masked=True), _bf16_loss_and_grads(BF16_TOKENS // 32, summed=True))
 
 
 def test_vocab_parallel_loss_and_gradients_at_tp2(padded_vocab):
     """At TP2 the fused loss masks the padded rows, its gradients are the unfused path's (fp32), and in bf16 at
-    32 chunks they are as close to fp64 as the unfused path's."""
+    32 chunks they are as close to fp64 as the unfused path's; so are those of SFT's masked sum formed in the
+    forward (the input gradient summed over the shards after the loss, as for the per-token path)."""
     ranks = run_distributed(_tp2_losses_and_grads, 2, padded_vocab["root"], padded_vocab["batch"], timeout=300)
     batch = padded_vocab["batch"]
     assert _rel(_trained(ranks[0][0], batch).double(), padded_vocab["ref_loss"]) <= 1e-5
-    for _, fused, unfused, _, _ in ranks:
-        assert fused.keys() == unfused.keys()
+    for _, fused, unfused, _, _, summed, _, _ in ranks:
+        assert fused.keys() == unfused.keys() == summed.keys()
         worst = max(_rel(fused[n], unfused[n]) for n in fused)
+        assert worst <= 1e-5, worst
+        worst = max(_rel(summed[n], unfused[n]) for n in fused)
         assert worst <= 1e-5, worst
     init_single_process()
     ref = _bf16_loss_and_grads(0, torch.float64)
     # the loss and input gradient are whole on every rank, the weight gradient is split into vocabulary rows
     unfused, fused = ((*ranks[0][k][:2], torch.cat([r[k][2] for r in ranks])) for k in (3, 4))
     _assert_bf16_as_close_as_unfused(fused, unfused, ref)
+    ref = _bf16_loss_and_grads(0, torch.float64, masked=True)
+    unfused, summed = ((*ranks[0][k][:2], torch.cat([r[k][2] for r in ranks])) for k in (6, 7))
+    _assert_bf16_as_close_as_unfused(summed, unfused, ref)

@@ -9,6 +9,10 @@
 * **The loss without full logits** (:mod:`.vocab_cross_entropy`) when labels are given and the micro-batch's
   fp32 logits would exceed their budget (:func:`~.vocab_cross_entropy.loss_chunk`); megatron-core's unfused
   loss, which does not compute the output layer twice, when they fit.
+* **The weighted loss sum, its gradients formed in the forward** (``loss_weights``, SFT): given the fixed
+  weight of each token's loss, the model returns ``sum_i w_i * loss_i`` (a scalar) instead of the per-token
+  losses; the fused loss then forms its gradients while the logits exist
+  (:func:`~.vocab_cross_entropy.linear_cross_entropy_sum`), and the unfused one sums its per-token losses.
 * **A scalar head instead of the output layer** (``reward_head``, an outcome reward model): the
   vocab-parallel output layer is replaced by :class:`~.score_head.ScoreHead` on the last stage, and the
   model returns every token's reward ``[b, s]`` (with or without labels); embeddings are never tied to it.
@@ -41,7 +45,7 @@ from megatron.core.tensor_parallel.mappings import (
 from mindspeed_pack.model.packed_rope import ROPE_TABLE
 from mindspeed_pack.model.score_head import ScoreHead
 from mindspeed_pack.model.thd import ThdParams
-from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy, loss_chunk
+from mindspeed_pack.model.vocab_cross_entropy import linear_cross_entropy, linear_cross_entropy_sum, loss_chunk
 from mindspeed_pack.model.vocab_parallel_loss import vocab_parallel_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -84,6 +88,7 @@ class PackedGPTModel(GPTModel):
             raise ValueError("interleaved RoPE is not supported by the packed attention backends")
         self.real_vocab_size = real_vocab_size if real_vocab_size and real_vocab_size < self.vocab_size else None
         self.loss_chunk = loss_chunk
+        self._loss_weights = None  # set for one forward by ``forward(loss_weights=...)``
         if self.pre_process and type(self.embedding.word_embeddings) is VocabParallelEmbedding:
             self.embedding.word_embeddings.__class__ = MaskedVocabParallelEmbedding
         self.score = None
@@ -97,6 +102,15 @@ class PackedGPTModel(GPTModel):
                      "masked out of the softmax, so losses and log-probs are those of the %d-row model",
                      self.real_vocab_size, self.vocab_size, self.vocab_size - self.real_vocab_size,
                      self.real_vocab_size)
+
+    def forward(self, *args, loss_weights: Optional[torch.Tensor] = None, **kwargs):
+        """``GPTModel.forward``; ``loss_weights`` [b, s] (with ``labels``, on the last stage): return the weighted
+        sum of the token losses, a scalar, instead of the per-token losses (see the module docstring)."""
+        self._loss_weights = loss_weights
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._loss_weights = None
 
     # ------------------------------------------------------------------ RoPE
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
@@ -153,14 +167,21 @@ class PackedGPTModel(GPTModel):
                 (tp_group.size() if self.config.sequence_parallel else 1)
             chunk = loss_chunk(tokens, weight.shape[0], self.loss_chunk)
             fused = chunk != 0
+        loss_weights = self._loss_weights if labels is not None and self.post_process else None
         if not fused:
-            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+            out = super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+            return out if loss_weights is None else (out.float() * loss_weights.reshape(out.shape)).sum()
         if self.config.sequence_parallel:
             hidden_states = gather_from_sequence_parallel_region(hidden_states, True, group=tp_group)
         elif tp_group.size() > 1:
             hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
         s, b, h = hidden_states.shape
         start, _ = self._vocab_range(weight.shape[0])
+        if loss_weights is not None:
+            return linear_cross_entropy_sum(hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(-1),
+                                            loss_weights.reshape(labels.shape).transpose(0, 1).reshape(-1),
+                                            vocab_start=start,
+                                            vocab_limit=self.real_vocab_size, chunk=chunk, group=tp_group)[0]
         loss = linear_cross_entropy(hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(-1),
                                     vocab_start=start, vocab_limit=self.real_vocab_size, chunk=chunk,
                                     group=tp_group)

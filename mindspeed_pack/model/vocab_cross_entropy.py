@@ -17,6 +17,19 @@ chunks; now 1.0-1.3x from 1 to 2048 chunks, issue 40). The cost is one fp32 buff
 TP), and the chunk's product in the weight's dtype while it is added. The input gradient and the
 per-token losses are computed row by row: no sum across chunks.
 
+**The weighted sum, its gradients formed in the forward** (:func:`linear_cross_entropy_sum`): a loss that is
+``sum_i w_i * loss_i`` with token weights known before the forward (SFT's loss mask, or its per-sample
+weights) has the gradient ``w_i * (softmax_i - onehot_i)`` times one scalar, the gradient the sum receives.
+So the forward applies it to each chunk's logits while they exist (the same arithmetic as the backward,
+``w_i`` in place of the incoming per-token gradient), keeps the input gradient and the weight gradient
+(summed in fp32, rounded once), and the backward only multiplies them by that scalar: no recomputed logits,
+one output-layer matmul less per step. The fp32 sum now exists during the forward instead of the backward;
+from one to the other the loss holds the input gradient (tokens x hidden) and the weight gradient in the
+weight's dtype. The input gradient is this vocabulary shard's share, summed over TP by the caller's
+mapping, as the per-token form's. Losses whose per-token gradients are known only after the forward
+(DPO, KTO, GRPO: sequence sums through a nonlinearity) keep the per-token form. An fp16 weight keeps it too:
+the stored gradients would be rounded to fp16 before the loss scale reaches them.
+
 Vocabulary rows at or past ``vocab_limit`` (padding to a multiple of ``--make-vocab-size-divisible-by``
 x TP) take no part in the softmax: a model loaded from Hugging Face keeps transformers' numbers.
 """
@@ -45,9 +58,9 @@ def loss_chunk(tokens: int, vocab_local: int, requested: Optional[int] = None) -
     unfused loss (the output layer's logits whole, then its vocab-parallel cross-entropy).
 
     ``requested`` (``--cross-entropy-chunk-size``) is kept. By default the path is chosen by cost: the fused
-    loss computes the output layer's matmul twice (again in the backward) and pays only when the logits do not
-    fit, so the unfused loss runs while the micro-batch's fp32 logits fit one chunk's budget (512 MiB,
-    :data:`CHUNK_ELEMENTS`), the chunked loss beyond it."""
+    loss makes its passes chunk by chunk (and, for a per-token loss, computes the output layer's matmul again in
+    the backward) and pays only when the logits do not fit, so the unfused loss runs while the micro-batch's
+    fp32 logits fit one chunk's budget (512 MiB, :data:`CHUNK_ELEMENTS`), the chunked loss beyond it."""
     if requested is not None:
         return int(requested)
     return 0 if tokens * vocab_local <= CHUNK_ELEMENTS else chunk_tokens(vocab_local)
@@ -135,6 +148,63 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
+class _LinearCrossEntropySum(torch.autograd.Function):
+    """``sum_i w_i * loss_i`` (and the detached per-token losses); the gradients are formed in the forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, token_weight, vocab_start, invalid_from, chunk, group, weight_grad):
+        t = hidden.shape[0]
+        vocab_local = weight.shape[0]
+        loss = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        local_target = target - vocab_start
+        owned = (local_target >= 0) & (local_target < vocab_local)
+        local_target = torch.where(owned, local_target, torch.zeros_like(local_target))
+        token_weight = token_weight.float()
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.promote_types(weight.dtype, torch.float32)) \
+            if weight_grad else None
+        for start in range(0, t, chunk):
+            end = min(t, start + chunk)
+            h = hidden[start:end]
+            logits = _chunk_logits(h, weight, invalid_from)
+            top = _reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+            picked, sum_exp = _shifted_stats(logits, top, local_target[start:end], owned[start:end])
+            picked = _reduce(picked, dist.ReduceOp.SUM, group)
+            sum_exp = _reduce(sum_exp, dist.ReduceOp.SUM, group)
+            log_sum = torch.log(sum_exp)
+            loss[start:end] = log_sum - picked
+            # what the backward of the per-token form computes, with the token's weight as its incoming gradient
+            g = _logits_grad(logits, log_sum + top, local_target[start:end], owned[start:end],
+                             token_weight[start:end], weight)
+            del logits
+            grad_hidden[start:end] = torch.matmul(g, weight)
+            if grad_weight is None:
+                continue
+            if grad_weight.dtype == weight.dtype:
+                grad_weight.addmm_(g.t(), h)
+            else:  # as in the backward: each product rounded once, the running sum in fp32
+                grad_weight.add_(torch.matmul(g.t(), h))
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.mark_non_differentiable(loss)
+        return (loss * token_weight).sum(), loss
+
+    @staticmethod
+    def backward(ctx, grad_sum, _grad_losses):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        scale = grad_sum.float()
+        grad_hidden = (grad_hidden * scale).to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * scale).to(grad_weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def _invalid_from(weight: torch.Tensor, vocab_start: int, vocab_limit: Optional[int]) -> int:
+    vocab_local = weight.shape[0]
+    return vocab_local if vocab_limit is None else min(vocab_local, max(0, vocab_limit - vocab_start))
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, vocab_start: int = 0,
                          vocab_limit: Optional[int] = None, chunk: Optional[int] = None, group=None) -> torch.Tensor:
     """Per-token ``-log softmax(hidden @ weight.T)[target]`` over the vocabulary sharded across ``group``.
@@ -143,7 +213,31 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     ``[vocab_start, vocab_start + V_local)``, ``target`` [t] global ids. Rows ``>= vocab_limit`` are padding.
     Returns fp32 [t].
     """
-    vocab_local = weight.shape[0]
-    invalid_from = vocab_local if vocab_limit is None else min(vocab_local, max(0, vocab_limit - vocab_start))
-    return _LinearCrossEntropy.apply(hidden, weight, target.long(), vocab_start, invalid_from,
-                                     chunk_tokens(vocab_local, chunk), group)
+    return _LinearCrossEntropy.apply(hidden, weight, target.long(), vocab_start,
+                                     _invalid_from(weight, vocab_start, vocab_limit),
+                                     chunk_tokens(weight.shape[0], chunk), group)
+
+
+def forms_gradients_in_forward(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`linear_cross_entropy_sum` forms the gradients in its forward: a gradient will be taken
+    (grad mode on, an input that requires it) and the weight is not fp16 (see the module docstring)."""
+    return (torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+            and weight.dtype != torch.float16)
+
+
+def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                             token_weight: torch.Tensor, *, vocab_start: int = 0, vocab_limit: Optional[int] = None,
+                             chunk: Optional[int] = None, group=None) -> tuple:
+    """``(sum_i token_weight_i * loss_i, loss)``: the weighted sum of :func:`linear_cross_entropy`'s per-token
+    losses (fp32 scalar, differentiable) and the losses themselves (fp32 [t], no gradient).
+
+    ``token_weight`` [t] is fixed (no gradient flows to it). Where a gradient will be taken the forward forms
+    it and the backward scales it by the sum's incoming gradient: no recomputed logits. Elsewhere (evaluation,
+    an fp16 weight) it is the per-token path summed."""
+    if not forms_gradients_in_forward(hidden, weight):
+        loss = linear_cross_entropy(hidden, weight, target, vocab_start=vocab_start, vocab_limit=vocab_limit,
+                                    chunk=chunk, group=group)
+        return (loss * token_weight.float()).sum(), loss.detach()
+    return _LinearCrossEntropySum.apply(hidden, weight, target.long(), token_weight.detach(), vocab_start,
+                                        _invalid_from(weight, vocab_start, vocab_limit),
+                                        chunk_tokens(weight.shape[0], chunk), group, weight.requires_grad)

@@ -193,8 +193,11 @@ class Trainer:
                 moe.set_routing_segments(model, batch.routing_segments, batch.routing_groups, batch.local_cp_size)
             # a stage that needs the distribution (entropy) gets the vocab-parallel logits, not the loss
             labels = None if getattr(self.stage, "needs_logits", False) else batch.target
+            # a stage whose loss is a fixed weighting of the token losses gets their weighted sum (stages/__init__)
+            weights = getattr(self.stage, "loss_weights", None)
+            extra = {"loss_weights": weights(batch)} if weights is not None and labels is not None else {}
             output = model(batch.tokens, batch.position_ids, None, labels=labels,
-                           packed_seq_params=packed_seq_params(batch))
+                           packed_seq_params=packed_seq_params(batch), **extra)
             return output, partial(self.stage.loss_func, batch)
 
         results = get_forward_backward_func()(

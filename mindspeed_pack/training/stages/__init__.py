@@ -18,6 +18,10 @@ supplies only what differs (as Megatron-LM's ``pretrain(..., forward_step_func)`
   same whatever the stage divides by;
 * ``metric_names``: the reports logged besides ``lm loss`` (console, TensorBoard, JSONL);
   optional ``max_metrics``: those reported as ``[max, 1]`` and reduced by MAX instead;
+* optional ``loss_weights(batch)``: the stage's loss is ``sum_i w_i * loss_i`` with these fixed [b, s]
+  token weights (SFT); ``loss_func`` then gets that sum, a scalar, from the model, which forms the fused
+  loss's gradients in its forward (no recomputed logits). Stages whose per-token gradients depend on the
+  forward's values (DPO, KTO, GRPO, ...) leave it out and get the per-token losses;
 * optional ``needs_logits``: ``loss_func`` gets the vocab-parallel logits instead of the per-token
   loss (an entropy term needs the whole distribution).
 

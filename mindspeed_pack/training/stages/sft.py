@@ -14,10 +14,19 @@ def normaliser_count(batch: PackedBatch, per_sample: bool) -> torch.Tensor:
     return batch.loss_mask.sum().to(torch.int)
 
 
+def token_weights(batch: PackedBatch, per_sample: bool) -> torch.Tensor:
+    """Each token loss's weight in the summed loss: 1/0 (trained or not) or, per sample, 1 / its trained tokens."""
+    return batch.loss_weights if per_sample else batch.loss_mask
+
+
 def loss_func(batch: PackedBatch, per_sample: bool, output_tensor: torch.Tensor):
-    """Summed loss and its normaliser; megatron divides by the global batch's total."""
-    losses = output_tensor.float().reshape(batch.loss_mask.shape)
-    loss = (losses * (batch.loss_weights if per_sample else batch.loss_mask)).sum()
+    """Summed loss and its normaliser; megatron divides by the global batch's total. ``output_tensor``: the
+    per-token losses, or their weighted sum already (a scalar: the model was given :func:`token_weights`)."""
+    if output_tensor.dim() == 0:
+        loss = output_tensor.float()
+    else:
+        losses = output_tensor.float().reshape(batch.loss_mask.shape)
+        loss = (losses * token_weights(batch, per_sample)).sum()
     count = normaliser_count(batch, per_sample)
     report = torch.stack([loss.detach(), count.to(loss.dtype)])
     return loss, count, {"lm loss": report}
@@ -41,6 +50,9 @@ class SFTStage:
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         return batches
+
+    def loss_weights(self, batch: PackedBatch) -> torch.Tensor:
+        return token_weights(batch, self.per_sample)
 
     def count(self, batch: PackedBatch) -> torch.Tensor:
         return normaliser_count(batch, self.per_sample)
