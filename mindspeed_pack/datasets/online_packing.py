@@ -127,6 +127,8 @@ class BalancedBatchSource(PackedBatchSource):
 
     # ---------------------------------------------------------------- plans
     def _plan(self, split: str, consumed: int):
+        """The plan of the global batch at ``consumed`` samples, made once (every rank makes the same one from the
+        sample lengths) and kept for the step's micro-batches."""
         key = (split, consumed)
         if key in self._plans:
             return self._plans[key]
@@ -138,20 +140,23 @@ class BalancedBatchSource(PackedBatchSource):
             raise RuntimeError(f"{split} data exhausted at consumed samples {consumed}: the sample index "
                                "is shorter than train-iters x global-batch-size")
         docs = dataset.start + np.asarray(dataset.index[consumed:consumed + gbs], dtype=np.int64)
+        plan = self._make_plan(dataset, docs)
+        self._plans[key] = plan
+        while len(self._plans) > self._CACHE:
+            self._plans.popitem(last=False)
+        return plan
+
+    def _make_plan(self, dataset: SplitDataset, docs: np.ndarray) -> dict:
+        """This rank's share of the step's documents ``docs``: rows packed online, or whole packs balanced."""
         if self.online:
             lengths = np.minimum(self._sizes[id(dataset.docs)][docs], self.capacity)  # (units are checked at setup)
             padded = round_up(lengths, self.cp_multiple)  # every sequence padded on its own for CP
             ranks = plan_online_packing(unit_totals(padded), self.dp_size, self.capacity, self.cost,
                                         costs=unit_costs(self.cost, padded))
-            plan = {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks])}
-        else:
-            costs = np.array([self.cost.sample_costs(self._pack_segments(dataset, int(d))).sum() for d in docs])
-            parts = balance_partition(costs, self.dp_size, equal_counts=True)
-            plan = {"docs": docs[parts[self.dp_rank]], "imbalance": imbalance([costs[p].sum() for p in parts])}
-        self._plans[key] = plan
-        while len(self._plans) > self._CACHE:
-            self._plans.popitem(last=False)
-        return plan
+            return {"docs": docs, "rows": ranks[self.dp_rank].rows, "imbalance": imbalance([r.cost for r in ranks])}
+        costs = np.array([self.cost.sample_costs(self._pack_segments(dataset, int(d))).sum() for d in docs])
+        parts = balance_partition(costs, self.dp_size, equal_counts=True)
+        return {"docs": docs[parts[self.dp_rank]], "imbalance": imbalance([costs[p].sum() for p in parts])}
 
     def _pack_segments(self, dataset: SplitDataset, doc: int) -> np.ndarray:
         """Real sample lengths of an offline pack, as its micro-batch finds them (the whole pack
@@ -276,28 +281,14 @@ class DynamicCPBatchSource(BalancedBatchSource):
                      args.context_parallel_size, args.min_dynamic_context_parallel_size))), self.per_rank,
                  self.pool_size)
 
-    def _plan(self, split: str, consumed: int):
-        key = (split, consumed)
-        if key in self._plans:
-            return self._plans[key]
-        dataset = self.splits.get(split)
-        if dataset is None:
-            raise DataError(f"the {split} split is empty: check --split {self.args.split}")
-        gbs = self.args.global_batch_size
-        if consumed + gbs > len(dataset):
-            raise RuntimeError(f"{split} data exhausted at consumed samples {consumed}: the sample index "
-                               "is shorter than train-iters x global-batch-size")
-        docs = dataset.start + np.asarray(dataset.index[consumed:consumed + gbs], dtype=np.int64)
+    def _make_plan(self, dataset: SplitDataset, docs: np.ndarray) -> dict:
+        """The step's dynamic CP plan: every rank's jobs (rows on groups of ranks), this rank's share."""
         docs, lengths, dropped = kept_samples(docs, self._sizes[id(dataset.docs)][docs], self.args)
         plan = step_plan(lengths, self.args, self.pool_size, self.cost)
         stats = plan.stats(lengths)
         if self.args.overlong_samples == "drop":
             stats["dropped samples"] = dropped
-        out = {"docs": docs, "jobs": plan.rank_jobs(self.pool_rank), "slots": plan.slots, "stats": stats}
-        self._plans[key] = out
-        while len(self._plans) > self._CACHE:
-            self._plans.popitem(last=False)
-        return out
+        return {"docs": docs, "jobs": plan.rank_jobs(self.pool_rank), "slots": plan.slots, "stats": stats}
 
     def step_shape(self, split: str, consumed: int):
         """(micro-batches, tokens per micro-batch *as megatron counts them*: N x --context-parallel-size, which
