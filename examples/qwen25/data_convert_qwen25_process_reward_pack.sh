@@ -39,17 +39,4 @@ PREPROCESS_ARGS=(
     --log-interval 1000
 )
 
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ preprocess_data.py\n'
-    printf '%s\n' "${PREPROCESS_ARGS[@]}"
-    exit 0
-fi
-source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-# preprocess_data.py's own parser and checks, without reading data or loading the tokenizer
-"$PYTHON" "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" --dry-run
-    exit 0
-fi
-
-mkdir -p "$(dirname "$OUTPUT_PREFIX")" "$LOG_DIR"
-"$PYTHON" "$REPO_DIR/preprocess_data.py" "${PREPROCESS_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"
+source "$(dirname "${BASH_SOURCE[0]}")/../common/launch_preprocess.bash"   # PRINT_ARGS, DRY_RUN, then preprocess
