@@ -28,11 +28,13 @@ batch building included), GPU busy share; then ours / transformers.
 syncs per iteration, GPU time split into matmuls, attention, loss, optimizer, elementwise/norm/RoPE,
 communication and idle, and the top 10 kernels (on a CPU aten ops stand in for kernels).
 
-``--suite`` runs the issue's whole table in one command and writes one JSON (``--json``, after every part):
-(a) ``--suite-shapes`` (0.5b 1.5b), ours vs transformers; (b) LoRA r=16 at ``--lora-shape`` (7b), ours vs
-transformers + PEFT; (c) ours at ``--micro-batches`` (1 2 4) packs per forward at ``--sweep-shape`` (0.5b);
-(d) with ``--profile``, the profile of every shape of (a). What cannot run here (no GPU, no flash kernel, no
-peft) is named under ``"skipped"`` and the rest goes on; on a CPU every shape defaults to ``tiny``::
+``--suite`` runs the issue's whole table in one command and writes one JSON (``--json``, after every run), its
+parts in ``--parts`` order: (a) ``shapes``: ``--suite-shapes`` (0.5b 1.5b), ours vs transformers; ``loss``: ours
+with ``--loss-chunks`` (0: the unfused loss) against the default at those shapes; (b) ``lora``: LoRA r=16 at
+``--lora-shape`` (7b), ours vs transformers + PEFT; (c) ``microbatch``: ours at ``--micro-batches`` (1 2 4) packs
+per forward at ``--sweep-shape`` (0.5b; 1 is (a)'s run); (d) with ``--profile``, the profile of every run (it
+also counts the launches). What cannot run here (no GPU, no flash kernel, no peft, a run past ``--deadline``) is
+named under ``"skipped"`` and the rest goes on; on a CPU every shape defaults to ``tiny``::
 
     python bench/bench_gpu_train.py --shape 0.5b            # H100: one shape
     python bench/bench_gpu_train.py --suite --profile --json suite.json
@@ -82,8 +84,7 @@ SHAPES = {
                   num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
-SUITE_PARTS = ("shapes", "lora", "microbatch")
-EXTRA_STEPS = 2  # after the timed steps: one counting launches, one counting host syncs
+SUITE_PARTS = ("shapes", "loss", "lora", "microbatch")
 PROFILED_STEPS = 2
 
 
@@ -377,7 +378,9 @@ class Side:
 
 
 def steps_run(opts) -> int:
-    return opts.warmup + opts.steps + EXTRA_STEPS + (PROFILED_STEPS if opts.profile else 0)
+    """Steps each side trains: warm-up, timed, one counting host syncs, then the profiled steps (``--profile``)
+    or one counting kernel launches."""
+    return opts.warmup + opts.steps + 1 + (PROFILED_STEPS if opts.profile else 1)
 
 
 def measure(side: Side, opts, shape: str, lengths: List[np.ndarray], peak: Optional[float],
@@ -401,14 +404,17 @@ def measure(side: Side, opts, shape: str, lengths: List[np.ndarray], peak: Optio
     result = {"backend": side.backend, "seconds": seconds, "tokens": tokens, "tokens/s": tokens / seconds,
               "TFLOP/s": flops / seconds / 1e12, "peak memory GiB": peak_memory_gib()}
     result["MFU"] = result["TFLOP/s"] / peak if peak else None
-    result["launches/step"], result["GPU busy"] = launches_and_busy(side.step)
     result["syncs/step"] = syncs_of(side.step)
-    if opts.profile:
+    if opts.profile:  # the profile counts the launches and the busy share too: no separate step for them
         with contextlib.ExitStack() as stack:
             for obj, attr, label in side.labels:
                 stack.enter_context(labelled(obj, attr, label))
             result["profile"] = profile_steps(side.step, PROFILED_STEPS)
         result["profile"]["host syncs/iteration (HostSyncCounter)"] = result["syncs/step"]
+        result["launches/step"] = result["profile"]["kernel launches/iteration"]
+        result["GPU busy"] = result["profile"].get("GPU busy", float("nan"))
+    else:
+        result["launches/step"], result["GPU busy"] = launches_and_busy(side.step)
     result["timed packs"] = timed_packs
     result["packs per step"] = list(side.trained)
     return result
@@ -600,13 +606,13 @@ def _missing_peft() -> Optional[str]:
 
 
 def print_table(title: str, results: dict) -> None:
-    print(f"\n{title}\n{'side':<18}{'backend':<44}{'tokens/s':>10}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}"
+    print(f"\n{title}\n{'side':<30}{'backend':<32}{'tokens/s':>10}{'TFLOP/s':>9}{'MFU':>7}{'peak GiB':>10}"
           f"{'launches':>10}{'syncs':>7}{'GPU busy':>9}")
     for side, r in results.items():
         if not isinstance(r, dict) or "tokens/s" not in r:
             continue
         mfu = f"{r['MFU']:.1%}" if r.get("MFU") is not None else "n/a"
-        print(f"{side:<18}{r['backend'][:43]:<44}{r['tokens/s']:>10.0f}{r['TFLOP/s']:>9.2f}{mfu:>7}"
+        print(f"{side[:29]:<30}{r['backend'][:31]:<32}{r['tokens/s']:>10.0f}{r['TFLOP/s']:>9.2f}{mfu:>7}"
               f"{r['peak memory GiB']:>10.2f}{r['launches/step']:>10}{r['syncs/step']:>7}{r['GPU busy']:>9.1%}")
     if "ratio" in results:
         print(f"ours / baseline: {results['ratio']:.2f}x real tokens/s; same packs in every step: "
@@ -624,10 +630,12 @@ def _flash_missing(backend: str) -> Optional[str]:
 
 
 def run_suite(opts, ws: Workspace, peak, device_name: str) -> dict:
-    """Parts (a) shapes, (b) LoRA, (c) the micro-batch sweep, (d) the profiles (with ``--profile``); the JSON is
-    written after every part, so a part that fails or a call that times out keeps what was measured."""
+    """The parts in ``--parts`` order: (a) shapes, the loss paths, (b) LoRA, (c) the micro-batch sweep, and the
+    profiles (``--profile``). The JSON is written after every run, so a part that fails or a call that times out
+    keeps what was measured; a run that would start after ``--deadline`` seconds is skipped and named."""
     out = {"device": device_name, "torch": torch.__version__, "suite": {}, "skipped": []}
     skipped = out["skipped"]
+    started = time.perf_counter()
     if not on_gpu():
         skipped.append({"part": "MFU, GPU busy, kernel time split", "why": "no GPU: MFU needs a device peak, the "
                         "profile's split is of aten ops on the CPU"})
@@ -637,52 +645,86 @@ def run_suite(opts, ws: Workspace, peak, device_name: str) -> dict:
             with open(opts.json, "w") as f:
                 json.dump(out, f, indent=1, default=str)
 
+    def late(what) -> bool:
+        """Past ``--deadline``: ``what`` is not started (named under "skipped")."""
+        elapsed = time.perf_counter() - started
+        if opts.deadline is None or elapsed < opts.deadline:
+            return False
+        skipped.append({"part": what, "why": f"not started: {elapsed:.0f} s elapsed, past --deadline {opts.deadline}"})
+        return True
+
     def part(name, fn):
-        print(f"\n=== {name}", flush=True)
+        print(f"\n=== {name} ({time.perf_counter() - started:.0f} s)", flush=True)
+        out["suite"][name] = results = {}
         try:
-            out["suite"][name] = fn()
+            fn(results)
         except Exception as e:  # one part's failure (out of memory, a missing kernel) never loses the others
             traceback.print_exc()
-            out["suite"][name] = {"failed": f"{type(e).__name__}: {e}"}
+            results["failed"] = f"{type(e).__name__}: {e}"
             skipped.append({"part": name, "why": f"failed: {type(e).__name__}: {e}"})
         save()
 
-    if "shapes" in opts.parts:
-        def shapes():
-            res = {}
-            for shape in opts.suite_shapes:
-                res[shape] = compare(ws, shape, opts, peak, skipped=skipped)
-                print_table(f"(a) {shape}: ours vs transformers padding-free", res[shape])
-                backend = res[shape].get("ours", {}).get("backend")
-                if backend and _flash_missing(backend):
-                    skipped.append({"part": f"{shape} flash attention", "why": _flash_missing(backend)})
-            return res
-        part("shapes", shapes)
-    if "lora" in opts.parts:
-        def lora():
-            res = compare(ws, opts.lora_shape, opts, peak, lora_r=opts.lora_r, skipped=skipped)
-            res["shape"], res["r"] = opts.lora_shape, opts.lora_r
-            res["adapter parameters"] = lora_parameters(opts.lora_shape, opts.lora_r)
-            print_table(f"(b) LoRA r={opts.lora_r} all linear at {opts.lora_shape}: ours vs transformers + PEFT", res)
-            return res
-        part("lora", lora)
-    if "microbatch" in opts.parts:
-        def sweep():
-            res = {"shape": opts.sweep_shape}
-            hf_dir, prefix, _, lengths = ws.get(opts.sweep_shape)
-            for mbs in opts.micro_batches:
-                if opts.global_batch % mbs:
-                    skipped.append({"part": f"micro-batch {mbs}", "why": f"--global-batch {opts.global_batch} is "
-                                    f"not a multiple of {mbs}"})
+    def shapes(res):
+        for shape in opts.suite_shapes:
+            if late(f"(a) {shape}"):
+                continue
+            res[shape] = compare(ws, shape, opts, peak, skipped=skipped)
+            save()
+            print_table(f"(a) {shape}: ours vs transformers padding-free", res[shape])
+            backend = res[shape].get("ours", {}).get("backend")
+            if backend and _flash_missing(backend):
+                skipped.append({"part": f"{shape} flash attention", "why": _flash_missing(backend)})
+
+    def loss(res):
+        """Ours with each ``--loss-chunks`` setting (0: megatron-core's unfused loss) against the default path of
+        (a), the same packs: which loss path the default should take at each shape."""
+        for shape in opts.suite_shapes:
+            default = out["suite"].get("shapes", {}).get(shape, {}).get("ours")
+            res[shape] = row = {"default": default} if default else {}
+            hf_dir, prefix, _, lengths = ws.get(shape)
+            for chunk in opts.loss_chunks:
+                if late(f"loss path --cross-entropy-chunk-size {chunk} at {shape}"):
                     continue
-                with ours(hf_dir, prefix, opts, ["--micro-batch-size", str(mbs)]) as side:
-                    res[f"{mbs} packs per forward"] = measure(side, opts, opts.sweep_shape, lengths, peak)
-            print_table(f"(c) micro-batch sweep at {opts.sweep_shape} (ours)", res)
-            return res
-        part("microbatch", sweep)
+                with ours(hf_dir, prefix, opts, ["--cross-entropy-chunk-size", str(chunk)]) as side:
+                    row[f"--cross-entropy-chunk-size {chunk}"] = measure(side, opts, shape, lengths, peak)
+                save()
+            print_table(f"loss paths at {shape} (ours; default: chunked above 512 MiB of fp32 logits)", row)
+
+    def lora(res):
+        res.update(shape=opts.lora_shape, r=opts.lora_r, **{"adapter parameters": lora_parameters(opts.lora_shape,
+                                                                                                opts.lora_r)})
+        if late(f"(b) LoRA at {opts.lora_shape}"):
+            return
+        res.update(compare(ws, opts.lora_shape, opts, peak, lora_r=opts.lora_r, skipped=skipped))
+        print_table(f"(b) LoRA r={opts.lora_r} all linear at {opts.lora_shape}: ours vs transformers + PEFT", res)
+
+    def sweep(res):
+        res["shape"] = opts.sweep_shape
+        hf_dir, prefix, _, lengths = ws.get(opts.sweep_shape)
+        for mbs in opts.micro_batches:
+            key = f"{mbs} packs per forward"
+            if opts.global_batch % mbs:
+                skipped.append({"part": f"micro-batch {mbs}", "why": f"--global-batch {opts.global_batch} is "
+                                f"not a multiple of {mbs}"})
+                continue
+            measured = out["suite"].get("shapes", {}).get(opts.sweep_shape, {}).get("ours")
+            if mbs == 1 and measured:  # (a) measured this very run: not again
+                res[key] = dict(measured, source="(a)")
+                continue
+            if late(f"(c) micro-batch {mbs}"):
+                continue
+            with ours(hf_dir, prefix, opts, ["--micro-batch-size", str(mbs)]) as side:
+                res[key] = measure(side, opts, opts.sweep_shape, lengths, peak)
+            save()
+        print_table(f"(c) micro-batch sweep at {opts.sweep_shape} (ours)", res)
+
+    for name in opts.parts:
+        part(name, {"shapes": shapes, "loss": loss, "lora": lora, "microbatch": sweep}[name])
     if not opts.profile:
         skipped.append({"part": "profile", "why": "not asked for (--profile)"})
+    out["seconds"] = time.perf_counter() - started
     save()
+    print(f"\nsuite: {out['seconds']:.0f} s; skipped:" + "".join(f"\n- {s['part']}: {s['why']}" for s in skipped))
     return out
 
 
@@ -706,6 +748,10 @@ def main(argv=None):
     p.add_argument("--lora-shape", default=None, choices=list(SHAPES), help="(b): default 7b")
     p.add_argument("--sweep-shape", default=None, choices=list(SHAPES), help="(c): default 0.5b")
     p.add_argument("--micro-batches", nargs="+", type=int, default=[1, 2, 4], help="(c): packs per forward")
+    p.add_argument("--loss-chunks", nargs="+", type=int, default=[0],
+                   help="loss part: --cross-entropy-chunk-size settings measured against the default (0: unfused)")
+    p.add_argument("--deadline", type=float, default=None,
+                   help="suite: seconds after which no further run starts (what is left is named as skipped)")
     opts = p.parse_args(argv)
     gpu = on_gpu()
     small = not gpu or opts.shape == "tiny" and not opts.suite

@@ -28,19 +28,19 @@ def test_gpu_suite_trains_the_same_packs_and_names_what_it_skipped(tmp_path, mon
                 "--steps", "2", "--micro-batches", "1", "2", "--json", str(out)])
     suite = json.loads(out.read_text())
     parts = suite["suite"]
-    assert set(parts) == {"shapes", "lora", "microbatch"}, parts
+    assert set(parts) == {"shapes", "loss", "lora", "microbatch"}, parts
     skipped = " | ".join(f"{s['part']}: {s['why']}" for s in suite["skipped"])
     assert "peft" in skipped and "no GPU" in skipped and "flash attention" in skipped, skipped
 
     # (a) both sides walk packs 0, 1, 2, ... (G per step): the timed steps train the same packs on both sides
     tiny = parts["shapes"]["tiny"]
     ours, theirs = tiny["ours"], tiny["transformers"]
-    walk = [[2 * k, 2 * k + 1] for k in range(1 + 2 + 2 + 2)]  # warm-up, timed, launches, syncs, profile
+    walk = [[2 * k, 2 * k + 1] for k in range(1 + 2 + 1 + 2)]  # warm-up, timed, syncs, profile (counts launches)
     assert ours["packs per step"] == theirs["packs per step"] == walk
     assert ours["timed packs"] == theirs["timed packs"] == [[2, 3], [4, 5]]
     assert tiny["same packs"] and ours["tokens"] == theirs["tokens"] > 0 and tiny["ratio"] > 0
     # the FLOPs are the timed packs' (not the average pack's)
-    timed = [bench.sample_lengths(row) for row in bench.make_packs(128, 14, 1000)[2][2:6]]
+    timed = [bench.sample_lengths(row) for row in bench.make_packs(128, 12, 1000)[2][2:6]]
     expected = bench.step_flops("tiny", timed)
     for side in (ours, theirs):
         assert side["TFLOP/s"] * side["seconds"] * 1e12 == pytest.approx(expected, rel=1e-9)
@@ -56,9 +56,26 @@ def test_gpu_suite_trains_the_same_packs_and_names_what_it_skipped(tmp_path, mon
     assert lora["ours"]["TFLOP/s"] * lora["ours"]["seconds"] * 1e12 == pytest.approx(
         bench.step_flops("tiny", timed, lora_r=16), rel=1e-9)
 
-    # (c) the sweep: the same packs per step at every micro-batch size
+    # the loss paths: the unfused loss on the same packs as the default
+    unfused = parts["loss"]["tiny"]["--cross-entropy-chunk-size 0"]
+    assert unfused["packs per step"] == walk and unfused["tokens"] == ours["tokens"]
+    assert parts["loss"]["tiny"]["default"]["tokens/s"] == ours["tokens/s"]
+
+    # (c) the sweep: the same packs per step at every micro-batch size; 1 pack per forward is (a)'s run
     sweep = parts["microbatch"]
     assert sweep["1 packs per forward"]["packs per step"] == sweep["2 packs per forward"]["packs per step"] == walk
+    assert sweep["1 packs per forward"]["source"] == "(a)"
+    assert suite["seconds"] > 0
+
+
+def test_suite_runs_nothing_past_its_deadline_and_names_what_it_left(tmp_path):
+    bench = _bench()
+    out = tmp_path / "suite.json"
+    bench.main(["--suite", "--parts", "microbatch", "lora", "--deadline", "0", "--json", str(out)])
+    suite = json.loads(out.read_text())
+    assert list(suite["suite"]) == ["microbatch", "lora"]  # the order asked for
+    skipped = [s["part"] for s in suite["skipped"] if "--deadline" in s["why"]]
+    assert skipped == ["(c) micro-batch 1", "(c) micro-batch 2", "(c) micro-batch 4", "(b) LoRA at tiny"], skipped
 
 
 def test_lora_flops_count_the_frozen_base_without_weight_gradients():

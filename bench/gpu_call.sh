@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One call on a bare GPU machine (no network, minutes of device time): install the carried wheels, build the
+# C++ helper, check exactness on CUDA (tests/test_cuda.py), then the benchmark suite. Everything lands in $OUT
+# (default ./gpu_out): build.log, test_cuda.log, suite.log (the whole output), suite.json.
+#
+#   # here, once: the megatron-core wheel for the machine's Python, in .whl/ (git-ignored, carried)
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.16.1
+#   # there (carry .whl): extra arguments go to bench_gpu_train.py
+#   bash bench/gpu_call.sh --global-batch 8 --steps 3
+#
+# SUITE_DEADLINE (seconds, default 420): no benchmark run starts after it, so the call ends inside its limit.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+start=$SECONDS
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || exit 1
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+python3 -c "import torch, transformers, megatron.core; print('torch', torch.__version__, '| transformers',
+transformers.__version__, '| megatron-core', megatron.core.__version__)" 2>/dev/null
+echo "set up in $((SECONDS - start)) s"
+
+timeout 150 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider >"$OUT/test_cuda.log" 2>&1
+echo "tests/test_cuda.py: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/test_cuda.log")"
+
+# the trainer's per-iteration lines and the loaders' chatter stay in the log; the tables come to the console
+PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 python3 bench/bench_gpu_train.py --suite --profile \
+    --deadline "${SUITE_DEADLINE:-420}" --json "$OUT/suite.json" "$@" 2>&1 | tee "$OUT/suite.log" |
+    grep -vE '^ \[|^ precision|^--load|^USDT|Loading weights|warnings.warn|Warning|^  |^$'
+echo "suite: rc ${PIPESTATUS[0]} ($((SECONDS - start)) s)"
