@@ -108,3 +108,26 @@ def test_profile_summary_splits_device_time_by_kernel_and_scope():
                                    "elementwise/norm/RoPE": 0.075, "communication": 0.05, "idle": 0.575})
     assert s["GPU busy"] == pytest.approx(0.425)  # 850 us of kernels in the union, of 2000
     assert s["top 10 kernels"][0]["name"].startswith("sm90") and s["top 10 kernels"][0]["category"] == "matmuls"
+    assert s["busy ms/iteration"] == pytest.approx(0.425)
+    assert [k["name"] for k in s["top 3 per category"]["elementwise/norm/RoPE"]] == ["vectorized_elementwise_kernel"]
+
+
+def test_profiler_ranges_are_not_counted_as_kernels():
+    """A record_function label ("loss") appears on the GPU's timeline as a user annotation spanning its kernels:
+    counted as a kernel it doubled the loss's share of the step (seen on an H200)."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    bench = _bench()
+
+    def event(i, name, device, start, end, annotation=False, correlation=0):
+        return SimpleNamespace(id=i, name=name, device_type=device, is_user_annotation=annotation,
+                               time_range=SimpleNamespace(start=start, end=end), linked_correlation_id=correlation,
+                               cpu_parent=None)
+
+    events = [event(1, "loss", DeviceType.CPU, 0, 100, annotation=True),
+              event(2, "loss", DeviceType.CUDA, 0, 100, annotation=True),
+              event(3, "triton_red_fused_exp", DeviceType.CUDA, 10, 60, correlation=1)]
+    records = bench.kernel_records(events, on_device=True)
+    assert [(r.name, r.us, r.scope) for r in records] == [("triton_red_fused_exp", 50, ("loss",))]

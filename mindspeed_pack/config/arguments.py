@@ -87,7 +87,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cross-entropy-chunk-size", type=int, default=None,
                    help="tokens per chunk of the fused output-layer cross-entropy, which never holds the whole "
                         "micro-batch's fp32 logits; 0 = megatron-core's unfused loss; default: the unfused loss "
-                        "while a micro-batch's fp32 logits fit 512 MiB per rank (no second output-layer matmul), "
+                        "while a micro-batch's fp32 logits fit 4 GiB per rank (no second output-layer matmul), "
                         "else chunks of 512 MiB of logits (--dry-run shows the choice)")
     g.add_argument("--torch-compile-kernels", default="auto", choices=["auto", "off"],
                    help="auto: fuse RoPE's and the loss's elementwise steps with torch.compile on CUDA (eager on a "

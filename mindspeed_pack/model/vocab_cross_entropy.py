@@ -42,8 +42,12 @@ import torch.distributed as dist
 
 from mindspeed_pack.model.compiled import fused
 
-# fp32 logits of one chunk stay below this many elements (512 MiB); a micro-batch whose logits fit is not fused
+# fp32 logits of one chunk of the fused loss stay below this many elements (512 MiB)
 CHUNK_ELEMENTS = 1 << 27
+# a micro-batch whose fp32 logits fit this many elements per rank (4 GiB) takes the unfused loss. Measured on an
+# H200 (bench/bench_gpu_train.py --suite, docs/gpu.md): at Qwen2.5 shapes and 4096-token packs (2.3 GiB of
+# logits) the unfused loss trained 19% faster at 0.5B and 41% at 1.5B, at the same peak memory within 1.5 GiB
+UNFUSED_ELEMENTS = 1 << 30
 
 
 def chunk_tokens(vocab_local: int, requested: Optional[int] = None) -> int:
@@ -59,11 +63,11 @@ def loss_chunk(tokens: int, vocab_local: int, requested: Optional[int] = None) -
 
     ``requested`` (``--cross-entropy-chunk-size``) is kept. By default the path is chosen by cost: the fused
     loss makes its passes chunk by chunk (and, for a per-token loss, computes the output layer's matmul again in
-    the backward) and pays only when the logits do not fit, so the unfused loss runs while the micro-batch's
-    fp32 logits fit one chunk's budget (512 MiB, :data:`CHUNK_ELEMENTS`), the chunked loss beyond it."""
+    the backward) and pays only when the logits would take too much memory, so the unfused loss runs while the
+    micro-batch's fp32 logits fit 4 GiB per rank (:data:`UNFUSED_ELEMENTS`), the chunked loss beyond it."""
     if requested is not None:
         return int(requested)
-    return 0 if tokens * vocab_local <= CHUNK_ELEMENTS else chunk_tokens(vocab_local)
+    return 0 if tokens * vocab_local <= UNFUSED_ELEMENTS else chunk_tokens(vocab_local)
 
 
 def _reduce(t: torch.Tensor, op, group) -> torch.Tensor:

@@ -22,7 +22,7 @@ import os
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.model import lora
-from mindspeed_pack.model.vocab_cross_entropy import CHUNK_ELEMENTS, loss_chunk
+from mindspeed_pack.model.vocab_cross_entropy import UNFUSED_ELEMENTS, loss_chunk
 from mindspeed_pack.packing.balance import model_shape
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def _loss_line(args) -> str:
     size = f"the micro-batch's fp32 logits: {tokens * vocab * 4 / GiB:.2f} GiB per rank"
     requested = getattr(args, "cross_entropy_chunk_size", None)
     why = "--cross-entropy-chunk-size" if requested is not None else \
-        f"{'within' if loss_path(args) == 0 else 'over'} the {CHUNK_ELEMENTS * 4 / GiB:.2f} GiB budget"
+        f"{'within' if loss_path(args) == 0 else 'over'} the unfused loss's {UNFUSED_ELEMENTS * 4 / GiB:.0f} GiB budget"
     chunk = loss_path(args)
     what = "megatron-core's unfused output layer + cross-entropy" if chunk == 0 else \
         f"output layer + cross-entropy fused, {chunk} tokens per chunk"
