@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mindspeed_pack.model import compiled, lora
+from mindspeed_pack.model import compiled, lora, wgrad_fusion
 from mindspeed_pack.model.moe import moe_config_kwargs
 from mindspeed_pack.model.packed_gpt import PackedGPTModel
 from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
@@ -43,22 +43,25 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> 
 def fusion_settings(args, on_gpu: bool, backend: str) -> dict:
     """Megatron-LM's fused-kernel switches: on unless ``--no-*-fusion``, where the kernel exists.
 
-    Gradient-accumulation fusion needs TE's linear layers (the local ones would need Apex);
-    fused RoPE (THD) is TE's kernel. On a CPU none of these kernels exists: the unfused
-    path computes the same thing, and :func:`_log_cpu_skips` names each skipped kernel once.
+    Gradient-accumulation fusion: TE's linear layers do it themselves, megatron-core's local ones through
+    :mod:`~mindspeed_pack.model.wgrad_fusion` (addmm into the fp32 buffer; Apex where installed). Fused RoPE
+    (THD) is TE's kernel. On a CPU none of these kernels exists: the unfused path computes the same thing, and
+    :func:`_log_cpu_skips` names each skipped kernel once (a test may install the accumulation there).
     """
     swiglu = getattr(args, "swiglu", False)
+    accumulate = not getattr(args, "no_gradient_accumulation_fusion", False)
     wanted = {
         "masked_softmax_fusion": not getattr(args, "no_masked_softmax_fusion", False),
         "bias_dropout_fusion": not getattr(args, "no_bias_dropout_fusion", False),
         "bias_activation_fusion": swiglu and not getattr(args, "no_bias_swiglu_fusion", False),
         "apply_rope_fusion": HAVE_TE and not getattr(args, "no_rope_fusion", False),
-        "gradient_accumulation_fusion": backend == "te" and not getattr(args, "no_gradient_accumulation_fusion", False),
+        "gradient_accumulation_fusion": accumulate and (backend == "te" or (on_gpu and wgrad_fusion.install())),
     }
     if on_gpu:
         return wanted
     _log_cpu_skips([k for k, v in wanted.items() if v])
-    return {k: False for k in wanted}
+    return {k: False for k in wanted} | {"gradient_accumulation_fusion": accumulate and backend != "te"
+                                         and wgrad_fusion.installed()}
 
 
 def _log_cpu_skips(names) -> None:
