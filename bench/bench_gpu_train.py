@@ -430,6 +430,7 @@ def measure(side: Side, opts, shape: str, lengths: List[np.ndarray], peak: Optio
             if on_gpu() else float("nan")
     else:
         result["launches/step"], result["GPU busy"] = launches_and_busy(side.step)
+    result["torch.compile"] = compile_report()
     result["timed packs"] = timed_packs
     result["packs per step"] = list(side.trained)
     return result
@@ -446,8 +447,18 @@ def fresh_compile() -> None:
     ran 3x slower at 1.5B after a 0.5B run in the same process. Each run compiles at its own shape, as a
     training job does."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()
+
+
+def compile_report() -> dict:
+    """torch.compile's counters since the run began: frames compiled, recompilations, graph breaks and
+    fallbacks to eager (a region that hit the recompile limit runs eagerly, silently but for a log line)."""
+    from torch._dynamo.utils import counters
+
+    return {group: {str(k)[:120]: v for k, v in c.items()} for group, c in counters.items() if c}
 
 
 @contextlib.contextmanager
