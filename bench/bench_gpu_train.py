@@ -348,10 +348,35 @@ def profile_steps(step, iterations: int = PROFILED_STEPS) -> dict:
         # the bench's own synchronize at the end excluded
         syncs = sum(1 for n in runtime if n in _SYNC_CALLS) - 1
         out["host syncs/iteration (CUDA API)"] = max(0, syncs) / iterations
+        out["host"] = host_summary([e for e in events if e.device_type == DeviceType.CPU], wall, iterations)
     else:
         out["kernel launches/iteration"] = len(records) / iterations
         out["device"] = "cpu: aten ops stand in for kernels, 'idle' is time outside them"
     return out
+
+
+def host_summary(cpu_events, wall_s: float, iterations: int) -> dict:
+    """Where the host's time goes (a host-bound step's question): per iteration, the self time of the ATen ops and
+    of the CUDA runtime calls (launches, copies, syncs), the rest (Python, the dispatcher outside the ops, the
+    profiler itself), and the 10 ATen ops of most self time (with their calls per iteration)."""
+    ops, runtime = {}, 0.0
+    for e in cpu_events:
+        if getattr(e, "is_user_annotation", False):
+            continue
+        if e.name.startswith("cu"):  # cudaLaunchKernel, cuLaunchKernel, cudaMemcpyAsync, ...
+            runtime += e.self_cpu_time_total
+        elif e.name.startswith(("aten::", "c10d::")):
+            total, calls = ops.get(e.name, (0.0, 0))
+            ops[e.name] = (total + e.self_cpu_time_total, calls + 1)
+    wall_ms = wall_s * 1e3 / iterations
+    aten_ms = sum(t for t, _ in ops.values()) / 1e3 / iterations
+    runtime_ms = runtime / 1e3 / iterations
+    top = sorted(ops.items(), key=lambda kv: -kv[1][0])[:10]
+    return {"wall ms/iteration (profiled)": wall_ms, "ATen ops self ms/iteration": aten_ms,
+            "CUDA runtime calls ms/iteration": runtime_ms,
+            "rest ms/iteration (Python, dispatch, profiler)": max(0.0, wall_ms - aten_ms - runtime_ms),
+            "top 10 host ops": [{"name": n, "self ms/iteration": t / 1e3 / iterations,
+                                 "calls/iteration": k / iterations} for n, (t, k) in top]}
 
 
 @contextlib.contextmanager

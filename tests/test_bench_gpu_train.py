@@ -132,3 +132,20 @@ def test_profiler_ranges_are_not_counted_as_kernels():
               event(3, "triton_red_fused_exp", DeviceType.CUDA, 10, 60, correlation=1)]
     records = bench.kernel_records(events, on_device=True)
     assert [(r.name, r.us, r.scope) for r in records] == [("triton_red_fused_exp", 50, ("loss",))]
+
+
+def test_host_summary_splits_the_hosts_time():
+    from types import SimpleNamespace
+
+    bench = _bench()
+
+    def event(name, us, annotation=False):
+        return SimpleNamespace(name=name, self_cpu_time_total=us, is_user_annotation=annotation)
+
+    events = [event("aten::mm", 300), event("aten::mm", 100), event("aten::add", 100), event("cudaLaunchKernel", 200),
+              event("cuLaunchKernel", 100), event("loss", 5000, annotation=True)]
+    h = bench.host_summary(events, wall_s=2e-3, iterations=2)  # 1 ms per iteration
+    assert h["ATen ops self ms/iteration"] == pytest.approx(0.25)
+    assert h["CUDA runtime calls ms/iteration"] == pytest.approx(0.15)
+    assert h["rest ms/iteration (Python, dispatch, profiler)"] == pytest.approx(0.6)
+    assert h["top 10 host ops"][0] == {"name": "aten::mm", "self ms/iteration": 0.2, "calls/iteration": 1.0}
