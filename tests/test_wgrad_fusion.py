@@ -90,4 +90,4 @@ def test_accumulate_sums_in_fp32():
     wgrad_fusion.accumulate(x.bfloat16(), dy.bfloat16(), got)
     exact = main + dy.bfloat16().float().reshape(10, 3).t() @ x.bfloat16().float().reshape(10, 6)
     torch.testing.assert_close(got, exact)
-    assert wgrad_fusion._probe("cpu") is None
+    assert wgrad_fusion._probe("cpu") is None and wgrad_fusion._probe("cpu", torch.float32) is None

@@ -55,7 +55,8 @@ def fusion_settings(args, on_gpu: bool, backend: str) -> dict:
         "bias_dropout_fusion": not getattr(args, "no_bias_dropout_fusion", False),
         "bias_activation_fusion": swiglu and not getattr(args, "no_bias_swiglu_fusion", False),
         "apply_rope_fusion": HAVE_TE and not getattr(args, "no_rope_fusion", False),
-        "gradient_accumulation_fusion": accumulate and (backend == "te" or (on_gpu and wgrad_fusion.install())),
+        "gradient_accumulation_fusion": accumulate and (
+            backend == "te" or (on_gpu and wgrad_fusion.install(dtype=params_dtype(args)))),
     }
     if on_gpu:
         return wanted

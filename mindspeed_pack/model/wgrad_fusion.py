@@ -39,12 +39,12 @@ def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: 
         main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
 
 
-def _probe(device: str) -> Optional[str]:
-    """Why the fused accumulation cannot run on ``device`` (None: it runs and sums right)."""
+def _probe(device: str, dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
+    """Why the fused accumulation of ``dtype`` gradients cannot run on ``device`` (None: it runs and sums right)."""
     try:
         gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(64, 48, device=device, generator=gen).to(torch.bfloat16)
-        g = torch.randn(64, 32, device=device, generator=gen).to(torch.bfloat16)
+        x = torch.randn(64, 48, device=device, generator=gen).to(dtype)
+        g = torch.randn(64, 32, device=device, generator=gen).to(dtype)
         main = torch.randn(32, 48, device=device, generator=gen)
         want = main + g.t().float() @ x.float()
         accumulate(x, g, main)
@@ -54,8 +54,9 @@ def _probe(device: str) -> Optional[str]:
     return None if error < 1e-4 else f"the accumulated gradient is off by {error:.2e}"
 
 
-def install(probe: bool = True, device: str = "cuda") -> bool:
-    """Provide ``fused_weight_gradient_mlp_cuda`` to megatron-core (unless Apex already does); True if in place."""
+def install(probe: bool = True, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Provide ``fused_weight_gradient_mlp_cuda`` to megatron-core (unless Apex already does) for a model of
+    ``dtype``; True if in place."""
     if _STATE["installed"]:
         return True
     if _STATE["why_not"] is not None:
@@ -66,7 +67,7 @@ def install(probe: bool = True, device: str = "cuda") -> bool:
         return True
     except ImportError:
         pass
-    why = _probe(device) if probe else None
+    why = _probe(device, dtype) if probe else None
     if why:
         _STATE["why_not"] = why
         log.warning("gradient-accumulation fusion off (weight gradients added into main_grad by a separate "
