@@ -101,6 +101,26 @@ def _logits_grad(logits: torch.Tensor, lse: torch.Tensor, local_target: torch.Te
     return ((probs - onehot) * grad_loss[:, None]).to(dtype_like.dtype)
 
 
+def _chunk_loss(logits: torch.Tensor, local_target: torch.Tensor, owned: torch.Tensor, group) -> tuple:
+    """(per-token loss, logsumexp) of a chunk's logits over the vocabulary of every shard of ``group``."""
+    top = _reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    picked, sum_exp = _shifted_stats(logits, top, local_target, owned)
+    picked = _reduce(picked, dist.ReduceOp.SUM, group)
+    log_sum = torch.log(_reduce(sum_exp, dist.ReduceOp.SUM, group))
+    return log_sum - picked, log_sum + top
+
+
+def _add_weight_grad(grad_weight: Optional[torch.Tensor], g: torch.Tensor, h: torch.Tensor) -> None:
+    """``grad_weight += g.T @ h`` (nothing for a frozen weight): in fp32 the product is summed in place; for a
+    bf16/fp16 weight the product is rounded to its dtype once (fp32 inside the matmul), the running sum never."""
+    if grad_weight is None:
+        return
+    if grad_weight.dtype == g.dtype:
+        grad_weight.addmm_(g.t(), h)
+    else:
+        grad_weight.add_(torch.matmul(g.t(), h))
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, vocab_start, invalid_from, chunk, group):
@@ -114,13 +134,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, t, chunk):
             end = min(t, start + chunk)
             logits = _chunk_logits(hidden[start:end], weight, invalid_from)
-            top = _reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            picked, sum_exp = _shifted_stats(logits, top, local_target[start:end], owned[start:end])
-            picked = _reduce(picked, dist.ReduceOp.SUM, group)
-            sum_exp = _reduce(sum_exp, dist.ReduceOp.SUM, group)
-            log_sum = torch.log(sum_exp)
-            loss[start:end] = log_sum - picked
-            lse[start:end] = log_sum + top
+            loss[start:end], lse[start:end] = _chunk_loss(logits, local_target[start:end], owned[start:end], group)
         ctx.save_for_backward(hidden, weight, local_target, owned, lse)
         ctx.chunk, ctx.invalid_from = chunk, invalid_from
         return loss
@@ -141,12 +155,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             g = _logits_grad(_chunk_logits(h, weight, ctx.invalid_from), lse[start:end], local_target[start:end],
                              owned[start:end], grad_loss[start:end], weight)
             grad_hidden[start:end] = torch.matmul(g, weight)
-            if grad_weight is None:
-                continue
-            if grad_weight.dtype == weight.dtype:
-                grad_weight.addmm_(g.t(), h)
-            else:  # the product rounded to bf16 once (fp32 inside the matmul), the running sum never
-                grad_weight.add_(torch.matmul(g.t(), h))
+            _add_weight_grad(grad_weight, g, h)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
@@ -171,23 +180,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             end = min(t, start + chunk)
             h = hidden[start:end]
             logits = _chunk_logits(h, weight, invalid_from)
-            top = _reduce(logits.max(dim=-1).values, dist.ReduceOp.MAX, group)
-            picked, sum_exp = _shifted_stats(logits, top, local_target[start:end], owned[start:end])
-            picked = _reduce(picked, dist.ReduceOp.SUM, group)
-            sum_exp = _reduce(sum_exp, dist.ReduceOp.SUM, group)
-            log_sum = torch.log(sum_exp)
-            loss[start:end] = log_sum - picked
+            loss[start:end], lse = _chunk_loss(logits, local_target[start:end], owned[start:end], group)
             # what the backward of the per-token form computes, with the token's weight as its incoming gradient
-            g = _logits_grad(logits, log_sum + top, local_target[start:end], owned[start:end],
+            g = _logits_grad(logits, lse, local_target[start:end], owned[start:end],
                              token_weight[start:end], weight)
             del logits
             grad_hidden[start:end] = torch.matmul(g, weight)
-            if grad_weight is None:
-                continue
-            if grad_weight.dtype == weight.dtype:
-                grad_weight.addmm_(g.t(), h)
-            else:  # as in the backward: each product rounded once, the running sum in fp32
-                grad_weight.add_(torch.matmul(g.t(), h))
+            _add_weight_grad(grad_weight, g, h)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
