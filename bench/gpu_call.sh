@@ -10,8 +10,8 @@
 #   bash bench/gpu_call.sh --global-batch 8 --steps 3
 #
 # SUITE_DEADLINE (seconds, default 420): no benchmark run starts after it, so the call ends inside its limit.
-# FULL_TESTS=1: the whole test suite with CUDA visible after the suite (16 workers; tests.log); SUITE=0 skips the
-# suite (a call for the tests alone).
+# FULL_TESTS=1: the whole test suite with CUDA visible (16 workers, TESTS_TIMEOUT seconds, default 240; tests.log)
+# instead of test_cuda.py alone, before the suite; SUITE=0 skips the suite (a call for the tests alone).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -28,8 +28,15 @@ python3 -c "import torch, transformers, megatron.core; print('torch', torch.__ve
 transformers.__version__, '| megatron-core', megatron.core.__version__)" 2>/dev/null
 echo "set up in $((SECONDS - start)) s"
 
-timeout 150 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider >"$OUT/test_cuda.log" 2>&1
-echo "tests/test_cuda.py: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/test_cuda.log")"
+if [ "${FULL_TESTS:-0}" = 1 ]; then  # the whole suite (test_cuda.py among it) before the benchmark, time-boxed
+    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -n 16 --dist loadfile tests -p no:cacheprovider \
+        >"$OUT/tests.log" 2>&1
+    echo "tests: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/tests.log")"
+    grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -30
+else
+    timeout 150 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider >"$OUT/test_cuda.log" 2>&1
+    echo "tests/test_cuda.py: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/test_cuda.log")"
+fi
 
 # the trainer's per-iteration lines and the loaders' chatter stay in the log; the tables come to the console
 [ "${SUITE:-1}" = 1 ] && PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 python3 bench/bench_gpu_train.py --suite --profile \
@@ -37,8 +44,3 @@ echo "tests/test_cuda.py: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/test_c
     grep -vE '^ \[|^ precision|^--load|^USDT|Loading weights|warnings.warn|Warning|^  |^$'
 [ "${SUITE:-1}" = 1 ] && echo "suite: rc ${PIPESTATUS[0]} ($((SECONDS - start)) s)"
 
-if [ "${FULL_TESTS:-0}" = 1 ]; then
-    python3 -m pytest -q -n 16 --dist loadfile tests -p no:cacheprovider >"$OUT/tests.log" 2>&1
-    echo "tests: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/tests.log")"
-    grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -30
-fi
