@@ -10,8 +10,9 @@
 #   bash bench/gpu_call.sh --global-batch 8 --steps 3
 #
 # SUITE_DEADLINE (seconds, default 420): no benchmark run starts after it, so the call ends inside its limit.
-# FULL_TESTS=1: the whole test suite with CUDA visible (16 workers, TESTS_TIMEOUT seconds, default 240; tests.log)
-# instead of test_cuda.py alone, before the suite; SUITE=0 skips the suite (a call for the tests alone).
+# FULL_TESTS=1: after the suite, the whole test suite with CUDA visible (16 workers, verbose, TESTS_TIMEOUT seconds,
+# default 240; tests.log), its workers killed when it ends: a time-boxed run's orphans loaded the host during an
+# earlier call's benchmark. SUITE=0 skips the suite (a call for the tests alone).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -28,15 +29,9 @@ python3 -c "import torch, transformers, megatron.core; print('torch', torch.__ve
 transformers.__version__, '| megatron-core', megatron.core.__version__)" 2>/dev/null
 echo "set up in $((SECONDS - start)) s"
 
-if [ "${FULL_TESTS:-0}" = 1 ]; then  # the whole suite (test_cuda.py among it) before the benchmark, time-boxed
-    timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest -q -n 16 --dist loadfile tests -p no:cacheprovider \
-        >"$OUT/tests.log" 2>&1
-    echo "tests: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/tests.log")"
-    grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -30
-else
-    timeout 150 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider >"$OUT/test_cuda.log" 2>&1
-    echo "tests/test_cuda.py: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/test_cuda.log")"
-fi
+timeout 150 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider >"$OUT/test_cuda.log" 2>&1
+echo "tests/test_cuda.py: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/test_cuda.log")"
+echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
 
 # the trainer's per-iteration lines and the loaders' chatter stay in the log; the tables come to the console
 [ "${SUITE:-1}" = 1 ] && PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1 python3 bench/bench_gpu_train.py --suite --profile \
@@ -44,3 +39,11 @@ fi
     grep -vE '^ \[|^ precision|^--load|^USDT|Loading weights|warnings.warn|Warning|^  |^$'
 [ "${SUITE:-1}" = 1 ] && echo "suite: rc ${PIPESTATUS[0]} ($((SECONDS - start)) s)"
 
+
+if [ "${FULL_TESTS:-0}" = 1 ]; then  # last: -v names each result as it lands, so a time-boxed run still says which
+    timeout -k 5 "${TESTS_TIMEOUT:-240}" python3 -m pytest -v -rfE -n 16 --dist loadfile --timeout 150 tests \
+        -p no:cacheprovider >"$OUT/tests.log" 2>&1
+    echo "tests: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/tests.log")"
+    pkill -9 -f "pytest|xdist|execnet" 2>/dev/null  # a time-boxed run's workers must not outlive it
+    grep -E "(FAILED|ERROR) tests/" "$OUT/tests.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | sort -u | head -40
+fi
