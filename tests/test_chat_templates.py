@@ -311,7 +311,10 @@ def test_compiled_renderer_answers_attribute_lookups_as_the_sandbox_does():
                  "tool_calls": [{"type": "function", "function": {"name": "fn", "arguments": {}}}]}]
     tools = [{"type": "function", "function": {"name": "t"}}]
     template = template_renderer.compile_template(source)
-    plain, alias, _ = template_renderer.transformers_steps()
+    steps = template_renderer.transformers_steps()
+    if steps is None:  # (transformers 5.17, say) render_prefixes then calls transformers' own render: nothing to match
+        pytest.skip("this transformers has no separate render steps; the compiled-renderer shortcut is not used")
+    plain, alias, _ = steps
     shared = template_renderer.shared_variables(template, {"bos_token": "<s>"})
     for gen in (False, True):
         ours = template_renderer.render(template, {**shared, "tools": tools, "messages": alias(plain(messages)),

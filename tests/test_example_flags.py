@@ -56,7 +56,8 @@ class FlagError(AssertionError):
 
 def _clean_env(**extra: str) -> Dict[str, str]:
     """The scripts' defaults, not whatever the CI environment happens to export (NNODES, DATA_PATH, ...)."""
-    env = {k: os.environ[k] for k in ("HOME", "LANG", "TMPDIR") if k in os.environ}
+    # PYTHONPATH stays: it is where packages are found (megatron-core lies on it on the GPU machines), not a default
+    env = {k: os.environ[k] for k in ("HOME", "LANG", "TMPDIR", "PYTHONPATH") if k in os.environ}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin")
     env.update(extra)
     return env

@@ -79,7 +79,7 @@ def _wait(nodes, timeout: float) -> list:
 def test_two_node_launch_trains_tp2_dp2(tmp_path):
     data = write_packed_instruction_dataset(str(tmp_path / "data" / "toy"), num_packs=32, seq_length=SEQ_LENGTH)
     logs = tmp_path / "logs"
-    env = {k: os.environ[k] for k in ("HOME", "LANG", "TMPDIR") if k in os.environ}
+    env = {k: os.environ[k] for k in ("HOME", "LANG", "TMPDIR", "PYTHONPATH") if k in os.environ}
     env.update(
         PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "/usr/bin:/bin"),
         OMP_NUM_THREADS="1",

@@ -198,7 +198,8 @@ def test_preprocessing_prints_no_megatron_kernel_warnings(tmp_path, toy_alpaca_r
     proc = subprocess.run([sys.executable, str(root / "preprocess_data.py"), "--input", str(data), "--output-prefix",
                            str(tmp_path / "o"), "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--prompt-type",
                            "qwen", "--seq-length", "128", "--pack", "--neat-pack"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                              filter(None, [str(root), os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stderr
     assert "packs " in proc.stdout and proc.stderr.strip() == "", proc.stderr
 
