@@ -26,7 +26,7 @@ from mindspeed_pack.config import (
     yaml_file,
 )
 from mindspeed_pack.config.errors import ArgumentError
-from mindspeed_pack.model import lora
+from mindspeed_pack.model import compiled_layers, lora
 from mindspeed_pack.model.gpt import padded_vocab_size
 from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
 from mindspeed_pack.runtime.platform import cuda_usable
@@ -89,9 +89,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "micro-batch's fp32 logits; 0 = megatron-core's unfused loss; default: the unfused loss "
                         "while a micro-batch's fp32 logits fit 4 GiB per rank (no second output-layer matmul), "
                         "else chunks of 512 MiB of logits (--dry-run shows the choice)")
-    g.add_argument("--torch-compile-kernels", default="auto", choices=["auto", "off"],
+    g.add_argument("--torch-compile-kernels", default="auto", choices=["auto", "off", "layers"],
                    help="auto: fuse RoPE's and the loss's elementwise steps with torch.compile on CUDA (eager on a "
-                        "CPU; a region that fails to compile twice stops the run); off: always eager")
+                        "CPU; a region that fails to compile twice stops the run); off: always eager; layers: "
+                        "every transformer layer compiled whole, forward and backward (flash backend, dense, "
+                        "no TP/CP; cuts the host time per layer; a layer that cannot be traced whole stops the run)")
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted no-op: megatron-core models are the only models (always on)")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
@@ -579,6 +581,11 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if world_size % (tp * pp * cp):
         raise ArgumentError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} x CP {cp}")
     args.data_parallel_size = world_size // (tp * pp * cp)
+    if args.torch_compile_kernels == "layers":  # what needs no device is refused now; the backend once resolved
+        why = compiled_layers.unsupported_reason(args, "flash" if args.attention_backend == "auto"
+                                                 else args.attention_backend)
+        if why:
+            raise ArgumentError(f"{compiled_layers.FLAG}: {why}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * args.data_parallel_size
     per_step = args.micro_batch_size * args.data_parallel_size

@@ -72,7 +72,8 @@ def fused(fn: Callable) -> Callable:
     state = {"compiled": None}
 
     def call(*args):
-        if not (_ENABLED["value"] and args[0].is_cuda):
+        # inside a layer compiled whole (--torch-compile-kernels layers) the region is traced with the layer
+        if not (_ENABLED["value"] and args[0].is_cuda) or torch.compiler.is_compiling():
             return fn(*args)
         if state["compiled"] is None:
             state["compiled"] = _compile_checked(fn, args)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from mindspeed_pack.model import compiled, lora, wgrad_fusion
+from mindspeed_pack.model import compiled, compiled_layers, lora, wgrad_fusion
 from mindspeed_pack.model.moe import moe_config_kwargs
 from mindspeed_pack.model.packed_gpt import PackedGPTModel
 from mindspeed_pack.model.rope import gpt_model_rope_kwargs, scale_rotary_embedding
@@ -49,7 +49,10 @@ def fusion_settings(args, on_gpu: bool, backend: str) -> dict:
     :func:`_log_cpu_skips` names each skipped kernel once (a test may install the accumulation there).
     """
     swiglu = getattr(args, "swiglu", False)
-    accumulate = not getattr(args, "no_gradient_accumulation_fusion", False)
+    # a layer compiled whole cannot trace megatron-core's fused backward (it sets attributes of the weight):
+    # its DDP hook adds the weight gradients instead
+    accumulate = not getattr(args, "no_gradient_accumulation_fusion", False) and \
+        getattr(args, "torch_compile_kernels", "auto") != "layers"
     wanted = {
         "masked_softmax_fusion": not getattr(args, "no_masked_softmax_fusion", False),
         "bias_dropout_fusion": not getattr(args, "no_bias_dropout_fusion", False),
@@ -128,7 +131,10 @@ def _no_te(args) -> str:
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> PackedGPTModel:
     backend = resolve_backend(getattr(args, "attention_backend", "auto"), params_dtype(args),
                               getattr(args, "attention_dropout", 0.0), _no_te(args))
-    compiled.set_enabled(getattr(args, "torch_compile_kernels", "auto") != "off")
+    compile_mode = getattr(args, "torch_compile_kernels", "auto")
+    if compile_mode == "layers":
+        compiled_layers.check_supported(args, backend)
+    compiled.set_enabled(compile_mode != "off")
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)
     adapters = lora.settings_from_args(args)
@@ -157,5 +163,7 @@ def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, v
         scale_rotary_embedding(model, args)
     if adapters:
         lora.freeze_base(model)
+    if compile_mode == "layers":
+        compiled_layers.compile_layers(model)
     model.attention_backend = backend
     return model

@@ -1,0 +1,110 @@
+"""``--torch-compile-kernels layers``: every transformer layer's forward compiled whole, and with it its backward.
+
+Why: at one 4096-token pack per forward, Qwen2.5-0.5B's step on an H200 is bound by the host. Each layer
+dispatches some 180 ATen ops per micro-batch through megatron-core's modules and autograd functions, each op
+some microseconds of Python and dispatcher, while the GPU idles half of the step (docs/gpu.md). Compiled
+whole (dynamo + inductor), a layer's forward is one graph and its backward one more: inductor fuses the
+elementwise work (norms, RoPE, SwiGLU, bias and residual adds) into a few kernels and launches them from
+generated code, and megatron-core's Python runs once, at tracing.
+
+- **One graph or an error.** ``fullgraph=True``: a construct dynamo cannot trace stops the first call with an
+  error naming this flag, never a layer silently split into pieces; so does passing the recompile limit.
+- **Shared code, few compilations.** All layers run one compiled code (their parameters are graph inputs). The
+  token count stays static (the kernels inductor picks for it); a pack's segment count (the length of
+  ``cu_seqlens``) is symbolic from the first call, its longest segment once it changes: two compilations per
+  run, two more for a no-grad forward (evaluation).
+- **What it covers.** Dense layers with the ``flash`` backend (PyTorch's varlen FlashAttention is a traceable
+  custom op; the ``local`` backend plans its buckets on the host), without tensor or context parallelism
+  (their collectives run inside the layer). Pipeline and data parallelism, LoRA and the gradient-accumulation
+  fusion (:mod:`.wgrad_fusion`) sit outside the traced code or trace with it. Anything else is refused
+  before the model is built, with the reason.
+- The small regions of :mod:`.compiled` inside a layer are traced inline; the loss's stay compiled apart.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FLAG = "--torch-compile-kernels layers"
+# evaluation and training each compile a static and a symbolic variant; headroom for a pipeline stage's
+# first/last layer differences, never the silent eager fallback dynamo takes past its limit
+RECOMPILE_LIMIT = 16
+
+
+class LayerCompileError(RuntimeError):
+    """A transformer layer could not be compiled whole."""
+
+
+def unsupported_reason(args, backend: str) -> str:
+    """Why this run cannot compile its layers whole ("" if it can)."""
+    if backend != "flash":
+        return (f"needs --attention-backend flash (this run's is {backend!r}: the local backend plans its "
+                f"buckets on the host, Transformer Engine's modules are not traced)")
+    if getattr(args, "num_experts", None):
+        return "MoE layers route tokens by data-dependent counts (host reads); use --torch-compile-kernels auto"
+    if getattr(args, "tensor_model_parallel_size", 1) > 1:
+        return "tensor parallelism runs collectives inside the layer; use --torch-compile-kernels auto"
+    if getattr(args, "context_parallel_size", 1) > 1 or \
+            getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
+        return "context parallelism runs collectives inside attention; use --torch-compile-kernels auto"
+    return ""
+
+
+def check_supported(args, backend: str) -> None:
+    why = unsupported_reason(args, backend)
+    if why:
+        raise ValueError(f"{FLAG}: {why}")
+
+
+def compile_layers(model: torch.nn.Module) -> int:
+    """Compile the forward of every ``TransformerLayer`` in ``model`` whole; returns how many."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.forward = _compiled_forward(layer)
+    return len(layers)
+
+
+def _steady_inputs(kwargs: dict) -> None:
+    """The inputs as every call will look, so one compilation serves them all: the first layer's input (the
+    embedding's transposed view) takes the strides the other layers' inputs have, and a pack's segment count
+    (the length of ``cu_seqlens``) is symbolic from the start."""
+    hidden = kwargs.get("hidden_states")
+    if hidden is not None and hidden.stride() != _contiguous_strides(hidden.shape):
+        kwargs["hidden_states"] = hidden.clone(memory_format=torch.contiguous_format)
+    params = kwargs.get("packed_seq_params")
+    if params is not None:
+        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+            cu = getattr(params, name, None)
+            if isinstance(cu, torch.Tensor):
+                torch._dynamo.maybe_mark_dynamic(cu, 0)
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _compiled_forward(layer):
+    compiled = torch.compile(layer.forward, fullgraph=True)
+
+    def forward(*args, **kwargs):
+        _steady_inputs(kwargs)
+        try:
+            return compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:
+            raise LayerCompileError(
+                f"{FLAG}: transformer layer {layer.layer_number} could not be compiled whole "
+                f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); run with "
+                f"--torch-compile-kernels auto") from e
+
+    return forward

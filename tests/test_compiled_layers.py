@@ -1,0 +1,175 @@
+"""``--torch-compile-kernels layers`` (mindspeed_pack/model/compiled_layers.py): every transformer layer compiled
+whole trains as the eager layers do.
+
+The ``flash`` backend runs on this CPU through PyTorch's real varlen op with reference kernels
+(tests/varlen_cpu.py), so dynamo traces what it traces on a GPU: the op, megatron-core's layer, the packed RoPE.
+Three fp32 steps each: loss and grad norm equal the eager flash run's and the exact local backend's (rel <=
+1e-5), with megatron-core's fused SwiGLU and bias-dropout-add as a GPU builds them, with the
+gradient-accumulation fusion installed and with LoRA too; each layer is one graph (``fullgraph``: a break
+is an error) and all layers share a handful of compilations. The gradient-accumulation fusion, installed, stays
+unused inside compiled layers (megatron-core's fused backward sets attributes of the weight, which dynamo cannot
+trace): the DDP hook adds the weight gradients.
+"""
+import warnings
+
+import pytest
+
+from tests.dist_harness import run_distributed
+from tests.model_utils import TINY_FLAGS
+
+COMMON = ["--seq-length", "128", "--neat-pack", "--micro-batch-size", "1", "--global-batch-size", "4",
+          "--train-iters", "3", "--lr", "1e-3", "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "3"]
+LORA = ["--load", "hf", "--lora-r", "4", "--lora-alpha", "8"]
+GPU_FUSIONS = "gpu fusions"  # megatron-core's fused SwiGLU and bias-dropout-add, as a GPU builds the layers
+RUNS = {  # name: (flags, wgrad fusion installed)
+    "local": (["--attention-backend", "local"], False),
+    "flash": (["--attention-backend", "flash"], False),
+    "flash layers": (["--attention-backend", "flash", "--torch-compile-kernels", "layers"], False),
+    "flash, gpu fusions": (["--attention-backend", "flash", GPU_FUSIONS], False),
+    "flash layers, gpu fusions": (["--attention-backend", "flash", "--torch-compile-kernels", "layers", GPU_FUSIONS],
+                                  False),
+    "bf16 flash": (["--attention-backend", "flash", "--bf16"], False),
+    "bf16 flash layers": (["--attention-backend", "flash", "--bf16", "--torch-compile-kernels", "layers"], False),
+    "lora flash": ([*LORA, "--attention-backend", "flash"], False),
+    "lora flash layers": ([*LORA, "--attention-backend", "flash", "--torch-compile-kernels", "layers"], False),
+    # last: installing the accumulation is for the rest of the process
+    "flash layers, fusion installed": (["--attention-backend", "flash", "--torch-compile-kernels", "layers"], True),
+}
+
+
+def _rank(data, hf):
+    import torch
+    from megatron.core import parallel_state as ps
+    from torch._dynamo.utils import counters
+
+    from mindspeed_pack.model import gpt, wgrad_fusion
+    from tests.train_utils import trainer_steps
+    from tests.varlen_cpu import use_cpu_flash
+
+    use_cpu_flash()
+    cpu_fusions = gpt.fusion_settings
+    out = {}
+    for name, (flags, fused) in RUNS.items():
+        # the switches a GPU turns on (the accumulation fusion aside: off under compiled layers anyway)
+        gpt.fusion_settings = (lambda *a: {**cpu_fusions(*a), "bias_activation_fusion": True,
+                                           "bias_dropout_fusion": True}) if GPU_FUSIONS in flags else cpu_fusions
+        flags = [f for f in flags if f != GPU_FUSIONS]
+        if fused:
+            assert wgrad_fusion.install(probe=False, device="cpu")
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        torch._dynamo.reset()
+        counters.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            records = trainer_steps([hf if f == "hf" else f for f in [*TINY_FLAGS, *flags]]
+                                    + [*COMMON, "--data-path", data])
+        out[name] = {"steps": [(r["lm loss"], r["grad norm"]) for r in records],
+                     "compiles": counters["stats"]["unique_graphs"],
+                     "graph breaks": sum(counters["graph_break"].values()),
+                     "tp_group warnings": sum("tp_group is None" in str(w.message) for w in caught)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from tests.model_utils import write_converted_tiny_qwen2
+    from tests.train_utils import write_copy_task
+
+    root = tmp_path_factory.mktemp("layers")
+    write_converted_tiny_qwen2(root / "qwen")
+    data = write_copy_task(str(root / "copy"), num_packs=16)
+    return run_distributed(_rank, 1, data, str(root / "qwen" / "hf"), timeout=900)[0]
+
+
+def _same(a, b, rel=1e-5):
+    assert len(a) == len(b) == 3
+    for (l0, g0), (l1, g1) in zip(a, b):
+        assert l1 == pytest.approx(l0, rel=rel) and g1 == pytest.approx(g0, rel=rel), (a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,reference", [("flash layers", "flash"), ("flash layers", "local"),
+                                            ("flash layers, fusion installed", "flash"),
+                                            ("flash, gpu fusions", "flash"),
+                                            ("flash layers, gpu fusions", "flash, gpu fusions"),
+                                            ("lora flash layers", "lora flash")])
+def test_compiled_layers_train_as_eager(runs, name, reference):
+    _same(runs[reference]["steps"], runs[name]["steps"])
+
+
+@pytest.mark.slow
+def test_compiled_bf16_layers_track_eager(runs):
+    """bf16 (the GPU's dtype): inductor fuses and rounds differently from the eager ops, so the runs track."""
+    _same(runs["bf16 flash"]["steps"], runs["bf16 flash layers"]["steps"], rel=2e-2)
+
+
+@pytest.mark.slow
+def test_each_layer_is_one_graph_shared_by_all_layers(runs):
+    for name in ("flash layers", "flash layers, fusion installed", "flash layers, gpu fusions", "bf16 flash layers",
+                 "lora flash layers"):
+        # 2 layers x 4 micro-batches x 3 steps: one compilation, and one more once a pack's longest segment
+        # differs; never one per layer or per pack (without the steady inputs: 6 here). LoRA twice that: its
+        # frozen embedding hands the first layer an input that needs no gradient
+        most = 4 if name.startswith("lora") else 2
+        assert runs[name]["graph breaks"] == 0 and 1 <= runs[name]["compiles"] <= most, (name, runs[name])
+    assert runs["flash"]["compiles"] == 0  # eager on a CPU: the regions compile on CUDA only
+    assert runs["flash, gpu fusions"]["compiles"] > 0  # (megatron-core's fused SwiGLU and bias-dropout-add did run)
+
+
+@pytest.mark.slow
+def test_row_parallel_linear_no_longer_warns_per_call(runs):
+    """megatron-core 0.16.1's RowParallelLinear warned on every call (tp_group=None): ours passes its group."""
+    assert all(r["tp_group warnings"] == 0 for r in runs.values()), {k: r["tp_group warnings"] for k, r in
+                                                                     runs.items()}
+
+
+@pytest.mark.parametrize("overrides,backend,match", [
+    ({}, "local", "needs --attention-backend flash"),
+    ({}, "te", "needs --attention-backend flash"),
+    ({"num_experts": 4}, "flash", "MoE"),
+    ({"tensor_model_parallel_size": 2}, "flash", "tensor parallelism"),
+    ({"context_parallel_size": 2}, "flash", "context parallelism"),
+    ({"sequence_packing_scheduler": "default_dynamic_cp"}, "flash", "context parallelism"),
+])
+def test_unsupported_layouts_are_refused_with_the_reason(overrides, backend, match):
+    import types
+
+    from mindspeed_pack.model import compiled_layers
+
+    args = types.SimpleNamespace(**overrides)
+    with pytest.raises(ValueError, match=rf"--torch-compile-kernels layers: .*{match}"):
+        compiled_layers.check_supported(args, backend)
+    assert compiled_layers.unsupported_reason(types.SimpleNamespace(), "flash") == ""
+
+
+def test_a_layer_that_cannot_be_traced_whole_stops_with_the_flag_named():
+    import torch
+
+    from mindspeed_pack.model import compiled_layers
+
+    class Layer(torch.nn.Module):
+        layer_number = 7
+
+        def forward(self, hidden_states):
+            torch._dynamo.graph_break()  # (a construct dynamo cannot put into one graph)
+            return hidden_states + 1
+
+    layer = Layer()
+    forward = compiled_layers._compiled_forward(layer)
+    with pytest.raises(compiled_layers.LayerCompileError, match=r"layers: transformer layer 7 could not be compiled "
+                                                               r"whole .*--torch-compile-kernels auto"):
+        forward(torch.zeros(2))
+
+
+@pytest.mark.parametrize("extra,match", [(["--tensor-model-parallel-size", "2"], "tensor parallelism"),
+                                         (["--attention-backend", "local"], "needs --attention-backend flash")])
+def test_the_command_line_is_refused_before_anything_is_built(capsys, extra, match):
+    import posttrain
+    from mindspeed_pack.config.arguments import parse_args
+
+    argv = [*TINY_FLAGS, "--seq-length", "128", "--data-path", "x", "--train-iters", "2", "--torch-compile-kernels",
+            "layers", *extra]
+    with pytest.raises(SystemExit):
+        parse_args(argv, world_size=2, extra_args_provider=posttrain.posttrain_args)
+    assert f"--torch-compile-kernels layers: {match}" in capsys.readouterr().err
