@@ -29,7 +29,9 @@ syncs per iteration, GPU time split into matmuls, attention, loss, optimizer, el
 communication and idle, and the top 10 kernels (on a CPU aten ops stand in for kernels).
 
 ``--suite`` runs the issue's whole table in one command and writes one JSON (``--json``, after every run), its
-parts in ``--parts`` order: (a) ``shapes``: ``--suite-shapes`` (0.5b 1.5b), ours vs transformers; ``loss``: ours
+parts in ``--parts`` order: (a) ``shapes``: ``--suite-shapes`` (0.5b 1.5b), ours vs transformers; ``layers``: ours
+with every transformer layer compiled whole (``--torch-compile-kernels layers``; at the sweep shape also at 2 packs
+per forward) against the default; ``loss``: ours
 with ``--loss-chunks`` (0: the unfused loss) against the default at those shapes; (b) ``lora``: LoRA r=16 at
 ``--lora-shape`` (7b), ours vs transformers + PEFT; (c) ``microbatch``: ours at ``--micro-batches`` (1 2 4) packs
 per forward at ``--sweep-shape`` (0.5b; 1 is (a)'s run); (d) with ``--profile``, the profile of every run (it
@@ -84,7 +86,7 @@ SHAPES = {
                   num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
 }
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
-SUITE_PARTS = ("shapes", "loss", "lora", "microbatch")
+SUITE_PARTS = ("shapes", "layers", "loss", "lora", "microbatch")
 PROFILED_STEPS = 2
 
 
@@ -765,6 +767,28 @@ def run_suite(opts, ws: Workspace, peak, device_name: str) -> dict:
                 save()
             print_table(f"loss paths at {shape} (ours; default: chunked above 512 MiB of fp32 logits)", row)
 
+    def layers(res):
+        """Ours with every transformer layer compiled whole (``--torch-compile-kernels layers``) against (a)'s
+        default, the same packs, at each shape and, at the sweep shape, at 2 packs per forward too."""
+        for shape in opts.suite_shapes:
+            row = {"default": out["suite"].get("shapes", {}).get(shape, {}).get("ours"),
+                   "transformers": out["suite"].get("shapes", {}).get(shape, {}).get("transformers")}
+            res[shape] = row = {k: v for k, v in row.items() if v}
+            hf_dir, prefix, _, lengths = ws.get(shape)
+            for mbs in ([1, 2] if shape == opts.sweep_shape and opts.global_batch % 2 == 0 else [1]):
+                what = f"--torch-compile-kernels layers, {mbs} pack{'s' if mbs > 1 else ''} per forward"
+                missing = None if on_gpu() else "no GPU: compiled layers need the flash backend"
+                if missing:
+                    skipped.append({"part": f"{what} at {shape}", "why": missing})
+                    continue
+                if late(f"{what} at {shape}"):
+                    continue
+                with ours(hf_dir, prefix, opts, ["--torch-compile-kernels", "layers", "--micro-batch-size",
+                                                 str(mbs)]) as side:
+                    row[what] = measure(side, opts, shape, lengths, peak)
+                save()
+            print_table(f"layers compiled whole at {shape} (ours) against the default and transformers", row)
+
     def lora(res):
         res.update(shape=opts.lora_shape, r=opts.lora_r, **{"adapter parameters": lora_parameters(opts.lora_shape,
                                                                                                 opts.lora_r)})
@@ -794,7 +818,7 @@ def run_suite(opts, ws: Workspace, peak, device_name: str) -> dict:
         print_table(f"(c) micro-batch sweep at {opts.sweep_shape} (ours)", res)
 
     for name in opts.parts:
-        part(name, {"shapes": shapes, "loss": loss, "lora": lora, "microbatch": sweep}[name])
+        part(name, {"shapes": shapes, "layers": layers, "loss": loss, "lora": lora, "microbatch": sweep}[name])
     if not opts.profile:
         skipped.append({"part": "profile", "why": "not asked for (--profile)"})
     out["seconds"] = time.perf_counter() - started

@@ -28,7 +28,7 @@ def test_gpu_suite_trains_the_same_packs_and_names_what_it_skipped(tmp_path, mon
                 "--steps", "2", "--micro-batches", "1", "2", "--json", str(out)])
     suite = json.loads(out.read_text())
     parts = suite["suite"]
-    assert set(parts) == {"shapes", "loss", "lora", "microbatch"}, parts
+    assert set(parts) == {"shapes", "layers", "loss", "lora", "microbatch"}, parts
     skipped = " | ".join(f"{s['part']}: {s['why']}" for s in suite["skipped"])
     assert "peft" in skipped and "no GPU" in skipped and "flash attention" in skipped, skipped
 
@@ -56,6 +56,12 @@ def test_gpu_suite_trains_the_same_packs_and_names_what_it_skipped(tmp_path, mon
     assert lora["ours"]["timed packs"] == [[2, 3], [4, 5]]
     assert lora["ours"]["TFLOP/s"] * lora["ours"]["seconds"] * 1e12 == pytest.approx(
         bench.step_flops("tiny", timed, lora_r=16), rel=1e-9)
+
+    # compiled layers: the flash backend's, so named as skipped here; the row keeps (a)'s two sides to compare with
+    assert "--torch-compile-kernels layers, 1 pack per forward at tiny: no GPU" in skipped
+    assert "--torch-compile-kernels layers, 2 packs per forward at tiny: no GPU" in skipped
+    assert parts["layers"]["tiny"]["default"]["tokens/s"] == ours["tokens/s"]
+    assert parts["layers"]["tiny"]["transformers"]["tokens/s"] == theirs["tokens/s"]
 
     # the loss paths: the unfused loss on the same packs as the default
     unfused = parts["loss"]["tiny"]["--cross-entropy-chunk-size 0"]
