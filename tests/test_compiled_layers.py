@@ -173,3 +173,38 @@ def test_the_command_line_is_refused_before_anything_is_built(capsys, extra, mat
     with pytest.raises(SystemExit):
         parse_args(argv, world_size=2, extra_args_provider=posttrain.posttrain_args)
     assert f"--torch-compile-kernels layers: {match}" in capsys.readouterr().err
+
+
+PARALLEL = {"pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
+
+
+def _parallel_rank(data):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from tests.train_utils import trainer_steps
+    from tests.varlen_cpu import use_cpu_flash
+
+    use_cpu_flash()
+    out = {}
+    for name, flags in PARALLEL.items():
+        for mode in ("auto", "layers"):
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            torch._dynamo.reset()
+            records = trainer_steps([*TINY_FLAGS, *flags, *COMMON, "--data-path", data, "--attention-backend",
+                                     "flash", "--torch-compile-kernels", mode])
+            out[(name, mode)] = [(r["lm loss"], r["grad norm"]) for r in records]
+    return out
+
+
+@pytest.mark.slow
+def test_compiled_layers_under_pipeline_and_data_parallelism(tmp_path):
+    """The pipeline's stages each compile their own layers (the second stage's first layer gets its input from the
+    first stage); data-parallel ranks each compile theirs: both train as their eager runs on every rank."""
+    from tests.train_utils import write_copy_task
+
+    data = write_copy_task(str(tmp_path / "copy"), num_packs=16)
+    for rank, out in enumerate(run_distributed(_parallel_rank, 2, data, timeout=900, threads_per_process=1)):
+        for name in PARALLEL:
+            _same(out[(name, "auto")], out[(name, "layers")])

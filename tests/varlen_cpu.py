@@ -2,7 +2,8 @@
 the ``flash`` backend runs on a CPU through the real op: the op's schema, autograd and fake (tracing) rules are
 torch's; only the kernels are these references (causal attention per segment, fp32 math, explicit gradients).
 
-:func:`use_cpu_flash` registers them (once per process) and lets the backend resolve without CUDA.
+:func:`use_cpu_flash` registers them (or kernels that cost nothing, for timing the rest of a step) and lets the
+backend resolve without CUDA.
 """
 from __future__ import annotations
 
@@ -62,12 +63,26 @@ def _backward(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, 
     return dq, dk, dv
 
 
-def use_cpu_flash() -> None:
-    """Register the CPU kernels (once) and let ``--attention-backend flash`` resolve on a CPU."""
+def _free_forward(query, key, value, *args, **kwargs):
+    """The output's shape and nothing else: a kernel that costs nothing, for timing the rest of the step."""
+    return query.clone(), torch.zeros(query.shape[1], query.shape[0]), torch.zeros(2, dtype=torch.uint64)
+
+
+def _free_backward(grad_out, query, key, value, *args, **kwargs):
+    return grad_out.clone(), torch.zeros_like(key), torch.zeros_like(value)
+
+
+KERNELS = {"reference": (_forward, _backward), "free": (_free_forward, _free_backward)}
+
+
+def use_cpu_flash(kernels: str = "reference") -> None:
+    """Register CPU kernels (``reference``: exact attention; ``free``: shapes only, for timing) and let
+    ``--attention-backend flash`` resolve on a CPU."""
     from mindspeed_pack.model import spec
 
-    if not _REGISTERED:
-        torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _forward)
-        torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", _backward)
-        _REGISTERED.append(True)
+    if _REGISTERED != [kernels]:
+        forward, backward = KERNELS[kernels]
+        torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", forward)
+        torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", backward)
+        _REGISTERED[:] = [kernels]
     spec.flash_unavailable_reason = lambda *a, **k: None
