@@ -5,7 +5,7 @@ The ``flash`` backend runs on this CPU through PyTorch's real varlen op with ref
 (tests/varlen_cpu.py), so dynamo traces what it traces on a GPU: the op, megatron-core's layer, the packed RoPE.
 Three fp32 steps each: loss and grad norm equal the eager flash run's and the exact local backend's (rel <=
 1e-5), with megatron-core's fused SwiGLU and bias-dropout-add as a GPU builds them, with the
-gradient-accumulation fusion installed and with LoRA too; each layer is one graph (``fullgraph``: a break
+gradient-accumulation fusion installed, with LoRA and for DPO (a no-grad reference forward) too; each layer is one graph (``fullgraph``: a break
 is an error) and all layers share a handful of compilations. The gradient-accumulation fusion, installed, stays
 unused inside compiled layers (megatron-core's fused backward sets attributes of the weight, which dynamo cannot
 trace): the DDP hook adds the weight gradients.
@@ -20,6 +20,7 @@ from tests.model_utils import TINY_FLAGS
 COMMON = ["--seq-length", "128", "--neat-pack", "--micro-batch-size", "1", "--global-batch-size", "4",
           "--train-iters", "3", "--lr", "1e-3", "--min-lr", "1e-3", "--lr-warmup-iters", "0", "--seed", "3"]
 LORA = ["--load", "hf", "--lora-r", "4", "--lora-alpha", "8"]
+DPO = ["--stage", "dpo", "--dpo-beta", "0.5", "--data-path", "pairs"]
 GPU_FUSIONS = "gpu fusions"  # megatron-core's fused SwiGLU and bias-dropout-add, as a GPU builds the layers
 RUNS = {  # name: (flags, wgrad fusion installed)
     "local": (["--attention-backend", "local"], False),
@@ -30,6 +31,9 @@ RUNS = {  # name: (flags, wgrad fusion installed)
                                   False),
     "bf16 flash": (["--attention-backend", "flash", "--bf16"], False),
     "bf16 flash layers": (["--attention-backend", "flash", "--bf16", "--torch-compile-kernels", "layers"], False),
+    # DPO: the reference forward runs without gradients (its own compilation)
+    "dpo flash": ([*DPO, "--attention-backend", "flash"], False),
+    "dpo flash layers": ([*DPO, "--attention-backend", "flash", "--torch-compile-kernels", "layers"], False),
     "lora flash": ([*LORA, "--attention-backend", "flash"], False),
     "lora flash layers": ([*LORA, "--attention-backend", "flash", "--torch-compile-kernels", "layers"], False),
     # last: installing the accumulation is for the rest of the process
@@ -37,7 +41,7 @@ RUNS = {  # name: (flags, wgrad fusion installed)
 }
 
 
-def _rank(data, hf):
+def _rank(data, hf, pairs):
     import torch
     from megatron.core import parallel_state as ps
     from torch._dynamo.utils import counters
@@ -62,8 +66,8 @@ def _rank(data, hf):
         counters.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            records = trainer_steps([hf if f == "hf" else f for f in [*TINY_FLAGS, *flags]]
-                                    + [*COMMON, "--data-path", data])
+            argv = [*TINY_FLAGS, *COMMON, "--data-path", data, *flags]  # (the last --data-path counts)
+            records = trainer_steps([{"hf": hf, "pairs": pairs}.get(f, f) for f in argv])
         out[name] = {"steps": [(r["lm loss"], r["grad norm"]) for r in records],
                      "compiles": counters["stats"]["unique_graphs"],
                      "graph breaks": sum(counters["graph_break"].values()),
@@ -74,12 +78,14 @@ def _rank(data, hf):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from tests.model_utils import write_converted_tiny_qwen2
+    from tests.pair_utils import random_pairs, write_pair_dataset
     from tests.train_utils import write_copy_task
 
     root = tmp_path_factory.mktemp("layers")
     write_converted_tiny_qwen2(root / "qwen")
     data = write_copy_task(str(root / "copy"), num_packs=16)
-    return run_distributed(_rank, 1, data, str(root / "qwen" / "hf"), timeout=900)[0]
+    pairs = write_pair_dataset(str(root / "pairs"), random_pairs(24, seed=11))
+    return run_distributed(_rank, 1, data, str(root / "qwen" / "hf"), pairs, timeout=900)[0]
 
 
 def _same(a, b, rel=1e-5):
@@ -93,6 +99,7 @@ def _same(a, b, rel=1e-5):
                                             ("flash layers, fusion installed", "flash"),
                                             ("flash, gpu fusions", "flash"),
                                             ("flash layers, gpu fusions", "flash, gpu fusions"),
+                                            ("dpo flash layers", "dpo flash"),
                                             ("lora flash layers", "lora flash")])
 def test_compiled_layers_train_as_eager(runs, name, reference):
     _same(runs[reference]["steps"], runs[name]["steps"])
@@ -107,11 +114,11 @@ def test_compiled_bf16_layers_track_eager(runs):
 @pytest.mark.slow
 def test_each_layer_is_one_graph_shared_by_all_layers(runs):
     for name in ("flash layers", "flash layers, fusion installed", "flash layers, gpu fusions", "bf16 flash layers",
-                 "lora flash layers"):
+                 "dpo flash layers", "lora flash layers"):
         # 2 layers x 4 micro-batches x 3 steps: one compilation, and one more once a pack's longest segment
         # differs; never one per layer or per pack (without the steady inputs: 6 here). LoRA twice that: its
         # frozen embedding hands the first layer an input that needs no gradient
-        most = 4 if name.startswith("lora") else 2
+        most = 4 if name.startswith(("lora", "dpo")) else 2  # (DPO: the reference's no-grad pair)
         assert runs[name]["graph breaks"] == 0 and 1 <= runs[name]["compiles"] <= most, (name, runs[name])
     assert runs["flash"]["compiles"] == 0  # eager on a CPU: the regions compile on CUDA only
     assert runs["flash, gpu fusions"]["compiles"] > 0  # (megatron-core's fused SwiGLU and bias-dropout-add did run)
