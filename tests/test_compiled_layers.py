@@ -4,11 +4,11 @@ whole trains as the eager layers do.
 The ``flash`` backend runs on this CPU through PyTorch's real varlen op with reference kernels
 (tests/varlen_cpu.py), so dynamo traces what it traces on a GPU: the op, megatron-core's layer, the packed RoPE.
 Three fp32 steps each: loss and grad norm equal the eager flash run's and the exact local backend's (rel <=
-1e-5), with megatron-core's fused SwiGLU and bias-dropout-add as a GPU builds them, with the
-gradient-accumulation fusion installed, with LoRA and for DPO (a no-grad reference forward) too; each layer is one graph (``fullgraph``: a break
-is an error) and all layers share a handful of compilations. The gradient-accumulation fusion, installed, stays
-unused inside compiled layers (megatron-core's fused backward sets attributes of the weight, which dynamo cannot
-trace): the DDP hook adds the weight gradients.
+1e-5), with megatron-core's fused SwiGLU and bias-dropout-add as a GPU builds them, with the gradient-accumulation
+fusion installed, with LoRA, for DPO (a no-grad reference forward), under PP2 and DP2; bf16 tracks. Each layer is
+one graph (``fullgraph``: a break is an error) and all layers share a handful of compilations. The
+gradient-accumulation fusion, installed, stays unused inside compiled layers (megatron-core's fused backward sets
+attributes of the weight, which dynamo cannot trace): the DDP hook adds the weight gradients.
 """
 import warnings
 
