@@ -53,14 +53,15 @@ def test_packed_equals_unpacked_on_cuda_fp32():
         assert loss_rel <= 1e-5 and grad_rel <= 1e-5, (lengths, loss_rel, grad_rel)
 
 
-def _bf16_logits_errors(root, device="cuda", backend="flash", isolated=True):
+def _bf16_logits_errors(root, device="cuda", backend="flash", isolated=True, compile_mode="auto"):
     """Packed bf16 logits of ``backend`` and transformers' bf16 logits of each sample alone, each against
     transformers' fp32 logits of each sample alone (max |difference| / max |reference|).
 
     bf16 has 8 bits of mantissa: two correct bf16 implementations differ from each other by about the sum of their
     errors, so the test bounds ours by transformers' own bf16 error, not by a fixed number (on an H200 the flash
     path was 0.044 from transformers' bf16 logits, over the fixed 0.02 this test used to assert). ``isolated=False``
-    runs the pack without its segments (every token attends to the samples before it): the negative control."""
+    runs the pack without its segments (every token attends to the samples before it): the negative control.
+    ``compile_mode``: ``--torch-compile-kernels`` (``layers``: every layer compiled whole)."""
     import torch
     import transformers
 
@@ -82,7 +83,7 @@ def _bf16_logits_errors(root, device="cuda", backend="flash", isolated=True):
     hf_to_megatron(f"{root}/hf", f"{root}/mg", 1, 1, padded_vocab_size=256)
     hf = hf.to(device).eval()
     args = tiny_args(hidden_size=128, ffn_hidden_size=256, seq_length=256, bf16=True, attention_backend=backend,
-                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+                     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, torch_compile_kernels=compile_mode)
     model = build_gpt_model(args)
     load_weights(args, f"{root}/mg", model)
     model = model.to(device, torch.bfloat16).eval()
@@ -116,6 +117,27 @@ def test_flash_backend_logits_equal_transformers_per_sample(tmp_path):
                                       timeout=600)[0]
     assert backend == "flash"
     assert errors["ours"] <= 2 * errors["transformers"] + 1e-3, errors
+
+
+@needs_cuda
+def test_compiled_layers_logits_equal_transformers_per_sample(tmp_path):
+    """The same bound with every layer compiled whole (``--torch-compile-kernels layers``): Triton's fused kernels and
+    the real varlen kernel inside one graph per layer."""
+    backend, errors = run_distributed(_bf16_logits_errors, 1, str(tmp_path), env=ON_GPU, start_method="spawn",
+                                      timeout=600, compile_mode="layers")[0]
+    assert backend == "flash"
+    assert errors["ours"] <= 2 * errors["transformers"] + 1e-3, errors
+
+
+def test_compiled_layers_bf16_bound_holds_on_cpu(tmp_path, monkeypatch):
+    """Compiled layers on a CPU (torch's varlen op with reference kernels, inductor's C++): within the bound."""
+    from mindspeed_pack.model import spec
+    from tests.varlen_cpu import register_cpu_kernels
+
+    register_cpu_kernels()
+    monkeypatch.setattr(spec, "flash_unavailable_reason", lambda *a, **k: None)
+    backend, errors = _bf16_logits_errors(str(tmp_path), "cpu", "flash", compile_mode="layers")
+    assert backend == "flash" and errors["ours"] <= 2 * errors["transformers"] + 1e-3, errors
 
 
 def test_bf16_bound_holds_on_cpu_and_catches_a_leak(tmp_path):

@@ -75,14 +75,19 @@ def _free_backward(grad_out, query, key, value, *args, **kwargs):
 KERNELS = {"reference": (_forward, _backward), "free": (_free_forward, _free_backward)}
 
 
-def use_cpu_flash(kernels: str = "reference") -> None:
-    """Register CPU kernels (``reference``: exact attention; ``free``: shapes only, for timing) and let
-    ``--attention-backend flash`` resolve on a CPU."""
-    from mindspeed_pack.model import spec
-
+def register_cpu_kernels(kernels: str = "reference") -> None:
+    """CPU kernels for the ops (``reference``: exact attention; ``free``: shapes only, for timing)."""
     if _REGISTERED != [kernels]:
         forward, backward = KERNELS[kernels]
         torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", forward)
         torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", backward)
         _REGISTERED[:] = [kernels]
+
+
+def use_cpu_flash(kernels: str = "reference") -> None:
+    """Register the CPU kernels and let ``--attention-backend flash`` resolve on a CPU, for the rest of the process
+    (a rank of a test job; in the test process itself patch ``spec.flash_unavailable_reason`` with monkeypatch)."""
+    from mindspeed_pack.model import spec
+
+    register_cpu_kernels(kernels)
     spec.flash_unavailable_reason = lambda *a, **k: None
