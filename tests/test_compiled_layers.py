@@ -77,15 +77,13 @@ def _rank(data, hf, pairs):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from tests.model_utils import write_converted_tiny_qwen2
     from tests.pair_utils import random_pairs, write_pair_dataset
-    from tests.train_utils import write_copy_task
+    from tests.train_utils import copy_task_and_tiny_qwen2
 
     root = tmp_path_factory.mktemp("layers")
-    write_converted_tiny_qwen2(root / "qwen")
-    data = write_copy_task(str(root / "copy"), num_packs=16)
+    data, hf = copy_task_and_tiny_qwen2(root)
     pairs = write_pair_dataset(str(root / "pairs"), random_pairs(24, seed=11))
-    return run_distributed(_rank, 1, data, str(root / "qwen" / "hf"), pairs, timeout=900)[0]
+    return run_distributed(_rank, 1, data, hf, pairs, timeout=900)[0]
 
 
 def _same(a, b, rel=1e-5):

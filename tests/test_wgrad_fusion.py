@@ -55,13 +55,10 @@ def _rank(data, hf):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from tests.model_utils import write_converted_tiny_qwen2
-    from tests.train_utils import write_copy_task
+    from tests.train_utils import copy_task_and_tiny_qwen2
 
-    root = tmp_path_factory.mktemp("wgrad")
-    write_converted_tiny_qwen2(root / "qwen")
-    data = write_copy_task(str(root / "copy"), num_packs=16)
-    return run_distributed(_rank, 2, data, str(root / "qwen" / "hf"), timeout=600)[0]
+    data, hf = copy_task_and_tiny_qwen2(tmp_path_factory.mktemp("wgrad"))
+    return run_distributed(_rank, 2, data, hf, timeout=600)[0]
 
 
 @pytest.mark.slow

@@ -104,3 +104,12 @@ def sft_trainer(args, batch_source):
     from mindspeed_pack.training.trainer import Trainer
 
     return Trainer(args, batch_source, SFTStage(args))
+
+
+def copy_task_and_tiny_qwen2(root) -> tuple:
+    """A 16-pack copy task and a tiny Qwen2 (its HF directory, converted beside it) under ``root``:
+    (the data prefix, the HF directory), for jobs that train from scratch and with ``--load HF_DIR``."""
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    write_converted_tiny_qwen2(root / "qwen")
+    return write_copy_task(str(root / "copy"), num_packs=16), str(root / "qwen" / "hf")
