@@ -425,10 +425,13 @@ def steps_run(opts) -> int:
 def measure(side: Side, opts, shape: str, lengths: List[np.ndarray], peak: Optional[float],
             lora_r: Optional[int] = None) -> dict:
     """Warm-up, timed steps (tokens/s, TFLOP/s of the timed packs, MFU, peak memory), one step counting
-    launches, one counting host syncs, and with ``--profile`` two profiled steps."""
+    launches, one counting host syncs, and with ``--profile`` two profiled steps. The warm-up's seconds (compiles
+    included) and each timed step's are kept: runs of the same code varied by 20% between device calls."""
+    warm = time.perf_counter()
     for _ in range(opts.warmup):
         side.step()
     sync()
+    warm = time.perf_counter() - warm
     reset_peak_memory()
     first = len(side.trained)
     times, tokens = [], 0
@@ -441,7 +444,8 @@ def measure(side: Side, opts, shape: str, lengths: List[np.ndarray], peak: Optio
     timed_packs = side.trained[first:first + opts.steps]
     flops = step_flops(shape, [lengths[i] for packs in timed_packs for i in packs], lora_r)
     result = {"backend": side.backend, "seconds": seconds, "tokens": tokens, "tokens/s": tokens / seconds,
-              "TFLOP/s": flops / seconds / 1e12, "peak memory GiB": peak_memory_gib()}
+              "TFLOP/s": flops / seconds / 1e12, "peak memory GiB": peak_memory_gib(),
+              "warm-up seconds": warm, "step seconds": times}
     result["MFU"] = result["TFLOP/s"] / peak if peak else None
     result["syncs/step"] = syncs_of(side.step)
     if opts.profile:  # the profile counts the launches and the busy share too: no separate step for them

@@ -49,6 +49,8 @@ def test_gpu_suite_trains_the_same_packs_and_names_what_it_skipped(tmp_path, mon
         assert profile["time split ms/iteration"]["matmuls"] > 0 and len(profile["top 10 kernels"]) == 10
         assert profile["kernel launches/iteration"] > 0
         assert isinstance(side["torch.compile"], dict)  # dynamo's counters of the run (none compile on a CPU)
+        assert side["warm-up seconds"] > 0 and len(side["step seconds"]) == 2
+        assert sum(side["step seconds"]) == pytest.approx(side["seconds"])
 
     # (b) LoRA: ours ran with adapters (tokens counted over the same packs), the PEFT side is named as skipped
     lora = parts["lora"]
