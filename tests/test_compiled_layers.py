@@ -5,10 +5,11 @@ The ``flash`` backend runs on this CPU through PyTorch's real varlen op with ref
 (tests/varlen_cpu.py), so dynamo traces what it traces on a GPU: the op, megatron-core's layer, the packed RoPE.
 Three fp32 steps each: loss and grad norm equal the eager flash run's and the exact local backend's (rel <=
 1e-5), with megatron-core's fused SwiGLU and bias-dropout-add as a GPU builds them, with the gradient-accumulation
-fusion installed, with LoRA, for DPO (a no-grad reference forward), under PP2 and DP2; bf16 tracks. Each layer is
-one graph (``fullgraph``: a break is an error) and all layers share a handful of compilations. The
-gradient-accumulation fusion, installed, stays unused inside compiled layers (megatron-core's fused backward sets
-attributes of the weight, which dynamo cannot trace): the DDP hook adds the weight gradients.
+fusion installed, at two packs per forward, with LoRA, for DPO (a no-grad reference forward), under PP2 and DP2;
+bf16 tracks. Each layer is one graph (``fullgraph``: a break is an error, so no op inside can wait on the device)
+and all layers share a handful of compilations. The gradient-accumulation fusion, installed, stays unused inside
+compiled layers (megatron-core's fused backward sets attributes of the weight, which dynamo cannot trace): the DDP
+hook adds the weight gradients.
 """
 import warnings
 
@@ -29,6 +30,10 @@ RUNS = {  # name: (flags, wgrad fusion installed)
     "flash, gpu fusions": (["--attention-backend", "flash", GPU_FUSIONS], False),
     "flash layers, gpu fusions": (["--attention-backend", "flash", "--torch-compile-kernels", "layers", GPU_FUSIONS],
                                   False),
+    # several packs per forward: one THD sequence of twice the tokens
+    "flash mbs2": (["--attention-backend", "flash", "--micro-batch-size", "2"], False),
+    "flash layers mbs2": (["--attention-backend", "flash", "--micro-batch-size", "2", "--torch-compile-kernels",
+                           "layers"], False),
     "bf16 flash": (["--attention-backend", "flash", "--bf16"], False),
     "bf16 flash layers": (["--attention-backend", "flash", "--bf16", "--torch-compile-kernels", "layers"], False),
     # DPO: the reference forward runs without gradients (its own compilation)
@@ -98,6 +103,7 @@ def _same(a, b, rel=1e-5):
                                             ("flash, gpu fusions", "flash"),
                                             ("flash layers, gpu fusions", "flash, gpu fusions"),
                                             ("dpo flash layers", "dpo flash"),
+                                            ("flash layers mbs2", "flash mbs2"),
                                             ("lora flash layers", "lora flash")])
 def test_compiled_layers_train_as_eager(runs, name, reference):
     _same(runs[reference]["steps"], runs[name]["steps"])
@@ -111,8 +117,8 @@ def test_compiled_bf16_layers_track_eager(runs):
 
 @pytest.mark.slow
 def test_each_layer_is_one_graph_shared_by_all_layers(runs):
-    for name in ("flash layers", "flash layers, fusion installed", "flash layers, gpu fusions", "bf16 flash layers",
-                 "dpo flash layers", "lora flash layers"):
+    for name in ("flash layers", "flash layers, fusion installed", "flash layers, gpu fusions", "flash layers mbs2",
+                 "bf16 flash layers", "dpo flash layers", "lora flash layers"):
         # 2 layers x 4 micro-batches x 3 steps: one compilation, and one more once a pack's longest segment
         # differs; never one per layer or per pack (without the steady inputs: 6 here). LoRA twice that: its
         # frozen embedding hands the first layer an input that needs no gradient
