@@ -8,7 +8,8 @@ elementwise work (norms, RoPE, SwiGLU, bias and residual adds) into a few kernel
 generated code, and megatron-core's Python runs once, at tracing.
 
 - **One graph or an error.** ``fullgraph=True``: a construct dynamo cannot trace stops the first call with an
-  error naming this flag, never a layer silently split into pieces; so does passing the recompile limit.
+  error naming this flag, never a layer silently split into pieces; so does passing the recompile limit. A read
+  of a device value (``.item()``, ``nonzero``) would be such a break, so none can hide inside a compiled layer.
 - **Shared code, few compilations.** All layers run one compiled code (their parameters are graph inputs). The
   token count stays static (the kernels inductor picks for it); a pack's segment count (the length of
   ``cu_seqlens``) is symbolic from the first call, its longest segment once it changes: two compilations per
