@@ -13,12 +13,14 @@ generated code, and megatron-core's Python runs once, at tracing.
 - **Shared code, few compilations.** All layers run one compiled code (their parameters are graph inputs). The
   token count stays static (the kernels inductor picks for it); a pack's segment count (the length of
   ``cu_seqlens``) is symbolic from the first call, its longest segment once it changes: two compilations per
-  run, two more for a no-grad forward (evaluation).
+  run, two more for a no-grad forward (evaluation, DPO's reference), twice that under LoRA (the frozen
+  embedding hands the first layer an input that needs no gradient).
 - **What it covers.** Dense layers with the ``flash`` backend (PyTorch's varlen FlashAttention is a traceable
   custom op; the ``local`` backend plans its buckets on the host), without tensor or context parallelism
-  (their collectives run inside the layer). Pipeline and data parallelism, LoRA and the gradient-accumulation
-  fusion (:mod:`.wgrad_fusion`) sit outside the traced code or trace with it. Anything else is refused
-  before the model is built, with the reason.
+  (their collectives run inside the layer). Pipeline and data parallelism, several packs per forward, LoRA and
+  the preference stages sit outside the traced code or trace with it. The gradient-accumulation fusion
+  (:mod:`.wgrad_fusion`) stays off: megatron-core's fused backward sets attributes of the weight, which dynamo
+  cannot trace. Anything else is refused before the model is built, with the reason.
 - The small regions of :mod:`.compiled` inside a layer are traced inline; the loss's stay compiled apart.
 """
 from __future__ import annotations
@@ -69,6 +71,7 @@ def compile_layers(model: torch.nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
         layer.forward = _compiled_forward(layer)
+    log.info("%s: %d transformer layers compiled whole (at their first call)", FLAG, len(layers))
     return len(layers)
 
 
