@@ -174,8 +174,10 @@ def test_a_layer_that_cannot_be_traced_whole_stops_with_the_flag_named():
 
 
 @pytest.mark.parametrize("extra,match", [(["--tensor-model-parallel-size", "2"], "tensor parallelism"),
-                                         (["--attention-backend", "local"], "needs --attention-backend flash")])
+                                         (["--attention-backend", "local"], "needs --attention-backend flash"),
+                                         ([], "needs --attention-backend flash (this run's is 'local'")])
 def test_the_command_line_is_refused_before_anything_is_built(capsys, extra, match):
+    """One usage error, the reason named (``auto`` resolved as the build would: ``local`` on this CPU)."""
     import posttrain
     from mindspeed_pack.config.arguments import parse_args
 

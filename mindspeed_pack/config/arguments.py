@@ -27,7 +27,7 @@ from mindspeed_pack.config import (
 )
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.model import compiled_layers, lora
-from mindspeed_pack.model.gpt import padded_vocab_size
+from mindspeed_pack.model.gpt import attention_backend, padded_vocab_size
 from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
 from mindspeed_pack.runtime.platform import cuda_usable
 
@@ -581,9 +581,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if world_size % (tp * pp * cp):
         raise ArgumentError(f"world size {world_size} is not divisible by TP {tp} x PP {pp} x CP {cp}")
     args.data_parallel_size = world_size // (tp * pp * cp)
-    if args.torch_compile_kernels == "layers":  # what needs no device is refused now; the backend once resolved
-        why = compiled_layers.unsupported_reason(args, "flash" if args.attention_backend == "auto"
-                                                 else args.attention_backend)
+    if args.torch_compile_kernels == "layers":  # refused before anything is built, with the backend it would get
+        try:
+            backend = attention_backend(args, quiet=True)
+        except RuntimeError:  # a backend this machine cannot run: the build says so
+            backend = args.attention_backend
+        why = compiled_layers.unsupported_reason(args, backend)
         if why:
             raise ArgumentError(f"{compiled_layers.FLAG}: {why}")
     if args.global_batch_size is None:

@@ -42,10 +42,7 @@ class LayerCompileError(RuntimeError):
 
 
 def unsupported_reason(args, backend: str) -> str:
-    """Why this run cannot compile its layers whole ("" if it can)."""
-    if backend != "flash":
-        return (f"needs --attention-backend flash (this run's is {backend!r}: the local backend plans its "
-                f"buckets on the host, Transformer Engine's modules are not traced)")
+    """Why this run cannot compile its layers whole ("" if it can); the layout's reasons before the backend's."""
     if getattr(args, "num_experts", None):
         return "MoE layers route tokens by data-dependent counts (host reads); use --torch-compile-kernels auto"
     if getattr(args, "tensor_model_parallel_size", 1) > 1:
@@ -53,6 +50,9 @@ def unsupported_reason(args, backend: str) -> str:
     if getattr(args, "context_parallel_size", 1) > 1 or \
             getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
         return "context parallelism runs collectives inside attention; use --torch-compile-kernels auto"
+    if backend != "flash":
+        return (f"needs --attention-backend flash (this run's is {backend!r}: the local backend plans its "
+                f"buckets on the host, Transformer Engine's modules are not traced)")
     return ""
 
 

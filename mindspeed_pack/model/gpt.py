@@ -128,9 +128,14 @@ def _no_te(args) -> str:
     return ""
 
 
+def attention_backend(args, quiet: bool = False) -> str:
+    """The attention backend this run builds (``--attention-backend``, ``auto`` resolved on this machine)."""
+    return resolve_backend(getattr(args, "attention_backend", "auto"), params_dtype(args),
+                           getattr(args, "attention_dropout", 0.0), _no_te(args), quiet=quiet)
+
+
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> PackedGPTModel:
-    backend = resolve_backend(getattr(args, "attention_backend", "auto"), params_dtype(args),
-                              getattr(args, "attention_dropout", 0.0), _no_te(args))
+    backend = attention_backend(args)
     compile_mode = getattr(args, "torch_compile_kernels", "auto")
     if compile_mode == "layers":
         compiled_layers.check_supported(args, backend)

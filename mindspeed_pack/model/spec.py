@@ -68,9 +68,10 @@ def _stage_layers(config, dense, moe, vp_stage=None) -> list:
 
 
 def resolve_backend(requested: str = "auto", dtype=None, attention_dropout: float = 0.0,
-                    no_te: str = "") -> str:
-    """The attention backend to build for a model of ``dtype``; logs the choice and the reason.
-    ``no_te``: why this run cannot use Transformer Engine (``auto`` then skips it)."""
+                    no_te: str = "", quiet: bool = False) -> str:
+    """The attention backend to build for a model of ``dtype``; logs the choice and the reason (unless ``quiet``:
+    a check of the flags before the build). ``no_te``: why this run cannot use Transformer Engine (``auto`` then
+    skips it)."""
     import torch
 
     if requested not in BACKENDS:
@@ -100,7 +101,8 @@ def resolve_backend(requested: str = "auto", dtype=None, attention_dropout: floa
     desc = {"te": "Transformer Engine fused attention (THD)",
             "flash": "varlen FlashAttention (torch.nn.attention.varlen, THD), RoPE by position",
             "local": "local spec with exact segment-causal SDPA (THD), RoPE by position"}[requested]
-    log.info("attention backend %s: %s (%s)", requested, desc, why)
+    if not quiet:
+        log.info("attention backend %s: %s (%s)", requested, desc, why)
     return requested
 
 
