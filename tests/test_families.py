@@ -274,7 +274,7 @@ def test_the_transformer_engine_path_is_handed_the_family(monkeypatch):
         handed.append((backend, config.qk_layernorm, qk_layernorm, config.kv_channels))
         return spec_module.layer_spec("local", config, qk_layernorm, vp_stage)
 
-    monkeypatch.setattr(gpt, "resolve_backend", lambda requested, *dtype_and_dropout: "te")
+    monkeypatch.setattr(gpt, "resolve_backend", lambda requested, *dtype_and_dropout, **quiet: "te")
     monkeypatch.setattr(gpt, "layer_spec", te_layer_spec)
     args = tiny_args(add_qkv_bias=False, qk_layernorm=True, kv_channels=24, use_rope_scaling=True,
                      rope_scaling_factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
