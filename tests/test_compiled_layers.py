@@ -221,3 +221,16 @@ def test_compiled_layers_under_pipeline_and_data_parallelism(tmp_path):
     for rank, out in enumerate(run_distributed(_parallel_rank, 2, data, timeout=900, threads_per_process=1)):
         for name in PARALLEL:
             _same(out[(name, "auto")], out[(name, "layers")])
+
+
+def test_dry_run_says_what_is_compiled(capsys, monkeypatch):
+    import posttrain
+    from mindspeed_pack.model import spec
+
+    monkeypatch.setattr(spec, "flash_unavailable_reason", lambda *a, **k: None)  # (as on a GPU)
+    common = [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+              "--train-iters", "1", "--data-path", "none", "--dry-run"]
+    posttrain.main([*common, "--torch-compile-kernels", "layers"])
+    assert "# torch.compile: every transformer layer whole, forward and backward" in capsys.readouterr().out
+    posttrain.main(common)
+    assert "# torch.compile: RoPE's and the loss's elementwise regions, on CUDA" in capsys.readouterr().out

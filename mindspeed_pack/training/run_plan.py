@@ -156,6 +156,13 @@ def _loss_line(args) -> str:
     return f"loss: {what} ({size}, {why})"
 
 
+COMPILE_LINES = {
+    "auto": "torch.compile: RoPE's and the loss's elementwise regions, on CUDA (eager on a CPU)",
+    "off": "torch.compile: off (every op eager)",
+    "layers": "torch.compile: every transformer layer whole, forward and backward (compiled in the first steps)",
+}
+
+
 # ---------------------------------------------------------------------------- the plan
 def _data_lines(args) -> list:
     if getattr(args, "rollout_path", None):
@@ -221,6 +228,7 @@ def plan_lines(args) -> list:
                  + (f"; LoRA: {_count(m['trained per GPU'])} trained per GPU" if lora.settings_from_args(args) else "")
                  + ")")
     lines.append(_loss_line(args))
+    lines.append(COMPILE_LINES[getattr(args, "torch_compile_kernels", "auto")])
     lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GiB + gradients {m['gradients']:.2f} GiB + "
                  f"optimizer {m['optimizer']:.2f} GiB + activations {m['activations']:.2f} GiB = {m['total']:.2f} GiB "
                  "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
