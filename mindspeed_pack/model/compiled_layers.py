@@ -46,7 +46,8 @@ def unsupported_reason(args, backend: str) -> str:
     if getattr(args, "num_experts", None):
         return "MoE layers route tokens by data-dependent counts (host reads); use --torch-compile-kernels auto"
     if getattr(args, "tensor_model_parallel_size", 1) > 1:
-        return "tensor parallelism runs collectives inside the layer; use --torch-compile-kernels auto"
+        return ("tensor parallelism runs collectives inside the layer (megatron-core's linears start asynchronous "
+                "all-reduces, which dynamo does not trace); use --torch-compile-kernels auto")
     if getattr(args, "context_parallel_size", 1) > 1 or \
             getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
         return "context parallelism runs collectives inside attention; use --torch-compile-kernels auto"
