@@ -710,6 +710,14 @@ def _flash_missing(backend: str) -> Optional[str]:
     return f"ours ran the {backend} backend: {why or 'not chosen'}"
 
 
+def _layers_missing() -> Optional[str]:
+    """Why compiled layers cannot run here (they need the flash backend; a test lends one to a CPU)."""
+    from mindspeed_pack.model import spec
+
+    why = spec.flash_unavailable_reason(torch.bfloat16 if on_gpu() else torch.float32, on_gpu(), 0.0)
+    return f"compiled layers need the flash backend: {why}" if why else None
+
+
 def run_suite(opts, ws: Workspace, peak, device_name: str) -> dict:
     """The parts in ``--parts`` order: (a) shapes, the loss paths, (b) LoRA, (c) the micro-batch sweep, and the
     profiles (``--profile``). The JSON is written after every run, so a part that fails or a call that times out
@@ -781,7 +789,7 @@ def run_suite(opts, ws: Workspace, peak, device_name: str) -> dict:
             hf_dir, prefix, _, lengths = ws.get(shape)
             for mbs in ([1, 2] if shape == opts.sweep_shape and opts.global_batch % 2 == 0 else [1]):
                 what = f"--torch-compile-kernels layers, {mbs} pack{'s' if mbs > 1 else ''} per forward"
-                missing = None if on_gpu() else "no GPU: compiled layers need the flash backend"
+                missing = _layers_missing()
                 if missing:
                     skipped.append({"part": f"{what} at {shape}", "why": missing})
                     continue

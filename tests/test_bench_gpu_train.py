@@ -60,8 +60,9 @@ def test_gpu_suite_trains_the_same_packs_and_names_what_it_skipped(tmp_path, mon
         bench.step_flops("tiny", timed, lora_r=16), rel=1e-9)
 
     # compiled layers: the flash backend's, so named as skipped here; the row keeps (a)'s two sides to compare with
-    assert "--torch-compile-kernels layers, 1 pack per forward at tiny: no GPU" in skipped
-    assert "--torch-compile-kernels layers, 2 packs per forward at tiny: no GPU" in skipped
+    for packs in ("1 pack", "2 packs"):
+        assert f"--torch-compile-kernels layers, {packs} per forward at tiny: compiled layers need the flash " \
+            "backend: no CUDA device" in skipped
     assert parts["layers"]["tiny"]["default"]["tokens/s"] == ours["tokens/s"]
     assert parts["layers"]["tiny"]["transformers"]["tokens/s"] == theirs["tokens/s"]
 
@@ -75,6 +76,30 @@ def test_gpu_suite_trains_the_same_packs_and_names_what_it_skipped(tmp_path, mon
     assert sweep["1 packs per forward"]["packs per step"] == sweep["2 packs per forward"]["packs per step"] == walk
     assert sweep["1 packs per forward"]["source"] == "(a)"
     assert suite["seconds"] > 0
+
+
+@pytest.mark.slow
+def test_layers_part_compares_compiled_layers_with_the_default(tmp_path, monkeypatch):
+    """The ``layers`` part where the flash backend runs (here: torch's varlen op with CPU reference kernels): the
+    compiled runs train the same packs as (a)'s default and report their ratios to it and to transformers."""
+    from mindspeed_pack.model import spec
+    from tests.varlen_cpu import register_cpu_kernels
+
+    register_cpu_kernels()
+    monkeypatch.setattr(spec, "flash_unavailable_reason", lambda *a, **k: None)
+    bench = _bench()
+    out = tmp_path / "suite.json"
+    bench.main(["--suite", "--parts", "shapes", "layers", "--seq-length", "128", "--global-batch", "2", "--warmup",
+                "1", "--steps", "2", "--json", str(out)])
+    layers = json.loads(out.read_text())["suite"]["layers"]["tiny"]
+    default = layers["default"]
+    assert default["backend"] == "flash"
+    for packs in ("1 pack", "2 packs"):
+        run = layers[f"--torch-compile-kernels layers, {packs} per forward"]
+        assert run["backend"] == "flash" and run["packs per step"] == default["packs per step"]
+        assert run["tokens"] == default["tokens"] and run["torch.compile"]["stats"]["unique_graphs"] >= 1
+        assert run["x default"] == pytest.approx(run["tokens/s"] / default["tokens/s"])
+        assert run["x transformers"] == pytest.approx(run["tokens/s"] / layers["transformers"]["tokens/s"])
 
 
 def test_suite_runs_nothing_past_its_deadline_and_names_what_it_left(tmp_path):

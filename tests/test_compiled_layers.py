@@ -6,10 +6,9 @@ The ``flash`` backend runs on this CPU through PyTorch's real varlen op with ref
 Three fp32 steps each: loss and grad norm equal the eager flash run's and the exact local backend's (rel <=
 1e-5), with megatron-core's fused SwiGLU and bias-dropout-add as a GPU builds them, with the gradient-accumulation
 fusion installed, at two packs per forward, with LoRA, for DPO (a no-grad reference forward), under PP2 and DP2;
-bf16 tracks. Each layer is one graph (``fullgraph``: a break is an error, so no op inside can wait on the device)
-and all layers share a handful of compilations. The gradient-accumulation fusion, installed, stays unused inside
-compiled layers (megatron-core's fused backward sets attributes of the weight, which dynamo cannot trace): the DDP
-hook adds the weight gradients.
+bf16 tracks. Each layer is one graph (``fullgraph``: a break is an error) and all layers share a handful of
+compilations. The gradient-accumulation fusion, installed, stays unused inside compiled layers (megatron-core's
+fused backward sets attributes of the weight, which dynamo cannot trace): the DDP hook adds the weight gradients.
 """
 import warnings
 
@@ -234,3 +233,26 @@ def test_dry_run_says_what_is_compiled(capsys, monkeypatch):
     assert "# torch.compile: every transformer layer whole, forward and backward" in capsys.readouterr().out
     posttrain.main(common)
     assert "# torch.compile: RoPE's and the loss's elementwise regions, on CUDA" in capsys.readouterr().out
+
+
+def test_under_a_counting_dispatch_mode_a_layer_runs_eagerly():
+    """The host-sync counter (a Python dispatch mode) must see every op; dynamo traces nothing under it."""
+    import torch
+
+    from mindspeed_pack.model import compiled_layers
+    from mindspeed_pack.tools.host_syncs import HostSyncCounter
+
+    class Layer(torch.nn.Module):
+        layer_number = 1
+
+        def forward(self, hidden_states):
+            if hidden_states.sum().item() > 0:  # a read back that Python branches on: a break when compiled
+                return hidden_states * 2
+            return hidden_states
+
+    forward = compiled_layers._compiled_forward(Layer())
+    with HostSyncCounter() as syncs:
+        out = forward(torch.ones(3))
+    assert out.tolist() == [2.0, 2.0, 2.0] and syncs.by_name["item"] == 1, syncs.by_name
+    with pytest.raises(compiled_layers.LayerCompileError):
+        forward(torch.ones(3))

@@ -8,8 +8,8 @@ elementwise work (norms, RoPE, SwiGLU, bias and residual adds) into a few kernel
 generated code, and megatron-core's Python runs once, at tracing.
 
 - **One graph or an error.** ``fullgraph=True``: a construct dynamo cannot trace stops the first call with an
-  error naming this flag, never a layer silently split into pieces; so does passing the recompile limit. A read
-  of a device value (``.item()``, ``nonzero``) would be such a break, so none can hide inside a compiled layer.
+  error naming this flag, never a layer silently split into pieces (Python branching on a device value is
+  such a break); so does passing the recompile limit.
 - **Shared code, few compilations.** All layers run one compiled code (their parameters are graph inputs). The
   token count stays static (the kernels inductor picks for it); a pack's segment count (the length of
   ``cu_seqlens``) is symbolic from the first call, its longest segment once it changes: two compilations per
@@ -22,12 +22,15 @@ generated code, and megatron-core's Python runs once, at tracing.
   (:mod:`.wgrad_fusion`) stays off: megatron-core's fused backward sets attributes of the weight, which dynamo
   cannot trace. Anything else is refused before the model is built, with the reason.
 - The small regions of :mod:`.compiled` inside a layer are traced inline; the loss's stay compiled apart.
+- Under a Python dispatch mode (the op and host-sync counters of the tests and benches) a layer runs eagerly:
+  such a mode must see every op, and dynamo traces nothing under one.
 """
 from __future__ import annotations
 
 import logging
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +103,14 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _compiled_forward(layer):
-    compiled = torch.compile(layer.forward, fullgraph=True)
+    eager = layer.forward
+    compiled = torch.compile(eager, fullgraph=True)
 
     def forward(*args, **kwargs):
+        if is_in_torch_dispatch_mode(include_infra_modes=False):
+            # a Python dispatch mode (the host-sync and op counters of tools/host_syncs.py and the benches) sees
+            # every op, which compiled code would hide: dynamo traces nothing under one. The layer runs eagerly
+            return eager(*args, **kwargs)
         _steady_inputs(kwargs)
         try:
             return compiled(*args, **kwargs)
