@@ -27,21 +27,4 @@ CONVERT_ARGS=(
     --tokenizer-dir "$TOKENIZER_PATH"
 )
 
-if [[ "${PRINT_ARGS:-0}" == 1 ]]; then
-    printf '#@ convert_ckpt.py\n'
-    printf '%s\n' "${CONVERT_ARGS[@]}"
-    exit 0
-fi
-source "$(dirname "${BASH_SOURCE[0]}")/../../scripts/python_env.sh"   # sets REPO_DIR and PYTHON
-if [[ "${DRY_RUN:-0}" == 1 ]]; then
-    # convert_ckpt.py's own parser, without touching any weights
-    PYTHONPATH="$REPO_DIR${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -c '
-import sys
-from mindspeed_pack.convert.convert import build_parser
-build_parser().parse_args(sys.argv[1:])
-print("convert_ckpt.py arguments OK")' "${CONVERT_ARGS[@]}"
-    exit 0
-fi
-
-mkdir -p "$LOG_DIR"
-"$PYTHON" "$REPO_DIR/convert_ckpt.py" "${CONVERT_ARGS[@]}" 2>&1 | tee "$LOG_DIR/$RUN_NAME.log"
+source "$(dirname "${BASH_SOURCE[0]}")/../common/launch_convert.bash"   # PRINT_ARGS, DRY_RUN, or convert
