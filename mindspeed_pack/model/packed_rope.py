@@ -18,7 +18,10 @@ ROPE_TABLE = "_rope_table"  # where PackedGPTModel leaves the micro-batch's rota
 
 def rope_cos_sin(params: ThdParams, dtype: torch.dtype):
     """Per-token cos/sin ``[t, 1, rot]`` in ``dtype`` for this micro-batch (computed once, by the first layer;
-    again only if another model, with another rotary table, runs the same params)."""
+    again only if another model, with another rotary table, runs the same params); None where the model left
+    RoPE to megatron-core (no table in ``params``)."""
+    if not isinstance(params, ThdParams) or ROPE_TABLE not in params.__dict__:
+        return None
     table = params.__dict__[ROPE_TABLE]  # [S, 1, 1, rot] fp32, megatron-core's rotary embedding
     store = cached(params, ("rope", dtype), dict)
     if store.get("table") is not table:
@@ -38,7 +41,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def apply_packed_rope(query: torch.Tensor, key: torch.Tensor, params) -> tuple:
     """q ``[t, h, d]`` and k ``[t, g, d]`` rotated by their tokens' positions, when the model left RoPE to
     attention (megatron-core's half-split rotation, as its unfused ``_apply_rotary_pos_emb_bshd``)."""
-    if not isinstance(params, ThdParams) or ROPE_TABLE not in params.__dict__:
+    rope = rope_cos_sin(params, query.dtype)
+    if rope is None:
         return query, key
-    cos, sin = rope_cos_sin(params, query.dtype)
+    cos, sin = rope
     return _rotate(query, cos, sin), _rotate(key, cos, sin)

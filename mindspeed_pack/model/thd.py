@@ -61,7 +61,9 @@ def host_cu_seqlens(params: PackedSeqParams) -> np.ndarray:
 
 def cached(params: PackedSeqParams, key: Any, build: Callable[[], Any]) -> Any:
     """``build()`` once per micro-batch (the params object lives exactly that long), then reused by every layer."""
-    store = params.__dict__.setdefault("_per_micro_batch", {})
+    store = getattr(params, "_per_micro_batch", None)
+    if store is None:  # plain attribute access: dynamo traces it in every torch the project runs on
+        store = params._per_micro_batch = {}
     if key not in store:
         store[key] = build()
     return store[key]
