@@ -10,6 +10,11 @@ per layer and micro-batch: the same packs, the same layers, heads, vocabulary an
 
     OMP_NUM_THREADS=1 python bench/bench_host_time.py            # 24 layers, 128-token packs, 4 per step
     OMP_NUM_THREADS=1 python bench/bench_host_time.py --layers 12 --steps 10
+    OMP_NUM_THREADS=1 python bench/bench_host_time.py --no-accumulation-fusion
+
+Ours runs with the gradient-accumulation fusion installed, as a GPU builds it (weight gradients added into
+``main_grad`` by the linear's backward, eagerly or inside the compiled layer; ``model/wgrad_fusion.py``), unless
+``--no-accumulation-fusion`` (the DDP hook adds them, one more op per weight).
 
 On a CPU the eager side also pays the CPU redirection's torch-function mode on every op
 (``runtime/platform.py``), which compiled code skips: the compiled/eager ratio here overstates a GPU's somewhat;
@@ -118,8 +123,14 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--no-accumulation-fusion", action="store_true",
+                   help="ours without the gradient-accumulation fusion (installed by default, as on a GPU)")
     opts = p.parse_args(argv)
     torch.set_num_threads(1)
+    if not opts.no_accumulation_fusion:
+        from mindspeed_pack.model import wgrad_fusion
+
+        wgrad_fusion.install(probe=False, device="cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     use_cpu_flash("free")
@@ -131,7 +142,8 @@ def main(argv=None):
                 "transformers padding-free loop": transformers_loop(data, opts.layers, opts.warmup, opts.steps)}
     base = rows["transformers padding-free loop"]
     print(f"{opts.layers} layers, hidden 64, 128-token packs, {MICRO_BATCHES} per step, free attention kernels, "
-          f"1 thread; {opts.steps} steps after {opts.warmup}")
+          f"1 thread; {opts.steps} steps after {opts.warmup}; ours with"
+          f"{'out' if opts.no_accumulation_fusion else ''} the gradient-accumulation fusion")
     for name, seconds in rows.items():
         print(f"{name:40s} {seconds * per_layer:8.0f} us per layer per micro-batch   "
               f"{base / seconds:5.2f}x the transformers loop")

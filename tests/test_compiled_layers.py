@@ -7,8 +7,9 @@ Three fp32 steps each: loss and grad norm equal the eager flash run's and the ex
 1e-5), with megatron-core's fused SwiGLU and bias-dropout-add as a GPU builds them, with the gradient-accumulation
 fusion installed, at two packs per forward, with LoRA, for DPO (a no-grad reference forward), under PP2 and DP2;
 bf16 tracks. Each layer is one graph (``fullgraph``: a break is an error) and all layers share a handful of
-compilations. The gradient-accumulation fusion, installed, stays unused inside compiled layers (megatron-core's
-fused backward sets attributes of the weight, which dynamo cannot trace): the DDP hook adds the weight gradients.
+compilations. With the gradient-accumulation fusion installed (as on a GPU) every linear of a compiled layer
+adds its weight gradient into ``main_grad`` inside the compiled backward (megatron-core's own fused backward
+sets attributes of the weight, which dynamo cannot trace), and the DDP hook adds nothing more.
 """
 import warnings
 
@@ -56,9 +57,10 @@ def _rank(data, hf, pairs):
 
     use_cpu_flash()
     cpu_fusions = gpt.fusion_settings
+    in_graph = _count_in_graph_accumulations(wgrad_fusion)
     out = {}
     for name, (flags, fused) in RUNS.items():
-        # the switches a GPU turns on (the accumulation fusion aside: off under compiled layers anyway)
+        # the switches a GPU turns on (the accumulation fusion aside: installed by the last run)
         gpt.fusion_settings = (lambda *a: {**cpu_fusions(*a), "bias_activation_fusion": True,
                                            "bias_dropout_fusion": True}) if GPU_FUSIONS in flags else cpu_fusions
         flags = [f for f in flags if f != GPU_FUSIONS]
@@ -68,6 +70,7 @@ def _rank(data, hf, pairs):
             ps.destroy_model_parallel()
         torch._dynamo.reset()
         counters.clear()
+        in_graph.clear()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             argv = [*TINY_FLAGS, *COMMON, "--data-path", data, *flags]  # (the last --data-path counts)
@@ -75,8 +78,26 @@ def _rank(data, hf, pairs):
         out[name] = {"steps": [(r["lm loss"], r["grad norm"]) for r in records],
                      "compiles": counters["stats"]["unique_graphs"],
                      "graph breaks": sum(counters["graph_break"].values()),
-                     "tp_group warnings": sum("tp_group is None" in str(w.message) for w in caught)}
+                     "tp_group warnings": sum("tp_group is None" in str(w.message) for w in caught),
+                     "in-graph accumulations": len(in_graph)}
     return out
+
+
+def _count_in_graph_accumulations(wgrad_fusion) -> list:
+    """Record each call of the accumulation from inside a compiled backward (through its custom operation; the
+    output layer's eager fused backward calls it too, through megatron-core's shim module)."""
+    import sys
+
+    calls, accumulate = [], wgrad_fusion.accumulate
+
+    def counted(total_input, grad_output, main_grad):
+        caller = sys._getframe(1).f_code
+        if caller.co_name == "_accumulate_op" and caller.co_filename == wgrad_fusion.__file__:
+            calls.append(tuple(main_grad.shape))
+        accumulate(total_input, grad_output, main_grad)
+
+    wgrad_fusion.accumulate = counted
+    return calls
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +146,14 @@ def test_each_layer_is_one_graph_shared_by_all_layers(runs):
         assert runs[name]["graph breaks"] == 0 and 1 <= runs[name]["compiles"] <= most, (name, runs[name])
     assert runs["flash"]["compiles"] == 0  # eager on a CPU: the regions compile on CUDA only
     assert runs["flash, gpu fusions"]["compiles"] > 0  # (megatron-core's fused SwiGLU and bias-dropout-add did run)
+
+
+@pytest.mark.slow
+def test_weight_gradients_accumulate_inside_the_compiled_backward(runs):
+    """Installed, the fusion runs in the graph for every linear of every layer and micro-batch (2 layers x 4
+    linears x 4 micro-batches x 3 steps), and the runs above train as eager: the DDP hook added nothing twice."""
+    assert runs["flash layers, fusion installed"]["in-graph accumulations"] == 2 * 4 * 4 * 3
+    assert all(r["in-graph accumulations"] == 0 for name, r in runs.items() if "fusion installed" not in name)
 
 
 @pytest.mark.slow
@@ -197,7 +226,11 @@ def _parallel_rank(data):
     from tests.train_utils import trainer_steps
     from tests.varlen_cpu import use_cpu_flash
 
+    from mindspeed_pack.model import wgrad_fusion
+
     use_cpu_flash()
+    assert wgrad_fusion.install(probe=False, device="cpu")  # as on a GPU: eager fused, and in the graph
+    in_graph = _count_in_graph_accumulations(wgrad_fusion)
     out = {}
     for name, flags in PARALLEL.items():
         for mode in ("auto", "layers"):
@@ -207,6 +240,7 @@ def _parallel_rank(data):
             records = trainer_steps([*TINY_FLAGS, *flags, *COMMON, "--data-path", data, "--attention-backend",
                                      "flash", "--torch-compile-kernels", mode])
             out[(name, mode)] = [(r["lm loss"], r["grad norm"]) for r in records]
+    out["in-graph accumulations"] = len(in_graph)
     return out
 
 
@@ -220,6 +254,7 @@ def test_compiled_layers_under_pipeline_and_data_parallelism(tmp_path):
     for rank, out in enumerate(run_distributed(_parallel_rank, 2, data, timeout=900, threads_per_process=1)):
         for name in PARALLEL:
             _same(out[(name, "auto")], out[(name, "layers")])
+        assert out["in-graph accumulations"] > 0, rank  # the fusion installed: in the graph under layers
 
 
 def test_dry_run_says_what_is_compiled(capsys, monkeypatch):

@@ -19,8 +19,9 @@ generated code, and megatron-core's Python runs once, at tracing.
   custom op; the ``local`` backend plans its buckets on the host), without tensor or context parallelism
   (their collectives run inside the layer). Pipeline and data parallelism, several packs per forward, LoRA and
   the preference stages sit outside the traced code or trace with it. The gradient-accumulation fusion
-  (:mod:`.wgrad_fusion`) stays off: megatron-core's fused backward sets attributes of the weight, which dynamo
-  cannot trace. Anything else is refused before the model is built, with the reason.
+  (:mod:`.wgrad_fusion`) runs in the graph: megatron-core's fused backward sets attributes of the weight,
+  which dynamo cannot trace, so the layer's linears (:mod:`.parallel_linear`) run a traceable equivalent.
+  Anything else is refused before the model is built, with the reason.
 - The small regions of :mod:`.compiled` inside a layer are traced inline; the loss's stay compiled apart.
 - Under a Python dispatch mode (the op and host-sync counters of the tests and benches) a layer runs eagerly:
   such a mode must see every op, and dynamo traces nothing under one.
@@ -31,6 +32,8 @@ import logging
 
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from mindspeed_pack.model import packed_rope, parallel_linear, wgrad_fusion
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +76,15 @@ def compile_layers(model: torch.nn.Module) -> int:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+    accumulated = 0
     for layer in layers:
-        layer.forward = _compiled_forward(layer)
-    log.info("%s: %d transformer layers compiled whole (at their first call)", FLAG, len(layers))
+        linears = parallel_linear.in_graph_linears(layer)
+        for linear in linears:
+            linear.accumulate_in_graph = True
+        accumulated += len(linears)
+        layer.forward = _compiled_forward(layer, [linear.weight for linear in linears])
+    log.info("%s: %d transformer layers compiled whole (at their first call)%s", FLAG, len(layers),
+             f"; {accumulated} linears accumulate their weight gradients in the graph" if accumulated else "")
     return len(layers)
 
 
@@ -87,6 +96,10 @@ def _steady_inputs(kwargs: dict) -> None:
     if hidden is not None and hidden.stride() != _contiguous_strides(hidden.shape):
         kwargs["hidden_states"] = hidden.clone(memory_format=torch.contiguous_format)
     params = kwargs.get("packed_seq_params")
+    if hidden is not None and params is not None:
+        # the micro-batch's RoPE cos/sin, built by whichever layer comes first, are built here instead: every
+        # layer then finds them cached (one graph for all, where dynamo would guard on the cache being empty)
+        packed_rope.rope_cos_sin(params, hidden.dtype)
     if params is not None:
         for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
             cu = getattr(params, name, None)
@@ -102,11 +115,14 @@ def _contiguous_strides(shape) -> tuple:
     return tuple(reversed(strides))
 
 
-def _compiled_forward(layer):
+def _compiled_forward(layer, accumulated=()):
+    """``accumulated``: the weights whose gradients the layer's backward adds into ``main_grad`` itself."""
     eager = layer.forward
     compiled = torch.compile(eager, fullgraph=True)
 
     def forward(*args, **kwargs):
+        if accumulated and torch.is_grad_enabled():
+            wgrad_fusion.mark_accumulated(accumulated)
         if is_in_torch_dispatch_mode(include_infra_modes=False):
             # a Python dispatch mode (the host-sync and op counters of tools/host_syncs.py and the benches) sees
             # every op, which compiled code would hide: dynamo traces nothing under one. The layer runs eagerly

@@ -49,10 +49,7 @@ def fusion_settings(args, on_gpu: bool, backend: str) -> dict:
     :func:`_log_cpu_skips` names each skipped kernel once (a test may install the accumulation there).
     """
     swiglu = getattr(args, "swiglu", False)
-    # a layer compiled whole cannot trace megatron-core's fused backward (it sets attributes of the weight):
-    # its DDP hook adds the weight gradients instead
-    accumulate = not getattr(args, "no_gradient_accumulation_fusion", False) and \
-        getattr(args, "torch_compile_kernels", "auto") != "layers"
+    accumulate = not getattr(args, "no_gradient_accumulation_fusion", False)
     wanted = {
         "masked_softmax_fusion": not getattr(args, "no_masked_softmax_fusion", False),
         "bias_dropout_fusion": not getattr(args, "no_bias_dropout_fusion", False),

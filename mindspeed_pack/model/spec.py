@@ -23,7 +23,7 @@ from mindspeed_pack.model.flash_attention import FlashPackedAttention, flash_una
 from mindspeed_pack.model.moe import PackedTopKRouter
 from mindspeed_pack.model.norm import SequenceParallelTorchNorm
 from mindspeed_pack.model.packed_attention import PackedDotProductAttention
-from mindspeed_pack.model.row_parallel import own_row_parallel
+from mindspeed_pack.model.parallel_linear import own_linears
 from mindspeed_pack.model.te_spec import HAVE_TE, te_block_spec, te_layer_spec
 from mindspeed_pack.runtime.platform import cuda_usable
 
@@ -40,7 +40,7 @@ def local_packed_layer_spec(normalization: str = "RMSNorm", qk_layernorm: bool =
     if num_experts:
         spec.submodules.mlp.submodules.router = PackedTopKRouter
     spec.submodules.self_attention.submodules.core_attention = CORE_ATTENTION[backend]
-    own_row_parallel(spec.submodules)  # megatron-core's warns (and breaks a compiled graph) on every call
+    own_linears(spec.submodules)  # the row-parallel one warned (a graph break) per call; in-graph accumulation
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     if qk_layernorm:

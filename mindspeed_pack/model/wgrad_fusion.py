@@ -12,6 +12,14 @@ after checking the operation on the device once (a torch without it, or a wrong 
 was and says why). The sum is then more exact than the unfused path's (the bf16 rounding of each micro-batch's
 gradient is gone); in fp32 it is the same sum. Installed on CUDA only, where it pays; a test installs it on a CPU
 (:func:`install` with ``probe=False``), where it computes the same sum with fp32 matmuls.
+
+Inside a layer compiled whole (``--torch-compile-kernels layers``) megatron-core's fused backward cannot run:
+it sets attributes of the weight, which dynamo cannot trace. :func:`traced_linear` is the same linear for that
+case. Its backward calls :func:`accumulate` as an opaque custom operation that declares the ``main_grad`` it
+mutates (inductor calls it in place, no copy). It hands autograd an uninitialised gradient of the weight's
+shape, as megatron-core does, so the DDP hook still runs for the parameter. The ``grad_added_to_main_grad``
+mark that tells the hook not to add that gradient is set before the layer runs
+(:func:`mark_accumulated`), outside the traced code.
 """
 from __future__ import annotations
 
@@ -37,6 +45,52 @@ def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: 
         torch.addmm(main_grad, g.t(), x, out_dtype=main_grad.dtype, out=main_grad)
     else:  # the same sum where addmm has no output dtype (a CPU)
         main_grad.addmm_(g.t().to(main_grad.dtype), x.to(main_grad.dtype))
+
+
+@torch.library.custom_op("mindspeed_pack::wgrad_accumulate", mutates_args=("main_grad",))
+def _accumulate_op(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    accumulate(total_input, grad_output, main_grad)
+
+
+@_accumulate_op.register_fake
+def _(total_input, grad_output, main_grad) -> None:
+    return None
+
+
+class _TracedLinear(torch.autograd.Function):
+    """``input @ weight.T + bias`` whose backward adds the weight gradient into ``main_grad`` (megatron-core's
+    fused linear without tensor parallelism, in a form dynamo traces)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, main_grad):
+        ctx.save_for_backward(input, weight)
+        # not a saved tensor: every main_grad is a view of one buffer, which each layer's backward modifies
+        # (autograd's version check would refuse it), as megatron-core keeps it on ctx
+        ctx.main_grad = main_grad
+        ctx.use_bias = bias is not None
+        output = torch.matmul(input, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input = grad_output.matmul(weight)
+        torch.ops.mindspeed_pack.wgrad_accumulate(input, grad_output, ctx.main_grad)
+        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
+        # a gradient for the weight (never read: marked accumulated) so that autograd runs its DDP hook
+        return grad_input, torch.empty_like(weight), grad_bias, None
+
+
+def traced_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The linear of a layer compiled whole, its weight gradient accumulated into ``weight.main_grad``."""
+    return _TracedLinear.apply(input, weight, bias, weight.main_grad)
+
+
+def mark_accumulated(weights) -> None:
+    """Tell megatron-core's DDP hook that these weights' gradients go into ``main_grad`` in the backward (what
+    its fused backward sets itself; reset by every ``zero_grad_buffer``)."""
+    for weight in weights:
+        weight.grad_added_to_main_grad = True
 
 
 def _probe(device: str, dtype: torch.dtype = torch.bfloat16) -> Optional[str]:
