@@ -5,7 +5,8 @@ The ``flash`` backend runs on this CPU through PyTorch's real varlen op with ref
 (tests/varlen_cpu.py), so dynamo traces what it traces on a GPU: the op, megatron-core's layer, the packed RoPE.
 Three fp32 steps each: loss and grad norm equal the eager flash run's and the exact local backend's (rel <=
 1e-5), with megatron-core's fused SwiGLU and bias-dropout-add as a GPU builds them, with the gradient-accumulation
-fusion installed, at two packs per forward, with LoRA, for DPO (a no-grad reference forward), under PP2 and DP2;
+fusion installed, at two packs per forward, with LoRA, for DPO (a no-grad reference forward), under PP2, DP2,
+TP2 and TP2 with sequence parallelism (their collectives inside the graph);
 bf16 tracks. Each layer is one graph (``fullgraph``: a break is an error) and all layers share a handful of
 compilations. With the gradient-accumulation fusion installed (as on a GPU) every linear of a compiled layer
 adds its weight gradient into ``main_grad`` inside the compiled backward (megatron-core's own fused backward
@@ -167,7 +168,6 @@ def test_row_parallel_linear_no_longer_warns_per_call(runs):
     ({}, "local", "needs --attention-backend flash"),
     ({}, "te", "needs --attention-backend flash"),
     ({"num_experts": 4}, "flash", "MoE"),
-    ({"tensor_model_parallel_size": 2}, "flash", "tensor parallelism"),
     ({"context_parallel_size": 2}, "flash", "context parallelism"),
     ({"sequence_packing_scheduler": "default_dynamic_cp"}, "flash", "context parallelism"),
 ])
@@ -201,7 +201,7 @@ def test_a_layer_that_cannot_be_traced_whole_stops_with_the_flag_named():
         forward(torch.zeros(2))
 
 
-@pytest.mark.parametrize("extra,match", [(["--tensor-model-parallel-size", "2"], "tensor parallelism"),
+@pytest.mark.parametrize("extra,match", [(["--num-experts", "4", "--attention-backend", "flash"], "MoE"),
                                          (["--attention-backend", "local"], "needs --attention-backend flash"),
                                          ([], "needs --attention-backend flash (this run's is 'local'")])
 def test_the_command_line_is_refused_before_anything_is_built(capsys, extra, match):
@@ -216,10 +216,13 @@ def test_the_command_line_is_refused_before_anything_is_built(capsys, extra, mat
     assert f"--torch-compile-kernels layers: {match}" in capsys.readouterr().err
 
 
-PARALLEL = {"pp2": ["--pipeline-model-parallel-size", "2"], "dp2": []}
+PARALLEL = {"pp2": ["--pipeline-model-parallel-size", "2"], "dp2": [],
+            "tp2": ["--tensor-model-parallel-size", "2"],
+            "tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+            "lora tp2 sp": [*LORA, "--tensor-model-parallel-size", "2", "--sequence-parallel"]}
 
 
-def _parallel_rank(data):
+def _parallel_rank(data, hf):
     import torch
     from megatron.core import parallel_state as ps
 
@@ -233,28 +236,77 @@ def _parallel_rank(data):
     in_graph = _count_in_graph_accumulations(wgrad_fusion)
     out = {}
     for name, flags in PARALLEL.items():
+        if name == "tp2":
+            out["mappings"] = _compare_mappings()  # (with TP2's groups initialised by the previous run)
         for mode in ("auto", "layers"):
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
             torch._dynamo.reset()
-            records = trainer_steps([*TINY_FLAGS, *flags, *COMMON, "--data-path", data, "--attention-backend",
-                                     "flash", "--torch-compile-kernels", mode])
+            records = trainer_steps([*TINY_FLAGS, *[hf if f == "hf" else f for f in flags], *COMMON, "--data-path",
+                                     data, "--attention-backend", "flash", "--torch-compile-kernels", mode])
             out[(name, mode)] = [(r["lm loss"], r["grad norm"]) for r in records]
     out["in-graph accumulations"] = len(in_graph)
     return out
 
 
-@pytest.mark.slow
-def test_compiled_layers_under_pipeline_and_data_parallelism(tmp_path):
-    """The pipeline's stages each compile their own layers (the second stage's first layer gets its input from the
-    first stage); data-parallel ranks each compile theirs: both train as their eager runs on every rank."""
-    from tests.train_utils import write_copy_task
+def _compare_mappings() -> dict:
+    """Each of megatron-core's mappings (eager) against its traceable twin compiled whole, over 2 ranks: the
+    largest difference of the output and of the input's gradient."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import mappings
 
-    data = write_copy_task(str(tmp_path / "copy"), num_packs=16)
-    for rank, out in enumerate(run_distributed(_parallel_rank, 2, data, timeout=900, threads_per_process=1)):
+    from mindspeed_pack.model import traced_mappings
+
+    group = torch.distributed.new_group([0, 1])
+    rank = torch.distributed.get_rank()
+    cases = {name: (getattr(mappings, name), getattr(traced_mappings, name), {}) for name in (
+        "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
+        "gather_from_sequence_parallel_region", "reduce_scatter_to_sequence_parallel_region")}
+    cases["gather, its gradient split"] = (mappings.gather_from_sequence_parallel_region,
+                                           traced_mappings.gather_from_sequence_parallel_region,
+                                           {"tensor_parallel_output_grad": False})
+    diffs = {}
+    for name, (megatron_fn, ours, kwargs) in cases.items():
+        results = []
+        for fn in (megatron_fn, torch.compile(ours, fullgraph=True)):
+            x = (torch.arange(48, dtype=torch.float64).reshape(8, 1, 6) * (rank + 1) / 7).requires_grad_()
+            y = fn(x, group=group, **kwargs)
+            (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape).cos()).sum().backward()
+            results.append((y.detach(), x.grad))
+        (y0, g0), (y1, g1) = results
+        diffs[name] = max(float((y0 - y1).abs().max()), float((g0 - g1).abs().max()))
+    assert ps.model_parallel_is_initialized()
+    return diffs
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory):
+    from tests.train_utils import copy_task_and_tiny_qwen2
+
+    data, hf = copy_task_and_tiny_qwen2(tmp_path_factory.mktemp("parallel"))
+    return run_distributed(_parallel_rank, 2, data, hf, timeout=900, threads_per_process=1)
+
+
+@pytest.mark.slow
+def test_compiled_layers_under_pipeline_tensor_and_data_parallelism(parallel_runs):
+    """The pipeline's stages each compile their own layers (the second stage's first layer gets its input from the
+    first stage); data-parallel ranks each compile theirs; under TP (and TP with sequence parallelism) each
+    layer's all-reduces (all-gathers, reduce-scatters) run inside its graphs, LoRA's adapters' too: all train as
+    their eager runs on every rank, with the gradient-accumulation fusion as a GPU has it."""
+    for rank, out in enumerate(parallel_runs):
         for name in PARALLEL:
             _same(out[(name, "auto")], out[(name, "layers")])
         assert out["in-graph accumulations"] > 0, rank  # the fusion installed: in the graph under layers
+
+
+@pytest.mark.slow
+def test_traced_mappings_equal_megatron_cores(parallel_runs):
+    """Compiled, each tensor/sequence-parallel mapping of model/traced_mappings.py (functional collectives) gives
+    megatron-core's eager output and input gradient (torch 2.11's dynamo lost the all-gather of megatron-core's
+    own reduce-scatter backward: an uninitialised weight gradient)."""
+    for rank, out in enumerate(parallel_runs):
+        assert out["mappings"] and all(d < 1e-12 for d in out["mappings"].values()), (rank, out["mappings"])
 
 
 def test_dry_run_says_what_is_compiled(capsys, monkeypatch):

@@ -16,12 +16,14 @@ generated code, and megatron-core's Python runs once, at tracing.
   run, two more for a no-grad forward (evaluation, DPO's reference), twice that under LoRA (the frozen
   embedding hands the first layer an input that needs no gradient).
 - **What it covers.** Dense layers with the ``flash`` backend (PyTorch's varlen FlashAttention is a traceable
-  custom op; the ``local`` backend plans its buckets on the host), without tensor or context parallelism
-  (their collectives run inside the layer). Pipeline and data parallelism, several packs per forward, LoRA and
-  the preference stages sit outside the traced code or trace with it. The gradient-accumulation fusion
-  (:mod:`.wgrad_fusion`) runs in the graph: megatron-core's fused backward sets attributes of the weight,
-  which dynamo cannot trace, so the layer's linears (:mod:`.parallel_linear`) run a traceable equivalent.
-  Anything else is refused before the model is built, with the reason.
+  custom op; the ``local`` backend plans its buckets on the host), without context parallelism (its
+  key/value exchange plans on the host). The layer's linears (:mod:`.parallel_linear`) run megatron-core's
+  linear in a form dynamo traces (:mod:`.traced_linear`): tensor parallelism, with or without sequence
+  parallelism, communicates through functional collectives inside the graph, and the gradient-accumulation
+  fusion (:mod:`.wgrad_fusion`) adds into ``main_grad`` there (megatron-core's own backward starts
+  asynchronous collectives and sets attributes of the weight, which dynamo cannot trace). Pipeline and data
+  parallelism, several packs per forward, LoRA and the preference stages sit outside the traced code or trace
+  with it. Anything else is refused before the model is built, with the reason.
 - The small regions of :mod:`.compiled` inside a layer are traced inline; the loss's stay compiled apart.
 - Under a Python dispatch mode (the op and host-sync counters of the tests and benches) a layer runs eagerly:
   such a mode must see every op, and dynamo traces nothing under one.
@@ -33,7 +35,7 @@ import logging
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from mindspeed_pack.model import packed_rope, parallel_linear, wgrad_fusion
+from mindspeed_pack.model import packed_rope, parallel_linear, traced_mappings, wgrad_fusion
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +53,6 @@ def unsupported_reason(args, backend: str) -> str:
     """Why this run cannot compile its layers whole ("" if it can); the layout's reasons before the backend's."""
     if getattr(args, "num_experts", None):
         return "MoE layers route tokens by data-dependent counts (host reads); use --torch-compile-kernels auto"
-    if getattr(args, "tensor_model_parallel_size", 1) > 1:
-        return ("tensor parallelism runs collectives inside the layer (megatron-core's linears start asynchronous "
-                "all-reduces, which dynamo does not trace); use --torch-compile-kernels auto")
     if getattr(args, "context_parallel_size", 1) > 1 or \
             getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
         return "context parallelism runs collectives inside attention; use --torch-compile-kernels auto"
@@ -73,16 +72,18 @@ def compile_layers(model: torch.nn.Module) -> int:
     """Compile the forward of every ``TransformerLayer`` in ``model`` whole; returns how many."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
+    traced_mappings.install()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     accumulated = 0
     for layer in layers:
-        linears = parallel_linear.in_graph_linears(layer)
+        linears = parallel_linear.traceable_linears(layer)
         for linear in linears:
-            linear.accumulate_in_graph = True
-        accumulated += len(linears)
-        layer.forward = _compiled_forward(layer, [linear.weight for linear in linears])
+            linear.traced = True
+        fused = [linear.weight for linear in linears if linear.gradient_accumulation_fusion]
+        accumulated += len(fused)
+        layer.forward = _compiled_forward(layer, fused)
     log.info("%s: %d transformer layers compiled whole (at their first call)%s", FLAG, len(layers),
              f"; {accumulated} linears accumulate their weight gradients in the graph" if accumulated else "")
     return len(layers)

@@ -41,15 +41,15 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
-from megatron.core.tensor_parallel.mappings import (
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mindspeed_pack.model.score_head import SCORE
+from mindspeed_pack.model.traced_mappings import (  # megatron-core's, traceable inside a compiled layer
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.spec_utils import ModuleSpec
-
-from mindspeed_pack.model.score_head import SCORE
 
 log = logging.getLogger(__name__)
 

@@ -7,42 +7,44 @@
   (``--torch-compile-kernels layers``: ``warnings.warn`` cannot be traced). The row-parallel linear
   communicates nothing inside that function (no dgrad all-reduce, no sequence-parallel gather), so which group
   it is handed changes nothing computed.
-- **Weight gradients accumulated inside a compiled layer.** megatron-core's fused accumulation sets attributes
-  of the weight in its backward, which dynamo cannot trace. A linear that :mod:`.compiled_layers` marks
-  (``accumulate_in_graph``) runs :func:`~.wgrad_fusion.traced_linear` instead: the same product, its weight
-  gradient added into ``main_grad`` by a traceable operation.
+- **Traceable inside a compiled layer.** megatron-core's linear function starts asynchronous collectives in
+  its backward and sets attributes of the weight, which dynamo cannot trace. A linear that
+  :mod:`.compiled_layers` marks (``traced``) runs :func:`~.traced_linear.traced_linear` instead: the same
+  product, communication and weight-gradient accumulation, in a form dynamo traces.
 """
 from __future__ import annotations
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear as _MegatronColumnParallelLinear
 from megatron.core.tensor_parallel.layers import RowParallelLinear as _MegatronRowParallelLinear
 
-from mindspeed_pack.model import wgrad_fusion
+from mindspeed_pack.model.traced_linear import traced_linear
 
 
-class _InGraphAccumulation:
-    """Routes a marked linear's product through :func:`~.wgrad_fusion.traced_linear` where it applies: the
-    fused accumulation asked for, a trained weight with its ``main_grad``, nothing communicated."""
+class _Traceable:
+    """Routes a marked linear's product through :func:`~.traced_linear.traced_linear` (megatron-core calls
+    ``_forward_impl`` with keywords only)."""
 
-    accumulate_in_graph = False  # set by compiled_layers.compile_layers
+    traced = False  # set by compiled_layers.compile_layers
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if kwargs.get("tp_group", self.tp_group) is None:
             kwargs["tp_group"] = self.tp_group
-        if (self.accumulate_in_graph and kwargs.get("gradient_accumulation_fusion") and weight.requires_grad
-                and hasattr(weight, "main_grad") and not kwargs.get("allreduce_dgrad")
-                and not kwargs.get("sequence_parallel") and kwargs.get("grad_output_buffer") is None):
-            return wgrad_fusion.traced_linear(input, weight, kwargs.get("bias"))
+        if self.traced and not args and kwargs.get("grad_output_buffer") is None:
+            return traced_linear(input, weight, kwargs.get("bias"),
+                                 gradient_accumulation_fusion=kwargs.get("gradient_accumulation_fusion", False),
+                                 allreduce_dgrad=kwargs.get("allreduce_dgrad", False),
+                                 sequence_parallel=kwargs.get("sequence_parallel", False),
+                                 tp_group=kwargs["tp_group"])
         return super()._forward_impl(input, weight, *args, **kwargs)
 
 
-class ColumnParallelLinear(_InGraphAccumulation, _MegatronColumnParallelLinear):
-    """``ColumnParallelLinear`` whose weight gradient can accumulate inside a compiled layer."""
+class ColumnParallelLinear(_Traceable, _MegatronColumnParallelLinear):
+    """``ColumnParallelLinear``, traceable inside a compiled layer."""
 
 
-class RowParallelLinear(_InGraphAccumulation, _MegatronRowParallelLinear):
-    """``RowParallelLinear`` passing ``self.tp_group`` where megatron-core passes None; its weight gradient can
-    accumulate inside a compiled layer."""
+class RowParallelLinear(_Traceable, _MegatronRowParallelLinear):
+    """``RowParallelLinear`` passing ``self.tp_group`` where megatron-core passes None; traceable inside a
+    compiled layer."""
 
 
 OWN = {_MegatronColumnParallelLinear: ColumnParallelLinear, _MegatronRowParallelLinear: RowParallelLinear}
@@ -62,7 +64,6 @@ def own_linears(submodules) -> None:
                 own_linears(value.submodules)
 
 
-def in_graph_linears(module):
-    """The linears in ``module`` whose weight gradient can accumulate inside a compiled graph."""
-    return [m for m in module.modules() if isinstance(m, _InGraphAccumulation)
-            and getattr(m, "gradient_accumulation_fusion", False) and m.weight is not None]
+def traceable_linears(module) -> list:
+    """Our linears in ``module``."""
+    return [m for m in module.modules() if isinstance(m, _Traceable)]

@@ -14,12 +14,10 @@ gradient is gone); in fp32 it is the same sum. Installed on CUDA only, where it 
 (:func:`install` with ``probe=False``), where it computes the same sum with fp32 matmuls.
 
 Inside a layer compiled whole (``--torch-compile-kernels layers``) megatron-core's fused backward cannot run:
-it sets attributes of the weight, which dynamo cannot trace. :func:`traced_linear` is the same linear for that
-case. Its backward calls :func:`accumulate` as an opaque custom operation that declares the ``main_grad`` it
-mutates (inductor calls it in place, no copy). It hands autograd an uninitialised gradient of the weight's
-shape, as megatron-core does, so the DDP hook still runs for the parameter. The ``grad_added_to_main_grad``
-mark that tells the hook not to add that gradient is set before the layer runs
-(:func:`mark_accumulated`), outside the traced code.
+it sets attributes of the weight, which dynamo cannot trace. The linear of :mod:`.traced_linear` calls
+:func:`accumulate_traced` instead, and the ``grad_added_to_main_grad`` mark that tells the DDP hook not to add
+the weight's (uninitialised) gradient is set before the layer runs (:func:`mark_accumulated`), outside the
+traced code.
 """
 from __future__ import annotations
 
@@ -57,33 +55,10 @@ def _(total_input, grad_output, main_grad) -> None:
     return None
 
 
-class _TracedLinear(torch.autograd.Function):
-    """``input @ weight.T + bias`` whose backward adds the weight gradient into ``main_grad`` (megatron-core's
-    fused linear without tensor parallelism, in a form dynamo traces)."""
-
-    @staticmethod
-    def forward(ctx, input, weight, bias, main_grad):
-        ctx.save_for_backward(input, weight)
-        # not a saved tensor: every main_grad is a view of one buffer, which each layer's backward modifies
-        # (autograd's version check would refuse it), as megatron-core keeps it on ctx
-        ctx.main_grad = main_grad
-        ctx.use_bias = bias is not None
-        output = torch.matmul(input, weight.t())
-        return output + bias if bias is not None else output
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        input, weight = ctx.saved_tensors
-        grad_input = grad_output.matmul(weight)
-        torch.ops.mindspeed_pack.wgrad_accumulate(input, grad_output, ctx.main_grad)
-        grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0) if ctx.use_bias else None
-        # a gradient for the weight (never read: marked accumulated) so that autograd runs its DDP hook
-        return grad_input, torch.empty_like(weight), grad_bias, None
-
-
-def traced_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """The linear of a layer compiled whole, its weight gradient accumulated into ``weight.main_grad``."""
-    return _TracedLinear.apply(input, weight, bias, weight.main_grad)
+def accumulate_traced(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """:func:`accumulate` as an operation a compiled graph holds: opaque to inductor, which calls it in place
+    (it declares the ``main_grad`` it mutates)."""
+    torch.ops.mindspeed_pack.wgrad_accumulate(total_input, grad_output, main_grad)
 
 
 def mark_accumulated(weights) -> None:
