@@ -5,8 +5,7 @@ backward starts asynchronous collectives (the input gradient's all-reduce over t
 sequence-parallel all-gather and reduce-scatter) and waits on their handles, and its fused weight-gradient
 accumulation sets attributes of the weight. This is the same linear with the same communication, written
 with PyTorch's functional collectives (:mod:`.traced_mappings`; dynamo and inductor trace, order and overlap
-them) and the
-accumulation as a custom operation (:func:`~.wgrad_fusion.accumulate_traced`)::
+them) and the accumulation as a custom operation (:func:`~.wgrad_fusion.accumulate_traced`)::
 
     forward   total = all_gather(x) under SP, else x          y = total @ W.T + b
     backward  dx = dy @ W, all-reduced over TP (or reduce-scattered under SP)
