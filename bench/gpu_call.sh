@@ -30,8 +30,10 @@ transformers.__version__, '| megatron-core', megatron.core.__version__)" 2>/dev/
 echo "set up in $((SECONDS - start)) s"
 
 if [ "${SUITE:-1}" = 1 ] || [ "${FULL_TESTS:-0}" != 1 ]; then  # (a tests-only call runs it with the rest)
-    timeout 240 python3 -m pytest -q tests/test_cuda.py -p no:cacheprovider >"$OUT/test_cuda.log" 2>&1
+    # its GPU checks side by side (each in its own process: two of them compile layers), then no workers left
+    timeout -k 5 240 python3 -m pytest -q -rfE -n 4 tests/test_cuda.py -p no:cacheprovider >"$OUT/test_cuda.log" 2>&1
     echo "tests/test_cuda.py: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/test_cuda.log")"
+    pkill -9 -f "pytest|xdist|execnet" 2>/dev/null || true
 fi
 echo "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2), load $(cut -d' ' -f1-3 /proc/loadavg)"
 

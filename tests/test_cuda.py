@@ -129,6 +129,50 @@ def test_compiled_layers_logits_equal_transformers_per_sample(tmp_path):
     assert errors["ours"] <= 2 * errors["transformers"] + 1e-3, errors
 
 
+def _compiled_layers_training(data: str, on_cpu: bool = False) -> dict:
+    """Three bf16 steps of the flash backend, eager and with every layer compiled whole, on the GPU as it builds
+    them (the gradient-accumulation fusion installed: megatron-core's eager fused backward, and the traced one
+    inside the compiled backward); ``on_cpu``: through the CPU reference kernels, the fusion installed by hand."""
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from mindspeed_pack.model import wgrad_fusion
+    from tests.model_utils import TINY_FLAGS
+    from tests.test_compiled_layers import COMMON, _count_in_graph_accumulations
+    from tests.train_utils import trainer_steps
+
+    if on_cpu:
+        from tests.varlen_cpu import use_cpu_flash
+
+        use_cpu_flash()
+        wgrad_fusion.install(probe=False, device="cpu")
+    in_graph = _count_in_graph_accumulations(wgrad_fusion)
+    out = {}
+    for mode in ("auto", "layers"):
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        torch._dynamo.reset()
+        records = trainer_steps([*TINY_FLAGS, *COMMON, "--data-path", data, "--bf16", "--attention-backend", "flash",
+                                 "--torch-compile-kernels", mode])
+        out[mode] = [(r["lm loss"], r["grad norm"]) for r in records]
+    out["in-graph accumulations"], out["fusion installed"] = len(in_graph), wgrad_fusion.installed()
+    return out
+
+
+@needs_cuda
+def test_compiled_layers_train_as_eager_on_cuda(tmp_path):
+    """Compiled layers' forward and backward on CUDA (Triton's kernels, the weight gradients accumulated into
+    main_grad by addmm with an fp32 output inside the compiled backward) track the eager layers over three bf16
+    steps, as on a CPU (tests/test_compiled_layers.py)."""
+    from tests.train_utils import write_copy_task
+
+    data = write_copy_task(str(tmp_path / "copy"), num_packs=16)
+    out = run_distributed(_compiled_layers_training, 1, data, env=ON_GPU, start_method="spawn", timeout=600)[0]
+    assert out["fusion installed"] and out["in-graph accumulations"] == 2 * 4 * 4 * 3, out
+    for (l0, g0), (l1, g1) in zip(out["auto"], out["layers"]):
+        assert l1 == pytest.approx(l0, rel=2e-2) and g1 == pytest.approx(g0, rel=2e-2), out
+
+
 def test_compiled_layers_bf16_bound_holds_on_cpu(tmp_path, monkeypatch):
     """Compiled layers on a CPU (torch's varlen op with reference kernels, inductor's C++): within the bound."""
     from mindspeed_pack.model import spec
