@@ -10,11 +10,11 @@ generated code, and megatron-core's Python runs once, at tracing.
 - **One graph or an error.** ``fullgraph=True``: a construct dynamo cannot trace stops the first call with an
   error naming this flag, never a layer silently split into pieces (Python branching on a device value is
   such a break); so does passing the recompile limit.
-- **Shared code, few compilations.** All layers run one compiled code (their parameters are graph inputs). The
+- **Shared code, one compilation.** All layers run one compiled code (their parameters are graph inputs). The
   token count stays static (the kernels inductor picks for it); a pack's segment count (the length of
-  ``cu_seqlens``) is symbolic from the first call, its longest segment once it changes: two compilations per
-  run, two more for a no-grad forward (evaluation, DPO's reference), twice that under LoRA (the frozen
-  embedding hands the first layer an input that needs no gradient).
+  ``cu_seqlens``), its longest segment (the kernel's host integers, the rotary table's length) are symbolic
+  from the first call: one compilation per run, one more for a no-grad forward (evaluation, DPO's reference)
+  and one more under LoRA (the frozen embedding hands the first layer an input that needs no gradient).
 - **What it covers.** Dense layers with the ``flash`` backend (PyTorch's varlen FlashAttention is a traceable
   custom op; the ``local`` backend plans its buckets on the host), without context parallelism (its
   key/value exchange plans on the host). The layer's linears (:mod:`.parallel_linear`) run megatron-core's
@@ -43,6 +43,8 @@ FLAG = "--torch-compile-kernels layers"
 # evaluation and training each compile a static and a symbolic variant; headroom for a pipeline stage's
 # first/last layer differences, never the silent eager fallback dynamo takes past its limit
 RECOMPILE_LIMIT = 16
+# a pack's longest segment (the flash kernel's host integers), different in nearly every micro-batch
+MAX_SEQLEN_SOURCES = r".*packed_seq_params.*\.max_seqlen_(q|kv)$"
 
 
 class LayerCompileError(RuntimeError):
@@ -74,6 +76,7 @@ def compile_layers(model: torch.nn.Module) -> int:
 
     traced_mappings.install()
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    _dynamic_from_the_start(MAX_SEQLEN_SOURCES)
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
     accumulated = 0
@@ -87,6 +90,14 @@ def compile_layers(model: torch.nn.Module) -> int:
     log.info("%s: %d transformer layers compiled whole (at their first call)%s", FLAG, len(layers),
              f"; {accumulated} linears accumulate their weight gradients in the graph" if accumulated else "")
     return len(layers)
+
+
+def _dynamic_from_the_start(pattern: str) -> None:
+    """Mark the sources matching ``pattern`` dynamic at the first compilation (dynamo's allowlist of dynamic
+    sources), where dynamo would compile them static first and again, symbolic, once they change."""
+    sources = [s for s in torch.compiler.config.dynamic_sources.split(",") if s]
+    if pattern not in sources:
+        torch.compiler.config.dynamic_sources = ",".join([*sources, pattern])
 
 
 def _steady_inputs(kwargs: dict) -> None:
@@ -106,6 +117,9 @@ def _steady_inputs(kwargs: dict) -> None:
             cu = getattr(params, name, None)
             if isinstance(cu, torch.Tensor):
                 torch._dynamo.maybe_mark_dynamic(cu, 0)
+        table = params.__dict__.get(packed_rope.ROPE_TABLE)
+        if isinstance(table, torch.Tensor):  # the micro-batch's rotary table, as long as its longest segment
+            torch._dynamo.maybe_mark_dynamic(table, 0)
 
 
 def _contiguous_strides(shape) -> tuple:
