@@ -171,6 +171,8 @@ def test_row_parallel_linear_no_longer_warns_per_call(runs):
     ({"num_experts": 4}, "flash", "MoE"),
     ({"context_parallel_size": 2}, "flash", "context parallelism"),
     ({"sequence_packing_scheduler": "default_dynamic_cp"}, "flash", "context parallelism"),
+    # (its pre-hooks, traced into each layer, guarded on that layer's parameters: 2 compilations at 2 layers)
+    ({"overlap_param_gather": True}, "flash", "--overlap-param-gather waits"),
 ])
 def test_unsupported_layouts_are_refused_with_the_reason(overrides, backend, match):
     import types
@@ -217,7 +219,9 @@ def test_the_command_line_is_refused_before_anything_is_built(capsys, extra, mat
     assert f"--torch-compile-kernels layers: {match}" in capsys.readouterr().err
 
 
-PARALLEL = {"pp2": ["--pipeline-model-parallel-size", "2"], "dp2": [],
+PARALLEL = {"pp2": ["--pipeline-model-parallel-size", "2"],
+            # the weight gradients' reduction overlapped with the backward, the optimizer state sharded
+            "dp2": ["--use-distributed-optimizer", "--overlap-grad-reduce"],
             "tp2": ["--tensor-model-parallel-size", "2"],
             "tp2 sp": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
             "lora tp2 sp": [*LORA, "--tensor-model-parallel-size", "2", "--sequence-parallel"]}
