@@ -40,8 +40,8 @@ from mindspeed_pack.model import packed_rope, parallel_linear, traced_mappings, 
 log = logging.getLogger(__name__)
 
 FLAG = "--torch-compile-kernels layers"
-# evaluation and training each compile a static and a symbolic variant; headroom for a pipeline stage's
-# first/last layer differences, never the silent eager fallback dynamo takes past its limit
+# training, a no-grad forward and LoRA's first layer each compile once; headroom for differences no test has
+# seen yet, never the silent eager fallback dynamo takes past its limit
 RECOMPILE_LIMIT = 16
 # a pack's longest segment (the flash kernel's host integers), different in nearly every micro-batch
 MAX_SEQLEN_SOURCES = r".*packed_seq_params.*\.max_seqlen_(q|kv)$"
@@ -106,24 +106,25 @@ def _dynamic_from_the_start(pattern: str) -> None:
 
 def _steady_inputs(kwargs: dict) -> None:
     """The inputs as every call will look, so one compilation serves them all: the first layer's input (the
-    embedding's transposed view) takes the strides the other layers' inputs have, and a pack's segment count
-    (the length of ``cu_seqlens``) is symbolic from the start."""
+    embedding's transposed view) takes the strides the other layers' inputs have; the micro-batch's RoPE
+    cos/sin are built before any layer (every layer finds them cached, where dynamo would guard on the cache
+    being empty for the first); a pack's segment count (the length of ``cu_seqlens``) and the rotary table's
+    length (its longest segment) are symbolic from the start."""
     hidden = kwargs.get("hidden_states")
     if hidden is not None and hidden.stride() != _contiguous_strides(hidden.shape):
         kwargs["hidden_states"] = hidden.clone(memory_format=torch.contiguous_format)
     params = kwargs.get("packed_seq_params")
-    if hidden is not None and params is not None:
-        # the micro-batch's RoPE cos/sin, built by whichever layer comes first, are built here instead: every
-        # layer then finds them cached (one graph for all, where dynamo would guard on the cache being empty)
+    if params is None:
+        return
+    if hidden is not None:
         packed_rope.rope_cos_sin(params, hidden.dtype)
-    if params is not None:
-        for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-            cu = getattr(params, name, None)
-            if isinstance(cu, torch.Tensor):
-                torch._dynamo.maybe_mark_dynamic(cu, 0)
-        table = params.__dict__.get(packed_rope.ROPE_TABLE)
-        if isinstance(table, torch.Tensor):  # the micro-batch's rotary table, as long as its longest segment
-            torch._dynamo.maybe_mark_dynamic(table, 0)
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        cu = getattr(params, name, None)
+        if isinstance(cu, torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(cu, 0)
+    table = params.__dict__.get(packed_rope.ROPE_TABLE)
+    if isinstance(table, torch.Tensor):
+        torch._dynamo.maybe_mark_dynamic(table, 0)
 
 
 def _contiguous_strides(shape) -> tuple:
