@@ -93,7 +93,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: fuse RoPE's and the loss's elementwise steps with torch.compile on CUDA (eager on a "
                         "CPU; a region that fails to compile twice stops the run); off: always eager; layers: "
                         "every transformer layer compiled whole, forward and backward (flash backend, dense, "
-                        "no TP/CP; cuts the host time per layer; a layer that cannot be traced whole stops the run)")
+                        "TP and sequence parallelism inside the graph, no CP or --overlap-param-gather; cuts the "
+                        "host time per layer; a layer that cannot be traced whole stops the run)")
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted no-op: megatron-core models are the only models (always on)")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],
