@@ -96,6 +96,12 @@ def compile_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
+# The generated code checks every input's sizes and strides on every call (host time on each layer's call, ~4% of
+# a compiled layer's on the CPU stand-in of bench/bench_host_time.py); dynamo's guards check the same before the
+# code runs, so the checks are dropped.
+INDUCTOR_OPTIONS = {"size_asserts": False}
+
+
 def _dynamic_from_the_start(pattern: str) -> None:
     """Mark the sources matching ``pattern`` dynamic at the first compilation (dynamo's allowlist of dynamic
     sources), where dynamo would compile them static first and again, symbolic, once they change."""
@@ -138,7 +144,7 @@ def _contiguous_strides(shape) -> tuple:
 def _compiled_forward(layer, accumulated=()):
     """``accumulated``: the weights whose gradients the layer's backward adds into ``main_grad`` itself."""
     eager = layer.forward
-    compiled = torch.compile(eager, fullgraph=True)
+    compiled = torch.compile(eager, fullgraph=True, options=INDUCTOR_OPTIONS)
 
     def forward(*args, **kwargs):
         if accumulated and torch.is_grad_enabled():
