@@ -12,7 +12,8 @@
 # SUITE_DEADLINE (seconds, default 420): no benchmark run starts after it, so the call ends inside its limit.
 # FULL_TESTS=1: after the suite, the whole test suite with CUDA visible (16 workers, verbose, TESTS_TIMEOUT seconds,
 # default 240; tests.log), its workers killed when it ends: a time-boxed run's orphans loaded the host during an
-# earlier call's benchmark. SUITE=0 skips the suite (a call for the tests alone).
+# earlier call's benchmark. SUITE=0 skips the suite (a call for the tests alone); CUDA_TESTS=0 skips
+# tests/test_cuda.py (a second call on the same code, for more of the suite).
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -29,8 +30,9 @@ python3 -c "import torch, transformers, megatron.core; print('torch', torch.__ve
 transformers.__version__, '| megatron-core', megatron.core.__version__)" 2>/dev/null
 echo "set up in $((SECONDS - start)) s"
 
-if [ "${SUITE:-1}" = 1 ] || [ "${FULL_TESTS:-0}" != 1 ]; then  # (a tests-only call runs it with the rest)
+if [ "${CUDA_TESTS:-1}" = 1 ] && { [ "${SUITE:-1}" = 1 ] || [ "${FULL_TESTS:-0}" != 1 ]; }; then
     # its GPU checks side by side (each in its own process: two of them compile layers), then no workers left
+    # (a tests-only call runs them with the rest)
     timeout -k 5 240 python3 -m pytest -q -rfE -n 4 tests/test_cuda.py -p no:cacheprovider >"$OUT/test_cuda.log" 2>&1
     echo "tests/test_cuda.py: rc $? ($((SECONDS - start)) s): $(tail -1 "$OUT/test_cuda.log")"
     pkill -9 -f "pytest|xdist|execnet" 2>/dev/null || true
