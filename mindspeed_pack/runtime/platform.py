@@ -7,9 +7,11 @@ initialisation and asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` whe
 
 - ``torch.cuda`` device, stream, event, sync, memory and RNG helpers become CPU
   equivalents or no-ops (the CPU generator stands in for the CUDA one);
-- a :class:`torch.overrides.TorchFunctionMode` rewrites any CUDA ``device`` argument of
-  tensor factories and ``.to()``/``.cuda()`` calls to the CPU;
-- the same rewrite applies inside custom autograd ``backward`` methods;
+- torch's tensor factories (``torch.empty``, ``Tensor.new_zeros``, ...) and ``Tensor.to`` take a
+  CUDA ``device`` argument as the CPU, and ``Tensor.cuda`` returns the tensor itself. Those
+  functions are wrapped, not every torch call: a torch-function mode would do the same at a
+  Python call per torch operation, everywhere (it made a CPU training step about 1.5x slower and
+  put that cost in the host-time bench's eager figures, which a GPU does not pay);
 - ``Tensor.type()`` reports ``torch.cuda.*`` names so megatron's dtype checks pass;
 - ``torch.distributed.all_gather`` of pieces of different sizes (gloo gathers equal ones
   only) goes through padded pieces: megatron's alltoall MoE dispatcher gathers each
@@ -20,6 +22,7 @@ Everything CPU-specific lives here; nothing else in the project checks for it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 
@@ -28,7 +31,6 @@ import torch
 log = logging.getLogger(__name__)
 
 _ENABLED = False
-_MODE = None
 
 
 def cuda_usable() -> bool:
@@ -49,24 +51,65 @@ def _is_cuda_device(device) -> bool:
     return False
 
 
-class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
-    """Rewrites CUDA device arguments of torch calls to the CPU."""
+# every torch function and Tensor method megatron-core and the project call with a ``device`` argument
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "arange", "range", "rand", "randn",
+              "randint", "randperm", "linspace", "logspace", "eye", "empty_like", "zeros_like", "ones_like",
+              "full_like", "rand_like", "randn_like", "randint_like", "empty_strided", "scalar_tensor",
+              "tril_indices", "triu_indices")
+_NEW_METHODS = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor", "new_empty_strided")
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+
+def _on_cpu(fn):
+    """``fn`` with a CUDA ``device`` keyword argument read as the CPU."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
             kwargs["device"] = "cpu"
-        if func is torch.Tensor.cuda:
-            return args[0]
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu") + tuple(args[2:])
-        if func is torch.distributed.all_to_all_single:
-            # megatron's MoE alltoall dispatcher passes split sizes as tensors (copied to host
-            # arrays only on a GPU); the collective takes lists of ints
-            for key in ("output_split_sizes", "input_split_sizes"):
-                if kwargs.get(key) is not None and not isinstance(kwargs[key], list):
-                    kwargs[key] = [int(n) for n in kwargs[key]]
-        return func(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _redirect_devices() -> None:
+    # torch's ``with torch.device(...)`` context (transformers builds models under ``torch.device("meta")``)
+    # recognises factories by identity, from a set it builds once: built now, it holds torch's own functions,
+    # which the wrappers call
+    from torch.utils._device import _device_constructors
+
+    _device_constructors()
+    for name in _FACTORIES:
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    for name in _NEW_METHODS:
+        setattr(torch.Tensor, name, _on_cpu(getattr(torch.Tensor, name)))
+    original_to = torch.Tensor.to
+
+    @functools.wraps(original_to)
+    def to(self, *args, **kwargs):
+        if args and _is_cuda_device(args[0]):
+            args = ("cpu",) + args[1:]
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs["device"] = "cpu"
+        return original_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+
+    import torch.distributed as dist
+
+    original_all_to_all = dist.all_to_all_single
+
+    @functools.wraps(original_all_to_all)
+    def all_to_all_single(*args, **kwargs):
+        # megatron's MoE alltoall dispatcher passes split sizes as tensors (copied to host arrays only on a
+        # GPU); the collective takes lists of ints
+        for key in ("output_split_sizes", "input_split_sizes"):
+            if kwargs.get(key) is not None and not isinstance(kwargs[key], list):
+                kwargs[key] = [int(n) for n in kwargs[key]]
+        return original_all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
 
 
 class _NullStream:
@@ -126,7 +169,7 @@ _CUDA_TYPE_NAMES = {
 
 def enable() -> None:
     """Install the CPU redirections (idempotent). Call before building any model."""
-    global _ENABLED, _MODE
+    global _ENABLED
     if _ENABLED:
         return
     cuda = torch.cuda
@@ -170,30 +213,10 @@ def enable() -> None:
     logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
         lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
 
-    _MODE = _CudaToCpuMode()
-    _MODE.__enter__()  # stays active for the life of the process
-    _redirect_in_backward()
+    _redirect_devices()
     _gather_uneven_pieces()
     _ENABLED = True
     log.info("CUDA not available: megatron-core runs on the CPU (gloo backend)")
-
-
-def _redirect_in_backward() -> None:
-    """Apply the device rewrite inside custom autograd backwards too.
-
-    The autograd engine runs ``Function.backward`` without the caller's torch-function modes,
-    so megatron's backwards (e.g. the sequence-parallel reduce-scatter buffer allocated with
-    ``device=torch.cuda.current_device()``) would otherwise ask for a CUDA device.
-    """
-    from torch.autograd.function import BackwardCFunction
-
-    original_apply = BackwardCFunction.apply
-
-    def apply(self, *args):
-        with _CudaToCpuMode():
-            return original_apply(self, *args)
-
-    BackwardCFunction.apply = apply
 
 
 def _gather_uneven_pieces() -> None:

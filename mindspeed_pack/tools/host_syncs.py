@@ -17,6 +17,7 @@ CPU tells what a GPU step would wait for::
 """
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from collections import Counter
@@ -34,6 +35,10 @@ READS = {
 # aten ops whose output shape or result needs the values first
 _VALUE_SHAPED = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "_unique", "bincount",
                  "_local_scalar_dense", "equal", "is_nonzero", "allclose"}
+
+
+# (torch's own functions: on a CPU runtime/platform.py wraps them, and a mode sees the wrapped call)
+_LIST_READERS = tuple(inspect.unwrap(f) for f in (torch.tensor, torch.as_tensor))
 
 
 def _tensors_in(data) -> list:
@@ -89,7 +94,7 @@ class _Reads(TorchFunctionMode):
         self.counter = counter
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.tensor, torch.as_tensor) and args and isinstance(args[0], (list, tuple)) \
+        if func in _LIST_READERS and args and isinstance(args[0], (list, tuple)) \
                 and not self.counter.inside:
             read = [t for t in _tensors_in(args[0]) if self.counter.counts([t])]
             if read:
