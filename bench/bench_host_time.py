@@ -16,9 +16,12 @@ Ours runs with the gradient-accumulation fusion installed, as a GPU builds it (w
 ``main_grad`` by the linear's backward, eagerly or inside the compiled layer; ``model/wgrad_fusion.py``), unless
 ``--no-accumulation-fusion`` (the DDP hook adds them, one more op per weight).
 
-On a CPU the eager side also pays the CPU redirection's torch-function mode on every op
-(``runtime/platform.py``), which compiled code skips: the compiled/eager ratio here overstates a GPU's somewhat;
-the GPU's own figure is ``bench_gpu_train.py --suite --parts shapes layers``.
+Until 2026-11-28 the CPU runtime redirected CUDA devices through a torch-function mode, a Python call on every
+torch operation of both sides (the transformers loop ran in the same process): the eager figures here were about
+1.5x a GPU host's share. It now wraps only torch's factories and ``Tensor.to`` (``runtime/platform.py``). Checked
+against an H200 (docs/gpu.md): the eager/transformers ratio here, 0.64x, against 0.82x of the GPU's 0.5B step,
+which is host-bound on both sides but not wholly. The GPU's own figure is
+``bench_gpu_train.py --suite --parts shapes layers``.
 """
 from __future__ import annotations
 
