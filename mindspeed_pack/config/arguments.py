@@ -301,6 +301,20 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic algorithms (bitwise-reproducible CPU runs); the data order is always fixed by "
                         "--seed, or sequential with --no-shuffle")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"],
+                   help="activation recomputation (Megatron-LM): full recomputes whole transformer layers in the "
+                        "backward (--recompute-method, --recompute-num-layers), selective only the modules of "
+                        "--recompute-modules")
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"],
+                   help="full: uniform splits each pipeline stage's layers into chunks of --recompute-num-layers "
+                        "and keeps only each chunk's input; block recomputes the first --recompute-num-layers "
+                        "layers of each stage and keeps the others' activations")
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="+", default=None,
+                   help="selective: the submodules recomputed (megatron-core's names: core_attn, layernorm, mlp, "
+                        "moe, moe_act, shared_experts; default core_attn)")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron-LM's alias of --recompute-granularity selective")
     g.add_argument("--override-opt_param-scheduler", action="store_true",
                    help="on resume, follow the schedule of these flags (lr, min-lr, warmup, decay) from the "
                         "checkpoint's iteration instead of refusing a schedule that differs from the checkpoint's")
@@ -540,6 +554,32 @@ def _check_dynamic_cp_flags(args) -> None:
             raise ArgumentError(f"--sequence-packing-scheduler default_dynamic_cp does not support {what}")
 
 
+def _check_recompute(args) -> None:
+    """Megatron-LM's activation-recomputation flags, checked before megatron-core would refuse them."""
+    if args.recompute_activations:
+        if args.recompute_granularity not in (None, "selective"):
+            raise ArgumentError("--recompute-activations is --recompute-granularity selective; it cannot go with "
+                                f"--recompute-granularity {args.recompute_granularity}")
+        args.recompute_granularity = "selective"
+    granularity = args.recompute_granularity
+    if granularity != "full":
+        given = [f for f, v in (("--recompute-method", args.recompute_method),
+                                ("--recompute-num-layers", args.recompute_num_layers)) if v is not None]
+        if given:
+            raise ArgumentError(f"{' and '.join(given)} {'go' if len(given) > 1 else 'goes'} with "
+                                f"--recompute-granularity full (this run's: {granularity})")
+    if args.recompute_modules is not None and granularity != "selective":
+        raise ArgumentError(f"--recompute-modules goes with --recompute-granularity selective (this run's: "
+                            f"{granularity})")
+    if granularity == "full":
+        if args.recompute_method is None:
+            raise ArgumentError("--recompute-granularity full needs --recompute-method uniform or block")
+        stage = args.num_layers // max(1, args.pipeline_model_parallel_size)
+        if args.recompute_num_layers is None or not 1 <= args.recompute_num_layers <= stage:
+            raise ArgumentError(f"--recompute-granularity full needs --recompute-num-layers between 1 and {stage} "
+                                f"(the layers of a pipeline stage); got {args.recompute_num_layers}")
+
+
 def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     """Check combinations and fill derived values (Megatron-LM semantics)."""
     need = ["num_layers", "hidden_size", "num_attention_heads", "seq_length"]
@@ -548,6 +588,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError(f"missing required arguments: {', '.join(missing)}")
     _warn_unavailable(args)
     _check_precision_and_parallel(args)
+    _check_recompute(args)
     if args.transformer_impl:
         args.attention_backend = "te" if args.transformer_impl == "transformer_engine" else "local"
     if args.use_rotary_position_embeddings:

@@ -58,6 +58,9 @@ def unsupported_reason(args, backend: str) -> str:
     if getattr(args, "context_parallel_size", 1) > 1 or \
             getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
         return "context parallelism runs collectives inside attention; use --torch-compile-kernels auto"
+    if getattr(args, "recompute_granularity", None) == "selective":
+        return ("selective recomputation checkpoints modules inside the layer (megatron-core's checkpoint function, "
+                "which dynamo cannot trace); use --recompute-granularity full, or --torch-compile-kernels auto")
     if getattr(args, "overlap_param_gather", False):
         return ("--overlap-param-gather waits for each module's parameters in a forward pre-hook that a layer "
                 "compiled whole would guard on its own parameters (one compilation per layer); drop "

@@ -111,6 +111,10 @@ def transformer_config(args, backend: str = "local") -> TransformerConfig:
         persist_layer_norm=on_gpu and backend == "te",
         attention_softmax_in_fp32=getattr(args, "attention_softmax_in_fp32", False),
         deterministic_mode=getattr(args, "deterministic_mode", False),
+        recompute_granularity=getattr(args, "recompute_granularity", None),
+        recompute_method=getattr(args, "recompute_method", None),
+        recompute_num_layers=getattr(args, "recompute_num_layers", None),
+        recompute_modules=getattr(args, "recompute_modules", None),
         # per-token loss summed here, averaged over the global batch's tokens by the trainer
         calculate_per_token_loss=True,
         **moe_config_kwargs(args),

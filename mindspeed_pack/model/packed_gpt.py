@@ -117,6 +117,12 @@ class PackedGPTModel(GPTModel):
                     packed_seq_params=None, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context, packed_seq_params,
                                   *args, **kwargs)
+        hidden = out[0]
+        if (self.config.recompute_granularity == "full" and torch.is_grad_enabled()
+                and isinstance(hidden, torch.Tensor) and not hidden.requires_grad):
+            # megatron-core's recomputation is an autograd function of the layers' tensor inputs only: from a
+            # frozen embedding (LoRA) its output would need no gradient, and the layers' adapters would get none
+            hidden.requires_grad_()
         rotary = out[1]
         if (self.rope_in_attention and rotary is not None and isinstance(packed_seq_params, ThdParams)
                 and packed_seq_params.rope_positions is not None):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import os
 
 from mindspeed_pack.config import resolved_config
@@ -115,6 +116,8 @@ def memory_estimate(args) -> dict:
     # bytes per layer without recomputation, fused attention (no s x s scores): Korthikanti et al. 2022
     per_layer = sbh * (34 / tp if args.sequence_parallel else 10 + 24 / tp) * (1 if half else 2)
     in_flight = min(pp, args.num_micro_batches)  # 1F1B: micro-batches the first stage holds
+    layers = recomputed_activation_layers(args, per_layer, sbh * (1 / tp if args.sequence_parallel else 1)
+                                          * (2 if half else 4))
     # the fused loss holds one chunk of fp32 logits (model/vocab_cross_entropy.py), megatron's unfused one all
     rows = local
     vocab = (args.padded_vocab_size or 0) / tp
@@ -127,9 +130,32 @@ def memory_estimate(args) -> dict:
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
            "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
            "optimizer": trained * states / dp_shards / GiB,
-           "activations": (per_layer * args.num_layers / pp * in_flight + (logits if pp == 1 else 0)) / GiB}
+           "activations": (layers * in_flight + (logits if pp == 1 else 0)) / GiB}
     out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
     return out
+
+
+def recomputed_activation_layers(args, per_layer: float, layer_input: float) -> float:
+    """Bytes of one micro-batch's activations over a pipeline stage's layers under ``--recompute-granularity full``
+    (Korthikanti et al. 2022): a recomputed layer keeps only its input, and one recomputed chunk holds its whole
+    activations again while its backward runs. Selective recomputation of the core attention changes nothing
+    here: the estimate already assumes fused attention (no s x s scores kept)."""
+    stage = args.num_layers / args.pipeline_model_parallel_size
+    if getattr(args, "recompute_granularity", None) != "full":
+        return per_layer * stage
+    n = args.recompute_num_layers
+    if args.recompute_method == "uniform":
+        return math.ceil(stage / n) * layer_input + n * per_layer
+    return n * layer_input + (stage - n) * per_layer + per_layer  # block: the first n, one at a time
+
+
+def _recompute_words(args) -> str:
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity == "full":
+        return (f"with full recomputation ({args.recompute_method}, {args.recompute_num_layers} layer"
+                f"{'s' if args.recompute_num_layers > 1 else ''})")
+    return "with selective recomputation (unchanged: fused attention keeps no scores)" if granularity \
+        else "without recomputation"
 
 
 def loss_path(args) -> int:
@@ -231,7 +257,7 @@ def plan_lines(args) -> list:
     lines.append(COMPILE_LINES[getattr(args, "torch_compile_kernels", "auto")])
     lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GiB + gradients {m['gradients']:.2f} GiB + "
                  f"optimizer {m['optimizer']:.2f} GiB + activations {m['activations']:.2f} GiB = {m['total']:.2f} GiB "
-                 "(fp32 gradients and Adam state as megatron keeps them; activations without recomputation, "
+                 f"(fp32 gradients and Adam state as megatron keeps them; activations {_recompute_words(args)}, "
                  "Korthikanti et al.; allocator and communication buffers come on top)")
     if getattr(args, "sequence_packing_scheduler", "none") == "none":  # load-time packing: one row per forward
         lines.append(_micro_batch_line(args))
