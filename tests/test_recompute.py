@@ -62,7 +62,8 @@ def _rank(data, hf):
                 ps.destroy_model_parallel()
             torch._dynamo.reset()
             saved.clear()
-            records = trainer_steps([*TINY_FLAGS, *COMMON, "--data-path", data, *[hf if f == "hf" else f for f in flags]])
+            flags = [hf if f == "hf" else f for f in flags]
+            records = trainer_steps([*TINY_FLAGS, *COMMON, "--data-path", data, *flags])
             out[name] = {"steps": [(r["lm loss"], r["grad norm"]) for r in records], "saved bytes": max(saved)}
     finally:
         PackedGPTModel.forward = forward
