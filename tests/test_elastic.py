@@ -104,6 +104,23 @@ def test_rendezvous_timeout_names_the_missing_rank():
         rendezvous._lead(server, 2, time.monotonic() + 0.5, "here", timeout)
 
 
+def test_a_taken_master_port_is_named_not_waited_for(monkeypatch):
+    """A port another process listens on fails at once with its own message, not as a 10-minute timeout."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        start = time.monotonic()
+        with pytest.raises(rendezvous.StorePortTaken, match=rf"rank 0: cannot host the key-value store at "
+                           rf"127.0.0.1:{port}: the port is in use .*set another MASTER_PORT"):
+            rendezvous.attempt_store(0, 2, datetime.timedelta(minutes=10))
+        assert time.monotonic() - start < 60
+
+
 def test_backend_failures_become_one_line_naming_the_phase():
     with pytest.raises(PeerFailure) as e:
         with waiting_for(lambda: "iteration 8", 0.25):

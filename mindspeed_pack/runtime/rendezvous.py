@@ -43,14 +43,23 @@ class RendezvousTimeout(RuntimeError):
     """The workers of this attempt did not all meet within ``--distributed-timeout-minutes``."""
 
 
+class StorePortTaken(RendezvousTimeout):
+    """Rank 0 could not host the key-value store: ``MASTER_PORT`` is in use (the workers cannot meet at all)."""
+
+
 def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple:
     """(store scoped to this attempt, generation) for ``init_process_group(store=...)``."""
     where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
         base, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     except (RuntimeError, ValueError) as e:  # a store that never answered (DistNetworkError, DistStoreError)
+        cause = first_line(e)
+        if "EADDRINUSE" in cause or "address already in use" in cause.lower():
+            raise StorePortTaken(f"rank {rank}: cannot host the key-value store at {where}: the port is in use "
+                                 f"(another job, or a process of an earlier run still alive); set another "
+                                 f"MASTER_PORT ({cause})") from None
         raise RendezvousTimeout(f"rank {rank}: no key-value store at {where} within {_minutes(timeout)} "
-                                f"(--distributed-timeout-minutes): {first_line(e)}") from None
+                                f"(--distributed-timeout-minutes): {cause}") from None
     base.set_timeout(timeout)
     deadline = time.monotonic() + timeout.total_seconds()
     if rank == 0:
