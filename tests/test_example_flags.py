@@ -462,6 +462,14 @@ def test_qwen25_training_validates_the_world_size():
     assert (a.data_parallel_size, a.num_micro_batches) == (4, 2)
 
 
+def test_qwen25_training_recomputes_the_layers_asked_for():
+    assert _qwen25("tune_qwen25_7b_4k_full_pack.sh").recompute_granularity is None
+    a = _qwen25("tune_qwen25_7b_4k_full_pack.sh", RECOMPUTE_LAYERS="7")
+    assert (a.recompute_granularity, a.recompute_method, a.recompute_num_layers) == ("full", "block", 7)
+    with pytest.raises(FlagError, match="--recompute-num-layers between 1 and 28"):
+        _qwen25("tune_qwen25_7b_4k_full_pack.sh", RECOMPUTE_LAYERS="29")
+
+
 def _mutated_copy(script: Path, tmp_path: Path, flag: str, replacement: str) -> Path:
     """A copy of ``script`` in which the argument-array element ``flag`` is renamed: examples/ and scripts/ are
     copied whole (the scripts source their neighbours), and the flag is renamed in the first of the script and

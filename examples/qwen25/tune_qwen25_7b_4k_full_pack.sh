@@ -56,6 +56,10 @@ PROMPT_TYPE=${PROMPT_TYPE:-qwen}   # the data script's --prompt-type
 # (tune_qwen25_7b_dynamic_cp.sh), rows of MAX_SEQLEN_PER_RANK tokens per rank. none: the data's own neat packs.
 PACKING_SCHEDULER=${PACKING_SCHEDULER:-none}
 MAX_SEQLEN_PER_RANK=${MAX_SEQLEN_PER_RANK:-$SEQ_LEN}
+# Activation recomputation: the first RECOMPUTE_LAYERS layers of each pipeline stage recompute their activations
+# in the backward (Megatron-LM's block method; 0: none). More layers, less memory, more compute (DRY_RUN=1 shows
+# the memory estimate and the largest micro-batch it allows).
+RECOMPUTE_LAYERS=${RECOMPUTE_LAYERS:-0}
 
 source "${MODEL_ARGS_FILE:-$HERE/qwen25_7b_model_args.bash}"   # MODEL_ARGS: Qwen2.5-7B, or another model's
 
@@ -83,6 +87,9 @@ TRAIN_ARGS=(
     --bf16
     --seed 1234
 )
+if (( RECOMPUTE_LAYERS > 0 )); then
+    TRAIN_ARGS+=(--recompute-granularity full --recompute-method block --recompute-num-layers "$RECOMPUTE_LAYERS")
+fi
 
 # Packs from data_convert_qwen25_instruction_pack.sh. --neat-pack isolates the samples of a pack
 # (attention, labels) and, with --reset-position-ids, restarts RoPE positions at every sample, so a
