@@ -4,7 +4,8 @@ uniform|block``, ``--recompute-num-layers``, ``--recompute-modules``; megatron-c
 Recomputed layers train exactly as stored ones: three fp32 steps give the same losses and gradient norms, on the
 flash backend (torch's varlen op with reference CPU kernels) and the local one, with layers compiled whole, and
 under LoRA, where megatron-core's checkpoint function would see only a frozen embedding's output and leave the
-adapters without gradients unless the input is made to need one. A forward under full recomputation keeps a
+adapters without gradients unless the input is made to need one, and with MoE layers (the router runs again; its
+auxiliary loss counts once). A forward under full recomputation keeps a
 fraction of the activations for the backward; ``--dry-run``'s memory estimate follows.
 """
 import pytest
@@ -20,12 +21,17 @@ SELECTIVE = ["--recompute-granularity", "selective"]
 FLASH, LOCAL = ["--attention-backend", "flash"], ["--attention-backend", "local"]
 LAYERS = ["--torch-compile-kernels", "layers"]
 LORA = ["--load", "hf", "--lora-r", "4", "--lora-alpha", "8"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[0,1]",
+       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"]
 RUNS = {
     "flash": FLASH, "flash full uniform": [*FLASH, *UNIFORM], "flash full block": [*FLASH, *BLOCK],
     "flash selective": [*FLASH, *SELECTIVE],
     "local": LOCAL, "local full uniform": [*LOCAL, *UNIFORM], "local selective": [*LOCAL, *SELECTIVE],
     "flash layers": [*FLASH, *LAYERS], "flash layers full uniform": [*FLASH, *LAYERS, *UNIFORM],
     "lora": [*FLASH, *LORA], "lora full uniform": [*FLASH, *LORA, *UNIFORM],
+    # a layer recomputed runs its router twice: the auxiliary loss and its logged value count once
+    "moe": [*FLASH, *MOE], "moe full uniform": [*FLASH, *MOE, *UNIFORM],
+    "moe selective": [*FLASH, *MOE, "--recompute-granularity", "selective", "--recompute-modules", "moe"],
 }
 
 
@@ -64,7 +70,8 @@ def _rank(data, hf):
             saved.clear()
             flags = [hf if f == "hf" else f for f in flags]
             records = trainer_steps([*TINY_FLAGS, *COMMON, "--data-path", data, *flags])
-            out[name] = {"steps": [(r["lm loss"], r["grad norm"]) for r in records], "saved bytes": max(saved)}
+            out[name] = {"steps": [(r["lm loss"], r["grad norm"], r.get("moe aux loss")) for r in records],
+                         "saved bytes": max(saved)}
     finally:
         PackedGPTModel.forward = forward
     return out
@@ -81,10 +88,12 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,reference", [("flash full uniform", "flash"), ("flash full block", "flash"),
                                             ("flash selective", "flash"), ("local full uniform", "local"),
-                                            ("local selective", "local")])
+                                            ("local selective", "local"), ("moe full uniform", "moe"),
+                                            ("moe selective", "moe")])
 def test_recomputed_layers_train_exactly_as_stored_ones(runs, name, reference):
     """The same ops run again in the backward, in the same order: the same numbers, bit for bit."""
     assert len(runs[name]["steps"]) == 3
+    assert all((aux is not None) == name.startswith("moe") for _, _, aux in runs[name]["steps"])
     assert runs[name]["steps"] == runs[reference]["steps"]
 
 
@@ -93,13 +102,13 @@ def test_recomputed_lora_layers_train_their_adapters(runs):
     """Under LoRA the embedding is frozen: its output is made to need a gradient, or megatron-core's checkpoint
     function would pass none to the adapters (their gradient norm 0, the next steps' losses off by ~1e-2). The
     first layer's input gradient, computed now, leaves the sums' rounding a few 1e-8 apart."""
-    for (l0, g0), (l1, g1) in zip(runs["lora"]["steps"], runs["lora full uniform"]["steps"]):
+    for (l0, g0, _), (l1, g1, _) in zip(runs["lora"]["steps"], runs["lora full uniform"]["steps"]):
         assert l1 == pytest.approx(l0, rel=1e-6) and g1 == pytest.approx(g0, rel=1e-6)
 
 
 @pytest.mark.slow
 def test_compiled_layers_recompute_as_eager(runs):
-    for (l0, g0), (l1, g1) in zip(runs["flash"]["steps"], runs["flash layers full uniform"]["steps"]):
+    for (l0, g0, _), (l1, g1, _) in zip(runs["flash"]["steps"], runs["flash layers full uniform"]["steps"]):
         assert l1 == pytest.approx(l0, rel=1e-5) and g1 == pytest.approx(g0, rel=1e-5)
 
 
