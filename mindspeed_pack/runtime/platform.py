@@ -82,16 +82,13 @@ def _redirect_devices() -> None:
         setattr(torch, name, _on_cpu(getattr(torch, name)))
     for name in _NEW_METHODS:
         setattr(torch.Tensor, name, _on_cpu(getattr(torch.Tensor, name)))
-    original_to = torch.Tensor.to
+    to_on_cpu = _on_cpu(torch.Tensor.to)
 
-    @functools.wraps(original_to)
-    def to(self, *args, **kwargs):
+    @functools.wraps(to_on_cpu)
+    def to(self, *args, **kwargs):  # ``to`` also takes the device first, positionally
         if args and _is_cuda_device(args[0]):
             args = ("cpu",) + args[1:]
-        device = kwargs.get("device")
-        if device is not None and _is_cuda_device(device):
-            kwargs["device"] = "cpu"
-        return original_to(self, *args, **kwargs)
+        return to_on_cpu(self, *args, **kwargs)
 
     torch.Tensor.to = to
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
