@@ -1,4 +1,4 @@
-"""Host time per transformer layer per micro-batch, the flash path on a CPU: eager layers, layers compiled whole
+"""Host time per transformer layer per pack, the flash path on a CPU: eager layers, layers compiled whole
 (``--torch-compile-kernels layers``) and the transformers padding-free loop, on identical work (issue 42).
 
 At Qwen2.5-0.5B's shape with one 4096-token pack per forward an H200 waits on the host for half of each step
@@ -11,6 +11,7 @@ per layer and micro-batch: the same packs, the same layers, heads, vocabulary an
     OMP_NUM_THREADS=1 python bench/bench_host_time.py            # 24 layers, 128-token packs, 4 per step
     OMP_NUM_THREADS=1 python bench/bench_host_time.py --layers 12 --steps 10
     OMP_NUM_THREADS=1 python bench/bench_host_time.py --no-accumulation-fusion
+    OMP_NUM_THREADS=1 python bench/bench_host_time.py --packs-per-forward 2   # 2 packs per forward, both sides
 
 Ours runs with the gradient-accumulation fusion installed, as a GPU builds it (weight gradients added into
 ``main_grad`` by the linear's backward, eagerly or inside the compiled layer; ``model/wgrad_fusion.py``), unless
@@ -39,19 +40,21 @@ from tests.data_utils import write_packed_instruction_dataset  # noqa: E402
 from tests.model_utils import TINY_FLAGS  # noqa: E402
 from tests.varlen_cpu import use_cpu_flash  # noqa: E402
 
-MICRO_BATCHES = 4
+PACKS_PER_STEP = 4
 
 
-def ours(data: str, layers: int, mode: str, warmup: int, steps: int) -> float:
-    """Seconds per step of posttrain's trainer on the flash path, ``--torch-compile-kernels mode``."""
+def ours(data: str, layers: int, mode: str, warmup: int, steps: int, per_forward: int = 1) -> float:
+    """Seconds per step of posttrain's trainer on the flash path, ``--torch-compile-kernels mode``,
+    ``per_forward`` packs per forward (``--micro-batch-size``: flattened into one THD sequence)."""
     import posttrain
     from mindspeed_pack.config.arguments import parse_args
     from mindspeed_pack.training.stages import get_stage
     from mindspeed_pack.training.trainer import Trainer
 
     torch._dynamo.reset()
-    flags = [*TINY_FLAGS, "--data-path", data, "--neat-pack", "--seq-length", "128", "--micro-batch-size", "1",
-             "--global-batch-size", str(MICRO_BATCHES), "--train-iters", str(warmup + steps), "--lr", "1e-5",
+    flags = [*TINY_FLAGS, "--data-path", data, "--neat-pack", "--seq-length", "128",
+             "--micro-batch-size", str(per_forward),
+             "--global-batch-size", str(PACKS_PER_STEP), "--train-iters", str(warmup + steps), "--lr", "1e-5",
              "--num-layers", str(layers), "--attention-backend", "flash", "--torch-compile-kernels", mode,
              "--no-shuffle", "--eval-iters", "0", "--log-interval", "1000000"]
     args = parse_args(flags, extra_args_provider=posttrain.posttrain_args)
@@ -78,8 +81,9 @@ def _free_attention(module, query, key, value, attention_mask, **kwargs):
     return query.transpose(1, 2).clone(), None
 
 
-def transformers_loop(data: str, layers: int, warmup: int, steps: int) -> float:
-    """Seconds per step of a transformers padding-free loop on the same packs and the same model shape."""
+def transformers_loop(data: str, layers: int, warmup: int, steps: int, per_forward: int = 1) -> float:
+    """Seconds per step of a transformers padding-free loop on the same packs and the same model shape,
+    ``per_forward`` packs concatenated into one row per forward (positions restart at every sample)."""
     from transformers import AttentionInterface, Qwen2Config, Qwen2ForCausalLM
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -104,8 +108,9 @@ def transformers_loop(data: str, layers: int, warmup: int, steps: int) -> float:
                 torch.as_tensor(labels[i].astype("int64"))[None])
 
     def step(k):
-        for m in range(MICRO_BATCHES):
-            x, pos, y = batch((k * MICRO_BATCHES + m) % len(ids))
+        for m in range(0, PACKS_PER_STEP, per_forward):
+            rows = [batch((k * PACKS_PER_STEP + m + j) % len(ids)) for j in range(per_forward)]
+            x, pos, y = (torch.cat(parts, dim=-1) for parts in zip(*rows))
             logits = model(input_ids=x, position_ids=pos).logits
             loss = torch.nn.functional.cross_entropy(logits[0, :-1], y[0, 1:], ignore_index=-100)
             loss.backward()
@@ -126,6 +131,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--packs-per-forward", type=int, default=1, choices=(1, 2, 4),
+                   help="packs per forward on both sides (ours: --micro-batch-size; theirs: one concatenated row)")
     p.add_argument("--no-accumulation-fusion", action="store_true",
                    help="ours without the gradient-accumulation fusion (installed by default, as on a GPU)")
     opts = p.parse_args(argv)
@@ -137,18 +144,20 @@ def main(argv=None):
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     use_cpu_flash("free")
-    per_layer = 1e6 / (MICRO_BATCHES * opts.layers)
+    per_layer = 1e6 / (PACKS_PER_STEP * opts.layers)
+    k = opts.packs_per_forward
     with tempfile.TemporaryDirectory() as root:
         data = write_packed_instruction_dataset(os.path.join(root, "copy"), num_packs=64, meta=True)
-        rows = {"ours, eager layers (default)": ours(data, opts.layers, "auto", opts.warmup, opts.steps),
-                "ours, --torch-compile-kernels layers": ours(data, opts.layers, "layers", opts.warmup, opts.steps),
-                "transformers padding-free loop": transformers_loop(data, opts.layers, opts.warmup, opts.steps)}
+        rows = {"ours, eager layers (default)": ours(data, opts.layers, "auto", opts.warmup, opts.steps, k),
+                "ours, --torch-compile-kernels layers": ours(data, opts.layers, "layers", opts.warmup, opts.steps, k),
+                "transformers padding-free loop": transformers_loop(data, opts.layers, opts.warmup, opts.steps, k)}
     base = rows["transformers padding-free loop"]
-    print(f"{opts.layers} layers, hidden 64, 128-token packs, {MICRO_BATCHES} per step, free attention kernels, "
+    print(f"{opts.layers} layers, hidden 64, 128-token packs, {PACKS_PER_STEP} per step, {k} per forward, "
+          f"free attention kernels, "
           f"1 thread; {opts.steps} steps after {opts.warmup}; ours with"
           f"{'out' if opts.no_accumulation_fusion else ''} the gradient-accumulation fusion")
     for name, seconds in rows.items():
-        print(f"{name:40s} {seconds * per_layer:8.0f} us per layer per micro-batch   "
+        print(f"{name:40s} {seconds * per_layer:8.0f} us per layer per pack   "
               f"{base / seconds:5.2f}x the transformers loop")
     return rows
 
