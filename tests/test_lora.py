@@ -492,3 +492,18 @@ def test_readme_memory_table_is_the_dry_run_estimate_in_gib():
                            data_summary="(none)")
     memory = next(line for line in plan_lines(args) if line.startswith("memory per GPU"))
     assert "weights 3.55 GiB" in memory and " GB" not in memory, memory
+
+
+def test_mindspeed_llms_lora_export_flags_are_checked_against_the_adapters(qwen, trained, tmp_path, capsys):
+    """MindSpeed-LLM's mcore2hf_lora script passes --lora-r/--lora-alpha/--lora-target-modules, --hf-cfg-dir and its
+    family name: the settings must be the adapters' own (the record decides; a mismatch is refused, nothing
+    written)."""
+    base = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", qwen["mg"], "--lora-load",
+            trained["save"], "--hf-cfg-dir", qwen["hf"], "--model-type-hf", "qwen25", "--lora-alpha", "8",
+            "--lora-target-modules", "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    assert convert_main([*base, "--lora-r", "4", "--save-dir", str(tmp_path / "same")]) == 0
+    assert (tmp_path / "same" / adapters.ADAPTER_CONFIG).exists()
+    capsys.readouterr()
+    assert convert_main([*base, "--lora-r", "8", "--save-dir", str(tmp_path / "other")]) == 2
+    assert "was trained with other LoRA settings: --lora-r 8 (record: 4)" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()

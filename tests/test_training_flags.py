@@ -13,6 +13,7 @@ import torch
 
 import posttrain
 from mindspeed_pack.checkpoint.save_load import CheckpointError
+from mindspeed_pack.config import mindspeed_llm_flags
 from mindspeed_pack.config.arguments import build_parser, parse_args
 from mindspeed_pack.datasets.packed_dataset import DataError, PackedBatchSource, split_ranges
 from mindspeed_pack.training.batches import to_packed_batch
@@ -311,7 +312,7 @@ def test_omitted_flags_mean_what_they_mean_in_megatron_lm(neat):
 
 
 # 13 -----------------------------------------------------------------------------------------
-ACCEPTED_NO_OPS = {"is_instruction_dataset", "variable_seq_lengths", "use_mcore_models"}
+ACCEPTED_NO_OPS = {"is_instruction_dataset", "variable_seq_lengths", "use_mcore_models", "attention_mask_type"}
 
 
 def _training_code() -> str:
@@ -336,6 +337,13 @@ def test_help_lists_no_flag_the_code_ignores():
             continue
         if action.choices is not None and len(action.choices) == 1:
             continue  # any other value is refused by the parser
+        flag = action.option_strings[0]
+        if flag in mindspeed_llm_flags.NPU_OPTIMISATIONS:  # accepted, one warning names them (read by name there)
+            assert "no effect here" in action.help and flag in readme, f"{flag}: say it has no effect, in README too"
+            continue
+        if flag in mindspeed_llm_flags.REFUSED:  # refused by name (read by name there)
+            assert action.help.startswith("refused") and flag in readme, f"{flag}: say it is refused, in README too"
+            continue
         if not re.search(rf"args\.{dest}\b|[\"']{dest}[\"']", code):
             unread.append(action.option_strings[0])
     assert not unread, f"parsed but never read: {unread}"

@@ -18,6 +18,7 @@ import logging
 import os
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from mindspeed_pack.checkpoint import hf_checkpoint, lora_checkpoint, save_load
@@ -26,6 +27,7 @@ from mindspeed_pack.config import finetune_defaults, resolved_config
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime import faults
+from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +38,30 @@ def load_run_checkpoint(args, model, optimizer, scheduler, resume_save: bool = T
     save = _own_checkpoint(args) if resume_save else None
     args.resumed_from = save
     if lora.trains_adapters(args):
-        return lora_checkpoint.load_checkpoint(args, model, optimizer, scheduler, adapters_root=save)
-    if save:
-        return save_load.load_checkpoint(args, model, optimizer, scheduler, root=save, flag="--save",
-                                         weights_only=False)
-    return save_load.load_checkpoint(args, model, optimizer, scheduler)
+        position = lora_checkpoint.load_checkpoint(args, model, optimizer, scheduler, adapters_root=save)
+    elif save:
+        position = save_load.load_checkpoint(args, model, optimizer, scheduler, root=save, flag="--save",
+                                             weights_only=False)
+    else:
+        position = save_load.load_checkpoint(args, model, optimizer, scheduler)
+    _check_ranks_agree(args, position)
+    return position
+
+
+def _check_ranks_agree(args, position: tuple) -> None:
+    """Every rank resumes at the same (iteration, consumed samples): ranks that read different trackers (a
+    ``--save`` on disks the nodes do not share) would otherwise train from different steps."""
+    mine = torch.tensor([float(position[0]), float(position[1])], dtype=torch.float64,
+                        device=torch.cuda.current_device() if cuda_usable() else "cpu")
+    both = torch.cat([-mine, mine])  # one MAX gives the lowest and the highest
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    low, high = (-both[:2]).cpu(), both[2:].cpu()
+    if torch.equal(low, high):
+        return
+    raise CheckpointError(f"the ranks found different checkpoints to resume (rank {dist.get_rank()}: iteration "
+                          f"{position[0]}; the ranks range over iterations {int(low[0])}..{int(high[0])}): "
+                          f"{loaded_from(args)} must be one directory every node sees (with --no-shared-storage "
+                          "too: it covers the data, not the checkpoints)")
 
 
 def loaded_from(args) -> str:

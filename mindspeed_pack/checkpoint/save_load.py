@@ -480,6 +480,9 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
     if same_as_save and not finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
             and not os.path.isdir(os.path.join(root, layout.RELEASE)):
         uncommitted = uncommitted_iterations(root, f"{flag} (= --save)")
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            raise CheckpointError(f"{flag} {root} (= --save) holds no checkpoint yet and --exit-on-missing-checkpoint "
+                                  "is given: stopping instead of starting from scratch")
         log.warning("%s %s (= --save) holds no checkpoint yet%s: starting from scratch", flag, root,
                     f" ({', '.join(uncommitted)} without {layout.TRACKER}: an interrupted first save)"
                     if uncommitted else "")

@@ -20,6 +20,7 @@ from mindspeed_pack.config import (
     checkpoint_flags,
     finetune_defaults,
     hf_flags,
+    mindspeed_llm_flags,
     model_head,
     peft_flags,
     resolved_config,
@@ -123,7 +124,8 @@ def _moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="softmax over all experts before top-k (top-k weights not renormalised: "
                         "norm_topk_prob=false); without it the top-k weights sum to 1")
-    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=list(DISPATCHERS))
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=[*DISPATCHERS, "alltoall_seq"],
+                   help="alltoall_seq: megatron-core's former sequence-parallel all-to-all, run as alltoall")
     g.add_argument("--moe-grouped-gemm", action="store_true", help="TE grouped GEMM for the experts (GPU)")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
                    help="drop tokens over capacity (default dropless; with packing, routing then depends on pack-mates)")
@@ -136,11 +138,11 @@ def _layer_freq(text: str):
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a list like [0,1,1]") from None
-    if isinstance(value, int) and value >= 1:
-        return value
+    if isinstance(value, int) and value != 0:
+        return abs(value)  # Megatron-LM's layer i is MoE when i % N == 0: -1 (MindSpeed-LLM's scripts) is every layer
     if isinstance(value, list) and value and all(v in (0, 1) for v in value):
         return value
-    raise argparse.ArgumentTypeError(f"{text!r}: give an integer >= 1 or a list of 0/1 per layer")
+    raise argparse.ArgumentTypeError(f"{text!r}: give a non-zero integer or a list of 0/1 per layer")
 
 
 def _check_moe_flags(args) -> None:
@@ -295,6 +297,8 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--per-sample-loss", action="store_true",
                    help="average each sample's token losses first, then over samples (default: per-token mean "
                         "over the global batch, the only packing-invariant choice)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="Megatron-LM's per-token loss: always so here (not with --per-sample-loss)")
     g.add_argument("--nan-policy", default="stop", choices=["stop", "skip"],
                    help="on a NaN/inf loss or gradient: stop with the iteration, or skip the update (under --fp16 "
                         "dynamic loss scaling an inf/NaN gradient always skips the step and lowers the scale)")
@@ -323,6 +327,14 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-train", action="store_true", help="evaluation only")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector off, run by hand (Megatron-LM): every --manual-gc-interval "
+                        "iterations and around evaluations, at the same step on every rank, so no rank pauses "
+                        "at random while the others wait for it")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="--manual-gc: iterations between collections (0: only around evaluations)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="--manual-gc: no collection around evaluations")
 
 
 def per_split_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -424,6 +436,9 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--ckpt-format", default="torch", choices=["torch"])
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="--load D --save D with no checkpoint in D yet stops instead of starting from scratch "
+                        "(any other --load without a checkpoint always does)")
     g.add_argument("--allow-unsafe-checkpoint-load", action="store_true",
                    help="load a --load checkpoint that needs full pickle (it can run code): only for a legacy file "
                         "you trust; refused by default")
@@ -451,7 +466,7 @@ def _logging_args(p: argparse.ArgumentParser) -> None:
 def build_parser(description: str = "mindspeed-pack training") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, allow_abbrev=False)
     for add in (_model_args, _moe_args, _lora_args, _parallel_args, _training_args, _data_args, _checkpoint_args,
-                _logging_args):
+                _logging_args, mindspeed_llm_flags.add_flags):
         add(p)
     yaml_file.add_config_flag(p)
     return p
@@ -477,6 +492,18 @@ def _check_precision_and_parallel(args) -> None:
                             f"a multiple of --tensor-model-parallel-size {args.tensor_model_parallel_size}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _check_loss_and_gc_flags(args) -> None:
+    """Megatron-LM's ``--calculate-per-token-loss`` (always so here) and manual garbage collection."""
+    if args.calculate_per_token_loss and args.per_sample_loss:
+        raise ArgumentError("--calculate-per-token-loss and --per-sample-loss both given: the loss is a per-token "
+                            "mean (the default) or a mean of per-sample means; pass one")
+    if args.manual_gc_interval < 0:
+        raise ArgumentError(f"--manual-gc-interval {args.manual_gc_interval} must be >= 0")
+    if args.manual_gc_interval and not args.manual_gc:
+        raise ArgumentError(f"--manual-gc-interval {args.manual_gc_interval} schedules manual collections: pass "
+                            "--manual-gc")
 
 
 def _check_schedule_flags(args) -> None:
@@ -656,6 +683,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     _check_schedule_flags(args)
+    _check_loss_and_gc_flags(args)
     _check_data_flags(args)
     _check_dynamic_cp_flags(args)
     _check_moe_flags(args)
@@ -731,6 +759,7 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
         if args.load_format == "mg":  # a Megatron --load: model flags from the arguments it records
             checkpoint_flags.fill_model_args(args, given)
         from_checkpoint = _changed(before, args) | from_peft
+        mindspeed_llm_flags.apply(args, given, loads_hf=args.load_format == "hf")
         model_head.apply(args)  # a reward model's score head (--stage orm, or --stage score of one)
         defaults = finetune_defaults.apply(args, given)
         validate_args(args, world_size)

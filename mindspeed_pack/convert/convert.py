@@ -41,6 +41,7 @@ from mindspeed_pack.convert import adapters as lora_map
 from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import (
+    MINDSPEED_MODEL_TYPES,
     MODEL_SPECS,
     ConversionError,
     args_from_dict,
@@ -75,6 +76,7 @@ from mindspeed_pack.convert.weight_map import (
     units,
 )
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
+from mindspeed_pack.model.lora import resolve_targets
 from mindspeed_pack.runtime import faults, stale_files
 
 log = logging.getLogger(__name__)
@@ -613,8 +615,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "adapter checkpoint too: --load-model-type mg --save-model-type mg --load-dir SAVE).")
     p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--save-model-type", choices=["mg", "hf"], required=True)
-    p.add_argument("--model-type-hf", choices=sorted(MODEL_SPECS), default=None,
-        help="architecture; default: detected from config.json (hf) or the checkpoint args (mg)")
+    p.add_argument("--model-type-hf", choices=sorted({*MODEL_SPECS, *MINDSPEED_MODEL_TYPES}), default=None,
+        help="architecture; default: detected from config.json (hf) or the checkpoint args (mg); MindSpeed-LLM's "
+             f"names too ({', '.join(f'{k} = {v}' for k, v in sorted(MINDSPEED_MODEL_TYPES.items()))})")
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True, help="must not exist or be empty")
     p.add_argument("--target-tensor-parallel-size", type=int, default=1)
@@ -641,13 +644,82 @@ def build_parser() -> argparse.ArgumentParser:
                         "content): written as a PEFT adapter directory (--save-model-type hf)")
     p.add_argument("--lora-merge", action="store_true",
                    help="with --lora-load: write the base with the adapters merged (a transformers model) instead")
+    g = p.add_argument_group("MindSpeed-LLM's converter flags")
+    g.add_argument("--hf-cfg-dir", default=None, metavar="DIR",
+                   help="--save-model-type hf: the Hugging Face directory the model came from; its tokenizer, if it "
+                        "has one, is written beside the weights (as --tokenizer-dir, which wins when given); "
+                        "config.json is written from the checkpoint's own record")
+    g.add_argument("--lora-r", type=int, default=None, help="with --lora-load: checked against the adapters' record")
+    g.add_argument("--lora-alpha", type=float, default=None, help="with --lora-load: checked against the record")
+    g.add_argument("--lora-target-modules", nargs="+", default=None,
+                   help="with --lora-load: checked against the adapters' record")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="accepted: the written experts load with or without TE's grouped GEMM")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="experts are split like the other weights: only --target-tensor-parallel-size's value")
+    for flag in _REFUSED_LAYOUTS:
+        g.add_argument(flag, default=None, help="refused: uneven or virtual pipeline stages are not built here")
     return p
+
+
+_REFUSED_LAYOUTS = ("--noop-layers", "--num-layer-list", "--num-layers-per-virtual-pipeline-stage")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _mindspeed_flags(args) -> None:
+    """MindSpeed-LLM's converter flags: translated to ours, or refused by name."""
+    args.model_type_hf = MINDSPEED_MODEL_TYPES.get(args.model_type_hf, args.model_type_hf)
+    for flag in _REFUSED_LAYOUTS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if value is not None:
+            raise ConversionError(f"{flag} {value}: uneven or virtual pipeline stages are not built here; "
+                                  "--num-layers must divide over --target-pipeline-parallel-size")
+    etp = args.expert_tensor_parallel_size
+    if etp is not None and etp != args.target_tensor_parallel_size:
+        raise ConversionError(f"--expert-tensor-parallel-size {etp}: experts are split over the tensor-parallel "
+                              f"group here, so it must equal --target-tensor-parallel-size "
+                              f"{args.target_tensor_parallel_size} (or be dropped)")
+    if args.hf_cfg_dir is not None:
+        if args.save_model_type != "hf":
+            raise ConversionError("--hf-cfg-dir names the Hugging Face directory a Megatron checkpoint came from, "
+                                  "read when one is written back (--save-model-type hf)")
+        if not os.path.isdir(args.hf_cfg_dir):
+            raise ConversionError(f"--hf-cfg-dir {args.hf_cfg_dir}: no such directory")
+        has_tokenizer = any(os.path.exists(os.path.join(args.hf_cfg_dir, name)) for name in _TOKENIZER_FILES)
+        if args.tokenizer_dir is None and has_tokenizer:
+            args.tokenizer_dir = args.hf_cfg_dir
+    lora_flags = [f for f, v in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha),
+                                 ("--lora-target-modules", args.lora_target_modules)) if v is not None]
+    if lora_flags and not args.lora_load:
+        raise ConversionError(f"{', '.join(lora_flags)}: the LoRA settings are read from --lora-load's checkpoint "
+                              "(pass it) or from the run's flags at training")
+
+
+def _check_lora_settings(args, record: dict, lora_dir: str) -> None:
+    """``--lora-r``/``--lora-alpha``/``--lora-target-modules`` given with ``--lora-load``: its record agrees."""
+    differ = []
+    if args.lora_r is not None and args.lora_r != record.get("r"):
+        differ.append(f"--lora-r {args.lora_r} (record: {record.get('r')})")
+    if args.lora_alpha is not None and args.lora_alpha != record.get("alpha"):
+        differ.append(f"--lora-alpha {args.lora_alpha:g} (record: {record.get('alpha')})")
+    if args.lora_target_modules is not None:
+        try:
+            mine = sorted(f"{linear}.{p}" for linear, p in resolve_targets(args.lora_target_modules))
+        except ValueError as e:
+            raise ConversionError(str(e)) from None
+        if mine != sorted(record.get("targets") or []):
+            differ.append(f"--lora-target-modules {' '.join(args.lora_target_modules)} (record: "
+                          f"{' '.join(record.get('targets') or [])})")
+    if differ:
+        raise ConversionError(f"--lora-load {lora_dir} was trained with other LoRA settings: {'; '.join(differ)}; "
+                              "drop the flags (the record is used) or pass the adapters they describe")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
+        _mindspeed_flags(args)
         if args.lora_merge and not args.lora_load:
             raise ConversionError("--lora-merge merges the adapters of --lora-load DIR: pass it")
         if args.lora_load and args.save_model_type != "hf":
@@ -656,6 +728,9 @@ def main(argv=None) -> int:
                 f"or merged with --lora-merge); to reshard the adapter checkpoint, pass it alone: --load-model-type mg "
                 f"--save-model-type mg --load-dir {args.lora_load} --target-tensor-parallel-size N ...")
         if args.lora_load:
+            if any(v is not None for v in (args.lora_r, args.lora_alpha, args.lora_target_modules)):
+                _check_lora_settings(args, _adapter_checkpoint(args.lora_load, args.allow_unsafe_checkpoint_load).lora,
+                                     args.lora_load)
             lora_export(args.load_model_type, args.load_dir, args.lora_load, args.save_dir, args.lora_merge,
                         args.params_dtype, args.tokenizer_dir, args.max_shard_size_mb * 1024**2,
                         args.allow_unsafe_checkpoint_load)

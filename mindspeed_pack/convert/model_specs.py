@@ -270,6 +270,10 @@ def show_setting(value) -> str:
     return str(value)
 
 
+# MindSpeed-LLM's --model-type-hf names of the families converted here
+MINDSPEED_MODEL_TYPES = {"qwen25": "qwen2", "qwen3-moe": "qwen3_moe", "llama2": "llama"}
+
+
 def get_spec(model_type_hf: str) -> ModelSpec:
     try:
         return MODEL_SPECS[model_type_hf]

@@ -14,7 +14,9 @@ of a packed prefix is preprocessed by ``preprocess_data.py``'s own code and cach
   ("cache hit") or rebuilt (an edited file); two jobs on the same cache build it once (the second waits for
   the first, then reuses it), and a killed build's temporaries are removed by the next run;
 * rank 0 preprocesses (with its progress bar) while the other ranks wait, then tells them the prefix:
-  every rank trains on the same packs (one file system shared by the nodes, as for ``--save``).
+  every rank trains on the same packs (one file system shared by the nodes, as for ``--save``); under
+  ``--no-shared-storage`` (MindSpeed-LLM's flag) each node's first rank preprocesses onto its node's disk, the
+  same files (the same inputs and flags give the same bytes), and tells its node's ranks.
 
 A packed prefix given as before is used as it is; the preprocessing flags the user gave are
 checked against its sidecar (the shared ones are checked by ``data.sidecar_checks.check_data``).
@@ -37,13 +39,15 @@ log = logging.getLogger(__name__)
 
 # preprocess_data.py flags that only preprocessing reads (posttrain.py takes them for raw --data-path files)
 PREPROCESS_ONLY = ("handler_name", "map_keys", "chat_template", "chat_template_kwargs", "reasoning_history",
-                   "prompt_type_path", "pack", "append_eod", "pad_to_multiple_of", "workers", "skip_bad_rows",
-                   "overwrite_cache", "placeholder_token", "reward_tokens")
+                   "enable_thinking", "prompt_type_path", "pack", "append_eod", "pad_to_multiple_of", "workers",
+                   "skip_bad_rows", "overwrite_cache", "placeholder_token", "reward_tokens")
 # flags of both halves, given once
 SHARED = ("seq_length", "prompt_type", "tokenizer_name_or_path", "neat_pack", "seed")
 # preprocessing flags that shape the packs: checked against a packed prefix's sidecar when given
 RECORDED = ("handler_name", "map_keys", "chat_template", "chat_template_kwargs", "reasoning_history", "pack",
-            "append_eod", "pad_to_multiple_of")
+            "append_eod", "pad_to_multiple_of", "enable_thinking")
+# recorded only when set: a sidecar without it was written without the flag
+RECORDED_WHEN_SET = ("enable_thinking",)
 CACHE_DIR = "mindspeed_pack_cache"
 WAIT_HOURS = 24.0  # how long the other ranks wait for rank 0's preprocessing
 
@@ -107,7 +111,7 @@ def preprocess_namespace(args, inputs: list):
     # the prefix names what shapes the packs, so runs with other flags keep their own cache
     identity = {"inputs": [os.path.abspath(p) for p in inputs], "tokenizer": ns.tokenizer_name_or_path,
                 **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "map_keys", "prompt_type_path", "chat_template",
-                                                 "chat_template_kwargs", "reasoning_history")},
+                                                 "chat_template_kwargs", "reasoning_history", "enable_thinking")},
                 **({"step_tags": [ns.placeholder_token, *ns.reward_tokens]}
                    if ns.handler_name == PROCESS_REWARD else {})}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -134,30 +138,61 @@ def _preprocess(ns) -> dict:
             "packs": stats.get("packs", stats.get("documents")), "samples": stats.get("samples_written")}
 
 
-def _on_rank_zero(args, work) -> dict:
-    """``work()`` on rank 0 while the other ranks wait (up to :data:`WAIT_HOURS`); its result on every rank."""
+def node_leaders(world: int, per_node: int) -> list:
+    """The ranks of each node (torchrun numbers a node's ranks contiguously): the first one leads."""
+    return [list(range(start, min(start + per_node, world))) for start in range(0, world, per_node)]
+
+
+def _leader(args):
+    """(whether this rank preprocesses, the group that waits for it, its global rank): rank 0 for the job, or
+    under ``--no-shared-storage`` (MindSpeed-LLM's flag) each node's first rank, for its node's disk."""
     import torch.distributed as dist
 
-    from mindspeed_pack.runtime import peers
+    timeout = datetime.timedelta(hours=WAIT_HOURS)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if not getattr(args, "no_shared_storage", False):
+        return rank == 0, dist.new_group(backend="gloo", timeout=timeout), 0
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    nodes = node_leaders(world, per_node)
+    groups = [dist.new_group(ranks, backend="gloo", timeout=timeout) for ranks in nodes]  # every rank makes each
+    node = rank // per_node
+    if rank - nodes[node][0] != int(os.environ.get("LOCAL_RANK", rank - nodes[node][0])):
+        raise DataError(f"--no-shared-storage: rank {rank} is local rank {os.environ.get('LOCAL_RANK')} of its node, "
+                        f"not {rank - nodes[node][0]}: launch with torchrun (each node's ranks numbered together)")
+    return rank == nodes[node][0], groups[node], nodes[node][0]
+
+
+def _on_rank_zero(args, work) -> dict:
+    """``work()`` on rank 0 (each node's first rank under ``--no-shared-storage``) while the other ranks wait
+    (up to :data:`WAIT_HOURS`); its result on every rank."""
     from mindspeed_pack.runtime.process_groups import initialize_from_args
 
     initialize_from_args(args)  # the process groups training uses next (a second call is a no-op)
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=WAIT_HOURS))
+    return run_on_leader(args, work)
+
+
+def run_on_leader(args, work) -> dict:
+    """:func:`_on_rank_zero` once the process groups exist."""
+    import torch.distributed as dist
+
+    from mindspeed_pack.runtime import peers
+
+    leads, group, leader = _leader(args)
     rank, message, error = dist.get_rank(), [None], None
-    if rank == 0:
+    if leads:
         try:
             message = [("ok", work())]
         except DataError as e:
             error, message = e, [("error", str(e))]
     else:
-        log.info("rank %d: waiting for rank 0 to preprocess --data-path %s", rank, " ".join(args.data_path))
-    with peers.waiting_for("rank 0's preprocessing of --data-path", WAIT_HOURS * 60):
-        dist.broadcast_object_list(message, src=0, group=group)
+        log.info("rank %d: waiting for rank %d to preprocess --data-path %s", rank, leader, " ".join(args.data_path))
+    with peers.waiting_for(f"rank {leader}'s preprocessing of --data-path", WAIT_HOURS * 60):
+        dist.broadcast_object_list(message, src=leader, group=group)
     if error is not None:
         raise error
     status, payload = message[0]
     if status == "error":
-        raise DataError(f"rank 0 could not preprocess --data-path: {payload}")
+        raise DataError(f"rank {leader} could not preprocess --data-path: {payload}")
     return payload
 
 
@@ -202,6 +237,8 @@ def check_packed_flags(args) -> None:
                     mine = json.loads(mine)
                 except json.JSONDecodeError:
                     pass
+            if dest in RECORDED_WHEN_SET:
+                recorded = {**recorded, dest: recorded.get(dest)}
             if dest in recorded and recorded[dest] != mine:
                 flag = "--" + sources[dest][0]
                 raise DataError(f"{flag} {getattr(args, dest)}, but {prefix!r} was preprocessed with {flag} "

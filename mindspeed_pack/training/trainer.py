@@ -36,6 +36,7 @@ from mindspeed_pack.runtime.process_groups import initialize_from_args
 from mindspeed_pack.training import throughput
 from mindspeed_pack.training.batches import BatchSource, host_packed_batch, model_device, packed_seq_params
 from mindspeed_pack.training.fused_adam import use_fused_adam
+from mindspeed_pack.training.manual_gc import ManualGC
 from mindspeed_pack.training.metrics import MetricsLogger
 from mindspeed_pack.training.model_setup import build_model, build_optimizer
 from mindspeed_pack.training.optimizer_step import guarded_step, non_finite_grad_name
@@ -95,6 +96,7 @@ class Trainer:
                                      extra_metrics=self.stage.metric_names)
         self.metrics.resumed(self.iteration, loaded_from(args))
         self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
+        self.collector = ManualGC(args)  # last: the setup's garbage is collected once, then none at random
         if args.exit_signal_handler:
             # the current iteration and the agreement to stop, with room for a slow step
             self.exit_signal = ExitSignal(grace_s=lambda: 10.0 + 2.0 * self.slowest_step_s,
@@ -303,7 +305,9 @@ class Trainer:
         self.slowest_step_s = max(self.slowest_step_s, elapsed)
         self.iteration += 1
         self.consumed_samples += self.args.global_batch_size
-        return self._log_step(loss, grad_norm, stats, elapsed)
+        record = self._log_step(loss, grad_norm, stats, elapsed)
+        self.collector.after_iteration(self.iteration)
+        return record
 
     def _evaluate_at_end(self) -> None:
         """Megatron-LM's end of training: validation on the next ``--eval-iters`` global batches
@@ -363,6 +367,7 @@ class Trainer:
             return None
         for chunk in self.model:
             chunk.eval()
+        self.collector.around_evaluation_step()
         phase, self.phase = self.phase, f"the {split} evaluation at iteration {self.iteration}"
         total = torch.zeros(2, dtype=torch.float64)
         tokens = 0
@@ -377,6 +382,7 @@ class Trainer:
         loss = self._global_mean(total)
         tokens = int(dp_sum({"tokens": tokens}, with_context_parallel=self.dynamic_cp)["tokens"])
         self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
+        self.collector.around_evaluation_step()
         for chunk in self.model:
             chunk.train()
         self.phase = phase
@@ -392,6 +398,8 @@ class Trainer:
         or hung peer would hold this rank until the timeout)."""
         if getattr(self, "metrics", None):
             self.metrics.close()
+        if getattr(self, "collector", None):
+            self.collector.close()
         if self.exit_signal:
             self.exit_signal.close()
         if barrier and dist.is_initialized():

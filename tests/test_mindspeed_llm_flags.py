@@ -1,0 +1,280 @@
+"""MindSpeed-LLM's own flags: a MindSpeed-LLM tune script's flags parse, and each means here what it means there
+(translated, checked, accepted as an Ascend optimisation with a warning, or refused by name); Megatron-LM's
+``--manual-gc``, ``--exit-on-missing-checkpoint`` and ``--calculate-per-token-loss``; ``--no-shared-storage``.
+"""
+import gc
+import logging
+import shlex
+
+import pytest
+
+import posttrain
+from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.config.arguments import build_parser, parse_args
+from mindspeed_pack.training.manual_gc import ManualGC
+from mindspeed_pack.training.raw_data import node_leaders
+from tests.dist_harness import run_distributed
+from tests.model_utils import TINY_FLAGS
+from tests.train_utils import sft_trainer, write_copy_task
+
+# the flags of MindSpeed-LLM's tune scripts (Qwen3-8B full, Qwen3-30B-A3B MoE, Qwen2.5-7B LoRA; shapes made tiny,
+# paths local; --no-pad-to-seq-lengths, refused here, dropped), as their GPT/DATA/CKPT/TUNE blocks pass them
+QWEN3_TUNE = """--use-mcore-models --spec mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec --kv-channels 16
+    --qk-layernorm --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --sequence-parallel
+    --use-distributed-optimizer --use-flash-attn --num-layers 2 --hidden-size 64 --use-rotary-position-embeddings
+    --num-attention-heads 4 --ffn-hidden-size 128 --max-position-embeddings 4096 --seq-length 128
+    --make-vocab-size-divisible-by 1 --padded-vocab-size 256 --rotary-base 1000000 --micro-batch-size 1
+    --global-batch-size 2 --disable-bias-linear --train-iters 2 --swiglu --tokenizer-type PretrainedFromHF
+    --normalization RMSNorm --position-embedding-type rope --norm-epsilon 1e-6 --hidden-dropout 0
+    --attention-dropout 0 --no-gradient-accumulation-fusion --attention-softmax-in-fp32 --exit-on-missing-checkpoint
+    --no-masked-softmax-fusion --group-query-attention --untie-embeddings-and-output-weights --num-query-groups 2
+    --min-lr 1.25e-7 --lr 1.25e-6 --weight-decay 1e-1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.95
+    --initial-loss-scale 4096 --no-load-optim --no-load-rng --seed 42 --bf16 --ckpt-format torch
+    --handler-name AlpacaStyleInstructionHandler --enable-thinking true --prompt-type qwen3 --workers 4
+    --split 100,0,0 --log-interval 1 --save-interval 1000 --eval-interval 1000 --eval-iters 0 --finetune
+    --stage sft --is-instruction-dataset"""
+QWEN3_MOE_TUNE = """--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-grouped-gemm
+    --moe-permutation-async-comm --moe-token-dispatcher-type alltoall_seq --moe-router-load-balancing-type aux_loss
+    --moe-layer-freq -1 --first-k-dense-replace -1 --moe-aux-loss-coeff 0.001 --use-flash-attn
+    --use-fused-rotary-pos-emb --sequence-parallel --use-rotary-position-embeddings --use-fused-swiglu
+    --use-fused-rmsnorm --no-masked-softmax-fusion --use-distributed-optimizer --micro-batch-size 1
+    --global-batch-size 2 --lr 1.25e-5 --lr-decay-style cosine --min-lr 1.25e-7 --weight-decay 1e-1
+    --lr-warmup-fraction 0.01 --attention-dropout 0.0 --init-method-std 0.01 --hidden-dropout 0.0 --clip-grad 1.0
+    --adam-beta1 0.9 --adam-beta2 0.95 --initial-loss-scale 4096 --seed 42 --bf16 --train-iters 2 --seq-length 128
+    --no-shared-storage --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+    --expert-model-parallel-size 1 --use-mcore-models --spec mindspeed_llm.tasks.models.spec.qwen3_spec layer_spec
+    --kv-channels 16 --qk-layernorm --norm-topk-prob --max-position-embeddings 128 --num-layers 2 --hidden-size 64
+    --ffn-hidden-size 128 --num-attention-heads 4 --tokenizer-type PretrainedFromHF --make-vocab-size-divisible-by 1
+    --padded-vocab-size 256 --rotary-base 1000000 --untie-embeddings-and-output-weights --disable-bias-linear
+    --position-embedding-type rope --normalization RMSNorm --norm-epsilon 1e-6 --swiglu --attention-softmax-in-fp32
+    --no-gradient-accumulation-fusion --group-query-attention --num-query-groups 2 --ckpt-format torch
+    --handler-name AlpacaStyleInstructionHandler --split 100,0,0 --log-interval 1 --save-interval 2
+    --eval-interval 2 --eval-iters 0 --no-load-optim --no-load-rng --finetune --stage sft --is-instruction-dataset
+    --tokenizer-not-use-fast --prompt-type qwen3"""
+QWEN25_LORA_TUNE = """--use-mcore-models --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+    --sequence-parallel --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4
+    --max-position-embeddings 128 --seq-length 128 --disable-bias-linear --add-qkv-bias --group-query-attention
+    --num-query-groups 2 --use-flash-attn --swiglu --use-fused-swiglu --normalization RMSNorm --norm-epsilon 1e-6
+    --use-fused-rmsnorm --position-embedding-type rope --rotary-base 1000000 --use-fused-rotary-pos-emb
+    --untie-embeddings-and-output-weights --micro-batch-size 1 --global-batch-size 2 --make-vocab-size-divisible-by 1
+    --padded-vocab-size 256 --lr 1.25e-6 --train-iters 2 --lr-decay-style cosine --attention-dropout 0.0
+    --init-method-std 0.01 --hidden-dropout 0.0 --no-masked-softmax-fusion --attention-softmax-in-fp32
+    --min-lr 1.25e-7 --weight-decay 1e-1 --lr-warmup-fraction 0.01 --clip-grad 1.0 --adam-beta1 0.9
+    --initial-loss-scale 4096 --adam-beta2 0.95 --no-gradient-accumulation-fusion --no-load-optim --no-load-rng
+    --seed 42 --bf16 --lora-r 8 --lora-alpha 16 --lora-fusion --lora-target-modules linear_qkv linear_proj
+    linear_fc1 linear_fc2 --lora-ckpt-filter --split 100,0,0 --log-interval 1 --save-interval 1000
+    --eval-interval 1000 --eval-iters 0 --finetune --stage sft --is-instruction-dataset --prompt-type qwen"""
+
+
+def _parser():
+    parser = build_parser()
+    posttrain.posttrain_args(parser)
+    return parser
+
+
+@pytest.mark.parametrize("script", [QWEN3_TUNE, QWEN3_MOE_TUNE, QWEN25_LORA_TUNE], ids=["qwen3", "qwen3_moe", "lora"])
+def test_every_flag_of_a_mindspeed_llm_tune_script_is_known(script):
+    _, unknown = _parser().parse_known_args(shlex.split(script))
+    assert unknown == []
+
+
+def _parse(data, extra, capsys=None):
+    """posttrain's arguments for ``extra`` on the tiny model; (args, None) or (None, the parser's error)."""
+    try:
+        return parse_args([*TINY_FLAGS, "--seq-length", "128", "--global-batch-size", "2", "--train-iters", "2",
+                           "--data-path", data, *extra], extra_args_provider=posttrain.posttrain_args), None
+    except SystemExit:
+        return None, capsys.readouterr().err if capsys else "error"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_copy_task(str(tmp_path_factory.mktemp("ms_flags") / "copy"), num_packs=8)
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+
+
+@pytest.mark.parametrize("extra,layers", [
+    (["--first-k-dense-replace", "1"], [0, 1]),
+    (["--first-k-dense-replace", "-1", "--moe-layer-freq", "-1"], [1, 1]),  # MindSpeed-LLM's Qwen3-MoE scripts
+    (["--first-k-dense-replace", "0", "--moe-layer-freq", "2"], [1, 0]),
+])
+def test_first_k_dense_replace_follows_mindspeed_llms_rule(data, extra, layers):
+    args, error = _parse(data, [*MOE, *extra])
+    assert error is None and args.moe_layer_freq == layers
+
+
+def test_mindspeed_llm_translations(data):
+    args, _ = _parse(data, [*MOE, "--moe-token-dispatcher-type", "alltoall_seq", "--norm-topk-prob",
+                            "--qk-layernorm", "--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec",
+                            "--expert-tensor-parallel-size", "1", "--calculate-per-token-loss",
+                            "--attention-mask-type", "general"])
+    assert args.moe_token_dispatcher_type == "alltoall"
+    assert not args.moe_router_pre_softmax and args.qk_layernorm
+
+
+@pytest.mark.parametrize("extra,message", [
+    ([*MOE, "--norm-topk-prob", "--moe-router-pre-softmax"], "--norm-topk-prob renormalises"),
+    (["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"], "pass --qk-layernorm"),
+    (["--spec", "my.module", "layer_spec"], "only mindspeed_llm.tasks.models.spec.qwen3_spec"),
+    (["--is-pairwise-dataset"], "--stage sft does not train on preference pairs"),
+    (["--lora-ckpt-filter"], "--lora-ckpt-filter saves a LoRA run's adapters only"),
+    (["--expert-tensor-parallel-size", "2"], "must equal --tensor-model-parallel-size 1"),
+    (["--enable-hf2mg-convert"], "is not a Hugging Face model directory"),
+    (["--model-type-hf", "qwen3"], "goes with --enable-hf2mg-convert"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage 1: the interleaved"),
+    (["--noop-layers", "0,1"], "--noop-layers 0,1: no-op padding layers"),
+    (["--num-layer-list", "1,1"], "--num-layer-list 1,1: uneven pipeline stages"),
+    (["--no-pad-to-seq-lengths"], "--no-pad-to-seq-lengths: unpacked samples are padded to --seq-length here"),
+    ([*MOE, "--first-k-dense-replace", "2"], "--first-k-dense-replace 2 must be below --num-layers 2"),
+    (["--first-k-dense-replace", "1"], "needs --num-experts"),
+    (["--calculate-per-token-loss", "--per-sample-loss"], "--calculate-per-token-loss and --per-sample-loss"),
+    (["--manual-gc-interval", "5"], "--manual-gc-interval 5 schedules manual collections: pass --manual-gc"),
+])
+def test_what_cannot_mean_the_same_is_refused_by_name(data, capsys, extra, message):
+    args, error = _parse(data, extra, capsys)
+    assert args is None and message in error
+
+
+def test_ascend_optimisations_are_accepted_with_one_warning(data, caplog):
+    with caplog.at_level(logging.WARNING, logger="mindspeed_pack.config.mindspeed_llm_flags"):
+        args, error = _parse(data, ["--use-ascend-coc", "--swap-optimizer", "--moe-zero-memory", "level1",
+                                    "--reuse-fp32-param"])
+    assert error is None
+    warned = [r.getMessage() for r in caplog.records if "Ascend optimisations" in r.getMessage()]
+    assert len(warned) == 1
+    for flag in ("--use-ascend-coc", "--swap-optimizer", "--moe-zero-memory", "--reuse-fp32-param"):
+        assert flag in warned[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("ms_hf")
+    write_converted_tiny_qwen2(root)
+    return str(root / "hf")
+
+
+def test_enable_hf2mg_convert_names_the_family_of_the_hugging_face_load(data, tiny_hf, capsys):
+    run = ["--seq-length", "128", "--global-batch-size", "2", "--train-iters", "2", "--data-path", data,
+           "--load", tiny_hf, "--enable-hf2mg-convert"]
+    args = parse_args([*run, "--model-type-hf", "qwen25"], extra_args_provider=posttrain.posttrain_args)
+    assert args.load_format == "hf" and args.model_type_hf == "qwen2"
+    with pytest.raises(SystemExit):
+        parse_args([*run, "--model-type-hf", "qwen3"], extra_args_provider=posttrain.posttrain_args)
+    assert "--model-type-hf qwen3, but --load" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- Megatron-LM's runtime flags
+def test_manual_gc_collects_only_on_schedule():
+    class Args:
+        manual_gc, manual_gc_interval, manual_gc_eval = True, 3, True
+
+    assert gc.isenabled()
+    collector = ManualGC(Args())
+    try:
+        assert not gc.isenabled() and collector.collections == 1  # the setup's garbage, once
+        for iteration in range(1, 8):
+            collector.after_iteration(iteration)
+        assert collector.collections == 3  # iterations 3 and 6
+        collector.around_evaluation_step()
+        assert collector.collections == 4
+    finally:
+        collector.close()
+    assert gc.isenabled()
+    off = ManualGC(type("Off", (), {})())
+    off.after_iteration(3)
+    assert off.collections == 0 and gc.isenabled()
+
+
+def test_manual_gc_in_a_training_run(data):
+    args, _ = _parse(data, ["--manual-gc", "--manual-gc-interval", "2", "--train-iters", "4", "--neat-pack",
+                            "--micro-batch-size", "2"])
+    from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
+
+    trainer = sft_trainer(args, PackedBatchSource())
+    trainer.setup()
+    try:
+        assert not gc.isenabled()
+        for _ in range(4):
+            trainer.train_iteration()
+        assert trainer.collector.collections == 3  # setup, iterations 2 and 4
+    finally:
+        trainer.cleanup()
+    assert gc.isenabled()
+
+
+def test_exit_on_missing_checkpoint_stops_a_first_launch(data, tmp_path):
+    save = str(tmp_path / "ckpt")
+    args, _ = _parse(data, ["--load", save, "--save", save, "--neat-pack", "--exit-on-missing-checkpoint"])
+    from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
+
+    trainer = sft_trainer(args, PackedBatchSource())
+    try:
+        with pytest.raises(CheckpointError, match="holds no checkpoint yet and --exit-on-missing-checkpoint"):
+            trainer.setup()
+    finally:
+        trainer.cleanup(barrier=False)
+
+
+# ---------------------------------------------------------------------------- several nodes
+def test_node_leaders_are_each_nodes_first_rank():
+    assert node_leaders(8, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert node_leaders(2, 1) == [[0], [1]]
+
+
+def _lead_and_resume(no_shared_storage: bool, iterations: tuple):
+    """A rank of a job whose every process is its own node (LOCAL_WORLD_SIZE 1): which rank did the work it
+    heard of, and why the ranks resuming at ``iterations[rank]`` were stopped (None: they were not)."""
+    import types
+
+    import torch.distributed as dist
+
+    from mindspeed_pack.checkpoint import resume
+    from mindspeed_pack.training import raw_data
+
+    args = types.SimpleNamespace(no_shared_storage=no_shared_storage, data_path=["raw.jsonl"], load="ckpt",
+                                 lora_load=None, resumed_from=None)
+    dist.init_process_group("gloo")
+    worker = raw_data.run_on_leader(args, lambda: dist.get_rank())
+    try:
+        resume._check_ranks_agree(args, (iterations[dist.get_rank()], 0))
+        stopped = None
+    except CheckpointError as e:
+        stopped = str(e)
+    return {"worker": worker, "stopped": stopped}
+
+
+@pytest.mark.parametrize("no_shared_storage", [False, True])
+def test_no_shared_storage_makes_each_nodes_first_rank_preprocess(no_shared_storage):
+    out = run_distributed(_lead_and_resume, 2, no_shared_storage, (3, 3 if no_shared_storage else 5),
+                          env={"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    # shared storage: rank 0 preprocesses for all; none: every node's first rank (each rank here) for its node
+    assert [o["worker"] for o in out] == ([0, 1] if no_shared_storage else [0, 0])
+    if no_shared_storage:
+        assert all(o["stopped"] is None for o in out)
+    else:  # ranks resuming different iterations (trackers on disks the nodes do not share) stop, every one
+        assert all("found different checkpoints to resume" in o["stopped"] for o in out)
+        assert "iterations 3..5" in out[0]["stopped"]
+
+
+# ---------------------------------------------------------------------------- convert_ckpt.py
+def test_convert_takes_mindspeed_llms_family_names_and_refuses_its_layouts(tiny_hf, tmp_path, capsys):
+    from mindspeed_pack.convert.convert import main as convert_main
+    from mindspeed_pack.convert.megatron_layout import read_tracker
+
+    hf2mg = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", tiny_hf]
+    assert convert_main([*hf2mg, "--model-type-hf", "qwen25", "--moe-grouped-gemm",
+                         "--save-dir", str(tmp_path / "mg")]) == 0
+    assert read_tracker(str(tmp_path / "mg")) == "release"
+    for extra, message in ((["--noop-layers", "0,1"], "--noop-layers 0,1: uneven or virtual pipeline stages"),
+                           (["--num-layer-list", "1,1"], "--num-layer-list 1,1: uneven"),
+                           (["--expert-tensor-parallel-size", "2"], "must equal --target-tensor-parallel-size 1"),
+                           (["--hf-cfg-dir", tiny_hf], "read when one is written back (--save-model-type hf)"),
+                           (["--lora-r", "8"], "--lora-r: the LoRA settings are read from --lora-load's")):
+        capsys.readouterr()
+        assert convert_main([*hf2mg, *extra, "--save-dir", str(tmp_path / "refused")]) == 2
+        assert message in capsys.readouterr().err, extra
+        assert not (tmp_path / "refused").exists()
