@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Union
 
@@ -90,6 +90,8 @@ class Template:
     tool_call_separator: str = "\n"  # between a function message's text and its calls, and between calls
     observation_separator: str = ""  # joins consecutive tool results into one turn; "": they are out of order
     trim_content: bool = False  # strip whitespace around every message's text (Llama 3's "| trim")
+    thought_words: tuple = ()  # a reasoning template's (open, close) around an answer's thought: --enable-thinking
+    enable_thinking: Optional[bool] = None  # --enable-thinking (with_thinking); None: answers as written
     definition: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -144,13 +146,17 @@ def get_template(name: str, path=None) -> Template:
         raise PreprocessError(f"unknown --prompt-type {name!r}; known templates: {', '.join(sorted(defs))}")
     spec = _resolve(name, defs)
     unknown = set(spec) - set(_FIELDS) - {"default_system", "stop_words", "replace_eos", "system_in_first_user",
-                                          "trim_content", *_TOOL_FIELDS}
+                                          "trim_content", "thought_words", *_TOOL_FIELDS}
     if unknown:
         raise PreprocessError(f"template {name!r}: unknown keys {sorted(unknown)}")
     for required in ("format_user", "format_assistant"):
         if required not in spec:
             raise PreprocessError(f"template {name!r} has no {required}")
     kwargs = {k: _slots(name, k, spec[k]) for k in _FIELDS if k in spec}
+    thought = spec.get("thought_words", [])
+    if thought and not (isinstance(thought, list) and len(thought) == 2 and all(isinstance(w, str) and w.strip()
+                                                                                 for w in thought)):
+        raise PreprocessError(f"template {name!r}: thought_words must be two strings [open, close], got {thought!r}")
     return Template(
         name=name,
         default_system=spec.get("default_system", ""),
@@ -158,6 +164,7 @@ def get_template(name: str, path=None) -> Template:
         replace_eos=bool(spec.get("replace_eos", False)),
         system_in_first_user=bool(spec.get("system_in_first_user", False)),
         trim_content=bool(spec.get("trim_content", False)),
+        thought_words=tuple(thought),
         **{k: str(spec[k]) for k in _TOOL_FIELDS if k in spec},
         definition=spec,
         **kwargs,
@@ -233,6 +240,50 @@ def merge_observations(template: Template, messages: list) -> list:
     return out
 
 
+def with_thinking(template: Template, enable_thinking: Optional[bool]) -> Template:
+    """``template`` under ``--enable-thinking`` (MindSpeed-LLM's reasoning templates; None: unchanged).
+
+    An answer's thought is its text between the template's two thought words (Qwen3: ``<think>\\n`` and
+    ``\\n</think>\\n\\n``). ``true``: thoughts are kept, and an answer without one gets an empty thought, trained
+    (the model learns to open and close it). ``false``: thoughts are removed from every answer, and the empty
+    thought closes every prompt instead, untrained (what the model is shown at inference with thinking off).
+    """
+    if enable_thinking is None:
+        return template
+    if not template.thought_words:
+        raise PreprocessError(f"--enable-thinking: template {template.name!r} has no thought words (a reasoning "
+                              "template's, like qwen3's); drop the flag, or use --prompt-type hf with the model's "
+                              "own chat template (--enable-thinking then sets its enable_thinking variable)")
+    return replace(template, enable_thinking=bool(enable_thinking))
+
+
+def _has_thought(template: Template, content) -> bool:
+    text = content.text if isinstance(content, ToolCalls) else content
+    return any(word in text for word in template.thought_words)
+
+
+def _without_thought(template: Template, content):
+    """The answer with its thought removed (as MindSpeed-LLM's ``remove_thought``: the span between the thought
+    words, then the newlines it leaves at the start)."""
+    open_word, close_word = (re.escape(w) for w in template.thought_words)
+    strip = (lambda text: re.sub(f"{open_word}(.*?){close_word}", "", text, flags=re.DOTALL).lstrip("\n"))
+    if isinstance(content, ToolCalls):
+        return ToolCalls(strip(content.text), content.calls)
+    return strip(content)
+
+
+def _thinking(template: Template, messages: list) -> tuple[list, list]:
+    """(messages, where the empty thought goes per answer: "answer", "prompt" or None) under --enable-thinking."""
+    if template.enable_thinking is None:
+        return messages, [None] * len(messages)
+    if not template.enable_thinking:
+        messages = [(role, _without_thought(template, content) if role in ANSWER_ROLES else content)
+                    for role, content in messages]
+    where = "answer" if template.enable_thinking else "prompt"
+    return messages, [where if role in ANSWER_ROLES and not _has_thought(template, content) else None
+                      for role, content in messages]
+
+
 def render_turns(template: Template, messages: list[tuple[str, str]], system: Optional[str],
                  tools: Optional[list] = None) -> list[tuple[list, list]]:
     """Slot lists ``(prompt, answer)`` per turn, for messages alternating prompt/answer roles.
@@ -247,6 +298,8 @@ def render_turns(template: Template, messages: list[tuple[str, str]], system: Op
                                             for role, content in messages]
     if tools:
         system = tools_system(template, system, tools)
+    messages, empty_thought = _thinking(template, messages)
+    thought = "".join(template.thought_words)
     turns = []
     for i in range(0, len(messages) - 1, 2):
         (q_role, query), (a_role, answer) = messages[i], messages[i + 1]
@@ -265,7 +318,12 @@ def render_turns(template: Template, messages: list[tuple[str, str]], system: Op
         answer_slots = template.format_function if (a_role == FUNCTION and template.format_function) else template.format_assistant
         if a_role == FUNCTION:
             answer = format_function(template, answer)
-        turns.append((prompt, _fill(answer_slots, answer)))
+        answer_slots = _fill(answer_slots, answer)
+        if empty_thought[i + 1] == "prompt":
+            prompt.append(thought)
+        elif empty_thought[i + 1] == "answer":
+            answer_slots.insert(0, thought)
+        turns.append((prompt, answer_slots))
     return turns
 
 

@@ -57,7 +57,7 @@ from mindspeed_pack.data.handlers import (
     SampleEncoder,
     resolve_map_keys,
 )
-from mindspeed_pack.data.templates import get_template, marker_tokens
+from mindspeed_pack.data.templates import get_template, marker_tokens, with_thinking
 from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
 from mindspeed_pack.datasets import pack_writer
 from mindspeed_pack.runtime import faults, stale_files
@@ -70,6 +70,14 @@ CHUNK_ROWS = 1000
 _OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed",
                 "pad_to_multiple_of", "skip_bad_rows")
 TOKENIZER_SUFFIX = "tokenizer"  # P_tokenizer/: the tokenizer extended with a template's tokens
+
+
+def _true_false_none(text: str):
+    """MindSpeed-LLM's --enable-thinking values: true, false, none (case-insensitive)."""
+    try:
+        return {"true": True, "false": False, "none": None}[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give true, false or none") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
                    help='--prompt-type hf: variables for the template, e.g. \'{"enable_thinking": false}\'; a '
                         f'Llama-3.x date header is pinned to date_string "{hf_chat.DEFAULT_DATE_STRING}" unless given')
+    g.add_argument("--enable-thinking", type=_true_false_none, default=None, metavar="{true,false,none}",
+                   help="MindSpeed-LLM's reasoning switch. A template with thought words (qwen3): true keeps each "
+                        "answer's inline <think> thought and gives an answer without one an empty one, trained; "
+                        "false removes them and closes every prompt with the empty one, untrained. --prompt-type "
+                        "hf: the chat template's enable_thinking variable. none (default): answers as written")
     g.add_argument("--reasoning-history", default="split", choices=hf_chat.REASONING_HISTORY,
                    help="--prompt-type hf, templates that rewrite earlier turns (Qwen3 drops old reasoning): 'split' "
                         "into the fewest samples whose context is what inference shows (default), or 'keep' one "
@@ -132,6 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for MindSpeed-LLM compatibility and ignored: packing always sees the whole dataset")
     yaml_file.add_config_flag(p)
     return p
+
+
+def _fold_enable_thinking(args) -> None:
+    """``--enable-thinking`` under ``--prompt-type hf``: the chat template's ``enable_thinking`` variable (a JSON
+    template applies it itself: :func:`~mindspeed_pack.data.templates.with_thinking`)."""
+    value = args.enable_thinking
+    if value is None:
+        return
+    if args.handler_name in (PRETRAIN, PROCESS_REWARD):
+        raise PreprocessError(f"--enable-thinking applies to chat templates; {args.handler_name} renders none")
+    if args.prompt_type != HF_PROMPT_TYPE:
+        return
+    kwargs = dict(args.chat_template_kwargs or {})
+    if "enable_thinking" in kwargs and kwargs["enable_thinking"] != value:
+        raise PreprocessError(f"--enable-thinking {str(value).lower()} but --chat-template-kwargs sets enable_thinking "
+                              f"{json.dumps(kwargs['enable_thinking'])}: pass one of them")
+    kwargs["enable_thinking"] = value
+    args.chat_template_kwargs = kwargs
 
 
 def validate_args(args) -> None:
@@ -188,6 +219,7 @@ def validate_args(args) -> None:
     if args.prompt_type == HF_PROMPT_TYPE and args.tokenizer_type != "PretrainedFromHF":
         raise PreprocessError("--prompt-type hf needs --tokenizer-type PretrainedFromHF (a tokenizer with a chat template)")
     args.chat_template_kwargs = hf_chat.parse_template_kwargs(args.chat_template_kwargs)
+    _fold_enable_thinking(args)
     if args.map_keys is not None and not isinstance(args.map_keys, dict):
         try:
             args.map_keys = json.loads(args.map_keys)
@@ -218,6 +250,7 @@ class EncoderConfig:
     reasoning_history: str = "split"
     pad_to_multiple_of: int = 1  # pairs: a pair's padded length must fit --seq-length
     step_tags: Optional[tuple] = None  # process reward rows: (--placeholder-token, --reward-tokens)
+    enable_thinking: Optional[bool] = None  # --enable-thinking for a JSON template (hf: in chat_template_kwargs)
 
     def build(self, tokenizer=None) -> SampleEncoder:
         tokenizer = tokenizer or load_tokenizer(self.tokenizer)
@@ -231,7 +264,7 @@ class EncoderConfig:
             chat = hf_chat.ChatTemplate(source, tokenizer.hf.special_tokens_map, self.chat_template_kwargs or {},
                                         self.reasoning_history, origin, atoms=tuple(tokenizer.hf.get_added_vocab()))
         elif self.handler != PRETRAIN:
-            template = get_template(self.prompt_type, self.templates_path)
+            template = with_thinking(get_template(self.prompt_type, self.templates_path), self.enable_thinking)
         if pairwise.is_pairwise(self.handler):
             return pairwise.PairwiseEncoder(self.handler, tokenizer, template, self.map_keys, self.seq_length,
                                             self.append_eod, self.pad_to_multiple_of, self.skip_bad_rows, chat)
@@ -438,7 +471,7 @@ def run_or_reuse(args) -> Tuple[dict, bool]:
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
     template = None
     if args.handler_name not in (PRETRAIN, PROCESS_REWARD) and args.prompt_type != HF_PROMPT_TYPE:
-        template = get_template(args.prompt_type, args.prompt_type_path)
+        template = with_thinking(get_template(args.prompt_type, args.prompt_type_path), args.enable_thinking)
     keys, explicit = resolve_map_keys(args.handler_name, args.map_keys)
     check_columns(files, args.handler_name, keys, explicit, args.skip_bad_rows)
     warn_struct_key_order(files, args.handler_name, keys)
@@ -449,7 +482,7 @@ def run_or_reuse(args) -> Tuple[dict, bool]:
                            args.seq_length, args.append_eod, args.skip_bad_rows, add_bos, args.chat_template,
                            args.chat_template_kwargs, args.reasoning_history, args.pad_to_multiple_of,
                            (args.placeholder_token, tuple(args.reward_tokens)) if args.handler_name == PROCESS_REWARD
-                           else None)
+                           else None, args.enable_thinking if template is not None else None)
     encoder = config.build(tokenizer)  # fail here, in the main process, on template/tokenizer mismatches
     if encoder.chat is not None and encoder.chat.reasoning_history == "keep":
         print("warning: --reasoning-history keep: turns are trained after a history that keeps earlier reasoning, "
@@ -459,7 +492,8 @@ def run_or_reuse(args) -> Tuple[dict, bool]:
     cache_key = {
         "format_version": FORMAT_VERSION,
         "arguments": {k: getattr(args, k) for k in _OUTPUT_ARGS} | {"map_keys": keys, "add_bos": add_bos}
-        | ({"step_tags": encoder.layout()} if args.handler_name == PROCESS_REWARD else {}),
+        | ({"step_tags": encoder.layout()} if args.handler_name == PROCESS_REWARD else {})
+        | ({"enable_thinking": args.enable_thinking} if args.enable_thinking is not None else {}),
         "inputs": readers.fingerprint(files),
         # vocab_size: of the tokenizer the ids come from (extended, when tokens were added)
         "tokenizer": tokenizer.identity() | changes,
@@ -524,7 +558,9 @@ def _build(args, files, config: EncoderConfig, tokenizer, encoder, changes: dict
             "cache_key": cache_key,
             "outputs": [Path(f).name for f in pack_writer.output_files(_final_prefixes(args))],
             "layout": _layout(args, tokenizer, encoder),
-            "tokenizer_path": str(args.tokenizer_path),
+            # absolute: the packs are read from other working directories (inspect_pack, training)
+            "tokenizer_path": os.path.abspath(args.tokenizer_path) if os.path.isdir(str(args.tokenizer_path))
+            else str(args.tokenizer_path),
             "extended_tokenizer": None if not changes else {
                 "path": Path(_tokenizer_dir(args)).name, "vocab_size": tokenizer.vocab_size} | changes,
             "arguments": {k: v for k, v in vars(args).items() if k != "tokenizer_path"},

@@ -136,7 +136,11 @@ def main(argv=None) -> int:
     if tokenizer_path and meta.get("cache_key", {}).get("arguments", {}).get("tokenizer_type") == "PretrainedFromHF":
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        except (OSError, ValueError) as exc:  # moved, or a relative path of another working directory
+            print(f"warning: cannot load the tokenizer {tokenizer_path!r} the sidecar names "
+                  f"({exc.__class__.__name__}); token ids only: pass --tokenizer DIR to decode", file=sys.stderr)
     layout = meta.get("layout", {})
     print(f"pack {args.index} of {args.prefix}: {len(ids)} tokens, layout {layout.get('kind', '?')}, "
           f"attention_mask {layout.get('attention_mask', '?')}")
