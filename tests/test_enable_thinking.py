@@ -115,3 +115,5 @@ def test_inspect_pack_decodes_from_another_working_directory(tmp_path, run_prepr
     capsys.readouterr()
     assert inspect_main([str(tmp_path / "p"), "--index", "0"]) == 0
     assert "cat dog" in capsys.readouterr().out
+    assert inspect_main([str(tmp_path / "nothing"), "--index", "0"]) == 2  # not megatron's assertion and a traceback
+    assert "nothing: no packs here" in capsys.readouterr().err

@@ -10,6 +10,9 @@ import json
 import pytest
 
 from mindspeed_pack.data import toy
+from tests.chat_corpus import TEMPLATES
+
+CHATML = str(TEMPLATES / "qwen2_5.jinja")  # --prompt-type hf rows: Qwen2.5's own template
 
 
 def _turns(*roles):
@@ -52,7 +55,8 @@ def test_malformed_row_stops_naming_it_and_the_flag(tmp_path, run_preprocess, wo
     code, _, err = run_preprocess(input=data, output_prefix=out / "o", workers=workers, **SG)
     assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
     assert f"{data}: line 4: message 1 has unknown 'from' 'bot'" in err and "--skip-bad-rows" in err
-    assert "known: 'human', 'gpt', 'observation', 'function_call' and 'system' as the first message" in err
+    assert ("known: 'human', 'gpt', 'observation', 'function_call', 'user', 'assistant', 'tool' and 'system' as the "
+            "first message") in err
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -132,3 +136,55 @@ def test_non_utf8_file_names_line_and_byte(tmp_path, run_preprocess, ext):
     assert code == 2 and err.startswith("error: ") and "Traceback" not in err, err
     assert f"{data}: line {len(lines)}: byte 0xe9 at byte offset {offset} is not UTF-8 text" in err
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_openai_messages_need_only_the_role_and_content_keys_with_a_json_template(tmp_path, run_preprocess,
+                                                                                 read_indexed):
+    """docs/chat_templates.md's OpenAI --map-keys: the named templates read OpenAI's role names too (they said
+    "unknown 'role' 'user'", while --prompt-type hf read them)."""
+    row = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say one"},
+                        {"role": "assistant", "content": "one"}]}
+    keys = json.dumps({"messages": "messages", "role": "role", "content": "content"})
+    data = toy.write_dataset(tmp_path / "o.jsonl", [row])
+    sharegpt = toy.write_dataset(tmp_path / "s.jsonl", [{"conversations": [
+        {"from": "human", "value": "say one"}, {"from": "gpt", "value": "one"}], "system": "be brief"}])
+    assert run_preprocess(input=data, output_prefix=tmp_path / "o", map_keys=keys, **SG)[0] == 0
+    assert run_preprocess(input=sharegpt, output_prefix=tmp_path / "s", **SG)[0] == 0
+    assert [list(x) for x in read_indexed(tmp_path / "o_packed_input_ids_document")] == \
+        [list(x) for x in read_indexed(tmp_path / "s_packed_input_ids_document")]
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen", "hf"])
+def test_an_empty_answer_is_skipped_as_empty_text(tmp_path, run_preprocess, prompt_type):
+    """README: well-formed rows with empty text are skipped and counted (they were written, training only EOS)."""
+    rows = [{"instruction": "hi", "input": "", "output": ""}, {"instruction": "", "input": "", "output": "x"},
+            {"instruction": "", "input": "", "output": "  "}, {"instruction": "say", "input": "", "output": "x"}]
+    data = toy.write_dataset(tmp_path / "a.jsonl", rows)
+    extra = {"chat_template": CHATML} if prompt_type == "hf" else {}
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "o", handler_name="AlpacaStyleInstructionHandler",
+                                  prompt_type=prompt_type, seq_length=128, **extra)
+    assert code == 0, err
+    stats = _meta(tmp_path / "o")["statistics"]
+    assert stats["samples_written"] == 2 and stats["skipped"] == {"empty text or conversation": 2}
+    assert stats["first_skipped"]["empty text or conversation"] == f"{data}: line 1"
+
+
+def test_csv_and_jsonl_errors_name_the_line_and_column(tmp_path, run_preprocess, read_indexed):
+    csv = tmp_path / "a.csv"
+    csv.write_text('instruction,input,output\nsay,one,one\n"only one column"\nsay,two,two\n')
+    code, _, err = run_preprocess(input=csv, output_prefix=tmp_path / "c", handler_name="AlpacaStyleInstructionHandler",
+                                  prompt_type="qwen", seq_length=128)
+    assert code == 2 and f"{csv}: line 3: malformed CSV row: expected 3 columns, got 1" in err, err
+    code, _, err = run_preprocess(input=csv, output_prefix=tmp_path / "c", handler_name="AlpacaStyleInstructionHandler",
+                                  prompt_type="qwen", seq_length=128, skip_bad_rows=True)
+    assert code == 0, err
+    stats = _meta(tmp_path / "c")["statistics"]
+    assert stats["samples_written"] == 2 and stats["skipped"] == {"malformed CSV row": 1}
+    cut = _write_lines(tmp_path / "cut.jsonl", ['{"instruction": "x", "output": "y"}', '{"instruction": "x", "output": "y"'])
+    code, _, err = run_preprocess(input=cut, output_prefix=tmp_path / "j", handler_name="AlpacaStyleInstructionHandler",
+                                  prompt_type="qwen", seq_length=128)
+    assert code == 2 and f"{cut}: line 2: malformed JSON at column 35" in err, err
+    null = toy.write_dataset(tmp_path / "n.jsonl", [{"instruction": "x", "output": None}])
+    code, _, err = run_preprocess(input=null, output_prefix=tmp_path / "n", handler_name="AlpacaStyleInstructionHandler",
+                                  prompt_type="qwen", seq_length=128)
+    assert code == 2 and f"{null}: line 1: field 'output' (--map-keys response) is null" in err, err

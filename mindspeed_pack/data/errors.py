@@ -36,6 +36,7 @@ class RowError(PreprocessError):
 SKIP_BAD_ROWS_HINT = "pass --skip-bad-rows to skip such rows and count them by reason"
 # RowError reasons of the readers and handlers
 BAD_JSON = "malformed JSON"
+BAD_CSV = "malformed CSV row"
 BAD_MISSING_FIELD = "missing field"
 BAD_TYPE = "wrong type"
 BAD_ROLE = "unknown role"

@@ -102,6 +102,14 @@ SKIP_SYSTEM_NOT_FIRST = "system message after the first message"
 SKIP_NO_ANSWER = "conversation does not end with an answer"
 
 
+def _empty_answer(message: dict) -> bool:
+    """An assistant message with no text, no tool call and no reasoning."""
+    content = message.get("content")
+    return (message.get("role") == "assistant" and not message.get("tool_calls")
+            and not any(message.get(f) for f in REASONING_FIELDS)
+            and (content is None or (isinstance(content, str) and not content.strip())))
+
+
 def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]:
     """Defaults overridden by ``--map-keys``; returns (mapping, keys the user named explicitly)."""
     if handler not in DEFAULT_MAP_KEYS:
@@ -164,13 +172,20 @@ class SampleEncoder:
             self.eos_id = eos_id
             self._special_ids = {"eos_token": [eos_id],
                                  "bos_token": [tokenizer.bos_id] if tokenizer.bos_id is not None else []}
+            # OpenAI's role names are read too (as under --prompt-type hf: chat_messages.sharegpt_messages), so
+            # OpenAI messages need only --map-keys role/content; the tags --map-keys names win
             self._role_of = {map_keys["user_tag"]: USER, map_keys["assistant_tag"]: ASSISTANT,
-                             map_keys["observation_tag"]: OBSERVATION, map_keys["function_tag"]: FUNCTION} if handler == SHAREGPT else {}
+                             map_keys["observation_tag"]: OBSERVATION, map_keys["function_tag"]: FUNCTION} \
+                if handler == SHAREGPT else {}
+            for tag, role in (("user", USER), ("assistant", ASSISTANT), ("tool", OBSERVATION)) if self._role_of else ():
+                self._role_of.setdefault(tag, role)
 
     # ---------------------------------------------------------------- field access
     def _field(self, row: dict, key: str, where: str, *, required: bool, kind=str):
         column = self.keys[key]
         if column not in row or row[column] is None:
+            if required and column in row:  # present but null (a Parquet/Arrow null, a JSON null)
+                raise RowError(f"{where}: field {column!r} (--map-keys {key}) is null", BAD_MISSING_FIELD)
             if required:
                 raise RowError(f"{where}: missing field {column!r} (--map-keys {key}); "
                                f"the row has: {', '.join(map(str, row)) or 'no fields'}", BAD_MISSING_FIELD)
@@ -289,6 +304,9 @@ class SampleEncoder:
         if not isinstance(row, dict):
             raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
         messages, tools = self._chat_messages(row, where)
+        answers = [m for m in messages if m.get("role") == "assistant"]
+        if answers and all(_empty_answer(m) for m in answers):
+            return None, SKIP_EMPTY  # only empty answers: nothing to learn but stopping at once
         samples = self.chat_samples(messages, tools, where)
         if not samples:
             return None, SKIP_NO_ANSWER if messages else SKIP_EMPTY
@@ -414,6 +432,8 @@ class SampleEncoder:
                 return None, SKIP_ROLE_ORDER
         if len(messages) % 2:
             return None, SKIP_NO_ANSWER
+        if all(isinstance(content, str) and not content.strip() for role, content in messages if role in ANSWER_ROLES):
+            return None, SKIP_EMPTY  # only empty answers: nothing to learn but stopping at once
         return [(self._slot_parts(p, texts), self._slot_parts(a, texts))
                 for p, a in render_turns(self.template, messages, system, tools)], None
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from mindspeed_pack.data.digest import sha256_of_files
-from mindspeed_pack.data.errors import BAD_JSON, BAD_TYPE, PreprocessError, RowError
+from mindspeed_pack.data.errors import BAD_CSV, BAD_JSON, BAD_TYPE, PreprocessError, RowError
 
 FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".txt": "txt"}
 # metadata HF datasets' save_to_disk writes next to its .arrow shards: not data
@@ -89,7 +89,7 @@ TEXT_ENCODING = "utf-8-sig"  # UTF-8, without the byte-order mark some editors p
 
 def _parse_json_line(line: str, where: str):
     try:
-        return json.loads(line)
+        return json.loads(line.rstrip("\r\n"))  # a line cut short: the column where it ends, not "line 2, column 1"
     except json.JSONDecodeError as exc:
         return RowError(f"{where}: malformed JSON at column {exc.colno}: {exc.msg}", BAD_JSON)
 
@@ -222,6 +222,9 @@ def iter_chunks(files, chunk_rows: int) -> Iterator[Chunk]:
             batches = _record_batches(path, fmt, chunk_rows)
             row = 1
             for batch in batches:
+                if isinstance(batch, list):  # malformed CSV rows (RowErrors) the reader skipped over
+                    yield Chunk(name, 0, "rows", batch)
+                    continue
                 for start in range(0, batch.num_rows, chunk_rows):
                     piece = batch.slice(start, chunk_rows)
                     yield Chunk(name, row, "arrow", piece)
@@ -243,17 +246,50 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
         header = _csv_header(path)
         if header is None:
             return  # an empty file: no rows
+        invalid = []  # rows with the wrong number of columns: RowErrors (skipped and counted, or the run stops)
+        lines = _LineFinder(path)
+
+        def bad_row(row) -> str:
+            line = lines.find(row.text)
+            invalid.append(RowError(f"{path}: line {line or '?'}: {BAD_CSV}: expected {row.expected_columns} "
+                                    f"columns, got {row.actual_columns}: {row.text[:80]!r}", BAD_CSV))
+            return "skip"
+
         try:
             reader = pacsv.open_csv(
                 path,
                 convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in header},
                                                      strings_can_be_null=False),
+                parse_options=pacsv.ParseOptions(invalid_row_handler=bad_row),
             )
-            yield from reader
+            for batch in reader:
+                if invalid:
+                    yield invalid[:]
+                    invalid.clear()
+                yield batch
+            if invalid:
+                yield invalid
         except pa.ArrowInvalid as exc:
             if first_undecodable_line(path) is not None:
                 raise not_utf8_error(path) from None
             raise PreprocessError(f"{path}: malformed CSV: {exc}") from None
+
+
+class _LineFinder:
+    """The line numbers of a CSV file's malformed rows, found by their text (pyarrow's streaming reader does not
+    number them): each row's first line, searched for from the line after the previous one found."""
+
+    def __init__(self, path):
+        self.path, self.after = path, 0
+
+    def find(self, text: str) -> Optional[int]:
+        first = text.split("\n", 1)[0].rstrip("\r")
+        with _utf8_text(self.path) as f:
+            for n, line in enumerate(f, 1):
+                if n > self.after and line.rstrip("\r\n") == first:
+                    self.after = n
+                    return n
+        return None
 
 
 def chunk_rows(chunk: Chunk) -> Iterator[tuple[str, Any]]:

@@ -28,6 +28,13 @@ def load_pack(prefix: str, index: int) -> dict:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     pack = {}
+    missing = [f"{prefix}_packed_{key}_document.{ext}" for key in ("input_ids", "labels", "attention_mask")
+               for ext in ("bin", "idx") if not os.path.isfile(f"{prefix}_packed_{key}_document.{ext}")]
+    if missing:
+        text = os.path.isfile(f"{prefix}.bin") or os.path.isfile(f"{prefix}_text_document.bin")
+        raise FileNotFoundError(f"{prefix}: no packs here ({missing[0]} is missing)" + (
+            "; it holds pretraining documents (P_text_document), which have no segments or labels to show"
+            if text else ": pass preprocess_data.py's --output-prefix"))
     for key in ("input_ids", "labels", "attention_mask"):
         ds = IndexedDataset(f"{prefix}_packed_{key}_document")
         if not 0 <= index < len(ds):
@@ -173,4 +180,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except BrokenPipeError:  # piped into head: the reader is gone, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(0) from None
