@@ -4,6 +4,9 @@
         [--tokenizer-name-or-path TOK | --eod-id ID --vocab-size V] \
         --reset-attention-mask --reset-position-ids [--eod-mask-loss] ... (Megatron-LM flags)
     pretrain_gpt.py --config run.yaml [--flag value ...]   (flags from a YAML file; the command line overrides it)
+    torchrun ... pretrain_gpt.py --data-path corpus.jsonl --tokenizer-name-or-path TOK --append-eod ...
+        (raw files, any format preprocess_data.py reads: tokenised into documents first, once, and cached;
+        --handler-name GeneralPretrainHandler, as MindSpeed-LLM's pretrain scripts pass it)
 
 The EOD id and vocabulary size default to what preprocess_data.py recorded in
 ``P_text_meta.json`` next to the documents.
@@ -13,7 +16,7 @@ import warnings
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.config.arguments import parse_args
 from mindspeed_pack.datasets.pretrain_dataset import GPTBatchSource, resolve_pretrain_vocab_size
-from mindspeed_pack.training import run_plan
+from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.cli import run_cli, setup_logging
 from mindspeed_pack.training.stages.sft import SFTStage
 from mindspeed_pack.training.trainer import run
@@ -23,7 +26,7 @@ def pretrain_args(parser):
     g = parser.add_argument_group("pretraining data")
     g.add_argument("--eod-id", type=int, default=None,
                    help="end-of-document token id (default: the tokenizer's EOS)")
-    return parser
+    return raw_data.raw_data_args(parser, pretrain=True)
 
 
 def main(argv=None):
@@ -35,6 +38,7 @@ def main(argv=None):
                       "positions run 0..s-1; add --reset-attention-mask to isolate documents", stacklevel=1)
     if args.no_shuffle:
         warnings.warn("--no-shuffle is ignored: GPTDataset draws Megatron-LM's seeded order", stacklevel=1)
+    raw_data.prepare(args, pretrain=True)  # raw --data-path files -> documents, once (rank 0)
     resolve_pretrain_vocab_size(args)
     if run_plan.dry_run(args, "pretrain_gpt.py"):
         return None

@@ -507,3 +507,12 @@ def test_mindspeed_llms_lora_export_flags_are_checked_against_the_adapters(qwen,
     assert convert_main([*base, "--lora-r", "8", "--save-dir", str(tmp_path / "other")]) == 2
     assert "was trained with other LoRA settings: --lora-r 8 (record: 4)" in capsys.readouterr().err
     assert not (tmp_path / "other").exists()
+    # its lora2hf script: --load-dir is the adapters' checkpoint, --save-lora-to-hf writes them alone
+    assert convert_main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", trained["save"],
+                         "--save-lora-to-hf", "--lora-r", "4", "--model-type-hf", "qwen25",
+                         "--save-dir", str(tmp_path / "alone")]) == 0
+    from safetensors.torch import load_file
+
+    alone = load_file(str(tmp_path / "alone" / adapters.ADAPTER_WEIGHTS))
+    same = load_file(str(tmp_path / "same" / adapters.ADAPTER_WEIGHTS))
+    assert sorted(alone) == sorted(same) and all(torch.equal(alone[k], same[k]) for k in same)

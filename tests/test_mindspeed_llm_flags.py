@@ -273,7 +273,7 @@ def test_convert_takes_mindspeed_llms_family_names_and_refuses_its_layouts(tiny_
                            (["--num-layer-list", "1,1"], "--num-layer-list 1,1: uneven"),
                            (["--expert-tensor-parallel-size", "2"], "must equal --target-tensor-parallel-size 1"),
                            (["--hf-cfg-dir", tiny_hf], "read when one is written back (--save-model-type hf)"),
-                           (["--lora-r", "8"], "--lora-r: the LoRA settings are read from --lora-load's")):
+                           (["--lora-r", "8"], "--lora-r: the LoRA settings are read from the adapters' checkpoint")):
         capsys.readouterr()
         assert convert_main([*hf2mg, *extra, "--save-dir", str(tmp_path / "refused")]) == 2
         assert message in capsys.readouterr().err, extra

@@ -173,3 +173,42 @@ def test_pretrain_gpt_blend_eval_and_exact_resume(tmp_path, corpus):
     for it in (3, 4):
         assert rel_err(got[it]["lm loss"], ref[it]["lm loss"]) <= 1e-6
     assert rel_err(read_metrics(resumed, "valid")[4]["lm loss"], ref_valid[4]["lm loss"]) <= 1e-6
+
+
+def test_raw_files_are_tokenised_into_documents_in_one_command(tmp_path, toy_tokenizer_dir, capsys):
+    """pretrain_gpt.py --data-path corpus.jsonl (MindSpeed-LLM's pretrain scripts pass --handler-name
+    GeneralPretrainHandler): the documents preprocess_data.py writes, cached, trained with the same losses as
+    the two commands; Megatron-LM's --json-keys names the text field."""
+    import json
+
+    from mindspeed_pack.data import toy
+    from mindspeed_pack.datasets.preprocess import main as preprocess_main
+
+    raw = tmp_path / "corpus.jsonl"
+    raw.write_text("".join(json.dumps({"content": r["text"]}) + "\n" for r in toy.generate_pretrain_text(80, seed=3)))
+    flags = [f for f in TINY_FLAGS if f not in ("--padded-vocab-size", "256")]
+    run = [*flags, "--seq-length", str(S), "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+           "--train-iters", "3", "--reset-attention-mask", "--reset-position-ids", "--tokenizer-name-or-path",
+           str(toy_tokenizer_dir), "--make-vocab-size-divisible-by", "64"]
+    assert preprocess_main(["--input", str(raw), "--output-prefix", str(tmp_path / "two" / "c"), "--handler-name",
+                            "GeneralPretrainHandler", "--json-keys", "content", "--append-eod",
+                            "--tokenizer-name-or-path", str(toy_tokenizer_dir)]) == 0
+    two = str(tmp_path / "two.jsonl")
+    pretrain_gpt.main([*run, "--data-path", str(tmp_path / "two" / "c_text_document"), "--metrics-file", two])
+    one = str(tmp_path / "one.jsonl")
+    trainer = pretrain_gpt.main([*run, "--data-path", str(raw), "--handler-name", "GeneralPretrainHandler",
+                                 "--json-keys", "content", "--append-eod", "--workers", "2", "--metrics-file", one])
+    assert trainer.args.data_path[0].endswith("_text_document") and trainer.args.raw_data_path == [str(raw)]
+    got, want = read_metrics(one), read_metrics(two)
+    assert sorted(got) == [1, 2, 3] and all(got[i]["lm loss"] == want[i]["lm loss"] for i in got)
+    for bad, message in ((["--json-keys", "content", "text"], "one field per run here"),
+                         (["--json-keys", "content", "--handler-name", "AlpacaStyleInstructionHandler",
+                           "--prompt-type", "qwen"], "AlpacaStyleInstructionHandler takes --map-keys")):
+        capsys.readouterr()
+        assert preprocess_main(["--input", str(raw), "--output-prefix", str(tmp_path / "bad" / "c"),
+                                "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--handler-name",
+                                "GeneralPretrainHandler", *bad]) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # an instruction handler writes packs: posttrain.py's
+        parse_args([*run, "--data-path", str(raw), "--handler-name", "AlpacaStyleInstructionHandler"],
+                   extra_args_provider=pretrain_gpt.pretrain_args)

@@ -653,6 +653,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-alpha", type=float, default=None, help="with --lora-load: checked against the record")
     g.add_argument("--lora-target-modules", nargs="+", default=None,
                    help="with --lora-load: checked against the adapters' record")
+    g.add_argument("--save-lora-to-hf", action="store_true",
+                   help="--load-dir is a LoRA run's adapter checkpoint: write its adapters alone as a PEFT directory "
+                        "(with --lora-load: what that writes without --lora-merge)")
     g.add_argument("--moe-grouped-gemm", action="store_true",
                    help="accepted: the written experts load with or without TE's grouped GEMM")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -688,11 +691,16 @@ def _mindspeed_flags(args) -> None:
         has_tokenizer = any(os.path.exists(os.path.join(args.hf_cfg_dir, name)) for name in _TOKENIZER_FILES)
         if args.tokenizer_dir is None and has_tokenizer:
             args.tokenizer_dir = args.hf_cfg_dir
+    if args.save_lora_to_hf:
+        if args.lora_merge or args.save_model_type != "hf":
+            raise ConversionError("--save-lora-to-hf writes the adapters alone as a PEFT directory: --save-model-type "
+                                  "hf, without --lora-merge")
     lora_flags = [f for f, v in (("--lora-r", args.lora_r), ("--lora-alpha", args.lora_alpha),
                                  ("--lora-target-modules", args.lora_target_modules)) if v is not None]
-    if lora_flags and not args.lora_load:
-        raise ConversionError(f"{', '.join(lora_flags)}: the LoRA settings are read from --lora-load's checkpoint "
-                              "(pass it) or from the run's flags at training")
+    if lora_flags and not (args.lora_load or args.save_lora_to_hf):
+        raise ConversionError(f"{', '.join(lora_flags)}: the LoRA settings are read from the adapters' checkpoint "
+                              "(--lora-load, or --load-dir with --save-lora-to-hf) or from the run's flags at "
+                              "training")
 
 
 def _check_lora_settings(args, record: dict, lora_dir: str) -> None:
@@ -711,7 +719,7 @@ def _check_lora_settings(args, record: dict, lora_dir: str) -> None:
             differ.append(f"--lora-target-modules {' '.join(args.lora_target_modules)} (record: "
                           f"{' '.join(record.get('targets') or [])})")
     if differ:
-        raise ConversionError(f"--lora-load {lora_dir} was trained with other LoRA settings: {'; '.join(differ)}; "
+        raise ConversionError(f"{lora_dir} was trained with other LoRA settings: {'; '.join(differ)}; "
                               "drop the flags (the record is used) or pass the adapters they describe")
 
 
@@ -727,7 +735,14 @@ def main(argv=None) -> int:
                 f"--lora-load: adapters are exported to Hugging Face (--save-model-type hf: a PEFT adapter directory, "
                 f"or merged with --lora-merge); to reshard the adapter checkpoint, pass it alone: --load-model-type mg "
                 f"--save-model-type mg --load-dir {args.lora_load} --target-tensor-parallel-size N ...")
-        if args.lora_load:
+        if args.save_lora_to_hf and not args.lora_load:  # MindSpeed-LLM's lora2hf: the adapters alone, no base
+            source = _adapter_checkpoint(args.load_dir, args.allow_unsafe_checkpoint_load)
+            if any(v is not None for v in (args.lora_r, args.lora_alpha, args.lora_target_modules)):
+                _check_lora_settings(args, source.lora, args.load_dir)
+            megatron_to_peft(args.load_dir, args.save_dir, args.params_dtype,
+                             os.path.abspath(args.hf_cfg_dir) if args.hf_cfg_dir else None,
+                             args.allow_unsafe_checkpoint_load)
+        elif args.lora_load:
             if any(v is not None for v in (args.lora_r, args.lora_alpha, args.lora_target_modules)):
                 _check_lora_settings(args, _adapter_checkpoint(args.lora_load, args.allow_unsafe_checkpoint_load).lora,
                                      args.lora_load)

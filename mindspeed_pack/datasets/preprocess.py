@@ -97,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-type", default="PretrainedFromHF", choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-name-or-path", default=None, help="HF tokenizer directory")
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
+    g.add_argument("--tokenizer-not-use-fast", action="store_true",
+                   help="refused: preprocessing encodes with the tokenizer's fast (Rust) backend, in batches")
     g = p.add_argument_group("handler")
     g.add_argument("--handler-name", default="AlpacaStyleInstructionHandler", choices=HANDLERS)
     g.add_argument("--prompt-type", default=None,
@@ -118,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "sample with every turn's reasoning kept (differs from inference)")
     g.add_argument("--prompt-type-path", default=None, help="templates.json to use (default: configs/finetune/templates.json)")
     g.add_argument("--map-keys", default=None, help='JSON column/role renames, e.g. \'{"prompt": "question"}\'')
+    g.add_argument("--json-keys", nargs="+", default=None, metavar="KEY",
+                   help="GeneralPretrainHandler: the field holding each document's text (Megatron-LM's flag; one "
+                        "key, = --map-keys '{\"text\": KEY}'; default text)")
     g.add_argument("--placeholder-token", default=process_reward.DEFAULT_PLACEHOLDER,
                    help="AlpacaStyleProcessRewardHandler: the step tag that ends every reasoning step of 'input' "
                         "(one token of the tokenizer; Math-Shepherd's ки)")
@@ -147,6 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _json_keys(args) -> None:
+    """Megatron-LM's ``--json-keys KEY``: the pretraining handler's text field (``--map-keys '{"text": KEY}'``)."""
+    keys = getattr(args, "json_keys", None)
+    if not keys:
+        return
+    if args.handler_name != PRETRAIN:
+        raise PreprocessError(f"--json-keys names pretraining documents' text field (GeneralPretrainHandler); "
+                              f"{args.handler_name} takes --map-keys")
+    if len(keys) > 1:
+        raise PreprocessError(f"--json-keys {' '.join(keys)}: one field per run here (Megatron-LM writes a dataset "
+                              "per key: run once per key, with its own --output-prefix)")
+    mapped = dict(args.map_keys or {})
+    if mapped.get("text", keys[0]) != keys[0]:
+        raise PreprocessError(f"--json-keys {keys[0]} but --map-keys maps text to {mapped['text']!r}: pass one")
+    args.map_keys = {**mapped, "text": keys[0]}
+
+
 def _fold_enable_thinking(args) -> None:
     """``--enable-thinking`` under ``--prompt-type hf``: the chat template's ``enable_thinking`` variable (a JSON
     template applies it itself: :func:`~mindspeed_pack.data.templates.with_thinking`)."""
@@ -166,6 +188,10 @@ def _fold_enable_thinking(args) -> None:
 
 
 def validate_args(args) -> None:
+    if getattr(args, "tokenizer_not_use_fast", False):
+        raise PreprocessError("--tokenizer-not-use-fast: preprocessing encodes with the tokenizer's fast (Rust) "
+                              "backend, in batches; drop the flag (a directory with only a slow tokenizer is "
+                              "converted by transformers when it loads)")
     if args.neat_pack and not args.pack:
         raise PreprocessError("--neat-pack requires --pack")
     if args.seq_length is not None and args.seq_length < 2:
@@ -227,6 +253,7 @@ def validate_args(args) -> None:
             raise PreprocessError(f"--map-keys is not valid JSON ({exc.msg} at column {exc.colno}): {args.map_keys}") from None
         if not isinstance(args.map_keys, dict):
             raise PreprocessError(f"--map-keys must be a JSON object, got {args.map_keys!r}")
+    _json_keys(args)
     path = args.tokenizer_model if args.tokenizer_type == "SentencePiece" and args.tokenizer_model else args.tokenizer_name_or_path
     if path is None:
         raise PreprocessError("give the tokenizer with --tokenizer-name-or-path (or --tokenizer-model for SentencePiece)")

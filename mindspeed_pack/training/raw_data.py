@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 PREPROCESS_ONLY = ("handler_name", "map_keys", "chat_template", "chat_template_kwargs", "reasoning_history",
                    "enable_thinking", "prompt_type_path", "pack", "append_eod", "pad_to_multiple_of", "workers",
                    "skip_bad_rows", "overwrite_cache", "placeholder_token", "reward_tokens")
+# pretrain_gpt.py's: a pretraining handler's flags (documents, not packs)
+PRETRAIN_ONLY = ("handler_name", "map_keys", "json_keys", "add_bos", "append_eod", "workers", "skip_bad_rows",
+                 "overwrite_cache")
 # flags of both halves, given once
 SHARED = ("seq_length", "prompt_type", "tokenizer_name_or_path", "neat_pack", "seed")
 # preprocessing flags that shape the packs: checked against a packed prefix's sidecar when given
@@ -52,16 +55,24 @@ CACHE_DIR = "mindspeed_pack_cache"
 WAIT_HOURS = 24.0  # how long the other ranks wait for rank 0's preprocessing
 
 
-def raw_data_args(parser):
-    """Add preprocess_data.py's own flag definitions (:data:`PREPROCESS_ONLY`) to ``parser``."""
+def raw_data_args(parser, pretrain: bool = False):
+    """Add preprocess_data.py's own flag definitions (:data:`PREPROCESS_ONLY`; ``pretrain``: pretrain_gpt.py's
+    :data:`PRETRAIN_ONLY`, ``--handler-name`` GeneralPretrainHandler only) to ``parser``."""
+    from mindspeed_pack.data.handlers import PRETRAIN
     from mindspeed_pack.datasets.preprocess import build_parser
 
     source = {action.dest: action for action in build_parser()._actions}
     group = parser.add_argument_group("raw --data-path files: preprocessed first, as preprocess_data.py does "
                                       "(--seq-length, --tokenizer-name-or-path, --prompt-type, --neat-pack, --seed "
-                                      "serve both)")
-    for dest in PREPROCESS_ONLY:
-        group._add_action(copy.copy(source[dest]))
+                                      "serve both)" if not pretrain else
+                                      "raw --data-path files: tokenised into documents first, as preprocess_data.py "
+                                      "--handler-name GeneralPretrainHandler does (--tokenizer-name-or-path serves "
+                                      "both)")
+    for dest in PRETRAIN_ONLY if pretrain else PREPROCESS_ONLY:
+        action = copy.copy(source[dest])
+        if pretrain and dest == "handler_name":
+            action.default, action.choices = PRETRAIN, [PRETRAIN]
+        group._add_action(action)
     return parser
 
 
@@ -95,23 +106,25 @@ def raw_inputs(args) -> Optional[list]:
 
 
 # ---------------------------------------------------------------------------- preprocessing
-def preprocess_namespace(args, inputs: list):
-    """preprocess_data.py's arguments for ``inputs``: its defaults, this run's shared and preprocessing flags."""
+def preprocess_namespace(args, inputs: list, pretrain: bool = False):
+    """preprocess_data.py's arguments for ``inputs``: its defaults, this run's shared and preprocessing flags
+    (``pretrain``: pretrain_gpt.py's, pretraining documents)."""
     from mindspeed_pack.data.handlers import PRETRAIN, PROCESS_REWARD
     from mindspeed_pack.datasets.preprocess import _OUTPUT_ARGS, build_parser
 
     ns = build_parser().parse_args(["--input", *inputs, "--output-prefix", "unset"])
-    for dest in SHARED + PREPROCESS_ONLY:
+    for dest in PRETRAIN_ONLY + ("tokenizer_name_or_path", "seed") if pretrain else SHARED + PREPROCESS_ONLY:
         setattr(ns, dest, getattr(args, dest))
-    ns.pack = bool(args.pack or args.neat_pack)  # --neat-pack implies packing
+    ns.pack = False if pretrain else bool(args.pack or args.neat_pack)  # --neat-pack implies packing
     ns.tokenizer_type = "PretrainedFromHF"
-    if ns.handler_name == PRETRAIN:
-        raise DataError("--handler-name GeneralPretrainHandler writes pretraining documents: preprocess them with "
-                        "preprocess_data.py and train with pretrain_gpt.py")
+    if ns.handler_name == PRETRAIN and not pretrain:
+        raise DataError("--handler-name GeneralPretrainHandler writes pretraining documents: train on them with "
+                        "pretrain_gpt.py (which preprocesses raw --data-path files too)")
     # the prefix names what shapes the packs, so runs with other flags keep their own cache
     identity = {"inputs": [os.path.abspath(p) for p in inputs], "tokenizer": ns.tokenizer_name_or_path,
                 **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "map_keys", "prompt_type_path", "chat_template",
                                                  "chat_template_kwargs", "reasoning_history", "enable_thinking")},
+                **({"json_keys": ns.json_keys, "add_bos": ns.add_bos} if pretrain else {}),
                 **({"step_tags": [ns.placeholder_token, *ns.reward_tokens]}
                    if ns.handler_name == PROCESS_REWARD else {})}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -196,22 +209,28 @@ def run_on_leader(args, work) -> dict:
     return payload
 
 
-def prepare(args) -> Optional[dict]:
-    """Turn raw ``--data-path`` files into packs (once) and point ``args.data_path`` at them;
-    ``args.raw_data_path`` keeps what was given. Packed prefixes: check the preprocessing flags given."""
+def prepare(args, pretrain: bool = False) -> Optional[dict]:
+    """Turn raw ``--data-path`` files into packs (``pretrain``: pretraining documents) once and point
+    ``args.data_path`` at them; ``args.raw_data_path`` keeps what was given. Packed prefixes: check the
+    preprocessing flags given."""
+    from mindspeed_pack.datasets.pack_writer import text_prefix
+
     inputs = raw_inputs(args)
     if inputs is None:
-        check_packed_flags(args)
+        if not pretrain:
+            check_packed_flags(args)
         return None
-    ns = preprocess_namespace(args, inputs)
+    ns = preprocess_namespace(args, inputs, pretrain)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
         result = _on_rank_zero(args, lambda: _preprocess(ns))
     else:
         result = _preprocess(ns)
-    args.raw_data_path, args.data_path = inputs, [result["prefix"]]
+    prefix = text_prefix(result["prefix"]) if pretrain else result["prefix"]
+    args.raw_data_path, args.data_path = inputs, [prefix]
     how = "cache hit" if result["cache hit"] else "preprocessed now"
-    args.data_summary = (f"{' '.join(inputs)} -> packs {result['prefix']}: {result['packs']} documents, "
-                         f"{result['samples']} samples ({how}, {result['seconds']:.2f} s)")
+    args.data_summary = (f"{' '.join(inputs)} -> {'documents' if pretrain else 'packs'} {prefix}: "
+                         f"{result['packs']} documents" + ("" if pretrain else f", {result['samples']} samples")
+                         + f" ({how}, {result['seconds']:.2f} s)")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     log.info("data%s: %s", f" (rank {os.environ.get('RANK', 0)} of {world})" if world > 1 else "", args.data_summary)
     return result
