@@ -82,6 +82,8 @@ def _is_raw(path: str) -> bool:
 
     if os.path.isfile(dataset_paths(path)["input_ids"] + ".bin"):
         return False  # a packed prefix
+    if os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx"):
+        return False  # an indexed dataset (pretraining documents), beside which a cache directory may share its name
     return os.path.exists(path) or Path(path).suffix.lower() in FORMATS
 
 
