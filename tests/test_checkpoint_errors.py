@@ -164,3 +164,20 @@ def test_a_trained_checkpoint_converts_to_hf(saved, tmp_path):
     megatron_to_hf(saved[1], str(tmp_path / "hf"))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.head_dim == 16
+
+
+def test_resume_in_another_precision_names_the_flags(saved, tmp_path):
+    """An fp32 run's checkpoint resumed with --bf16 failed with a bare KeyError from the optimizer's load."""
+    ckpt = copy(saved[1], tmp_path)
+    with pytest.raises(CheckpointError, match=r"saved by a fp32 run, this run is bf16: resume with the precision "
+                                              r"flag it was saved with \(neither --bf16 nor --fp16\), or pass "
+                                              r"--no-load-optim"):
+        posttrain.main(argv(saved[0], "--load", ckpt, "--bf16"))
+    path = layout.checkpoint_file(ckpt, 1, 0, 0, 1)  # a checkpoint older than the precision record
+    state = layout.load_file(path)
+    del state["precision"]
+    layout.save_file_atomic(state, path, 1)
+    with pytest.raises(CheckpointError, match=r"its optimizer state does not fit this run's optimizer \(KeyError"):
+        posttrain.main(argv(saved[0], "--load", ckpt, "--bf16"))
+    trainer = posttrain.main(argv(saved[0], "--load", ckpt, "--bf16", "--no-load-optim", "--train-iters", "2"))
+    assert trainer.iteration == 2  # resumed at the saved step 1, then trained one more

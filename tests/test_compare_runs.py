@@ -403,3 +403,15 @@ def test_reads_what_the_trainer_writes(tmp_path, capsys):
         assert from_log[split][metric] == pytest.approx(from_jsonl[split][metric], rel=digits), metric
     code, _, _ = run_cli(capsys, metrics_file.parent, log, "--metrics", "lm loss,lr", "--tolerance", "1e-6")
     assert code == 0
+
+
+def test_the_end_of_training_evaluation_keeps_the_interval_one(tmp_path):
+    """Both evaluate the last iteration: the end's replaced the interval's, which was then never compared."""
+    path = tmp_path / "m.jsonl"
+    records = [{"iteration": 2, "split": "valid", "lm loss": 3.0}, {"iteration": 4, "split": "valid", "lm loss": 2.0},
+               {"iteration": 4, "split": "valid", "lm loss": 2.5, "label": "the end of training for val data"},
+               {"iteration": 4, "split": "test", "lm loss": 2.7, "label": "the end of training for test data"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert load_run(path, split="valid")["lm loss"] == {2: 3.0, 4: 2.0}
+    assert load_run(path, split="valid-end")["lm loss"] == {4: 2.5}
+    assert load_run(path, split="test-end")["lm loss"] == {4: 2.7}

@@ -258,3 +258,19 @@ def test_config_file_trains_the_losses_of_the_command_line(tmp_path, packs):
     assert "resolved configuration" in cli_proc.stderr
     records = [json.loads(line) for line in open(tmp_path / "cli.jsonl")]
     assert records[0]["split"] == "setup" and os.path.exists(tmp_path / "cli.config.yaml")
+
+
+def test_a_command_line_alternative_overrides_the_files_flag(tmp_path):
+    """A config with train-epochs and --train-iters on the command line: "both given" before, though the command
+    line overrides the file (the example configs of every preference stage set train-epochs)."""
+    from mindspeed_pack.config import yaml_file
+    from mindspeed_pack.config.arguments import build_parser
+
+    parser = build_parser()
+    posttrain.posttrain_args(parser)
+    config = tmp_path / "run.yaml"
+    config.write_text("train-epochs: 2\nlr-warmup-fraction: 0.1\nlr: 0.5\n")
+    args, _ = yaml_file.parse(parser, ["--config", str(config), "--train-iters", "3"])
+    assert (args.train_epochs, args.train_iters, args.lr_warmup_fraction, args.lr) == (None, 3, 0.1, 0.5)
+    args, _ = yaml_file.parse(parser, ["--config", str(config), "--lr-warmup-iters", "4"])
+    assert (args.train_epochs, args.lr_warmup_fraction, args.lr_warmup_iters) == (2, None, 4)

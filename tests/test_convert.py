@@ -307,3 +307,16 @@ def test_shard_then_merge_is_identity(work):
         layer_offset(4, 0, 3)
     with pytest.raises(ConversionError, match="larger than the layer count"):
         layer_offset(4, 0, 8)
+
+
+def test_mg_to_hf_writes_the_tokenizer_the_checkpoint_records(tmp_path, toy_tokenizer_dir):
+    """Without --tokenizer-dir the export had no tokenizer files, though the checkpoint names its tokenizer."""
+    import transformers
+
+    from mindspeed_pack.convert import megatron_to_hf
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    mg = write_converted_tiny_qwen2(tmp_path / "q", tokenizer=toy_tokenizer_dir)
+    megatron_to_hf(mg, str(tmp_path / "back"))
+    mine = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
+    assert mine.get_vocab() == transformers.AutoTokenizer.from_pretrained(toy_tokenizer_dir).get_vocab()

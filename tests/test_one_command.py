@@ -300,3 +300,19 @@ def test_one_command_refuses_a_save_holding_another_runs_checkpoint(assets, tmp_
                             env={"TORCHELASTIC_RESTART_COUNT": "1"})
     assert f"resumed from {save} at iteration {RESUME_ITERS} (torchrun restart 1)" in proc.stderr, proc.stderr[-3000:]
     assert layout.read_tracker(str(save)) == RESUME_ITERS
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--stage", "dpo"], "--stage dpo: '{data}' holds no preference pairs"),
+    (["--stage", "simpo", "--ref-load", "REF"], "--stage simpo is reference-free"),
+    (["--stage", "orpo", "--pref-ftx", "0.5"], "--pref-ftx 0.5 with --stage orpo"),
+])
+def test_dry_run_refuses_what_the_stage_would_refuse_at_its_start(tmp_path, capsys, extra, message):
+    """``--dry-run`` returned before the stage was made, so flags and data its start refuses passed it."""
+    from tests.model_utils import TINY_FLAGS
+    from tests.train_utils import write_copy_task
+
+    data = write_copy_task(str(tmp_path / "sft"), num_packs=8)
+    with pytest.raises(Exception, match=message.format(data=data).replace("(", r"\(")):
+        posttrain.main([*TINY_FLAGS, "--data-path", data, "--seq-length", "128", "--global-batch-size", "2",
+                        "--train-iters", "2", "--neat-pack", "--dry-run", *extra])

@@ -354,6 +354,10 @@ def test_help_lists_no_flag_the_code_ignores():
     (["--tokenizer-model", "tok.model"], "--tokenizer-model"),
     (["--tokenizer-type", "Llama2Tokenizer"], "--tokenizer-type Llama2Tokenizer"),
     (["--distributed-backend", "nccl"], "--distributed-backend nccl"),
+    # values no run can use: refused by name, not a ZeroDivisionError or torch's error after the model is built
+    (["--micro-batch-size", "0"], "--micro-batch-size 0 must be >= 1"),
+    (["--lr", "-1"], "--lr -1.0 must be >= 0.0"),
+    (["--adam-beta2", "1"], "--adam-beta2 1.0 must be in [0, 1)"),
 ])
 def test_flags_this_project_cannot_honour_are_refused(neat, capsys, flags, message):
     if "nccl" in flags and torch.cuda.is_available():

@@ -131,6 +131,16 @@ def _save_failed(root: str, iteration: int, error, tmp_dir: str) -> CheckpointEr
                            f"were removed and {kept}: {hint} and resume from there")
 
 
+# what --no-load-optim keeps and drops (Megatron-LM's meaning: the learning-rate schedule is the optimizer's)
+NO_LOAD_OPTIM = ("the run goes on from the saved step and data position with fresh Adam moments and a learning-rate "
+                 "schedule started over, as in Megatron-LM")
+_PRECISION_FLAGS = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}
+
+
+def _precision(args) -> str:
+    return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+
+
 def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler) -> None:
     root = args.save
     final_dir = layout.iteration_dir(root, iteration)
@@ -146,6 +156,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         "checkpoint_version": layout.CHECKPOINT_VERSION,
         "args": training_model_args(args),
         "tokenizer": hf_checkpoint.run_tokenizer_record(args),
+        "precision": _precision(args),  # the optimizer state's layout depends on it
         "model": layout.model_state_for_save(model[0]),
     }
     state.update(lora.checkpoint_entries(args, state["model"]))  # LoRA: the adapters only, and their base
@@ -402,7 +413,10 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
             f"--save-dir NEW_DIR --target-tensor-parallel-size {tp} --target-pipeline-parallel-size {pp}"
             + (f" --target-expert-parallel-size {ep}" if getattr(args, "num_experts", None) else "")
             + ("; it keeps the adapters' optimizer state and data position (a PEFT export loads at any layout too, "
-               "as weights)" if flag == "--lora-load" else ""))
+               "as weights)" if flag == "--lora-load" else
+               "; a model's reshard is its weights alone (iteration 0: its optimizer state, schedule and data "
+               "position stay with this layout), a start for --finetune; to continue this run, resume at "
+               f"TP={saved_tp}, PP={saved_pp}"))
     if saved_ep != ep and not getattr(args, "num_experts", None):
         raise CheckpointError(f"{source}: checkpoint saved with expert parallelism (EP={saved_ep}) but this run "
                               "has no --num-experts: pass the model flags it was trained with")
@@ -502,12 +516,24 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
             raise CheckpointError(
                 f"{flag} {root}: checkpoint saved at --expert-model-parallel-size {saved_ep}, this run uses "
                 f"{args.expert_model_parallel_size}: its weights are regrouped on load but its optimizer state is "
-                f"not; resume at --expert-model-parallel-size {saved_ep}, or pass --no-load-optim (the run goes on "
-                "from the saved step with fresh Adam moments) or --finetune")
+                f"not; resume at --expert-model-parallel-size {saved_ep}, or pass --no-load-optim ({NO_LOAD_OPTIM}) "
+                "or --finetune")
         if "optimizer" not in state:
             raise CheckpointError(f"{path}: no optimizer state saved (--no-save-optim); pass --no-load-optim "
                                   "or --finetune")
-        optimizer.load_state_dict(state["optimizer"])
+        saved = state.get("precision")
+        if saved is not None and saved != _precision(args):
+            raise CheckpointError(f"{flag} {root}: its optimizer state was saved by a {saved} run, this run is "
+                                  f"{_precision(args)}: resume with the precision flag it was saved with "
+                                  f"({_PRECISION_FLAGS[saved]}), or pass --no-load-optim ({NO_LOAD_OPTIM}) or "
+                                  "--finetune")
+        try:
+            optimizer.load_state_dict(state["optimizer"])
+        except (KeyError, ValueError, IndexError, RuntimeError) as e:  # a checkpoint older than its precision record
+            raise CheckpointError(f"{flag} {root}: its optimizer state does not fit this run's optimizer "
+                                  f"({type(e).__name__}: {e}): it was saved with other --bf16/--fp16, LoRA or "
+                                  f"optimizer flags; resume with them, or pass --no-load-optim ({NO_LOAD_OPTIM}) or "
+                                  "--finetune") from None
         if args.use_distributed_optimizer:
             load_distributed_parameter_state(optimizer, os.path.join(it_dir, rank_dir_name_here(), "distrib_optim.pt"))
         scheduler.load_state_dict(state["opt_param_scheduler"])

@@ -494,6 +494,19 @@ def _check_precision_and_parallel(args) -> None:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
 
 
+def _check_ranges(args) -> None:
+    """Values no run can use, refused by name before anything divides by them or hands them to torch."""
+    for dest, low in (("micro_batch_size", 1), ("global_batch_size", 1), ("train_iters", 0), ("seq_length", 2),
+                      ("lr", 0.0), ("min_lr", 0.0), ("weight_decay", 0.0), ("clip_grad", 0.0), ("adam_eps", 0.0)):
+        value = getattr(args, dest, None)
+        if value is not None and value < low:
+            raise ArgumentError(f"--{dest.replace('_', '-')} {value} must be >= {low}")
+    for dest in ("adam_beta1", "adam_beta2"):
+        value = getattr(args, dest)
+        if not 0.0 <= value < 1.0:
+            raise ArgumentError(f"--{dest.replace('_', '-')} {value} must be in [0, 1)")
+
+
 def _check_loss_and_gc_flags(args) -> None:
     """Megatron-LM's ``--calculate-per-token-loss`` (always so here) and manual garbage collection."""
     if args.calculate_per_token_loss and args.per_sample_loss:
@@ -613,6 +626,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     missing = [f"--{n.replace('_', '-')}" for n in need if getattr(args, n) is None]
     if missing:
         raise ArgumentError(f"missing required arguments: {', '.join(missing)}")
+    _check_ranges(args)
     _warn_unavailable(args)
     _check_precision_and_parallel(args)
     _check_recompute(args)

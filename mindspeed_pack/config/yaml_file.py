@@ -221,11 +221,35 @@ def config_path(argv: Iterable[str]) -> Optional[str]:
     return found[0] if found else None
 
 
+# flags that say the same thing two ways (refused together): one on the command line overrides the other in the file
+ALTERNATIVES = (("--train-epochs", "--train-iters"), ("--lr-warmup-fraction", "--lr-warmup-iters"))
+
+
+def _without(tokens: List[str], flag: str) -> List[str]:
+    """``tokens`` without ``flag`` and its values (the tokens up to the next flag)."""
+    out, skipping = [], False
+    for token in tokens:
+        if token.startswith("--"):
+            skipping = token == flag or token.startswith(flag + "=")
+        if not skipping:
+            out.append(token)
+    return out
+
+
 def expand_argv(parser: argparse.ArgumentParser, argv: Iterable[str]) -> List[str]:
-    """``argv`` with its ``--config`` file's flags in front (the command line then overrides them)."""
+    """``argv`` with its ``--config`` file's flags in front (the command line then overrides them, an
+    :data:`ALTERNATIVES` flag too: ``--train-iters`` on the command line drops the file's ``--train-epochs``)."""
     argv = list(argv)
     path = config_path(argv)
-    return argv if path is None else config_tokens(parser, path) + argv
+    if path is None:
+        return argv
+    tokens = config_tokens(parser, path)
+    given = {token.split("=", 1)[0] for token in argv if token.startswith("--")}
+    for pair in ALTERNATIVES:
+        for mine, theirs in (pair, pair[::-1]):
+            if mine in given and theirs not in given:
+                tokens = _without(tokens, theirs)
+    return tokens + argv
 
 
 def parse(parser: argparse.ArgumentParser, argv=None) -> tuple:

@@ -60,7 +60,7 @@ from mindspeed_pack.convert.sharding import (
     stage_of_layer,
     stage_units,
 )
-from mindspeed_pack.convert.tokenizer_record import describe, read_tokenizer_record
+from mindspeed_pack.convert.tokenizer_record import describe, disagreement, has_tokenizer, read_tokenizer_record
 from mindspeed_pack.convert.weight_map import (
     EMBEDDING,
     FINAL,
@@ -388,7 +388,8 @@ def megatron_to_hf(
     spec = get_spec(model_type_hf or args.model_type_hf)
     if spec.name != args.model_type_hf:
         log.warning("checkpoint was converted as %s, writing it as %s", args.model_type_hf, spec.name)
-    tok_files = hf_io.tokenizer_files(tokenizer_dir) if tokenizer_dir else []
+    tok_source = tokenizer_dir or _recorded_tokenizer(source)
+    tok_files = hf_io.tokenizer_files(tok_source) if tok_source else []
     args = copy.copy(args)
     args.vocab_size = vocab_rows(source, tokenizer_dir)
     extra = dict(source.hf_config or {})
@@ -425,8 +426,18 @@ def megatron_to_hf(
 
             GenerationConfig.from_model_config(config).save_pretrained(tmp)
         if tok_files:
-            hf_io.copy_files(tokenizer_dir, tok_files, tmp)
-    log.info("wrote HF model %s (%s, %s)", save_dir, config.architectures[0], _HF_DTYPE_NAMES[dtype])
+            hf_io.copy_files(tok_source, tok_files, tmp)
+    log.info("wrote HF model %s (%s, %s)%s", save_dir, config.architectures[0], _HF_DTYPE_NAMES[dtype],
+             f" with the tokenizer the checkpoint records ({tok_source})" if tok_source and not tokenizer_dir else "")
+
+
+def _recorded_tokenizer(source) -> Optional[str]:
+    """The tokenizer directory ``source``'s record names, when it is still there with the same vocabulary: its
+    files go beside the weights (``--tokenizer-dir`` overrides)."""
+    record = source.tokenizer or {}
+    path = record.get("source")
+    found = read_tokenizer_record(path) if path and has_tokenizer(path) else None
+    return path if found is not None and disagreement(record, found) is None else None
 
 
 def megatron_to_megatron(
@@ -480,6 +491,11 @@ def megatron_to_megatron(
     with staged_output(save_dir) as tmp:
         _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit, f"mg {layouts}", same_weights_as)
     log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d)", save_dir, tp, pp, ep)
+    if source.iteration != layout.RELEASE:
+        log.warning("%s held iteration %s of a training run: %s holds its weights alone (a release checkpoint, "
+                    "iteration 0); the optimizer state, schedule and data position stay with the old layout, so a run "
+                    "from it starts over (--finetune); to continue that run, resume at TP=%d, PP=%d", load_dir,
+                    source.iteration, save_dir, source.tp, source.pp)
 
 
 # --------------------------------------------------------------------------- LoRA adapters
@@ -729,7 +745,7 @@ def main(argv=None) -> int:
     try:
         _mindspeed_flags(args)
         if args.lora_merge and not args.lora_load:
-            raise ConversionError("--lora-merge merges the adapters of --lora-load DIR: pass it")
+            raise ConversionError("--lora-merge needs --lora-load DIR, the adapters to merge into --load-dir")
         if args.lora_load and args.save_model_type != "hf":
             raise ConversionError(
                 f"--lora-load: adapters are exported to Hugging Face (--save-model-type hf: a PEFT adapter directory, "

@@ -420,7 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="absolute slack added to the tolerance, for metrics near 0 (default 0)")
     parser.add_argument("--metrics", type=_metric_list, default=list(DEFAULT_METRICS),
                         help="comma-separated metric names (default 'lm loss'); 'learning rate' = 'lr'")
-    parser.add_argument("--split", default="train", help="'train' or 'valid' records (default train)")
+    parser.add_argument("--split", default="train",
+                        help="'train', 'valid' (the interval evaluations) or 'valid-end' (the one at the end of "
+                             "training; 'test-end' the test split's) records (default train)")
     parser.add_argument("--max-rows", type=_non_negative_int, default=DEFAULT_MAX_ROWS,
                         help="table rows per metric: first/last rows plus rows over tolerance; 0 = all "
                         "(default %(default)s)")

@@ -22,6 +22,10 @@ A run is one of:
 The kind of a file is decided by its content (a first non-blank line that starts with
 ``{`` means JSON lines), so a metrics file named ``train.log`` still reads correctly.
 
+The evaluation at the end of training repeats the last iteration's number: its records (labelled
+"the end of training ...") are the split ``valid-end`` (``test-end``), so the interval evaluation of that
+iteration stays in ``valid``.
+
 A resumed run logs some steps twice. The **last** record of a (split, iteration) wins and
 replaces the earlier record as a whole: the re-logged step is the one the run continued
 from, and mixing fields of two different executions of a step would describe neither.
@@ -37,6 +41,7 @@ from pathlib import Path
 from typing import Dict, Iterator, Optional, Tuple, Union
 
 PathLike = Union[str, Path]
+END_SUFFIX = "-end"  # the split of the end-of-training evaluations (valid-end, test-end)
 # metric name -> iteration -> value
 RunMetrics = Dict[str, Dict[int, float]]
 # split -> iteration -> metrics of the record that won (the last one)
@@ -180,6 +185,8 @@ def _parse_jsonl(path: Path) -> _Records:
         split = obj.get("split", "train")
         if not isinstance(split, str):
             raise RunMetricsError(f"{where}: field 'split' must be a string, got {split!r}")
+        if isinstance(obj.get("label"), str) and obj["label"].startswith("the end of training"):
+            split += END_SUFFIX  # the end's evaluation of the last iteration: beside its interval one, not over it
         metrics: Dict[str, float] = {}
         for key, value in obj.items():
             if key in ("iteration", "split") or isinstance(value, bool):

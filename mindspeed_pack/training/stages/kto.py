@@ -38,7 +38,7 @@ from megatron.core import parallel_state as ps
 
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch
-from mindspeed_pack.training.stages import reference
+from mindspeed_pack.training.stages import data_layouts, reference
 from mindspeed_pack.training.stages.sequences import counts_here, document_units, pair_segments, sequence_logps
 
 KTO_METRICS = ("kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")
@@ -107,6 +107,8 @@ class KTOStage:
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer) -> None:
+        for docs in trainer.source.docs:
+            data_layouts.check(self.name, docs.prefix, docs.meta)
         self.labels = {docs.prefix: KTOLabels(docs) for docs in trainer.source.docs}
         self.reference = reference.Reference.of_run(trainer, self.args, self.name)
 

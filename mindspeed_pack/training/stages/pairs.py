@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing.segments import PackedBatch
+from mindspeed_pack.training.stages import data_layouts
 from mindspeed_pack.training.stages.sequences import counts_here, pair_segments, sequence_logps
 
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -102,11 +103,7 @@ class PairStage:
 
     def setup(self, trainer) -> None:
         for docs in trainer.source.docs:
-            if not ((docs.meta or {}).get("layout") or {}).get("pairs"):
-                raise DataError(f"--stage {self.name}: {docs.prefix!r} holds no preference pairs (its sidecar records "
-                                "no pairing): preprocess with --handler-name AlpacaStylePairwiseHandler or "
-                                "SharegptStylePairwiseHandler (--pack --neat-pack: packs of whole pairs; without "
-                                "--pack: each pair its own document)")
+            data_layouts.check(self.name, docs.prefix, docs.meta)
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         return batches

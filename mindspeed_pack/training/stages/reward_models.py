@@ -32,6 +32,7 @@ from megatron.core import parallel_state as ps
 from mindspeed_pack.datasets.packed_dataset import DataError
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.packing.segments import IGNORE_INDEX, PackedBatch, reward_positions
+from mindspeed_pack.training.stages import data_layouts
 from mindspeed_pack.training.stages.sequences import counts_here, pair_segments, whole_sequence_sums
 
 log = logging.getLogger(__name__)
@@ -82,11 +83,7 @@ class OutcomeRewardStage:
         args = self.args
         pads = set()
         for docs, layout in _sidecar_layouts(trainer):
-            if not layout.get("pairs"):
-                raise DataError(f"--stage orm: {docs.prefix!r} holds no preference pairs (its sidecar records no "
-                                "pairing): preprocess with --handler-name AlpacaStylePairwiseHandler or "
-                                "SharegptStylePairwiseHandler (--pack --neat-pack: packs of whole pairs; without "
-                                "--pack: each pair its own document)")
+            data_layouts.check(self.name, docs.prefix, docs.meta)
             pads.add(layout.get("pad_id"))
         if args.reward_pad_token_id is None:  # a fresh head: the data's pad token, what the tokenizer pads with
             if len(pads) > 1:
@@ -185,10 +182,8 @@ class ProcessRewardStage:
     def setup(self, trainer) -> None:
         found = {}
         for docs, layout in _sidecar_layouts(trainer):
-            steps = layout.get("step_tags")
-            if not steps:
-                raise DataError(f"--stage prm: {docs.prefix!r} holds no step tags (its sidecar records none): "
-                                "preprocess process reward rows with --handler-name AlpacaStyleProcessRewardHandler")
+            data_layouts.check("prm", docs.prefix, docs.meta)
+            steps = layout["step_tags"]
             found[docs.prefix] = tuple(steps["reward_token_ids"])
         if len(set(found.values())) > 1:
             raise DataError(f"--stage prm: the data prefixes label steps with different reward tokens {found}: "

@@ -1,0 +1,43 @@
+"""What a stage's data must hold, as its preprocessing sidecar records it: checked when the stage sets up, and
+by ``--dry-run`` before anything is built (a run that would stop at its start is refused by the dry run too)."""
+from __future__ import annotations
+
+import os
+
+from mindspeed_pack.datasets.packed_documents import DataError, dataset_paths, read_meta
+
+_PAIRS = ("pairs", "preference pairs", "its sidecar records no pairing",
+          "preprocess with --handler-name AlpacaStylePairwiseHandler or SharegptStylePairwiseHandler (--pack "
+          "--neat-pack: packs of whole pairs; without --pack: each pair its own document)")
+# --stage -> (the sidecar layout's key, what it is, what its absence says, how to get it)
+REQUIRED = {
+    "dpo": _PAIRS, "simpo": _PAIRS, "orpo": _PAIRS, "orm": _PAIRS,
+    "kto": ("kto_labels", "KTO couples", "its sidecar names no KTO labels",
+            "preprocess with --handler-name AlpacaStyleKTOHandler or SharegptStyleKTOHandler (--pack --neat-pack: "
+            "packs of whole couples; without --pack: each couple its own document)"),
+    "prm": ("step_tags", "step tags", "its sidecar records none",
+            "preprocess process reward rows with --handler-name AlpacaStyleProcessRewardHandler"),
+}
+
+
+def check(stage: str, prefix: str, meta) -> None:
+    """DataError when ``prefix`` (its sidecar ``meta``) lacks what ``--stage stage`` trains on."""
+    need = REQUIRED.get(stage)
+    if need and not ((meta or {}).get("layout") or {}).get(need[0]):
+        raise DataError(f"--stage {stage}: {prefix!r} holds no {need[1]} ({need[2]}): {need[3]}")
+
+
+def check_data_paths(args) -> None:
+    """:func:`check` for every prefix of ``--data-path`` (its weights skipped) and of the per-split paths that
+    is there (a dry run may check a job's flags before its data exists)."""
+    paths = list(args.data_path or [])
+    for name in ("train", "valid", "test"):
+        paths += getattr(args, f"{name}_data_path", None) or []
+    for path in paths:
+        try:
+            float(path)
+            continue  # a blend's weight
+        except ValueError:
+            meta = read_meta(path)
+            if meta is not None or os.path.isfile(dataset_paths(path)["input_ids"] + ".bin"):
+                check(args.stage, path, meta)
