@@ -176,6 +176,7 @@ def test_manual_gc_collects_only_on_schedule():
     collector = ManualGC(Args())
     try:
         assert not gc.isenabled() and collector.collections == 1  # the setup's garbage, once
+        assert gc.get_freeze_count() > 0  # the setup's objects are not walked by the collections that follow
         for iteration in range(1, 8):
             collector.after_iteration(iteration)
         assert collector.collections == 3  # iterations 3 and 6
@@ -183,7 +184,7 @@ def test_manual_gc_collects_only_on_schedule():
         assert collector.collections == 4
     finally:
         collector.close()
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
     off = ManualGC(type("Off", (), {})())
     off.after_iteration(3)
     assert off.collections == 0 and gc.isenabled()

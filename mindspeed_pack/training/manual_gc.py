@@ -5,6 +5,11 @@ Python it starts on allocation counts, so it lands at another moment on every ra
 waits for the rank that paused: with many ranks, some rank pauses in most steps. Run by hand, at the same
 iteration everywhere (every ``--manual-gc-interval`` iterations, and before and after each evaluation unless
 ``--no-manual-gc-eval``), the pauses coincide. Reference cycles are then freed only at those points.
+
+A collection by hand is a full one, which walks every object the process holds: megatron-core's modules, the
+optimizer, the data. Frozen after the setup (``gc.freeze``), those are not walked again: on a CPU run of 24 tiny
+layers, a full collection took 222 ms without the freeze and 0.7 ms with it (automatic collection there: 200
+young-generation collections in 50 steps, 43 ms in all).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ class ManualGC:
         if self.enabled:
             gc.disable()
             self.collect()
+            gc.freeze()  # the setup's objects (model, optimizer, data): never walked again
             log.info("--manual-gc: automatic garbage collection off; collecting %s",
                      (f"every {self.interval} iterations" if self.interval else "never between iterations")
                      + (" and around evaluations" if self.around_evaluation else ""))
@@ -45,5 +51,6 @@ class ManualGC:
     def close(self) -> None:
         """Automatic collection back on (the process may go on: tests, benchmarks, an RL session)."""
         if self.enabled:
+            gc.unfreeze()
             gc.enable()
             self.enabled = False
