@@ -779,6 +779,8 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
         validate_args(args, world_size)
         _refuse_ignored_flags(args, given)
     except ArgumentError as e:
+        if int(os.environ.get("LOCAL_RANK", "0")) != 0:  # every rank parses the same flags: one line per node
+            parser.exit(2)
         parser.error(str(e))
     resolved_config.record_sources(parser, args, given, from_hf, defaults, from_checkpoint)
     return args
