@@ -112,6 +112,9 @@ def test_mindspeed_llm_translations(data):
                             "--attention-mask-type", "general"])
     assert args.moe_token_dispatcher_type == "alltoall"
     assert not args.moe_router_pre_softmax and args.qk_layernorm
+    args, _ = _parse(data, [*MOE, "--moe-intermediate-size", "96", "--npu-deterministic", "--dataloader-type",
+                            "cyclic"])  # MindSpeed-LLM's Qwen3 DPO scripts
+    assert args.moe_ffn_hidden_size == 96 and args.deterministic_mode
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -129,6 +132,7 @@ def test_mindspeed_llm_translations(data):
     (["--no-pad-to-seq-lengths"], "--no-pad-to-seq-lengths: unpacked samples are padded to --seq-length here"),
     ([*MOE, "--first-k-dense-replace", "2"], "--first-k-dense-replace 2 must be below --num-layers 2"),
     (["--first-k-dense-replace", "1"], "needs --num-experts"),
+    ([*MOE, "--moe-intermediate-size", "96", "--moe-ffn-hidden-size", "64"], "name the same size: pass one"),
     (["--calculate-per-token-loss", "--per-sample-loss"], "--calculate-per-token-loss and --per-sample-loss"),
     (["--manual-gc-interval", "5"], "--manual-gc-interval 5 schedules manual collections: pass --manual-gc"),
 ])

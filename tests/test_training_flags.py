@@ -312,7 +312,8 @@ def test_omitted_flags_mean_what_they_mean_in_megatron_lm(neat):
 
 
 # 13 -----------------------------------------------------------------------------------------
-ACCEPTED_NO_OPS = {"is_instruction_dataset", "variable_seq_lengths", "use_mcore_models", "attention_mask_type"}
+ACCEPTED_NO_OPS = {"is_instruction_dataset", "variable_seq_lengths", "use_mcore_models", "attention_mask_type",
+                   "dataloader_type"}
 
 
 def _training_code() -> str:

@@ -376,6 +376,9 @@ def _data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--padded-samples", action="store_true",
                    help="repeat the first packs of each epoch to complete its last global batch")
     g.add_argument("--no-shuffle", action="store_true", help="sequential data order (for loss comparison runs)")
+    g.add_argument("--dataloader-type", default=None, choices=["single", "cyclic"],
+                   help="accepted no-op (Megatron-LM's sampler): the order is the sample index's, a seeded shuffle "
+                        "of every epoch (--no-shuffle: sequential)")
     g.add_argument("--sequence-packing-scheduler", default="none",
                    choices=["none", "dp_balanced", "default_dynamic_cp"],
                    help="dp_balanced: pack unpacked data at load time into rows of --max-seqlen-per-dp-cp-rank "

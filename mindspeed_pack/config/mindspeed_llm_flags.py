@@ -7,7 +7,8 @@ Each has one of four fates here, never a silent drop:
   (checked: ``--load`` is a Hugging Face directory of that family); ``--norm-topk-prob`` is the default top-k
   renormalisation (refused with ``--moe-router-pre-softmax``); ``--first-k-dense-replace K`` makes the
   first K layers dense (``--moe-layer-freq`` as a list); ``--moe-token-dispatcher-type alltoall_seq`` is
-  ``alltoall``; ``--spec ...qwen3_spec layer_spec`` is Qwen3's layer (checked:
+  ``alltoall``; ``--moe-intermediate-size`` is ``--moe-ffn-hidden-size``; ``--npu-deterministic`` is
+  ``--deterministic-mode``; ``--spec ...qwen3_spec layer_spec`` is Qwen3's layer (checked:
   ``--qk-layernorm``); ``--expert-tensor-parallel-size`` equal to TP is what runs;
 * **the same behaviour**: ``--no-shared-storage``, raw data preprocessed by each node's first rank
   (:mod:`mindspeed_pack.training.raw_data`);
@@ -97,6 +98,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--first-k-dense-replace", type=int, default=None, metavar="K",
                    help="the first K layers dense: layer i (from 0) is MoE when i >= K and i %% --moe-layer-freq "
                         "is 0 (MindSpeed-LLM's rule; K <= 0: none dense)")
+    g.add_argument("--moe-intermediate-size", type=int, default=None,
+                   help="MindSpeed-LLM's older name of --moe-ffn-hidden-size")
+    g.add_argument("--npu-deterministic", action="store_true",
+                   help="MindSpeed-LLM's deterministic computing: here --deterministic-mode")
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="experts are split over the tensor-parallel group: only --tensor-model-parallel-size's value")
     g.add_argument("--is-pairwise-dataset", action="store_true",
@@ -134,6 +139,13 @@ def apply(args, given: set, loads_hf: bool) -> None:
     after the Hugging Face ``--load``'s model flags are filled in, before validation."""
     check_refused(args)
     _hf_convert(args, loads_hf)
+    if args.moe_intermediate_size is not None:
+        if "moe_ffn_hidden_size" in given and args.moe_ffn_hidden_size != args.moe_intermediate_size:
+            raise ArgumentError(f"--moe-intermediate-size {args.moe_intermediate_size} and --moe-ffn-hidden-size "
+                                f"{args.moe_ffn_hidden_size} name the same size: pass one")
+        args.moe_ffn_hidden_size = args.moe_intermediate_size
+    if args.npu_deterministic:
+        args.deterministic_mode = True
     if args.spec is not None:
         if args.spec[0] != QWEN3_SPEC:
             raise ArgumentError(f"--spec {' '.join(args.spec)}: only {QWEN3_SPEC} layer_spec is known here (the layer "
