@@ -26,6 +26,7 @@ def pretrain_args(parser):
     g = parser.add_argument_group("pretraining data")
     g.add_argument("--eod-id", type=int, default=None,
                    help="end-of-document token id (default: the tokenizer's EOS)")
+    parser.set_defaults(pretraining=True)  # no fine-tuning defaults from a Hugging Face --load (finetune_defaults.py)
     return raw_data.raw_data_args(parser, pretrain=True)
 
 

@@ -345,7 +345,8 @@ def test_adapters_of_another_base_are_refused(qwen, trained, tmp_path, capsys):
     assert code == 2 and line.startswith("posttrain.py: error: --lora-load")
     fp = adapters.fingerprint(qwen["other_hf"])[:16]
     assert f"trained on the base {os.path.abspath(qwen['mg'])}" in line and fp in line
-    assert convert_main(["--load-model-type", "hf", "--load-dir", qwen["hf"], "--lora-load", trained["save"],
+    # (qwen/hf itself is accepted: qwen/mg, the adapters' base, is its fp32 conversion and records it)
+    assert convert_main(["--load-model-type", "hf", "--load-dir", qwen["other_hf"], "--lora-load", trained["save"],
                          "--save-model-type", "hf", "--save-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "convert_ckpt: error: --lora-load" in err and "--load-dir" in err and not os.path.exists(tmp_path / "out")
@@ -422,7 +423,8 @@ def test_adapters_are_accepted_on_a_reshard_of_their_megatron_base(qwen, trained
     assert convert_main(["--load-model-type", "mg", "--load-dir", tp2, "--lora-load", trained["save"],
                          "--save-model-type", "hf", "--save-dir", str(tmp_path / "peft")]) == 0
     back = reshard(tp2, str(tmp_path / "base_back"), 1)
-    assert adapters.same_weights_as(back) == [adapters.fingerprint(tp2), adapters.fingerprint(qwen["mg"])]
+    assert adapters.same_weights_as(back) == [adapters.fingerprint(tp2), adapters.fingerprint(qwen["mg"]),
+                                              adapters.fingerprint(qwen["hf"])]  # qwen/mg is hf's fp32 conversion
     argv = [*TINY_FLAGS, *RUN, "--train-iters", "4", "--data-path", qwen["data"], "--load", back, "--lora-load",
             trained["save"]]
     code, line = _exit(argv, capsys)  # past the base check: the schedule (now named by the flag it came from)
@@ -516,3 +518,22 @@ def test_mindspeed_llms_lora_export_flags_are_checked_against_the_adapters(qwen,
     alone = load_file(str(tmp_path / "alone" / adapters.ADAPTER_WEIGHTS))
     same = load_file(str(tmp_path / "same" / adapters.ADAPTER_WEIGHTS))
     assert sorted(alone) == sorted(same) and all(torch.equal(alone[k], same[k]) for k in same)
+
+
+def test_adapters_trained_on_a_hf_directory_export_on_its_conversion(qwen, tmp_path):
+    """MindSpeed-LLM's order: tune from the HF directory, then mcore2hf_lora on the hf2mcore checkpoint. The
+    conversion now records the directory's fingerprint (same weights, fp32), so the adapters' base check accepts
+    it (it said "trained on the base ... but --load-dir has fingerprint ...")."""
+    init_single_process()
+    save = str(tmp_path / "from_hf")
+    argv = [*TINY_FLAGS, *RUN, "--train-iters", "1", "--data-path", qwen["data"], "--load", qwen["hf"],
+            "--save", save, "--save-hf", str(tmp_path / "export")]
+    trainer = sft_trainer(parse_args(argv), PackedBatchSource())
+    trainer.setup()
+    try:
+        trainer.train()
+    finally:
+        trainer.cleanup()
+    assert convert_main(["--load-model-type", "mg", "--load-dir", qwen["mg"], "--lora-load", save,
+                         "--save-model-type", "hf", "--save-dir", str(tmp_path / "peft")]) == 0
+    assert (tmp_path / "peft" / adapters.ADAPTER_CONFIG).exists()

@@ -283,3 +283,37 @@ def test_convert_takes_mindspeed_llms_family_names_and_refuses_its_layouts(tiny_
         assert convert_main([*hf2mg, *extra, "--save-dir", str(tmp_path / "refused")]) == 2
         assert message in capsys.readouterr().err, extra
         assert not (tmp_path / "refused").exists()
+
+
+# ---------------------------------------------------------------------------- running MindSpeed-LLM's scripts
+def test_max_position_embeddings_of_a_rope_model_is_not_compared(data, tiny_hf):
+    """MindSpeed-LLM's scripts pass --max-position-embeddings ${SEQ_LENGTH}, below the config's (Qwen3: 40960): RoPE
+    computes any position, so the flag is not the model's; it was refused as disagreeing with config.json."""
+    args = parse_args(["--seq-length", "64", "--global-batch-size", "2", "--train-iters", "2", "--data-path", data,
+                       "--load", tiny_hf, "--max-position-embeddings", "64"],
+                      extra_args_provider=posttrain.posttrain_args)
+    assert args.position_embedding_type == "rope" and args.max_position_embeddings == 128  # the model's own
+
+
+def test_pretraining_from_a_hugging_face_directory_keeps_megatron_lms_defaults(tiny_hf, tmp_path):
+    import pretrain_gpt
+
+    args = parse_args(["--seq-length", "64", "--global-batch-size", "2", "--train-iters", "2", "--data-path",
+                       str(tmp_path / "P_text_document"), "--load", tiny_hf, "--save", str(tmp_path / "s")],
+                      extra_args_provider=pretrain_gpt.pretrain_args)
+    assert (args.lr_decay_style, args.lr_warmup_fraction, args.save_hf) == ("linear", None, None)
+
+
+def test_convert_refuses_a_directory_of_the_other_kind(tiny_hf, tmp_path, capsys):
+    """mcore2hf_lora with the HF directory as --load-dir and --load-model-type mg wrote a PEFT export with no base."""
+    from mindspeed_pack.convert.convert import main as convert_main
+
+    mg = str(tmp_path / "mg")
+    assert convert_main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", tiny_hf,
+                         "--save-dir", mg]) == 0
+    for load_type, load_dir, message in (("mg", tiny_hf, "is a Hugging Face model directory"),
+                                         ("hf", mg, "is a Megatron checkpoint")):
+        capsys.readouterr()
+        assert convert_main(["--load-model-type", load_type, "--save-model-type", "hf", "--load-dir", load_dir,
+                             "--save-dir", str(tmp_path / "out")]) == 2
+        assert message in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -118,6 +118,13 @@ def test_without_pack_each_pair_is_its_own_document(tmp_path, run_preprocess, re
     assert code == 0, err
     meta = json.load(open(tmp_path / "u_packed_meta.json"))
     assert meta["layout"]["kind"] == "unpacked" and meta["layout"]["neat_pack"]  # segment ids: train with --neat-pack
+    import types
+
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.datasets.sidecar_checks import check_data
+
+    with pytest.raises(DataError, match="holds preference pairs whose two answers are told apart by segment ids"):
+        check_data(types.SimpleNamespace(meta=meta, prefix=str(tmp_path / "u")), types.SimpleNamespace(neat_pack=False))
     assert "segments 1 (chosen) and 2 (rejected)" in meta["layout"]["pairs"]
     assert meta["statistics"]["documents"] == meta["statistics"]["pairs"] == 24
     assert len(meta["statistics"]["data_fingerprint"]) == 16

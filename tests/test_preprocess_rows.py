@@ -188,3 +188,17 @@ def test_csv_and_jsonl_errors_name_the_line_and_column(tmp_path, run_preprocess,
     code, _, err = run_preprocess(input=null, output_prefix=tmp_path / "n", handler_name="AlpacaStyleInstructionHandler",
                                   prompt_type="qwen", seq_length=128)
     assert code == 2 and f"{null}: line 1: field 'output' (--map-keys response) is null" in err, err
+
+
+def test_an_empty_map_keys_name_means_no_such_column(tmp_path, run_preprocess):
+    """MindSpeed-LLM's pairwise scripts pass --map-keys '{"query": ""}': no such column (it was "column '' not
+    found"); an empty name for a column the handler needs is refused by name."""
+    rows = [{"instruction": "say one", "chosen": "one", "rejected": "two"}] * 2
+    data = toy.write_dataset(tmp_path / "p.jsonl", rows)
+    flags = dict(input=data, handler_name="AlpacaStylePairwiseHandler", prompt_type="qwen", seq_length=128)
+    keys = {"prompt": "instruction", "query": "", "chosen": "chosen", "rejected": "rejected"}
+    code, _, err = run_preprocess(output_prefix=tmp_path / "o", map_keys=json.dumps(keys), **flags)
+    assert code == 0, err
+    assert _meta(tmp_path / "o")["statistics"]["samples_written"] == 4  # two pairs, two answers each
+    code, _, err = run_preprocess(output_prefix=tmp_path / "bad", map_keys=json.dumps({**keys, "chosen": ""}), **flags)
+    assert code == 2 and "--map-keys: 'chosen' is empty, but AlpacaStylePairwiseHandler reads that column" in err

@@ -466,8 +466,15 @@ def _logging_args(p: argparse.ArgumentParser) -> None:
                         "estimate), then exit without training; raw --data-path files are preprocessed (cached)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line: the usage of some 300 flags buried the message."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser(description: str = "mindspeed-pack training") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    p = _Parser(description=description, allow_abbrev=False)
     for add in (_model_args, _moe_args, _lora_args, _parallel_args, _training_args, _data_args, _checkpoint_args,
                 _logging_args, mindspeed_llm_flags.add_flags):
         add(p)

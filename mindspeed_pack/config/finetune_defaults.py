@@ -74,7 +74,7 @@ def apply(args, given: set) -> set:
     from mindspeed_pack.config import resolved_config
 
     applied = tokenizer_default(args, given)
-    if args.stage != "sft" or not args.load:
+    if args.stage != "sft" or not args.load or getattr(args, "pretraining", False):  # pretrain_gpt.py: Megatron-LM's
         return applied
     if args.load_format == "hf":
         defaults, why = _fresh_defaults(args, given), "--load is a Hugging Face model, --stage sft"

@@ -351,8 +351,14 @@ def hf_to_megatron(
             return {k: v.to(dtype) for k, v in hf_to_mg_unit(unit, reader.get, args, spec).items()}
 
         tokenizer = read_tokenizer_record(load_dir)
+        # the same weights as the HF directory when the dtype loses nothing: adapters trained on that directory
+        # (--load HF_DIR) are accepted on this conversion too (convert_ckpt.py --lora-load, --lora-load at training)
+        source_dtype = reader.config.get("torch_dtype") or reader.config.get("dtype")
+        exact = dtype == torch.float32 or source_dtype == _HF_DTYPE_NAMES[dtype]
+        same_weights_as = [lora_map.fingerprint(load_dir)] if exact else None
         with staged_output(save_dir) as tmp:
-            _write_sharded(tmp, args, reader.config, tokenizer, full_unit, f"hf->mg TP{tp} PP{pp} EP{ep}")
+            _write_sharded(tmp, args, reader.config, tokenizer, full_unit, f"hf->mg TP{tp} PP{pp} EP{ep}",
+                           same_weights_as)
     log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d, padded vocab %d); tokenizer %s", save_dir, tp, pp,
              ep, args.padded_vocab_size, describe(tokenizer) if tokenizer else
              f"not recorded ({load_dir} holds none): training cannot check that data or a reference use this model's")
@@ -685,6 +691,22 @@ _REFUSED_LAYOUTS = ("--noop-layers", "--num-layer-list", "--num-layers-per-virtu
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def _check_load_type(args) -> None:
+    """``--load-model-type`` says what ``--load-dir`` holds (a Hugging Face directory given as mg wrote a PEFT
+    export with no base, silently)."""
+    try:
+        megatron = os.path.isdir(args.load_dir) and layout.read_tracker(args.load_dir) is not None
+    except ValueError:
+        megatron = True  # a tracker that does not read: the loader names it
+    hf = os.path.isdir(args.load_dir) and hf_io.looks_like_hf(args.load_dir)
+    if args.load_model_type == "mg" and hf and not megatron:
+        raise ConversionError(f"--load-dir {args.load_dir} is a Hugging Face model directory (config.json, "
+                              "*.safetensors), not a Megatron checkpoint: pass --load-model-type hf")
+    if args.load_model_type == "hf" and megatron and not hf:
+        raise ConversionError(f"--load-dir {args.load_dir} is a Megatron checkpoint (it has "
+                              f"{layout.TRACKER}): pass --load-model-type mg")
+
+
 def _mindspeed_flags(args) -> None:
     """MindSpeed-LLM's converter flags: translated to ours, or refused by name."""
     args.model_type_hf = MINDSPEED_MODEL_TYPES.get(args.model_type_hf, args.model_type_hf)
@@ -744,6 +766,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         _mindspeed_flags(args)
+        _check_load_type(args)
         if args.lora_merge and not args.lora_load:
             raise ConversionError("--lora-merge needs --lora-load DIR, the adapters to merge into --load-dir")
         if args.lora_load and args.save_model_type != "hf":

@@ -199,6 +199,9 @@ FUNCTION_ARGS = (
 )
 # arguments the model reads only when another one is on (in the recorded model): argument -> (that one, value)
 _READ_ONLY_WITH = {
+    # RoPE computes any position: the table size matters to learned positions only (MindSpeed-LLM's scripts pass
+    # --max-position-embeddings ${SEQ_LENGTH}, below the config's 32768 or 40960)
+    "max_position_embeddings": ("position_embedding_type", "learned_absolute"),
     **{k: ("position_embedding_type", "rope") for k in ("rotary_base", "rotary_percent", "use_rope_scaling")},
     **{k: ("use_rope_scaling", True) for k in ("rope_scaling_factor", "low_freq_factor", "high_freq_factor",
                                                "original_max_position_embeddings")},

@@ -124,6 +124,10 @@ def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]
         if not isinstance(value, str):
             raise PreprocessError(f"--map-keys: value of {key!r} must be a string, got {value!r}")
         mapping[key] = value
+        if value == "":  # MindSpeed-LLM's "no such column" (its pairwise scripts pass "query": "")
+            if key in REQUIRED_COLUMNS.get(handler, ()):
+                raise PreprocessError(f"--map-keys: {key!r} is empty, but {handler} reads that column")
+            continue
         explicit.add(key)
     return mapping, explicit
 

@@ -43,6 +43,10 @@ def check_data(docs, args) -> None:
         raise DataError(f"--neat-pack: the attention_mask of {docs.prefix!r} holds no segment ids (written without "
                         "--neat-pack, all ones); re-run preprocess_data.py --pack --neat-pack, or drop --neat-pack")
     if has_segment_ids and not args.neat_pack:
+        if layout.get("pairs") or layout.get("kto_labels"):  # even unpacked: a unit's two answers are two segments
+            raise DataError(f"{docs.prefix!r} holds {'preference pairs' if layout.get('pairs') else 'KTO couples'} "
+                            f"whose two answers are told apart by segment ids ({sidecar}), packed or not: pass "
+                            "--neat-pack, which reads them")
         raise DataError(f"{docs.prefix!r} was written with --neat-pack (its attention_mask holds segment ids"
                         + (f", {sidecar}" if layout else "") + "): pass --neat-pack, or samples attend to each other")
     seq = layout.get("seq_length")
