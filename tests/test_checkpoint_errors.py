@@ -181,3 +181,20 @@ def test_resume_in_another_precision_names_the_flags(saved, tmp_path):
         posttrain.main(argv(saved[0], "--load", ckpt, "--bf16"))
     trainer = posttrain.main(argv(saved[0], "--load", ckpt, "--bf16", "--no-load-optim", "--train-iters", "2"))
     assert trainer.iteration == 2  # resumed at the saved step 1, then trained one more
+
+
+def test_the_same_command_again_after_its_export_writes_none_over_it(saved, tmp_path):
+    """README: "the same command again resumes"; with an explicit --save-hf that the first run filled, it stopped
+    at the flags ("exists and is not an empty directory"). A run that resumes at its last iteration now exports
+    nothing over it; one that would train more is refused before training."""
+    save, export = str(tmp_path / "ckpt"), str(tmp_path / "export")
+    run = argv(saved[0], "--save", save, "--load", save, "--save-hf", export, "--train-iters", "2")
+    posttrain.main(run)
+    first = fingerprint(export)
+    trainer = posttrain.main(run)  # the same command again
+    assert trainer.iteration == 2 and trainer.args.save_hf is None and fingerprint(export) == first
+    with pytest.raises(CheckpointError, match="exists and is not an empty directory, and this run trains iterations "
+                                              "3..4: choose a new directory"):
+        posttrain.main(argv(saved[0], "--save", save, "--load", save, "--save-hf", export, "--train-iters", "4",
+                            "--override-opt_param-scheduler"))
+    assert fingerprint(export) == first

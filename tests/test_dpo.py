@@ -247,3 +247,18 @@ def test_a_split_pair_is_refused():
     seg[seg == 4] = 0  # the second pair lost its rejected sequence
     with pytest.raises(ValueError, match="not whole"):
         pair_segments(build_packed_batch(ids, labels, seg))
+
+
+@pytest.mark.parametrize("stage,dropout,warned", [("dpo", "0.1", True), ("kto", "0.1", True), ("dpo", "0", False),
+                                                  ("simpo", "0.1", False)])
+def test_a_reference_stage_under_dropout_warns(caplog, stage, dropout, warned):
+    """A Megatron --load keeps Megatron-LM's dropout 0.1: DPO's first loss is then not log 2 (README said it was)."""
+    import logging
+
+    from mindspeed_pack.config.arguments import parse_args
+    from tests.model_utils import TINY_FLAGS
+
+    with caplog.at_level(logging.WARNING, logger="mindspeed_pack.config.arguments"):
+        parse_args([*TINY_FLAGS, "--data-path", "x", "--seq-length", "64", "--global-batch-size", "2", "--train-iters",
+                    "1", "--stage", stage, "--attention-dropout", dropout], extra_args_provider=stage_args)
+    assert any("with dropout on" in r.getMessage() for r in caplog.records) == warned

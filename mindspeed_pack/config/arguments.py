@@ -517,6 +517,19 @@ def _check_ranges(args) -> None:
             raise ArgumentError(f"--{dest.replace('_', '-')} {value} must be in [0, 1)")
 
 
+REFERENCE_STAGES = ("dpo", "kto", "grpo")
+
+
+def _warn_dropout_against_a_reference(args) -> None:
+    """Stages that compare the policy's log-probs with a reference's, under dropout (Megatron-LM's 0.1 defaults,
+    which a Megatron --load keeps): the two differ by the dropout draws, from step 1 (TRL turns dropout off)."""
+    if getattr(args, "stage", None) in REFERENCE_STAGES and (args.attention_dropout or args.hidden_dropout):
+        log.warning("--stage %s with dropout on (--attention-dropout %s, --hidden-dropout %s): the policy's log-probs "
+                    "are drawn with dropout and the reference's without, so they differ from step 1 (DPO's first "
+                    "loss is not log 2); pass --attention-dropout 0 --hidden-dropout 0 to compare like for like",
+                    args.stage, args.attention_dropout, args.hidden_dropout)
+
+
 def _check_loss_and_gc_flags(args) -> None:
     """Megatron-LM's ``--calculate-per-token-loss`` (always so here) and manual garbage collection."""
     if args.calculate_per_token_loss and args.per_sample_loss:
@@ -708,6 +721,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         args.lr_decay_iters = args.train_iters
     _check_schedule_flags(args)
     _check_loss_and_gc_flags(args)
+    _warn_dropout_against_a_reference(args)
     _check_data_flags(args)
     _check_dynamic_cp_flags(args)
     _check_moe_flags(args)

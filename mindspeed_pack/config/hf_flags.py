@@ -78,9 +78,25 @@ def fill_model_args(args, explicit: set) -> argparse.Namespace:
     return model
 
 
+def _may_resume(args) -> bool:
+    """Whether the run may resume a training checkpoint (its --save's, --lora-load's or --load's)."""
+    from mindspeed_pack.convert.megatron_layout import RELEASE, read_tracker
+
+    def tracked(path):
+        try:
+            return bool(path) and os.path.isdir(path) and read_tracker(path) not in (None, RELEASE)
+        except ValueError:
+            return False
+
+    return tracked(args.save) or (not args.finetune and (tracked(args.lora_load) or tracked(args.load)))
+
+
 def _check_save_hf_dir(args) -> None:
     path = args.save_hf
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        if os.path.isdir(path) and _may_resume(args):
+            args.save_hf_exists = True  # decided once the checkpoint is loaded (trainer.run): done, or refused
+            return
         raise ArgumentError(f"--save-hf {path} exists and is not an empty directory; choose a new directory")
     if args.load and os.path.abspath(path) == os.path.abspath(args.load):
         raise ArgumentError(f"--save-hf {path} is the --load directory; choose a new directory")

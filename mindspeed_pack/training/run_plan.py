@@ -69,7 +69,9 @@ def resolve_epochs(args) -> None:
               f"data-parallel {args.data_parallel_size} x {args.num_micro_batches} micro-batches) = "
               f"{args.train_iters} iterations")
     if extra:
-        note += (f"; the last global batch also reads {extra} documents of epoch {epochs + 1} (a global batch that "
+        beyond = (f"epoch {epochs + 1}" if extra <= epoch else
+                  f"epochs {epochs + 1}-{epochs + -(-extra // epoch)} (a global batch larger than an epoch)")
+        note += (f"; the last global batch also reads {extra} documents of {beyond} (a global batch that "
                  f"divides {epoch}, or --padded-samples, makes the epochs exact)")
     args.epochs_note = note
     log.info(note)

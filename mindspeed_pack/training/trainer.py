@@ -25,6 +25,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from mindspeed_pack.checkpoint import hf_checkpoint, identity, save_load
+from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.checkpoint.resume import load_run_checkpoint, loaded_from
 from mindspeed_pack.datasets.sidecar_checks import check_data
 from mindspeed_pack.model import moe
@@ -407,11 +408,25 @@ class Trainer:
             dist.barrier()
 
 
+def _existing_export(args, iteration: int) -> None:
+    """A non-empty ``--save-hf`` of a run that resumed a checkpoint: the export of a run that already ended (the
+    same command again writes none over it), else refused before training."""
+    if iteration >= args.train_iters:
+        log.info("--save-hf %s holds an export already and the run resumed at its last iteration %d: none is written "
+                 "again", args.save_hf, iteration)
+        args.save_hf = None
+        return
+    raise CheckpointError(f"--save-hf {args.save_hf} exists and is not an empty directory, and this run trains "
+                          f"iterations {iteration + 1}..{args.train_iters}: choose a new directory")
+
+
 def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable] = None) -> Trainer:
     trainer = Trainer(args, batch_source, stage)
     with peers.waiting_for(lambda: trainer.phase, args.distributed_timeout_minutes):
         try:
             trainer.setup()
+            if args.save_hf and getattr(args, "save_hf_exists", False):
+                _existing_export(args, trainer.iteration)
             if args.save_hf:
                 hf_checkpoint.check_exportable(args)  # before training, not after it
                 hf_checkpoint.remove_killed_exports(args)
