@@ -778,6 +778,14 @@ def _publish(args, tmp_prefixes: dict, meta: dict, tmp_tokenizer: Optional[Path]
         final = _final_prefixes(args)[key]
         for ext in (".bin", ".idx"):
             os.replace(tmp + ext, final + ext)
+    # an earlier output of this prefix of another kind (pairs, plain packs, KTO) left files this one does not
+    # write: the new sidecar does not name them, so they go (a reader would take them for this data's)
+    if args.handler_name != PRETRAIN:
+        written = set(_final_prefixes(args).values())
+        stale = [prefix(args.output_prefix) for prefix in (pack_writer.sample_lengths_prefix,
+                                                           pack_writer.pair_margins_prefix,
+                                                           pack_writer.kto_labels_prefix)]
+        pack_writer.remove_quietly([p + ext for p in stale if p not in written for ext in (".bin", ".idx")])
     if tmp_tokenizer is not None:
         shutil.rmtree(_tokenizer_dir(args), ignore_errors=True)
         os.replace(tmp_tokenizer, _tokenizer_dir(args))
