@@ -146,13 +146,19 @@ def test_without_pack_each_pair_is_its_own_document(tmp_path, run_preprocess, re
     assert lengths.tolist() == [[len(c), len(r)] for c, r in docs]
 
 
-def test_a_prefix_written_again_as_other_data_keeps_no_stale_side_files(tmp_path, run_preprocess):
+def test_a_prefix_written_again_as_other_data_keeps_no_stale_side_files(tmp_path, run_preprocess, capsys):
     """Pairs then instructions at the same --output-prefix left P_packed_pair_margins behind, named by no sidecar."""
     pairs = toy.write_dataset(tmp_path / "pref.jsonl", toy.generate_preference(8, seed=3, max_words=20))
     sft = toy.write_dataset(tmp_path / "sft.jsonl", toy.generate_alpaca(8, seed=3))
     common = dict(output_prefix=tmp_path / "x", prompt_type="qwen", seq_length=256, pack=True, neat_pack=True)
     assert run_preprocess(input=pairs, handler_name="AlpacaStylePairwiseHandler", **common)[0] == 0
     assert (tmp_path / "x_packed_pair_margins.bin").exists()
+    from mindspeed_pack.tools.inspect_pack import main as inspect_main
+
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path / "x"), "--index", "0"]) == 0  # the pairs' answers are named
+    out = capsys.readouterr().out
+    assert "(pair 1, chosen)" in out and "(pair 1, rejected)" in out
     assert run_preprocess(input=sft, handler_name="AlpacaStyleInstructionHandler", **common)[0] == 0
     assert not (tmp_path / "x_packed_pair_margins.bin").exists()
     assert not (tmp_path / "x_packed_pair_margins.idx").exists()

@@ -155,7 +155,10 @@ def main(argv=None) -> int:
         sl = slice(start, start + length)
         n_trained = int((labels[sl] != IGNORE_INDEX).sum())
         kind = "padding" if seg_id == 0 else f"segment {seg_id}"
-        print(f"  {kind:<12} start {start:>6} length {length:>6} trained {n_trained:>6}")
+        role = ""  # preference pairs: segments 2i+1 and 2i+2 are pair i's chosen and rejected answers
+        if seg_id != 0 and layout.get("pairs"):
+            role = f"  (pair {(seg_id - 1) // 2 + 1}, {'chosen' if seg_id % 2 else 'rejected'})"
+        print(f"  {kind:<12} start {start:>6} length {length:>6} trained {n_trained:>6}{role}")
         if seg_id != 0 and tokenizer is not None:
             print("    " + _decode_with_spans(tokenizer, ids[sl], labels[sl]).replace("\n", "\n    "))
         if seg_id != 0:
