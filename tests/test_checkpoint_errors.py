@@ -7,6 +7,7 @@ import pytest
 import posttrain
 import pretrain_gpt
 from mindspeed_pack.checkpoint.save_load import CheckpointError
+from mindspeed_pack.config.arguments import parse_args
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.datasets.packed_dataset import DataError
 from tests.data_utils import fingerprint, read_metrics, write_packed_instruction_dataset
@@ -198,3 +199,37 @@ def test_the_same_command_again_after_its_export_writes_none_over_it(saved, tmp_
         posttrain.main(argv(saved[0], "--save", save, "--load", save, "--save-hf", export, "--train-iters", "4",
                             "--override-opt_param-scheduler"))
     assert fingerprint(export) == first
+
+
+def test_a_load_of_a_run_started_from_hf_keeps_its_dropout(saved, tmp_path):
+    """A run from a HF directory trains with the model's dropout (0 for Qwen); a later --load of its checkpoint took
+    Megatron-LM's 0.1, so that resume was not the uninterrupted run. Its run_config.yaml records the value."""
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    write_converted_tiny_qwen2(tmp_path / "q")
+    flags = [f for i, f in enumerate(TINY_FLAGS) if "dropout" not in f
+             and not (i and "dropout" in TINY_FLAGS[i - 1])]  # dropout left to the HF config
+    run = [*flags, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "2", "--neat-pack",
+           "--data-path", saved[0], "--save", str(tmp_path / "s"), "--save-hf", str(tmp_path / "hf_out")]
+    posttrain.main([*run, "--load", str(tmp_path / "q" / "hf"), "--train-iters", "1"])
+    args = parse_args([*flags, "--seq-length", "128", "--global-batch-size", "2", "--neat-pack", "--train-iters",
+                       "2", "--data-path", saved[0], "--load", str(tmp_path / "s")])
+    assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
+    args = parse_args([*flags, "--seq-length", "128", "--global-batch-size", "2", "--neat-pack", "--train-iters",
+                       "2", "--data-path", saved[0], "--load", saved[1]])  # no HF start recorded: Megatron-LM's
+    assert (args.attention_dropout, args.hidden_dropout) == (0.1, 0.1)
+
+
+def test_scoring_reads_a_training_checkpoints_weights_alone(saved, tmp_path):
+    """--stage score on a training checkpoint (not --finetune) was refused by the learning-rate schedule check,
+    which a forward-only pass has no use for: it reads the weights, as --finetune."""
+    import json
+
+    from tests.rollout_utils import random_rollouts, write_jsonl
+
+    rollouts = write_jsonl(tmp_path / "r.jsonl", random_rollouts(4, seed=1))
+    out = tmp_path / "scored.jsonl"
+    posttrain.main([*TINY_FLAGS, "--stage", "score", "--rollout-path", rollouts, "--score-output", str(out),
+                    "--load", saved[1], "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+                    "--max-seqlen-per-dp-cp-rank", "64", "--lr", "0.5"])  # a schedule unlike the checkpoint's
+    assert len([json.loads(line) for line in open(out)]) == 4

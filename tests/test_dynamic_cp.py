@@ -683,6 +683,8 @@ def test_dry_run_of_grpo_shows_the_rollouts_plan(tmp_path, monkeypatch, capsys):
     # rollouts 2 (90 tokens) and 6 (98) on both ranks, 1 and 5 in the room they leave; the short ones alone
     assert "#   micro-batch 1: ranks 0-1: CP 2 samples [1, 2]" in out
     assert "#   micro-batch 2: rank 0: CP 1 samples [3, 4]; rank 1: CP 1 samples [0, 7]" in out
+    # rows are packed at load time: no fixed micro-batch count, no --micro-batch-size advice (rollouts refuse it)
+    assert "packed at load time into rows of 64 tokens per rank" in out and "# micro-batch: up to" not in out
 
 
 def test_a_unit_over_c_times_n_once_padded_is_refused_naming_it(tmp_path, monkeypatch):

@@ -8,14 +8,16 @@ needs no ``--num-layers`` and friends. The vocabulary is among them: ``vocab_siz
 (for a converted model config.json's ``vocab_size``, the embedding's rows, which may be more than its
 tokenizer's entries: Qwen2.5 has 152,064 rows for 151,665 tokens) and ``padded_vocab_size`` those rows with
 Megatron's padding; so every row of the model stays in the softmax and only Megatron's padding is masked.
-Dropout is not recorded: Megatron-LM's defaults hold unless given. Loading the weights, and checking them
-against the flags, is :mod:`mindspeed_pack.checkpoint.save_load`'s.
+Dropout is not a model argument: Megatron-LM's defaults hold unless given, or unless the checkpoint's run started
+from a Hugging Face directory (its ``run_config.yaml`` records that model's dropout, taken again). Loading the
+weights, and checking them against the flags, is :mod:`mindspeed_pack.checkpoint.save_load`'s.
 """
 from __future__ import annotations
 
 import logging
 import os
 
+from mindspeed_pack.config import resolved_config
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import (
@@ -90,3 +92,17 @@ def fill_model_args(args, explicit: set) -> None:
     if filled:
         log.info("--load %s: model flags from the arguments %s records: %s", args.load, path,
                  " ".join(f"{flag_of(k)} {show_setting(recorded[k])}" for k in filled))
+    _dropout_of_its_run(args, explicit)
+
+
+def _dropout_of_its_run(args, explicit: set) -> None:
+    """A run started from a Hugging Face directory took that model's dropout (0 for Qwen), not Megatron-LM's 0.1,
+    and its ``run_config.yaml`` says so: a ``--load`` of its checkpoint takes the same, so the resume trains as the
+    uninterrupted run would (a converted checkpoint records no run: Megatron-LM's defaults hold)."""
+    from_hf = resolved_config.recorded(args.load, "hf")
+    taken = {k: from_hf[k] for k in ("attention_dropout", "hidden_dropout") if k in from_hf and k not in explicit}
+    for key, value in taken.items():
+        setattr(args, key, float(value))
+    if taken:
+        log.info("--load %s: dropout of the run that saved it (its %s, from its Hugging Face --load): %s", args.load,
+                 resolved_config.FILE_NAME, " ".join(f"{flag_of(k)} {v}" for k, v in taken.items()))

@@ -242,11 +242,17 @@ def plan_lines(args) -> list:
         lines.append(f"iterations: {args.train_iters} (--train-iters)")
     world = args.data_parallel_size * args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
         args.context_parallel_size
+    # rows packed at load time (dp_balanced, dynamic CP, rollouts): the data decides how many micro-batches
+    load_time = getattr(args, "sequence_packing_scheduler", "none") != "none" or \
+        getattr(args, "stage", None) in ROLLOUT_STAGES
+    rows = (f"{args.global_batch_size} samples a step on DP {args.data_parallel_size}, packed at load time into "
+            f"rows of {getattr(args, 'max_seqlen_per_dp_cp_rank', None) or args.seq_length} tokens per rank (as many "
+            "micro-batches as they fill)" if load_time else
+            f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
+            f"{args.num_micro_batches} micro-batches of {args.seq_length} tokens per row")
     lines.append(f"layout: world {world} = TP {args.tensor_model_parallel_size} x PP "
                  f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP "
-                 f"{args.data_parallel_size} (EP {args.expert_model_parallel_size}); global batch "
-                 f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
-                 f"{args.num_micro_batches} micro-batches of {args.seq_length} tokens per row")
+                 f"{args.data_parallel_size} (EP {args.expert_model_parallel_size}); global batch {rows}")
     if getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
         lines += _dynamic_cp_lines(args)
     m = memory_estimate(args)
@@ -261,11 +267,12 @@ def plan_lines(args) -> list:
                  f"optimizer {m['optimizer']:.2f} GiB + activations {m['activations']:.2f} GiB = {m['total']:.2f} GiB "
                  f"(fp32 gradients and Adam state as megatron keeps them; activations {_recompute_words(args)}, "
                  "Korthikanti et al.; allocator and communication buffers come on top)")
-    if getattr(args, "sequence_packing_scheduler", "none") == "none":  # load-time packing: one row per forward
+    if not load_time:  # load-time packing and rollouts: one row per forward
         lines.append(_micro_batch_line(args))
     return lines
 
 
+ROLLOUT_STAGES = ("grpo", "score")  # a micro-batch is one row packed at load time (datasets/rollouts.py)
 ASSUMED_DEVICE_GIB = 80.0  # an H100's memory, when --dry-run runs where no GPU is visible
 HEADROOM = 0.85  # the share of a GPU's memory the estimate may fill: allocator and communication buffers on top
 

@@ -240,6 +240,10 @@ class ReferenceScoringStage:
         from mindspeed_pack.training.trainer import Trainer
 
         self.check(args)
+        if not args.finetune:  # a forward-only pass reads the weights alone: no optimizer state, no schedule check
+            log.info("--stage %s reads the weights of --load%s only (as --finetune)", self.name,
+                     " and --lora-load" if args.lora_load else "")
+            args.finetune = True
         trainer = Trainer(args, self.batch_source(args), self)
         trainer.setup()
         try:
@@ -252,8 +256,7 @@ class ReferenceScoringStage:
 
     def check(self, args) -> None:
         if not args.load:
-            raise DataError(f"--stage {self.name} scores a model: pass it with --load (and --finetune for a "
-                            "training checkpoint)")
+            raise DataError(f"--stage {self.name} scores a model: pass it with --load")
 
     def score(self, trainer) -> None:
         for docs in trainer.source.docs:
