@@ -347,8 +347,9 @@ def dry_run(args, script: str) -> bool:
     """Under ``--dry-run``: print the resolved configuration and the plan, and say so (True)."""
     if not args.dry_run:
         return False
-    print(resolved_config.text(args, script))
-    print("# --- plan\n" + "\n".join(f"# {line}" for line in plan_lines(args)))
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank resolves the same: one prints it
+        print(resolved_config.text(args, script))
+        print("# --- plan\n" + "\n".join(f"# {line}" for line in plan_lines(args)))
     return True
 
 
