@@ -74,14 +74,6 @@ QWEN3_SPEC = "mindspeed_llm.tasks.models.spec.qwen3_spec"
 PAIRWISE_STAGES = ("dpo", "simpo", "orpo", "orm", "dpo_reference")
 
 
-def _true_false(text: str):
-    """MindSpeed-LLM's boolean values: true, false (case-insensitive)."""
-    value = {"true": True, "false": False}.get(text.lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"{text!r}: give true or false")
-    return value
-
-
 def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("MindSpeed-LLM's own flags (mindspeed_pack/config/mindspeed_llm_flags.py)")
     g.add_argument("--enable-hf2mg-convert", action="store_true",
