@@ -4,6 +4,7 @@ when loaded, and scores rollouts for GRPO (--stage score); process reward rows a
 shape and trained; bad input stops with one error and writes nothing."""
 import json
 import os
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -495,7 +496,7 @@ def _write_rows(path, rows):
 
 
 def test_prm_rows_are_preprocessed_with_the_label_at_each_step_tag(tmp_path, run_preprocess, read_indexed,
-                                                                    prm_tokenizer):
+                                                                    prm_tokenizer, capsys):
     rows = _prm_rows(30, seed=1)
     prefix = str(tmp_path / "prm")
     code, out, err = run_preprocess(input=_write_rows(tmp_path / "prm.jsonl", rows), output_prefix=prefix,
@@ -513,6 +514,15 @@ def test_prm_rows_are_preprocessed_with_the_label_at_each_step_tag(tmp_path, run
     assert np.array_equal(tagged, ids == 2)  # a label at every tag and nowhere else
     assert sorted(labels[tagged].tolist()) == sorted([3 if v == "+" else 4 for r in rows for v in r["value"]])
     assert meta["statistics"]["trained_tokens"] == int(tagged.sum())
+    # inspect_pack shows each step's label (the reward token at its tag), not the tag as a trained answer
+    from mindspeed_pack.tools import inspect_pack
+
+    capsys.readouterr()
+    assert inspect_pack.main([prefix, "--index", "0"]) == 0
+    shown = re.findall(r"step \d+: tag at position (\d+), label '([+-])'", capsys.readouterr().out)
+    first = read_indexed(prefix + "_packed_labels_document")[0]
+    want = [(int(p), "+" if first[p] == 3 else "-") for p in np.flatnonzero(first != -100)]
+    assert want and [(int(p), label) for p, label in shown] == want
 
 
 @pytest.mark.parametrize("row,message", [

@@ -36,7 +36,7 @@ from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import ConversionError
 from mindspeed_pack.convert.weight_map import HF_MODULE, hf_projection
-from mindspeed_pack.model.lora import ADAPTED_LINEARS, TRAINED_IN_FULL, is_adapter_name, is_trained_name
+from mindspeed_pack.model.lora import ADAPTED_LINEARS, TRAINED_IN_FULL, is_adapter_name
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

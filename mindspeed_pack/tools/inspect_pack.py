@@ -105,6 +105,19 @@ def _print_spans(tokenizer, ids: np.ndarray, labels: np.ndarray, offset: int) ->
         print(f"    trained span {n}: positions {offset + s}-{offset + e - 1} ({e - s} tokens, {kinds}){shown}")
 
 
+def _print_steps(tokenizer, ids: np.ndarray, labels: np.ndarray, offset: int) -> None:
+    """Process reward data: each step tag's label is a reward token, stored unshifted at the tag itself."""
+    steps, previous = np.flatnonzero(labels != IGNORE_INDEX), 0
+    for n, pos in enumerate(steps):
+        label = tokenizer.decode([int(labels[pos])]) if tokenizer is not None else f"id {int(labels[pos])}"
+        shown = ""
+        if tokenizer is not None:
+            text = tokenizer.decode(ids[previous:pos].tolist()).strip()
+            shown = f" after {text[-60:]!r}" if len(text) <= 60 else f" after '...{text[-57:]}'"
+        print(f"    step {n + 1}: tag at position {offset + int(pos)}, label {label!r}{shown}")
+        previous = int(pos) + 1
+
+
 def _decode_with_spans(tokenizer, ids: np.ndarray, labels: np.ndarray) -> str:
     out, start = [], 0
     trained = labels != IGNORE_INDEX
@@ -162,7 +175,8 @@ def main(argv=None) -> int:
         if seg_id != 0 and tokenizer is not None:
             print("    " + _decode_with_spans(tokenizer, ids[sl], labels[sl]).replace("\n", "\n    "))
         if seg_id != 0:
-            _print_spans(tokenizer, ids[sl], labels[sl], start)
+            show = _print_steps if layout.get("step_tags") else _print_spans
+            show(tokenizer, ids[sl], labels[sl], start)
     if args.context_parallel_size > 1:
         print_context_parallel_split(ids, labels, mask, args.context_parallel_size, args.cp_multiple)
     if args.png:
