@@ -6,6 +6,7 @@ import pytest
 
 import posttrain
 import pretrain_gpt
+from mindspeed_pack.checkpoint import hf_checkpoint
 from mindspeed_pack.checkpoint.save_load import CheckpointError
 from mindspeed_pack.config.arguments import parse_args
 from mindspeed_pack.convert import megatron_layout as layout
@@ -107,7 +108,7 @@ def test_other_parallel_layout_points_to_the_converter(saved, tmp_path):
 
 
 def test_checkpoint_without_optimizer_state(saved, tmp_path):
-    with pytest.raises(CheckpointError, match="no optimizer state saved .*--no-load-optim"):
+    with pytest.raises(CheckpointError, match="no optimizer state saved .*pass --no-save-optim .*--no-load-optim"):
         posttrain.main(argv(saved[0], "--load", saved[2], "--train-iters", "2"))
     posttrain.main(argv(saved[0], "--load", saved[2], "--train-iters", "2", "--no-load-optim"))
 
@@ -185,20 +186,31 @@ def test_resume_in_another_precision_names_the_flags(saved, tmp_path):
 
 
 def test_the_same_command_again_after_its_export_writes_none_over_it(saved, tmp_path):
-    """README: "the same command again resumes"; with an explicit --save-hf that the first run filled, it stopped
-    at the flags ("exists and is not an empty directory"). A run that resumes at its last iteration now exports
-    nothing over it; one that would train more is refused before training."""
+    """README: "the same command again resumes". A run that resumes at the iteration its export holds writes none
+    over it; one that trains on (a longer --train-iters) replaces its own export with the last iteration's (it
+    kept the old model before); another run's export, or a directory no run wrote, is refused before training."""
     save, export = str(tmp_path / "ckpt"), str(tmp_path / "export")
     run = argv(saved[0], "--save", save, "--load", save, "--save-hf", export, "--train-iters", "2")
     posttrain.main(run)
     first = fingerprint(export)
+    assert hf_checkpoint.export_record(export) == {"iteration": 2, "save": save}
     trainer = posttrain.main(run)  # the same command again
     assert trainer.iteration == 2 and trainer.args.save_hf is None and fingerprint(export) == first
-    with pytest.raises(CheckpointError, match="exists and is not an empty directory, and this run trains iterations "
-                                              "3..4: choose a new directory"):
-        posttrain.main(argv(saved[0], "--save", save, "--load", save, "--save-hf", export, "--train-iters", "4",
+    other = str(tmp_path / "other")
+    shutil.copytree(save, other)
+    with pytest.raises(CheckpointError, match=f"--save-hf {export} holds the export of another run \\(--save {save}\\), "
+                                              "and this run trains iterations 3..4: choose a new directory"):
+        posttrain.main(argv(saved[0], "--save", other, "--load", other, "--save-hf", export, "--train-iters", "4",
                             "--override-opt_param-scheduler"))
-    assert fingerprint(export) == first
+    trainer = posttrain.main(argv(saved[0], "--save", save, "--load", save, "--save-hf", export, "--train-iters", "4",
+                                  "--override-opt_param-scheduler"))
+    assert trainer.iteration == 4 and hf_checkpoint.export_record(export) == {"iteration": 4, "save": save}
+    assert fingerprint(export) != first
+    os.remove(os.path.join(export, hf_checkpoint.EXPORT_RECORD))  # a directory no run of this project wrote
+    with pytest.raises(CheckpointError, match="exists and is not an empty directory, and this run trains iterations "
+                                              "5..6: choose a new directory"):
+        posttrain.main(argv(saved[0], "--save", save, "--load", save, "--save-hf", export, "--train-iters", "6",
+                            "--override-opt_param-scheduler"))
 
 
 def test_a_load_of_a_run_started_from_hf_keeps_its_dropout(saved, tmp_path):

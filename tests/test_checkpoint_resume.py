@@ -135,6 +135,27 @@ def test_no_load_rng_and_no_load_optim_change_the_run(tmp_path, data, reference,
     assert rel_err(got[7]["lm loss"], ref_train[7]["lm loss"]) > 1e-6  # ... but a fresh Adam and schedule
 
 
+def test_the_same_command_resumes_a_run_that_saves_no_optimizer_state(tmp_path, data, reference, stopped_at_5):
+    """--no-save-optim checkpoints hold no optimizer state, so the same command (torchrun's restart) could never
+    resume one (it asked for --no-load-optim, then refused that as another run): it resumes with fresh Adam
+    moments and the learning-rate schedule at its saved step, as the uninterrupted run's, not started over."""
+    import torch
+
+    ref_train, _, _ = reference
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(stopped_at_5, ckpt)
+    path = os.path.join(ckpt, "iter_0000005", "mp_rank_00", "model_optim_rng.pt")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    del state["optimizer"], state["opt_param_scheduler"]  # as --no-save-optim writes it
+    torch.save(state, path)
+    metrics = str(tmp_path / "m.jsonl")
+    posttrain.main(base_argv(data, metrics, "--load", ckpt, "--save", ckpt, "--no-save-optim", "--exit-interval", "7"))
+    got = read_metrics(metrics)
+    assert sorted(got) == [6, 7] and rel_err(got[6]["lm loss"], ref_train[6]["lm loss"]) <= 1e-6
+    assert [got[i]["lr"] for i in (6, 7)] == [ref_train[i]["lr"] for i in (6, 7)]  # the schedule went on
+    assert rel_err(got[7]["lm loss"], ref_train[7]["lm loss"]) > 1e-6  # fresh moments
+
+
 def test_finetune_loads_weights_and_resets_iteration(tmp_path, data, reference):
     _, _, ref_ckpt = reference
     metrics = str(tmp_path / "ft.jsonl")
@@ -193,3 +214,17 @@ def test_two_process_resume_is_exact(tmp_path, data, flags, rank_dirs):
     assert_steps_match(read_metrics(os.path.join(out, "resumed.jsonl")), full, range(6, ITERS + 1))
     assert rel_err(read_metrics(os.path.join(out, "resumed.jsonl"), "valid")[10]["lm loss"],
                    read_metrics(os.path.join(out, "full.jsonl"), "valid")[10]["lm loss"]) <= 1e-6
+
+
+def test_exit_duration_stops_saved_and_the_same_command_resumes_exactly(tmp_path, data, reference):
+    """Megatron-LM's --exit-duration-in-mins (it was an unknown flag): past the limit the run stops after the
+    iteration under way, saved; the same command then resumes and logs the uninterrupted run's steps. The first
+    launch of --load D --save D (D empty) trains the run without --load's first step (it skipped the
+    layout-invariant initialisation, leaving megatron's, as if --load were to fill the weights)."""
+    ref_train, _, _ = reference
+    ckpt, metrics = str(tmp_path / "ckpt"), str(tmp_path / "m.jsonl")
+    argv = base_argv(data, metrics, "--load", ckpt, "--save", ckpt, "--save-interval", "5")
+    trainer = posttrain.main([*argv, "--exit-duration-in-mins", "1e-9", "--exit-interval", "8"])
+    assert trainer.iteration == 1 and open(os.path.join(ckpt, layout.TRACKER)).read() == "1"
+    posttrain.main([*argv, "--exit-interval", "3"])  # not a flag that defines the run: the same run resumes
+    assert_steps_match(read_metrics(metrics), ref_train, range(1, 4))

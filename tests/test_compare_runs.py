@@ -215,7 +215,8 @@ def test_megatron_style_log_lines_are_parsed_generically(tmp_path):
     assert "note" not in train  # non-numeric fields are not metrics
     assert valid["lm loss"] == {20: 4.123456, 30: 4.0}  # "lm loss value" -> valid "lm loss"
     assert valid["lm loss PPL"] == {20: 61.8}
-    assert set(splits) == {"train", "valid"}
+    # the end of training's evaluation names no iteration: it is the last one trained (20), split test-end
+    assert set(splits) == {"train", "valid", "test-end"} and splits["test-end"]["lm loss"] == {20: 3.9}
     assert load_run(log, split="valid") == valid
 
 
@@ -390,6 +391,8 @@ def test_reads_what_the_trainer_writes(tmp_path, capsys):
         })
         if step % 4 == 0:
             logger.validation(step, loss_at(step) - 0.1, tokens=1000)
+    logger.validation(12, 2.5, tokens=1000, label="the end of training for val data")
+    logger.validation(12, 2.7, tokens=1000, split="test", label="the end of training for test data")
     logger.close()
     log = tmp_path / "console.log"
     log.write_text(capsys.readouterr().out)
@@ -397,9 +400,12 @@ def test_reads_what_the_trainer_writes(tmp_path, capsys):
     from_jsonl, from_log = load_all_splits(metrics_file), load_all_splits(log)
     assert from_jsonl["train"]["lm loss"] == {s: loss_at(s) for s in range(1, 13)}
     assert from_jsonl["valid"]["lm loss"] == {s: loss_at(s) - 0.1 for s in (4, 8, 12)}
-    # the console prints lm loss and lr with 7 significant digits, grad norm with 4 decimals
-    for split, metric, digits in [("train", "lm loss", 1e-6), ("train", "lr", 1e-6), ("train", "grad norm", 1e-4),
-                                  ("train", "loss scale", 0.0), ("valid", "lm loss", 1e-6)]:
+    # the console prints lm loss, lr and grad norm with 7 significant digits (grad norm had 4 decimals: a log
+    # compared with its own metrics file at 1e-5 failed); the end-of-training evaluations read back too (the log
+    # reader dropped them: they name no iteration)
+    for split, metric, digits in [("train", "lm loss", 1e-6), ("train", "lr", 1e-6), ("train", "grad norm", 1e-6),
+                                  ("train", "loss scale", 0.0), ("valid", "lm loss", 1e-6),
+                                  ("valid-end", "lm loss", 1e-6), ("test-end", "lm loss", 1e-6)]:
         assert from_log[split][metric] == pytest.approx(from_jsonl[split][metric], rel=digits), metric
     code, _, _ = run_cli(capsys, metrics_file.parent, log, "--metrics", "lm loss,lr", "--tolerance", "1e-6")
     assert code == 0
@@ -415,3 +421,46 @@ def test_the_end_of_training_evaluation_keeps_the_interval_one(tmp_path):
     assert load_run(path, split="valid")["lm loss"] == {2: 3.0, 4: 2.0}
     assert load_run(path, split="valid-end")["lm loss"] == {4: 2.5}
     assert load_run(path, split="test-end")["lm loss"] == {4: 2.7}
+
+
+def test_run_summary_rates_tokens_over_time_and_names_what_it_counts(tmp_path):
+    """tokens/s is the steps' tokens over their time (not the mean of per-step rates: a slow step weighed as much as
+    a fast one), the first step left out; the token total is named for what the file counts (prompts included,
+    padding not; it was called "trained tokens"); a console log, which holds no token counts, reports none."""
+    from mindspeed_pack.tools.run_summary import summarise
+
+    records = make_records(range(1, 4))
+    for r, ms in zip(records, (900.0, 1000.0, 3000.0)):
+        r["step time (ms)"], r["tokens/s"] = ms, r["tokens"] / (ms / 1000.0)
+    summary = summarise(str(write_jsonl(tmp_path / "m.jsonl", records)))
+    assert summary["tokens/s"] == pytest.approx(2 * 4096 / 4.0)  # steps 2-3: 8192 tokens in 4 s (mean of rates: 2731)
+    assert summary["tokens (not padding)"] == 3 * 4096 and "trained tokens" not in summary
+    assert "tokens (not padding)" not in summarise(str(write_log(tmp_path / "log.txt", make_records(range(1, 4)))))
+
+
+def test_a_metrics_file_against_a_log_of_interval_means_is_warned(tmp_path, capsys):
+    """Steps against means over --log-interval steps can pass or fail on that alone: the tool says so."""
+    every_step = write_jsonl(tmp_path / "m.jsonl", make_records(range(1, 13)))
+    log = write_log(tmp_path / "log.txt", make_records(range(4, 13, 4)))
+    code, _, err = run_cli(capsys, every_step, log)
+    assert "warning: " in err and "logs every step and" in err and "every 4 steps: a console log's values are " \
+        "means over --log-interval steps" in err
+    _, _, err = run_cli(capsys, every_step, every_step)
+    assert "warning" not in err
+
+
+def test_a_console_window_cut_short_says_how_many_steps_its_means_hold(capsys):
+    """A resume off a --log-interval boundary prints a window of fewer steps (iteration 10 after a resume at 8,
+    interval 5): the line says so, where it silently looked like a full window's means."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.metrics import MetricsLogger
+
+    logger = MetricsLogger(SimpleNamespace(train_iters=15, log_interval=5, metrics_file=None, tensorboard_dir=None),
+                           enabled=True, start_iteration=8)
+    for step in range(9, 16):
+        logger.step({"iteration": step, "split": "train", "lm loss": 2.0, "lr": 1e-4, "grad norm": 1.0,
+                     "tokens": 100, "step time (ms)": 10.0, "consumed samples": step, "global batch size": 1,
+                     "skipped": 0})
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert len(lines) == 2 and "iterations in mean: 2 |" in lines[0] and "iterations in mean" not in lines[1]

@@ -8,6 +8,7 @@ a Hugging Face ``--load`` under ``--stage sft`` gets the fine-tuning defaults, e
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -232,9 +233,12 @@ def test_a_resume_keeps_the_finetuning_defaults_its_run_started_with(tmp_path, p
         assert getattr(resumed, dest) == getattr(first, dest), dest
     assert resumed.flag_sources["min_lr"][1] == "finetune"
     assert _parse([*TINY_FLAGS, *common, "--load", str(save), "--min-lr", "0"]).min_lr == 0.0
-    os.makedirs(save / "hf")
-    (save / "hf" / "config.json").write_text("{}")  # that run exported already: no second export over it
-    assert _parse([*TINY_FLAGS, *common, "--load", str(save)]).save_hf is None
+    # the export goes to this run's --save (a copy of the checkpoint exports into the copy, not the original); an
+    # export there already is written again or not once the iteration is known (trainer.run)
+    copy = tmp_path / "copy"
+    shutil.copytree(save, copy)
+    moved = _parse([*TINY_FLAGS, *common[:-1], str(copy), "--load", str(copy)])
+    assert moved.save_hf == str(copy / "hf") and moved.flag_sources["save_hf"][1] == "finetune"
 
 
 def _written(tmp_path, text):

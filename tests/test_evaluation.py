@@ -103,3 +103,19 @@ def test_skip_train_without_validation_split_fails(trained, tmp_path):
     with pytest.raises(ValueError, match="validation split is empty"):
         posttrain.main(argv(data, str(tmp_path / "m.jsonl"), "--skip-train", "--load", str(d / "ckpt"),
                             "--split", "100,0,0"))
+
+
+def test_evaluation_asked_for_without_validation_data_is_said(trained, tmp_path, caplog):
+    """--eval-interval given with the whole data in the training split: no evaluation can run, and the run says so
+    (it was skipped without a word); with the defaults alone nothing is said."""
+    data = trained[0]
+    with caplog.at_level("WARNING"):
+        posttrain.main([*argv(data, str(tmp_path / "m.jsonl"), "--train-iters", "1", "--eval-interval", "1"),
+                        "--split", "100,0,0"])
+    assert "--eval-interval and --eval-iters given, but there is no validation data (--split 100,0,0" in caplog.text
+    assert valid_records(str(tmp_path / "m.jsonl")) == []
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        posttrain.main([*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+                        "--neat-pack", "--data-path", data, "--train-iters", "1"])
+    assert "no validation data" not in caplog.text

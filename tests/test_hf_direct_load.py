@@ -212,6 +212,35 @@ def test_load_hf_train_and_save_hf_round_trips_at_pp2(tiny, tmp_path):
     assert tokenizer.eos_token == "<|im_end|>"
 
 
+def _toy_tokenizer(path) -> str:
+    from tests.model_utils import save_word_tokenizer
+
+    return save_word_tokenizer(path, ["<|endoftext|>", "<|im_end|>", *[f"w{i}" for i in range(40)]])
+
+
+def test_a_resumed_copy_of_a_run_from_hf_exports_into_its_own_save_with_the_tokenizer(tiny, tmp_path):
+    """A run from a HF directory stopped at iteration 1 (--exit-interval), its --save copied elsewhere and resumed
+    there with --load COPY --save COPY (docs/multinode.md's pattern): the fine-tuning default export goes to COPY/hf
+    (it went into the first run's directory), with the tokenizer files (the checkpoint's record names them; the
+    export had none), and records the iteration it holds."""
+    import shutil
+
+    from mindspeed_pack.checkpoint import hf_checkpoint
+
+    flags = list(RUN_FLAGS)
+    flags[flags.index("--train-iters") + 1] = "2"
+    first, copy = str(tmp_path / "first"), str(tmp_path / "copy")
+    posttrain.main([*flags, "--data-path", tiny["data"], "--load", tiny["hf"], "--save", first, "--exit-interval",
+                    "1", "--tokenizer-name-or-path", _toy_tokenizer(tmp_path / "tokenizer")])
+    assert not os.path.exists(os.path.join(first, "hf"))  # stopped early: not the trained model
+    shutil.copytree(first, copy)
+    trainer = posttrain.main([*TINY_FLAGS, *flags, "--data-path", tiny["data"], "--load", copy, "--save", copy])
+    assert trainer.iteration == 2 and trainer.args.save_hf == os.path.join(copy, "hf")
+    assert not os.path.exists(os.path.join(first, "hf"))
+    assert hf_checkpoint.export_record(os.path.join(copy, "hf")) == {"iteration": 2, "save": copy}
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(os.path.join(copy, "hf")))
+
+
 def test_save_hf_into_a_non_empty_directory_is_refused_before_training(tiny, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("")

@@ -19,12 +19,15 @@ shard is written as a weights-only Megatron checkpoint next to DIR, then rank 0 
 with the converter (``megatron_to_hf``: the same weight map, one unit at a time, into a
 temporary directory renamed onto DIR when complete) and copies the tokenizer files. That
 temporary (``.DIR.tmp-HOST-PID``) of an export killed midway is removed when the next run starts.
+The export records the iteration it holds and the ``--save`` of its run (``mindspeed_pack_export.json``): a
+resume of that run writes none again when it holds the last iteration, and replaces it when the run trains on.
 """
 from __future__ import annotations
 
 import argparse
 import copy
 import datetime
+import json
 import logging
 import os
 from typing import Callable, Dict, Iterator, Optional
@@ -44,7 +47,7 @@ from mindspeed_pack.convert.model_specs import (
     training_model_args,
 )
 from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, shard_state_dict, stage_units
-from mindspeed_pack.convert.tokenizer_record import has_tokenizer, read_tokenizer_record
+from mindspeed_pack.convert.tokenizer_record import has_tokenizer, read_tokenizer_record, recorded_directory
 from mindspeed_pack.convert.weight_map import expected_hf_shapes, hf_to_mg_unit, hf_unit_shapes, is_ignorable_hf_tensor
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
@@ -54,6 +57,7 @@ from mindspeed_pack.runtime.stale_files import remove_stale_temporaries
 log = logging.getLogger(__name__)
 
 MERGE_TIMEOUT_MINUTES = 240  # how long the other ranks wait for rank 0's --save-hf merge
+EXPORT_RECORD = "mindspeed_pack_export.json"  # in an export: {"iteration": N, "save": the run's --save}
 
 # --------------------------------------------------------------------------- which --load
 def loads_hf(args) -> bool:
@@ -199,7 +203,9 @@ def tokenizer_dir(args) -> Optional[str]:
         if extended:
             candidates.append(os.path.join(os.path.dirname(os.path.abspath(prefix)), extended["path"]))
     candidates += [getattr(args, "tokenizer_name_or_path", None), args.load if loads_hf(args) else None]
-    return next((path for path in candidates if has_tokenizer(path)), None)
+    found = next((path for path in candidates if has_tokenizer(path)), None)
+    # a resume from --load SAVE: the tokenizer its checkpoint recorded, where it still is with the same vocabulary
+    return found or recorded_directory(getattr(args, "tokenizer_record", None))
 
 
 def run_tokenizer_record(args) -> Optional[dict]:
@@ -282,7 +288,8 @@ def _peft_export(args) -> bool:
     return lora.trains_adapters(args) and not args.lora_merge
 
 
-def save_hf(args, model, out_dir: Optional[str] = None) -> None:
+def save_hf(args, model, out_dir: Optional[str] = None, iteration: Optional[int] = None,
+            replace: bool = False) -> None:
     """Write the trained model as a Hugging Face directory ``out_dir`` (default ``--save-hf``).
 
     Each TP x PP shard (one data-parallel replica) goes to a weights-only Megatron
@@ -290,6 +297,8 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
     tensors come from the same weight map as ``convert_ckpt.py``. The output is complete or
     absent; the staging files are removed either way. A LoRA run writes a PEFT adapter directory
     (only the adapters are staged), or with ``--lora-merge`` the model with its adapters merged.
+    ``iteration``: recorded in the export (:data:`EXPORT_RECORD`); ``replace``: ``out_dir`` holds this run's
+    export of an earlier iteration, removed once the new one is staged.
     """
     import torch.distributed as dist
 
@@ -319,11 +328,15 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
         try:
             needed = tree_bytes(staging)
             layout.write_tracker(staging, layout.RELEASE)
+            if replace:  # this run's export of an earlier iteration (trainer.run checked the record)
+                layout.remove_tree(out_dir)
             if _peft_export(args):
                 base = args.lora_base
                 megatron_to_peft(staging, out_dir, _dtype_name(args), base["path"] if base["format"] == "hf" else None)
             else:
                 megatron_to_hf(staging, out_dir, _dtype_name(args), tokenizer_dir=tokenizer)
+            if iteration is not None:
+                _write_export_record(out_dir, args, iteration)
         except (OSError, ConversionError, SafetensorError) as e:  # every rank must hear of it, not wait it out
             error = e
         finally:
@@ -346,6 +359,25 @@ def save_hf(args, model, out_dir: Optional[str] = None) -> None:
         log.info("wrote Hugging Face model %s%s", out_dir,
                  f" (tokenizer from {tokenizer})" if tokenizer else " (no tokenizer files found to copy: pass "
                  "--tokenizer-name-or-path)")
+
+
+def export_record(path: str) -> Optional[dict]:
+    """What the export in ``path`` records of itself (:data:`EXPORT_RECORD`); None for a directory no run wrote
+    (or an export written before the record was)."""
+    try:
+        with open(os.path.join(path, EXPORT_RECORD)) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("iteration"), int) else None
+
+
+def _write_export_record(out_dir: str, args, iteration: int) -> None:
+    record = {"iteration": int(iteration), "save": os.path.abspath(args.save) if args.save else None}
+    tmp = os.path.join(out_dir, f".{EXPORT_RECORD}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(out_dir, EXPORT_RECORD))
 
 
 def _dtype_name(args) -> str:

@@ -124,12 +124,7 @@ def _own_checkpoint(args) -> Optional[str]:
         if dist.get_rank() == 0:
             log.info("--save %s holds iteration %s of this run (%s records the same flags): resuming from it "
                      "(--overwrite-output-dir starts over)", save, tracked, resolved_config.FILE_NAME)
-        export = os.path.join(save, finetune_defaults.SAVE_HF_SUBDIR)
-        if _same_dir(args.save_hf, export) and finetune_defaults.exported(export):
-            args.save_hf = None  # the run exported already, when it ended: no second export over it
-            if dist.get_rank() == 0:
-                log.info("--save-hf %s holds this run's export already: none is written again", export)
-        return save
+        return save  # an export in SAVE/hf: written again or not once the iteration is known (trainer.run)
     record = os.path.join(save, resolved_config.FILE_NAME)
     what = (f"of another run ({record}: {'; '.join(differing)}): pass the flags it was run with to resume it"
             if differing else f"but no readable {record} says which run wrote it: pass --load {save} (with the model flags) to "

@@ -27,6 +27,7 @@ import logging
 import os
 import random
 import re
+from typing import Optional
 
 import numpy as np
 import torch
@@ -477,6 +478,16 @@ def uncommitted_iterations(root: str, flag: str) -> list:
     return found
 
 
+def first_launch(args, root: Optional[str] = None, finetune: Optional[bool] = None) -> bool:
+    """``--load D --save D`` with no checkpoint in D yet: the run starts from scratch (initialised as without
+    ``--load``, so the first launch trains what a run without it would)."""
+    root = root or args.load
+    finetune = args.finetune if finetune is None else finetune
+    same_as_save = bool(args.save and root) and os.path.abspath(args.save) == os.path.abspath(root)
+    return same_as_save and not finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
+        and not os.path.isdir(os.path.join(root, layout.RELEASE))
+
+
 def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "--load", weights_only=None):
     """Restore from ``--load`` (or ``root``, named ``flag`` in messages: a LoRA run's ``--lora-load``, a run's
     own ``--save``); returns (iteration, consumed_samples). ``weights_only`` (default ``--finetune``): the
@@ -490,9 +501,7 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
         return _load_hf_weights(args, model, optimizer)
     finetune = args.finetune if weights_only is None else weights_only
     root = args.load if root is None else root
-    same_as_save = args.save and os.path.abspath(args.save) == os.path.abspath(root)
-    if same_as_save and not finetune and not os.path.exists(os.path.join(root, layout.TRACKER)) \
-            and not os.path.isdir(os.path.join(root, layout.RELEASE)):
+    if first_launch(args, root, finetune):
         uncommitted = uncommitted_iterations(root, f"{flag} (= --save)")
         if getattr(args, "exit_on_missing_checkpoint", False):
             raise CheckpointError(f"{flag} {root} (= --save) holds no checkpoint yet and --exit-on-missing-checkpoint "
@@ -510,7 +519,16 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
     if finetune or release:
         log.info("loaded weights from %s (%s): iteration reset to 0", root, "release" if release else "finetune")
         return 0, 0
-    if not args.no_load_optim:
+    consumed = int(state.get("consumed_samples", iteration * args.global_batch_size))
+    if not args.no_load_optim and "optimizer" not in state and args.no_save_optim:
+        # the run saves no optimizer state (--no-save-optim), so its own resume finds none: fresh moments, the
+        # schedule stepped to the saved position (a function of the samples consumed), not started over
+        log.warning("%s holds no optimizer state (--no-save-optim): resuming at iteration %d with fresh Adam moments "
+                    "(the losses differ from an uninterrupted run's) and the learning-rate schedule at its saved step",
+                    path, iteration)
+        refresh_master_weights(optimizer)
+        scheduler.step(increment=consumed)
+    elif not args.no_load_optim:
         saved_ep = state.get("saved_expert_parallel_size")
         if saved_ep is not None:
             raise CheckpointError(
@@ -519,8 +537,9 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
                 f"not; resume at --expert-model-parallel-size {saved_ep}, or pass --no-load-optim ({NO_LOAD_OPTIM}) "
                 "or --finetune")
         if "optimizer" not in state:
-            raise CheckpointError(f"{path}: no optimizer state saved (--no-save-optim); pass --no-load-optim "
-                                  "or --finetune")
+            raise CheckpointError(f"{path}: no optimizer state saved (--no-save-optim); pass --no-save-optim (resume "
+                                  "with fresh Adam moments, the schedule at its saved step), --no-load-optim "
+                                  f"({NO_LOAD_OPTIM}) or --finetune")
         saved = state.get("precision")
         if saved is not None and saved != _precision(args):
             raise CheckpointError(f"{flag} {root}: its optimizer state was saved by a {saved} run, this run is "
@@ -546,4 +565,4 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
         else:
             log.warning("%s holds no RNG state (--no-save-rng): dropout will not continue exactly", path)
     log.debug("loaded %s at iteration %d", root, iteration)  # the trainer logs the resume once
-    return int(state["iteration"]), int(state.get("consumed_samples", iteration * args.global_batch_size))
+    return int(state["iteration"]), consumed

@@ -326,6 +326,9 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="on resume, keep the checkpoint's schedule and ignore the schedule flags")
     g.add_argument("--skip-train", action="store_true", help="evaluation only")
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="stop once the run has taken this many minutes, after the iteration under way (saved "
+                        "first with --save; Megatron-LM's flag): the same command resumes")
     g.add_argument("--exit-signal-handler", action="store_true")
     g.add_argument("--manual-gc", action="store_true",
                    help="Python's garbage collector off, run by hand (Megatron-LM): every --manual-gc-interval "
@@ -507,7 +510,8 @@ def _check_precision_and_parallel(args) -> None:
 def _check_ranges(args) -> None:
     """Values no run can use, refused by name before anything divides by them or hands them to torch."""
     for dest, low in (("micro_batch_size", 1), ("global_batch_size", 1), ("train_iters", 0), ("seq_length", 2),
-                      ("lr", 0.0), ("min_lr", 0.0), ("weight_decay", 0.0), ("clip_grad", 0.0), ("adam_eps", 0.0)):
+                      ("lr", 0.0), ("min_lr", 0.0), ("weight_decay", 0.0), ("clip_grad", 0.0), ("adam_eps", 0.0),
+                      ("exit_duration_in_mins", 0.0)):
         value = getattr(args, dest, None)
         if value is not None and value < low:
             raise ArgumentError(f"--{dest.replace('_', '-')} {value} must be >= {low}")

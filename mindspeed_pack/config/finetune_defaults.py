@@ -6,7 +6,8 @@ of the peak, bf16 where the GPU has it, and the trained model written back as a 
 directory. Each applies only where neither the command line nor the config file gave the
 flag, and each one applied is listed in the resolved configuration (section "fine-tuning
 defaults") and logged, so nothing changes silently. A resume of such a run from its Megatron
-checkpoint (``--load SAVE``) takes the same values from ``SAVE/run_config.yaml``.
+checkpoint (``--load SAVE``) takes the same values from ``SAVE/run_config.yaml``, the export going to its own
+``--save``'s ``hf/`` (whether an export there is written again: training/trainer.py).
 """
 from __future__ import annotations
 
@@ -87,10 +88,14 @@ def apply(args, given: set) -> set:
                                 "to start over in it")
     else:
         defaults = resolved_config.recorded(args.load, "finetune")
-        defaults.pop("tokenizer_name_or_path", None)  # the checkpoint's run found its tokenizer its own way
+        # the checkpoint's run found its tokenizer its own way (the export copies the one its checkpoint records)
+        defaults.pop("tokenizer_name_or_path", None)
         why = f"resuming the run of --load {args.load}: its {resolved_config.FILE_NAME}"
-        if exported(defaults.get("save_hf") or ""):
-            del defaults["save_hf"]  # that run exported already: no second export over it
+        if "save_hf" in defaults:  # SAVE/hf of this run's --save, not of the recorded run's (a copy, a move)
+            if args.save:
+                defaults["save_hf"] = os.path.join(args.save, SAVE_HF_SUBDIR)
+            else:
+                del defaults["save_hf"]
     if args.load_format == "hf" and not {"save_hf"} & (given | set(defaults)):
         log.warning("--load %s is a Hugging Face model but neither --save nor --save-hf is given: the trained "
                     "model will not be written", args.load)

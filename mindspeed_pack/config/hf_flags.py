@@ -95,8 +95,7 @@ def _check_save_hf_dir(args) -> None:
     path = args.save_hf
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         if os.path.isdir(path) and _may_resume(args):
-            args.save_hf_exists = True  # decided once the checkpoint is loaded (trainer.run): done, or refused
-            return
+            return  # decided once the checkpoint is loaded (trainer.run): done, replaced, or refused
         raise ArgumentError(f"--save-hf {path} exists and is not an empty directory; choose a new directory")
     if args.load and os.path.abspath(path) == os.path.abspath(args.load):
         raise ArgumentError(f"--save-hf {path} is the --load directory; choose a new directory")

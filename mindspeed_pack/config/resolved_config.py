@@ -37,9 +37,11 @@ SECTIONS = (  # origin -> title; written in this order
 NOT_WRITTEN = ("config", "dry_run", "help")
 # where a run writes, how often it reports and how long it waits: a run that differs only in these is the same run
 # (run_differences; a resume from --save may change them). Every other flag defines the run: model, data, schedule.
-NOT_DEFINING = ("save", "save_hf", "save_interval", "no_save_optim", "no_save_rng", "overwrite_output_dir",
+NOT_DEFINING = ("save", "save_hf", "save_interval", "no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng",
+                "overwrite_output_dir",
                 "metrics_file", "tensorboard_dir", "log_interval", "log_throughput", "peak_tflops", "eval_interval",
-                "eval_iters", "exit_interval", "exit_signal_handler", "distributed_timeout_minutes",
+                "eval_iters", "exit_interval", "exit_duration_in_mins", "exit_signal_handler",
+                "distributed_timeout_minutes",
                 "data_cache_path", "workers", "overwrite_cache")
 
 

@@ -60,7 +60,7 @@ from mindspeed_pack.convert.sharding import (
     stage_of_layer,
     stage_units,
 )
-from mindspeed_pack.convert.tokenizer_record import describe, disagreement, has_tokenizer, read_tokenizer_record
+from mindspeed_pack.convert.tokenizer_record import describe, read_tokenizer_record, recorded_directory
 from mindspeed_pack.convert.weight_map import (
     EMBEDDING,
     FINAL,
@@ -76,7 +76,7 @@ from mindspeed_pack.convert.weight_map import (
     units,
 )
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
-from mindspeed_pack.model.lora import resolve_targets
+from mindspeed_pack.model.lora import is_trained_name, resolve_targets
 from mindspeed_pack.runtime import faults, stale_files
 
 log = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ class MegatronCheckpoint:
 
     def holds_base(self) -> bool:
         """False for a LoRA ``--save`` (what the run trained only: adapters, a reward model's score head)."""
-        return any(not lora_map.is_trained_name(k) for k in self._file(0, 0)["model"])
+        return any(not is_trained_name(k) for k in self._file(0, 0)["model"])
 
     def rank_file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict:
         """The whole record of one rank's file (model, optimizer, ...), read once."""
@@ -440,10 +440,7 @@ def megatron_to_hf(
 def _recorded_tokenizer(source) -> Optional[str]:
     """The tokenizer directory ``source``'s record names, when it is still there with the same vocabulary: its
     files go beside the weights (``--tokenizer-dir`` overrides)."""
-    record = source.tokenizer or {}
-    path = record.get("source")
-    found = read_tokenizer_record(path) if path and has_tokenizer(path) else None
-    return path if found is not None and disagreement(record, found) is None else None
+    return recorded_directory(source.tokenizer)
 
 
 def megatron_to_megatron(

@@ -56,6 +56,14 @@ def read_tokenizer_record(path: Optional[str]) -> Optional[dict]:
     return record_of(tokenizer, path)
 
 
+def recorded_directory(record: Optional[dict]) -> Optional[str]:
+    """The directory ``record`` was read from, when it still holds a tokenizer with the same vocabulary (a run
+    resumed from a checkpoint, or a conversion, finds the tokenizer files to copy there), else None."""
+    path = (record or {}).get("source")
+    found = read_tokenizer_record(path) if has_tokenizer(path) else None
+    return path if found is not None and disagreement(record, found) is None else None
+
+
 def describe(record: dict) -> str:
     return (f"{record['source']}: {record['base_size']} base tokens, sha256 {record['base_sha256'][:12]}, "
             f"{len(record['added'])} added")

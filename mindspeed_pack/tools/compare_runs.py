@@ -431,6 +431,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _logging_stride(run: RunMetrics) -> Optional[int]:
+    """The most common gap between logged iterations (1: every step, a metrics file; K: a console log's
+    ``--log-interval``, whose values are means over K steps)."""
+    steps = sorted(next(iter(run.values()), {}))
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    return max(set(gaps), key=gaps.count) if gaps else None
+
+
+def _unlike_logging(run_a: RunMetrics, run_b: RunMetrics, names: Sequence[str]) -> Optional[str]:
+    """A run logged every step against one logged every K: the values compared are single steps against means
+    over K steps (they can pass or fail on that alone)."""
+    a, b = _logging_stride(run_a), _logging_stride(run_b)
+    if a is None or b is None or a == b:
+        return None
+    every = {n: "every step" if n == 1 else f"every {n} steps" for n in (a, b)}
+    return (f"{names[0]} logs {every[a]} and {names[1]} {every[b]}: a console log's values are means "
+            "over --log-interval steps, so steps and means are compared; compare two metrics files (every step), "
+            "or two logs with the same --log-interval")
+
+
 def main(argv: Optional[Iterable[str]] = None) -> int:
     parser = build_parser()
     try:
@@ -445,6 +465,9 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     except (RunMetricsError, CompareError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    warning = _unlike_logging(run_a, run_b, names)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     outputs = [
         (args.json, lambda: _write_atomically(
             args.json, lambda tmp: tmp.write_text(json.dumps(report.to_dict(), indent=1) + "\n"))),

@@ -58,6 +58,8 @@ METRIC_ALIASES = {
 # the head of a training line ends with "iteration N/ TOTAL" (the "/ TOTAL" is optional)
 _TRAIN_ITERATION = re.compile(r"\biteration\s+(\d+)\s*(?:/\s*\d+)?\s*$")
 _VALID_ITERATION = re.compile(r"\bvalidation loss at iteration\s+(\d+)\b")
+# the end-of-training evaluations name no iteration: they evaluate the last one trained
+_END_OF_TRAINING = re.compile(r"\bvalidation loss at the end of training for (val|test) data\b")
 
 
 class RunMetricsError(ValueError):
@@ -217,23 +219,32 @@ def _parse_pairs(fields) -> Dict[str, float]:
     return metrics
 
 
+def _evaluation_metrics(fields) -> Dict[str, float]:
+    # "lm loss value" is the validation loss itself; "lm loss PPL" stays as is
+    return {key[: -len(" value")] if key.endswith(" value") else key: value
+            for key, value in _parse_pairs(fields).items()}
+
+
 def _parse_log(path: Path) -> _Records:
     records: _Records = {}
+    last_train = 0
     for _, line in _read_lines(path):
-        if "|" not in line or "iteration" not in line:
+        if "|" not in line or ("iteration" not in line and "end of training" not in line):
             continue
         head, *fields = line.split("|")
         valid = _VALID_ITERATION.search(head)
         if valid:
-            metrics = {}
-            for key, value in _parse_pairs(fields).items():
-                # "lm loss value" is the validation loss itself; "lm loss PPL" stays as is
-                metrics[key[: -len(" value")] if key.endswith(" value") else key] = value
-            _store(records, "valid", int(valid.group(1)), metrics)
+            _store(records, "valid", int(valid.group(1)), _evaluation_metrics(fields))
+            continue
+        end = _END_OF_TRAINING.search(head)
+        if end:
+            split = ("valid" if end.group(1) == "val" else "test") + END_SUFFIX
+            _store(records, split, last_train, _evaluation_metrics(fields))
             continue
         train = _TRAIN_ITERATION.search(head)
         if train:
-            _store(records, "train", int(train.group(1)), _parse_pairs(fields))
+            last_train = int(train.group(1))
+            _store(records, "train", last_train, _parse_pairs(fields))
     return records
 
 

@@ -23,6 +23,16 @@ def _mean(values):
     return sum(values) / len(values) if values else float("nan")
 
 
+def _rate(train: dict, steps) -> float:
+    """Tokens per second over ``steps`` (the first left out: compilation and warm-up): their tokens over their
+    time, not the mean of per-step rates (a slow step weighs as much as its time); the logged rates' mean where
+    a console log gives no token counts."""
+    tokens, ms = train.get("tokens") or {}, train.get("step time (ms)") or {}
+    if all(i in tokens and i in ms for i in steps) and sum(ms[i] for i in steps) > 0:
+        return sum(tokens[i] for i in steps) / (sum(ms[i] for i in steps) / 1000.0)
+    return _mean((train.get("tokens/s") or {}).get(i) for i in steps)
+
+
 def summarise(metrics_path: str, data_prefix: Optional[str] = None) -> dict:
     splits = load_all_splits(metrics_path)
     train = splits.get("train") or {}
@@ -35,11 +45,13 @@ def summarise(metrics_path: str, data_prefix: Optional[str] = None) -> dict:
         "iterations": steps[-1],
         "loss start": _mean(loss[i] for i in steps[:window]),
         "loss end": _mean(loss[i] for i in steps[-window:]),
-        "tokens/s": _mean((train.get("tokens/s") or {}).get(i) for i in steps[1:] or steps),
+        "tokens/s": _rate(train, steps[1:] or steps),
         "padding ratio": _mean((train.get("padding ratio") or {}).values()),
         "samples per pack": _mean((train.get("samples per pack") or {}).values()),
-        "trained tokens": int(sum((train.get("tokens") or {}).values())),
     }
+    tokens = train.get("tokens") or {}
+    if tokens:  # the metrics file's (a console log has none): prompts included, padding not
+        summary["tokens (not padding)"] = int(sum(tokens.values()))
     valid = (splits.get("valid") or {}).get("lm loss") or {}
     if valid:
         summary["valid loss"] = valid[max(valid)]

@@ -133,11 +133,13 @@ class MetricsLogger:
             f" lm loss: {loss:.6E} |"
             f"{moe}"
             f" loss scale: {last.get('loss scale', 1.0):.1f} |"
-            f" grad norm: {last['grad norm']:.4f} |"
+            f" grad norm: {last['grad norm']:.6E} |"
             f" tokens/s: {real / seconds if seconds > 0 else 0.0:.1f} |"
             f" samples per pack: {sum(s for _, _, s, *_ in steps) / max(1.0, sum(r for *_, r, _, _ in steps)):.2f} |"
             f" padding ratio: {(total - real) / total if total else 0.0:.4f} |"
             f" number of skipped iterations: {skipped:3d} |"
+            # a window cut short (a resume off a --log-interval boundary, the last one): its means are of fewer steps
+            + (f" iterations in mean: {len(steps)} |" if len(steps) != self.log_interval else "")
             + "".join(f" {k}: {_finite_mean([r.get(k) for r, *_ in steps]):.6E} |" for k in self.extra_metrics),
             flush=True,
         )

@@ -14,6 +14,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from mindspeed_pack.checkpoint import save_load
 from mindspeed_pack.model import lora
 from mindspeed_pack.model.gpt import build_gpt_model
 from mindspeed_pack.model.score_head import SCORE
@@ -30,7 +31,9 @@ log = logging.getLogger(__name__)
 def build_model(args) -> List[torch.nn.Module]:
     """This rank's model chunk, initialised the same at every layout (or left for ``--load`` to fill)."""
     model = build_gpt_model(args, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-    if not args.load and not args.no_parallel_invariant_init:
+    # a first launch of --load D --save D (nothing in D yet) starts from scratch: initialised as without --load
+    filled = args.load and not (args.load_format != "hf" and save_load.first_launch(args))
+    if not filled and not args.no_parallel_invariant_init:
         parallel_invariant_init(model, args, args.seed)
     elif lora.trains_adapters(args):  # the adapters of a loaded base, and a reward model's head (a reward model
         parallel_invariant_init(model, args, args.seed, only=lora.is_trained_name)  # as base loads its own over it)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -27,6 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from mindspeed_pack.checkpoint import hf_checkpoint, identity, save_load
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.checkpoint.resume import load_run_checkpoint, loaded_from
+from mindspeed_pack.config import finetune_defaults
 from mindspeed_pack.datasets.sidecar_checks import check_data
 from mindspeed_pack.model import moe
 from mindspeed_pack.packing import context_parallel as cp_view
@@ -56,6 +58,7 @@ class Trainer:
         """``resume_save``: a run started again resumes from its own ``--save`` (checkpoint/resume.py); an RL
         session's driver chooses that itself (its rounds of rollouts are its own)."""
         self.args = args
+        self.started = time.monotonic()  # --exit-duration-in-mins counts from here, the job's start (Megatron-LM)
         self.resume_save = resume_save
         self.source = batch_source
         self.stage = stage
@@ -92,6 +95,7 @@ class Trainer:
         self.dynamic_cp = getattr(self.source, "dynamic_cp", False)
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
             check_data(docs, args)
+        self._no_validation_warning()
         self.stage.setup(self)
         self.metrics = MetricsLogger(args, enabled=self._is_logging_rank(), start_iteration=self.iteration,
                                      extra_metrics=self.stage.metric_names)
@@ -102,6 +106,18 @@ class Trainer:
             # the current iteration and the agreement to stop, with room for a slow step
             self.exit_signal = ExitSignal(grace_s=lambda: 10.0 + 2.0 * self.slowest_step_s,
                                           describe=lambda: self.phase)
+
+    def _no_validation_warning(self) -> None:
+        """Evaluation asked for (--eval-interval or --eval-iters given) with no validation data: said once, where
+        it was skipped without a word."""
+        args = self.args
+        given = [f"--{d.replace('_', '-')}" for d in ("eval_interval", "eval_iters")
+                 if (getattr(args, "flag_sources", {}).get(d) or [None, None])[1] == "given"]
+        if given and args.eval_iters and not args.skip_train and not self.source.has_split("valid") \
+                and dist.get_rank() == 0:
+            log.warning("%s given, but there is no validation data (--split %s gives it none, and no "
+                        "--valid-data-path): no evaluation runs; give --split e.g. 98,2,0 or --valid-data-path",
+                        " and ".join(given), args.split)
 
     def _samples_to_read(self) -> dict:
         """How many samples of each split this run reads from here on (a resume with another global batch
@@ -321,8 +337,11 @@ class Trainer:
             self.evaluate("test", "the end of training for test data")
 
     def _should_exit(self) -> bool:
+        args = self.args
         signalled = bool(self.exit_signal and self.exit_signal.requested)
-        flag = signalled or bool(self.args.exit_interval and self.iteration % self.args.exit_interval == 0)
+        flag = signalled or bool(args.exit_interval and self.iteration % args.exit_interval == 0)
+        if args.exit_duration_in_mins and (time.monotonic() - self.started) / 60.0 > args.exit_duration_in_mins:
+            flag = True  # the ranks' clocks differ a little: one rank past the limit stops them all
         stop = any_rank(flag)
         if stop and self.exit_signal:
             self.exit_signal.agreed()
@@ -408,16 +427,29 @@ class Trainer:
             dist.barrier()
 
 
-def _existing_export(args, iteration: int) -> None:
-    """A non-empty ``--save-hf`` of a run that resumed a checkpoint: the export of a run that already ended (the
-    same command again writes none over it), else refused before training."""
-    if iteration >= args.train_iters:
-        log.info("--save-hf %s holds an export already and the run resumed at its last iteration %d: none is written "
-                 "again", args.save_hf, iteration)
+def _existing_export(args, iteration: int) -> bool:
+    """A non-empty ``--save-hf`` of a run that resumed a checkpoint: whether the export at the end replaces it.
+
+    The export of this run's last iteration: none is written again (``args.save_hf`` cleared). This run's export
+    of an earlier iteration (the run trains on, or its export predates a longer ``--train-iters``): replaced when
+    the run ends. Another run's export, or a directory no run wrote: refused before training."""
+    if not finetune_defaults.exported(args.save_hf):
+        return False
+    record = hf_checkpoint.export_record(args.save_hf)
+    ours = record is not None and record.get("save") in (None, os.path.abspath(args.save) if args.save else None)
+    if iteration >= args.train_iters and (record is None or (ours and record["iteration"] == iteration)):
+        log.info("--save-hf %s holds the export of iteration %d, where the run ends: none is written again",
+                 args.save_hf, iteration)
         args.save_hf = None
-        return
-    raise CheckpointError(f"--save-hf {args.save_hf} exists and is not an empty directory, and this run trains "
-                          f"iterations {iteration + 1}..{args.train_iters}: choose a new directory")
+        return False
+    if ours:
+        log.info("--save-hf %s holds this run's export of iteration %d: the export of iteration %d replaces it when "
+                 "the run ends", args.save_hf, record["iteration"], args.train_iters)
+        return True
+    what = (f"holds the export of another run (--save {record['save']})" if record is not None else
+            "exists and is not an empty directory")
+    raise CheckpointError(f"--save-hf {args.save_hf} {what}, and this run trains iterations {iteration + 1}.."
+                          f"{args.train_iters}: choose a new directory")
 
 
 def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable] = None) -> Trainer:
@@ -425,8 +457,7 @@ def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable]
     with peers.waiting_for(lambda: trainer.phase, args.distributed_timeout_minutes):
         try:
             trainer.setup()
-            if args.save_hf and getattr(args, "save_hf_exists", False):
-                _existing_export(args, trainer.iteration)
+            replace = bool(args.save_hf) and _existing_export(args, trainer.iteration)
             if args.save_hf:
                 hf_checkpoint.check_exportable(args)  # before training, not after it
                 hf_checkpoint.remove_killed_exports(args)
@@ -437,7 +468,7 @@ def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable]
             if args.save_hf and not args.skip_train and trainer.iteration >= args.train_iters:
                 trainer.phase = "the Hugging Face export (--save-hf)"
                 trainer.sync_params()
-                hf_checkpoint.save_hf(args, trainer.model)
+                hf_checkpoint.save_hf(args, trainer.model, iteration=trainer.iteration, replace=replace)
         except BaseException:
             trainer.cleanup(barrier=False)
             raise
