@@ -230,6 +230,15 @@ def test_a_load_of_a_run_started_from_hf_keeps_its_dropout(saved, tmp_path):
     args = parse_args([*flags, "--seq-length", "128", "--global-batch-size", "2", "--neat-pack", "--train-iters",
                        "2", "--data-path", saved[0], "--load", saved[1]])  # no HF start recorded: Megatron-LM's
     assert (args.attention_dropout, args.hidden_dropout) == (0.1, 0.1)
+    # a reshard of its checkpoint keeps the record (convert_ckpt.py wrote none: dropout 0.1 and a linear schedule
+    # after the reshard, the run's own settings without it); --finetune from it: fine-tuning defaults of its own
+    from mindspeed_pack.convert import megatron_to_megatron
+
+    megatron_to_megatron(str(tmp_path / "s"), str(tmp_path / "pp2"), 1, 2)
+    args = parse_args([*flags, "--seq-length", "128", "--global-batch-size", "2", "--neat-pack", "--train-iters",
+                       "2", "--data-path", saved[0], "--load", str(tmp_path / "pp2"), "--finetune", "--lr", "1e-4",
+                       "--pipeline-model-parallel-size", "2"], world_size=2)
+    assert (args.attention_dropout, args.hidden_dropout, args.lr_decay_style, args.min_lr) == (0.0, 0.0, "cosine", 1e-5)
 
 
 def test_scoring_reads_a_training_checkpoints_weights_alone(saved, tmp_path):

@@ -239,6 +239,10 @@ def test_a_resume_keeps_the_finetuning_defaults_its_run_started_with(tmp_path, p
     shutil.copytree(save, copy)
     moved = _parse([*TINY_FLAGS, *common[:-1], str(copy), "--load", str(copy)])
     assert moved.save_hf == str(copy / "hf") and moved.flag_sources["save_hf"][1] == "finetune"
+    # --finetune from it is a new run: defaults of its own (its --lr's min-lr: the recorded 2e-6 against --lr 1e-6
+    # failed megatron's max_lr >= min_lr with a bare AssertionError; its export into its own --save)
+    new = _parse([*TINY_FLAGS, *common[:-1], str(tmp_path / "new"), "--load", str(save), "--finetune", "--lr", "1e-6"])
+    assert (new.min_lr, new.save_hf, new.lr_decay_style) == (1e-7, str(tmp_path / "new" / "hf"), "cosine")
 
 
 def _written(tmp_path, text):

@@ -39,11 +39,9 @@ from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.checkpoint.rank_files import is_shard_writer, rank_dir_name_here
 from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert.model_specs import (
-    RUN_LAYOUT_ARGS,
     ConversionError,
     args_from_hf_config,
     get_spec,
-    same_setting,
     training_model_args,
 )
 from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, shard_state_dict, stage_units
@@ -234,24 +232,14 @@ def check_exportable(args) -> None:
     back): any field that does not come back (LayerNorm, learned positions, no SwiGLU, ...)
     would be lost in the HF model.
     """
-    from mindspeed_pack.convert.model_specs import hf_config_from_args, spec_for_args
+    from mindspeed_pack.convert.model_specs import settings_lost, spec_for_args
 
     mine = _export_args(args)
     try:
         spec = get_spec(mine["model_type_hf"]) if mine["model_type_hf"] else spec_for_args(args)
-        # what save_pretrained writes into config.json (to_diff_dict), as the converter reads it back; a reward
-        # model of a family without a sequence-classification class is refused here
-        config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_diff_dict()
+        lost = settings_lost(mine, spec, where=f"--save-hf ({spec.hf_architecture})")
     except ConversionError as e:
         raise CheckpointError(f"--save-hf {args.save_hf}: {e}") from None
-    try:
-        back = args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
-                                   mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
-                                   mine["padded_vocab_size"], where=f"--save-hf ({spec.hf_architecture})")
-    except ConversionError as e:
-        raise CheckpointError(str(e)) from None
-    lost = [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in vars(back).items()
-            if k in mine and k not in RUN_LAYOUT_ARGS and not same_setting(mine[k], v)]
     if lost:
         raise CheckpointError(f"--save-hf {args.save_hf}: this model cannot be written as a Hugging Face "
                               f"{spec.hf_architecture}: {'; '.join(lost)}; drop --save-hf and keep the Megatron "
@@ -332,7 +320,8 @@ def save_hf(args, model, out_dir: Optional[str] = None, iteration: Optional[int]
                 layout.remove_tree(out_dir)
             if _peft_export(args):
                 base = args.lora_base
-                megatron_to_peft(staging, out_dir, _dtype_name(args), base["path"] if base["format"] == "hf" else None)
+                megatron_to_peft(staging, out_dir, _dtype_name(args), base["path"] if base["format"] == "hf" else None,
+                                 tokenizer_dir=tokenizer)
             else:
                 megatron_to_hf(staging, out_dir, _dtype_name(args), tokenizer_dir=tokenizer)
             if iteration is not None:

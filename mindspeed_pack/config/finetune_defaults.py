@@ -86,6 +86,10 @@ def apply(args, given: set) -> set:
             raise ArgumentError(f"--save {args.save}: the fine-tuning default --save-hf {defaults['save_hf']} exists "
                                 "and is not empty; pass --save-hf NEW_DIR, another --save, or --overwrite-output-dir "
                                 "to start over in it")
+    elif args.finetune and resolved_config.recorded(args.load, "finetune"):
+        # weights alone of a fine-tuning run's checkpoint: a new run, with defaults of its own (the recorded
+        # --min-lr of another --lr broke megatron's schedule; its export went into that run's directory)
+        defaults, why = _fresh_defaults(args, given), f"--finetune from the fine-tuning run of --load {args.load}"
     else:
         defaults = resolved_config.recorded(args.load, "finetune")
         # the checkpoint's run found its tokenizer its own way (the export copies the one its checkpoint records)

@@ -20,10 +20,11 @@ import logging
 import os
 
 from mindspeed_pack.config import yaml_file
+from mindspeed_pack.convert import megatron_layout as layout
 
 log = logging.getLogger(__name__)
 
-FILE_NAME = "run_config.yaml"  # in --save
+FILE_NAME = layout.RUN_CONFIG  # in --save
 METRICS_SUFFIX = ".config.yaml"  # beside --metrics-file: METRICS (without .jsonl) + this
 SECTIONS = (  # origin -> title; written in this order
     ("given", "given (command line and --config file)", False),
@@ -38,7 +39,7 @@ NOT_WRITTEN = ("config", "dry_run", "help")
 # where a run writes, how often it reports and how long it waits: a run that differs only in these is the same run
 # (run_differences; a resume from --save may change them). Every other flag defines the run: model, data, schedule.
 NOT_DEFINING = ("save", "save_hf", "save_interval", "no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng",
-                "overwrite_output_dir",
+                "overwrite_output_dir", "lora_merge",
                 "metrics_file", "tensorboard_dir", "log_interval", "log_throughput", "peak_tflops", "eval_interval",
                 "eval_iters", "exit_interval", "exit_duration_in_mins", "exit_signal_handler",
                 "distributed_timeout_minutes",

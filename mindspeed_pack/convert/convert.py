@@ -30,6 +30,7 @@ import copy
 import logging
 import os
 import pickle
+import shutil
 import sys
 from typing import Dict, Optional
 
@@ -48,9 +49,11 @@ from mindspeed_pack.convert.model_specs import (
     args_from_hf_config,
     args_to_dict,
     check_parallel_sizes,
+    detect_model_type,
     get_spec,
     hf_config_from_args,
     resolve_padded_vocab,
+    settings_lost,
 )
 from mindspeed_pack.convert.sharding import (
     expert_shard,
@@ -392,8 +395,14 @@ def megatron_to_hf(
         (source if source.lora is not None else None)
     args = _export_args(source.args, adapters if adapters is not source else None)
     spec = get_spec(model_type_hf or args.model_type_hf)
-    if spec.name != args.model_type_hf:
-        log.warning("checkpoint was converted as %s, writing it as %s", args.model_type_hf, spec.name)
+    if spec.name != args.model_type_hf:  # another family's layout: only where it keeps every setting and tensor
+        lost = settings_lost(vars(args), spec, where=f"--model-type-hf {spec.name}")
+        if lost:
+            raise ConversionError(f"{load_dir} holds a {args.model_type_hf} model: as a {spec.hf_architecture} "
+                                  f"(--model-type-hf {spec.name}) it would lose {'; '.join(lost)}; leave "
+                                  f"--model-type-hf out (the checkpoint's {args.model_type_hf} is written)")
+        log.warning("checkpoint was converted as %s, writing it as %s (the same model: every setting kept)",
+                    args.model_type_hf, spec.name)
     tok_source = tokenizer_dir or _recorded_tokenizer(source)
     tok_files = hf_io.tokenizer_files(tok_source) if tok_source else []
     args = copy.copy(args)
@@ -493,6 +502,9 @@ def megatron_to_megatron(
     same_weights_as = [lora_map.fingerprint(load_dir), *source.same_weights_as]
     with staged_output(save_dir) as tmp:
         _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit, f"mg {layouts}", same_weights_as)
+        record = os.path.join(load_dir, layout.RUN_CONFIG)
+        if os.path.isfile(record):  # what its run took from its HF model (dropout) holds for a --load of the reshard
+            shutil.copy2(record, os.path.join(tmp, layout.RUN_CONFIG))
     log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d)", save_dir, tp, pp, ep)
     if source.iteration != layout.RELEASE:
         log.warning("%s held iteration %s of a training run: %s holds its weights alone (a release checkpoint, "
@@ -541,7 +553,7 @@ def _adapter_checkpoint(lora_dir: str, allow_unsafe: bool, base_args=None) -> Me
 
 
 def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", base_model: Optional[str] = None,
-                     allow_unsafe: bool = False) -> None:
+                     allow_unsafe: bool = False, tokenizer_dir: Optional[str] = None) -> None:
     """A LoRA run's adapter checkpoint (any TP/PP) -> a PEFT adapter directory (``PeftModel.from_pretrained``).
 
     ``base_model`` goes into ``adapter_config.json`` (``base_model_name_or_path``).
@@ -559,8 +571,13 @@ def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", b
         log.warning("%s: MoE model with adapters on dense layers' MLPs: peft (0.21, transformers 5) re-targets "
                     "gate_proj/up_proj/down_proj of MoE families to the fused experts and skips them; merge instead "
                     "(--lora-merge), or adapt only linear_qkv linear_proj on MoE models", save_dir)
+    # the tokenizer the adapters were trained with (preprocessing may have added a template's tokens), as PEFT
+    # trainers save it beside the adapters
+    tok_source = tokenizer_dir or recorded_directory(source.tokenizer)
     with staged_output(save_dir) as tmp:
         lora_map.write_peft_dir(tmp, tensors, source.lora, base_model, dtype)
+        if tok_source:
+            hf_io.copy_files(tok_source, hf_io.tokenizer_files(tok_source), tmp)
     log.info("wrote PEFT adapter %s (%d tensors, r=%d, base %s)", save_dir, len(tensors), source.lora["r"],
              base_model)
     if reward:
@@ -583,7 +600,8 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str =
         scale = lora_map.scale_of(adapters.lora)
         args = _export_args(args, adapters)
         config = hf_config_from_args(args, spec, _HF_DTYPE_NAMES[dtype], reader.config)
-        tok_dir = tokenizer_dir or hf_dir
+        # the tokenizer the adapters were trained with (preprocessing may have extended the base's), else the base's
+        tok_dir = tokenizer_dir or recorded_directory(adapters.tokenizer) or hf_dir
         with staged_output(save_dir) as tmp:
             writer = hf_io.ShardedSafetensorsWriter(tmp, max_shard_bytes)
             for unit in units(args):
@@ -600,7 +618,7 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str =
             for d in (hf_dir, tok_dir):
                 if os.path.isfile(os.path.join(d, hf_io.GENERATION_CONFIG)):
                     hf_io.copy_files(d, [hf_io.GENERATION_CONFIG], tmp)
-            tokenizer = hf_io.tokenizer_files(tokenizer_dir) if tokenizer_dir else \
+            tokenizer = hf_io.tokenizer_files(tok_dir) if tok_dir != hf_dir else \
                 [f for f in hf_io.TOKENIZER_FILES if os.path.isfile(os.path.join(hf_dir, f))]  # the base's, if any
             hf_io.copy_files(tok_dir, tokenizer, tmp)
     log.info("wrote HF model %s: %s with the LoRA adapters of %s merged", save_dir, hf_dir, lora_dir)
@@ -619,7 +637,7 @@ def lora_export(load_type: str, load_dir: str, lora_dir: str, save_dir: str, mer
         raise ConversionError(str(e)) from None
     if not merge:
         megatron_to_peft(lora_dir, save_dir, params_dtype, os.path.abspath(load_dir) if load_type == "hf" else None,
-                         allow_unsafe)
+                         allow_unsafe, tokenizer_dir)
     elif load_type == "hf":
         hf_merge_lora(load_dir, lora_dir, save_dir, params_dtype, tokenizer_dir, max_shard_bytes, allow_unsafe)
     else:
@@ -631,7 +649,8 @@ def lora_export(load_type: str, load_dir: str, lora_dir: str, save_dir: str, mer
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Convert checkpoints between Hugging Face and Megatron (and reshard Megatron ones, a LoRA run's "
-                    "adapter checkpoint too: --load-model-type mg --save-model-type mg --load-dir SAVE).")
+                    "adapter checkpoint too: --load-model-type mg --save-model-type mg --load-dir SAVE).",
+        allow_abbrev=False)  # MindSpeed-LLM's --model-type GPT must not be read as --model-type-hf
     p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
     p.add_argument("--save-model-type", choices=["mg", "hf"], required=True)
     p.add_argument("--model-type-hf", choices=sorted({*MODEL_SPECS, *MINDSPEED_MODEL_TYPES}), default=None,
@@ -681,6 +700,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="experts are split like the other weights: only --target-tensor-parallel-size's value")
     for flag in _REFUSED_LAYOUTS:
         g.add_argument(flag, default=None, help="refused: uneven or virtual pipeline stages are not built here")
+    # its first converter's (convert_ckpt.py, not _v2): accepted, the family's config.json decides the layout
+    g.add_argument("--use-mcore-models", action="store_true", help="accepted: checkpoints are megatron-core's")
+    g.add_argument("--model-type", choices=["GPT"], default=None, help="accepted: GPT models only")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="accepted: the q/k/v biases follow the family (qwen2 has them)")
+    g.add_argument("--spec", nargs="+", default=None, help="accepted: qwen3's layer spec follows the family")
+    g.add_argument("--tokenizer-model", default=None, metavar="FILE",
+                   help="a tokenizer file: its directory serves as --tokenizer-dir (mg->hf, mg->mg)")
+    g.add_argument("--ai-framework", choices=["pytorch", "mindspore"], default=None,
+                   help="accepted: the conversion runs on PyTorch and reads and writes the same files")
     return p
 
 
@@ -704,9 +733,43 @@ def _check_load_type(args) -> None:
                               f"{layout.TRACKER}): pass --load-model-type mg")
 
 
+def _loaded_family(args) -> Optional[str]:
+    """The family --load-dir holds (config.json's, or the Megatron checkpoint's record); None when unknown."""
+    try:
+        if args.load_model_type == "hf":
+            return detect_model_type(hf_io.read_config(args.load_dir), os.path.join(args.load_dir, hf_io.CONFIG))
+        return MegatronCheckpoint(args.load_dir, args.allow_unsafe_checkpoint_load).args.model_type_hf
+    except (ConversionError, OSError, ValueError, AttributeError):
+        return None  # the conversion itself names what is wrong with --load-dir
+
+
 def _mindspeed_flags(args) -> None:
     """MindSpeed-LLM's converter flags: translated to ours, or refused by name."""
-    args.model_type_hf = MINDSPEED_MODEL_TYPES.get(args.model_type_hf, args.model_type_hf)
+    given = args.model_type_hf
+    alias = given in MINDSPEED_MODEL_TYPES
+    args.model_type_hf = MINDSPEED_MODEL_TYPES.get(given, given)
+    if alias and not args.lora_load and not args.save_lora_to_hf:
+        # its names are converter settings more than families (its Qwen2.5 scripts pass llama2 with
+        # --add-qkv-bias): the family --load-dir holds is converted
+        found = _loaded_family(args)
+        if found and found != args.model_type_hf:
+            log.info("--model-type-hf %s (MindSpeed-LLM's name for %s): --load-dir holds a %s model, converted as "
+                     "one", given, args.model_type_hf, found)
+            args.model_type_hf = found
+    if args.tokenizer_model is not None:
+        if not os.path.exists(args.tokenizer_model):
+            raise ConversionError(f"--tokenizer-model {args.tokenizer_model}: no such file")
+        if args.tokenizer_dir is None and args.load_model_type == "mg":
+            args.tokenizer_dir = os.path.dirname(os.path.abspath(args.tokenizer_model))
+    if args.load_model_type == "mg" and args.save_model_type == "hf" and os.path.isdir(args.save_dir) \
+            and hf_io.looks_like_hf(args.save_dir):
+        # its first converter's --save-dir is the model's HF directory, the weights written into mg2hf/ beside it
+        original = args.save_dir
+        args.save_dir = os.path.join(original, "mg2hf")
+        if args.hf_cfg_dir is None:
+            args.hf_cfg_dir = original
+        log.info("--save-dir %s is a Hugging Face model directory: writing into %s (as MindSpeed-LLM does), its "
+                 "tokenizer beside the weights", original, args.save_dir)
     for flag in _REFUSED_LAYOUTS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if value is not None:

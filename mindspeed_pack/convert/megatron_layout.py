@@ -41,6 +41,7 @@ from mindspeed_pack.runtime import faults
 log = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RUN_CONFIG = "run_config.yaml"  # beside the checkpoints: the resolved flags of the run that wrote them
 CHECKPOINT_VERSION = 3.0
 RELEASE = "release"
 

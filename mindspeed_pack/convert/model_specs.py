@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from mindspeed_pack.model.gpt import padded_vocab_size as megatron_padded_vocab_size
 from mindspeed_pack.model.moe import moe_layer_pattern
@@ -83,7 +83,7 @@ MOE_FIELDS = (
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "n_routed_experts",
     "n_shared_experts", "shared_expert_intermediate_size", "router_aux_loss_coef", "output_router_logits",
     "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "moe_layer_freq", "first_k_dense_replace",
-    "router_jitter_noise", "topk_group", "n_group", "num_local_experts",
+    "router_jitter_noise", "topk_group", "n_group",
 )
 
 # mixture-of-experts families with shared experts: their mapping is not written (refused by name)
@@ -451,6 +451,15 @@ def args_from_hf_config(
     will see: a sliding window shorter than it is refused.
     """
     name = model_type_hf or detect_model_type(hf_config, where)
+    if model_type_hf:
+        try:
+            found = detect_model_type(hf_config, where)
+        except ConversionError:
+            found = model_type_hf  # config.json names no family this converter knows: the flag's is taken
+        if found != model_type_hf:  # the mapping's errors (fields not understood, tensors missing) named no cause
+            raise ConversionError(f"{where}: holds a {found} model (model_type {hf_config.get('model_type')!r}), not "
+                                  f"{model_type_hf} (--model-type-hf): pass --model-type-hf {found}, or leave it out "
+                                  "(detected from config.json)")
     spec = get_spec(name)
     max_pos = int(hf_config.get("max_position_embeddings") or 4096)
     seq_length = int(seq_length or max_pos)
@@ -621,3 +630,17 @@ def hf_config_from_args(args, spec: ModelSpec, dtype: str, extra: Optional[dict]
         fields.update(architectures=[reward_architecture(spec)], num_labels=1,
                       pad_token_id=getattr(args, "reward_pad_token_id", None))
     return AutoConfig.for_model(spec.hf_model_type, **fields)
+
+
+def settings_lost(mine: dict, spec: ModelSpec, where: str) -> List[str]:
+    """The model's settings (``mine``: the arguments a checkpoint records) that a Hugging Face ``spec`` model
+    would not keep: they go through the converter both ways (to a transformers config and back), and every
+    one that does not come back is named (``--add-qkv-bias True (a LlamaForCausalLM has False)``)."""
+    # what save_pretrained writes into config.json (to_diff_dict), as the converter reads it back; a reward
+    # model of a family without a sequence-classification class is refused here
+    config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_diff_dict()
+    back = args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
+                               mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
+                               mine["padded_vocab_size"], where=where)
+    return [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in vars(back).items()
+            if k in mine and k not in RUN_LAYOUT_ARGS and not same_setting(mine[k], v)]
