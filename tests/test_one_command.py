@@ -306,6 +306,13 @@ def test_one_command_refuses_a_save_holding_another_runs_checkpoint(assets, tmp_
     (["--stage", "dpo"], "--stage dpo: '{data}' holds no preference pairs"),
     (["--stage", "simpo", "--ref-load", "REF"], "--stage simpo is reference-free"),
     (["--stage", "orpo", "--pref-ftx", "0.5"], "--pref-ftx 0.5 with --stage orpo"),
+    # a beta of 0 trained nothing (grad norm 0), a negative one inverted the preference, nan failed at step 1
+    (["--stage", "dpo", "--dpo-beta", "0"], "--dpo-beta 0.0 must be > 0"),
+    (["--stage", "simpo", "--simpo-beta", "nan"], "--simpo-beta nan must be > 0"),
+    (["--stage", "dpo", "--pref-ftx", "-1"], "--pref-ftx -1.0 must be >= 0"),
+    # a reference given to a stage that uses none was ignored without a word
+    (["--stage", "orm", "--ref-load", "REF"], "--ref-load with --stage orm: no reference model is used by this "
+                                              "stage"),
 ])
 def test_dry_run_refuses_what_the_stage_would_refuse_at_its_start(tmp_path, capsys, extra, message):
     """``--dry-run`` returned before the stage was made, so flags and data its start refuses passed it."""
@@ -316,3 +323,45 @@ def test_dry_run_refuses_what_the_stage_would_refuse_at_its_start(tmp_path, caps
     with pytest.raises(Exception, match=message.format(data=data).replace("(", r"\(")):
         posttrain.main([*TINY_FLAGS, "--data-path", data, "--seq-length", "128", "--global-batch-size", "2",
                         "--train-iters", "2", "--neat-pack", "--dry-run", *extra])
+
+
+@pytest.mark.parametrize("kind", ["pairs", "kto"])
+def test_sft_refuses_another_stages_data(tmp_path, kind):
+    """Preference pairs or KTO couples given to --stage sft (the default) trained the rejected answers and the KL
+    partners as answers, without a word: refused by the dry run and at the stage's start, naming the stages."""
+    from tests.model_utils import TINY_FLAGS
+    from tests.pair_utils import random_kto_rows, random_pairs, write_kto_dataset, write_pair_dataset
+
+    if kind == "pairs":
+        data, message = write_pair_dataset(str(tmp_path / "p"), random_pairs(8, seed=1)), "holds preference pairs"
+    else:
+        data, message = write_kto_dataset(str(tmp_path / "k"), *random_kto_rows(8, seed=1)), "holds KTO couples"
+    flags = [*TINY_FLAGS, "--data-path", data, "--seq-length", "128", "--global-batch-size", "2", "--train-iters",
+             "1", "--neat-pack"]
+    for extra in (["--dry-run"], []):
+        with pytest.raises(Exception, match=f"--stage sft: '{data}' {message}"):
+            posttrain.main([*flags, *extra])
+
+
+def test_another_stages_flags_are_said_not_dropped(tmp_path, caplog):
+    """A DPO script moved to SimPO kept --dpo-beta 0.5 and trained with SimPO's default beta, without a word."""
+    from tests.model_utils import TINY_FLAGS
+    from tests.pair_utils import random_pairs, write_pair_dataset
+
+    data = write_pair_dataset(str(tmp_path / "p"), random_pairs(8, seed=1))
+    with caplog.at_level("WARNING"):
+        posttrain.main([*TINY_FLAGS, "--data-path", data, "--seq-length", "128", "--global-batch-size", "2",
+                        "--train-iters", "1", "--neat-pack", "--dry-run", "--stage", "simpo", "--dpo-beta", "0.5",
+                        "--simpo-beta", "2.0"])
+    assert "--stage simpo does not read --dpo-beta (--stage dpo): given, but without effect" in caplog.text
+    assert "--simpo-beta" not in caplog.text
+
+
+def test_raw_rows_for_a_stage_need_its_handler(assets):
+    """A DPO run on raw rows without the pair handler failed on "column 'output' not found", naming no handler."""
+    from mindspeed_pack.datasets.packed_dataset import DataError
+
+    with pytest.raises(DataError, match="--stage dpo trains on preference pairs: raw --data-path files need "
+                                        "--handler-name AlpacaStylePairwiseHandler or SharegptStylePairwiseHandler"):
+        posttrain.main(["--load", assets["hf"], "--data-path", assets["data"], *TRAIN, "--train-iters", "1",
+                        "--stage", "dpo", "--dry-run"])

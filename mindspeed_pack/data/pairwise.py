@@ -120,6 +120,13 @@ class PairwiseEncoder(SampleEncoder):
                 if value.get(name):
                     raise RowError(f"{where}: field {column!r} (--map-keys {key}) has {name!r}, which a preference "
                                    "answer cannot carry (refused, not dropped): give the answer as text", reason)
+            role_tag = self.keys.get("role_tag", "from")
+            role = value.get(role_tag, value.get("role"))
+            assistant = {self.keys.get("assistant_tag", "gpt"), "gpt", "assistant"}
+            if role is not None and role not in assistant:  # a user's message trained as the model's answer
+                raise RowError(f"{where}: field {column!r} (--map-keys {key}) is a message from {role!r}; an answer "
+                               f"is the assistant's ({' or '.join(repr(r) for r in sorted(assistant))})",
+                               MISSING_ANSWER)
             text = value.get(content_tag, value.get("content"))
             if not isinstance(text, str):
                 got = "no text" if text is None else f"a {type(text).__name__}"
@@ -129,6 +136,9 @@ class PairwiseEncoder(SampleEncoder):
             return text
         if not isinstance(value, str):
             got = "missing" if column not in row else "null" if value is None else f"a {type(value).__name__}"
+            if isinstance(value, list):  # TRL's conversational pairs: the whole conversation per answer
+                got += (" (a conversation per answer, as TRL's conversational pairs: give the prompt's turns in the "
+                        "conversation column and the answers as text or one assistant message each)")
             raise RowError(f"{where}: field {column!r} (--map-keys {key}) must be the {key} answer (a string or a "
                            f"message with {content_tag!r}), got {got}; "
                            f"the row has: {', '.join(map(str, row)) or 'no fields'}", MISSING_ANSWER)

@@ -122,6 +122,8 @@ def preprocess_namespace(args, inputs: list, pretrain: bool = False):
     if ns.handler_name == PRETRAIN and not pretrain:
         raise DataError("--handler-name GeneralPretrainHandler writes pretraining documents: train on them with "
                         "pretrain_gpt.py (which preprocesses raw --data-path files too)")
+    if not pretrain:
+        _check_handler_for_stage(getattr(args, "stage", "sft"), ns.handler_name)
     # the prefix names what shapes the packs, so runs with other flags keep their own cache
     identity = {"inputs": [os.path.abspath(p) for p in inputs], "tokenizer": ns.tokenizer_name_or_path,
                 **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "map_keys", "prompt_type_path", "chat_template",
@@ -134,6 +136,21 @@ def preprocess_namespace(args, inputs: list, pretrain: bool = False):
     root = args.data_cache_path or os.path.join(first.parent, CACHE_DIR)
     ns.output_prefix = os.path.join(root, f"{first.stem if first.is_file() else first.name}-{digest}")
     return ns
+
+
+def _check_handler_for_stage(stage: str, handler: str) -> None:
+    """Raw rows are read by the handler the stage's data needs (a DPO run on pair rows without it failed on
+    "column 'output' not found", naming no handler)."""
+    from mindspeed_pack.data import handlers as h
+
+    needs = {**dict.fromkeys(("dpo", "simpo", "orpo", "orm"), ("preference pairs", (h.ALPACA_PAIRWISE,
+                                                                                   h.SHAREGPT_PAIRWISE))),
+             "kto": ("KTO rows", (h.ALPACA_KTO, h.SHAREGPT_KTO)), "prm": ("process reward rows", (h.PROCESS_REWARD,))}
+    what, handlers = needs.get(stage, ("instruction rows", (h.ALPACA, h.SHAREGPT)))
+    if stage in needs or stage == "sft":
+        if handler not in handlers:
+            raise DataError(f"--stage {stage} trains on {what}: raw --data-path files need --handler-name "
+                            f"{' or '.join(handlers)} (--handler-name {handler} reads other rows)")
 
 
 def _preprocess(ns) -> dict:

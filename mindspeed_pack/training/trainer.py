@@ -351,6 +351,9 @@ class Trainer:
         args = self.args
         plan = stats.pop("plan")  # the whole job's already: kept out of the sum
         stage_metrics = global_means(self.stage_reports, getattr(self.stage, "max_metrics", ()))
+        # a report nothing in the step counted (a KTO step without an undesirable sample): left out, as TRL does,
+        # not a NaN (which the metrics file would hold as bare NaN, not JSON)
+        stage_metrics = {k: v for k, v in stage_metrics.items() if not math.isnan(v)}
         stats = dp_sum(stats, with_context_parallel=self.dynamic_cp)
         total = int(stats["tokens"])
         real = int(stats["real tokens"])

@@ -119,8 +119,61 @@ def _loss_agg(value: str) -> str:
     return value
 
 
+# flag -> the stages that read it (a flag given to another stage is said, not dropped without a word)
+_STAGE_FLAGS = {
+    ("dpo",): ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing"),
+    ("dpo", "simpo"): ("pref_ftx",),
+    ("simpo",): ("simpo_beta", "gamma_beta_ratio", "simpo_loss_type", "simpo_label_smoothing"),
+    ("orpo",): ("orpo_beta",),
+    ("kto",): ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight"),
+    ("orm",): ("center_rewards_coefficient",),
+    ("score", "grpo"): ("rollout_path", "rollout_overlong"),
+    ("score",): ("score_output", "score_field", "score_entropy"),
+    ("grpo",): ("advantage_estimator", "clip_ratio", "kl_coef", "kl_estimator", "entropy_coef", "log_entropy",
+                "loss_agg"),
+}
+# value ranges: dest -> (lowest, whether the lowest itself is allowed); every value finite
+_RANGES = {"dpo_beta": (0.0, False), "simpo_beta": (0.0, False), "orpo_beta": (0.0, False), "kto_beta": (0.0, False),
+           "kto_desirable_weight": (0.0, False), "kto_undesirable_weight": (0.0, False), "pref_ftx": (0.0, True),
+           "gamma_beta_ratio": (0.0, True), "center_rewards_coefficient": (0.0, True), "kl_coef": (0.0, True),
+           "entropy_coef": (0.0, True)}
+_REFERENCE_STAGES = ("dpo", "kto")
+
+
+def check_stage_flags(args) -> None:
+    """Values no stage can train with (a beta of 0 trains nothing, a negative one inverts the preference; a
+    negative --pref-ftx maximises the NLL) refused by name; a reference given to a stage that has none refused;
+    another stage's flags given (a DPO script moved to SimPO kept its --dpo-beta) said once."""
+    import logging
+    import math
+
+    from mindspeed_pack.config.errors import ArgumentError
+
+    for dest, (low, inclusive) in _RANGES.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise ArgumentError(f"--{dest.replace('_', '-')} {value} must be {'>=' if inclusive else '>'} {low:g}")
+    stage = args.stage
+    if stage not in (*_REFERENCE_STAGES, "simpo", "orpo"):  # simpo and orpo name themselves reference-free
+        for flag, given in (("--ref-load", args.ref_load), ("--ref-logps", args.ref_logps)):
+            if given:
+                what = ("it scores --load: pass the reference model as --load" if stage == "dpo_reference" else
+                        f"no reference model is used by this stage (--stage {' or '.join(_REFERENCE_STAGES)} "
+                        "compares with one)")
+                raise ArgumentError(f"{flag} with --stage {stage}: {what}; drop {flag}")
+    sources = getattr(args, "flag_sources", {}) or {}
+    ignored = [f"--{dest.replace('_', '-')} (--stage {'/'.join(stages)})" for stages, dests in _STAGE_FLAGS.items()
+               if stage not in stages for dest in dests if (sources.get(dest) or [None, None])[1] == "given"]
+    if ignored:
+        logging.getLogger(__name__).warning("--stage %s does not read %s: given, but without effect", stage,
+                                            ", ".join(ignored))
+
+
 def get_stage(args):
-    """The stage object ``--stage`` selects."""
+    """The stage object ``--stage`` selects (its flags checked first: :func:`check_stage_flags`)."""
+    check_stage_flags(args)
     if args.stage == "dpo":
         from mindspeed_pack.training.stages.dpo import DPOStage
 

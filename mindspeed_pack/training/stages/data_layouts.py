@@ -20,11 +20,27 @@ REQUIRED = {
 }
 
 
+# the sidecar layout's key -> (what, what SFT would do with it, the stages that train on it)
+NOT_FOR_SFT = {
+    "pairs": ("preference pairs", "the chosen and the rejected answers alike", "dpo, simpo, orpo or orm"),
+    "kto_labels": ("KTO couples", "the undesirable answers and the KL partners (other rows' answers) alike", "kto"),
+    "step_tags": ("process reward steps", "the step tags' labels as next tokens", "prm"),
+}
+
+
 def check(stage: str, prefix: str, meta) -> None:
-    """DataError when ``prefix`` (its sidecar ``meta``) lacks what ``--stage stage`` trains on."""
+    """DataError when ``prefix`` (its sidecar ``meta``) lacks what ``--stage stage`` trains on, or (SFT) holds
+    another stage's data, whose labels SFT would train as answers."""
+    layout = (meta or {}).get("layout") or {}
     need = REQUIRED.get(stage)
-    if need and not ((meta or {}).get("layout") or {}).get(need[0]):
+    if need and not layout.get(need[0]):
         raise DataError(f"--stage {stage}: {prefix!r} holds no {need[1]} ({need[2]}): {need[3]}")
+    if stage == "sft":
+        for key, (what, trained, stages) in NOT_FOR_SFT.items():
+            if layout.get(key):
+                raise DataError(f"--stage sft: {prefix!r} holds {what} (its sidecar's {key}): SFT would train "
+                                f"{trained}; pass --stage {stages}, or preprocess the data for SFT (an instruction "
+                                "handler)")
 
 
 def check_data_paths(args) -> None:

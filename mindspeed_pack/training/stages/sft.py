@@ -46,7 +46,10 @@ class SFTStage:
         return batch_source(args)
 
     def setup(self, trainer) -> None:
-        pass
+        from mindspeed_pack.training.stages import data_layouts
+
+        for docs in getattr(trainer.source, "docs", None) or []:  # preference or KTO data is refused
+            data_layouts.check(self.name, docs.prefix, docs.meta)
 
     def prepare(self, trainer, batches, micro_batches, split, tokens_per_micro_batch):
         return batches
