@@ -79,36 +79,54 @@ def resolve_epochs(args) -> None:
 
 # ---------------------------------------------------------------------------- memory
 def parameters_per_rank(args) -> tuple:
-    """(total parameters, parameters on the busiest rank) from the model flags."""
+    """(total parameters, dense parameters on the busiest rank, expert parameters on it) from the model flags.
+
+    Experts are split over the expert-parallel group (and TP: ``--expert-tensor-parallel-size`` is TP here);
+    the router is replicated on every rank, as megatron-core keeps it."""
     m = model_shape(args)
     attention = m.attention + (m.qkv_rows if args.add_qkv_bias else 0)
-    moe = m.experts * m.expert_mlp + m.hidden * m.experts  # the experts and the router
+    experts, router = m.experts * m.expert_mlp, m.hidden * m.experts  # of one MoE layer
     embedding = m.vocab * m.hidden + (args.max_position_embeddings * m.hidden
                                       if args.position_embedding_type == "learned_absolute" else 0)
     output = 0 if not args.untie_embeddings_and_output_weights else m.vocab * m.hidden
     dense = m.layers - m.moe_layers
-    total = m.layers * attention + dense * m.mlp + m.moe_layers * moe + embedding + output
+    total = m.layers * attention + dense * m.mlp + m.moe_layers * (experts + router) + embedding + output
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
-    per_layer = (attention + m.mlp * dense / m.layers) / tp + moe * m.moe_layers / m.layers / (tp * ep)
+    stage = m.layers / pp  # layers of a pipeline stage; MoE and dense layers counted at their share
+    per_layer = (attention + m.mlp * dense / m.layers) / tp + router * m.moe_layers / m.layers
     ends = (embedding + output) / tp if pp == 1 else max(embedding, output) / tp
-    return total, m.layers / pp * per_layer + ends
+    return total, stage * per_layer + ends, stage * experts * m.moe_layers / m.layers / (tp * ep)
+
+
+def optimizer_shards(args) -> tuple:
+    """(ranks the distributed optimizer shards a dense parameter's state over, ranks it shards an expert's over):
+    megatron-core's data-parallel group with CP (DP x CP), and its expert-data-parallel group of world / (ETP x EP
+    x PP) = DP x CP / EP ranks (ETP = TP here); (1, 1) without ``--use-distributed-optimizer``."""
+    if not args.use_distributed_optimizer:
+        return 1, 1
+    dense = args.data_parallel_size * args.context_parallel_size
+    return dense, max(1, dense // args.expert_model_parallel_size)
 
 
 def memory_estimate(args) -> dict:
     """GiB per GPU of weights, gradients, optimizer state and activations (one rank of the first stage).
 
-    Under LoRA only the adapters have gradients and optimizer state (the frozen base has neither)."""
-    total, params = parameters_per_rank(args)
+    The optimizer state of dense parameters is sharded over DP x CP, that of expert parameters over the smaller
+    expert-data-parallel group (:func:`optimizer_shards`). Under LoRA only the adapters have gradients and
+    optimizer state (the frozen base has neither)."""
+    total, dense, experts = parameters_per_rank(args)
+    params = dense + experts
     adapters = lora.settings_from_args(args)
-    trained = params
+    trained_dense, trained_experts = dense, experts
     if adapters:
         # replicated factors are on every tensor-parallel rank (lora.adapter_parameters)
         per_rank = lora.adapter_parameters(adapters, args, args.tensor_model_parallel_size)
         total = total + lora.adapter_parameters(adapters, args)
-        trained = per_rank / args.pipeline_model_parallel_size
-        params = params + trained
+        trained_dense, trained_experts = per_rank / args.pipeline_model_parallel_size, 0
+        params = params + trained_dense
+    trained = trained_dense + trained_experts
     half = args.bf16 or args.fp16
-    dp_shards = args.data_parallel_size * args.context_parallel_size if args.use_distributed_optimizer else 1
+    dense_shards, expert_shards = optimizer_shards(args)
     states = (4 if half else 0) + (8 if args.optimizer == "adam" else 4)  # fp32 master copy, Adam moments
     tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
     # tokens one rank holds of a micro-batch (dynamic CP: every rank holds --max-seqlen-per-dp-cp-rank)
@@ -131,7 +149,7 @@ def memory_estimate(args) -> dict:
         logits += vocab * args.hidden_size * 4
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
            "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
-           "optimizer": trained * states / dp_shards / GiB,
+           "optimizer": (trained_dense / dense_shards + trained_experts / expert_shards) * states / GiB,
            "activations": (layers * in_flight + (logits if pp == 1 else 0)) / GiB}
     out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
     return out
@@ -315,13 +333,23 @@ def _micro_batch_line(args) -> str:
         return f"micro-batch: even 1 pack per forward is estimated at {total:.1f} GiB, over {budget}"
     line = f"micro-batch: up to {best} pack{'s' if best > 1 else ''} per forward fit{'s' if best == 1 else ''} " \
            f"{budget} (estimate {total:.1f} GiB)"
-    if best <= args.micro_batch_size:
-        return line
+    dp, pp, gbs = args.data_parallel_size, args.pipeline_model_parallel_size, args.global_batch_size
+    # 1F1B needs at least PP micro-batches per step, or a pipeline stage idles (one micro-batch: PP - 1 of PP stages);
+    # without a pipeline a larger global batch makes room for any micro-batch
+    fill = [m for m in (1, 2, 4, 8) if m <= best and (pp == 1 or gbs // (m * dp) >= pp)]
+    suggested = max(fill, default=1)
+    rule = (f"; {suggested}, not {best}: the largest that keeps at least PP {pp} micro-batches per step at "
+            f"--global-batch-size {gbs}, since fewer idle a pipeline stage under 1F1B")
+    if suggested <= args.micro_batch_size:
+        if best <= args.micro_batch_size:
+            return line
+        return (f"{line}; keep --micro-batch-size {args.micro_batch_size}: a larger one leaves fewer than PP {pp} "
+                f"micro-batches per step at --global-batch-size {gbs} (fewer idle a pipeline stage under 1F1B); "
+                f"--global-batch-size {best * dp * pp} would take --micro-batch-size {best}")
     why = "trains the same losses with fewer launches per token (its packs are one THD sequence per forward)"
-    per_step = best * args.data_parallel_size
-    if args.global_batch_size % per_step:
-        return f"{line}; --micro-batch-size {best} {why}, with --global-batch-size a multiple of {per_step}"
-    return f"{line}; --micro-batch-size {best} {why}"
+    per_step = suggested * dp
+    batch = f", with --global-batch-size a multiple of {per_step}" if gbs % per_step else ""
+    return f"{line}; --micro-batch-size {suggested} {why}{batch}" + (rule if suggested < best else "")
 
 
 def _dynamic_cp_lines(args) -> list:

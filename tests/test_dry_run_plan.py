@@ -1,0 +1,54 @@
+"""``--dry-run``'s plan (mindspeed_pack/training/run_plan.py): the memory it estimates and the micro-batch it suggests
+are what megatron-core would hold and what keeps a pipeline busy."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mindspeed_pack.config.arguments import parse_args
+from mindspeed_pack.training import run_plan
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+QWEN3_MOE = os.path.join(ROOT, "configs", "sft", "qwen3_30b_a3b_4k_full_pack.yaml")
+GiB = 1024 ** 3
+
+
+def moe_args(*extra, world_size=16):
+    """configs/sft/qwen3_30b_a3b_4k_full_pack.yaml at 16 GPUs: TP 4 x PP 2 x DP 2, EP 2 (no data, no weights)."""
+    return parse_args(["--config", QWEN3_MOE, *extra], world_size=world_size)
+
+
+def test_expert_optimizer_state_is_sharded_over_the_expert_data_parallel_group_only():
+    """megatron-core's distributed optimizer shards a dense parameter's state over DP x CP, an expert's over the
+    expert-data-parallel group, world / (ETP x EP x PP) ranks: Qwen3-30B-A3B at TP4 PP2 EP2 on 16 GPUs keeps its
+    1.81B expert parameters' state whole on every rank (21.35 GiB, not the 11.20 GiB of everything over DP 2)."""
+    args = moe_args()
+    h, layers, tp, pp, ep = 2048, 48, 4, 2, 2
+    experts = layers // pp * 128 * 3 * h * 768 / (tp * ep)  # gate, up, down of 128 experts
+    attention = h * (32 + 2 * 4) * 128 + 32 * 128 * h
+    dense = layers // pp * (attention / tp + h * 128) + 151936 * h / tp  # + the router, + the embedding (stage 1)
+    assert (round(experts / 1e6), round(dense / 1e6)) == (1812, 197)
+    m = run_plan.memory_estimate(args)
+    assert m["optimizer"] == pytest.approx((dense / 2 + experts) * 12 / GiB)
+    assert round(m["optimizer"], 2) == 21.35
+    # EP 1: the expert-data-parallel group is the data-parallel group, every state sharded over DP 2
+    one = run_plan.memory_estimate(moe_args("--expert-model-parallel-size", "1"))
+    assert one["optimizer"] == pytest.approx((dense + experts * ep) / 2 * 12 / GiB)
+
+
+def test_micro_batch_suggestion_keeps_a_pipeline_busy(monkeypatch):
+    """Under PP 2 a micro-batch size that leaves one micro-batch per step idles a stage (1F1B): --dry-run suggests
+    only sizes that keep at least PP micro-batches per step, and says so."""
+    monkeypatch.setattr(run_plan, "device_memory_gib", lambda: (80.0, "test"))
+    args = moe_args()  # global batch 16 = micro-batch 1 x DP 2 x 8 micro-batches
+    assert run_plan.largest_micro_batch(args, 80.0)[0] == 8  # 8 fit, but 16 / (8 x DP 2) = 1 micro-batch
+    line = run_plan._micro_batch_line(args)
+    assert "--micro-batch-size 4 trains the same losses" in line, line
+    assert line.endswith("4, not 8: the largest that keeps at least PP 2 micro-batches per step at "
+                         "--global-batch-size 16, since fewer idle a pipeline stage under 1F1B"), line
+    small = moe_args("--global-batch-size", "4")  # 4 = 1 x DP 2 x 2: any larger size leaves one micro-batch
+    line = run_plan._micro_batch_line(small)
+    assert "--micro-batch-size 2" not in line and "keep --micro-batch-size 1: a larger one leaves fewer than PP 2 " \
+        "micro-batches per step at --global-batch-size 4" in line, line
+    assert line.endswith("--global-batch-size 32 would take --micro-batch-size 8"), line
