@@ -434,3 +434,26 @@ def test_full_disk_on_the_metrics_file_is_one_error_line(neat, tmp_path, monkeyp
         + err.split("the disk is full: ")[1].split(" are free")[0] + " are free there; free space or choose another "
         "directory, then re-run (iteration 3's record was not written; the checkpoints saved so far are intact)"], err
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+
+
+# flags a user walk found refused in the wrong words, or not at all -------------------------------------------
+def test_a_missing_load_directory_is_named_not_the_model_flags_it_would_give(tmp_path, neat, capsys):
+    """Without the model flags, --load gives the model's shape: a directory that is not there (a config whose model
+    is not downloaded yet, --dry-run included), or holds no model, is the error, not '--num-layers missing'."""
+    data = ["--data-path", neat, "--neat-pack", "--seq-length", "128", "--train-iters", "2"]
+    missing = str(tmp_path / "qwen-not-downloaded")
+    with pytest.raises(SystemExit):
+        parse_args(["--load", missing, *data])
+    err = capsys.readouterr().err
+    assert f"--load {missing} does not exist; the model flags (--num-layers, --hidden-size, --num-attention-heads) " \
+           "come from what it holds" in err and "missing required arguments" not in err, err
+    with pytest.raises(SystemExit):
+        parse_args(["--load", missing, *data, "--dry-run"])
+    assert "--dry-run plans from the model's shape: to plan before the model is there, pass --num-layers" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--load", str(tmp_path), *data])
+    assert f"--load {tmp_path} holds neither a Hugging Face model (config.json, *.safetensors) nor a Megatron " \
+           "checkpoint" in capsys.readouterr().err
+    # the model flags given: a dry run plans without the weights (the load itself refuses the missing directory)
+    assert parse_args([*TINY_FLAGS, "--load", missing, *data, "--dry-run"]).num_layers == 2

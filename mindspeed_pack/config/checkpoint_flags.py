@@ -63,7 +63,13 @@ def read_record(args):
 
 def fill_model_args(args, explicit: set) -> None:
     """Set the recorded model arguments of ``args.load`` that the user did not pass; refuse those passed with
-    another value. A checkpoint that records none (another tool's), or none yet, leaves the flags as given."""
+    another value. A checkpoint that records none (another tool's), or none yet, leaves the flags as given; a --load
+    that does not exist, or holds no model, is refused by name when the model flags are not all given."""
+    missing = [k for k in _REQUIRED if getattr(args, k) is None]
+    if not os.path.isdir(args.load):
+        if missing:
+            raise ArgumentError(_no_model(args, missing, "does not exist"))
+        return  # the model flags are given: the load refuses the missing directory (a dry run plans without it)
     try:
         found = read_record(args)
     except ArgumentError:
@@ -71,6 +77,9 @@ def fill_model_args(args, explicit: set) -> None:
             return  # the model flags are given: the load refuses the unreadable or unsafe file, in the same words
         raise  # the run cannot be described without the record: its reason, not "missing --num-layers"
     if found is None:
+        if missing and not os.path.isfile(os.path.join(args.load, layout.TRACKER)):
+            raise ArgumentError(_no_model(args, missing, "holds neither a Hugging Face model (config.json, "
+                                          f"*.safetensors) nor a Megatron checkpoint ({layout.TRACKER})"))
         return
     path, record = found
     if record.get("lora") is not None and not lora.trains_adapters(args):
@@ -93,6 +102,20 @@ def fill_model_args(args, explicit: set) -> None:
         log.info("--load %s: model flags from the arguments %s records: %s", args.load, path,
                  " ".join(f"{flag_of(k)} {show_setting(recorded[k])}" for k in filled))
     _dropout_of_its_run(args, explicit)
+
+
+def _no_model(args, missing: list, what: str) -> str:
+    """Why the run has no model shape: ``--load`` ``what``, and the model flags come from what it holds."""
+    flags = ", ".join(flag_of(k) for k in missing)
+    text = (f"--load {args.load} {what}; the model flags ({flags}) come from what it holds (a Hugging Face model's "
+            "config.json, or the arguments a Megatron checkpoint records): download or convert the model into it, or "
+            "correct the path")
+    if args.save and os.path.abspath(args.save) == os.path.abspath(args.load):
+        text += f" (it is also --save: a first launch, with nothing saved yet, passes {flags})"
+    if getattr(args, "dry_run", False):
+        text += (f"; --dry-run plans from the model's shape: to plan before the model is there, pass {flags} and the "
+                 "other model flags")
+    return text
 
 
 def _dropout_of_its_run(args, explicit: set) -> None:
