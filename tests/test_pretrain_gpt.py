@@ -212,3 +212,17 @@ def test_raw_files_are_tokenised_into_documents_in_one_command(tmp_path, toy_tok
     with pytest.raises(SystemExit):  # an instruction handler writes packs: posttrain.py's
         parse_args([*run, "--data-path", str(raw), "--handler-name", "AlpacaStyleInstructionHandler"],
                    extra_args_provider=pretrain_gpt.pretrain_args)
+
+
+@pytest.mark.parametrize("flag, why", [
+    (["--padded-samples"], "GPTDataset cuts the documents into rows over as many epochs as the iterations need"),
+    (["--sequence-packing-scheduler", "dp_balanced"], "every row of pretrain_gpt.py is --seq-length tokens"),
+    (["--neat-pack"], "--reset-attention-mask --reset-position-ids isolate them at each EOD"),
+])
+def test_posttrain_packing_flags_are_refused_not_ignored(corpus, capsys, flag, why):
+    """--padded-samples and --sequence-packing-scheduler dp_balanced did nothing to GPTDataset's rows, and --neat-pack
+    silently meant --reset-attention-mask --reset-position-ids; MindSpeed-LLM's pretrain scripts pass none of them."""
+    with pytest.raises(SystemExit):
+        pretrain_args("--data-path", corpus[0], "--train-iters", "2", *flag)
+    err = capsys.readouterr().err
+    assert f"error: {' '.join(flag)} is posttrain.py's, not pretrain_gpt.py's: " in err and why in err, err

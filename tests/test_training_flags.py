@@ -457,3 +457,21 @@ def test_a_missing_load_directory_is_named_not_the_model_flags_it_would_give(tmp
            "checkpoint" in capsys.readouterr().err
     # the model flags given: a dry run plans without the weights (the load itself refuses the missing directory)
     assert parse_args([*TINY_FLAGS, "--load", missing, *data, "--dry-run"]).num_layers == 2
+
+
+@pytest.mark.parametrize("extra", [["--train-iters", "2"], ["--train-epochs", "1"], ["--train-iters", "2", "--dry-run"]])
+def test_a_weighted_blend_is_refused_by_posttrain_before_anything_is_built(neat, capsys, extra):
+    """posttrain.py --data-path 0.3 A 0.7 B was refused once the model was built, taken the weight for a prefix under
+    --train-epochs, and passed --dry-run: the argument checks refuse it, in the same words on every path."""
+    blend = [a for a in nargv(neat) if a != neat]
+    blend[blend.index("--data-path") + 1:blend.index("--data-path") + 1] = ["0.3", neat, "0.7", neat]
+    with pytest.raises(SystemExit):
+        posttrain.main([*blend, *extra])
+    err = capsys.readouterr().err
+    assert f"error: --data-path 0.3 {neat} 0.7 {neat}: posttrain.py trains on one packed prefix, or on raw files it " \
+           "packs together; weighted blends are pretrain_gpt.py's" in err, err
+    assert "missing 0.3_packed" not in err
+    two = nargv(neat, *extra)
+    two.insert(two.index(neat), neat)
+    with pytest.raises(DataError, match=f"^--data-path {neat} {neat}: posttrain.py trains on one packed prefix"):
+        posttrain.main(two)  # two prefixes unweighted: refused before the model is built too

@@ -352,8 +352,9 @@ def per_split_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
-                   help="prefix P of P_packed_*_document (or a blend); posttrain.py: or raw data files / a directory, "
-                        "tokenised and packed first with the preprocessing flags (cached)")
+                   help="prefix P of P_packed_*_document (posttrain.py: one), or raw data files / a directory, "
+                        "tokenised and packed first with the preprocessing flags (cached); pretrain_gpt.py: "
+                        "P_text_document prefixes or raw files, or a weighted blend '0.3 A 0.7 B' of either")
     g.add_argument("--split", default="100,0,0")
     g.add_argument("--num-workers", type=int, default=0,
                    help="only 0: packs are memory-mapped and read in the training process")
@@ -575,6 +576,47 @@ def _check_data_flags(args) -> None:
         raise ArgumentError(f"--eval-interval {args.eval_interval} must be >= 1")
 
 
+# posttrain.py's --data-path: one packed prefix, or raw files it packs together (datasets/packed_dataset.py,
+# training/raw_data.py say the same)
+ONE_PREFIX = ("posttrain.py trains on one packed prefix, or on raw files it packs together; weighted blends are "
+              "pretrain_gpt.py's: preprocess the datasets into one prefix (preprocess_data.py --input A B) and pass "
+              "it, or pass the raw files as --data-path A B")
+
+# posttrain.py's flags that pretrain_gpt.py's GPTDataset rows (documents cut at --seq-length) would ignore
+NOT_FOR_PRETRAINING = {
+    "padded_samples": "it completes an epoch's last global batch with repeated packs of posttrain.py's sample "
+                      "index; GPTDataset cuts the documents into rows over as many epochs as the iterations need, so "
+                      "it would change nothing: drop it",
+    "sequence_packing_scheduler": "it packs and balances posttrain.py's instruction samples at load time; every row "
+                                  "of pretrain_gpt.py is --seq-length tokens of documents, so it would change nothing: "
+                                  "drop it",
+    "neat_pack": "it reads the segment ids preprocess_data.py --neat-pack writes into instruction packs; pretraining "
+                 "documents have none: --reset-attention-mask --reset-position-ids isolate them at each EOD",
+}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_data_path_for_the_script(args) -> None:
+    """What one training script reads: a weighted blend is pretrain_gpt.py's, the instruction-packing flags are
+    posttrain.py's (:data:`NOT_FOR_PRETRAINING`); refused by name, before any data is read."""
+    if getattr(args, "pretraining", False):
+        for dest, why in NOT_FOR_PRETRAINING.items():
+            value = getattr(args, dest)
+            if value not in (False, None, "none"):
+                flag = f"--{dest.replace('_', '-')}" + ("" if value is True else f" {value}")
+                raise ArgumentError(f"{flag} is posttrain.py's, not pretrain_gpt.py's: {why}")
+        return
+    if any(_is_number(p) for p in args.data_path or []):
+        raise ArgumentError(f"--data-path {' '.join(args.data_path)}: {ONE_PREFIX}")
+
+
 # stages whose per-token inputs are laid out for megatron's fixed CP split, or that run their own loop
 DYNAMIC_CP_REFUSED_STAGES = {
     "prm": "its step labels are laid out for megatron's fixed CP split",
@@ -727,6 +769,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     _check_loss_and_gc_flags(args)
     _warn_dropout_against_a_reference(args)
     _check_data_flags(args)
+    _check_data_path_for_the_script(args)
     _check_dynamic_cp_flags(args)
     _check_moe_flags(args)
     _check_lora_flags(args)

@@ -79,7 +79,9 @@ def _split_sources(args) -> dict:
     per_split = {name: getattr(args, f"{name}_data_path", None) for name in ("train", "valid", "test")}
     if not any(per_split.values()):
         if len(args.data_path) != 1:
-            raise DataError("posttrain takes one --data-path prefix (blends are for pretrain_gpt.py)")
+            from mindspeed_pack.config.arguments import ONE_PREFIX
+
+            raise DataError(f"--data-path {' '.join(args.data_path)}: {ONE_PREFIX}")
         docs = PackedDocuments(args.data_path[0])
         validate_packed_documents(docs, args)  # corrupt or mismatched files stop here, before the first step
         return {name: (docs, start, end)

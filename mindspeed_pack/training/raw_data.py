@@ -237,6 +237,10 @@ def prepare(args, pretrain: bool = False) -> Optional[dict]:
     inputs = raw_inputs(args)
     if inputs is None:
         if not pretrain:
+            if len(args.data_path or []) > 1:  # refused before the model is built, as the weights of a blend are
+                from mindspeed_pack.config.arguments import ONE_PREFIX
+
+                raise DataError(f"--data-path {' '.join(args.data_path)}: {ONE_PREFIX}")
             check_packed_flags(args)
         return None
     ns = preprocess_namespace(args, inputs, pretrain)
