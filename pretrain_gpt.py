@@ -7,6 +7,8 @@
     torchrun ... pretrain_gpt.py --data-path corpus.jsonl --tokenizer-name-or-path TOK --append-eod ...
         (raw files, any format preprocess_data.py reads: tokenised into documents first, once, and cached;
         --handler-name GeneralPretrainHandler, as MindSpeed-LLM's pretrain scripts pass it)
+    pretrain_gpt.py --data-path 0.3 a.jsonl 0.7 b.jsonl --append-eod ...
+        (a weighted blend of raw files: each tokenised into its own cached documents, then blended)
 
 The EOD id and vocabulary size default to what preprocess_data.py recorded in
 ``P_text_meta.json`` next to the documents.

@@ -226,3 +226,56 @@ def test_posttrain_packing_flags_are_refused_not_ignored(corpus, capsys, flag, w
         pretrain_args("--data-path", corpus[0], "--train-iters", "2", *flag)
     err = capsys.readouterr().err
     assert f"error: {' '.join(flag)} is posttrain.py's, not pretrain_gpt.py's: " in err and why in err, err
+
+
+def _raw_corpus(path, seed):
+    import json
+
+    from mindspeed_pack.data import toy
+
+    path.write_text("".join(json.dumps({"text": r["text"]}) + "\n" for r in toy.generate_pretrain_text(60, seed=seed)))
+    return str(path)
+
+
+def test_a_weighted_blend_of_raw_files_trains_as_the_blend_of_their_documents(tmp_path, toy_tokenizer_dir):
+    """pretrain_gpt.py --data-path 0.3 a.jsonl 0.7 b.jsonl took the weight for a packed prefix; each file is now
+    tokenised into its own cached documents and blended with the weights: the losses of the two commands."""
+    from mindspeed_pack.datasets.preprocess import main as preprocess_main
+
+    a, b = _raw_corpus(tmp_path / "a.jsonl", 3), _raw_corpus(tmp_path / "b.jsonl", 4)
+    flags = [f for f in TINY_FLAGS if f not in ("--padded-vocab-size", "256")]
+    run = [*flags, "--seq-length", str(S), "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+           "--train-iters", "3", "--reset-attention-mask", "--reset-position-ids", "--eod-mask-loss",
+           "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--make-vocab-size-divisible-by", "64"]
+    for name, raw in (("a", a), ("b", b)):
+        assert preprocess_main(["--input", raw, "--output-prefix", str(tmp_path / "two" / name), "--handler-name",
+                                "GeneralPretrainHandler", "--append-eod", "--tokenizer-name-or-path",
+                                str(toy_tokenizer_dir)]) == 0
+    two = str(tmp_path / "two.jsonl")
+    pretrain_gpt.main([*run, "--data-path", "0.3", str(tmp_path / "two" / "a_text_document"), "0.7",
+                       str(tmp_path / "two" / "b_text_document"), "--metrics-file", two])
+    one = str(tmp_path / "one.jsonl")
+    trainer = pretrain_gpt.main([*run, "--data-path", "0.3", a, "0.7", b, "--append-eod", "--metrics-file", one])
+    assert trainer.args.data_path[0::2] == ["0.3", "0.7"] and all(p.endswith("_text_document")
+                                                                  for p in trainer.args.data_path[1::2])
+    assert trainer.args.raw_data_path == ["0.3", a, "0.7", b]
+    assert trainer.source.splits["train"].weights == pytest.approx([0.3, 0.7])
+    got, want = read_metrics(one), read_metrics(two)
+    assert sorted(got) == [1, 2, 3] and all(got[i]["lm loss"] == want[i]["lm loss"] for i in got)
+
+
+def test_raw_files_without_append_eod_are_refused_before_they_are_tokenised(tmp_path, toy_tokenizer_dir):
+    """--reset-attention-mask on raw files without --append-eod was refused only after tokenising them, saying to
+    re-run preprocess_data.py: in the one-command form the flag belongs to this command, checked first."""
+    from mindspeed_pack.datasets.packed_documents import DataError
+
+    raw, cache = _raw_corpus(tmp_path / "a.jsonl", 3), tmp_path / "cache"
+    flags = [f for f in TINY_FLAGS if f not in ("--padded-vocab-size", "256")]
+    for data in ([raw], ["1.0", raw]):
+        with pytest.raises(DataError, match="^--reset-attention-mask finds documents at their EOD, and the raw "
+                                            "--data-path files would be tokenised without one: add --append-eod to "
+                                            "this command$"):
+            pretrain_gpt.main([*flags, "--seq-length", str(S), "--train-iters", "1", "--reset-attention-mask",
+                               "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--data-cache-path", str(cache),
+                               "--data-path", *data, "--dry-run"])
+    assert not cache.exists()

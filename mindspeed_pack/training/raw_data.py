@@ -87,6 +87,10 @@ def _is_raw(path: str) -> bool:
     return os.path.exists(path) or Path(path).suffix.lower() in FORMATS
 
 
+def _is_number(text: str) -> bool:
+    return blend_weights([text, ""]) is not None
+
+
 def raw_inputs(args) -> Optional[list]:
     """The raw files/directories of ``--data-path`` (None: packed prefixes, as before)."""
     for name in ("train", "valid", "test"):
@@ -100,6 +104,9 @@ def raw_inputs(args) -> Optional[list]:
         return None
     if len(raw) != len(paths):
         packed = next(p for p in paths if p not in raw)
+        if _is_number(packed):
+            raise DataError(f"--data-path {' '.join(paths)}: {packed} reads as a blend's weight; a blend is weight-path "
+                            "pairs, every path weighted ('0.3 A 0.7 B'), and only pretrain_gpt.py takes one")
         raise DataError(f"--data-path mixes raw files ({raw[0]}) and a packed prefix ({packed}): give one or the other")
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
@@ -231,9 +238,10 @@ def run_on_leader(args, work) -> dict:
 def prepare(args, pretrain: bool = False) -> Optional[dict]:
     """Turn raw ``--data-path`` files into packs (``pretrain``: pretraining documents) once and point
     ``args.data_path`` at them; ``args.raw_data_path`` keeps what was given. Packed prefixes: check the
-    preprocessing flags given."""
-    from mindspeed_pack.datasets.pack_writer import text_prefix
-
+    preprocessing flags given. ``pretrain``: a weighted blend ``0.3 a.jsonl 0.7 b.jsonl`` tokenises each raw
+    file into its own cached documents, blended with the weights (:func:`_prepare_blend`)."""
+    if pretrain and blend_weights(args.data_path):
+        return _prepare_blend(args)
     inputs = raw_inputs(args)
     if inputs is None:
         if not pretrain:
@@ -243,20 +251,83 @@ def prepare(args, pretrain: bool = False) -> Optional[dict]:
                 raise DataError(f"--data-path {' '.join(args.data_path)}: {ONE_PREFIX}")
             check_packed_flags(args)
         return None
+    if pretrain:
+        _check_documents_will_end_with_eod(args)
     ns = preprocess_namespace(args, inputs, pretrain)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-        result = _on_rank_zero(args, lambda: _preprocess(ns))
-    else:
-        result = _preprocess(ns)
-    prefix = text_prefix(result["prefix"]) if pretrain else result["prefix"]
+    result = _on_leader(args, lambda: _preprocess(ns))
+    prefix = _trained_prefix(result, pretrain)
     args.raw_data_path, args.data_path = inputs, [prefix]
+    args.data_summary = _summary(inputs, prefix, result, pretrain)
+    _log_summary(args)
+    return result
+
+
+def blend_weights(paths) -> Optional[list]:
+    """The weights of a weighted ``--data-path`` (``w1 P1 w2 P2 ...``, megatron-core's blend), else None."""
+    paths = list(paths or [])
+    if len(paths) < 2 or len(paths) % 2:
+        return None
+    try:
+        return [float(w) for w in paths[0::2]]
+    except ValueError:
+        return None
+
+
+def _prepare_blend(args) -> Optional[dict]:
+    """pretrain_gpt.py's ``--data-path 0.3 a.jsonl 0.7 b.jsonl``: each raw file (or directory) is tokenised into its
+    own documents (its own cache entry, as ``--data-path a.jsonl`` alone makes them), and the blend takes those
+    prefixes with the weights; a preprocessed prefix in the blend is used as it is."""
+    paths = list(args.data_path)
+    pairs = list(zip(paths[0::2], paths[1::2]))
+    raw = [path for _, path in pairs if _is_raw(path)]
+    if not raw:
+        return None  # preprocessed prefixes, as before
+    missing = [p for p in raw if not os.path.exists(p)]
+    if missing:
+        raise DataError(f"--data-path {missing[0]}: no such file or directory")
+    _check_documents_will_end_with_eod(args)
+    namespaces = {path: preprocess_namespace(args, [path], pretrain=True) for path in raw}
+    results = _on_leader(args, lambda: {path: _preprocess(ns) for path, ns in namespaces.items()})
+    prefixes = {path: _trained_prefix(result, True) for path, result in results.items()}
+    args.raw_data_path = paths
+    args.data_path = [item for weight, path in pairs for item in (weight, prefixes.get(path, path))]
+    args.data_summary = "; ".join(f"{weight} " + (_summary([path], prefixes[path], results[path], True)
+                                                   if path in results else path) for weight, path in pairs)
+    _log_summary(args)
+    return {"prefixes": prefixes, "results": results}
+
+
+def _check_documents_will_end_with_eod(args) -> None:
+    """Before tokenising raw files for pretrain_gpt.py: the flags that find documents at their EOD need it written."""
+    needs = [flag for flag, on in (("--reset-attention-mask", args.isolate_segments),
+                                   ("--eod-mask-loss", args.eod_mask_loss)) if on]
+    if needs and not args.append_eod:
+        raise DataError(f"{' and '.join(needs)} find{'s' if len(needs) == 1 else ''} documents at their EOD, and the "
+                        "raw --data-path files would be tokenised without one: add --append-eod to this command")
+
+
+def _on_leader(args, work):
+    """``work()`` here, or under torchrun on rank 0 (each node's first rank under ``--no-shared-storage``)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
+        return _on_rank_zero(args, work)
+    return work()
+
+
+def _trained_prefix(result: dict, pretrain: bool) -> str:
+    from mindspeed_pack.datasets.pack_writer import text_prefix
+
+    return text_prefix(result["prefix"]) if pretrain else result["prefix"]
+
+
+def _summary(inputs: list, prefix: str, result: dict, pretrain: bool) -> str:
     how = "cache hit" if result["cache hit"] else "preprocessed now"
-    args.data_summary = (f"{' '.join(inputs)} -> {'documents' if pretrain else 'packs'} {prefix}: "
-                         f"{result['packs']} documents" + ("" if pretrain else f", {result['samples']} samples")
-                         + f" ({how}, {result['seconds']:.2f} s)")
+    return (f"{' '.join(inputs)} -> {'documents' if pretrain else 'packs'} {prefix}: {result['packs']} documents"
+            + ("" if pretrain else f", {result['samples']} samples") + f" ({how}, {result['seconds']:.2f} s)")
+
+
+def _log_summary(args) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     log.info("data%s: %s", f" (rank {os.environ.get('RANK', 0)} of {world})" if world > 1 else "", args.data_summary)
-    return result
 
 
 def check_packed_flags(args) -> None:
