@@ -138,8 +138,20 @@ def test_neat_pack_data_without_neat_pack_is_refused(tmp_path, eos_packs, sideca
     data = write_eos_packs(str(tmp_path / "neat"), True, num_packs=4)
     if not sidecar:
         os.remove(f"{data}_packed_meta.json")
-    with pytest.raises(DataError, match="pass --neat-pack"):
+    with pytest.raises(DataError, match="pass --neat-pack, which reads them \\(without it samples attend to each "
+                                        "other\\)"):
         posttrain.main(argv(data, "--train-iters", "1"))
+
+
+def test_neat_pack_data_with_reset_attention_mask_is_refused_for_what_the_flag_reads(tmp_path):
+    """--reset-attention-mask isolates samples, so 'or samples attend to each other' was wrong: the flag finds plain
+    packs' samples at their EOS, and the segment ids of --neat-pack data are --neat-pack's to read."""
+    data = write_eos_packs(str(tmp_path / "neat"), True, num_packs=4)
+    with pytest.raises(DataError) as refused:
+        posttrain.main(argv(data, "--train-iters", "1", "--reset-attention-mask"))
+    assert str(refused.value).endswith("pass --neat-pack, which reads them (--reset-attention-mask finds the samples of "
+                                       "plain --pack data (at their EOS), not segment ids)"), refused.value
+    assert "attend to each other" not in str(refused.value)
 
 
 # 5 ------------------------------------------------------------------------------------------

@@ -47,8 +47,13 @@ def check_data(docs, args) -> None:
             raise DataError(f"{docs.prefix!r} holds {'preference pairs' if layout.get('pairs') else 'KTO couples'} "
                             f"whose two answers are told apart by segment ids ({sidecar}), packed or not: pass "
                             "--neat-pack, which reads them")
+        given = [f for f, on in (("--reset-attention-mask", args.reset_attention_mask),
+                                 ("--reset-position-ids", args.reset_position_ids)) if on]
+        # the segment ids are --neat-pack's to read; the reset flags find plain packs' samples at their EOS
+        why = (f"{' and '.join(given)} find{'s' if len(given) == 1 else ''} the samples of plain --pack data (at "
+               "their EOS), not segment ids" if given else "without it samples attend to each other")
         raise DataError(f"{docs.prefix!r} was written with --neat-pack (its attention_mask holds segment ids"
-                        + (f", {sidecar}" if layout else "") + "): pass --neat-pack, or samples attend to each other")
+                        + (f", {sidecar}" if layout else "") + f"): pass --neat-pack, which reads them ({why})")
     seq = layout.get("seq_length")
     if layout.get("kind") == "packed" and seq and int(seq) != args.seq_length:
         raise DataError(f"--seq-length {args.seq_length} differs from the packs' length {seq} in {sidecar}")
