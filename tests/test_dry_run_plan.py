@@ -52,3 +52,23 @@ def test_micro_batch_suggestion_keeps_a_pipeline_busy(monkeypatch):
     assert "--micro-batch-size 2" not in line and "keep --micro-batch-size 1: a larger one leaves fewer than PP 2 " \
         "micro-batches per step at --global-batch-size 4" in line, line
     assert line.endswith("--global-batch-size 32 would take --micro-batch-size 8"), line
+
+
+def test_epochs_note_and_layout_describe_load_time_packing_alike(tmp_path):
+    """Under dp_balanced the global batch counts samples packed at load time into as many micro-batches as they fill
+    (the layout line); the --train-epochs note said 'micro-batch 1 x data-parallel 1 x 16 micro-batches'."""
+    from tests.data_utils import write_packed_instruction_dataset
+    from tests.model_utils import TINY_FLAGS
+
+    data = write_packed_instruction_dataset(str(tmp_path / "d"), num_packs=40, meta=True)
+    common = [*TINY_FLAGS, "--data-path", data, "--neat-pack", "--seq-length", "128", "--global-batch-size", "16",
+              "--train-epochs", "1"]
+    for scheduler, batch in (("dp_balanced", "16 samples on data-parallel 1, packed at load time into as many "
+                                             "micro-batches as they fill"),
+                             ("none", "micro-batch 1 x data-parallel 1 x 16 micro-batches")):
+        args = parse_args([*common, "--sequence-packing-scheduler", scheduler],
+                          extra_args_provider=run_plan.train_epochs_arg)
+        run_plan.resolve_epochs(args)
+        assert f"/ global batch 16 ({batch}) = 3 iterations" in args.epochs_note, args.epochs_note
+        layout = next(line for line in run_plan.plan_lines(args) if line.startswith("layout:"))
+        assert ("packed at load time" in layout) == (scheduler == "dp_balanced"), layout

@@ -449,3 +449,25 @@ def test_token_level_aux_loss_with_packing_is_warned_about(balancing, warned, ca
         parse_args([*TINY_FLAGS, *flags, "--data-path", "data", "--neat-pack", "--moe-aux-loss-coeff", "0.01",
                     "--moe-router-load-balancing-type", balancing, "--train-iters", "1"])
     assert any("seq_aux_loss balances each sample" in r.message for r in caplog.records) == warned
+
+
+def test_a_hf_load_says_its_router_aux_loss_coef_is_not_applied(converted, caplog):
+    """A Qwen3-MoE --load keeps Megatron-LM's --moe-aux-loss-coeff 0 (a training setting, not the model's), while
+    config.json has router_aux_loss_coef: one line says the aux loss is logged but adds no gradient, unless given."""
+    import logging
+
+    from mindspeed_pack.config.arguments import parse_args
+
+    hf = str(converted["root"] / "hf")
+    coef = json.load(open(os.path.join(hf, "config.json")))["router_aux_loss_coef"]
+    flags = ["--load", hf, "--data-path", "data", "--neat-pack", "--seq-length", "64", "--train-iters", "1"]
+    with caplog.at_level(logging.INFO, logger="mindspeed_pack.config.hf_flags"):
+        assert parse_args(flags).moe_aux_loss_coeff == 0.0
+    said = [r.getMessage() for r in caplog.records if "router_aux_loss_coef" in r.getMessage()]
+    assert said == [f"--load {hf}: config.json's router_aux_loss_coef {coef} is not applied (--moe-aux-loss-coeff 0.0: "
+                    "the load-balancing loss is logged as 'moe aux loss' but adds no gradient); pass "
+                    f"--moe-aux-loss-coeff {coef} to train with it"], said
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mindspeed_pack.config.hf_flags"):
+        assert parse_args([*flags, "--moe-aux-loss-coeff", str(coef)]).moe_aux_loss_coeff == coef
+    assert not [r for r in caplog.records if "router_aux_loss_coef" in r.getMessage()]

@@ -487,3 +487,15 @@ def test_a_weighted_blend_is_refused_by_posttrain_before_anything_is_built(neat,
     two.insert(two.index(neat), neat)
     with pytest.raises(DataError, match=f"^--data-path {neat} {neat}: posttrain.py trains on one packed prefix"):
         posttrain.main(two)  # two prefixes unweighted: refused before the model is built too
+
+
+def test_a_megatron_load_format_is_not_listed_as_the_hugging_face_configs(tmp_path, neat):
+    """--load-format resolved to mg for a Megatron --load was listed under 'from the Hugging Face --load directory
+    (config.json)' in the resolved configuration: it is derived from --load."""
+    from mindspeed_pack.config import resolved_config
+
+    args = parse_args(nargv(neat, "--train-iters", "1", "--load", str(tmp_path / "ckpt"), "--dry-run"))
+    assert args.load_format == "mg" and args.flag_sources["load_format"] == ["load-format", "derived"]
+    text = resolved_config.text(args, "posttrain.py")
+    before = text[:text.index("\nload-format: mg\n")]
+    assert before[before.rindex("# --- "):].startswith("# --- derived from the flags above by validation"), text

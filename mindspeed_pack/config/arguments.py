@@ -841,6 +841,8 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
         before = dict(vars(args))
         hf_flags.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
         from_hf, before = _changed(before, args), dict(vars(args))
+        if args.load_format == "mg":  # resolved from --load, which is no Hugging Face directory: derived, not config.json's
+            from_hf.discard("load_format")
         if args.load_format == "mg":  # a Megatron --load: model flags from the arguments it records
             checkpoint_flags.fill_model_args(args, given)
         from_checkpoint = _changed(before, args) | from_peft

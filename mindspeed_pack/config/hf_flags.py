@@ -72,6 +72,12 @@ def fill_model_args(args, explicit: set) -> argparse.Namespace:
         args.attention_dropout = float(config.get("attention_dropout", 0.0) or 0.0)
     if "hidden_dropout" not in explicit:
         args.hidden_dropout = 0.0
+    coef = config.get("router_aux_loss_coef")
+    if getattr(args, "num_experts", None) and coef and "moe_aux_loss_coeff" not in explicit:
+        # a training setting, not the model's (convert/model_specs.py): Megatron-LM's default holds
+        log.info("--load %s: config.json's router_aux_loss_coef %s is not applied (--moe-aux-loss-coeff %s: the "
+                 "load-balancing loss is logged as 'moe aux loss' but adds no gradient); pass --moe-aux-loss-coeff %s "
+                 "to train with it", args.load, coef, args.moe_aux_loss_coeff, coef)
     args.hf_config = config
     args.loaded_sliding_window = getattr(model, "sliding_window", None)  # kept in the checkpoints this run saves
     log.info("--load %s: Hugging Face %s, model flags from config.json", args.load, model.model_type_hf)

@@ -63,11 +63,13 @@ def resolve_epochs(args) -> None:
         args.lr_decay_iters = args.train_iters
         resolved_config.mark(args, "lr_decay_iters", "epochs")
     extra = args.train_iters * gbs - epochs * epoch
+    batch = (f"{gbs} samples on data-parallel {args.data_parallel_size}, packed at load time into as many "
+             "micro-batches as they fill" if packs_at_load_time(args) else
+             f"micro-batch {args.micro_batch_size} x data-parallel {args.data_parallel_size} x "
+             f"{args.num_micro_batches} micro-batches")
     note = (f"--train-epochs {epochs}: {docs} training documents"
             + (f" (+{epoch - docs} repeats, --padded-samples)" if epoch != docs else "")
-            + f" x {epochs} = {epochs * epoch} samples / global batch {gbs} (micro-batch {args.micro_batch_size} x "
-              f"data-parallel {args.data_parallel_size} x {args.num_micro_batches} micro-batches) = "
-              f"{args.train_iters} iterations")
+            + f" x {epochs} = {epochs * epoch} samples / global batch {gbs} ({batch}) = {args.train_iters} iterations")
     if extra:
         beyond = (f"epoch {epochs + 1}" if extra <= epoch else
                   f"epochs {epochs + 1}-{epochs + -(-extra // epoch)} (a global batch larger than an epoch)")
@@ -260,9 +262,7 @@ def plan_lines(args) -> list:
         lines.append(f"iterations: {args.train_iters} (--train-iters)")
     world = args.data_parallel_size * args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
         args.context_parallel_size
-    # rows packed at load time (dp_balanced, dynamic CP, rollouts): the data decides how many micro-batches
-    load_time = getattr(args, "sequence_packing_scheduler", "none") != "none" or \
-        getattr(args, "stage", None) in ROLLOUT_STAGES
+    load_time = packs_at_load_time(args)
     rows = (f"{args.global_batch_size} samples a step on DP {args.data_parallel_size}, packed at load time into "
             f"rows of {getattr(args, 'max_seqlen_per_dp_cp_rank', None) or args.seq_length} tokens per rank (as many "
             "micro-batches as they fill)" if load_time else
@@ -291,6 +291,13 @@ def plan_lines(args) -> list:
 
 
 ROLLOUT_STAGES = ("grpo", "score")  # a micro-batch is one row packed at load time (datasets/rollouts.py)
+
+
+def packs_at_load_time(args) -> bool:
+    """Whether rows are packed at load time (dp_balanced, dynamic CP, rollouts): the global batch counts samples and
+    the data decides how many micro-batches they fill, so micro-batch x DP x micro-batches does not describe it."""
+    return getattr(args, "sequence_packing_scheduler", "none") != "none" or \
+        getattr(args, "stage", None) in ROLLOUT_STAGES
 ASSUMED_DEVICE_GIB = 80.0  # an H100's memory, when --dry-run runs where no GPU is visible
 HEADROOM = 0.85  # the share of a GPU's memory the estimate may fill: allocator and communication buffers on top
 
