@@ -1,7 +1,6 @@
 """posttrain.py --stage kto end to end: TP2 x PP2 and CP2 x DP2 equal TP1 step by step, the precomputed
 reference (--stage dpo_reference on KTO couples) gives the in-job reference's losses, resume is exact.
 (Step 1 against TRL's formulas, and against the starting policy as reference: tests/test_kto.py.)"""
-import math
 import os
 
 import pytest
