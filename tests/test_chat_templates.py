@@ -751,6 +751,26 @@ def test_json_qwen2_5_writes_openai_tool_calls_as_the_official_template(family_t
         chatml.encode_row({"messages": texted["messages"]}, "row 5")
 
 
+@pytest.mark.parametrize("prompt_type", ["qwen2_5", "qwen3"])
+def test_json_templates_take_openai_tool_rows_with_the_docs_map_keys(prompt_type, family_tokenizer_dir):
+    """The docs' --map-keys for OpenAI rows names only messages/role/content: the OpenAI role names (assistant,
+    tool) still carry tool calls and tool results on a JSON template, as under --prompt-type hf, and give the
+    same tokens as the rows with every role named."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    tokenizer = _encoder(family_tokenizer_dir("qwen2_5")).tokenizer
+    short, _ = resolve_map_keys(SHAREGPT, {"messages": "messages", "role": "role", "content": "content"})
+    named, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    rows = [(i, row) for i, row in enumerate(CORPUS[:80]) if any(m.get("tool_calls") for m in row["messages"])
+            and not any(m.get("reasoning_content") for m in row["messages"])]
+    assert rows
+    for i, row in rows:
+        got = SampleEncoder(SHAREGPT, tokenizer, get_template(prompt_type), short, None, False).encode_row(row, f"row {i}")
+        want = SampleEncoder(SHAREGPT, tokenizer, get_template(prompt_type), named, None, False).encode_row(row, f"row {i}")
+        assert got[1] is None and np.array_equal(got[0][0], want[0][0]) and np.array_equal(got[0][1], want[0][1])
+
+
 @pytest.mark.parametrize("prompt_type,family", [("qwen2_5", "qwen2_5"), ("qwen3", "qwen3_2507"), ("qwen3", "qwen3")])
 def test_json_qwen_templates_write_tool_rows_as_the_official_template(prompt_type, family, family_tokenizer_dir):
     """Rows with tool schemas, with and without a system message, and rows without tools: the JSON template writes

@@ -249,8 +249,8 @@ class SampleEncoder:
             if content is not None and not isinstance(content, str):
                 raise RowError(f"{where}: message {n} field {content_tag!r} must be a string, "
                                f"got {type(content).__name__}", BAD_TYPE)
-            self._refuse_unwritable(message, n, where, calls and tag == self.keys["assistant_tag"])
-            if tag == self.keys["system_tag"]:
+            self._refuse_unwritable(message, n, where, calls and self._role_of.get(tag) == ASSISTANT)
+            if tag in (self.keys["system_tag"], "system") and tag not in self._role_of:
                 if n > 0:  # a known role in the wrong place: the row is unusable (a skip reason), not malformed
                     return SKIP_SYSTEM_NOT_FIRST, system
                 system = content
@@ -280,7 +280,7 @@ class SampleEncoder:
                            hf_chat.REASON_REASONING)
         if message.get("tool_calls") and not calls_allowed:
             raise RowError(f"{where}: message {n} has 'tool_calls' but is not an assistant message "
-                           f"({self.keys['assistant_tag']!r})", BAD_TYPE)
+                           f"({self.keys['assistant_tag']!r} or 'assistant')", BAD_TYPE)
         if calls_allowed and message.get(self.keys["content_tag"]) and not self.template.format_tool_call:
             raise RowError(f"{where}: message {n} has text beside its tool_calls, which template {name!r} does not "
                            "write (refused, not dropped); use --prompt-type hf", REASON_TOOLS)
