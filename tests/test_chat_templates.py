@@ -16,7 +16,7 @@ import re
 import numpy as np
 import pytest
 
-from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_ROLE
+from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_FIELD, REASON_ROLE
 from mindspeed_pack.data.chat_template import (
     DEFAULT_DATE_STRING,
     REASON_DROPPED,
@@ -246,6 +246,11 @@ def test_bad_rows_name_row_message_and_field(family_tokenizer_dir):
          r"row 3: field 'messages' message 1 tool call 0: arguments are not valid JSON", REASON_ARGUMENTS),
         (qwen, {"messages": [{"role": "user", "content": "q"}, {"role": "wizard", "content": "a"}]},
          r"row 3: field 'messages' message 1 has unknown 'role' 'wizard'", REASON_ROLE),
+        (qwen, {"tools": {"a": 1}, "messages": CORPUS[0]["messages"]},
+         r"row 3: field 'tools' must be a list of tool schemas \(objects with \"type\"/\"function\" or \"name\"\), "
+         r"got \{\"a\": 1\}", REASON_FIELD),
+        (qwen, {"tools": [CORPUS[7]["tools"][0], "get_weather"], "messages": CORPUS[0]["messages"]},
+         r"row 3: field 'tools' item 1 is not a tool schema", REASON_FIELD),
         (_encoder(family_tokenizer_dir("gemma3")), CORPUS[7],
          r"row 3: the row has tool schemas, which this chat template does not render \(refused, not dropped\)", REASON_TOOLS),
     ]
@@ -1044,3 +1049,13 @@ def test_llama_tool_call_turn_without_its_text_is_written_warned_and_counted(tmp
     assert ids.tolist() == _apply(encoder.tokenizer.hf, texted["messages"], texted["tools"],
                                   encoder.chat.kwargs)["input_ids"]
     assert "let me look" not in encoder.tokenizer.decode(ids)
+
+
+def test_a_single_tool_schema_object_is_a_list_of_one(family_tokenizer_dir):
+    """A tools column holding one schema object (not a list) is read as that one schema, as before."""
+    encoder = _encoder(family_tokenizer_dir("qwen2_5"))
+    row = CORPUS[7]
+    single = {**row, "tools": row["tools"][0]}
+    ((one, _),) = encoder.encode_chat_row({**row, "tools": row["tools"][:1]}, "row 7")
+    ((got, _),) = encoder.encode_chat_row(single, "row 7")
+    assert np.array_equal(one, got)

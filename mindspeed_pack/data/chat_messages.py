@@ -28,8 +28,15 @@ REASONING_FIELDS = ("reasoning_content", "reasoning")
 _PASSED_FIELDS = ("tool_call_id", "name")
 
 
+def _is_tool_schema(value) -> bool:
+    """An object that reads as a tool schema: OpenAI's ``{"type": "function", "function": {...}}`` or a bare
+    ``{"name", "description", "parameters"}`` (LLaMA-Factory)."""
+    return isinstance(value, dict) and any(key in value for key in ("type", "function", "name"))
+
+
 def parse_tools(value, column: str) -> Optional[list]:
-    """The ``tools`` column: None/empty, a list of schemas, or that list as JSON text."""
+    """The ``tools`` column: None/empty, a list of tool schemas, or that list as JSON text. A single schema (an
+    object with "type"/"function" or "name") is read as a list of one; anything else is refused, naming the field."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, str):
@@ -39,10 +46,17 @@ def parse_tools(value, column: str) -> Optional[list]:
             raise RowError(f"field {column!r} is not valid JSON ({exc.msg} at column {exc.colno})", REASON_FIELD) from None
     if hasattr(value, "tolist"):
         value = value.tolist()
-    if isinstance(value, dict):
+    if isinstance(value, tuple):
+        value = list(value)
+    if _is_tool_schema(value):
         value = [value]
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise RowError(f"field {column!r} must be a list of tool schemas (objects), got {type(value).__name__}", REASON_FIELD)
+    if not isinstance(value, list):
+        raise RowError(f"field {column!r} must be a list of tool schemas (objects with \"type\"/\"function\" or "
+                       f"\"name\"), got {json.dumps(value, default=str)[:80]}", REASON_FIELD)
+    for n, tool in enumerate(value):
+        if not _is_tool_schema(tool):
+            raise RowError(f"field {column!r} item {n} is not a tool schema (an object with \"type\"/\"function\" "
+                           f"or \"name\"): {json.dumps(tool, default=str)[:80]}", REASON_FIELD)
     return value or None
 
 
