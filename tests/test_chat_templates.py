@@ -1059,3 +1059,42 @@ def test_a_single_tool_schema_object_is_a_list_of_one(family_tokenizer_dir):
     ((one, _),) = encoder.encode_chat_row({**row, "tools": row["tools"][:1]}, "row 7")
     ((got, _),) = encoder.encode_chat_row(single, "row 7")
     assert np.array_equal(one, got)
+
+
+def _as_text_parts(row: dict) -> dict:
+    """The row with every string content as OpenAI's list of text parts, split in two parts where it can be."""
+    row = json.loads(json.dumps(row))
+    for m in row["messages"]:
+        text = m.get("content")
+        if isinstance(text, str):
+            m["content"] = [{"type": "text", "text": text[:3]}, {"type": "text", "text": text[3:]}]
+    return row
+
+
+def test_list_of_text_parts_is_the_content_they_join(family_tokenizer_dir):
+    """OpenAI's content as a list of text parts reads as their texts concatenated, on --prompt-type hf and on a JSON
+    template alike; a part that is not text (an image) is refused naming the message and the part."""
+    from mindspeed_pack.data.chat_messages import REASON_PART
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    hf_encoder = _encoder(family_tokenizer_dir("qwen2_5"))
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    json_encoder = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("qwen2_5"), keys, None, False)
+    for i in (0, 4, 7, 8):
+        row, parts = CORPUS[i], _as_text_parts(CORPUS[i])
+        want, got = hf_encoder.encode_chat_row(row, f"row {i}"), hf_encoder.encode_chat_row(parts, f"row {i}")
+        assert len(want) == len(got) and all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+                                             for a, b in zip(want, got)), f"row {i}"
+        (want, _), _, _ = json_encoder.encode_row(row, f"row {i}")
+        (got, _), _, _ = json_encoder.encode_row(parts, f"row {i}")
+        assert np.array_equal(want, got), f"row {i}"
+    image = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+                                                      {"type": "image_url", "image_url": {"url": "x.png"}}]},
+                          {"role": "assistant", "content": "a cat"}]}
+    with pytest.raises(RowError, match=r"row 4: field 'messages' message 0 field 'content' part 1 is not a text part "
+                                       r".*image_url") as err:
+        hf_encoder.encode_chat_row(image, "row 4")
+    assert err.value.reason == REASON_PART
+    with pytest.raises(RowError, match=r"row 4: message 0 field 'content' part 1 is not a text part .*image_url"):
+        json_encoder.encode_row(image, "row 4")

@@ -24,6 +24,7 @@ from mindspeed_pack.data.errors import RowError
 REASON_ARGUMENTS = "unparseable tool arguments"
 REASON_ROLE = "unknown role"
 REASON_FIELD = "malformed message"
+REASON_PART = "content part that is not text"
 REASONING_FIELDS = ("reasoning_content", "reasoning")
 _PASSED_FIELDS = ("tool_call_id", "name")
 
@@ -58,6 +59,29 @@ def parse_tools(value, column: str) -> Optional[list]:
             raise RowError(f"field {column!r} item {n} is not a tool schema (an object with \"type\"/\"function\" "
                            f"or \"name\"): {json.dumps(tool, default=str)[:80]}", REASON_FIELD)
     return value or None
+
+
+def content_text(content, where: str, content_tag: str, type_reason: str = REASON_FIELD):
+    """A message's content as text: a string, None, or OpenAI's list of parts when every part is a text part
+    (``{"type": "text", "text": ...}``), their texts concatenated with no separator (what a text-only chat template
+    reads of them). Another part (an image, audio) or another type is refused, naming the part."""
+    if content is None or isinstance(content, str):
+        return content
+    if hasattr(content, "tolist"):  # a Parquet/Arrow list
+        content = content.tolist()
+    if not isinstance(content, (list, tuple)):
+        raise RowError(f"{where} field {content_tag!r} must be a string (or a list of text parts), got "
+                       f"{type(content).__name__}", type_reason)
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            shown = json.dumps(part, default=str)[:80] if isinstance(part, dict) else repr(part)[:80]
+            raise RowError(f"{where} field {content_tag!r} part {i} is not a text part ({{\"type\": \"text\", "
+                           f"\"text\": ...}}): {shown}; only text is trained here, so remove the part or the row",
+                           REASON_PART)
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def _arguments(args, where: str):
@@ -119,14 +143,13 @@ def sharegpt_messages(raw: list, system: Optional[str], keys: dict, column: str)
         if not isinstance(message, dict) or role_tag not in message:
             got = list(message) if isinstance(message, dict) else type(message).__name__
             raise RowError(f"{where} must have {role_tag!r} (--map-keys role_tag), got {got}", REASON_FIELD)
-        tag, content = message[role_tag], message.get(content_tag)
+        tag = message[role_tag]
         if tag not in roles:
             raise RowError(f"{where} has unknown {role_tag!r} {tag!r}; known: {', '.join(map(repr, roles))} "
                            "(set them with --map-keys user_tag/assistant_tag/...)", REASON_ROLE)
         role = roles[tag]
         calls = message.get("tool_calls")
-        if content is not None and not isinstance(content, str):
-            raise RowError(f"{where} field {content_tag!r} must be a string, got {type(content).__name__}", REASON_FIELD)
+        content = content_text(message.get(content_tag), where, content_tag)
         if content is None and not (role == "assistant" and calls):
             raise RowError(f"{where} has no {content_tag!r} (--map-keys content_tag)", REASON_FIELD)
         if role == "system" and n == 0:  # a leading system message wins over the system column

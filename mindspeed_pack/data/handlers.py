@@ -45,7 +45,8 @@ from typing import Optional
 import numpy as np
 
 from mindspeed_pack.data import chat_template as hf_chat
-from mindspeed_pack.data.chat_messages import REASONING_FIELDS, normalize_tool_calls, parse_tools, sharegpt_messages
+from mindspeed_pack.data.chat_messages import (REASONING_FIELDS, content_text, normalize_tool_calls, parse_tools,
+                                              sharegpt_messages)
 from mindspeed_pack.data.errors import BAD_JSON, BAD_MISSING_FIELD, BAD_ROLE, BAD_TYPE, PreprocessError, RowError
 from mindspeed_pack.data.readers import not_an_object
 from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, REASON_TOOLS,
@@ -245,11 +246,12 @@ class SampleEncoder:
                 raise RowError(f"{where}: field {self.keys['messages']!r} message {n} must have "
                                f"{role_tag!r} and {content_tag!r} (--map-keys role_tag/content_tag), got {got}",
                                BAD_MISSING_FIELD)
-            tag, content = message[role_tag], message.get(content_tag)
-            if content is not None and not isinstance(content, str):
-                raise RowError(f"{where}: message {n} field {content_tag!r} must be a string, "
-                               f"got {type(content).__name__}", BAD_TYPE)
-            self._refuse_unwritable(message, n, where, calls and self._role_of.get(tag) == ASSISTANT)
+            tag = message[role_tag]
+            try:
+                content = content_text(message.get(content_tag), f"message {n}", content_tag, BAD_TYPE)
+            except RowError as exc:
+                raise exc.at(where) from None
+            self._refuse_unwritable(message, content, n, where, calls and self._role_of.get(tag) == ASSISTANT)
             if tag in (self.keys["system_tag"], "system") and tag not in self._role_of:
                 if n > 0:  # a known role in the wrong place: the row is unusable (a skip reason), not malformed
                     return SKIP_SYSTEM_NOT_FIRST, system
@@ -270,7 +272,7 @@ class SampleEncoder:
                 messages.append((self._role_of[tag], content))
         return messages, system
 
-    def _refuse_unwritable(self, message: dict, n: int, where: str, calls_allowed: bool) -> None:
+    def _refuse_unwritable(self, message: dict, text: Optional[str], n: int, where: str, calls_allowed: bool) -> None:
         """RowError for what a message holds that this JSON template would drop."""
         name = self.template.name
         reasoning = next((f for f in REASONING_FIELDS if message.get(f)), None)
@@ -281,7 +283,7 @@ class SampleEncoder:
         if message.get("tool_calls") and not calls_allowed:
             raise RowError(f"{where}: message {n} has 'tool_calls' but is not an assistant message "
                            f"({self.keys['assistant_tag']!r} or 'assistant')", BAD_TYPE)
-        if calls_allowed and message.get(self.keys["content_tag"]) and not self.template.format_tool_call:
+        if calls_allowed and text and not self.template.format_tool_call:
             raise RowError(f"{where}: message {n} has text beside its tool_calls, which template {name!r} does not "
                            "write (refused, not dropped); use --prompt-type hf", REASON_TOOLS)
 
