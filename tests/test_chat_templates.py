@@ -1098,3 +1098,44 @@ def test_list_of_text_parts_is_the_content_they_join(family_tokenizer_dir):
     assert err.value.reason == REASON_PART
     with pytest.raises(RowError, match=r"row 4: message 0 field 'content' part 1 is not a text part .*image_url"):
         json_encoder.encode_row(image, "row 4")
+
+
+ORDER_ROWS = {  # unusable by the order of their turns, under any template
+    "roles out of order": [
+        [{"role": "assistant", "content": "A0 I start"}, {"role": "user", "content": "U1 q"},
+         {"role": "assistant", "content": "A1 a"}],  # an assistant turn first (the template raised UndefinedError)
+        [{"role": "user", "content": "U0 q"}, {"role": "user", "content": "U1 q"}, {"role": "assistant", "content": "A1"}],
+        [{"role": "user", "content": "U0 q"}, {"role": "assistant", "content": "A0"},
+         {"role": "assistant", "content": "A1"}],
+        [{"role": "user", "content": "U0 q"}, {"role": "tool", "content": "T0"}, {"role": "assistant", "content": "A0"}],
+    ],
+    "system message after the first message": [
+        [{"role": "user", "content": "U0 q"}, {"role": "assistant", "content": "A0"},
+         {"role": "system", "content": "S1 now be brief"}, {"role": "user", "content": "U1 q"},
+         {"role": "assistant", "content": "A1"}],
+    ],
+    "conversation does not end with an answer": [
+        [{"role": "user", "content": "U0 q"}, {"role": "assistant", "content": "A0"}, {"role": "user", "content": "U1"}],
+    ],
+}
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
+def test_turns_out_of_order_are_skipped_as_on_the_json_templates(family, family_tokenizer_dir):
+    """README: rows with roles out of order, a system message after the first or no final answer are always skipped
+    and counted. --prompt-type hf applies the JSON templates' order rules (and gives their reasons), even where the
+    template would render such a row; consecutive tool results (parallel calls) stay one turn."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    hf_encoder = _encoder(family_tokenizer_dir(family))
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    json_encoder = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("qwen2_5"), keys, None, False)
+    for reason, rows in ORDER_ROWS.items():
+        for messages in rows:
+            chunk = hf_encoder.encode_rows([("row 0", {"messages": messages})])
+            assert dict(chunk.skipped) == {reason: 1} and not len(chunk.lengths), (reason, messages)
+            assert json_encoder.encode_row({"messages": messages}, "row 0")[1] == reason, (reason, messages)
+    parallel = CORPUS[8]  # two tool results in a row
+    assert [m["role"] for m in parallel["messages"]].count("tool") == 2
+    assert hf_encoder.encode_chat_row(parallel, "row 8")

@@ -21,7 +21,8 @@ Handlers (names as in MindSpeed-LLM's ``--handler-name``):
 Both instruction handlers read an optional ``tools`` column. Under ``--prompt-type hf`` a row
 becomes OpenAI-style messages (``chat_messages.py``: tool calls, tool results, reasoning) rendered
 by the model's own chat template (``chat_template.py``), possibly as several samples; rows it
-cannot render are refused with a ``RowError``. The budget rules below are the JSON templates'; an
+cannot render are refused with a ``RowError``, and rows whose turns are out of order are skipped by the same rules as
+the JSON templates' (:func:`chat_order_skip`). The budget rules below are the JSON templates'; an
 ``hf`` sample longer than ``seq_length`` is cut at its end (each sample of a row on its own), the
 turn that crosses the cut trained up to it, and counted as truncated like the JSON templates' samples.
 
@@ -45,13 +46,29 @@ from typing import Optional
 import numpy as np
 
 from mindspeed_pack.data import chat_template as hf_chat
-from mindspeed_pack.data.chat_messages import (REASONING_FIELDS, content_text, normalize_tool_calls, parse_tools,
-                                              sharegpt_messages)
+from mindspeed_pack.data.chat_messages import (
+    REASONING_FIELDS,
+    content_text,
+    normalize_tool_calls,
+    parse_tools,
+    sharegpt_messages,
+)
 from mindspeed_pack.data.errors import BAD_JSON, BAD_MISSING_FIELD, BAD_ROLE, BAD_TYPE, PreprocessError, RowError
 from mindspeed_pack.data.readers import not_an_object
-from mindspeed_pack.data.templates import (ANSWER_ROLES, ASSISTANT, FUNCTION, OBSERVATION, PROMPT_ROLES, REASON_TOOLS,
-                                           USER, Template, ToolCalls, merge_observations, render_turns,
-                                           special_token_text)
+from mindspeed_pack.data.templates import (
+    ANSWER_ROLES,
+    ASSISTANT,
+    FUNCTION,
+    OBSERVATION,
+    PROMPT_ROLES,
+    REASON_TOOLS,
+    USER,
+    Template,
+    ToolCalls,
+    merge_observations,
+    render_turns,
+    special_token_text,
+)
 from mindspeed_pack.data.tokenizer import TextTokenizer
 
 ALPACA = "AlpacaStyleInstructionHandler"
@@ -101,6 +118,35 @@ SKIP_EMPTY = "empty text or conversation"
 SKIP_ROLE_ORDER = "roles out of order"
 SKIP_SYSTEM_NOT_FIRST = "system message after the first message"
 SKIP_NO_ANSWER = "conversation does not end with an answer"
+
+
+def turn_order_skip(roles: list) -> Optional[str]:
+    """Why a conversation is unusable by the order of its turns (roles user/observation/assistant/function, the
+    system message left out, consecutive tool results already one turn), or None: prompt and answer turns must
+    alternate from a prompt (else "roles out of order") and end with an answer (else "does not end with an answer")."""
+    for i, role in enumerate(roles):
+        if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
+            return SKIP_ROLE_ORDER
+    return SKIP_NO_ANSWER if len(roles) % 2 else None
+
+
+_CHAT_TURN_ROLES = {"user": USER, "tool": OBSERVATION, "assistant": ASSISTANT}
+
+
+def chat_order_skip(messages: list[dict]) -> Optional[str]:
+    """:func:`turn_order_skip` for OpenAI-style messages (``--prompt-type hf``), the JSON templates' rules: a system
+    message only first, and consecutive tool results one turn (the results of parallel calls, as templates join
+    them)."""
+    roles = []
+    for n, message in enumerate(messages):
+        if message["role"] == "system":
+            if n:
+                return SKIP_SYSTEM_NOT_FIRST
+            continue
+        role = _CHAT_TURN_ROLES[message["role"]]
+        if not (role == OBSERVATION and roles and roles[-1] == OBSERVATION):
+            roles.append(role)
+    return turn_order_skip(roles)
 
 
 def _empty_answer(message: dict) -> bool:
@@ -310,12 +356,16 @@ class SampleEncoder:
         if not isinstance(row, dict):
             raise PreprocessError(f"{where}: expected an object with named fields, got {type(row).__name__}")
         messages, tools = self._chat_messages(row, where)
-        answers = [m for m in messages if m.get("role") == "assistant"]
-        if answers and all(_empty_answer(m) for m in answers):
+        if all(m["role"] == "system" for m in messages):
+            return None, SKIP_EMPTY
+        skip = chat_order_skip(messages)  # the JSON templates' rules (plan_messages), whatever the template accepts
+        if skip is not None:
+            return None, skip
+        if all(_empty_answer(m) for m in messages if m["role"] == "assistant"):
             return None, SKIP_EMPTY  # only empty answers: nothing to learn but stopping at once
         samples = self.chat_samples(messages, tools, where)
         if not samples:
-            return None, SKIP_NO_ANSWER if messages else SKIP_EMPTY
+            return None, SKIP_NO_ANSWER
         plan = []
         for sample in samples:
             plan.append((sample, len(texts)))
@@ -433,11 +483,9 @@ class SampleEncoder:
         if not messages:
             return None, SKIP_EMPTY
         messages = merge_observations(self.template, messages)
-        for i, (role, _) in enumerate(messages):
-            if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
-                return None, SKIP_ROLE_ORDER
-        if len(messages) % 2:
-            return None, SKIP_NO_ANSWER
+        skip = turn_order_skip([role for role, _ in messages])
+        if skip is not None:
+            return None, skip
         if all(isinstance(content, str) and not content.strip() for role, content in messages if role in ANSWER_ROLES):
             return None, SKIP_EMPTY  # only empty answers: nothing to learn but stopping at once
         return [(self._slot_parts(p, texts), self._slot_parts(a, texts))

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspeed_pack.data.errors import BAD_MISSING_FIELD, BAD_TYPE, PreprocessError, RowError
-from mindspeed_pack.data.handlers import KTO_BASE, SKIP_EMPTY, SKIP_NO_ANSWER, EncodedChunk, SampleEncoder
+from mindspeed_pack.data.handlers import KTO_BASE, SKIP_EMPTY, EncodedChunk, SampleEncoder, chat_order_skip
 from mindspeed_pack.data.pairwise import final_answer_only
 from mindspeed_pack.data.readers import not_an_object
 
@@ -103,8 +103,9 @@ class KTOEncoder(SampleEncoder):
         messages, tools = self._chat_messages(row, where)
         if all(m["role"] == "system" for m in messages):
             return None, SKIP_EMPTY
-        if messages[-1]["role"] != "assistant":
-            return None, SKIP_NO_ANSWER
+        skip = chat_order_skip(messages)  # the JSON templates' rules: roles in order, an answer last
+        if skip is not None:
+            return None, skip
         sample, = self.chat_samples(messages, tools, where, trained=[len(messages) - 1])
         texts.append(sample.text)
         return (where, [(sample, len(texts) - 1)], desirable), None

@@ -37,8 +37,7 @@ import numpy as np
 from mindspeed_pack.data.chat_messages import REASONING_FIELDS
 from mindspeed_pack.data.chat_template import REASON_REASONING, REASON_TOKEN_BOUNDARY
 from mindspeed_pack.data.errors import RowError
-from mindspeed_pack.data.handlers import (ALPACA, ASSISTANT, PAIRWISE_BASE, SKIP_EMPTY, SKIP_ROLE_ORDER,
-                                          SampleEncoder)
+from mindspeed_pack.data.handlers import ALPACA, ASSISTANT, PAIRWISE_BASE, SKIP_EMPTY, SampleEncoder, chat_order_skip
 from mindspeed_pack.data.readers import not_an_object
 from mindspeed_pack.data.templates import REASON_TOOLS
 
@@ -177,8 +176,9 @@ class PairwiseEncoder(SampleEncoder):
         prompt, tools = self._chat_messages(row, where, answer=False)
         if all(m["role"] == "system" for m in prompt):
             return None, SKIP_EMPTY
-        if prompt[-1]["role"] == "assistant":  # the pair's answers must answer the prompt's last turn
-            return None, SKIP_ROLE_ORDER
+        skip = chat_order_skip(prompt + [{"role": "assistant", "content": chosen}])  # answers the prompt's last turn
+        if skip is not None:
+            return None, skip
         if chosen == rejected:
             return None, SKIP_IDENTICAL
         plan = []
