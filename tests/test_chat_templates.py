@@ -294,7 +294,9 @@ def test_template_probe_records_what_it_renders():
     caps = ChatTemplate(source, {"bos_token": "<bos>"}, {}).capabilities
     assert caps == {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": "think_tags"}
     caps = ChatTemplate((chat_corpus.TEMPLATES / "qwen3.jinja").read_text(), {}, {}).capabilities
-    assert caps == {"tools": True, "tool_calls": "object", "tool_results": True, "reasoning": "field"}
+    assert caps == {"tools": True, "tool_calls": "either", "tool_results": True, "reasoning": "field"}
+    caps = ChatTemplate((chat_corpus.TEMPLATES / "qwen2_5.jinja").read_text(), {}, {}).capabilities
+    assert caps["tool_calls"] == "object"  # `| tojson` only: a string would be written as an escaped JSON string
 
 
 
@@ -1139,3 +1141,31 @@ def test_turns_out_of_order_are_skipped_as_on_the_json_templates(family, family_
     parallel = CORPUS[8]  # two tool results in a row
     assert [m["role"] for m in parallel["messages"]].count("tool") == 2
     assert hf_encoder.encode_chat_row(parallel, "row 8")
+
+
+STRING_ARGUMENTS = {"messages": [
+    {"role": "user", "content": "U0 weather?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city":"\\u5317\\u4eac"}'}}]},
+    {"role": "tool", "content": "T0 ok"}, {"role": "assistant", "content": "A1 done"}]}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_2507"])
+def test_string_arguments_stay_verbatim_where_the_template_writes_strings(family, family_tokenizer_dir):
+    """Qwen3's template writes a string argument verbatim (its `is string` branch), as apply_chat_template does: the
+    sample is that render byte for byte (the string is not parsed and re-serialised)."""
+    encoder = _encoder(family_tokenizer_dir(family))
+    row = STRING_ARGUMENTS
+    samples = encoder.encode_chat_row(row, "row 0")
+    hf = encoder.tokenizer.hf
+    last = samples[-1][0]
+    assert last.tolist() == _apply(hf, row["messages"], None, encoder.chat.kwargs)["input_ids"]
+    assert '"arguments": {"city":"\\u5317\\u4eac"}' in encoder.tokenizer.decode(last)
+
+
+def test_string_arguments_become_objects_where_the_template_writes_objects(family_tokenizer_dir):
+    """Qwen2.5's template writes arguments with `| tojson` only: a string is given to it as the object it holds (the
+    docs' rule), so the call is written as the template writes objects, never as an escaped JSON string."""
+    encoder = _encoder(family_tokenizer_dir("qwen2_5"))
+    ((ids, _),) = encoder.encode_chat_row(STRING_ARGUMENTS, "row 0")
+    assert '"arguments": {"city": "北京"}' in encoder.tokenizer.decode(ids)

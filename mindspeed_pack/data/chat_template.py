@@ -201,8 +201,13 @@ class ChatTemplate:
             return None
 
     def _probe(self) -> dict:
-        """What the template renders at all: tool schemas, tool calls (object or string arguments), tool results,
-        reasoning (a ``reasoning_content`` field, or a ``<think>`` block inside the content)."""
+        """What the template renders at all: tool schemas, tool calls, tool results, reasoning (a
+        ``reasoning_content`` field, or a ``<think>`` block inside the content).
+
+        Tool-call arguments: ``"object"`` when the template renders them only from an object (Qwen2.5 and Llama
+        ``| tojson`` them: a string would be written as an escaped JSON string), ``"string"`` when only from a
+        string, ``"either"`` when it writes a string verbatim and an object too (Qwen3's ``is string`` branch):
+        the arguments then stay as the row gives them, so the sample is what ``apply_chat_template`` renders."""
         schema = {"type": "function", "function": {"name": "probe_schema_fn", "description": "d",
                                                    "parameters": {"type": "object", "properties": {}}}}
         user = {"role": "user", "content": "q"}
@@ -214,12 +219,16 @@ class ChatTemplate:
         caps = {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": None}
         text = self._renders([user, {"role": "assistant", "content": "a"}], [schema])
         caps["tools"] = bool(text and "probe_schema_fn" in text)
-        for form, arguments in (("object", {"probe_arg": "probe_value"}), ("string", '{"probe_arg": "probe_value"}')):
+        # the string is spaced unlike any JSON serialisation, so only a verbatim write of it contains it
+        verbatim = '{"probe_arg":"probe_value" }'
+        forms = []
+        for form, arguments, written in (("object", {"probe_arg": "probe_value"}, "probe_value"),
+                                         ("string", verbatim, verbatim)):
             text = self._renders([user, call(arguments), result, {"role": "assistant", "content": "a"}], None)
-            if text and "probe_call_fn" in text and "probe_value" in text:
-                caps["tool_calls"] = form
-                caps["tool_results"] = "probe_result_text" in text
-                break
+            if text and "probe_call_fn" in text and written in text:
+                forms.append(form)
+                caps["tool_results"] = caps["tool_results"] or "probe_result_text" in text
+        caps["tool_calls"] = "either" if len(forms) == 2 else forms[0] if forms else None
         text = self._renders([user, {"role": "assistant", "content": "a", "reasoning_content": "probe_reasoning"}], None)
         if text and "probe_reasoning" in text:
             caps["reasoning"] = "field"
@@ -392,7 +401,8 @@ def fold_reasoning(reasoning: str, content: str) -> str:
 
 
 def _arguments_as(call: dict, form: str) -> dict:
-    """A tool call with its arguments as an object or a JSON string, whichever the template renders."""
+    """A tool call with its arguments as an object or a JSON string, whichever the template renders (as the row
+    gives them where it renders both)."""
     call = json.loads(json.dumps(call))
     fn = call.get("function", call)
     args = fn.get("arguments")
