@@ -19,6 +19,7 @@ import pytest
 from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_FIELD, REASON_ROLE
 from mindspeed_pack.data.chat_template import (
     DEFAULT_DATE_STRING,
+    DEFAULT_NOW,
     REASON_DROPPED,
     REASON_NOT_PREFIX,
     REASON_REASONING,
@@ -27,7 +28,7 @@ from mindspeed_pack.data.chat_template import (
     REASON_TOOLS,
     ChatTemplate,
 )
-from mindspeed_pack.data.errors import RowError
+from mindspeed_pack.data.errors import PreprocessError, RowError
 from mindspeed_pack.data.handlers import ALPACA, SHAREGPT, resolve_map_keys
 from mindspeed_pack.data.tokenizer import TokenizerSpec
 from mindspeed_pack.datasets.preprocess import EncoderConfig
@@ -230,12 +231,39 @@ def test_llama_date_header_is_pinned_and_overridable(family_tokenizer_dir):
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     for family in ("llama3_1", "llama3_2"):
         encoder = _encoder(family_tokenizer_dir(family))
-        assert encoder.chat.identity()["chat_template_kwargs"] == {"date_string": DEFAULT_DATE_STRING}
+        pins = {"date_string": DEFAULT_DATE_STRING}  # Llama 3.2 falls back to strftime_now: pinned too
+        pins.update({"strftime_now": DEFAULT_NOW} if "strftime_now" in encoder.chat.source else {})
+        assert encoder.chat.identity()["chat_template_kwargs"] == pins
         ((_, ids, _),), _, _ = encode_with_plans(encoder, row)
         assert f"Today Date: {DEFAULT_DATE_STRING}\n" in encoder.tokenizer.decode(ids)
     encoder = _encoder(family_tokenizer_dir("llama3_2"), chat_template_kwargs={"date_string": "01 Jan 2025"})
     ((_, ids, _),), _, _ = encode_with_plans(encoder, row)
     assert "Today Date: 01 Jan 2025\n" in encoder.tokenizer.decode(ids)
+
+
+NOW_TEMPLATE = ("{{- 'Current date: ' + strftime_now('%Y-%m-%d') + '\\n' }}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+                "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("markers", [False, True])
+def test_strftime_now_is_pinned_and_overridable(markers, tmp_path, family_tokenizer_dir):
+    """A template that calls strftime_now (gpt-oss's "Current date") gets a pinned day, like Llama's date_string, so
+    the same data gives the same tokens on another day; --chat-template-kwargs '{"strftime_now": ISO}' sets it."""
+    source = NOW_TEMPLATE.replace("{{ m.content }}", "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                                  "{% endgeneration %}{% else %}{{ m.content }}{% endif %}") if markers else NOW_TEMPLATE
+    path = tmp_path / "now.jinja"
+    path.write_text(source)
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    encoder = _encoder(family_tokenizer_dir("qwen2_5"), chat_template=str(path))
+    assert encoder.chat.identity()["chat_template_kwargs"] == {"strftime_now": DEFAULT_NOW}
+    ((ids, _),) = encoder.encode_chat_row(row, "row 0")
+    assert encoder.tokenizer.decode(ids).startswith(f"Current date: {DEFAULT_NOW}\n")
+    encoder = _encoder(family_tokenizer_dir("qwen2_5"), chat_template=str(path),
+                       chat_template_kwargs={"strftime_now": "2025-01-31"})
+    ((ids, _),) = encoder.encode_chat_row(row, "row 0")
+    assert encoder.tokenizer.decode(ids).startswith("Current date: 2025-01-31\n")
+    with pytest.raises(PreprocessError, match=r"strftime_now must be an ISO date .* got 'today'"):
+        _encoder(family_tokenizer_dir("qwen2_5"), chat_template=str(path), chat_template_kwargs={"strftime_now": "today"})
 
 
 def test_bad_rows_name_row_message_and_field(family_tokenizer_dir):

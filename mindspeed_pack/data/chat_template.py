@@ -38,6 +38,8 @@ drops characters and its offsets cannot tell).
 """
 from __future__ import annotations
 
+import datetime
+import functools
 import hashlib
 import json
 import re
@@ -51,6 +53,8 @@ from mindspeed_pack.data.templates import REASON_TOOLS
 
 # The date the official Llama-3.x templates fall back to; pinned so the header never depends on the day
 DEFAULT_DATE_STRING = "26 Jul 2024"
+# What a template's strftime_now() (transformers' "now", gpt-oss's "Current date") reads: the same day, pinned
+DEFAULT_NOW = "2024-07-26"
 REASONING_HISTORY = ("split", "keep")
 _GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -95,11 +99,28 @@ def parse_template_kwargs(text: Optional[str]) -> dict:
 
 
 def pinned_kwargs(source: str, kwargs: dict) -> dict:
-    """``kwargs`` plus the pins the template needs to be reproducible (Llama-3.x ``date_string``)."""
+    """``kwargs`` plus the pins the template needs to be reproducible: Llama-3.x ``date_string``, and the moment
+    ``strftime_now`` reads (an ISO date or date-time under the key ``strftime_now``; gpt-oss's "Current date")."""
     kwargs = dict(kwargs)
     if "date_string" in source and "date_string" not in kwargs:
         kwargs["date_string"] = DEFAULT_DATE_STRING
+    if "strftime_now" in source and "strftime_now" not in kwargs:
+        kwargs["strftime_now"] = DEFAULT_NOW
+    if "strftime_now" in kwargs:
+        _pinned_now(kwargs["strftime_now"])  # checked here, where the flag is read
     return kwargs
+
+
+def _pinned_now(value) -> datetime.datetime:
+    try:
+        return datetime.datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        raise PreprocessError(f"--chat-template-kwargs: strftime_now must be an ISO date (e.g. \"{DEFAULT_NOW}\") or "
+                              f"date-time, the moment the template's strftime_now() reads; got {value!r}") from None
+
+
+def _strftime_at(moment: datetime.datetime, format: str) -> str:
+    return moment.strftime(format)
 
 
 @dataclass
@@ -130,7 +151,12 @@ class ChatTemplate:
             raise PreprocessError(f"--reasoning-history must be one of {', '.join(REASONING_HISTORY)}, got {reasoning_history!r}")
         self.source, self.origin, self.reasoning_history = source, origin, reasoning_history
         self.kwargs = pinned_kwargs(source, kwargs)
-        self._render_kwargs = {**special_tokens, **self.kwargs}  # kwargs win, as in apply_chat_template
+        # kwargs win, as in apply_chat_template; the pinned moment replaces the environment's strftime_now (a global,
+        # which a render's variables shadow): transformers turns callables in kwargs into placeholders, so it is
+        # given to the compiled template directly (render_prefixes)
+        self._render_kwargs = {**special_tokens, **{k: v for k, v in self.kwargs.items() if k != "strftime_now"}}
+        now = self.kwargs.get("strftime_now")
+        self._pinned_globals = {} if now is None else {"strftime_now": functools.partial(_strftime_at, _pinned_now(now))}
         self.has_generation_markers = bool(_GENERATION_MARKER.search(source))
         atoms = sorted((a for a in atoms if a), key=len, reverse=True)
         self._atoms = re.compile("|".join(map(re.escape, atoms))) if atoms else None
@@ -156,9 +182,13 @@ class ChatTemplate:
         """Texts (and generation spans when the template marks them) of several conversations."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
+        # a transformers that plain-copies kwargs (which holds transformers_steps) would turn the pinned
+        # strftime_now into a string: its samples come from render_prefixes, this renders only the probes there
+        pinned = self._pinned_globals if template_renderer.transformers_steps() is None else {}
         return render_jinja_template(conversations=conversations, tools=tools, chat_template=self.source,
                                      add_generation_prompt=add_generation_prompt,
-                                     return_assistant_tokens_mask=self.has_generation_markers, **self._render_kwargs)
+                                     return_assistant_tokens_mask=self.has_generation_markers, **self._render_kwargs,
+                                     **pinned)
 
     def render_prefixes(self, messages: list, tools, stops: list) -> tuple[list, list, list]:
         """Generation-prompt renders of ``messages[:k]`` and full renders (with their generation spans)
@@ -176,7 +206,7 @@ class ChatTemplate:
         plain, alias, with_indices = steps
         if self._compiled is None:
             template = template_renderer.compile_template(self.source)
-            self._plain_kwargs = plain(self._render_kwargs)
+            self._plain_kwargs = {**plain(self._render_kwargs), **self._pinned_globals}
             self._compiled = (template, template_renderer.shared_variables(template, self._plain_kwargs))
         template, shared = self._compiled
         chat, tools = alias(plain(messages)), plain(tools)
