@@ -1197,3 +1197,28 @@ def test_string_arguments_become_objects_where_the_template_writes_objects(famil
     encoder = _encoder(family_tokenizer_dir("qwen2_5"))
     ((ids, _),) = encoder.encode_chat_row(STRING_ARGUMENTS, "row 0")
     assert '"arguments": {"city": "北京"}' in encoder.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3_2507", "gemma3", "qwen3"])
+def test_reasoning_folded_into_the_content_is_warned_and_counted(family, tmp_path, family_tokenizer_dir,
+                                                                 run_preprocess):
+    """A template without a reasoning field (Qwen2.5, Qwen3-2507, Gemma 3, ...) gets an assistant turn's
+    reasoning_content inside its content as <think>...</think>, trained: apply_chat_template would leave it out, so the
+    run says so (statistics.notes, one warning line naming what to do otherwise). Qwen3 renders the field: no note."""
+    from mindspeed_pack.data import toy
+    from mindspeed_pack.data.chat_template import NOTE_REASONING_FOLDED
+
+    data = toy.write_dataset(tmp_path / "rows.jsonl", [CORPUS[0], CORPUS[1], CORPUS[2]])  # 0, 1 and 2 traces
+    code, _, err = run_preprocess(input=data, output_prefix=str(tmp_path / "p"), prompt_type="hf",
+                                  tokenizer_name_or_path=family_tokenizer_dir(family), handler_name=SHAREGPT,
+                                  map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=2048)
+    assert code == 0, err
+    stats = json.loads((tmp_path / "p_packed_meta.json").read_text())["statistics"]
+    if family == "qwen3":
+        assert stats["notes"] == {} and "warning" not in err, err
+        return
+    assert stats["notes"] == {NOTE_REASONING_FOLDED: 3}, stats
+    assert stats["first_notes"][NOTE_REASONING_FOLDED] == f"{data}: line 2: message 2"
+    warning = [line for line in err.splitlines() if NOTE_REASONING_FOLDED in line]
+    assert len(warning) == 1 and warning[0].startswith(f"warning: 3 {NOTE_REASONING_FOLDED} (the template reads no "
+                                                       "reasoning field") and "drop reasoning_content" in warning[0]

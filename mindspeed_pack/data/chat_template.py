@@ -32,7 +32,7 @@ render that drops the reasoning) cannot be trained without shifting its mask: su
 refused with a :class:`RowError` naming the turn, never trained on a guess. So are rows the
 template cannot render (probed once: tool schemas, calls, results, reasoning) or whose render
 drops a call or a reasoning trace (a tool-call turn whose *text* the template leaves out, as
-Llama 3.1 does, is written as rendered and counted in ``SamplePlan.text_dropped``); the handler also refuses a turn that starts or ends inside a
+Llama 3.1 does, is written as rendered and counted in ``SamplePlan.notes``); the handler also refuses a turn that starts or ends inside a
 token of the sample (checked on the tokenizer's offsets, or as token sequences where a tokenizer
 drops characters and its offsets cannot tell).
 """
@@ -65,8 +65,15 @@ REASON_RENDER = "template raised an error"
 REASON_DROPPED = "template drops a tool call or reasoning"
 REASON_TOKEN_BOUNDARY = "turn boundary inside a token"
 REASON_KEEP = "history --reasoning-history keep cannot rebuild"
-# written, but warned and counted (statistics.notes)
+# written, but warned and counted (statistics.notes), each with what was done and how to choose otherwise
 NOTE_TEXT_DROPPED = "tool-call turns whose text the template drops"
+NOTE_REASONING_FOLDED = "assistant turns whose reasoning_content is trained inside the content as <think>...</think>"
+NOTE_HINTS = {
+    NOTE_TEXT_DROPPED: "written as the template renders them, as apply_chat_template does",
+    NOTE_REASONING_FOLDED: "the template reads no reasoning field, so apply_chat_template would leave the reasoning "
+                           "out; drop reasoning_content from the rows to train the answers without it, or give a "
+                           "--chat-template that renders reasoning_content",
+}
 
 
 def load_chat_template(tokenizer_hf, path: Optional[str]) -> tuple[str, str]:
@@ -130,7 +137,7 @@ class SamplePlan:
     text: str
     turns: list = field(default_factory=list)  # (message index, start char, trained end char) per trained turn
     trained: list = field(default_factory=list)  # trained char spans [start, end)
-    text_dropped: list = field(default_factory=list)  # trained tool-call turns whose text the template leaves out
+    notes: list = field(default_factory=list)  # (NOTE_*, message index) of trained turns written with a note
 
 
 def _lcp(a: str, b: str) -> int:
@@ -300,6 +307,17 @@ class ChatTemplate:
             out.append({k: v for k, v in m.items() if v is not None})  # as apply_chat_template does
         return out, expected
 
+    def samples(self, messages: list[dict], tools, trained: Optional[list] = None) -> list[SamplePlan]:
+        """The samples of a conversation as rows give it: :meth:`adapt`, then :meth:`plan`; a trained turn whose
+        reasoning goes inside its content (a template without a reasoning field) is noted on its sample."""
+        adapted, expected = self.adapt(messages, tools)
+        samples = self.plan(adapted, tools, expected, trained)
+        if self.capabilities["reasoning"] == "think_tags":
+            for sample in samples:
+                sample.notes += [(NOTE_REASONING_FOLDED, k) for k, _, _ in sample.turns
+                                 if messages[k].get("reasoning_content")]
+        return samples
+
     def plan(self, messages: list[dict], tools, expected: Optional[dict] = None,
              trained: Optional[list] = None) -> list[SamplePlan]:
         """The samples of one conversation (already :meth:`adapt`-ed); [] when it has no assistant turn.
@@ -329,7 +347,7 @@ class ChatTemplate:
         dropped = {k for t, k in enumerate(turns) if _text_dropped(messages[k], fulls[t][len(prompts[t]):])}
         if self.reasoning_history == "keep":
             samples = [self._keep(turns, prompts, fulls, ends)]
-            samples[0].text_dropped = sorted(dropped)
+            samples[0].notes = [(NOTE_TEXT_DROPPED, k) for k in sorted(dropped)]
             return samples
         samples, i = [], 0
         while i < len(turns):
@@ -341,7 +359,7 @@ class ChatTemplate:
             for t in range(i, j + 1):
                 sample.turns.append((turns[t], len(prompts[t]), ends[t]))
             sample.trained = self._trained_spans(sample.turns, marks[j] if marks else None)
-            sample.text_dropped = [turns[t] for t in range(i, j + 1) if turns[t] in dropped]
+            sample.notes = [(NOTE_TEXT_DROPPED, turns[t]) for t in range(i, j + 1) if turns[t] in dropped]
             samples.append(sample)
             i = j + 1
         return samples

@@ -375,8 +375,7 @@ class SampleEncoder:
     def chat_samples(self, messages: list, tools, where: str, trained: Optional[list] = None) -> list:
         """The chat template's sample plans of a conversation (RowError naming ``where`` when it cannot be rendered)."""
         try:
-            adapted, expected = self.chat.adapt(messages, tools)
-            return self.chat.plan(adapted, tools, expected, trained)
+            return self.chat.samples(messages, tools, trained)
         except RowError as exc:
             raise exc.at(where) from None
 
@@ -455,8 +454,8 @@ class SampleEncoder:
                     chunk.skip(skip, where)
                     continue
                 samples.append(sample)
-                for message in getattr(plan_sample, "text_dropped", ()):
-                    chunk.note(hf_chat.NOTE_TEXT_DROPPED, f"{where}: message {message}")
+                for what, message in plan_sample.notes:
+                    chunk.note(what, f"{where}: message {message}")
         return samples
 
     # ---------------------------------------------------------------- messages -> ids

@@ -812,8 +812,8 @@ def print_summary(meta: dict) -> None:
         lines.append(f"KTO samples {s['kto_samples']} ({s['desirable']} desirable, {s['undesirable']} undesirable), "
                      f"each packed with its KL partner (data fingerprint {s['data_fingerprint']})")
     for what, n in s.get("notes", {}).items():
-        print(f"warning: {n} {what} (written as the template renders them, as apply_chat_template does; "
-              f"first: {s['first_notes'][what]})", file=sys.stderr)
+        hint = hf_chat.NOTE_HINTS.get(what, "written as the template renders them")
+        print(f"warning: {n} {what} ({hint}; first: {s['first_notes'][what]})", file=sys.stderr)
     if s["skipped"].get(pairwise.SKIP_IDENTICAL):
         print(f"warning: {s['skipped'][pairwise.SKIP_IDENTICAL]} rows with identical chosen and rejected answers "
               "skipped (they teach no preference)", file=sys.stderr)
