@@ -29,7 +29,7 @@ from mindspeed_pack.data.chat_template import (
     ChatTemplate,
 )
 from mindspeed_pack.data.errors import PreprocessError, RowError
-from mindspeed_pack.data.handlers import ALPACA, SHAREGPT, resolve_map_keys
+from mindspeed_pack.data.handlers import ALPACA, SHAREGPT, SKIP_CUT, resolve_map_keys
 from mindspeed_pack.data.tokenizer import TokenizerSpec
 from mindspeed_pack.datasets.preprocess import EncoderConfig
 from tests import chat_corpus
@@ -1048,9 +1048,13 @@ def test_over_long_conversation_is_truncated_per_sample_not_refused(family_token
         kept = [(ids[:seq_length], trained[:seq_length]) for ids, trained in full]
         for _, trained in kept:
             trained[0] = 0
+        cut = [len(ids) > seq_length for ids, _ in full]
+        written = [trained.any() for _, trained in kept]
         kept = [(ids, trained) for ids, trained in kept if trained.any()]
-        assert chunk.rows == 1 and chunk.truncated == sum(len(ids) > seq_length for ids, _ in full), family
-        assert sum(chunk.skipped.values()) == len(full) - len(kept) and chunk.lengths.tolist() == [len(i) for i, _ in kept]
+        # each sample counted once: written (truncated or not), or dropped as emptied by the cut
+        assert chunk.rows == 1 and chunk.truncated == sum(c and w for c, w in zip(cut, written)), family
+        assert dict(chunk.skipped) == ({SKIP_CUT: len(full) - len(kept)} if len(full) > len(kept) else {}), family
+        assert chunk.lengths.tolist() == [len(i) for i, _ in kept]
         assert chunk.input_ids.tolist() == [t for ids, _ in kept for t in ids.tolist()], family
         assert chunk.trained.tolist() == [t for _, trained in kept for t in trained.tolist()], family
     assert len(full) == 3 and len(kept) == 1  # Qwen3 at 20 tokens: only the first sample keeps a trained token
@@ -1222,3 +1226,33 @@ def test_reasoning_folded_into_the_content_is_warned_and_counted(family, tmp_pat
     warning = [line for line in err.splitlines() if NOTE_REASONING_FOLDED in line]
     assert len(warning) == 1 and warning[0].startswith(f"warning: 3 {NOTE_REASONING_FOLDED} (the template reads no "
                                                        "reasoning field") and "drop reasoning_content" in warning[0]
+
+
+def test_summary_counts_rows_and_samples_apart_each_sample_once(tmp_path, family_tokenizer_dir, run_preprocess):
+    """Qwen3 splits a conversation into several samples: the summary reads rows and writes samples, and says which
+    is which; a sample is counted once, as written (truncated or not) or dropped under one reason, a sample emptied
+    by the --seq-length cut as that, not as "no trainable token"; rates are per row and per written sample."""
+    from mindspeed_pack.data import toy
+
+    long_question = "U1 " + " ".join(["red blue cat"] * 40)
+    split = {"messages": [{"role": "user", "content": "U0 q"},
+                          {"role": "assistant", "content": "A0 short", "reasoning_content": "R0 thought"},
+                          {"role": "user", "content": long_question}, {"role": "assistant", "content": "A1 a"}]}
+    rows = [CORPUS[0], split, {"messages": [{"role": "user", "content": "U0 q"}, {"role": "user", "content": "U1"},
+                                            {"role": "assistant", "content": "A1"}]}]
+    data = toy.write_dataset(tmp_path / "rows.jsonl", rows)
+    code, out, err = run_preprocess(input=data, output_prefix=str(tmp_path / "p"), prompt_type="hf",
+                                    tokenizer_name_or_path=family_tokenizer_dir("qwen3"), handler_name=SHAREGPT,
+                                    map_keys=json.dumps(chat_corpus.MAP_KEYS), seq_length=40)
+    assert code == 0, err
+    stats = json.loads((tmp_path / "p_packed_meta.json").read_text())["statistics"]
+    # row 1: one sample, cut (its answer trained up to the cut); row 2: two samples, the second cut to nothing trained;
+    # row 3: skipped (two user turns)
+    assert (stats["rows_read"], stats["samples_read"], stats["samples_written"]) == (3, 3, 2), stats
+    assert stats["rows_skipped"] == {"roles out of order": 1} and stats["samples_dropped"] == {SKIP_CUT: 1}, stats
+    assert stats["skipped"] == {"roles out of order": 1, SKIP_CUT: 1} and stats["truncated"] == 1, stats
+    assert stats["first_skipped"][SKIP_CUT] == f"{data}: line 2"
+    assert (f"rows read 3, skipped 1 (1 roles out of order); samples written 2, truncated 1 (cut at --seq-length), "
+            f"dropped 1 (1 {SKIP_CUT})") in out
+    assert re.search(r"\d+ rows/s, \d+ samples/s", out)
+

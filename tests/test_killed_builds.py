@@ -104,8 +104,8 @@ def test_two_jobs_building_one_cache_build_it_once(tmp_path, raw, toy_tokenizer_
         if first.poll() is None:
             first.kill()
     first_log = (tmp_path / "first.log").read_text()
-    assert "samples read 80" in first_log and "reusing" not in first_log, first_log[-3000:]
-    assert "reusing cached output" in second_log() and "samples read" not in second_log(), second_log()[-3000:]
+    assert "rows read 80" in first_log and "reusing" not in first_log, first_log[-3000:]
+    assert "reusing cached output" in second_log() and "rows read" not in second_log(), second_log()[-3000:]
     assert sorted(os.listdir(out)) == _finished_outputs(out)
 
 
@@ -125,7 +125,7 @@ def test_a_killed_cache_builder_does_not_block_the_job_waiting_for_it(tmp_path, 
         first.kill()
     assert first.wait(TIMEOUT) == -signal.SIGKILL
     assert second.wait(TIMEOUT) == 0, second_log()[-3000:]
-    assert "samples read 80" in second_log() and "removed 2 leftovers of killed runs" in second_log()
+    assert "rows read 80" in second_log() and "removed 2 leftovers of killed runs" in second_log()
     assert sorted(os.listdir(out)) == _finished_outputs(out)
 
 

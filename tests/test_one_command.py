@@ -70,7 +70,7 @@ def test_one_command_trains_a_model_transformers_loads_and_the_two_step_form_mat
     import transformers
 
     proc, records, exported = trained
-    assert "preprocessed now" in proc.stderr and "samples read 64" in proc.stdout
+    assert "preprocessed now" in proc.stderr and "rows read 64" in proc.stdout
     losses = train_losses(records)
     assert losses and all(np.isfinite(losses))
     model = transformers.AutoModelForCausalLM.from_pretrained(exported)
@@ -178,7 +178,7 @@ def test_two_ranks_preprocess_once_and_train_on_the_same_packs(assets, trained, 
     proc, records = run_posttrain(one_command(assets, "--train-epochs", "1", "--data-cache-path", str(tmp_path)),
                                   nproc=2, model_flags=(), metrics=str(tmp_path / "two_ranks.jsonl"))
     log = proc.stdout + proc.stderr
-    assert log.count("samples read 64") == 1  # preprocess_data.py's summary: rank 0 alone preprocessed
+    assert log.count("rows read 64") == 1  # preprocess_data.py's summary: rank 0 alone preprocessed
     assert "rank 1: waiting for rank 0 to preprocess" in log
     prefixes = {rank: line.split("-> packs ")[1].split(":")[0] for line in log.splitlines()
                 for rank in (0, 1) if f"data (rank {rank} of 2): " in line}

@@ -134,7 +134,7 @@ def test_cache_is_reused_then_rebuilt(tmp_path, toy_alpaca_rows, run_preprocess)
     toy.write_dataset(data, toy_alpaca_rows[:60])
     os.utime(data, ns=(first + 10**9, first + 10**9))
     code, out, _ = run_preprocess(**{**flags, "seq_length": 64})
-    assert code == 0 and "reusing" not in out and "samples read 60" in out
+    assert code == 0 and "reusing" not in out and "rows read 60" in out
     assert not [p for p in (tmp_path / "out").iterdir() if ".tmp" in p.name or ".tokens" in p.name]
 
 

@@ -31,7 +31,8 @@ the previous turns left; when a turn does not fit, its answer keeps all of its t
 they take less than half the budget, else its prompt does, else the two split the budget in
 proportion to their lengths; later turns are dropped. The first token of a sample is never
 trained (so no label can cross a pack boundary), and a sample left with no trained token is
-skipped. Rows that are structurally fine but unusable (roles out of order, a system message
+skipped: "nothing trained before the --seq-length cut" when the cut emptied it, else "no trainable token"; a
+sample counts as truncated only when it is written. Rows that are structurally fine but unusable (roles out of order, a system message
 after the first, no answer) are skipped and counted by reason; rows of the wrong *shape*
 (missing field, wrong type, unknown role) raise :class:`RowError` naming file, row and field
 (the row policy of ``errors.py``: stop, or skip and count under ``--skip-bad-rows``).
@@ -114,6 +115,9 @@ _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_t
                    "tool": "observation_tag"}
 
 SKIP_NO_TRAINABLE = "no trainable token"
+SKIP_CUT = "nothing trained before the --seq-length cut"
+# reasons counted per sample (a row may give several under --prompt-type hf); every other reason counts rows
+SAMPLE_SKIPS = (SKIP_NO_TRAINABLE, SKIP_CUT)
 SKIP_EMPTY = "empty text or conversation"
 SKIP_ROLE_ORDER = "roles out of order"
 SKIP_SYSTEM_NOT_FIRST = "system message after the first message"
@@ -401,11 +405,13 @@ class SampleEncoder:
                     raise RowError(f"{where}: assistant turn (message {message}) starts inside a token (character "
                                    f"{start}): its generation prompt is not a token prefix of the sample",
                                    hf_chat.REASON_TOKEN_BOUNDARY)
+            trained[0] = 0  # no label crosses into a sample from the one before it
             truncated = self.seq_length is not None and len(ids) > self.seq_length
+            skip = SKIP_NO_TRAINABLE if not trained.any() else None
             if truncated:  # the project's rule, per sample: cut at --seq-length and count it
                 ids, trained = ids[:self.seq_length], trained[:self.seq_length]
-            trained[0] = 0  # no label crosses into a sample from the one before it
-            out.append(((ids, trained), None, truncated) if trained.any() else (None, SKIP_NO_TRAINABLE, truncated))
+                skip = skip or (None if trained.any() else SKIP_CUT)
+            out.append(((ids, trained), None, truncated) if skip is None else (None, skip, truncated))
         return out
 
     def _token_prefix(self, text: str, ids: np.ndarray, pos: int) -> Optional[int]:
@@ -449,11 +455,11 @@ class SampleEncoder:
                 self._bad_row(exc, chunk)
                 continue
             for (plan_sample, _), (sample, skip, truncated) in zip(plan[1], finished):
-                chunk.truncated += int(truncated)
                 if sample is None:
                     chunk.skip(skip, where)
                     continue
                 samples.append(sample)
+                chunk.truncated += int(truncated)  # written cut; one dropped is counted under its skip reason
                 for what, message in plan_sample.notes:
                     chunk.note(what, f"{where}: message {message}")
         return samples
@@ -528,6 +534,7 @@ class SampleEncoder:
         turns = [(resolve(p), resolve(a)) for p, a in plan]
         if self.append_eod and (not turns[-1][1] or turns[-1][1][-1] != self.eos_id):
             turns[-1] = (turns[-1][0], turns[-1][1] + [self.eos_id])
+        answered = sum(len(answer) for _, answer in turns) - int(bool(turns and not turns[0][0] and turns[0][1]))
         turns, truncated = truncate_turns(turns, self.seq_length)
         flat, mask = [], []
         for prompt, answer in turns:
@@ -537,8 +544,8 @@ class SampleEncoder:
             mask += [1] * len(answer)
         if mask:
             mask[0] = 0  # no label crosses into a sample from the one before it
-        if 1 not in mask:
-            return None, SKIP_NO_TRAINABLE, truncated
+        if 1 not in mask:  # nothing to train: emptied by the cut, or never had anything (the first token aside)
+            return None, SKIP_CUT if truncated and answered else SKIP_NO_TRAINABLE, truncated
         return (flat, mask), None, truncated
 
     def finish_row(self, plan, encoded: list) -> tuple[list, Optional[str], bool]:
@@ -602,7 +609,7 @@ class SampleEncoder:
             samples, truncated = [], False
             if plan is not None:
                 samples, skip, truncated = self.finish_row(plan, encoded)
-            chunk.truncated += int(truncated)
+            chunk.truncated += int(truncated and bool(samples))  # written cut; one dropped counts under its reason
             if not samples:
                 chunk.skip(skip, where)
                 continue

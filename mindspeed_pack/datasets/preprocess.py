@@ -54,6 +54,7 @@ from mindspeed_pack.data.handlers import (
     PRETRAIN,
     PROCESS_REWARD,
     REQUIRED_COLUMNS,
+    SAMPLE_SKIPS,
     SampleEncoder,
     resolve_map_keys,
 )
@@ -584,7 +585,8 @@ def _build(args, files, config: EncoderConfig, tokenizer, encoder, changes: dict
         building = t_end - t_build
         stats.update(setup_seconds=round(t_build - t0, 3), encode_seconds=round(t_encoded - t_build, 3),
                      elapsed_seconds=round(t_end - t0, 3),
-                     samples_per_second=round(stats["samples_read"] / max(building, 1e-9), 1),
+                     rows_per_second=round(stats["rows_read"] / max(building, 1e-9), 1),
+                     samples_per_second=round(stats["samples_written"] / max(building, 1e-9), 1),
                      tokens_per_second=round(stats["tokens"] / max(building, 1e-9), 1))
         meta = {
             "format": "mindspeed-pack preprocessed data",
@@ -701,7 +703,12 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
     if len(store) == 0:
         raise PreprocessError(f"no usable sample in {where}: all {rows} rows were skipped ({dict(skipped)})")
     tokens = store.num_tokens - store.pad_tokens  # the samples' own tokens
-    return {"samples_read": rows, "samples_written": len(store), "skipped": dict(sorted(skipped.items())),
+    # a row gives one sample (several under --prompt-type hf): "skipped" holds every reason (as it always has), split
+    # into rows skipped whole and samples dropped (SAMPLE_SKIPS); "samples_read" is the rows read (its old name)
+    return {"rows_read": rows, "samples_read": rows, "samples_written": len(store),
+            "skipped": dict(sorted(skipped.items())),
+            "rows_skipped": {why: n for why, n in sorted(skipped.items()) if why not in SAMPLE_SKIPS},
+            "samples_dropped": {why: n for why, n in sorted(skipped.items()) if why in SAMPLE_SKIPS},
             "first_skipped": dict(sorted(first_skipped.items())),
             "notes": dict(sorted(notes.items())), "first_notes": dict(sorted(first_notes.items())),
             "truncated": truncated, "tokens": tokens, "trained_tokens": trained if args.handler_name != PRETRAIN else None,
@@ -803,8 +810,13 @@ def _publish(args, tmp_prefixes: dict, meta: dict, tmp_tokenizer: Optional[Path]
 
 def print_summary(meta: dict) -> None:
     s = meta["statistics"]
-    skipped = ", ".join(f"{n} {why}" for why, n in s["skipped"].items()) or "none"
-    lines = [f"samples read {s['samples_read']}, written {s['samples_written']}, skipped {skipped}, truncated {s['truncated']}"]
+
+    def counted(reasons: dict) -> str:
+        return f"{sum(reasons.values())} ({', '.join(f'{n} {why}' for why, n in reasons.items())})" if reasons else "0"
+    rows_skipped = s.get("rows_skipped", {k: n for k, n in s["skipped"].items() if k not in SAMPLE_SKIPS})
+    dropped = s.get("samples_dropped", {k: n for k, n in s["skipped"].items() if k in SAMPLE_SKIPS})
+    lines = [f"rows read {s.get('rows_read', s['samples_read'])}, skipped {counted(rows_skipped)}; samples written "
+             f"{s['samples_written']}, truncated {s['truncated']} (cut at --seq-length), dropped {counted(dropped)}"]
     lines += [f"  first skipped ({why}): {example}" for why, example in s.get("first_skipped", {}).items()]
     if "pairs" in s:
         lines.append(f"preference pairs {s['pairs']} (data fingerprint {s['data_fingerprint']})")
@@ -827,8 +839,9 @@ def print_summary(meta: dict) -> None:
         multiple = meta["arguments"]["pad_to_multiple_of"]
         lines.append(f"cp pad tokens {s['cp_pad_tokens']} (every sample padded to a multiple of {multiple})")
     setup = f" (setup {s['setup_seconds']:.2f}s: tokenizer, input checks)" if "setup_seconds" in s else ""
-    lines.append(f"tokens {s['tokens']}, {s['tokens_per_second']:.0f} tokens/s, {s['samples_per_second']:.0f} samples/s, "
-                 f"elapsed {s['elapsed_seconds']:.2f}s{setup}")
+    rows_per_second = f"{s['rows_per_second']:.0f} rows/s, " if "rows_per_second" in s else ""
+    lines.append(f"tokens {s['tokens']}, {s['tokens_per_second']:.0f} tokens/s, {rows_per_second}"
+                 f"{s['samples_per_second']:.0f} samples/s, elapsed {s['elapsed_seconds']:.2f}s{setup}")
     outputs = ", ".join(meta["outputs"])
     if meta.get("extended_tokenizer"):
         outputs += f", {meta['extended_tokenizer']['path']}/"
