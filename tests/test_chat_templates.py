@@ -1256,3 +1256,24 @@ def test_summary_counts_rows_and_samples_apart_each_sample_once(tmp_path, family
             f"dropped 1 (1 {SKIP_CUT})") in out
     assert re.search(r"\d+ rows/s, \d+ samples/s", out)
 
+
+@pytest.mark.parametrize("family", ["qwen2_5", "qwen3"])
+def test_a_call_without_arguments_renders_empty_arguments(family, family_tokenizer_dir):
+    """A tool call without arguments (absent, null or a blank string) is the call with {} (docs/chat_templates.md:
+    apply_chat_template raises on it), on --prompt-type hf and on the JSON template alike."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    encoder = _encoder(family_tokenizer_dir(family))
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    json_encoder = SampleEncoder(SHAREGPT, encoder.tokenizer, get_template("qwen2_5"), keys, None, False)
+    texts = set()
+    for arguments in ({}, None, "", "  ", "{}"):
+        function = {"name": "now"} if arguments is None else {"name": "now", "arguments": arguments}
+        row = {"messages": [{"role": "user", "content": "U0 time?"},
+                            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": function}]},
+                            {"role": "tool", "content": "T0 noon"}, {"role": "assistant", "content": "A1 noon"}]}
+        ids = encoder.encode_chat_row(row, "row 0")[-1][0]
+        texts.add(encoder.tokenizer.decode(ids).replace('"arguments": "{}"', '"arguments": {}'))
+        assert '"arguments": {}' in encoder.tokenizer.decode(json_encoder.encode_row(row, "row 0")[0][0])
+    assert len(texts) == 1 and '"name": "now", "arguments": {}' in texts.pop()

@@ -85,10 +85,13 @@ def content_text(content, where: str, content_tag: str, type_reason: str = REASO
 
 
 def _arguments(args, where: str):
-    """Arguments as given (object or JSON string); a string must parse to a JSON object."""
+    """Arguments as given (object or JSON string); a string must parse to a JSON object. None, absent or a blank
+    string: ``{}`` (``apply_chat_template`` raises on a call without arguments; docs/chat_templates.md)."""
+    if isinstance(args, str) and not args.strip():
+        return {}
     if isinstance(args, str):
         try:
-            parsed = json.loads(args) if args.strip() else {}
+            parsed = json.loads(args)
         except json.JSONDecodeError as exc:
             raise RowError(f"{where}: arguments are not valid JSON ({exc.msg} at column {exc.colno}): {args[:80]!r}",
                            REASON_ARGUMENTS) from None
