@@ -82,4 +82,4 @@ def test_blank_lines_are_no_documents(tmp_path, run_preprocess, read_indexed, to
     assert len(docs) == 3 and all(len(d) > 1 and d[-1] == eos for d in docs)
     assert meta["statistics"]["skipped"] == {"empty text or conversation": 3}
     assert meta["statistics"]["first_skipped"] == {"empty text or conversation": f"{data}: line 2"}
-    assert "skipped 3 empty text or conversation" in out
+    assert "skipped 3 (3 empty text or conversation)" in out
