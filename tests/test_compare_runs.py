@@ -464,3 +464,16 @@ def test_a_console_window_cut_short_says_how_many_steps_its_means_hold(capsys):
                      "skipped": 0})
     lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
     assert len(lines) == 2 and "iterations in mean: 2 |" in lines[0] and "iterations in mean" not in lines[1]
+
+
+def test_a_preference_stages_validation_line_has_no_perplexity(capsys):
+    """exp of a DPO loss is no perplexity: only SFT and pretraining (a language model's NLL) print one."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.metrics import MetricsLogger
+
+    for stage, shown in (("sft", True), ("dpo", False)):
+        logger = MetricsLogger(SimpleNamespace(train_iters=4, log_interval=1, metrics_file=None, tensorboard_dir=None,
+                                               stage=stage), enabled=True)
+        logger.validation(4, 0.69, tokens=10)
+        assert ("lm loss PPL" in capsys.readouterr().out) == shown, stage

@@ -51,7 +51,7 @@ def _couples(read_indexed, prefix):
                                                    ("alpaca", "csv", "qwen"), ("sharegpt", "jsonl", "qwen"),
                                                    ("openai", "jsonl", "qwen"), ("openai", "jsonl", "hf")])
 def test_each_sample_is_packed_with_its_kl_partner(tmp_path, run_preprocess, read_indexed, toy_tokenizer_dir,
-                                                   shape, fmt, prompt_type):
+                                                   shape, fmt, prompt_type, capsys):
     from transformers import AutoTokenizer
 
     rows, labels, completions = _rows(shape)
@@ -82,6 +82,17 @@ def test_each_sample_is_packed_with_its_kl_partner(tmp_path, run_preprocess, rea
         assert recorded == int(labels[row])
         seen.add(row)
     assert seen == set(range(ROWS))
+    if shape == "alpaca" and fmt == "jsonl":  # inspect_pack names each segment's role and label
+        import re
+
+        from mindspeed_pack.tools import inspect_pack
+
+        assert inspect_pack.main([str(tmp_path / "k"), "--index", "0"]) == 0
+        shown = re.findall(r"\(couple (\d+), (sample, desirable|sample, undesirable|KL partner)",
+                           capsys.readouterr().out)
+        recorded = read_indexed(f"{tmp_path / 'k'}_packed_kto_labels")[0]
+        want = {1: "sample, desirable", 0: "sample, undesirable", -1: "KL partner"}
+        assert [w for _, w in shown] == [want[int(v)] for v in recorded] and shown[-1][0] == str(len(recorded) // 2)
 
 
 def test_a_couple_too_long_is_dropped_its_completion_still_a_partner(tmp_path, run_preprocess, read_indexed,

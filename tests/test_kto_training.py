@@ -89,7 +89,7 @@ def test_precomputed_reference_and_resume_are_exact(setup, baseline):
     proc, _ = run_posttrain(["--stage", "dpo_reference", "--seq-length", "128", "--neat-pack", "--micro-batch-size",
                              "1", "--global-batch-size", "6", "--data-path", setup["data"], "--load", setup["ref"]],
                             nproc=2)
-    assert os.path.isfile(setup["data"] + SUFFIX) and "reference log-probs of 60 pairs" in proc.stdout
+    assert os.path.isfile(setup["data"] + SUFFIX) and "reference log-probs of 60 KTO couples" in proc.stdout
     # resume at step 2 (mid-epoch) with the reference precomputed: steps 3 and 4 are the baseline's
     write_tracker(str(setup["root"] / "ckpt"), 2)  # the baseline saved iterations 2 and 4
     proc, resumed = _run(setup, "resumed", ["--load", str(setup["root"] / "ckpt"), "--ref-logps"])

@@ -42,6 +42,10 @@ def load_pack(prefix: str, index: int) -> dict:
         pack[key] = np.array(ds[index], dtype=np.int64)
     meta_path = Path(f"{prefix}_packed_meta.json")
     pack["meta"] = json.loads(meta_path.read_text()) if meta_path.exists() else None
+    kto = f"{prefix}_packed_kto_labels"  # KTO couples: each segment's label (1, 0; -1 a KL partner)
+    if os.path.isfile(kto + ".bin") and os.path.isfile(kto + ".idx"):
+        labels = IndexedDataset(kto)  # held while its memory-mapped row is copied
+        pack["kto_labels"] = np.array(labels[index], dtype=np.int64)
     return pack
 
 
@@ -171,6 +175,10 @@ def main(argv=None) -> int:
         role = ""  # preference pairs: segments 2i+1 and 2i+2 are pair i's chosen and rejected answers
         if seg_id != 0 and layout.get("pairs"):
             role = f"  (pair {(seg_id - 1) // 2 + 1}, {'chosen' if seg_id % 2 else 'rejected'})"
+        elif seg_id != 0 and "kto_labels" in pack and seg_id <= len(pack["kto_labels"]):  # KTO: sample, partner
+            label = int(pack["kto_labels"][seg_id - 1])
+            what = {1: "sample, desirable", 0: "sample, undesirable"}.get(label, "KL partner: another row's answer")
+            role = f"  (couple {(seg_id - 1) // 2 + 1}, {what})"
         print(f"  {kind:<12} start {start:>6} length {length:>6} trained {n_trained:>6}{role}")
         if seg_id != 0 and tokenizer is not None:
             print("    " + _decode_with_spans(tokenizer, ids[sl], labels[sl]).replace("\n", "\n    "))

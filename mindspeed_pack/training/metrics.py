@@ -150,8 +150,13 @@ class MetricsLogger:
         "the end of training for test data" (default "iteration N")."""
         if not self.enabled:
             return
-        ppl = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
-        print(f" validation loss at {label or f'iteration {iteration}'} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} |", flush=True)
+        # a perplexity is the exp of a language model's per-token NLL: of SFT's and pretraining's loss, not of a
+        # preference or reward loss (exp of a DPO loss means nothing)
+        ppl = ""
+        if getattr(self.args, "stage", "sft") == "sft":
+            value = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
+            ppl = f" lm loss PPL: {value:.6E} |"
+        print(f" validation loss at {label or f'iteration {iteration}'} | lm loss value: {loss:.6E} |{ppl}", flush=True)
         if self.jsonl:
             record = {"iteration": iteration, "split": split, "lm loss": loss, "tokens": tokens}
             if label:  # the end of training evaluates the last iteration again: tell the records apart

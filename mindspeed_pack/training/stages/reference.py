@@ -314,9 +314,11 @@ class ReferenceScoringStage:
                 torch.save({"format": FORMAT, "identity": identity, "reference": str(args.load),
                             "pair_offsets": offsets, "logps": logps}, tmp)
                 os.replace(tmp, path)
-                log.info("dpo_reference: %d pairs of %d packs scored by %s -> %s (%s)", len(logps), n, args.load,
+                # a pack's segments 2k-1, 2k: a preference pair, or a KTO sample and its KL partner
+                units = "KTO couples" if ((docs.meta or {}).get("layout") or {}).get("kto_labels") else "pairs"
+                log.info("dpo_reference: %d %s of %d packs scored by %s -> %s (%s)", len(logps), units, n, args.load,
                          path, _describe(identity))
-                print(f" reference log-probs of {len(logps)} pairs written to {path} ({_describe(identity)})",
+                print(f" reference log-probs of {len(logps)} {units} written to {path} ({_describe(identity)})",
                       flush=True)
         dist.barrier()
         return path
