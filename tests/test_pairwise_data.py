@@ -162,3 +162,33 @@ def test_a_prefix_written_again_as_other_data_keeps_no_stale_side_files(tmp_path
     assert run_preprocess(input=sft, handler_name="AlpacaStyleInstructionHandler", **common)[0] == 0
     assert not (tmp_path / "x_packed_pair_margins.bin").exists()
     assert not (tmp_path / "x_packed_pair_margins.idx").exists()
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen", "hf"])
+def test_ms_swift_pairs_end_the_conversation_with_the_chosen_answer(tmp_path, run_preprocess, read_indexed,
+                                                                     prompt_type):
+    """ms-swift's RLHF rows (``messages`` ending with the chosen answer, ``rejected_response``) were refused ("column
+    'chosen' not found"): they give the same packs as the rows with the chosen answer in its own column."""
+    from tests.chat_corpus import TEMPLATES
+
+    history = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+               {"role": "assistant", "content": "hello friend"}]
+    swift = [{"messages": [*history, {"role": "user", "content": f"question {i}"},
+                           {"role": "assistant", "content": f"good answer {i}"}],
+              "rejected_response": f"bad answer {i}"} for i in range(6)]
+    explicit = [{"messages": r["messages"][:-1], "chosen": r["messages"][-1]["content"],
+                 "rejected": r["rejected_response"]} for r in swift]
+    keys = {"messages": "messages", "role": "role", "content": "content"}
+    extra = {"chat_template": str(TEMPLATES / "qwen2_5.jinja")} if prompt_type == "hf" else {}
+    packs = []
+    for name, rows, mapped in (("swift", swift, {**keys, "rejected": "rejected_response"}),
+                               ("explicit", explicit, keys)):
+        code, _, err = run_preprocess(input=toy.write_dataset(tmp_path / f"{name}.jsonl", rows),
+                                      output_prefix=tmp_path / name, handler_name="SharegptStylePairwiseHandler",
+                                      prompt_type=prompt_type, seq_length=512, pack=True, neat_pack=True,
+                                      map_keys=json.dumps(mapped), **extra)
+        assert code == 0, err
+        packs.append(_packs(read_indexed, tmp_path / name))
+    for a, b in zip(*packs):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert json.load(open(tmp_path / "swift_packed_meta.json"))["statistics"]["pairs"] == 6

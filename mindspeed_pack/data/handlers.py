@@ -104,7 +104,10 @@ COLUMN_KEYS = {ALPACA: ("prompt", "query", "response", "system", "history", "too
 for _pairwise, _base in PAIRWISE_BASE.items():  # the base handler's keys, its answer column replaced by the pair's
     DEFAULT_MAP_KEYS[_pairwise] = {**{k: v for k, v in DEFAULT_MAP_KEYS[_base].items() if k != "response"},
                                    "chosen": "chosen", "rejected": "rejected", "margin": "margin"}
-    REQUIRED_COLUMNS[_pairwise] = tuple(k for k in REQUIRED_COLUMNS[_base] if k != "response") + ("chosen", "rejected")
+    # ShareGPT pairs may end their conversation with the chosen answer instead (ms-swift's rows: messages and
+    # rejected_response), so only the rejected answer's column is required beside the conversation
+    REQUIRED_COLUMNS[_pairwise] = tuple(k for k in REQUIRED_COLUMNS[_base] if k != "response") + (
+        ("chosen", "rejected") if _base == ALPACA else ("rejected",))
     COLUMN_KEYS[_pairwise] = tuple(k for k in COLUMN_KEYS[_base] if k != "response") + ("chosen", "rejected",
                                                                                         "margin")
 for _kto, _base in KTO_BASE.items():  # the base handler's keys plus the row's label

@@ -5,7 +5,9 @@ Handlers (MindSpeed-LLM's names; LLaMA-Factory's ranking format):
 * ``AlpacaStylePairwiseHandler``: ``instruction`` (+ ``input``), optional ``system`` and
   ``history``, and the two answers ``chosen`` / ``rejected``.
 * ``SharegptStylePairwiseHandler``: ``conversations`` ending with the user's turn, and
-  ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}`` or a string.
+  ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}`` or a string; or (ms-swift's
+  rows) the conversation ending with the chosen answer, no ``chosen`` column, and the rejected answer
+  (``--map-keys '{"rejected": "rejected_response"}'``).
 
 Both samples go through the same template as supervised data; only the final answer is trained (the
 answers of a ``history`` are context, as in LLaMA-Factory). Under ``--prompt-type hf`` the
@@ -138,10 +140,26 @@ class PairwiseEncoder(SampleEncoder):
             if isinstance(value, list):  # TRL's conversational pairs: the whole conversation per answer
                 got += (" (a conversation per answer, as TRL's conversational pairs: give the prompt's turns in the "
                         "conversation column and the answers as text or one assistant message each)")
+            ending = (" (or end the conversation with the chosen answer, as ms-swift's rows do)"
+                      if key == "chosen" and self.handler != ALPACA else "")
             raise RowError(f"{where}: field {column!r} (--map-keys {key}) must be the {key} answer (a string or a "
-                           f"message with {content_tag!r}), got {got}; "
+                           f"message with {content_tag!r}){ending}, got {got}; "
                            f"the row has: {', '.join(map(str, row)) or 'no fields'}", MISSING_ANSWER)
         return value
+
+    def _chosen_ending_the_conversation(self, row: dict) -> dict:
+        """A ShareGPT row without a chosen column whose conversation ends with an assistant message (ms-swift's
+        pairs: ``messages`` ending with the chosen answer, ``rejected_response``): that message is the chosen
+        answer and the conversation before it the prompt."""
+        conversation, chosen = self.keys.get("messages"), self.keys["chosen"]
+        messages = row.get(conversation) if self.handler != ALPACA and chosen not in row else None
+        if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
+            return row
+        last = messages[-1]
+        role = last.get(self.keys.get("role_tag", "from"), last.get("role"))
+        if role not in {self.keys.get("assistant_tag", "gpt"), "gpt", "assistant"}:
+            return row
+        return {**row, conversation: messages[:-1], chosen: last}
 
     def plan_row(self, row, where: str, texts: list):
         """((chosen plan, rejected plan), None) or (None, skip reason)."""
@@ -149,6 +167,7 @@ class PairwiseEncoder(SampleEncoder):
             raise row
         if not isinstance(row, dict):
             raise not_an_object(where, row)
+        row = self._chosen_ending_the_conversation(row)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
         margin = self._margin(row, where)
         prompt, system = (self._alpaca_prompt if self.handler == ALPACA else self._sharegpt_messages)(row, where)
@@ -171,6 +190,7 @@ class PairwiseEncoder(SampleEncoder):
             raise row
         if not isinstance(row, dict):
             raise not_an_object(where, row)
+        row = self._chosen_ending_the_conversation(row)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
         margin = self._margin(row, where)
         prompt, tools = self._chat_messages(row, where, answer=False)
