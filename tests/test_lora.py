@@ -537,3 +537,19 @@ def test_adapters_trained_on_a_hf_directory_export_on_its_conversion(qwen, tmp_p
     assert convert_main(["--load-model-type", "mg", "--load-dir", qwen["mg"], "--lora-load", save,
                          "--save-model-type", "hf", "--save-dir", str(tmp_path / "peft")]) == 0
     assert (tmp_path / "peft" / adapters.ADAPTER_CONFIG).exists()
+
+
+def test_a_lora_runs_checkpoint_gives_its_lora_flags(qwen, trained):
+    """--lora-load of a LoRA run's --save asked for --lora-r, --lora-alpha and --lora-target-modules, though the
+    checkpoint records them (a PEFT directory's were read from adapter_config.json): taken from the record."""
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.model import lora
+
+    assert RUN[-4:] == ["--lora-r", "4", "--lora-alpha", "8"]
+    base = [*TINY_FLAGS, *RUN[:-4], "--data-path", qwen["data"], "--load", qwen["mg"], "--lora-load", trained["save"]]
+    args = parse_args(base, world_size=1)
+    mine = trained["trainer"].args
+    assert (args.lora_r, args.lora_alpha, args.lora_use_rslora) == (4, 8.0, False)
+    assert lora.resolve_targets(args.lora_target_modules) == lora.resolve_targets(mine.lora_target_modules or
+                                                                                  [lora.ALL_LINEAR])
+    assert args.flag_sources["lora_r"][1] == "checkpoint"

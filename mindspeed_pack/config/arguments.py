@@ -195,8 +195,8 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-load", default=None, metavar="DIR",
                    help="a LoRA run's checkpoint (its --save: adapters, optimizer, the base's fingerprint) to resume "
                         "from (or, with --finetune, to start from); or a PEFT adapter directory to start from at any "
-                        "layout (iteration 0; the LoRA flags default to its adapter_config.json's); --load is the "
-                        "base they were trained on")
+                        "layout (iteration 0); the LoRA flags default to the checkpoint's record or the "
+                        "directory's adapter_config.json; --load is the base they were trained on")
     g.add_argument("--lora-merge", action="store_true",
                    help="--save-hf writes the model with the adapters merged (transformers) instead of a PEFT "
                         "adapter directory")

@@ -20,10 +20,41 @@ from mindspeed_pack.model import lora
 log = logging.getLogger(__name__)
 
 
+def _recorded_settings(root: str):
+    """The LoRA settings a LoRA run's checkpoint records (its ``lora`` entry), as flag values; None when ``root``
+    is no such checkpoint (the load names what is wrong with it)."""
+    from mindspeed_pack.convert import megatron_layout as layout
+    from mindspeed_pack.convert.convert import MegatronCheckpoint
+
+    try:
+        if layout.read_tracker(root) is None:
+            return None
+        record = MegatronCheckpoint(root).lora
+    except (ConversionError, OSError, ValueError):
+        return None
+    if not record or not record.get("targets"):
+        return None
+    return {"lora_r": record["r"], "lora_alpha": record["alpha"], "lora_use_rslora": bool(record.get("rslora")),
+            "lora_target_modules": sorted({t.split(".")[-1] for t in record["targets"]}),
+            "lora_dropout": record.get("dropout", 0.0)}
+
+
 def fill_lora_flags(args, given: set) -> set:
-    """Fill the LoRA flags from ``--lora-load``'s adapter_config.json (a PEFT directory; else nothing) and refuse
-    given ones that differ; returns the destinations filled."""
+    """Fill the LoRA flags from ``--lora-load``'s adapter_config.json (a PEFT directory) and refuse given ones
+    that differ, or, none given, from a LoRA run's checkpoint's record (it asked for all of them, though it
+    records them; given ones are checked against the record at load); returns the destinations filled."""
     root = args.lora_load
+    if root and not adapters.is_peft_dir(root) and not {"lora_r", "lora_target_modules"} & given:
+        values = _recorded_settings(root)
+        if values is None:
+            return set()
+        filled = {dest for dest in values if dest not in given}
+        for dest in filled:
+            setattr(args, dest, values[dest])
+        log.info("--lora-load %s: LoRA flags from its checkpoint's record: %s", root,
+                 " ".join(f"--{d.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                          for d, v in sorted(values.items()) if d in filled))
+        return filled
     if not root or not adapters.is_peft_dir(root):
         return set()
     try:
