@@ -36,9 +36,6 @@ def main(argv=None):
     setup_logging()
     args = parse_args(argv, extra_args_provider=pretrain_args,
                       description="mindspeed-pack pretraining on indexed documents")
-    if args.reset_position_ids and not args.isolate_segments:
-        warnings.warn("--reset-position-ids without --reset-attention-mask: a row stays one sequence, so "
-                      "positions run 0..s-1; add --reset-attention-mask to isolate documents", stacklevel=1)
     if args.no_shuffle:
         warnings.warn("--no-shuffle is ignored: GPTDataset draws Megatron-LM's seeded order", stacklevel=1)
     raw_data.prepare(args, pretrain=True)  # raw --data-path files -> documents, once (rank 0)

@@ -279,3 +279,22 @@ def test_raw_files_without_append_eod_are_refused_before_they_are_tokenised(tmp_
                                "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--data-cache-path", str(cache),
                                "--data-path", *data, "--dry-run"])
     assert not cache.exists()
+
+
+def test_reset_position_ids_alone_restarts_positions_at_eod_and_attends_across(corpus):
+    """Megatron-LM's --reset-position-ids without --reset-attention-mask: positions restart after each EOD while a
+    row stays one causal sequence (it was a no-op here, with a warning: positions ran 0..s-1)."""
+    args, mb = first_batch(corpus, "--reset-position-ids")
+    batch = to_packed_batch(mb, args)
+    tokens, positions = batch.tokens.reshape(-1), batch.position_ids.reshape(-1)
+    assert batch.cu_seqlens.tolist() == [i * S for i in range(len(batch.cu_seqlens))]  # one sequence per row
+    want = []
+    for row in mb["input_ids"]:
+        p = 0
+        for t in row.tolist():
+            want.append(p)
+            p = 0 if t == EOD else p + 1
+    assert positions.tolist() == want and sum(v == 0 for v in want) > len(mb["input_ids"])  # restarts happened
+    _, plain = first_batch(corpus)
+    assert to_packed_batch(plain, args).position_ids.reshape(-1).tolist() == list(range(S)) * len(plain["input_ids"])
+    assert torch.equal(tokens, to_packed_batch(plain, args).tokens.reshape(-1))

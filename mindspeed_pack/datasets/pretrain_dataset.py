@@ -182,8 +182,11 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
     return {name: (ds if n else None) for name, ds, n in zip(("train", "valid", "test"), datasets, sizes)}
 
 
-def row_from_sample(sample: dict, eod: int, isolate: bool, eod_mask_loss: bool) -> dict:
-    """One GPTDataset sample (built with all mask flags off) -> one aligned row of the contract."""
+def row_from_sample(sample: dict, eod: int, isolate: bool, eod_mask_loss: bool,
+                    reset_positions: bool = False) -> dict:
+    """One GPTDataset sample (built with all mask flags off) -> one aligned row of the contract; positions restart
+    after each EOD with ``reset_positions`` even where the documents are not isolated (Megatron-LM's
+    ``--reset-position-ids`` alone)."""
     tokens = sample["tokens"].long()  # text[:s], padding already replaced by 0
     s = tokens.numel()
     # GPTDataset zeroes loss_mask where the shifted label is padding; padding is a suffix
@@ -196,6 +199,8 @@ def row_from_sample(sample: dict, eod: int, isolate: bool, eod_mask_loss: bool) 
         seg = segment_ids_from_eod(tokens, eod)
         seg[real:] = 0
         row["segment_ids"] = seg
+    elif reset_positions:
+        row["position_groups"] = segment_ids_from_eod(tokens, eod)
     if eod_mask_loss:
         row["loss_mask"] = (tokens != eod).float()
     return row
@@ -234,8 +239,8 @@ class GPTBatchSource:
         pos = consumed_samples
         while pos + mbs * self.dp_size <= len(dataset):
             first = pos + self.dp_rank * mbs
-            rows = [row_from_sample(dataset[i], self.tokenizer.eod, args.isolate_segments, args.eod_mask_loss)
-                    for i in range(first, first + mbs)]
+            rows = [row_from_sample(dataset[i], self.tokenizer.eod, args.isolate_segments, args.eod_mask_loss,
+                                    args.reset_position_ids) for i in range(first, first + mbs)]
             batch = collate_rows(rows)
             top = int(batch["input_ids"].max())
             if top >= args.padded_vocab_size:

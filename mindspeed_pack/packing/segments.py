@@ -180,6 +180,7 @@ def build_packed_batch(
     reset_position_ids: bool = True,
     per_sample_loss: bool = False,
     sample_ids: Optional[torch.Tensor] = None,
+    position_groups: Optional[torch.Tensor] = None,
 ) -> PackedBatch:
     """Derive target, loss mask, positions and cu_seqlens from stored pack rows.
 
@@ -191,6 +192,9 @@ def build_packed_batch(
     sample's token mean, instead of the packing-invariant per-token mean.
     ``sample_ids``: [b, s] samples of rows that are not isolated (plain packs, found at EOS),
     for the per-sample mean and the sample count; without them a row counts as one sample.
+    ``position_groups``: [b, s] ids of rows that are not isolated whose positions still restart at each new id
+    under ``reset_position_ids`` (Megatron-LM's ``--reset-position-ids`` without ``--reset-attention-mask``:
+    positions restart after every EOD, attention spans the row).
     """
     if input_ids.dim() == 1:
         input_ids, labels = input_ids[None], labels[None]
@@ -217,8 +221,9 @@ def build_packed_batch(
     seqlens = cu_seqlens[1:] - cu_seqlens[:-1]
     segment_index = (torch.cumsum(flat_starts.long(), 0) - 1).view(1, total)
 
-    if reset_position_ids and isolated:
-        seg_start = torch.cummax(torch.where(flat_starts, idx, torch.zeros_like(idx)), dim=0).values
+    if reset_position_ids and (isolated or position_groups is not None):
+        restarts = flat_starts if isolated else segment_boundaries(position_groups.long().reshape(b, s)).reshape(-1)
+        seg_start = torch.cummax(torch.where(restarts, idx, torch.zeros_like(idx)), dim=0).values
         position_ids = (idx - seg_start).view(1, total)
     else:
         position_ids = torch.arange(s, device=input_ids.device).repeat(b).view(1, total)

@@ -40,7 +40,7 @@ def host_packed_batch(mb: dict, args) -> PackedBatch:
     batch = build_packed_batch(
         mb["input_ids"], mb["labels"], mb["segment_ids"],
         reset_position_ids=args.reset_position_ids, per_sample_loss=args.per_sample_loss,
-        sample_ids=mb.get("sample_ids"),
+        sample_ids=mb.get("sample_ids"), position_groups=mb.get("position_groups"),
     )
     if "loss_mask" in mb:  # e.g. --eod-mask-loss: extra untrained targets from the data side
         batch.loss_mask = batch.loss_mask * mb["loss_mask"].reshape(batch.loss_mask.shape).float()
