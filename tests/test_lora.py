@@ -553,3 +553,13 @@ def test_a_lora_runs_checkpoint_gives_its_lora_flags(qwen, trained):
     assert lora.resolve_targets(args.lora_target_modules) == lora.resolve_targets(mine.lora_target_modules or
                                                                                   [lora.ALL_LINEAR])
     assert args.flag_sources["lora_r"][1] == "checkpoint"
+
+
+def test_a_peft_adapter_of_the_embedding_is_refused_by_name():
+    """PEFT adapts embed_tokens on request; the refusal said only 'not a LoRA adapter of a projection'."""
+    from mindspeed_pack.convert.model_specs import ConversionError
+
+    for key in ("base_model.model.model.embed_tokens.lora_embedding_A", "base_model.model.lm_head.lora_A.weight"):
+        with pytest.raises(ConversionError, match="adapters \\(or trained copies\\) of the embedding or output layer "
+                                                  "are not supported here"):
+            adapters.canonical_name(key)

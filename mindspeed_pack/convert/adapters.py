@@ -78,6 +78,11 @@ def canonical_name(key: str) -> str:
     linear = None if m is None else next((lin for lin, parts in ADAPTED_LINEARS.items()
                                           if lin.split(".")[0] == owners.get(m.group(2)) and m.group(3) in parts), None)
     if linear is None:
+        module = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        if any(part in module.split(".") for part in ("embed_tokens", "lm_head")):  # PEFT adapts them on request
+            raise ConversionError(f"PEFT tensor {key!r}: adapters (or trained copies) of the embedding or output "
+                                  "layer are not supported here, only of the attention and MLP projections "
+                                  "(--lora-target-modules); train the adapters without them")
         raise ConversionError(f"PEFT tensor {key!r} is not a LoRA adapter of a projection this model adapts")
     return f"decoder.layers.{m.group(1)}.{linear}.lora_{m.group(4)}.{m.group(3)}"
 
