@@ -230,6 +230,12 @@ def test_a_load_of_a_run_started_from_hf_keeps_its_dropout(saved, tmp_path):
     args = parse_args([*flags, "--seq-length", "128", "--global-batch-size", "2", "--neat-pack", "--train-iters",
                        "2", "--data-path", saved[0], "--load", saved[1]])  # no HF start recorded: Megatron-LM's
     assert (args.attention_dropout, args.hidden_dropout) == (0.1, 0.1)
+    # a second hop (that run resumed with --load SAVE records the dropout as its checkpoint's, not its HF model's:
+    # the next --load of it took Megatron-LM's 0.1)
+    posttrain.main([*run, "--load", str(tmp_path / "s"), "--train-iters", "2", "--override-opt_param-scheduler"])
+    args = parse_args([*flags, "--seq-length", "128", "--global-batch-size", "2", "--neat-pack", "--train-iters",
+                       "3", "--data-path", saved[0], "--load", str(tmp_path / "s")])
+    assert (args.attention_dropout, args.hidden_dropout) == (0.0, 0.0)
     # a reshard of its checkpoint keeps the record (convert_ckpt.py wrote none: dropout 0.1 and a linear schedule
     # after the reshard, the run's own settings without it); --finetune from it: fine-tuning defaults of its own
     from mindspeed_pack.convert import megatron_to_megatron
@@ -254,3 +260,40 @@ def test_scoring_reads_a_training_checkpoints_weights_alone(saved, tmp_path):
                     "--load", saved[1], "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
                     "--max-seqlen-per-dp-cp-rank", "64", "--lr", "0.5"])  # a schedule unlike the checkpoint's
     assert len([json.loads(line) for line in open(out)]) == 4
+
+
+def test_an_export_inside_a_copied_save_is_the_runs_and_a_replacement_keeps_the_old_until_done(saved, tmp_path,
+                                                                                                 monkeypatch):
+    """The export inside --save (SAVE/hf) travels with a copy of SAVE: the copy's run replaces it (it was refused as
+    another run's export); a replacement that fails leaves the previous export whole (it was removed first); a
+    directory no run exported is refused even where the run has nothing left to train (it was taken as the export)."""
+    from mindspeed_pack.convert import convert
+
+    def run(save, iters, *extra):
+        return posttrain.main(argv(saved[0], "--save", save, "--load", save, "--save-hf", os.path.join(save, "hf"),
+                                   "--train-iters", str(iters), "--override-opt_param-scheduler", *extra))
+
+    first, copy_dir = str(tmp_path / "first"), str(tmp_path / "copy")
+    run(first, 2)
+    shutil.copytree(first, copy_dir)
+    run(copy_dir, 3)
+    assert hf_checkpoint.export_record(os.path.join(copy_dir, "hf")) == {"iteration": 3, "save": copy_dir}
+    before = fingerprint(os.path.join(copy_dir, "hf"))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(convert, "megatron_to_hf", disk_full)
+    with pytest.raises(CheckpointError, match="the disk is full"):
+        run(copy_dir, 4)
+    assert fingerprint(os.path.join(copy_dir, "hf")) == before  # the previous export, whole
+    assert sorted(n for n in os.listdir(copy_dir) if n.startswith(".")) == []
+    monkeypatch.undo()
+    junk = str(tmp_path / "junk")
+    shutil.copytree(copy_dir, junk)
+    shutil.rmtree(os.path.join(junk, "hf"))
+    os.makedirs(os.path.join(junk, "hf"))
+    open(os.path.join(junk, "hf", "notes.txt"), "w").close()
+    with pytest.raises(CheckpointError, match=r"exists and is not an empty directory \(no model a run exported\), "
+                                              r"and this run ends at iteration 4"):
+        run(junk, 4)

@@ -477,3 +477,19 @@ def test_a_preference_stages_validation_line_has_no_perplexity(capsys):
                                                stage=stage), enabled=True)
         logger.validation(4, 0.69, tokens=10)
         assert ("lm loss PPL" in capsys.readouterr().out) == shown, stage
+
+
+def test_logs_whose_windows_were_cut_short_by_a_resume_are_warned(tmp_path, capsys):
+    """Two logs of --log-interval 4, one resumed mid-window (its line at 8 holds the mean of 2 steps): the tool
+    compared the means as alike and passed in silence."""
+    whole = write_log(tmp_path / "a.log", make_records(range(4, 13, 4)))
+    text = write_log(tmp_path / "b.log", make_records(range(4, 13, 4))).read_text()
+    lines = text.splitlines(keepends=True)
+    for i, line in enumerate(lines):
+        if " iteration        8/" in line:
+            lines[i] = line.rstrip("\n") + " iterations in mean: 2 |\n"
+    (tmp_path / "b.log").write_text("".join(lines))
+    _, _, err = run_cli(capsys, whole, tmp_path / "b.log")
+    assert "warning: at iteration 8 the two logs' values are means over different numbers of steps" in err
+    _, _, err = run_cli(capsys, whole, whole)
+    assert "warning" not in err

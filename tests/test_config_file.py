@@ -239,6 +239,14 @@ def test_a_resume_keeps_the_finetuning_defaults_its_run_started_with(tmp_path, p
     shutil.copytree(save, copy)
     moved = _parse([*TINY_FLAGS, *common[:-1], str(copy), "--load", str(copy)])
     assert moved.save_hf == str(copy / "hf") and moved.flag_sources["save_hf"][1] == "finetune"
+    # the tokenizer its run took from the HF directory, while that holds one (a resume on raw files needed it)
+    from tests.model_utils import save_word_tokenizer
+
+    save_word_tokenizer(hf, ["<pad>", "</s>", "a", "b"])
+    first = _parse(common + ["--load", hf])
+    resolved_config.write(first, "posttrain.py")
+    assert first.tokenizer_name_or_path == hf
+    assert _parse([*TINY_FLAGS, *common, "--load", str(save)]).tokenizer_name_or_path == hf
     # --finetune from it is a new run: defaults of its own (its --lr's min-lr: the recorded 2e-6 against --lr 1e-6
     # failed megatron's max_lr >= min_lr with a bare AssertionError; its export into its own --save)
     new = _parse([*TINY_FLAGS, *common[:-1], str(tmp_path / "new"), "--load", str(save), "--finetune", "--lr", "1e-6"])

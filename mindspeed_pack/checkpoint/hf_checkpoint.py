@@ -248,11 +248,21 @@ def check_exportable(args) -> None:
 
 def remove_killed_exports(args) -> None:
     """Before training, on rank 0 (the rank that writes the export): the temporary directory of an export to
-    ``--save-hf`` that was killed before its rename (the whole model) is removed, not kept through training."""
+    ``--save-hf`` that was killed before its rename (the whole model) is removed, not kept through training; a
+    replacement killed midway leaves the previous export in place. Every rank calls it."""
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        remove_stale_temporaries(os.path.abspath(args.save_hf), f"--save-hf {args.save_hf}")
+        out_dir = os.path.abspath(args.save_hf)
+        remove_stale_temporaries(out_dir, f"--save-hf {args.save_hf}")
+        from mindspeed_pack.convert import megatron_layout as layout
+
+        aside = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.replaced")
+        if os.path.isdir(aside) and not os.path.exists(out_dir):  # killed between the swap's two renames
+            os.rename(aside, out_dir)
+        for leftover in (_replacement_dir(out_dir), aside):  # a replacement killed before its swap
+            layout.remove_tree(leftover)
+    dist.barrier()  # every rank then sees the export as it is
 
 
 def _weights_record(args, model) -> dict:
@@ -316,16 +326,21 @@ def save_hf(args, model, out_dir: Optional[str] = None, iteration: Optional[int]
         try:
             needed = tree_bytes(staging)
             layout.write_tracker(staging, layout.RELEASE)
-            if replace:  # this run's export of an earlier iteration (trainer.run checked the record)
-                layout.remove_tree(out_dir)
+            # this run's export of an earlier iteration (trainer.run checked the record) stays until the new one is
+            # whole beside it: then the two are swapped
+            target = _replacement_dir(out_dir) if replace else out_dir
+            if replace:
+                layout.remove_tree(target)
             if _peft_export(args):
                 base = args.lora_base
-                megatron_to_peft(staging, out_dir, _dtype_name(args), base["path"] if base["format"] == "hf" else None,
+                megatron_to_peft(staging, target, _dtype_name(args), base["path"] if base["format"] == "hf" else None,
                                  tokenizer_dir=tokenizer)
             else:
-                megatron_to_hf(staging, out_dir, _dtype_name(args), tokenizer_dir=tokenizer)
+                megatron_to_hf(staging, target, _dtype_name(args), tokenizer_dir=tokenizer)
             if iteration is not None:
-                _write_export_record(out_dir, args, iteration)
+                _write_export_record(target, args, iteration)
+            if replace:
+                _swap_in(target, out_dir)
         except (OSError, ConversionError, SafetensorError) as e:  # every rank must hear of it, not wait it out
             error = e
         finally:
@@ -350,6 +365,11 @@ def save_hf(args, model, out_dir: Optional[str] = None, iteration: Optional[int]
                  "--tokenizer-name-or-path)")
 
 
+def looks_like_export(path: str) -> bool:
+    """A transformers model or PEFT adapter directory (what an export writes)."""
+    return hf_io.looks_like_hf(path) or os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
 def export_record(path: str) -> Optional[dict]:
     """What the export in ``path`` records of itself (:data:`EXPORT_RECORD`); None for a directory no run wrote
     (or an export written before the record was)."""
@@ -367,6 +387,21 @@ def _write_export_record(out_dir: str, args, iteration: int) -> None:
     with open(tmp, "w") as f:
         json.dump(record, f)
     os.replace(tmp, os.path.join(out_dir, EXPORT_RECORD))
+
+
+def _replacement_dir(out_dir: str) -> str:
+    return os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.replacement")
+
+
+def _swap_in(new: str, out_dir: str) -> None:
+    """``new`` (a whole export) in place of the export ``out_dir``: the old one moved aside, then removed."""
+    from mindspeed_pack.convert import megatron_layout as layout
+
+    aside = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.replaced")
+    layout.remove_tree(aside)
+    os.rename(out_dir, aside)
+    os.rename(new, out_dir)
+    layout.remove_tree(aside)
 
 
 def _dtype_name(args) -> str:

@@ -122,7 +122,9 @@ def _dropout_of_its_run(args, explicit: set) -> None:
     """A run started from a Hugging Face directory took that model's dropout (0 for Qwen), not Megatron-LM's 0.1,
     and its ``run_config.yaml`` says so: a ``--load`` of its checkpoint takes the same, so the resume trains as the
     uninterrupted run would (a converted checkpoint records no run: Megatron-LM's defaults hold)."""
-    from_hf = resolved_config.recorded(args.load, "hf")
+    # the "hf" section of a run from the HF directory; the "checkpoint" section of a run that took it in turn from
+    # its --load (a resume with --load SAVE, a --finetune of it, a reshard: any hop keeps it)
+    from_hf = {**resolved_config.recorded(args.load, "checkpoint"), **resolved_config.recorded(args.load, "hf")}
     taken = {k: from_hf[k] for k in ("attention_dropout", "hidden_dropout") if k in from_hf and k not in explicit}
     for key, value in taken.items():
         setattr(args, key, float(value))

@@ -17,6 +17,7 @@ import os
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
+from mindspeed_pack.convert.tokenizer_record import has_tokenizer
 from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,12 @@ def apply(args, given: set) -> set:
         defaults, why = _fresh_defaults(args, given), f"--finetune from the fine-tuning run of --load {args.load}"
     else:
         defaults = resolved_config.recorded(args.load, "finetune")
-        # the checkpoint's run found its tokenizer its own way (the export copies the one its checkpoint records)
-        defaults.pop("tokenizer_name_or_path", None)
+        # the tokenizer its run took from its HF directory, while that holds one (raw --data-path files need it;
+        # else the export copies the one the checkpoint records)
+        tokenizer = defaults.pop("tokenizer_name_or_path", None)
+        if tokenizer and not args.tokenizer_name_or_path and "tokenizer_name_or_path" not in given \
+                and has_tokenizer(tokenizer):
+            defaults["tokenizer_name_or_path"] = tokenizer
         why = f"resuming the run of --load {args.load}: its {resolved_config.FILE_NAME}"
         if "save_hf" in defaults:  # SAVE/hf of this run's --save, not of the recorded run's (a copy, a move)
             if args.save:

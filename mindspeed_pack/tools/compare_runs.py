@@ -443,6 +443,14 @@ def _unlike_logging(run_a: RunMetrics, run_b: RunMetrics, names: Sequence[str]) 
     """A run logged every step against one logged every K: the values compared are single steps against means
     over K steps (they can pass or fail on that alone)."""
     a, b = _logging_stride(run_a), _logging_stride(run_b)
+    if a is not None and a == b and a > 1:  # logs of one interval: a window cut short (a resume) holds fewer steps
+        cut_a, cut_b = (run.get("iterations in mean") or {} for run in (run_a, run_b))
+        common = set(next(iter(run_a.values()), {})) & set(next(iter(run_b.values()), {}))
+        differ = sorted(i for i in common if cut_a.get(i, a) != cut_b.get(i, b))
+        if differ:
+            return (f"at iteration{'s' if len(differ) > 1 else ''} {compact_steps(differ)} the two logs' values are "
+                    "means over different numbers of steps ('iterations in mean': a window cut short by a resume), "
+                    "so they can differ on that alone; compare the metrics files (every step)")
     if a is None or b is None or a == b:
         return None
     every = {n: "every step" if n == 1 else f"every {n} steps" for n in (a, b)}

@@ -293,7 +293,11 @@ class Trainer:
                 self.evaluate("test", "the end of training for test data")
             return
         if self.iteration >= args.train_iters:
-            log.info("checkpoint iteration %d >= --train-iters %d: nothing to train", self.iteration, args.train_iters)
+            # the same command again after the run ended: its end-of-training evaluation ran then (a second one
+            # appended its records to the metrics file again)
+            log.info("checkpoint iteration %d >= --train-iters %d: nothing to train, nor to evaluate again",
+                     self.iteration, args.train_iters)
+            return
         for chunk in self.model:
             chunk.train()
         while self.iteration < args.train_iters:
@@ -435,24 +439,32 @@ def _existing_export(args, iteration: int) -> bool:
 
     The export of this run's last iteration: none is written again (``args.save_hf`` cleared). This run's export
     of an earlier iteration (the run trains on, or its export predates a longer ``--train-iters``): replaced when
-    the run ends. Another run's export, or a directory no run wrote: refused before training."""
+    the run ends. Another run's export, or a directory no run wrote: refused before training. The export inside
+    ``--save`` (``SAVE/hf``, the default) is the run's wherever ``--save`` was copied, moved or linked to."""
     if not finetune_defaults.exported(args.save_hf):
         return False
     record = hf_checkpoint.export_record(args.save_hf)
-    ours = record is not None and record.get("save") in (None, os.path.abspath(args.save) if args.save else None)
-    if iteration >= args.train_iters and (record is None or (ours and record["iteration"] == iteration)):
+    inside = bool(args.save) and os.path.realpath(os.path.dirname(os.path.abspath(args.save_hf))) == \
+        os.path.realpath(args.save)
+    theirs = (record or {}).get("save")
+    ours = record is not None and (inside or theirs is None or (bool(args.save) and os.path.realpath(theirs) ==
+                                                                os.path.realpath(args.save)))
+    # an export written before exports recorded themselves: a model (or adapter) directory, taken as the last one
+    legacy = record is None and hf_checkpoint.looks_like_export(args.save_hf)
+    if iteration >= args.train_iters and (legacy or (ours and record["iteration"] == iteration)):
         log.info("--save-hf %s holds the export of iteration %d, where the run ends: none is written again",
                  args.save_hf, iteration)
         args.save_hf = None
         return False
     if ours:
         log.info("--save-hf %s holds this run's export of iteration %d: the export of iteration %d replaces it when "
-                 "the run ends", args.save_hf, record["iteration"], args.train_iters)
+                 "the run ends", args.save_hf, record["iteration"], max(iteration, args.train_iters))
         return True
-    what = (f"holds the export of another run (--save {record['save']})" if record is not None else
-            "exists and is not an empty directory")
-    raise CheckpointError(f"--save-hf {args.save_hf} {what}, and this run trains iterations {iteration + 1}.."
-                          f"{args.train_iters}: choose a new directory")
+    what = (f"holds the export of another run (--save {theirs})" if record is not None else
+            "exists and is not an empty directory" + ("" if legacy else " (no model a run exported)"))
+    trains = (f"this run trains iterations {iteration + 1}..{args.train_iters}" if iteration < args.train_iters
+              else f"this run ends at iteration {iteration}")
+    raise CheckpointError(f"--save-hf {args.save_hf} {what}, and {trains}: choose a new directory")
 
 
 def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable] = None) -> Trainer:
@@ -460,10 +472,11 @@ def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable]
     with peers.waiting_for(lambda: trainer.phase, args.distributed_timeout_minutes):
         try:
             trainer.setup()
+            if args.save_hf:
+                hf_checkpoint.remove_killed_exports(args)  # first: a replacement killed midway is undone
             replace = bool(args.save_hf) and _existing_export(args, trainer.iteration)
             if args.save_hf:
                 hf_checkpoint.check_exportable(args)  # before training, not after it
-                hf_checkpoint.remove_killed_exports(args)
             if before_train:
                 before_train(trainer)
             trainer.train()
