@@ -290,3 +290,4 @@ def test_a_command_line_alternative_overrides_the_files_flag(tmp_path):
     assert (args.train_epochs, args.train_iters, args.lr_warmup_fraction, args.lr) == (None, 3, 0.1, 0.5)
     args, _ = yaml_file.parse(parser, ["--config", str(config), "--lr-warmup-iters", "4"])
     assert (args.train_epochs, args.lr_warmup_fraction, args.lr_warmup_iters) == (2, None, 4)
+

@@ -241,6 +241,20 @@ def test_a_resumed_copy_of_a_run_from_hf_exports_into_its_own_save_with_the_toke
     assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(os.path.join(copy, "hf")))
 
 
+def test_the_original_command_resumes_a_save_that_resumed_itself(tiny, tmp_path):
+    """After a resume with --load SAVE --save SAVE, SAVE/run_config.yaml records --load SAVE: the job's original
+    command (--load HF_DIR --save SAVE) was then refused as another run (--load, --load-format, --finetune)."""
+    flags = list(RUN_FLAGS)
+    flags[flags.index("--train-iters") + 1] = "3"
+    save = str(tmp_path / "save")
+    original = [*flags, "--data-path", tiny["data"], "--load", tiny["hf"], "--save", save]
+    posttrain.main([*original, "--exit-interval", "1"])
+    posttrain.main([*TINY_FLAGS, *flags, "--data-path", tiny["data"], "--load", save, "--save", save,
+                    "--exit-interval", "2"])
+    trainer = posttrain.main(original)
+    assert trainer.iteration == 3 and trainer.args.resumed_from == save
+
+
 def test_save_hf_into_a_non_empty_directory_is_refused_before_training(tiny, tmp_path, capsys):
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "x").write_text("")

@@ -179,6 +179,11 @@ def run_differences(args, save_dir: str):
     theirs = {k: v for section in theirs.values() for k, v in section.items()}
     mine = {k: v for section in mine.values() for k, v in section.items()}
     names = {dest: name for dest, (name, _) in getattr(args, "flag_sources", {}).items()}
+    # a record written by a resume of the run from its own --save (--load SAVE --save SAVE) names SAVE, not where
+    # the run started (its HF directory): where it loads from is then no difference
+    skip = set(NOT_DEFINING)
+    if theirs.get("load") is not None and theirs.get("load") == theirs.get("save"):
+        skip |= {"load", "load_format", "finetune"}
     return [f"--{names.get(dest, dest)} {_show(value)} here, {_show(theirs[dest])} there"
             for dest, value in mine.items()
-            if dest in theirs and dest not in NOT_DEFINING and value != theirs[dest]]
+            if dest in theirs and dest not in skip and value != theirs[dest]]
