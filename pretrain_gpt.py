@@ -36,6 +36,10 @@ def main(argv=None):
     setup_logging()
     args = parse_args(argv, extra_args_provider=pretrain_args,
                       description="mindspeed-pack pretraining on indexed documents")
+    if args.reset_position_ids and not args.isolate_segments and args.position_embedding_type == "rope":
+        warnings.warn("--reset-position-ids without --reset-attention-mask under RoPE changes nothing: rotary "
+                      "positions restart per attention sequence, here the whole row (as in Megatron-LM); add "
+                      "--reset-attention-mask to restart them per document", stacklevel=1)
     if args.no_shuffle:
         warnings.warn("--no-shuffle is ignored: GPTDataset draws Megatron-LM's seeded order", stacklevel=1)
     raw_data.prepare(args, pretrain=True)  # raw --data-path files -> documents, once (rank 0)

@@ -278,6 +278,10 @@ def test_raw_files_without_append_eod_are_refused_before_they_are_tokenised(tmp_
             pretrain_gpt.main([*flags, "--seq-length", str(S), "--train-iters", "1", "--reset-attention-mask",
                                "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--data-cache-path", str(cache),
                                "--data-path", *data, "--dry-run"])
+    with pytest.raises(DataError, match="^--reset-position-ids finds documents at their EOD"):  # it was silent
+        pretrain_gpt.main([*flags, "--seq-length", str(S), "--train-iters", "1", "--reset-position-ids",
+                           "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--data-cache-path", str(cache),
+                           "--data-path", raw, "--dry-run"])
     assert not cache.exists()
 
 

@@ -499,3 +499,13 @@ def test_a_megatron_load_format_is_not_listed_as_the_hugging_face_configs(tmp_pa
     text = resolved_config.text(args, "posttrain.py")
     before = text[:text.index("\nload-format: mg\n")]
     assert before[before.rindex("# --- "):].startswith("# --- derived from the flags above by validation"), text
+
+
+def test_a_split_paths_blend_is_refused_before_anything_is_built(neat, capsys):
+    """--train-data-path 0.5 A 0.5 B passed --dry-run (its weights planned as missing prefixes) and was refused only
+    after the model was built; two prefixes alike."""
+    flags = [a for a in nargv(neat) if a not in ("--data-path", neat)]
+    for paths in (["0.5", neat, "0.5", neat], [neat, neat]):
+        with pytest.raises(SystemExit):
+            posttrain.main([*flags, "--train-iters", "2", "--train-data-path", *paths, "--dry-run"])
+        assert f"error: --train-data-path {' '.join(paths)}: takes one packed prefix" in capsys.readouterr().err

@@ -615,6 +615,12 @@ def _check_data_path_for_the_script(args) -> None:
         return
     if any(_is_number(p) for p in args.data_path or []):
         raise ArgumentError(f"--data-path {' '.join(args.data_path)}: {ONE_PREFIX}")
+    for name in ("train", "valid", "test"):  # each split's own prefix (its check at data setup came after the build)
+        paths = getattr(args, f"{name}_data_path", None) or []
+        if len(paths) > 1:
+            raise ArgumentError(f"--{name}-data-path {' '.join(paths)}: takes one packed prefix; "
+                                + (ONE_PREFIX if any(_is_number(p) for p in paths) else
+                                   "preprocess the datasets into one (preprocess_data.py --input A B) and pass it"))
 
 
 # stages whose per-token inputs are laid out for megatron's fixed CP split, or that run their own loop

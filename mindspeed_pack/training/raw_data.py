@@ -300,6 +300,7 @@ def _prepare_blend(args) -> Optional[dict]:
 def _check_documents_will_end_with_eod(args) -> None:
     """Before tokenising raw files for pretrain_gpt.py: the flags that find documents at their EOD need it written."""
     needs = [flag for flag, on in (("--reset-attention-mask", args.isolate_segments),
+                                   ("--reset-position-ids", args.reset_position_ids),
                                    ("--eod-mask-loss", args.eod_mask_loss)) if on]
     if needs and not args.append_eod:
         raise DataError(f"{' and '.join(needs)} find{'s' if len(needs) == 1 else ''} documents at their EOD, and the "
