@@ -275,10 +275,15 @@ def test_bad_rows_name_row_message_and_field(family_tokenizer_dir):
         (qwen, {"messages": [{"role": "user", "content": "q"}, {"role": "wizard", "content": "a"}]},
          r"row 3: field 'messages' message 1 has unknown 'role' 'wizard'", REASON_ROLE),
         (qwen, {"tools": {"a": 1}, "messages": CORPUS[0]["messages"]},
-         r"row 3: field 'tools' must be a list of tool schemas \(objects with \"type\"/\"function\" or \"name\"\), "
-         r"got \{\"a\": 1\}", REASON_FIELD),
+         r"row 3: field 'tools' must be a list of tool schemas \(objects naming a function: \"function\": "
+         r"\{\"name\": ...\} or \"name\"\), got \{\"a\": 1\}", REASON_FIELD),
         (qwen, {"tools": [CORPUS[7]["tools"][0], "get_weather"], "messages": CORPUS[0]["messages"]},
          r"row 3: field 'tools' item 1 is not a tool schema", REASON_FIELD),
+        # a type without a named function was rendered into the prompt as a tool
+        (qwen, {"tools": [{"type": "function"}], "messages": CORPUS[0]["messages"]},
+         r"row 3: field 'tools' item 0 is not a tool schema \(an object naming a function", REASON_FIELD),
+        (qwen, {"tools": [{"type": "function", "function": "get_weather"}], "messages": CORPUS[0]["messages"]},
+         r"row 3: field 'tools' item 0 is not a tool schema", REASON_FIELD),
         (_encoder(family_tokenizer_dir("gemma3")), CORPUS[7],
          r"row 3: the row has tool schemas, which this chat template does not render \(refused, not dropped\)", REASON_TOOLS),
     ]

@@ -30,9 +30,13 @@ _PASSED_FIELDS = ("tool_call_id", "name")
 
 
 def _is_tool_schema(value) -> bool:
-    """An object that reads as a tool schema: OpenAI's ``{"type": "function", "function": {...}}`` or a bare
-    ``{"name", "description", "parameters"}`` (LLaMA-Factory)."""
-    return isinstance(value, dict) and any(key in value for key in ("type", "function", "name"))
+    """An object that reads as a tool schema, a named function: OpenAI's ``{"type": "function", "function":
+    {"name": ...}}`` or a bare ``{"name", "description", "parameters"}`` (LLaMA-Factory); ``{"type": "function"}``
+    alone, or a function given as a string, names none (a template would render it as a tool)."""
+    if not isinstance(value, dict):
+        return False
+    function = value.get("function", value)
+    return isinstance(function, dict) and isinstance(function.get("name"), str) and bool(function["name"])
 
 
 def parse_tools(value, column: str) -> Optional[list]:
@@ -52,12 +56,14 @@ def parse_tools(value, column: str) -> Optional[list]:
     if _is_tool_schema(value):
         value = [value]
     if not isinstance(value, list):
-        raise RowError(f"field {column!r} must be a list of tool schemas (objects with \"type\"/\"function\" or "
-                       f"\"name\"), got {json.dumps(value, default=str)[:80]}", REASON_FIELD)
+        raise RowError(f"field {column!r} must be a list of tool schemas (objects naming a function: "
+                       f"\"function\": {{\"name\": ...}} or \"name\"), got {json.dumps(value, default=str)[:80]}",
+                       REASON_FIELD)
     for n, tool in enumerate(value):
         if not _is_tool_schema(tool):
-            raise RowError(f"field {column!r} item {n} is not a tool schema (an object with \"type\"/\"function\" "
-                           f"or \"name\"): {json.dumps(tool, default=str)[:80]}", REASON_FIELD)
+            raise RowError(f"field {column!r} item {n} is not a tool schema (an object naming a function: "
+                           f"\"function\": {{\"name\": ...}} or \"name\"): {json.dumps(tool, default=str)[:80]}",
+                           REASON_FIELD)
     return value or None
 
 
