@@ -16,7 +16,7 @@ from mindspeed_pack.config.arguments import parse_args, per_split_data_args
 from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
 from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.cli import run_cli, setup_logging
-from mindspeed_pack.training.stages import data_layouts, get_stage, stage_args
+from mindspeed_pack.training.stages import check_stage_flags, data_layouts, get_stage, stage_args
 from mindspeed_pack.training.trainer import run
 
 
@@ -29,10 +29,11 @@ def main(argv=None):
     setup_logging()
     args = parse_args(argv, extra_args_provider=posttrain_args,
                       description="mindspeed-pack post-training (SFT, DPO, SimPO, ORPO, KTO, GRPO, reward models) on packed data")
+    check_stage_flags(args)  # before raw files are tokenised and packed
     raw_data.prepare(args)  # raw --data-path files -> packs, once (rank 0); every rank trains on them
     resolve_vocab_size(args)
     run_plan.resolve_epochs(args)  # --train-epochs -> --train-iters
-    stage = get_stage(args)  # its flag checks, under --dry-run too
+    stage = get_stage(args)  # its own flag checks, under --dry-run too
     if args.dry_run:
         data_layouts.check_data_paths(args)  # what the stage's setup would refuse
     if run_plan.dry_run(args, "posttrain.py"):

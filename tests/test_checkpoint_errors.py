@@ -297,3 +297,23 @@ def test_an_export_inside_a_copied_save_is_the_runs_and_a_replacement_keeps_the_
     with pytest.raises(CheckpointError, match=r"exists and is not an empty directory \(no model a run exported\), "
                                               r"and this run ends at iteration 4"):
         run(junk, 4)
+
+
+def test_an_export_of_another_kind_is_replaced_even_where_the_run_has_ended(tmp_path, monkeypatch):
+    """--lora-merge added to the command of a LoRA run that had ended: its PEFT export was kept as 'the export of
+    its last iteration' and no merged model was written."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training import trainer as trainer_module
+
+    save, export = str(tmp_path / "save"), tmp_path / "save" / "hf"
+    export.mkdir(parents=True)
+    (export / "adapter_config.json").write_text("{}")
+    (export / hf_checkpoint.EXPORT_RECORD).write_text('{"iteration": 4, "save": "%s"}' % save)
+    args = SimpleNamespace(save_hf=str(export), save=save, train_iters=4)
+    monkeypatch.setattr(hf_checkpoint, "exports_adapters", lambda a: True)  # the run's own kind: PEFT
+    assert trainer_module._existing_export(args, 4) is False and args.save_hf is None  # done: none again
+    args.save_hf = str(export)
+    monkeypatch.setattr(hf_checkpoint, "exports_adapters", lambda a: False)  # --lora-merge: a model
+    assert trainer_module._existing_export(args, 4) is True and args.save_hf == str(export)
+

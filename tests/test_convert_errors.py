@@ -203,6 +203,8 @@ def test_another_familys_name_is_refused_where_it_would_change_the_model(hf_dir,
     with pytest.raises(ConversionError, match=r"holds a qwen2 model: as a LlamaForCausalLM \(--model-type-hf llama\) "
                                               r"it would lose --add-qkv-bias True \(a LlamaForCausalLM has False\)"):
         megatron_to_hf(mg_dir, out, model_type_hf="llama")
+    # the family name itself is no lost setting
+    assert "--model-type-hf qwen2 (a" not in str(excinfo_of(lambda: megatron_to_hf(mg_dir, out, model_type_hf="llama")))
     with pytest.raises(ConversionError, match=r"config.json: holds a qwen2 model \(model_type 'qwen2'\), not llama "
                                               r"\(--model-type-hf\): pass --model-type-hf qwen2, or leave it out"):
         hf_to_megatron(hf_dir, out, 1, 1, model_type_hf="llama")
@@ -223,3 +225,29 @@ def test_mindspeed_llms_first_converter_flags_convert_both_ways(hf_dir, tmp_path
     assert main([*v1, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir", hf]) == 0
     a, b = load_file(os.path.join(hf, "model.safetensors")), load_file(os.path.join(hf, "mg2hf", "model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(t, b[k]) for k, t in a.items())
+
+
+def excinfo_of(call) -> ConversionError:
+    with pytest.raises(ConversionError) as e:
+        call()
+    return e.value
+
+
+def test_a_family_whose_layout_keeps_every_setting_converts(tmp_path):
+    """A Llama written as a Mistral keeps every setting and tensor: converted with a warning (the family name
+    alone was counted as a lost setting, refusing every other family)."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    hf_to_megatron(str(tmp_path / "llama"), str(tmp_path / "mg"), 1, 1)
+    megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "mistral"), model_type_hf="mistral")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mistral")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    ids = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    assert type(model).__name__ == "MistralForCausalLM"
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-5)
+

@@ -553,6 +553,9 @@ def test_a_lora_runs_checkpoint_gives_its_lora_flags(qwen, trained):
     assert lora.resolve_targets(args.lora_target_modules) == lora.resolve_targets(mine.lora_target_modules or
                                                                                   [lora.ALL_LINEAR])
     assert args.flag_sources["lora_r"][1] == "checkpoint"
+    # some given: the others still from the record (alpha fell back to its default, 32, then 'differed')
+    args = parse_args([*base, "--lora-r", "4"], world_size=1)
+    assert (args.lora_r, args.lora_alpha) == (4, 8.0)
 
 
 def test_a_peft_adapter_of_the_embedding_is_refused_by_name():

@@ -365,3 +365,18 @@ def test_raw_rows_for_a_stage_need_its_handler(assets):
                                         "--handler-name AlpacaStylePairwiseHandler or SharegptStylePairwiseHandler"):
         posttrain.main(["--load", assets["hf"], "--data-path", assets["data"], *TRAIN, "--train-iters", "1",
                         "--stage", "dpo", "--dry-run"])
+
+
+def test_a_stage_value_out_of_range_is_one_error_line_before_raw_data_is_packed(assets, tmp_path, capsys):
+    """The stage checks raise after the parser: posttrain.py printed a traceback (exit 1) instead of one error
+    line (exit 2), and only after tokenising and packing the raw files."""
+    from mindspeed_pack.training.cli import run_cli
+
+    cache = tmp_path / "cache"
+    argv = ["--load", assets["hf"], "--data-path", assets["data"], *TRAIN, "--train-iters", "1", "--stage", "dpo",
+            "--handler-name", "SharegptStylePairwiseHandler", "--dpo-beta", "0", "--data-cache-path", str(cache)]
+    with pytest.raises(SystemExit) as e:
+        run_cli("posttrain.py", lambda: posttrain.main(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "posttrain.py: error: --dpo-beta 0.0 must be > 0" in err and "Traceback" not in err
+    assert not cache.exists()

@@ -365,9 +365,19 @@ def save_hf(args, model, out_dir: Optional[str] = None, iteration: Optional[int]
                  "--tokenizer-name-or-path)")
 
 
+def holds_adapters(path: str) -> bool:
+    """Whether the export in ``path`` is a PEFT adapter directory."""
+    return os.path.isfile(os.path.join(path, "adapter_config.json"))
+
+
+def exports_adapters(args) -> bool:
+    """Whether this run's export is a PEFT adapter directory (a LoRA run without --lora-merge)."""
+    return _peft_export(args)
+
+
 def looks_like_export(path: str) -> bool:
     """A transformers model or PEFT adapter directory (what an export writes)."""
-    return hf_io.looks_like_hf(path) or os.path.isfile(os.path.join(path, "adapter_config.json"))
+    return hf_io.looks_like_hf(path) or holds_adapters(path)
 
 
 def export_record(path: str) -> Optional[dict]:

@@ -79,8 +79,8 @@ def apply(args, given: set) -> set:
     if args.stage in ("dpo", "simpo", "orpo", "kto", "orm", "prm") and args.load_format == "hf" \
             and not args.save_hf and not getattr(args, "skip_train", False):  # no export default (SFT's below)
         log.warning("--stage %s from the Hugging Face model --load %s without --save-hf: the trained model is written "
-                    "as Megatron checkpoints only (--save); pass --save-hf DIR for a transformers-loadable one",
-                    args.stage, args.load)
+                    "%s; pass --save-hf DIR for a transformers-loadable one", args.stage, args.load,
+                    "as Megatron checkpoints only (--save)" if args.save else "nowhere (no --save either)")
     if args.stage != "sft" or not args.load or getattr(args, "pretraining", False):  # pretrain_gpt.py: Megatron-LM's
         return applied
     if args.load_format == "hf":

@@ -40,11 +40,11 @@ def _recorded_settings(root: str):
 
 
 def fill_lora_flags(args, given: set) -> set:
-    """Fill the LoRA flags from ``--lora-load``'s adapter_config.json (a PEFT directory) and refuse given ones
-    that differ, or, none given, from a LoRA run's checkpoint's record (it asked for all of them, though it
-    records them; given ones are checked against the record at load); returns the destinations filled."""
+    """Fill the LoRA flags not given from ``--lora-load``'s adapter_config.json (a PEFT directory; given ones that
+    differ are refused) or a LoRA run's checkpoint's record (it asked for all of them, though it records them;
+    given ones are checked against the record at load); returns the destinations filled."""
     root = args.lora_load
-    if root and not adapters.is_peft_dir(root) and not {"lora_r", "lora_target_modules"} & given:
+    if root and not adapters.is_peft_dir(root):  # those given are checked against the record at load
         values = _recorded_settings(root)
         if values is None:
             return set()

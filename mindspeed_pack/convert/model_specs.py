@@ -643,4 +643,4 @@ def settings_lost(mine: dict, spec: ModelSpec, where: str) -> List[str]:
                                mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
                                mine["padded_vocab_size"], where=where)
     return [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in vars(back).items()
-            if k in mine and k not in RUN_LAYOUT_ARGS and not same_setting(mine[k], v)]
+            if k in mine and k not in (*RUN_LAYOUT_ARGS, "model_type_hf") and not same_setting(mine[k], v)]

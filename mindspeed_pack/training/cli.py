@@ -5,6 +5,7 @@ import logging
 import sys
 
 from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.runtime.disk import DiskFullError
 from mindspeed_pack.runtime.peers import PeerFailure
@@ -24,7 +25,8 @@ def run_cli(script: str, main) -> None:
     hung peer with one line naming what this rank waited for and exit 1 (torchrun then restarts)."""
     try:
         main()
-    except (CheckpointError, DataError, LaunchError) as e:  # the message says what and where (or how to start)
+    # the message says what and where (or how to start); ArgumentError: a check after the parser's (a stage's flags)
+    except (CheckpointError, DataError, LaunchError, ArgumentError) as e:
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except (NonFiniteLossError, PeerFailure, RendezvousTimeout, DiskFullError) as e:

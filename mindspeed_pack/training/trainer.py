@@ -451,14 +451,18 @@ def _existing_export(args, iteration: int) -> bool:
                                                                 os.path.realpath(args.save)))
     # an export written before exports recorded themselves: a model (or adapter) directory, taken as the last one
     legacy = record is None and hf_checkpoint.looks_like_export(args.save_hf)
-    if iteration >= args.train_iters and (legacy or (ours and record["iteration"] == iteration)):
+    # what it holds against what this run writes: PEFT adapters, or a model (--lora-merge added after the run ended)
+    same_kind = hf_checkpoint.holds_adapters(args.save_hf) == hf_checkpoint.exports_adapters(args)
+    if iteration >= args.train_iters and same_kind and (legacy or (ours and record["iteration"] == iteration)):
         log.info("--save-hf %s holds the export of iteration %d, where the run ends: none is written again",
                  args.save_hf, iteration)
         args.save_hf = None
         return False
     if ours:
-        log.info("--save-hf %s holds this run's export of iteration %d: the export of iteration %d replaces it when "
-                 "the run ends", args.save_hf, record["iteration"], max(iteration, args.train_iters))
+        kind = "" if same_kind else (" (PEFT adapters; --lora-merge writes the merged model)" if
+                                     hf_checkpoint.holds_adapters(args.save_hf) else " (a merged model)")
+        log.info("--save-hf %s holds this run's export of iteration %d%s: the export of iteration %d replaces it when "
+                 "the run ends", args.save_hf, record["iteration"], kind, max(iteration, args.train_iters))
         return True
     what = (f"holds the export of another run (--save {theirs})" if record is not None else
             "exists and is not an empty directory" + ("" if legacy else " (no model a run exported)"))

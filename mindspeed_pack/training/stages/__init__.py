@@ -122,7 +122,7 @@ def _loss_agg(value: str) -> str:
 # flag -> the stages that read it (a flag given to another stage is said, not dropped without a word)
 _STAGE_FLAGS = {
     ("dpo",): ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing"),
-    ("dpo", "simpo"): ("pref_ftx",),
+    ("dpo", "simpo", "orpo"): ("pref_ftx",),  # orpo refuses it (its NLL term is its own)
     ("simpo",): ("simpo_beta", "gamma_beta_ratio", "simpo_loss_type", "simpo_label_smoothing"),
     ("orpo",): ("orpo_beta",),
     ("kto",): ("kto_beta", "kto_desirable_weight", "kto_undesirable_weight"),
@@ -172,8 +172,8 @@ def check_stage_flags(args) -> None:
 
 
 def get_stage(args):
-    """The stage object ``--stage`` selects (its flags checked first: :func:`check_stage_flags`)."""
-    check_stage_flags(args)
+    """The stage object ``--stage`` selects (the common checks of its flags: :func:`check_stage_flags`, which
+    posttrain.py runs first)."""
     if args.stage == "dpo":
         from mindspeed_pack.training.stages.dpo import DPOStage
 
