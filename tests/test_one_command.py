@@ -313,6 +313,8 @@ def test_one_command_refuses_a_save_holding_another_runs_checkpoint(assets, tmp_
     # a reference given to a stage that uses none was ignored without a word
     (["--stage", "orm", "--ref-load", "REF"], "--ref-load with --stage orm: no reference model is used by this "
                                               "stage"),
+    # the flags against what preprocessing recorded: the data setup's checks (a dry run passed them)
+    (["--seq-length", "256"], "--seq-length 256 differs from the packs' length 128"),
 ])
 def test_dry_run_refuses_what_the_stage_would_refuse_at_its_start(tmp_path, capsys, extra, message):
     """``--dry-run`` returned before the stage was made, so flags and data its start refuses passed it."""

@@ -44,8 +44,13 @@ def check(stage: str, prefix: str, meta) -> None:
 
 
 def check_data_paths(args) -> None:
-    """:func:`check` for every prefix of ``--data-path`` (its weights skipped) and of the per-split paths that
-    is there (a dry run may check a job's flags before its data exists)."""
+    """:func:`check`, and the flags against what preprocessing recorded (``--seq-length``, ``--neat-pack``,
+    ``--prompt-type``: :func:`~mindspeed_pack.datasets.sidecar_checks.check_data`, which the run's data setup
+    applies), for every prefix of ``--data-path`` (its weights skipped) and of the per-split paths that is there
+    (a dry run may check a job's flags before its data exists)."""
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+    from mindspeed_pack.datasets.sidecar_checks import check_data
+
     paths = list(args.data_path or [])
     for name in ("train", "valid", "test"):
         paths += getattr(args, f"{name}_data_path", None) or []
@@ -57,3 +62,5 @@ def check_data_paths(args) -> None:
             meta = read_meta(path)
             if meta is not None or os.path.isfile(dataset_paths(path)["input_ids"] + ".bin"):
                 check(args.stage, path, meta)
+                if all(os.path.isfile(p + ".bin") for p in dataset_paths(path).values()):
+                    check_data(PackedDocuments(path), args)
