@@ -147,18 +147,22 @@ class PairwiseEncoder(SampleEncoder):
                            f"the row has: {', '.join(map(str, row)) or 'no fields'}", MISSING_ANSWER)
         return value
 
-    def _chosen_ending_the_conversation(self, row: dict) -> dict:
+    def _chosen_ending_the_conversation(self, row: dict, where: str) -> dict:
         """A ShareGPT row without a chosen column whose conversation ends with an assistant message (ms-swift's
         pairs: ``messages`` ending with the chosen answer, ``rejected_response``): that message is the chosen
         answer and the conversation before it the prompt."""
         conversation, chosen = self.keys.get("messages"), self.keys["chosen"]
-        messages = row.get(conversation) if self.handler != ALPACA and chosen not in row else None
+        messages = row.get(conversation) if self.handler != ALPACA else None
         if not isinstance(messages, list) or not messages or not isinstance(messages[-1], dict):
             return row
         last = messages[-1]
         role = last.get(self.keys.get("role_tag", "from"), last.get("role"))
         if role not in {self.keys.get("assistant_tag", "gpt"), "gpt", "assistant"}:
             return row
+        if chosen in row:  # both forms: which answer is the chosen one?
+            raise RowError(f"{where}: field {conversation!r} ends with an assistant message and the row has a "
+                           f"{chosen!r} answer too: give the chosen answer once (end the conversation with the "
+                           "user's turn, or drop the column)", MISSING_ANSWER)
         return {**row, conversation: messages[:-1], chosen: last}
 
     def plan_row(self, row, where: str, texts: list):
@@ -167,7 +171,7 @@ class PairwiseEncoder(SampleEncoder):
             raise row
         if not isinstance(row, dict):
             raise not_an_object(where, row)
-        row = self._chosen_ending_the_conversation(row)
+        row = self._chosen_ending_the_conversation(row, where)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
         margin = self._margin(row, where)
         prompt, system = (self._alpaca_prompt if self.handler == ALPACA else self._sharegpt_messages)(row, where)
@@ -190,7 +194,7 @@ class PairwiseEncoder(SampleEncoder):
             raise row
         if not isinstance(row, dict):
             raise not_an_object(where, row)
-        row = self._chosen_ending_the_conversation(row)
+        row = self._chosen_ending_the_conversation(row, where)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
         margin = self._margin(row, where)
         prompt, tools = self._chat_messages(row, where, answer=False)
