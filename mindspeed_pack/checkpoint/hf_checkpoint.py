@@ -409,7 +409,8 @@ def _swap_in(new: str, out_dir: str) -> None:
 
     aside = os.path.join(os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.replaced")
     layout.remove_tree(aside)
-    os.rename(out_dir, aside)
+    if os.path.lexists(out_dir):  # (gone if someone removed it during training: the new one simply goes in)
+        os.rename(out_dir, aside)
     os.rename(new, out_dir)
     layout.remove_tree(aside)
 
