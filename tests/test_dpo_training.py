@@ -198,3 +198,23 @@ def test_a_learnable_preference_is_learned(setup):
         assert sum(r["rewards/accuracies"] for r in late) / len(late) > 0.9, stage
         assert sum(r["rewards/margins"] for r in late) / len(late) > 2 * max(1e-3, abs(steps[1]["rewards/margins"])), \
             stage
+
+
+def test_validation_of_a_preference_stage_logs_its_rewards(tmp_path):
+    """A DPO validation printed 'lm loss PPL' (exp of a DPO loss) and none of the stage's metrics: it now logs the
+    rewards, margins and accuracies as its training lines do (console, metrics file), and no perplexity."""
+    import posttrain
+    from tests.model_utils import TINY_FLAGS, write_converted_tiny_qwen2
+
+    mg = write_converted_tiny_qwen2(tmp_path / "qwen")
+    data = write_pair_dataset(str(tmp_path / "pairs"), random_pairs(24, seed=3))
+    metrics = str(tmp_path / "m.jsonl")
+    flags = [f for i, f in enumerate(TINY_FLAGS) if "dropout" not in f and not (i and "dropout" in TINY_FLAGS[i - 1])]
+    posttrain.main([*flags, *COMMON, *STAGE_FLAGS["dpo"], "--train-iters", "2", "--data-path", data, "--load", mg,
+                    "--finetune", "--split", "75,25,0", "--eval-iters", "1", "--eval-interval", "1",
+                    "--attention-dropout", "0", "--hidden-dropout", "0", "--metrics-file", metrics])
+    valid = [json.loads(line) for line in open(metrics) if '"valid"' in line]
+    assert [r["iteration"] for r in valid] == [1, 2, 2]
+    for r in valid:
+        assert 0.0 <= r["rewards/accuracies"] <= 1.0 and math.isfinite(r["rewards/margins"])
+        assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-5)

@@ -145,9 +145,10 @@ class MetricsLogger:
         )
 
     def validation(self, iteration: int, loss: float, tokens: int, split: str = "valid",
-                   label: str | None = None) -> None:
+                   label: str | None = None, extra: dict | None = None) -> None:
         """One evaluation (``split`` valid or test); ``label`` as Megatron-LM prints it, e.g.
-        "the end of training for test data" (default "iteration N")."""
+        "the end of training for test data" (default "iteration N"); ``extra``: the stage's other metrics
+        (a preference stage's rewards and accuracies), as in its training lines."""
         if not self.enabled:
             return
         # a perplexity is the exp of a language model's per-token NLL: of SFT's and pretraining's loss, not of a
@@ -156,14 +157,19 @@ class MetricsLogger:
         if getattr(self.args, "stage", "sft") == "sft":
             value = math.exp(min(20.0, loss)) if math.isfinite(loss) else float("nan")
             ppl = f" lm loss PPL: {value:.6E} |"
-        print(f" validation loss at {label or f'iteration {iteration}'} | lm loss value: {loss:.6E} |{ppl}", flush=True)
+        extra = extra or {}
+        others = "".join(f" {k}: {v:.6E} |" for k, v in extra.items())
+        print(f" validation loss at {label or f'iteration {iteration}'} | lm loss value: {loss:.6E} |{ppl}{others}",
+              flush=True)
         if self.jsonl:
-            record = {"iteration": iteration, "split": split, "lm loss": loss, "tokens": tokens}
+            record = {"iteration": iteration, "split": split, "lm loss": loss, "tokens": tokens, **extra}
             if label:  # the end of training evaluates the last iteration again: tell the records apart
                 record["label"] = label
             self._write(record)
         if self.tb:
             self.tb.add_scalar(f"{split}/lm loss", loss, iteration)
+            for k, v in extra.items():
+                self.tb.add_scalar(f"{split}/{k}", v, iteration)
 
     def _write(self, record: dict) -> None:
         """One line of the metrics file; a full disk stops the run with one line naming the file."""

@@ -399,16 +399,23 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64)
         tokens = 0
         start = self.consumed_valid_samples if split == "valid" else 0
+        maxima = getattr(self.stage, "max_metrics", ())
+        reports = {}  # the stage's other metrics (a preference stage's rewards and accuracies), over the batches
         with torch.no_grad():
             for i in range(args.eval_iters):
                 loss_sum, stats = self._run_batches(split, start + i * args.global_batch_size, forward_only=True)
                 total += loss_sum
                 tokens += stats["tokens"] - stats["pad"]
+                for name, value in self.stage_reports.items():
+                    seen = reports.get(name)
+                    reports[name] = value.clone() if seen is None else (
+                        torch.maximum(seen, value) if name in maxima else seen + value)
         if split == "valid":
             self.consumed_valid_samples += args.eval_iters * args.global_batch_size
         loss = self._global_mean(total)
         tokens = int(dp_sum({"tokens": tokens}, with_context_parallel=self.dynamic_cp)["tokens"])
-        self.metrics.validation(self.iteration, loss, tokens, split=split, label=label)
+        extra = {k: v for k, v in global_means(reports, maxima).items() if not math.isnan(v)}
+        self.metrics.validation(self.iteration, loss, tokens, split=split, label=label, extra=extra)
         self.collector.around_evaluation_step()
         for chunk in self.model:
             chunk.train()
