@@ -282,7 +282,8 @@ def _weights_record(args, model) -> dict:
     return record
 
 
-def _peft_export(args) -> bool:
+def exports_adapters(args) -> bool:
+    """Whether this run's export is a PEFT adapter directory (a LoRA run without --lora-merge)."""
     return lora.trains_adapters(args) and not args.lora_merge
 
 
@@ -331,7 +332,7 @@ def save_hf(args, model, out_dir: Optional[str] = None, iteration: Optional[int]
             target = _replacement_dir(out_dir) if replace else out_dir
             if replace:
                 layout.remove_tree(target)
-            if _peft_export(args):
+            if exports_adapters(args):
                 base = args.lora_base
                 megatron_to_peft(staging, target, _dtype_name(args), base["path"] if base["format"] == "hf" else None,
                                  tokenizer_dir=tokenizer)
@@ -356,7 +357,7 @@ def save_hf(args, model, out_dir: Optional[str] = None, iteration: Optional[int]
                                   + "; nothing was written there, the --save checkpoints are intact")
         raise CheckpointError(f"--save-hf {out_dir}: writing the Hugging Face model failed"
                               + (f": {error}" if error else " on another rank") + "; nothing was written there")
-    if dist.get_rank() == 0 and _peft_export(args):
+    if dist.get_rank() == 0 and exports_adapters(args):
         log.info("wrote PEFT adapter directory %s (peft.PeftModel.from_pretrained(base, DIR); --lora-merge writes "
                  "the merged model instead)", out_dir)
     elif dist.get_rank() == 0:
@@ -368,11 +369,6 @@ def save_hf(args, model, out_dir: Optional[str] = None, iteration: Optional[int]
 def holds_adapters(path: str) -> bool:
     """Whether the export in ``path`` is a PEFT adapter directory."""
     return os.path.isfile(os.path.join(path, "adapter_config.json"))
-
-
-def exports_adapters(args) -> bool:
-    """Whether this run's export is a PEFT adapter directory (a LoRA run without --lora-merge)."""
-    return _peft_export(args)
 
 
 def looks_like_export(path: str) -> bool:
