@@ -302,3 +302,19 @@ def test_reset_position_ids_alone_restarts_positions_at_eod_and_attends_across(c
     _, plain = first_batch(corpus)
     assert to_packed_batch(plain, args).position_ids.reshape(-1).tolist() == list(range(S)) * len(plain["input_ids"])
     assert torch.equal(tokens, to_packed_batch(plain, args).tokens.reshape(-1))
+
+
+def test_one_part_of_a_fine_tuning_pack_is_refused_as_documents(tmp_path, corpus):
+    """GPTDataset would read a pack's input_ids as documents: prompts trained, a pair's answers run together."""
+    import shutil
+
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.datasets.pretrain_dataset import check_prefix_files
+
+    part = str(tmp_path / "dpo_packed_input_ids_document")
+    for ext in (".bin", ".idx"):
+        shutil.copy(corpus[0] + ext, part + ext)
+    check_prefix_files([part, corpus[1]])  # no labels, no sidecar beside it: a name alone proves nothing
+    (tmp_path / "dpo_packed_meta.json").write_text("{}")
+    with pytest.raises(DataError, match="one part of the fine-tuning dataset .*dpo'.*posttrain.py --data-path "):
+        check_prefix_files([corpus[1], part])

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional
 
@@ -146,8 +147,26 @@ def data_prefixes(data_path: List[str]) -> tuple:
                         "'0.3 A 0.7 B' (all weighted or none)") from None
 
 
+_PACK_PART = re.compile(r"^(?P<base>.+)_packed_(?:input_ids|attention_mask|labels)_document$")
+
+
+def _fine_tuning_pack(prefix: str) -> Optional[str]:
+    """The base of a fine-tuning pack (``BASE_packed_*_document`` beside its labels or sidecar), else None."""
+    match = _PACK_PART.match(prefix)
+    if match is None:
+        return None
+    base = match.group("base")
+    siblings = (f"{base}_packed_meta.json", f"{base}_packed_labels_document.idx")
+    return base if any(os.path.isfile(p) for p in siblings) else None
+
+
 def check_prefix_files(prefixes: List[str]) -> None:
     for prefix in prefixes:
+        base = _fine_tuning_pack(prefix)
+        if base is not None:  # GPTDataset would read one part of it: prompts trained, pairs run together
+            raise DataError(f"data prefix {prefix!r} is one part of the fine-tuning dataset {base!r} (written with "
+                            "--handler-name/--pack): pretraining reads plain documents (preprocess_data.py without "
+                            f"a handler: {base}_text_document); train this one with posttrain.py --data-path {base}")
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             hint = "" if prefix.endswith("_document") else " (prefixes usually end with _text_document)"
