@@ -251,6 +251,12 @@ def test_peft_and_merged_exports_give_the_trained_models_logits(qwen, trained, t
         "convert_ckpt peft": _peft_logits(base_hf, str(tmp_path / "cli_peft"), ids),
         "convert_ckpt --lora-merge": _merged_logits(str(tmp_path / "cli_merged"), ids),
     }
+    # the PEFT exports name the HF directory the Megatron base was converted from: they load by themselves
+    for name in ("peft", "cli_peft"):
+        with torch.no_grad():
+            alone = peft.AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / name), dtype=torch.float32,
+                                                                   attn_implementation="eager").eval()
+            diffs[f"{name} (AutoPeftModel)"] = alone(ids).logits.float()
     diffs = {k: float((v - mine).abs().max()) for k, v in diffs.items()}
     assert max(diffs.values()) <= 1e-5, diffs
     assert float((_merged_logits(base_hf, ids) - mine).abs().max()) > 1e-2  # the adapters matter
@@ -406,6 +412,19 @@ def test_peft_dir_of_other_settings_or_another_base_is_refused_by_name(qwen, tra
     code, line = _exit([*argv[:-4], "--load", qwen["other_hf"], "--lora-load", peft_dir], capsys)
     assert code == 2 and line.startswith(f"posttrain.py: error: --lora-load {peft_dir}: the adapters were trained "
                                          f"on the base {os.path.abspath(qwen['mg'])}"), line
+    # another tool's PEFT directory names its base by base_model_name_or_path alone (no metadata): the HF directory
+    # is accepted beside its conversion (same weights), and refused beside another model
+    foreign = str(tmp_path / "foreign")
+    shutil.copytree(peft_dir, foreign)
+    weights = os.path.join(foreign, adapters.ADAPTER_WEIGHTS)
+    save_file(load_file(weights), weights)
+    json.dump({**config, "base_model_name_or_path": qwen["hf"]}, open(os.path.join(foreign, adapters.ADAPTER_CONFIG),
+                                                                      "w"))
+    code, line = _exit([*argv[:-4], "--load", qwen["other_hf"], "--lora-load", foreign], capsys)
+    assert code == 2 and f"adapter_config.json names the base {qwen['hf']}, whose content differs" in line, line
+    metrics = str(tmp_path / "foreign.jsonl")
+    posttrain.main([*argv[:-1], foreign, "--train-iters", "1", "--metrics-file", metrics])
+    assert [r["iteration"] for r in map(json.loads, open(metrics)) if r.get("split") == "train"] == [1]
 
 
 def test_adapters_are_accepted_on_a_reshard_of_their_megatron_base(qwen, trained, tmp_path, capsys):
@@ -422,6 +441,10 @@ def test_adapters_are_accepted_on_a_reshard_of_their_megatron_base(qwen, trained
     tp2 = reshard(qwen["mg"], str(tmp_path / "base_tp2"), 2)
     assert convert_main(["--load-model-type", "mg", "--load-dir", tp2, "--lora-load", trained["save"],
                          "--save-model-type", "hf", "--save-dir", str(tmp_path / "peft")]) == 0
+    # PEFT loads adapters on a HF model: the export names the directory the Megatron base was converted from
+    assert adapters.hf_origin(tp2) == os.path.abspath(qwen["hf"])
+    config = json.loads((tmp_path / "peft" / adapters.ADAPTER_CONFIG).read_text())
+    assert config["base_model_name_or_path"] == os.path.abspath(qwen["hf"])
     back = reshard(tp2, str(tmp_path / "base_back"), 1)
     assert adapters.same_weights_as(back) == [adapters.fingerprint(tp2), adapters.fingerprint(qwen["mg"]),
                                               adapters.fingerprint(qwen["hf"])]  # qwen/mg is hf's fp32 conversion

@@ -55,13 +55,14 @@ def _fingerprint(path: str, flag: str) -> str:
 
 
 def base_record(args) -> dict:
-    """The base ``--load``: its path, content fingerprint and (a Megatron reshard) the fingerprints of the
-    checkpoints it was resharded from."""
+    """The base ``--load``: its path, content fingerprint and, for a Megatron checkpoint, the fingerprints of the
+    checkpoints it was resharded from and the HF directory it was converted from (the PEFT export's base)."""
     record = {"path": os.path.abspath(args.load), "format": getattr(args, "load_format", None) or "mg",
               "fingerprint": _fingerprint(args.load, "--load")}
-    same = adapters.same_weights_as(args.load) if record["format"] == "mg" else []
-    if same:
-        record[adapters.SAME_WEIGHTS_AS] = same
+    if record["format"] == "mg":
+        lineage = {adapters.SAME_WEIGHTS_AS: adapters.same_weights_as(args.load),
+                   adapters.HF_ORIGIN: adapters.hf_origin(args.load)}
+        record.update({k: v for k, v in lineage.items() if v})
     return record
 
 
@@ -133,7 +134,8 @@ def _check_peft_base(args, peft: dict) -> None:
     if named and os.path.abspath(named) == os.path.abspath(args.load):
         return
     if named and os.path.isdir(named):
-        if _fingerprint(named, f"{where}: base_model_name_or_path") != args.lora_base["fingerprint"]:
+        same = {args.lora_base["fingerprint"], *args.lora_base.get(adapters.SAME_WEIGHTS_AS, ())}  # or converted
+        if _fingerprint(named, f"{where}: base_model_name_or_path") not in same:
             raise CheckpointError(f"{where}: adapter_config.json names the base {named}, whose content differs from "
                                   f"--load {args.load}'s: pass --load {named} (or that model's exact copy)")
         return

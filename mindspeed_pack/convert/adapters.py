@@ -18,7 +18,9 @@ the base's weight files (a HF directory's config.json and weight files, a Megatr
 ``model_optim_rng.pt`` files of its tracked iteration), checked wherever adapters meet a base again.
 A Megatron checkpoint's files depend on its layout, so ``convert_ckpt.py``'s mg->mg reshard records in
 the new files the fingerprints of the checkpoints it was resharded from (``same_weights_as``): a base
-and its reshards are the same model, and adapters of one are accepted on the others. The PEFT export
+and its reshards are the same model, and adapters of one are accepted on the others. A lossless hf->mg
+conversion records the HF directory it came from (``hf_origin``): PEFT loads adapters on a HF model, so the
+export of adapters trained on the conversion names that directory as its base. The PEFT export
 records the base in ``adapter_model.safetensors``' metadata; a PEFT directory of another tool names
 its base by ``base_model_name_or_path`` only.
 """
@@ -43,6 +45,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 
 SAME_WEIGHTS_AS = "same_weights_as"  # a reshard's record: fingerprints of the checkpoints it was resharded from
+HF_ORIGIN = "hf_origin"  # a lossless conversion's record: its HF directory (PEFT's base_model_name_or_path)
 PEFT_BASE_METADATA = "mindspeed_pack.lora_base"  # adapter_model.safetensors metadata: the base record (JSON)
 
 _MG_ADAPTER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.(\w+)$")
@@ -184,14 +187,32 @@ def fingerprint(path: str) -> str:
     return combine({f: file_sha256(os.path.join(path, f)) for f in files})
 
 
-def same_weights_as(path: str) -> List[str]:
-    """Fingerprints of the checkpoints Megatron checkpoint ``path`` is a reshard of (none for a HF directory)."""
+def _lineage(path: str) -> dict:
+    """The first rank file's record of Megatron checkpoint ``path`` ({} for a HF directory)."""
     iteration = layout.read_tracker(path) if os.path.isdir(path) else None
     files = base_files(path) if iteration is not None else []
     if not files:
-        return []
+        return {}
     record = layout.load_file(os.path.join(path, files[0]), mmap=True)
-    return list(record.get(SAME_WEIGHTS_AS) or []) if isinstance(record, dict) else []
+    return record if isinstance(record, dict) else {}
+
+
+def same_weights_as(path: str) -> List[str]:
+    """Fingerprints of the checkpoints Megatron checkpoint ``path`` is a reshard of (none for a HF directory)."""
+    return list(_lineage(path).get(SAME_WEIGHTS_AS) or [])
+
+
+def hf_origin(path: str) -> Optional[str]:
+    """The HF directory Megatron checkpoint ``path`` (or the one it is a reshard of) was converted from without
+    loss, else None."""
+    return _lineage(path).get(HF_ORIGIN)
+
+
+def peft_base_model(record: Optional[dict]) -> Optional[str]:
+    """``base_model_name_or_path`` for adapters whose checkpoint's ``lora`` record is ``record``: their HF base,
+    or the HF directory their Megatron base was converted from (PEFT loads adapters on a HF model only)."""
+    base = (record or {}).get("base") or {}
+    return base.get("path") if base.get("format") == "hf" else base.get(HF_ORIGIN)
 
 
 def check_base(record: dict, base_dir: str, fingerprint_here: str, where: str, flag: str = "--load",

@@ -188,6 +188,7 @@ class MegatronCheckpoint:
         self.tokenizer = first.get("tokenizer")
         self.lora = first.get("lora")  # a LoRA run's checkpoint: adapter settings and the base they belong to
         self.same_weights_as = list(first.get(lora_map.SAME_WEIGHTS_AS) or [])  # a reshard: what it was resharded from
+        self.hf_origin = first.get(lora_map.HF_ORIGIN)  # a lossless conversion: the HF directory it came from
 
     def holds_base(self) -> bool:
         """False for a LoRA ``--save`` (what the run trained only: adapters, a reward model's score head)."""
@@ -277,7 +278,7 @@ def vocab_rows(source: MegatronCheckpoint, tokenizer_dir: Optional[str]) -> int:
 
 
 def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict], tokenizer: Optional[dict],
-                 same_weights_as: Optional[list] = None) -> dict:
+                 lineage: Optional[dict] = None) -> dict:
     record = {
         "model": model,
         "args": args_to_dict(args),
@@ -286,23 +287,23 @@ def _rank_record(model: Dict[str, torch.Tensor], args, hf_config: Optional[dict]
         "hf_config": hf_config,
         "tokenizer": tokenizer,
     }
-    if same_weights_as:
-        record[lora_map.SAME_WEIGHTS_AS] = same_weights_as
+    record.update({k: v for k, v in (lineage or {}).items() if v})
     return record
 
 
 def _write_stage(root: str, rank_dicts: Dict[tuple, Dict[str, torch.Tensor]], args, hf_config, tokenizer,
-                 pp_rank: int, same_weights_as: Optional[list] = None) -> None:
+                 pp_rank: int, lineage: Optional[dict] = None) -> None:
     pp, ep = args.pipeline_model_parallel_size, args.expert_model_parallel_size
     for (tp_rank, ep_rank), model in rank_dicts.items():
         path = layout.checkpoint_file(root, layout.RELEASE, tp_rank, pp_rank, pp, ep_rank, ep)
-        layout.save_file_atomic(_rank_record(model, args, hf_config, tokenizer, same_weights_as), path)
+        layout.save_file_atomic(_rank_record(model, args, hf_config, tokenizer, lineage), path)
 
 
 def _write_sharded(root: str, args, hf_config, tokenizer, full_unit, desc: str,
-                   same_weights_as: Optional[list] = None) -> None:
+                   lineage: Optional[dict] = None) -> None:
     """Shard the units produced by ``full_unit(unit)`` stage by stage (TP, then EP) and write them
-    (``same_weights_as``: a reshard's record of the checkpoints it was resharded from)."""
+    (``lineage``: what holds the same weights, recorded in every file: the checkpoints it was resharded from,
+    the HF directory it was converted from)."""
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     stages = [stage_units(args, p, pp) for p in range(pp)]
     with _progress(sum(len(s) for s in stages), desc) as bar:
@@ -316,7 +317,7 @@ def _write_sharded(root: str, args, hf_config, tokenizer, full_unit, desc: str,
                         rank_dicts[(tp_rank, ep_rank)].update(expert_shard(shard, args.num_experts, ep_rank, ep))
                 del full
                 bar.update()
-            _write_stage(root, rank_dicts, args, hf_config, tokenizer, pp_rank, same_weights_as)
+            _write_stage(root, rank_dicts, args, hf_config, tokenizer, pp_rank, lineage)
             del rank_dicts
     layout.write_tracker(root, layout.RELEASE)
 
@@ -358,10 +359,10 @@ def hf_to_megatron(
         # (--load HF_DIR) are accepted on this conversion too (convert_ckpt.py --lora-load, --lora-load at training)
         source_dtype = reader.config.get("torch_dtype") or reader.config.get("dtype")
         exact = dtype == torch.float32 or source_dtype == _HF_DTYPE_NAMES[dtype]
-        same_weights_as = [lora_map.fingerprint(load_dir)] if exact else None
+        lineage = {lora_map.SAME_WEIGHTS_AS: [lora_map.fingerprint(load_dir)],
+                   lora_map.HF_ORIGIN: os.path.abspath(load_dir)} if exact else None
         with staged_output(save_dir) as tmp:
-            _write_sharded(tmp, args, reader.config, tokenizer, full_unit, f"hf->mg TP{tp} PP{pp} EP{ep}",
-                           same_weights_as)
+            _write_sharded(tmp, args, reader.config, tokenizer, full_unit, f"hf->mg TP{tp} PP{pp} EP{ep}", lineage)
     log.info("wrote Megatron checkpoint %s (TP=%d, PP=%d, EP=%d, padded vocab %d); tokenizer %s", save_dir, tp, pp,
              ep, args.padded_vocab_size, describe(tokenizer) if tokenizer else
              f"not recorded ({load_dir} holds none): training cannot check that data or a reference use this model's")
@@ -499,9 +500,10 @@ def megatron_to_megatron(
         return full  # same size: padded rows kept as trained, so resharding is exact
 
     tokenizer = read_tokenizer_record(tokenizer_dir) if tokenizer_dir else source.tokenizer
-    same_weights_as = [lora_map.fingerprint(load_dir), *source.same_weights_as]
+    lineage = {lora_map.SAME_WEIGHTS_AS: [lora_map.fingerprint(load_dir), *source.same_weights_as],
+               lora_map.HF_ORIGIN: source.hf_origin}
     with staged_output(save_dir) as tmp:
-        _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit, f"mg {layouts}", same_weights_as)
+        _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit, f"mg {layouts}", lineage)
         record = os.path.join(load_dir, layout.RUN_CONFIG)
         if os.path.isfile(record):  # what its run took from its HF model (dropout) holds for a --load of the reshard
             shutil.copy2(record, os.path.join(tmp, layout.RUN_CONFIG))
@@ -574,6 +576,7 @@ def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", b
     # the tokenizer the adapters were trained with (preprocessing may have added a template's tokens), as PEFT
     # trainers save it beside the adapters
     tok_source = tokenizer_dir or recorded_directory(source.tokenizer)
+    base_model = base_model or lora_map.peft_base_model(source.lora)
     with staged_output(save_dir) as tmp:
         lora_map.write_peft_dir(tmp, tensors, source.lora, base_model, dtype)
         if tok_source:
