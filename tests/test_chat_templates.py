@@ -1200,6 +1200,24 @@ def test_string_arguments_stay_verbatim_where_the_template_writes_strings(family
     assert '"arguments": {"city":"\\u5317\\u4eac"}' in encoder.tokenizer.decode(last)
 
 
+def test_json_qwen3_writes_string_arguments_verbatim_as_its_official_template(family_tokenizer_dir):
+    """The JSON ``qwen3`` (Qwen3-Instruct-2507's template) wrote a string argument as the parsed object
+    (``{"city": "北京"}``): it now writes it as given, the official render token for token."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    hf_encoder = _encoder(family_tokenizer_dir("qwen3_2507"))
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    official = hf_encoder.encode_chat_row(STRING_ARGUMENTS, "row 0")[-1][0]
+    for name, written in (("qwen3", '{"city":"\\u5317\\u4eac"}'), ("qwen2_5", '{"city": "北京"}')):
+        encoder = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template(name), keys, None, False)
+        (ids, _), skip, _ = encoder.encode_row(STRING_ARGUMENTS, "row 0")
+        assert skip is None and f'"arguments": {written}' in hf_encoder.tokenizer.decode(ids), name
+    (ids, _), _, _ = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("qwen3"), keys, None,
+                                   False).encode_row(STRING_ARGUMENTS, "row 0")
+    assert ids.tolist() == official[:-1].tolist()  # the JSON path ends on <|im_end|>, the official adds "\n"
+
+
 def test_string_arguments_become_objects_where_the_template_writes_objects(family_tokenizer_dir):
     """Qwen2.5's template writes arguments with `| tojson` only: a string is given to it as the object it holds (the
     docs' rule), so the call is written as the template writes objects, never as an escaped JSON string."""

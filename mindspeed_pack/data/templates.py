@@ -25,7 +25,7 @@ after a newline; a row without system text uses ``format_tools_without_system`` 
 Qwen3 opens its system prompt with the tools block). An assistant message that calls tools (a
 ShareGPT ``function_call`` message, or OpenAI ``tool_calls``, read as :class:`ToolCalls`) is a
 ``function`` answer: its text, then each call written with ``format_tool_call`` (``{{name}}``,
-``{{arguments}}`` as JSON), joined by ``tool_call_separator``; consecutive tool results are one
+``{{arguments}}`` as JSON, or a string verbatim under ``tool_arguments: as_given``), joined by ``tool_call_separator``; consecutive tool results are one
 observation turn, joined by ``observation_separator``. That is what Qwen2.5's official template renders. A template without
 ``format_tools`` refuses rows with tools, one without ``format_tool_call`` writes the calls as
 LLaMA-Factory's JSON and refuses text beside them, and no JSON template writes reasoning: such rows
@@ -52,7 +52,8 @@ PROMPT_ROLES = (USER, OBSERVATION)
 ANSWER_ROLES = (ASSISTANT, FUNCTION)
 _SPECIAL_SLOTS = ("eos_token", "bos_token")
 _TOOL_FIELDS = ("format_tools", "format_tools_without_system", "format_tool_call", "tool_call_separator",
-                "observation_separator")
+                "observation_separator", "tool_arguments")
+_TOOL_ARGUMENTS = ("object", "as_given")
 REASON_TOOLS = "tools the template cannot render"
 _FIELDS = ("format_prefix", "format_system", "format_user", "format_assistant", "format_observation",
            "format_function", "format_separator")
@@ -89,6 +90,7 @@ class Template:
     format_tool_call: str = ""  # one call of a function message ({{name}}, {{arguments}}); "": the content as is
     tool_call_separator: str = "\n"  # between a function message's text and its calls, and between calls
     observation_separator: str = ""  # joins consecutive tool results into one turn; "": they are out of order
+    tool_arguments: str = "object"  # "object": arguments written as JSON of the object; "as_given": a string verbatim
     trim_content: bool = False  # strip whitespace around every message's text (Llama 3's "| trim")
     thought_words: tuple = ()  # a reasoning template's (open, close) around an answer's thought: --enable-thinking
     enable_thinking: Optional[bool] = None  # --enable-thinking (with_thinking); None: answers as written
@@ -153,6 +155,9 @@ def get_template(name: str, path=None) -> Template:
         if required not in spec:
             raise PreprocessError(f"template {name!r} has no {required}")
     kwargs = {k: _slots(name, k, spec[k]) for k in _FIELDS if k in spec}
+    if spec.get("tool_arguments", "object") not in _TOOL_ARGUMENTS:
+        raise PreprocessError(f"template {name!r}: tool_arguments must be one of {list(_TOOL_ARGUMENTS)}, got "
+                              f"{spec['tool_arguments']!r}")
     thought = spec.get("thought_words", [])
     if thought and not (isinstance(thought, list) and len(thought) == 2 and all(isinstance(w, str) and w.strip()
                                                                                  for w in thought)):
@@ -208,6 +213,15 @@ def _arguments_object(call: dict):
     return json.loads(args) if isinstance(args, str) else args  # strings were checked to parse when read
 
 
+def _written_arguments(template: Template, call: dict) -> str:
+    """A call's ``{{arguments}}``: JSON of the object, or (``tool_arguments: as_given``, Qwen3's ``is string``
+    branch) a string argument verbatim, as the official template writes it."""
+    args = call["function"]["arguments"]
+    if template.tool_arguments == "as_given" and isinstance(args, str):
+        return args
+    return json.dumps(_arguments_object(call), ensure_ascii=False)
+
+
 def format_function(template: Template, content) -> str:
     """A function message's text: a ShareGPT ``function_call`` value (JSON text) or :class:`ToolCalls`, its calls in
     the template's format. Without ``format_tool_call``: the JSON text unchanged, and OpenAI calls as that JSON."""
@@ -222,7 +236,7 @@ def format_function(template: Template, content) -> str:
         calls = [{"name": c["function"]["name"], "arguments": _arguments_object(c)} for c in calls]
         return json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
     written = [template.format_tool_call.replace("{{name}}", call["function"]["name"])
-               .replace("{{arguments}}", json.dumps(_arguments_object(call), ensure_ascii=False)) for call in calls]
+               .replace("{{arguments}}", _written_arguments(template, call)) for call in calls]
     return template.tool_call_separator.join(([text] if text else []) + written)
 
 
