@@ -72,3 +72,28 @@ def test_epochs_note_and_layout_describe_load_time_packing_alike(tmp_path):
         assert f"/ global batch 16 ({batch}) = 3 iterations" in args.epochs_note, args.epochs_note
         layout = next(line for line in run_plan.plan_lines(args) if line.startswith("layout:"))
         assert ("packed at load time" in layout) == (scheduler == "dp_balanced"), layout
+
+
+CP_32K = os.path.join(ROOT, "configs", "sft", "qwen25_7b_32k_full_pack_cp.yaml")
+
+
+def test_memory_estimate_counts_the_rows_packed_at_load_time(tmp_path):
+    """dp_balanced on unpacked data packs rows of CP x --max-seqlen-per-dp-cp-rank tokens (default --seq-length), so
+    a rank holds --max-seqlen-per-dp-cp-rank tokens, not --seq-length / CP: the 32k CP2 recipe's estimate at
+    dp_balanced is that of a 64k row split over CP 2 (it said 17.66 GiB of activations, those of a 32k row)."""
+    from tests.test_dynamic_cp import write_long_tail
+
+    def estimate(*extra, data=None):
+        args = parse_args(["--config", CP_32K, *(["--data-path", data] if data else []), *extra], world_size=8)
+        return run_plan.memory_estimate(args), run_plan._loss_line(args)
+
+    unpacked = write_long_tail(str(tmp_path / "docs"))
+    balanced = ["--sequence-packing-scheduler", "dp_balanced"]
+    assert estimate(*balanced, data=unpacked) == estimate("--seq-length", "65536")
+    assert estimate(*balanced, "--max-seqlen-per-dp-cp-rank", "8192", data=unpacked) == \
+        estimate("--seq-length", "16384")
+    # offline packs are only assigned to ranks: a rank holds --seq-length / CP of each, as without a scheduler
+    packed = write_long_tail(str(tmp_path / "packs"))
+    with open(f"{packed}_packed_meta.json", "w") as f:
+        f.write('{"layout": {"kind": "packed", "seq_length": 32768, "neat_pack": true}}')
+    assert estimate(*balanced, data=packed) == estimate()

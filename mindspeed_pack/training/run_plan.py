@@ -130,10 +130,8 @@ def memory_estimate(args) -> dict:
     half = args.bf16 or args.fp16
     dense_shards, expert_shards = optimizer_shards(args)
     states = (4 if half else 0) + (8 if args.optimizer == "adam" else 4)  # fp32 master copy, Adam moments
-    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
-    # tokens one rank holds of a micro-batch (dynamic CP: every rank holds --max-seqlen-per-dp-cp-rank)
-    dynamic = getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp"
-    local = args.max_seqlen_per_dp_cp_rank if dynamic else args.seq_length * args.micro_batch_size / cp
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    local = tokens_per_rank(args)
     sbh = local * args.hidden_size
     # bytes per layer without recomputation, fused attention (no s x s scores): Korthikanti et al. 2022
     per_layer = sbh * (34 / tp if args.sequence_parallel else 10 + 24 / tp) * (1 if half else 2)
@@ -180,10 +178,36 @@ def _recompute_words(args) -> str:
         else "without recomputation"
 
 
+def tokens_per_rank(args) -> int:
+    """Tokens one rank holds of a micro-batch: ``--max-seqlen-per-dp-cp-rank`` of a row packed at load time (dynamic
+    CP, rollouts, ``dp_balanced`` on unpacked data: a row of CP x that many tokens), else its share of
+    ``--micro-batch-size`` packs of ``--seq-length``."""
+    scheduler = getattr(args, "sequence_packing_scheduler", None)
+    if scheduler == "default_dynamic_cp" or getattr(args, "stage", None) in ROLLOUT_STAGES or (
+            scheduler == "dp_balanced" and _unpacked_data(args)):
+        return int(args.max_seqlen_per_dp_cp_rank)
+    return args.seq_length * args.micro_batch_size // args.context_parallel_size
+
+
+def _unpacked_data(args) -> bool:
+    """Whether the training data holds one sample per document (dp_balanced then packs rows at load time), as
+    :class:`~mindspeed_pack.datasets.online_packing.BalancedBatchSource` decides; False when it cannot be read."""
+    from mindspeed_pack.datasets.online_packing import data_kind
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+
+    prefixes = getattr(args, "train_data_path", None) or [p for p in args.data_path or [] if not _is_weight(p)]
+    if not prefixes:
+        return False
+    try:
+        return data_kind(PackedDocuments(prefixes[0])) == "unpacked"
+    except (DataError, OSError, ValueError):
+        return False
+
+
 def loss_path(args) -> int:
     """Tokens per chunk of the fused output-layer loss at this run's micro-batch (0: megatron-core's unfused loss),
     as the model chooses it (:func:`~mindspeed_pack.model.vocab_cross_entropy.loss_chunk`)."""
-    tokens = args.seq_length * args.micro_batch_size // args.context_parallel_size
+    tokens = tokens_per_rank(args)
     vocab = (args.padded_vocab_size or 0) // args.tensor_model_parallel_size
     # model-shape namespaces (bench, tests) lack the flag
     return loss_chunk(tokens, vocab, getattr(args, "cross_entropy_chunk_size", None))
@@ -192,7 +216,7 @@ def loss_path(args) -> int:
 def _loss_line(args) -> str:
     if not args.padded_vocab_size:
         return "loss: chosen at the first step (vocabulary unknown)"
-    tokens = args.seq_length * args.micro_batch_size // args.context_parallel_size
+    tokens = tokens_per_rank(args)
     vocab = args.padded_vocab_size // args.tensor_model_parallel_size
     size = f"the micro-batch's fp32 logits: {tokens * vocab * 4 / GiB:.2f} GiB per rank"
     requested = getattr(args, "cross_entropy_chunk_size", None)
