@@ -575,6 +575,16 @@ def test_example_config_passes_the_example_scripts_flag_checks(name):
     assert check_command(_config_command(name))
 
 
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_example_config_usage_line_runs_that_config(name):
+    """The header's command line for the config's own job (its entry script with ``--config``) names this file: the
+    64k unpacked data config told users to run the 32k packed one."""
+    entry = CONFIGS[name][0]
+    header = (CONFIGS_DIR / name).read_text().split("\n\n", 1)[0]
+    named = re.findall(rf"{re.escape(entry)} --config (configs/\S+\.yaml)", header)
+    assert not named or f"configs/{name}" in named, (name, named)
+
+
 def _resolved(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in ("config", "flag_sources")}
 
