@@ -300,6 +300,23 @@ def test_dry_run_shows_the_first_steps_plan_and_writes_nothing(tmp_path, data, m
     assert sorted(os.listdir(copy)) == before
 
 
+def test_dry_run_refuses_offline_packs_as_training_does(tmp_path, monkeypatch, capsys):
+    """Offline packs under default_dynamic_cp stop the run at data setup; --dry-run printed a plan of each pack as
+    one sample (padding 0.000) instead of saying so."""
+    import posttrain
+    from tests.data_utils import write_packed_instruction_dataset
+    from tests.model_utils import TINY_FLAGS
+
+    packs = write_packed_instruction_dataset(str(tmp_path / "packs"), num_packs=16, seq_length=128, meta=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    posttrain.main([*TINY_FLAGS, *COMMON, "--data-path", packs, "--neat-pack", *DYNAMIC, "--context-parallel-size",
+                    "2", "--max-seqlen-per-dp-cp-rank", "64", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "# step 1:" not in out, out
+    assert "# dynamic CP plan: --sequence-packing-scheduler default_dynamic_cp packs samples at load time: " \
+        f"'{packs}' holds offline packs; preprocess without --pack" in out, out
+
+
 def test_overlong_samples_drop_counts_them_per_step(data, monkeypatch):
     from megatron.core import parallel_state as ps
 

@@ -257,10 +257,7 @@ class DynamicCPBatchSource(BalancedBatchSource):
 
         PackedBatchSource.setup(self, args, num_samples)
         docs = next(d.docs for d in self.splits.values() if d is not None)
-        if data_kind(docs) != "unpacked":
-            raise DataError(f"--sequence-packing-scheduler default_dynamic_cp packs samples at load time: "
-                            f"{docs.prefix!r} holds offline packs; preprocess without --pack (each sample, "
-                            "preference pair or KTO couple its own document, --seq-length the longest)")
+        require_unpacked(docs)
         self.online = True
         self.cost = cost_model(args)
         self.per_rank = args.max_seqlen_per_dp_cp_rank
@@ -383,6 +380,14 @@ def check_overlong(lengths: np.ndarray, first_document: int, args, where: str) -
     return len(over)
 
 
+def require_unpacked(docs) -> None:
+    """Dynamic CP packs samples at load time: offline packs are refused (by training and by ``--dry-run``)."""
+    if data_kind(docs) != "unpacked":
+        raise DataError(f"--sequence-packing-scheduler default_dynamic_cp packs samples at load time: "
+                        f"{docs.prefix!r} holds offline packs; preprocess without --pack (each sample, "
+                        "preference pair or KTO couple its own document, --seq-length the longest)")
+
+
 def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
     """``--dry-run`` under ``default_dynamic_cp``: the plan of the first training steps, from the documents'
     sizes in the ``.idx`` (and a pair's or couple's sequences from its attention mask) and the sample index built
@@ -393,6 +398,7 @@ def dynamic_cp_preview(args, steps: int = 2) -> List[str]:
 
     per_split = getattr(args, "train_data_path", None)
     docs = PackedDocuments((per_split or args.data_path)[0])
+    require_unpacked(docs)
     start, end = (0, len(docs)) if per_split else split_ranges(len(docs), args.split)[0]
     sizes = unit_lengths(docs)
     check_overlong(sizes[start:end], start, args, f"{docs.prefix!r} (train split)")
