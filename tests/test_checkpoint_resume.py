@@ -168,6 +168,29 @@ def test_finetune_loads_weights_and_resets_iteration(tmp_path, data, reference):
     assert rel_err(valid[0]["lm loss"], at10[10]["lm loss"]) <= 1e-6  # the weights of iteration 10
 
 
+def test_finetune_from_its_own_save_resumes_this_run_and_refuses_another(tmp_path, data, reference, stopped_at_5):
+    """The shipped configs set 'finetune: true', which the command line cannot unset: --load D --save D on a run's
+    own D restarted at iteration 0 (loss of step 1 again) and saved over D's iterations with another run. D's
+    record now decides: this run's progress is resumed, another run's (or an unrecorded one) refused."""
+    from mindspeed_pack.checkpoint.errors import CheckpointError
+    from mindspeed_pack.config import resolved_config
+
+    ref_train, _, ref_ckpt = reference
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(stopped_at_5, ckpt)
+    argv = ["--load", ckpt, "--save", ckpt, "--finetune", "--exit-interval", "7"]
+    with pytest.raises(CheckpointError, match=rf"^--finetune --load {ckpt} --save {ckpt}: {ckpt} holds iteration 5 "
+                       "of a run's with no readable record; --finetune restarts at iteration 0 and would save over"):
+        posttrain.main(base_argv(data, str(tmp_path / "none.jsonl"), *argv))
+    shutil.copy(os.path.join(ref_ckpt, resolved_config.FILE_NAME), ckpt)
+    with pytest.raises(CheckpointError, match=r"holds iteration 5 of another run's \(.*--lr 0.002 here, 0.001 there"):
+        posttrain.main(base_argv(data, str(tmp_path / "other.jsonl"), *argv, "--lr", "2e-3"))
+    assert sorted(os.listdir(ckpt)) == sorted([resolved_config.FILE_NAME, "iter_0000005", layout.TRACKER])
+    metrics = str(tmp_path / "m.jsonl")
+    posttrain.main(base_argv(data, metrics, *argv))
+    assert_steps_match(read_metrics(metrics), ref_train, [6, 7])
+
+
 def test_signal_handler_saves_and_exits(tmp_path, data):
     import signal
 

@@ -8,6 +8,8 @@ S holds *this run's* checkpoint (HF Trainer's ``resume_from_checkpoint``, LLaMA-
 same): ``S/run_config.yaml`` records the same value of every flag that defines the run (model, data, schedule,
 layout: :func:`~mindspeed_pack.config.resolved_config.run_differences`; where it writes and how often it logs
 may differ). A checkpoint of another run, or one without a record, is refused, naming the flags that differ.
+``--finetune`` from S itself (``--load S --save S``, as a config file's ``finetune: true`` gives it) resumes S when
+it holds this run's checkpoint, and is refused on another run's, whose iterations its restart would save over.
 ``--overwrite-output-dir`` starts over instead, removing S's checkpoints, on the job's first attempt only
 (torchrun's restarts then resume what the job saved).
 """
@@ -97,6 +99,33 @@ def starts_from_weights(args) -> bool:
     return bool(args.save) and fresh and not _same_dir(source, args.save)
 
 
+def _finetune_in_place(args, save: str) -> Optional[str]:
+    """``--finetune`` from ``--save`` itself (``--load D --save D``; LoRA: ``--lora-load D``): ``D`` at a training
+    iteration holds this run's progress when its record says so (resumed, as the same command with another
+    ``--load`` would be), else another run's, which ``--finetune``'s restart at iteration 0 would save over:
+    refused. A release checkpoint (a conversion) is fine-tuned from, once."""
+    try:
+        tracked = layout.read_tracker(save)
+    except ValueError as e:
+        raise CheckpointError(f"--save {save}: {e}") from None
+    if tracked is None or tracked == layout.RELEASE:
+        return None
+    differing = resolved_config.run_differences(args, save)
+    if differing == []:
+        if dist.get_rank() == 0:
+            log.info("--save %s holds iteration %s of this run (%s records the same flags): resuming from it, not "
+                     "restarting at iteration 0 (--finetune reads a checkpoint of another run)", save, tracked,
+                     resolved_config.FILE_NAME)
+        return save
+    source = "--lora-load" if lora.trains_adapters(args) else "--load"
+    why = (f"another run's ({os.path.join(save, resolved_config.FILE_NAME)}: {'; '.join(differing)})" if differing
+           else "a run's with no readable record")
+    raise CheckpointError(f"--finetune {source} {save} --save {save}: {save} holds iteration {tracked} of {why}; "
+                          f"--finetune restarts at iteration 0 and would save over its iterations: pass another --save "
+                          f"to fine-tune from it, or leave out --finetune (a config file's 'finetune: true' too) to "
+                          "resume it")
+
+
 def _own_checkpoint(args) -> Optional[str]:
     """``--save`` when the run resumes from it (it holds this run's checkpoint), else None; refuses another
     run's checkpoint there, and starts over in it under ``--overwrite-output-dir``."""
@@ -105,6 +134,8 @@ def _own_checkpoint(args) -> Optional[str]:
         return None
     fresh = starts_from_weights(args)
     if not fresh and not args.overwrite_output_dir:
+        if args.finetune:
+            return _finetune_in_place(args, save)
         return None  # --load D --save D resumes D itself (save_load.load_checkpoint)
     try:
         tracked = layout.read_tracker(save)

@@ -180,9 +180,10 @@ def run_differences(args, save_dir: str):
     mine = {k: v for section in mine.values() for k, v in section.items()}
     names = {dest: name for dest, (name, _) in getattr(args, "flag_sources", {}).items()}
     # a record written by a resume of the run from its own --save (--load SAVE --save SAVE) names SAVE, not where
-    # the run started (its HF directory): where it loads from is then no difference
+    # the run started (its HF directory), and a resume that loads SAVE itself does not start where it started:
+    # where it loads from is then no difference
     skip = set(NOT_DEFINING)
-    if theirs.get("load") is not None and theirs.get("load") == theirs.get("save"):
+    if any(side.get("load") is not None and side.get("load") == side.get("save") for side in (theirs, mine)):
         skip |= {"load", "load_format", "finetune"}
     return [f"--{names.get(dest, dest)} {_show(value)} here, {_show(theirs[dest])} there"
             for dest, value in mine.items()
