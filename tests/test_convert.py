@@ -320,3 +320,22 @@ def test_mg_to_hf_writes_the_tokenizer_the_checkpoint_records(tmp_path, toy_toke
     megatron_to_hf(mg, str(tmp_path / "back"))
     mine = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "back"))
     assert mine.get_vocab() == transformers.AutoTokenizer.from_pretrained(toy_tokenizer_dir).get_vocab()
+
+
+def test_mg_to_hf_of_a_training_checkpoint_keeps_the_recorded_tokenizers_token_ids(tmp_path, toy_tokenizer_dir):
+    """A training run's checkpoint records its tokenizer's directory but no config.json: the export copied that
+    tokenizer yet wrote config.json and generation_config.json without eos/pad ids (generate() never stopped)."""
+    import json
+
+    from mindspeed_pack.convert import megatron_to_hf
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    mg = write_converted_tiny_qwen2(tmp_path / "q", tokenizer=toy_tokenizer_dir, eos_token_id=5, pad_token_id=6)
+    path = checkpoint_file(mg, RELEASE, 0, 0, 1)
+    record = torch.load(path, weights_only=True)
+    record["hf_config"] = None  # as the trainer saves it
+    torch.save(record, path)
+    megatron_to_hf(mg, str(tmp_path / "back"))
+    for name in ("config.json", "generation_config.json"):
+        written = json.load(open(tmp_path / "back" / name))
+        assert (written.get("eos_token_id"), written.get("pad_token_id")) == (5, 6), name

@@ -409,10 +409,11 @@ def megatron_to_hf(
     args = copy.copy(args)
     args.vocab_size = vocab_rows(source, tokenizer_dir)
     extra = dict(source.hf_config or {})
-    if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, hf_io.CONFIG)):
-        extra.update(hf_io.read_config(tokenizer_dir))
+    # the token ids of the tokenizer written beside the weights (a training checkpoint records no config.json)
+    if tok_source and os.path.isfile(os.path.join(tok_source, hf_io.CONFIG)):
+        extra.update(hf_io.read_config(tok_source))
     config = hf_config_from_args(args, spec, _HF_DTYPE_NAMES[dtype], extra)
-    has_generation_config = bool(tokenizer_dir) and os.path.isfile(os.path.join(tokenizer_dir, hf_io.GENERATION_CONFIG))
+    has_generation_config = bool(tok_source) and os.path.isfile(os.path.join(tok_source, hf_io.GENERATION_CONFIG))
 
     with staged_output(save_dir) as tmp:
         writer = hf_io.ShardedSafetensorsWriter(tmp, max_shard_bytes)
@@ -436,7 +437,7 @@ def megatron_to_hf(
         writer.close()
         config.save_pretrained(tmp)
         if has_generation_config:
-            hf_io.copy_files(tokenizer_dir, [hf_io.GENERATION_CONFIG], tmp)
+            hf_io.copy_files(tok_source, [hf_io.GENERATION_CONFIG], tmp)
         else:
             from transformers import GenerationConfig
 
