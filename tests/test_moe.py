@@ -471,3 +471,17 @@ def test_a_hf_load_says_its_router_aux_loss_coef_is_not_applied(converted, caplo
     with caplog.at_level(logging.INFO, logger="mindspeed_pack.config.hf_flags"):
         assert parse_args([*flags, "--moe-aux-loss-coeff", str(coef)]).moe_aux_loss_coeff == coef
     assert not [r for r in caplog.records if "router_aux_loss_coef" in r.getMessage()]
+
+
+def test_router_aux_loss_coef_of_config_json_survives_the_round_trip(tmp_path):
+    """config.json's router_aux_loss_coef came back as transformers' default 0.001 (HF -> Megatron -> HF)."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
+    hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), 1, 1, ep=2)
+    megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "back"))
+    assert json.load(open(tmp_path / "back" / "config.json"))["router_aux_loss_coef"] == 0.02
+

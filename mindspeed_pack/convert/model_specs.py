@@ -621,6 +621,8 @@ def hf_config_from_args(args, spec: ModelSpec, dtype: str, extra: Optional[dict]
                       moe_intermediate_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
                       norm_topk_prob=not args.moe_router_pre_softmax, decoder_sparse_step=1,
                       mlp_only_layers=[i for i in range(args.num_layers) if i not in sparse])
+        if extra and extra.get("router_aux_loss_coef") is not None:  # a training setting: the source model's
+            fields["router_aux_loss_coef"] = extra["router_aux_loss_coef"]
     if spec.fields.get("sliding_window") is window_covers_sequence:
         fields["sliding_window"] = getattr(args, "sliding_window", None)  # transformers' own default is a window
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
