@@ -485,3 +485,15 @@ def test_router_aux_loss_coef_of_config_json_survives_the_round_trip(tmp_path):
     megatron_to_hf(str(tmp_path / "mg"), str(tmp_path / "back"))
     assert json.load(open(tmp_path / "back" / "config.json"))["router_aux_loss_coef"] == 0.02
 
+
+def test_shared_experts_forced_onto_qwen3_moe_are_not_called_a_dense_conversion(tmp_path):
+    """--model-type-hf qwen3_moe on a Qwen2-MoE config said 'qwen3_moe is converted as a dense model'."""
+    import transformers
+
+    config = transformers.Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, num_experts=4, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=32)
+    transformers.Qwen2MoeForCausalLM(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConversionError) as e:
+        hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), 1, 1, model_type_hf="qwen3_moe")
+    assert "shared_expert_intermediate_size" in str(e.value) and "dense" not in str(e.value)

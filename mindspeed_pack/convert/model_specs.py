@@ -362,7 +362,8 @@ def check_config_fields(hf_config: dict, spec: ModelSpec, where: str, seq_length
            and k not in spec.fields]
     if moe:
         raise ConversionError(f"{where}: mixture-of-experts field(s) {', '.join(moe)} are not supported: "
-                              f"{spec.name} is converted as a dense model")
+                              + (f"the {spec.name} mapping reads {spec.hf_architecture}'s expert fields only (routed "
+                                 "experts, no shared experts)" if spec.moe else f"{spec.name} is converted as a dense model"))
     ctx = {"where": where, "seq_length": seq_length}
     checks = {**COMMON_FIELDS, **spec.fields}
     unknown = sorted(k for k in hf_config if k not in checks and k not in MAPPED_FIELDS and k not in MOE_FIELDS)
