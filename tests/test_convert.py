@@ -339,3 +339,17 @@ def test_mg_to_hf_of_a_training_checkpoint_keeps_the_recorded_tokenizers_token_i
     for name in ("config.json", "generation_config.json"):
         written = json.load(open(tmp_path / "back" / name))
         assert (written.get("eos_token_id"), written.get("pad_token_id")) == (5, 6), name
+
+
+def test_a_relative_load_dir_records_a_tokenizer_found_from_another_directory(tmp_path, toy_tokenizer_dir, monkeypatch):
+    """hf->mg with a relative --load-dir recorded the tokenizer as that relative path: mg->hf run from another
+    directory then silently wrote no tokenizer files."""
+    from mindspeed_pack.convert import hf_to_megatron, megatron_to_hf
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    write_converted_tiny_qwen2(tmp_path / "q", tokenizer=toy_tokenizer_dir)
+    monkeypatch.chdir(tmp_path / "q")
+    hf_to_megatron("hf", "mg_rel", 1, 1, padded_vocab_size=256)
+    monkeypatch.chdir(tmp_path)
+    megatron_to_hf(str(tmp_path / "q" / "mg_rel"), str(tmp_path / "back"))
+    assert (tmp_path / "back" / "tokenizer_config.json").is_file()
