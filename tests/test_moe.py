@@ -497,3 +497,19 @@ def test_shared_experts_forced_onto_qwen3_moe_are_not_called_a_dense_conversion(
     with pytest.raises(ConversionError) as e:
         hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), 1, 1, model_type_hf="qwen3_moe")
     assert "shared_expert_intermediate_size" in str(e.value) and "dense" not in str(e.value)
+
+
+def test_reshard_of_an_ep2_training_checkpoint_names_its_ep(converted, tmp_path, caplog):
+    """The warning said 'to continue that run, resume at TP=1, PP=1' for a run saved at EP2 (which a resume at
+    EP1 refuses without --no-load-optim)."""
+    import logging
+
+    from mindspeed_pack.convert import megatron_to_megatron
+
+    ep2 = tmp_path / "ep2"
+    hf_to_megatron(str(converted["root"] / "hf"), str(ep2), 1, 1, padded_vocab_size=VOCAB, ep=2)
+    os.rename(ep2 / "release", ep2 / "iter_0000003")  # as a training run saves it
+    (ep2 / "latest_checkpointed_iteration.txt").write_text("3")
+    with caplog.at_level(logging.WARNING, logger="mindspeed_pack.convert.convert"):
+        megatron_to_megatron(str(ep2), str(tmp_path / "ep1"), 1, 1, ep=1)
+    assert "resume at TP=1, PP=1, --expert-model-parallel-size 2" in caplog.text

@@ -512,8 +512,9 @@ def megatron_to_megatron(
     if source.iteration != layout.RELEASE:
         log.warning("%s held iteration %s of a training run: %s holds its weights alone (a release checkpoint, "
                     "iteration 0); the optimizer state, schedule and data position stay with the old layout, so a run "
-                    "from it starts over (--finetune); to continue that run, resume at TP=%d, PP=%d", load_dir,
-                    source.iteration, save_dir, source.tp, source.pp)
+                    "from it starts over (--finetune); to continue that run, resume at TP=%d, PP=%d%s", load_dir,
+                    source.iteration, save_dir, source.tp, source.pp,
+                    f", --expert-model-parallel-size {source.ep}" if source.ep > 1 else "")
 
 
 # --------------------------------------------------------------------------- LoRA adapters
