@@ -36,8 +36,10 @@ def record_of(tokenizer, source: str) -> dict:
     """The record of a loaded transformers tokenizer (``len(tokenizer)`` ids: base vocabulary and added tokens)."""
     vocab = sorted((i, t) for t, i in tokenizer.get_vocab().items())
     base_size = int(tokenizer.vocab_size)
-    # absolute: a conversion or run started from another directory finds the files to copy (recorded_directory)
-    return {"source": os.path.abspath(str(source)), "base_size": base_size,
+    # a directory as an absolute path: a conversion or run started elsewhere finds the files to copy
+    # (recorded_directory); a hub name stays a name
+    source = os.path.abspath(str(source)) if os.path.isdir(str(source)) else str(source)
+    return {"source": source, "base_size": base_size,
             "base_sha256": _digest([[i, t] for i, t in vocab if i < base_size]),
             "added": {str(i): t for i, t in vocab if i >= base_size}}
 
