@@ -61,3 +61,21 @@ def test_replay_scores_steps_saves_and_exports_each_round(tmp_path, capsys):
                                                       "group": 0}, {"prompt_ids": [1], "response_ids": [999]}])
     with pytest.raises(DataError, match=r"round_bad.jsonl: line 2: field 'response_ids'\[0\] = 999"):
         replay.main([*flags, "--rollout-rounds", bad])
+
+
+def test_replay_drops_an_over_long_rollout_under_rollout_overlong_drop(tmp_path, capsys):
+    """--rollout-overlong drop: the session scores None for the dropped row; the replay steps on the others."""
+    converted = write_converted_tiny_qwen2(tmp_path / "model")
+    rows = random_rollouts(8, seed=30, advantages=False)
+    for i, row in enumerate(rows):
+        row["reward"], row["group"] = float(i % 3), i // 4
+    rows[2]["response_ids"] = [5] * 70  # > --max-seqlen-per-dp-cp-rank 64
+    rows[2]["response_mask"] = [1] * 70
+    path = write_jsonl(tmp_path / "round_000.jsonl", rows)
+    flags = [*TINY_FLAGS, "--seq-length", "128", "--max-seqlen-per-dp-cp-rank", "64", "--micro-batch-size", "1",
+             "--global-batch-size", "4", "--train-iters", "4", "--lr", "1e-3", "--load", converted, "--finetune",
+             "--rollout-overlong", "drop", "--no-export-hf", "--rl-output-dir", str(tmp_path / "out")]
+    capsys.readouterr()
+    _example("replay_rollouts").main([*flags, "--rollout-rounds", path])
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"round"')]
+    assert [(r["round"], r["iteration"]) for r in lines] == [(0, 2)]

@@ -68,7 +68,8 @@ def main(argv=None):
             scored = args.rescore or any(row.get("old_logprobs") is None for row in rows)
             if scored:
                 for row, logps in zip(rows, session.score(rows, where=where)):
-                    row["old_logprobs"] = logps.tolist()
+                    if logps is not None:  # None: over-long, dropped (--rollout-overlong drop), as the step drops it
+                        row["old_logprobs"] = logps.tolist()
             records = session.step(rows, steps=args.steps_per_round, where=where)
             if args.save:
                 session.save()
