@@ -132,3 +132,17 @@ def test_response_token_fields_follow_their_tokens_to_each_cp_rank(tmp_path):
             trained += 1
     assert trained == int(batch.loss_mask.sum()) == sum(int(r.response_mask.sum()) for r in rollouts)
     assert torch.equal(whole_from_shares(shares, view, 128), mb["advantages"])
+
+
+def test_grpo_says_when_groups_of_one_sample_train_nothing(tmp_path, caplog):
+    """A group of one sample has advantage 0 under grpo (rloo refuses it): said, not a silent zero-gradient step."""
+    rows = [{"prompt_ids": [1], "response_ids": [2, 3], "reward": float(i), "group": i} for i in range(3)]
+    rows.append({"prompt_ids": [1], "response_ids": [2], "reward": 0.5, "group": 0})
+    with caplog.at_level("WARNING", logger="mindspeed_pack.datasets.rollouts"):
+        rollouts, _ = load_rollouts(write_jsonl(tmp_path / "r.jsonl", rows), 256, 64)
+    assert [float(r.advantages[0]) for r in rollouts[1:3]] == [0.0, 0.0]
+    assert "2 of 3 groups have one sample (the first: " in caplog.text and "r.jsonl: line 2, group 1)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mindspeed_pack.datasets.rollouts"):
+        load_rollouts(write_jsonl(tmp_path / "ok.jsonl", rows[:1] + rows[3:]), 256, 64)
+    assert "one sample" not in caplog.text

@@ -159,6 +159,11 @@ def group_advantages(rewards: np.ndarray, groups: list, estimator: str, where: l
                 raise DataError(f"{where[idx[0]]}: group {groups[idx[0]]!r} has one sample: leave-one-out (rloo) "
                                 "needs at least two per group")
             out[idx] = r - (r.sum() - r) / (len(r) - 1)
+    singles = [idx[0] for idx in members.values() if len(idx) == 1]
+    if singles and estimator == "grpo":  # rloo refuses them above; grpo's (r - mean) / (std + 1e-6) is 0 there
+        log.warning("%d of %d groups have one sample (the first: %s, group %r): their advantage is 0 under "
+                    "--advantage-estimator grpo, so they train nothing (give all samples of a prompt one 'group')",
+                    len(singles), len(members), where[singles[0]], groups[singles[0]])
     return out
 
 
