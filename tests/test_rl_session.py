@@ -133,3 +133,20 @@ def test_session_at_dp2_equals_the_file_path_at_dp2(converted, tmp_path):
     for name in a:
         if isinstance(a[name], torch.Tensor):
             assert torch.equal(a[name], b[name]), name
+
+
+def test_step_says_when_its_last_global_batch_repeats_rollouts(converted, caplog):
+    """6 rollouts at --global-batch-size 4: step() takes 2 steps, the second fills up with rollouts 0 and 1
+    again (cycling); said, since "each row once" is not what happens."""
+    rows = random_rollouts(6, seed=3)
+    with RLSession.from_argv(_flags(converted)) as session:
+        with caplog.at_level("WARNING", logger="mindspeed_pack.training.rl_session"):
+            records = session.step(rows)
+        assert [r["consumed samples"] for r in records] == [4, 8]
+        assert "6 rollouts are not a multiple of --global-batch-size 4" in caplog.text
+        assert "2 of them (rollout 0 to rollout 1) are trained twice" in caplog.text
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="mindspeed_pack.training.rl_session"):
+            session.step(rows[:4])
+            session.step(rows, steps=1)  # steps given: the caller's choice
+        assert "not a multiple" not in caplog.text

@@ -5,7 +5,8 @@ is one round of a generation engine's output. For each, in order:
 
 1. ``old_logprobs``: kept if every row has them and ``--rescore`` is not given, else scored
    under the current weights (``session.score``: exact, the step's first ratio is 1);
-2. ``session.step``: ``--steps-per-round`` GRPO optimizer steps (default each rollout once);
+2. ``session.step``: ``--steps-per-round`` GRPO optimizer steps (default ceil(rollouts / GBS): each rollout
+   once, the first ones twice where GBS does not divide them, which is logged);
 3. ``session.save()`` (``--save``, a Megatron checkpoint) and ``session.export_hf(OUT/hf/iter_N)``
    (``--rl-output-dir``): the weights the engine reloads for the next round.
 
@@ -38,7 +39,8 @@ def script_args(p):
     g.add_argument("--rl-output-dir", required=True, help="HF exports of each round (hf/iter_N) go here")
     g.add_argument("--rescore", action="store_true", help="score old_logprobs even where the files have them")
     g.add_argument("--steps-per-round", type=int, default=None,
-                   help="optimizer steps per round (default: each rollout once, ceil(rollouts / GBS))")
+                   help="optimizer steps per round (default: ceil(rollouts / GBS), each rollout once; the last step "
+                        "fills up with the first rollouts again where GBS does not divide them)")
     g.add_argument("--no-export-hf", action="store_true", help="skip the per-round HF export")
     return p
 

@@ -24,6 +24,7 @@ with the same rows (each rank packs its own share).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import sys
@@ -38,6 +39,8 @@ from mindspeed_pack.datasets.rollout_text import tokenize_text_rows
 from mindspeed_pack.datasets.rollouts import Rollout, RolloutBatchSource, check_rollouts
 from mindspeed_pack.runtime import peers
 from mindspeed_pack.training.stages.score import ScoreStage
+
+log = logging.getLogger(__name__)
 
 
 class HandedRollouts(RolloutBatchSource):
@@ -179,13 +182,20 @@ class RLSession:
         return out
 
     def step(self, rows: List[dict], steps: Optional[int] = None, where: Optional[List[str]] = None) -> List[dict]:
-        """GRPO optimizer steps on ``rows`` (``steps`` global batches of them, cycling; default each
-        row once: ceil(rows / GBS)), packed and reduced as ``--stage grpo`` does; returns each
+        """GRPO optimizer steps on ``rows`` (``steps`` global batches of them, cycling; default
+        ceil(rows / GBS): each row once, the first ones twice where GBS does not divide the rows: said),
+        packed and reduced as ``--stage grpo`` does; returns each
         step's logged record. ``where``: each row's name in error messages (default ``rollout I``)."""
         trainer, args = self.trainer, self.args
-        self.source.hand_over(rows, trainer.consumed_samples, need_advantages=True, where=where)
+        kept = self.source.hand_over(rows, trainer.consumed_samples, need_advantages=True, where=where)
         trainer.stage.setup(trainer)  # its checks of the rollouts (ref_logprobs under --kl-coef)
-        steps = math.ceil(len(self.source.rollouts) / args.global_batch_size) if steps is None else steps
+        if steps is None:
+            steps = math.ceil(len(kept) / args.global_batch_size)
+            again = steps * args.global_batch_size - len(kept)  # the last global batch fills up from the start
+            if again:
+                log.warning("%d rollouts are not a multiple of --global-batch-size %d: the last of %d steps fills up "
+                            "with the first ones again, so %d of them (%s to %s) are trained twice this round",
+                            len(kept), args.global_batch_size, steps, again, kept[0].where, kept[again - 1].where)
         with self._phase(None):  # the trainer names each iteration
             return [trainer.train_iteration() for _ in range(steps)]
 
