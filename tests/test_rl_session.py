@@ -150,3 +150,19 @@ def test_step_says_when_its_last_global_batch_repeats_rollouts(converted, caplog
             session.step(rows[:4])
             session.step(rows, steps=1)  # steps given: the caller's choice
         assert "not a multiple" not in caplog.text
+
+
+def test_export_hf_into_a_taken_directory_is_named_by_the_call(converted, tmp_path):
+    """export_hf(DIR) twice: the error names the call and DIR (not --save-hf or the converter's --save-dir)."""
+    with RLSession.from_argv(_flags(converted)) as session:
+        session.export_hf(str(tmp_path / "hf"))
+        before = sorted(p.name for p in (tmp_path / "hf").iterdir())
+        with pytest.raises(DataError) as e:
+            session.export_hf(str(tmp_path / "hf"))
+        assert str(e.value).startswith(f"export_hf({str(tmp_path / 'hf')!r}): it exists and is not an empty "
+                                       "directory"), str(e.value)
+        assert "--save" not in str(e.value)
+        assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == before
+        (tmp_path / "empty").mkdir()
+        session.export_hf(str(tmp_path / "empty"))  # an empty directory is fine
+        assert (tmp_path / "empty" / "config.json").is_file()

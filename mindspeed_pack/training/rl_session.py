@@ -212,6 +212,14 @@ class RLSession:
         """The current weights as a Hugging Face model directory (new or empty): what a generation
         engine reloads. Complete or absent, as ``--save-hf``."""
         hf_checkpoint.check_exportable(self.args)
+        # named by the call, not by --save-hf/--save-dir (flags a session does not take), and before the merge;
+        # rank 0's view (the one that writes it), so that every rank stops or none
+        taken = [dist.get_rank() == 0 and os.path.exists(directory)
+                 and (not os.path.isdir(directory) or bool(os.listdir(directory)))]
+        dist.broadcast_object_list(taken, src=0)
+        if taken[0]:
+            raise DataError(f"export_hf({directory!r}): it exists and is not an empty directory; export each iteration "
+                            "to a new one (docs/rl.md); nothing was written there")
         with self._phase(f"the Hugging Face export of iteration {self.trainer.iteration}"):
             self.trainer.sync_params()
             hf_checkpoint.save_hf(self.args, self.trainer.model, out_dir=directory)
