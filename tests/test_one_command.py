@@ -307,9 +307,9 @@ def test_one_command_refuses_a_save_holding_another_runs_checkpoint(assets, tmp_
     (["--stage", "simpo", "--ref-load", "REF"], "--stage simpo is reference-free"),
     (["--stage", "orpo", "--pref-ftx", "0.5"], "--pref-ftx 0.5 with --stage orpo"),
     # a beta of 0 trained nothing (grad norm 0), a negative one inverted the preference, nan failed at step 1
-    (["--stage", "dpo", "--dpo-beta", "0"], "--dpo-beta 0.0 must be > 0"),
-    (["--stage", "simpo", "--simpo-beta", "nan"], "--simpo-beta nan must be > 0"),
-    (["--stage", "dpo", "--pref-ftx", "-1"], "--pref-ftx -1.0 must be >= 0"),
+    (["--stage", "dpo", "--dpo-beta", "0"], "--dpo-beta 0.0 must be a finite number > 0"),
+    (["--stage", "simpo", "--simpo-beta", "nan"], "--simpo-beta nan must be a finite number > 0"),
+    (["--stage", "dpo", "--pref-ftx", "-1"], "--pref-ftx -1.0 must be a finite number >= 0"),
     # a reference given to a stage that uses none was ignored without a word
     (["--stage", "orm", "--ref-load", "REF"], "--ref-load with --stage orm: no reference model is used by this "
                                               "stage"),
@@ -380,5 +380,5 @@ def test_a_stage_value_out_of_range_is_one_error_line_before_raw_data_is_packed(
     with pytest.raises(SystemExit) as e:
         run_cli("posttrain.py", lambda: posttrain.main(argv))
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "posttrain.py: error: --dpo-beta 0.0 must be > 0" in err and "Traceback" not in err
+    assert e.value.code == 2 and "posttrain.py: error: --dpo-beta 0.0 must be a finite number > 0" in err and "Traceback" not in err
     assert not cache.exists()

@@ -20,8 +20,14 @@ def _device():
 
 
 def global_means(sums: dict, maxima=()) -> dict:
-    """Each ``[sum, count]`` of ``sums`` reduced over the whole job, as a mean (every rank knows it);
-    the names in ``maxima`` are ``[max, 1]`` pairs reduced by MAX."""
+    """Each ``[sum, count]`` of ``sums`` reduced over the whole job, as a mean (every rank knows it; NaN where
+    the count is 0); the names in ``maxima`` are ``[max, 1]`` pairs reduced by MAX."""
+    return {k: s / c if c > 0 else float("nan") for k, (s, c) in global_totals(sums, maxima).items()}
+
+
+def global_totals(sums: dict, maxima=()) -> dict:
+    """Each ``[sum, count]`` of ``sums`` reduced over the whole job, as a ``(sum, count)`` pair of floats (every
+    rank knows it); the names in ``maxima`` are ``[max, 1]`` pairs reduced by MAX."""
     if not sums:
         return {}
     out = {}
@@ -35,7 +41,7 @@ def global_means(sums: dict, maxima=()) -> dict:
         # the last pipeline stage holds the loss: share it with the whole pipeline
         dist.all_reduce(t, op=op, group=ps.get_pipeline_model_parallel_group())
         t = t.cpu()
-        out.update({k: float(v[0] / v[1]) if v[1] > 0 else float("nan") for k, v in zip(names, t)})
+        out.update({k: (float(v[0]), float(v[1])) for k, v in zip(names, t)})
     return {k: out[k] for k in sums}
 
 

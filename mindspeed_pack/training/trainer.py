@@ -44,7 +44,7 @@ from mindspeed_pack.training.metrics import MetricsLogger
 from mindspeed_pack.training.model_setup import build_model, build_optimizer
 from mindspeed_pack.training.optimizer_step import guarded_step, non_finite_grad_name
 from mindspeed_pack.training.precision import loss_scale, precision_record
-from mindspeed_pack.training.reductions import any_rank, dp_sum, global_means
+from mindspeed_pack.training.reductions import any_rank, dp_sum, global_means, global_totals
 
 log = logging.getLogger(__name__)
 
@@ -256,12 +256,16 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_sum, stats = self._run_batches("train", self.consumed_samples, forward_only=False)
-        loss = self._global_mean(loss_sum)
+        total, count = global_totals({"lm loss": loss_sum})["lm loss"]
+        loss = total / count if count > 0 else float("nan")
         if not math.isfinite(loss):
+            # 0/0: a step whose every label is masked has nothing to learn from (not a diverged run)
+            what = (f"non-finite loss {loss}" if count > 0 else "no trained token in the global batch (every label "
+                    "masked: the data's labels, a rollout's response_mask, prompts filling their samples)")
             if args.nan_policy == "stop":
-                raise NonFiniteLossError(f"non-finite loss {loss} at iteration {self.iteration + 1}; "
-                                         "use --nan-policy skip to skip such updates")
-            log.warning("non-finite loss at iteration %d: update skipped", self.iteration + 1)
+                raise NonFiniteLossError(f"{what} at iteration {self.iteration + 1}; use --nan-policy skip to skip "
+                                         "such updates")
+            log.warning("%s at iteration %d: update skipped", what, self.iteration + 1)
             self.skipped += 1
             return loss, float("nan"), stats, False
         # a non-finite gradient norm stops the step before the update; under --fp16 dynamic loss scaling an

@@ -154,7 +154,8 @@ def check_stage_flags(args) -> None:
         if value is None:
             continue
         if not math.isfinite(value) or value < low or (value == low and not inclusive):
-            raise ArgumentError(f"--{dest.replace('_', '-')} {value} must be {'>=' if inclusive else '>'} {low:g}")
+            raise ArgumentError(f"--{dest.replace('_', '-')} {value} must be a finite number "
+                                f"{'>=' if inclusive else '>'} {low:g}")
     stage = args.stage
     if stage not in (*_REFERENCE_STAGES, "simpo", "orpo"):  # simpo and orpo name themselves reference-free
         for flag, given in (("--ref-load", args.ref_load), ("--ref-logps", args.ref_logps)):
