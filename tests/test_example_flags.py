@@ -517,6 +517,11 @@ def test_abbreviated_flag_fails(tmp_path, name, flag, abbreviation):
     ("tune_qwen25_7b_dynamic_cp.sh", "\nsequence-packing-scheduler: default_dynamic_cp\n"),
     ("tune_qwen25_7b_4k_lora_pack.sh", "\nlora-r: 16\n"),
     ("tune_qwen25_7b_4k_kto_pack.sh", "\nkto-beta: 0.1\n"),  # both steps' checks, the packs not there
+    # --train-epochs without the packs (orm, prm), or raw pairs not there yet (simpo, orpo): planned, not refused
+    ("tune_qwen25_7b_4k_orm_pack.sh", "# iterations: from --train-epochs 1 once the data is found\n"),
+    ("tune_qwen25_7b_4k_prm_pack.sh", "\nstage: prm\n"),
+    ("tune_qwen25_7b_4k_simpo_pack.sh", "\nstage: simpo\n"),
+    ("tune_qwen25_7b_4k_orpo_pack.sh", "\nstage: orpo\n"),
     # the converters' DRY_RUN is the same parse as above in a fresh interpreter (one megatron import, ~5 s): skipped
 ])
 def test_dry_run_needs_no_gpu_data_or_weights(tmp_path, name, ok):

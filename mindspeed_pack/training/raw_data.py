@@ -110,6 +110,9 @@ def raw_inputs(args) -> Optional[list]:
         raise DataError(f"--data-path mixes raw files ({raw[0]}) and a packed prefix ({packed}): give one or the other")
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
+        if getattr(args, "dry_run", False):  # a dry run checks a job's flags before its data exists (the plan: NOT FOUND)
+            log.warning("--dry-run: --data-path %s: no such file or directory (nothing preprocessed)", missing[0])
+            return None
         raise DataError(f"--data-path {missing[0]}: no such file or directory")
     return list(paths)
 

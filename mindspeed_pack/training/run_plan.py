@@ -52,7 +52,12 @@ def resolve_epochs(args) -> None:
     if not args.data_path and not getattr(args, "train_data_path", None):
         raise DataError(f"--train-epochs {epochs} counts the packs of --data-path; --stage {args.stage} reads "
                         "rollouts: give --train-iters")
-    docs = training_documents(args)
+    try:
+        docs = training_documents(args)
+    except DataError:
+        if getattr(args, "dry_run", False):  # a dry run checks a job's flags before its data exists: the plan
+            return  # says the iterations come from --train-epochs once the data is found
+        raise
     if docs == 0:
         raise DataError(f"--train-epochs {epochs}: the training split is empty (--split {args.split})")
     gbs = args.global_batch_size
