@@ -449,6 +449,19 @@ def test_a_metrics_file_against_a_log_of_interval_means_is_warned(tmp_path, caps
     assert "warning" not in err
 
 
+def test_a_log_whose_last_window_is_cut_short_is_still_warned(tmp_path, capsys):
+    """--train-iters 5 at --log-interval 2 logs iterations 2, 4 and 5 (the last a mean of 1 step): the gaps 2 and 1
+    tied and the log was taken for one logged every step, so a metrics file against it passed without the warning."""
+    every_step = write_jsonl(tmp_path / "m.jsonl", make_records(range(1, 23)))
+    for steps in ([2, 4, 5], [2, 3], [22]):  # --train-iters 5 and 3 at --log-interval 2; 22 at the default 100
+        log = write_log(tmp_path / "log.txt", make_records(steps))
+        cut = steps[-1] - (steps[-2] if len(steps) > 1 else 0)  # the last window's steps, as the trainer prints them
+        log.write_text(log.read_text()[:-1] + f" iterations in mean: {cut} |\n")
+        _, _, err = run_cli(capsys, every_step, log)
+        assert "warning: " in err and "logs every step and" in err and "a console log's values are means" in err, \
+            (steps, err)
+
+
 def test_a_console_window_cut_short_says_how_many_steps_its_means_hold(capsys):
     """A resume off a --log-interval boundary prints a window of fewer steps (iteration 10 after a resume at 8,
     interval 5): the line says so, where it silently looked like a full window's means."""
