@@ -202,3 +202,23 @@ def test_an_empty_map_keys_name_means_no_such_column(tmp_path, run_preprocess):
     assert _meta(tmp_path / "o")["statistics"]["samples_written"] == 4  # two pairs, two answers each
     code, _, err = run_preprocess(output_prefix=tmp_path / "bad", map_keys=json.dumps({**keys, "chosen": ""}), **flags)
     assert code == 2 and "--map-keys: 'chosen' is empty, but AlpacaStylePairwiseHandler reads that column" in err
+
+
+def test_a_large_csv_with_multiline_values_is_read(tmp_path):
+    """Quoted values spanning lines (answers with newlines, as csv.writer and pandas write them) in a CSV larger than
+    pyarrow's 1 MiB read block: every row is read as the csv module reads it (it was refused as 'malformed CSV:
+    CSV parser got out of sync with chunker')."""
+    import csv
+
+    from mindspeed_pack.data import readers
+
+    path = tmp_path / "multiline.csv"
+    rows = [[f"q{i}\nline two", f"a{i} " + 'x\ny, "z"\n' * (i % 30)] for i in range(8000)]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["instruction", "output"])
+        writer.writerows(rows)
+    assert path.stat().st_size > 1 << 20
+    got = [(where, row) for chunk in readers.iter_chunks([path], 1000) for where, row in readers.chunk_rows(chunk)]
+    assert [[r["instruction"], r["output"]] for _, r in got] == rows
+    assert got[-1][0] == f"{path}: row {len(rows)}"

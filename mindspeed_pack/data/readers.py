@@ -260,7 +260,9 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
                 path,
                 convert_options=pacsv.ConvertOptions(column_types={c: pa.string() for c in header},
                                                      strings_can_be_null=False),
-                parse_options=pacsv.ParseOptions(invalid_row_handler=bad_row),
+                # quoted values may span lines (answers with newlines): without this a block boundary inside one
+                # splits it into bogus rows or stops the read ("out of sync with chunker")
+                parse_options=pacsv.ParseOptions(invalid_row_handler=bad_row, newlines_in_values=True),
             )
             for batch in reader:
                 if invalid:
