@@ -222,3 +222,30 @@ def test_a_large_csv_with_multiline_values_is_read(tmp_path):
     got = [(where, row) for chunk in readers.iter_chunks([path], 1000) for where, row in readers.chunk_rows(chunk)]
     assert [[r["instruction"], r["output"]] for _, r in got] == rows
     assert got[-1][0] == f"{path}: row {len(rows)}"
+
+
+@pytest.mark.parametrize("tags", [
+    {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant",
+     "system_tag": "system"},  # MindSpeed-LLM's documented OpenAI form
+    {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"},
+])
+def test_map_keys_tags_as_mindspeed_llm_documents_them(tmp_path, run_preprocess, read_indexed, tags):
+    """MindSpeed-LLM's ShareGPT --map-keys nests the role and content names under "tags"
+    ('{"messages": "messages", "tags": {"role_tag": "role", ...}}'): read as the same names given flat (it was
+    "unknown key 'tags'")."""
+    rows = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say one"},
+                          {"role": "assistant", "content": "one"}]}] * 2
+    data = toy.write_dataset(tmp_path / "m.jsonl", rows)
+    flags = dict(input=data, handler_name="SharegptStyleInstructionHandler", prompt_type="qwen", seq_length=128)
+    code, _, err = run_preprocess(output_prefix=tmp_path / "flat", map_keys=json.dumps({"messages": "messages", **tags}),
+                                  **flags)
+    assert code == 0, err
+    code, _, err = run_preprocess(output_prefix=tmp_path / "tags", map_keys=json.dumps({"messages": "messages",
+                                                                                        "tags": tags}), **flags)
+    assert code == 0, err
+    for key in ("input_ids", "labels"):
+        flat, nested = (read_indexed(tmp_path / f"{p}_packed_{key}_document") for p in ("flat", "tags"))
+        assert [a.tolist() for a in flat] == [b.tolist() for b in nested]
+    code, _, err = run_preprocess(output_prefix=tmp_path / "bad", map_keys=json.dumps({"tags": {"speaker": "role"}}),
+                                  **flags)
+    assert code == 2 and "--map-keys: unknown key 'speaker' in 'tags'" in err, err

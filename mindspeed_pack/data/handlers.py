@@ -170,8 +170,18 @@ def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]
         raise PreprocessError(f"unknown --handler-name {handler!r}; choose one of {', '.join(HANDLERS)}")
     mapping = dict(DEFAULT_MAP_KEYS[handler])
     explicit = set()
-    for key, value in (map_keys or {}).items():
-        base = PAIRWISE_BASE.get(handler, KTO_BASE.get(handler))
+    base = PAIRWISE_BASE.get(handler, KTO_BASE.get(handler))
+    map_keys = dict(map_keys or {})
+    if SHAREGPT in (handler, base) and "tags" in map_keys:  # MindSpeed-LLM's form: role/content names under "tags"
+        tags = map_keys.pop("tags")
+        if not isinstance(tags, dict):
+            raise PreprocessError(f"--map-keys: 'tags' must be an object of role/content names, got {tags!r}")
+        for key in tags:
+            if key not in mapping or not key.endswith("_tag"):
+                raise PreprocessError(f"--map-keys: unknown key {key!r} in 'tags' for {handler}; known keys: "
+                                      f"{', '.join(k for k in mapping if k.endswith('_tag'))}")
+        map_keys = {**tags, **map_keys}
+    for key, value in map_keys.items():
         key = _OPENAI_ALIASES.get(key, key) if SHAREGPT in (handler, base) else key
         if key not in mapping:
             raise PreprocessError(f"--map-keys: unknown key {key!r} for {handler}; known keys: {', '.join(mapping)}")
