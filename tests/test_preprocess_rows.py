@@ -249,3 +249,22 @@ def test_map_keys_tags_as_mindspeed_llm_documents_them(tmp_path, run_preprocess,
     code, _, err = run_preprocess(output_prefix=tmp_path / "bad", map_keys=json.dumps({"tags": {"speaker": "role"}}),
                                   **flags)
     assert code == 2 and "--map-keys: unknown key 'speaker' in 'tags'" in err, err
+
+
+def test_a_json_object_of_columns_is_read_as_its_rows(tmp_path, run_preprocess, read_indexed):
+    """A .json file holding one object of equal-length columns, written over several lines (json.dump(..., indent=2)
+    of a dict of lists), is read as its rows, as HF datasets' json loader reads it; it was taken for JSON lines and
+    refused as 'line 1: malformed JSON'. Another pretty-printed object is refused as what it is."""
+    rows = [{"instruction": f"say {i}", "output": f"{i}"} for i in range(3)]
+    toy.write_dataset(tmp_path / "rows.json", rows)
+    (tmp_path / "cols.json").write_text(json.dumps({k: [r[k] for r in rows] for k in rows[0]}, indent=2))
+    flags = dict(handler_name="AlpacaStyleInstructionHandler", prompt_type="qwen", seq_length=128)
+    for name in ("rows", "cols"):
+        code, _, err = run_preprocess(input=tmp_path / f"{name}.json", output_prefix=tmp_path / name, **flags)
+        assert code == 0, err
+    for key in ("input_ids", "labels"):
+        a, b = (read_indexed(tmp_path / f"{p}_packed_{key}_document") for p in ("rows", "cols"))
+        assert [x.tolist() for x in a] == [y.tolist() for y in b]
+    (tmp_path / "one.json").write_text(json.dumps({"instruction": "say", "output": ["a", "b"], "n": 3}, indent=2))
+    code, _, err = run_preprocess(input=tmp_path / "one.json", output_prefix=tmp_path / "one", **flags)
+    assert code == 2 and f"{tmp_path / 'one.json'}: one JSON object that is not columns of equal length" in err, err

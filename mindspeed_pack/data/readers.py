@@ -2,7 +2,8 @@
 
 Formats by extension: ``.parquet`` (record batches), ``.arrow`` (Arrow IPC file or stream,
 as HF ``datasets`` writes), ``.csv`` (all columns read as strings), ``.jsonl`` (one object
-a line), ``.json`` (an array of objects, or JSON lines), ``.txt`` (one ``text`` row a line).
+a line), ``.json`` (an array of objects, JSON lines, or one object of equal-length columns written over several
+lines, as HF ``datasets`` reads it), ``.txt`` (one ``text`` row a line).
 A directory holds files of exactly one of these formats (the metadata JSON files of an HF
 ``datasets.save_to_disk`` directory are ignored next to its ``.arrow`` shards).
 
@@ -135,6 +136,31 @@ def _looks_like_json_array(path: Path) -> bool:
                 return ch == "["
 
 
+def _json_columns(path: Path) -> Optional[list]:
+    """The rows of a ``.json`` file that is one object of columns written over several lines (``json.dump(...,
+    indent=2)`` of a dict of lists, which HF datasets' json loader reads as rows); None when the file is JSON lines
+    (its first line a whole value, or the file not one JSON value: its lines are read, and named, one by one)."""
+    with _utf8_text(path) as f:
+        first = next((line for line in f if line.strip()), "")
+    if not first.lstrip().startswith("{"):
+        return None
+    try:
+        json.loads(first)
+        return None  # a whole object on its first line: JSON lines
+    except json.JSONDecodeError:
+        pass
+    try:
+        with _utf8_text(path) as f:
+            value = json.load(f)
+    except json.JSONDecodeError:
+        return None  # not one JSON value: JSON lines, its malformed lines reported (or skipped) one by one
+    columns = list(value.values()) if isinstance(value, dict) else []
+    if not columns or not all(isinstance(c, list) and len(c) == len(columns[0]) for c in columns):
+        raise PreprocessError(f"{path}: one JSON object that is not columns of equal length; expected a JSON array "
+                              "of objects, JSON lines (one object a line), or an object of equal-length columns")
+    return [dict(zip(value, cells)) for cells in zip(*columns)]
+
+
 def _csv_header(path: Path) -> Optional[list[str]]:
     """The header row (None: an empty file)."""
     with _utf8_text(path, newline="") as f:
@@ -195,7 +221,11 @@ def iter_chunks(files, chunk_rows: int) -> Iterator[Chunk]:
         path = Path(path)
         name = str(path)
         fmt = FORMATS[path.suffix.lower()]
-        if fmt in ("jsonl", "txt") or (fmt == "json" and not _looks_like_json_array(path)):
+        columns = _json_columns(path) if fmt == "json" and not _looks_like_json_array(path) else None
+        if columns is not None:  # one object of columns: its rows, numbered as an array's
+            for start in range(0, len(columns), chunk_rows):
+                yield Chunk(name, start + 1, "rows", columns[start:start + chunk_rows])
+        elif fmt in ("jsonl", "txt") or (fmt == "json" and not _looks_like_json_array(path)):
             kind = "text" if fmt == "txt" else "lines"
             with _utf8_text(path) as f:
                 lines, first = [], 1
