@@ -242,3 +242,15 @@ def test_hf_save_to_disk_directory_is_read(tmp_path, toy_alpaca_rows, run_prepro
     code, _, err = run_preprocess(input=d, output_prefix=tmp_path / "hf_out", prompt_type="qwen", seq_length=128)
     assert code == 0, err
     assert len(read_indexed(tmp_path / "hf_out_packed_input_ids_document")) == 25
+
+
+def test_hf_dataset_dict_directory_names_its_splits(tmp_path, toy_alpaca_rows, run_preprocess):
+    """save_to_disk of a DatasetDict (what load_dataset returns): dataset_dict.json beside one directory per split.
+    Its metadata file is not data (it was read as the input: "column 'instruction' not found; columns: splits")."""
+    d = tmp_path / "dd"
+    toy.write_dataset(d / "train" / "data-00000-of-00001.arrow", toy_alpaca_rows[:5])
+    (d / "train" / "state.json").write_text("{}")
+    (d / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    code, _, err = run_preprocess(input=d, output_prefix=tmp_path / "dd_out", prompt_type="qwen", seq_length=128)
+    assert code == 2 and f"{d}: a saved HF DatasetDict" in err and str(d / "train") in err, err
+    assert not list(tmp_path.glob("dd_out*"))

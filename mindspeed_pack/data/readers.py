@@ -59,6 +59,10 @@ def resolve_input_files(path) -> list[Path]:
         return [p]
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.is_file() and not f.name.startswith("."))
+        if (p / "dataset_dict.json").is_file() and not any(f.suffix == ".arrow" for f in files):
+            splits = sorted(d for d in p.iterdir() if d.is_dir() and any(d.glob("*.arrow")))
+            raise PreprocessError(f"{p}: a saved HF DatasetDict (dataset_dict.json), one directory per split; pass "
+                                  f"a split's directory: {', '.join(map(str, splits)) or '(none found)'}")
         by_format: dict[str, list[Path]] = {}
         for f in files:
             if f.name in _HF_DATASETS_METADATA and any(g.suffix == ".arrow" for g in files):
