@@ -268,3 +268,17 @@ def test_a_json_object_of_columns_is_read_as_its_rows(tmp_path, run_preprocess, 
     (tmp_path / "one.json").write_text(json.dumps({"instruction": "say", "output": ["a", "b"], "n": 3}, indent=2))
     code, _, err = run_preprocess(input=tmp_path / "one.json", output_prefix=tmp_path / "one", **flags)
     assert code == 2 and f"{tmp_path / 'one.json'}: one JSON object that is not columns of equal length" in err, err
+
+
+def test_csv_rows_after_a_malformed_one_keep_their_numbers(tmp_path, run_preprocess):
+    """Under --skip-bad-rows a CSV row is named by its number in the file, counting the malformed rows before it
+    (pyarrow's reader drops those: the rows after one were named one number too low), blank lines not counted."""
+    csv = tmp_path / "a.csv"
+    csv.write_text('instruction,output,history\nsay,one,[]\n"only one column"\n\nsay,"two\nlines",[]\n'
+                   'too,many,[],columns\nsay,three,[["a"\n')
+    code, out, err = run_preprocess(input=csv, output_prefix=tmp_path / "c", handler_name="AlpacaStyleInstructionHandler",
+                                    prompt_type="qwen", seq_length=128, skip_bad_rows=True)
+    assert code == 0, err
+    first = _meta(tmp_path / "c")["statistics"]["first_skipped"]
+    assert first["malformed CSV row"].startswith(f"{csv}: line 3: malformed CSV row: expected 3 columns, got 1")
+    assert first["malformed JSON"].startswith(f"{csv}: row 5: field 'history' is not valid JSON"), first

@@ -25,6 +25,7 @@ policy (stop, or ``--skip-bad-rows``) decides where it is encoded.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -254,15 +255,20 @@ def iter_chunks(files, chunk_rows: int) -> Iterator[Chunk]:
                 yield Chunk(name, start + 1, "rows", records[start:start + chunk_rows])
         else:
             batches = _record_batches(path, fmt, chunk_rows)
-            row = 1
+            row, skipped = 1, []  # skipped: numbers of the malformed CSV rows the reader left out, in order
             for batch in batches:
-                if isinstance(batch, list):  # malformed CSV rows (RowErrors) the reader skipped over
-                    yield Chunk(name, 0, "rows", batch)
+                if isinstance(batch, list):  # malformed CSV rows the reader skipped over: (number, RowError)
+                    yield Chunk(name, 0, "rows", [error for _, error in batch])
+                    skipped = sorted(skipped + [number for number, _ in batch if number is not None])
                     continue
-                for start in range(0, batch.num_rows, chunk_rows):
-                    piece = batch.slice(start, chunk_rows)
-                    yield Chunk(name, row, "arrow", piece)
-                    row += piece.num_rows
+                start = 0
+                while start < batch.num_rows:  # pieces of consecutive rows, numbered past the skipped ones
+                    while skipped and skipped[0] <= row:
+                        row += skipped.pop(0) == row
+                    size = min(chunk_rows, batch.num_rows - start, skipped[0] - row if skipped else chunk_rows)
+                    yield Chunk(name, row, "arrow", batch.slice(start, size))
+                    row += size
+                    start += size
 
 
 def _record_batches(path: Path, fmt: str, chunk_rows: int):
@@ -280,13 +286,14 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
         header = _csv_header(path)
         if header is None:
             return  # an empty file: no rows
-        invalid = []  # rows with the wrong number of columns: RowErrors (skipped and counted, or the run stops)
-        lines = _LineFinder(path)
+        # rows with the wrong number of columns: (data row number, RowError), skipped and counted, or the run stops
+        invalid = []
+        records = _RecordFinder(path)
 
         def bad_row(row) -> str:
-            line = lines.find(row.text)
-            invalid.append(RowError(f"{path}: line {line or '?'}: {BAD_CSV}: expected {row.expected_columns} "
-                                    f"columns, got {row.actual_columns}: {row.text[:80]!r}", BAD_CSV))
+            line, record = records.find(row.text)
+            invalid.append((record, RowError(f"{path}: line {line or '?'}: {BAD_CSV}: expected {row.expected_columns} "
+                                             f"columns, got {row.actual_columns}: {row.text[:80]!r}", BAD_CSV)))
             return "skip"
 
         try:
@@ -309,23 +316,33 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
             if first_undecodable_line(path) is not None:
                 raise not_utf8_error(path) from None
             raise PreprocessError(f"{path}: malformed CSV: {exc}") from None
+        finally:
+            records.close()
 
 
-class _LineFinder:
-    """The line numbers of a CSV file's malformed rows, found by their text (pyarrow's streaming reader does not
-    number them): each row's first line, searched for from the line after the previous one found."""
+class _RecordFinder:
+    """Where a CSV file's malformed rows are, which pyarrow's streaming reader does not number: the line each starts
+    on and its data row number (blank lines not counted, as pyarrow skips them), found by reading the file's records
+    once, alongside pyarrow, from the one after the previous row found (the rows come in file order)."""
 
     def __init__(self, path):
-        self.path, self.after = path, 0
+        self.file = open(path, encoding=TEXT_ENCODING, newline="")
+        self.records = csv.reader(self.file)
+        next(self.records, None)  # the header
+        self.line, self.record = self.records.line_num, 0
 
-    def find(self, text: str) -> Optional[int]:
-        first = text.split("\n", 1)[0].rstrip("\r")
-        with _utf8_text(self.path) as f:
-            for n, line in enumerate(f, 1):
-                if n > self.after and line.rstrip("\r\n") == first:
-                    self.after = n
-                    return n
-        return None
+    def find(self, text: str) -> tuple[Optional[int], Optional[int]]:
+        fields = next(csv.reader(io.StringIO(text)), [])
+        for found in self.records:
+            start, self.line = self.line + 1, self.records.line_num
+            if found:
+                self.record += 1
+                if found == fields:
+                    return start, self.record
+        return None, None
+
+    def close(self) -> None:
+        self.file.close()
 
 
 def chunk_rows(chunk: Chunk) -> Iterator[tuple[str, Any]]:
