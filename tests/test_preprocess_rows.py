@@ -251,6 +251,28 @@ def test_map_keys_tags_as_mindspeed_llm_documents_them(tmp_path, run_preprocess,
     assert code == 2 and "--map-keys: unknown key 'speaker' in 'tags'" in err, err
 
 
+def test_mindspeed_llms_openai_handler_reads_openai_rows(tmp_path, run_preprocess, read_indexed):
+    """MindSpeed-LLM's --handler-name OpenAIInstructionHandler (OpenAI rows: messages of role/content, tool calls,
+    tool results) was refused as an unknown choice: it is the ShareGPT handler under OpenAI's key names, giving the
+    packs of --map-keys '{"messages": "messages", "role": "role", "content": "content"}'."""
+    call = {"type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}
+    rows = [{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say one"},
+                          {"role": "assistant", "content": "one"}]},
+            {"messages": [{"role": "user", "content": "time?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                          {"role": "tool", "content": "12:00"}, {"role": "assistant", "content": "noon"}]}]
+    data = toy.write_dataset(tmp_path / "m.jsonl", rows)
+    flags = dict(input=data, prompt_type="qwen2_5", seq_length=128)
+    code, _, err = run_preprocess(output_prefix=tmp_path / "mapped", handler_name="SharegptStyleInstructionHandler",
+                                  map_keys=json.dumps({"messages": "messages", "role": "role", "content": "content"}),
+                                  **flags)
+    assert code == 0, err
+    code, _, err = run_preprocess(output_prefix=tmp_path / "openai", handler_name="OpenAIInstructionHandler", **flags)
+    assert code == 0, err
+    for key in ("input_ids", "labels"):
+        mapped, openai = (read_indexed(tmp_path / f"{p}_packed_{key}_document") for p in ("mapped", "openai"))
+        assert len(openai) == 2 and [a.tolist() for a in mapped] == [b.tolist() for b in openai]
+
+
 def test_a_json_object_of_columns_is_read_as_its_rows(tmp_path, run_preprocess, read_indexed):
     """A .json file holding one object of equal-length columns, written over several lines (json.dump(..., indent=2)
     of a dict of lists), is read as its rows, as HF datasets' json loader reads it; it was taken for JSON lines and

@@ -114,6 +114,33 @@ for _kto, _base in KTO_BASE.items():  # the base handler's keys plus the row's l
     DEFAULT_MAP_KEYS[_kto] = {**DEFAULT_MAP_KEYS[_base], "label": "label"}
     REQUIRED_COLUMNS[_kto] = REQUIRED_COLUMNS[_base] + ("label",)
     COLUMN_KEYS[_kto] = COLUMN_KEYS[_base] + ("label",)
+# MindSpeed-LLM's OpenAIInstructionHandler: ShareGPT rows under OpenAI's names (its defaults), read as such
+OPENAI = "OpenAIInstructionHandler"
+OPENAI_MAP_KEYS = {"messages": "messages", "role_tag": "role", "content_tag": "content", "user_tag": "user",
+                   "assistant_tag": "assistant", "observation_tag": "tool", "system_tag": "system"}
+HANDLER_NAMES = HANDLERS + (OPENAI,)  # what --handler-name takes
+
+
+def canonical_handler(name: str, map_keys) -> tuple:
+    """(handler, map_keys) with MindSpeed-LLM's ``OpenAIInstructionHandler`` read as
+    ``SharegptStyleInstructionHandler`` under OpenAI's key names (``map_keys``' own entries win; its ``tags``
+    ignored, as MindSpeed-LLM ignores them there); any other handler unchanged. ``map_keys``: a dict or JSON text."""
+    if name != OPENAI:
+        return name, map_keys
+    try:
+        given = json.loads(map_keys) if isinstance(map_keys, str) else dict(map_keys or {})
+    except json.JSONDecodeError as exc:
+        raise PreprocessError(f"--map-keys is not valid JSON ({exc.msg} at column {exc.colno}): {map_keys}") from None
+    if not isinstance(given, dict):
+        raise PreprocessError(f"--map-keys must be a JSON object, got {map_keys!r}")
+    if given.pop("tags", None) is not None:
+        import logging
+
+        logging.getLogger(__name__).warning("--handler-name %s takes OpenAI's role names; the 'tags' of --map-keys "
+                                            "are ignored (as MindSpeed-LLM ignores them there)", OPENAI)
+    return SHAREGPT, {**OPENAI_MAP_KEYS, **given}
+
+
 _OPENAI_ALIASES = {"role": "role_tag", "content": "content_tag", "user": "user_tag", "assistant": "assistant_tag",
                    "tool": "observation_tag"}
 

@@ -50,12 +50,13 @@ from mindspeed_pack.data import kto, pairwise, process_reward, readers
 from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (
     COLUMN_KEYS,
-    HANDLERS,
+    HANDLER_NAMES,
     PRETRAIN,
     PROCESS_REWARD,
     REQUIRED_COLUMNS,
     SAMPLE_SKIPS,
     SampleEncoder,
+    canonical_handler,
     resolve_map_keys,
 )
 from mindspeed_pack.data.templates import get_template, marker_tokens, with_thinking
@@ -101,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-not-use-fast", action="store_true",
                    help="refused: preprocessing encodes with the tokenizer's fast (Rust) backend, in batches")
     g = p.add_argument_group("handler")
-    g.add_argument("--handler-name", default="AlpacaStyleInstructionHandler", choices=HANDLERS)
+    g.add_argument("--handler-name", default="AlpacaStyleInstructionHandler", choices=HANDLER_NAMES,
+                   help="how rows are read (OpenAIInstructionHandler: MindSpeed-LLM's name for "
+                        "SharegptStyleInstructionHandler with OpenAI's keys: messages, role, content)")
     g.add_argument("--prompt-type", default=None,
                    help="chat template name in templates.json (instruction handlers), or 'hf': the tokenizer's own "
                         "Jinja chat_template, rendered as apply_chat_template does")
@@ -189,6 +192,7 @@ def _fold_enable_thinking(args) -> None:
 
 
 def validate_args(args) -> None:
+    args.handler_name, args.map_keys = canonical_handler(args.handler_name, args.map_keys)
     if getattr(args, "tokenizer_not_use_fast", False):
         raise PreprocessError("--tokenizer-not-use-fast: preprocessing encodes with the tokenizer's fast (Rust) "
                               "backend, in batches; drop the flag (a directory with only a slow tokenizer is "

@@ -121,7 +121,7 @@ def raw_inputs(args) -> Optional[list]:
 def preprocess_namespace(args, inputs: list, pretrain: bool = False):
     """preprocess_data.py's arguments for ``inputs``: its defaults, this run's shared and preprocessing flags
     (``pretrain``: pretrain_gpt.py's, pretraining documents)."""
-    from mindspeed_pack.data.handlers import PRETRAIN, PROCESS_REWARD
+    from mindspeed_pack.data.handlers import PRETRAIN, PROCESS_REWARD, canonical_handler
     from mindspeed_pack.datasets.preprocess import _OUTPUT_ARGS, build_parser
 
     ns = build_parser().parse_args(["--input", *inputs, "--output-prefix", "unset"])
@@ -129,6 +129,7 @@ def preprocess_namespace(args, inputs: list, pretrain: bool = False):
         setattr(ns, dest, getattr(args, dest))
     ns.pack = False if pretrain else bool(args.pack or args.neat_pack)  # --neat-pack implies packing
     ns.tokenizer_type = "PretrainedFromHF"
+    ns.handler_name, ns.map_keys = canonical_handler(ns.handler_name, ns.map_keys)
     if ns.handler_name == PRETRAIN and not pretrain:
         raise DataError("--handler-name GeneralPretrainHandler writes pretraining documents: train on them with "
                         "pretrain_gpt.py (which preprocesses raw --data-path files too)")
