@@ -138,8 +138,7 @@ def memory_estimate(args) -> dict:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     local = tokens_per_rank(args)
     sbh = local * args.hidden_size
-    # bytes per layer without recomputation, fused attention (no s x s scores): Korthikanti et al. 2022
-    per_layer = sbh * (34 / tp if args.sequence_parallel else 10 + 24 / tp) * (1 if half else 2)
+    per_layer = local * layer_activation_bytes(args) * (1 if half else 2)
     in_flight = min(pp, args.num_micro_batches)  # 1F1B: micro-batches the first stage holds
     layers = recomputed_activation_layers(args, per_layer, sbh * (1 / tp if args.sequence_parallel else 1)
                                           * (2 if half else 4))
@@ -158,6 +157,27 @@ def memory_estimate(args) -> dict:
            "activations": (layers * in_flight + (logits if pp == 1 else 0)) / GiB}
     out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
     return out
+
+
+def layer_activation_bytes(args) -> float:
+    """Bytes of 16-bit activations one token keeps for the backward in a layer of the stage (the stage's dense and
+    MoE layers averaged), without recomputation and with fused attention (no s x s scores): Korthikanti et al.
+    2022's count (34h per token, TP-split as 10h + 24h/TP, all of it under sequence parallelism) with its MLP,
+    which assumes a 4h GELU, taken from the model's shape: the fc1 input and dropout mask (3h), the fc1 output and
+    the activation's output (2F + 2F, gated: 4F + 2F); an MoE layer's routed experts keep that for each of a
+    token's top-k copies, with the permuted input and the expert output the combine weights (4h each copy)."""
+    m = model_shape(args)
+    h, tp = m.hidden, args.tensor_model_parallel_size
+    gated = 2 if getattr(args, "swiglu", False) else 1
+    ffn = getattr(args, "ffn_hidden_size", None) or 4 * h
+    dense_mlp = (2 * gated + 2) * ffn
+    split = 8 * h + dense_mlp  # attention's q, k, v and output (8h), the MLP's intermediate
+    if m.moe_layers:
+        expert_ffn = getattr(args, "moe_ffn_hidden_size", None) or ffn
+        moe_mlp = args.moe_router_topk * (4 * h + (2 * gated + 2) * expert_ffn)
+        split += (moe_mlp - dense_mlp) * m.moe_layers / m.layers
+    replicated = 10 * h  # norms, the attention's and the MLP's inputs, dropout masks
+    return (replicated + split) / tp if args.sequence_parallel else replicated + split / tp
 
 
 def recomputed_activation_layers(args, per_layer: float, layer_input: float) -> float:
