@@ -159,6 +159,8 @@ MODEL_SPECS = {
                          fields={"sliding_window": window_covers_sequence},
                          hf_reward_architecture="MistralForSequenceClassification"),
 }
+# the families of MODEL_SPECS as users name them (messages)
+FAMILY_NAMES = ("Qwen2/Qwen2.5", "Qwen3", "Qwen3-MoE", "Llama 2/3/3.1/3.2", "Mistral")
 
 # args stored in every converted checkpoint: the model shape the trainer must match
 MODEL_ARG_NAMES = (
@@ -325,8 +327,8 @@ def detect_model_type(hf_config: dict, config_path: str = "config.json") -> str:
     raise ConversionError(
         f"{config_path}: unknown architecture (model_type={model_type!r}, "
         f"architectures={hf_config.get('architectures')!r}); supported model types: "
-        f"{', '.join(sorted(MODEL_SPECS))} (Qwen2/Qwen2.5, Qwen3, Llama 2/3/3.1/3.2, Mistral). "
-        "Pass --model-type-hf to override."
+        f"{', '.join(sorted(MODEL_SPECS))} ({', '.join(FAMILY_NAMES)}). --model-type-hf reads a config of "
+        "another name as one of these, whose fields it must then have"
     )
 
 
