@@ -872,6 +872,11 @@ def main(argv=None) -> int:
     except PreprocessError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # not a traceback: outputs are written under temporary names (removed on exit)
+        print(f"interrupted: nothing half-written is left under --output-prefix {args.output_prefix} (outputs are "
+              "renamed into place whole, the sidecar last, which vouches for them); run the same command again",
+              file=sys.stderr)
+        return 130
     return 0
 
 
