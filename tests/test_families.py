@@ -285,3 +285,30 @@ def test_the_transformer_engine_path_is_handed_the_family(monkeypatch):
     plain = 1.0 / (1000000 ** (torch.arange(0, 24, 2, dtype=torch.float32) / 24))
     assert torch.equal(model.rotary_pos_emb.inv_freq, llama3_inv_freq(plain, 8.0, 1.0, 4.0, 16))
     assert not torch.equal(model.rotary_pos_emb.inv_freq, plain)
+
+
+def _with_lm_head(src, dst, lm_head) -> str:
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    weights = load_file(path)
+    weights["lm_head.weight"] = lm_head(weights["model.embed_tokens.weight"])
+    save_file(weights, path, metadata={"format": "pt"})
+    return str(dst)
+
+
+def test_a_tied_models_stored_lm_head_is_ignored_only_when_it_is_the_embedding(work, tmp_path):
+    """transformers ties a stored lm_head.weight equal to the embedding, and keeps one that differs as its own output
+    layer: the tied Megatron model would drop it, so that one is refused (naming tie_word_embeddings)."""
+    import transformers
+
+    same = _with_lm_head(work["hf"]["qwen3"], tmp_path / "same", lambda e: e.clone())
+    hf_to_megatron(same, str(tmp_path / "same_mg"), 1, 1, padded_vocab_size=VOCAB)
+    other = _with_lm_head(work["hf"]["qwen3"], tmp_path / "other", lambda e: e.flip(0))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(other)
+    assert not torch.equal(loaded.lm_head.weight, loaded.model.embed_tokens.weight)  # transformers' reading
+    with pytest.raises(ConversionError, match=r"lm_head.weight' differs from 'model.embed_tokens.weight'.*"
+                                              r"tie_word_embeddings to false"):
+        hf_to_megatron(other, str(tmp_path / "out"), 1, 1, padded_vocab_size=VOCAB)
+    assert not os.path.exists(tmp_path / "out")

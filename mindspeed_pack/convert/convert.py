@@ -69,6 +69,7 @@ from mindspeed_pack.convert.weight_map import (
     FINAL,
     MG_EMBEDDING,
     MG_OUTPUT,
+    check_tied_output,
     expected_hf_shapes,
     hf_to_mg_unit,
     hf_unit_shapes,
@@ -350,6 +351,7 @@ def hf_to_megatron(
                                    padded_vocab_size, where=config_path, seq_length=seq_length, ep=ep)
         spec = get_spec(args.model_type_hf)
         reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
+        check_tied_output(reader, args)
 
         def full_unit(unit):
             return {k: v.to(dtype) for k, v in hf_to_mg_unit(unit, reader.get, args, spec).items()}
@@ -601,6 +603,7 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str =
         args = args_from_hf_config(reader.config, None, 1, 1, where=os.path.join(hf_dir, hf_io.CONFIG))
         spec = get_spec(args.model_type_hf)
         reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
+        check_tied_output(reader, args)
         adapters = _adapter_checkpoint(lora_dir, allow_unsafe, args)
         scale = lora_map.scale_of(adapters.lora)
         args = _export_args(args, adapters)

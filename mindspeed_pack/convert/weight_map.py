@@ -130,8 +130,22 @@ def expected_hf_shapes(args, spec: ModelSpec) -> Dict[str, Tuple[int, ...]]:
 def is_ignorable_hf_tensor(name: str, args) -> bool:
     if name.endswith(IGNORABLE_HF_SUFFIXES):
         return True
-    # tied models sometimes still store lm_head; the embedding is the weight in use
+    # tied models sometimes still store lm_head; the embedding is the weight in use (check_tied_output: when equal)
     return name == HF_OUTPUT and not args.untie_embeddings_and_output_weights
+
+
+def check_tied_output(reader, args) -> None:
+    """A tied model's files may still store ``lm_head.weight``: ignored when it equals the embedding, refused when
+    it differs (transformers does not tie them then: the model it loads has its own output layer, which the tied
+    Megatron model would drop)."""
+    if args.untie_embeddings_and_output_weights or HF_OUTPUT not in reader.keys():
+        return
+    if not torch.equal(reader.get(HF_OUTPUT), reader.get(HF_EMBEDDING)):
+        raise ConversionError(
+            f"{reader.file_of(HF_OUTPUT)}: config.json ties the output layer to the embedding (tie_word_embeddings), "
+            f"but the stored {HF_OUTPUT!r} differs from {HF_EMBEDDING!r}: transformers does not tie them then (the "
+            "model has its own output layer), and the tied model built from config.json would drop it; set "
+            "tie_word_embeddings to false in config.json to train them untied")
 
 
 # --------------------------------------------------------------------------- fused layouts
