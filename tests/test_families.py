@@ -189,6 +189,23 @@ def test_converted_args_carry_the_family(work):
     assert args("mistral")["sliding_window"] == 4096
 
 
+def test_a_config_without_head_dim_gets_its_config_class_default():
+    """Qwen3Config's head_dim defaults to 128, not hidden / heads: a config.json without it was read as hidden /
+    heads (the tensors then "did not match the config"), while transformers builds 128-wide heads from it."""
+    import transformers
+
+    from mindspeed_pack.convert.model_specs import args_from_hf_config
+
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 256,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 512,
+              "vocab_size": 512, "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    assert transformers.Qwen3Config(**config).head_dim == 128
+    assert args_from_hf_config(config, None, 1, 1).kv_channels == 128
+    assert args_from_hf_config({**config, "head_dim": 64}, None, 1, 1).kv_channels == 64
+    qwen2 = {**config, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
+    assert args_from_hf_config(qwen2, None, 1, 1).kv_channels == 64  # Qwen2's heads are hidden / heads
+
+
 def test_megatron_cores_llama3_constants_match_transformers():
     """With Llama-3.1's own constants megatron-core's scaling is used; both paths equal transformers'."""
     import argparse

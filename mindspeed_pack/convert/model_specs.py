@@ -138,6 +138,7 @@ class ModelSpec:
     hf_defaults: Dict[str, object] = field(default_factory=dict)  # written into a converted config.json
     moe: bool = False  # routed experts (no shared expert) in the layers --moe-layer-freq marks
     hf_reward_architecture: Optional[str] = None  # *ForSequenceClassification: the outcome reward model's class
+    head_dim: Optional[int] = None  # the config class's head_dim where config.json has none (else hidden / heads)
 
 
 MODEL_SPECS = {
@@ -145,7 +146,8 @@ MODEL_SPECS = {
                        hf_reward_architecture="Qwen2ForSequenceClassification"),
     "qwen3": ModelSpec("qwen3", "qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_layernorm=True,
                        fields={**_QWEN_FIELDS, "attention_bias": equals(False)},
-                       hf_defaults={"attention_bias": False}, hf_reward_architecture="Qwen3ForSequenceClassification"),
+                       hf_defaults={"attention_bias": False}, hf_reward_architecture="Qwen3ForSequenceClassification",
+                       head_dim=128),  # transformers' Qwen3Config default
     "qwen3_moe": ModelSpec("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_layernorm=True,
                            moe=True, fields={**_QWEN_FIELDS, "attention_bias": equals(False),
                                              **{k: harmless for k in _QWEN3_MOE_FIELDS}},
@@ -472,7 +474,7 @@ def args_from_hf_config(
     groups = int(hf_config.get("num_key_value_heads") or heads)
     if heads % groups:
         raise ConversionError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}")
-    head_dim = hf_config.get("head_dim") or hidden // heads
+    head_dim = hf_config.get("head_dim") or spec.head_dim or hidden // heads
     vocab = int(_require(hf_config, "vocab_size", where))
     args = argparse.Namespace(
         num_layers=int(_require(hf_config, "num_hidden_layers", where)),
