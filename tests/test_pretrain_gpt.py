@@ -318,3 +318,46 @@ def test_one_part_of_a_fine_tuning_pack_is_refused_as_documents(tmp_path, corpus
     (tmp_path / "dpo_packed_meta.json").write_text("{}")
     with pytest.raises(DataError, match="one part of the fine-tuning dataset .*dpo'.*posttrain.py --data-path "):
         check_prefix_files([corpus[1], part])
+
+
+def _setup_within(args, num_samples, seconds=60):
+    """GPTBatchSource.setup in a daemon thread: megatron-core's epoch count never ends on an empty split."""
+    import threading
+
+    result = {}
+
+    def target():
+        try:
+            source = GPTBatchSource()
+            source.setup(args, num_samples)
+            result["source"] = source
+        except Exception as e:  # noqa: BLE001 - handed to the test
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), "building the datasets did not finish (an empty split loops forever)"
+    return result
+
+
+def test_megatron_default_split_on_a_small_corpus_builds_instead_of_hanging(tmp_path, corpus):
+    """--split 949,50,1 (Megatron-LM's usual) on 120 + 60 documents: the test split holds none of either; it is
+    not read, so it is not built (megatron-core's GPTDataset counted 0-token epochs forever)."""
+    init_single_process()
+    args = pretrain_args("--data-path", "0.3", corpus[0], "0.7", corpus[1], "--split", "949,50,1",
+                         "--train-iters", "2", "--data-cache-path", str(tmp_path / "cache"))
+    result = _setup_within(args, {"train": 8, "valid": 4})
+    assert "error" not in result, result.get("error")
+    splits = result["source"].splits
+    assert splits["test"] is None and len(splits["train"]) >= 8 and len(splits["valid"]) >= 4
+
+
+def test_an_empty_split_that_is_read_is_refused_with_the_counts(tmp_path):
+    """Five documents at --split 949,50,1: no validation document, yet validation samples are asked for."""
+    init_single_process()
+    small = write_pretrain_documents(str(tmp_path / "S_text_document"), random_documents(5, EOD, seed=3))
+    args = pretrain_args("--data-path", small, "--split", "949,50,1", "--train-iters", "2",
+                         "--data-cache-path", str(tmp_path / "cache"))
+    result = _setup_within(args, {"train": 8, "valid": 4})
+    assert "the valid split holds no document" in str(result.get("error")) and "(5 documents)" in str(result["error"])

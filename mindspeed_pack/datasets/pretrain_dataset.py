@@ -197,8 +197,33 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
         create_attention_mask=False,
     )
     sizes = [num_samples.get(name, 0) for name in ("train", "valid", "test")]
+    _drop_or_refuse_empty_splits(config, blend, sizes)
     datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
     return {name: (ds if n else None) for name, ds, n in zip(("train", "valid", "test"), datasets, sizes)}
+
+
+def _drop_or_refuse_empty_splits(config, blend: tuple, sizes: List[int]) -> None:
+    """A split that holds no document of a prefix (``--split 949,50,1`` on fewer than 500 documents leaves the
+    test split empty) would make megatron-core's GPTDataset loop forever counting epochs of 0 tokens: one nobody
+    reads is not built, one that is read is refused with the counts."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    prefixes, weights = blend
+    if weights is None and len(prefixes) > 1:
+        return  # an unweighted blend builds one epoch of each prefix: no loop
+    counts = {prefix: len(IndexedDataset(prefix, mmap=True)) for prefix in prefixes}
+    for i, (name, bookends) in enumerate(zip(("train", "valid", "test"), config.split_matrix)):
+        if bookends is None:
+            continue
+        empty = [p for p, n in counts.items() if int(round(bookends[1] * n)) == int(round(bookends[0] * n))]
+        if not empty:
+            continue
+        if not sizes[i]:
+            config.split_matrix[i] = None  # nothing is read from it
+            continue
+        raise DataError(f"--split {config.split}: the {name} split holds no document of "
+                        + ", ".join(f"{p} ({counts[p]} documents)" for p in empty)
+                        + f", but {sizes[i]} {name} samples are needed; give that split a larger share")
 
 
 def row_from_sample(sample: dict, eod: int, isolate: bool, eod_mask_loss: bool,
