@@ -343,11 +343,12 @@ def _setup_within(args, num_samples, seconds=60):
 
 def test_megatron_default_split_on_a_small_corpus_builds_instead_of_hanging(tmp_path, corpus):
     """--split 949,50,1 (Megatron-LM's usual) on 120 + 60 documents: the test split holds none of either; it is
-    not read, so it is not built (megatron-core's GPTDataset counted 0-token epochs forever)."""
+    not built, and the end of training evaluates no test data (megatron-core's GPTDataset counted 0-token epochs
+    forever)."""
     init_single_process()
     args = pretrain_args("--data-path", "0.3", corpus[0], "0.7", corpus[1], "--split", "949,50,1",
                          "--train-iters", "2", "--data-cache-path", str(tmp_path / "cache"))
-    result = _setup_within(args, {"train": 8, "valid": 4})
+    result = _setup_within(args, {"train": 8, "valid": 4, "test": 4})
     assert "error" not in result, result.get("error")
     splits = result["source"].splits
     assert splits["test"] is None and len(splits["train"]) >= 8 and len(splits["valid"]) >= 4

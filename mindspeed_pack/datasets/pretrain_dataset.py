@@ -204,8 +204,9 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
 
 def _drop_or_refuse_empty_splits(config, blend: tuple, sizes: List[int]) -> None:
     """A split that holds no document of a prefix (``--split 949,50,1`` on fewer than 500 documents leaves the
-    test split empty) would make megatron-core's GPTDataset loop forever counting epochs of 0 tokens: one nobody
-    reads is not built, one that is read is refused with the counts."""
+    test split empty) would make megatron-core's GPTDataset loop forever counting epochs of 0 tokens: the test
+    split (read once, at the end) is then skipped with a warning, a training or validation split that is read is
+    refused with the counts."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     prefixes, weights = blend
@@ -218,7 +219,10 @@ def _drop_or_refuse_empty_splits(config, blend: tuple, sizes: List[int]) -> None
         empty = [p for p, n in counts.items() if int(round(bookends[1] * n)) == int(round(bookends[0] * n))]
         if not empty:
             continue
-        if not sizes[i]:
+        if not sizes[i] or name == "test":
+            if sizes[i]:  # read once, at the end: a tiny share of a small corpus rounds to no document
+                log.warning("--split %s: the test split holds no document of %s: no test evaluation at the end",
+                            config.split, ", ".join(f"{p} ({counts[p]} documents)" for p in empty))
             config.split_matrix[i] = None  # nothing is read from it
             continue
         raise DataError(f"--split {config.split}: the {name} split holds no document of "
