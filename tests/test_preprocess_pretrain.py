@@ -83,3 +83,21 @@ def test_blank_lines_are_no_documents(tmp_path, run_preprocess, read_indexed, to
     assert meta["statistics"]["skipped"] == {"empty text or conversation": 3}
     assert meta["statistics"]["first_skipped"] == {"empty text or conversation": f"{data}: line 2"}
     assert "skipped 3 (3 empty text or conversation)" in out
+
+
+def test_megatron_json_keys_without_a_handler_writes_pretraining_documents(tmp_path, run_preprocess, read_indexed,
+                                                                           toy_tokenizer_dir):
+    """Megatron-LM's `preprocess_data.py --json-keys content --append-eod` names no handler: the documents of
+    --handler-name GeneralPretrainHandler (it was read as Alpaca rows: 'needs --prompt-type')."""
+    rows = [{"content": r["text"]} for r in toy.generate_pretrain_text(6, seed=6)]
+    data = toy.write_dataset(tmp_path / "corpus.jsonl", rows)
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "m", json_keys="content", append_eod=True)
+    assert code == 0, err
+    meta = json.loads(open(f"{tmp_path / 'm'}_text_meta.json").read())
+    assert meta["cache_key"]["arguments"]["handler_name"] == "GeneralPretrainHandler"
+    _pretrain(run_preprocess, data, tmp_path / "g", map_keys='{"text": "content"}')
+    assert [d.tolist() for d in read_indexed(tmp_path / "m_text_document")] == \
+        [d.tolist() for d in read_indexed(tmp_path / "g_text_document")]
+    # MindSpeed-LLM's pretraining data script passes no handler and no --json-keys: the default is named
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "n", append_eod=True)
+    assert code == 2 and "it is the default --handler-name" in err and "GeneralPretrainHandler" in err

@@ -102,9 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-not-use-fast", action="store_true",
                    help="refused: preprocessing encodes with the tokenizer's fast (Rust) backend, in batches")
     g = p.add_argument_group("handler")
-    g.add_argument("--handler-name", default="AlpacaStyleInstructionHandler", choices=HANDLER_NAMES,
-                   help="how rows are read (OpenAIInstructionHandler: MindSpeed-LLM's name for "
-                        "SharegptStyleInstructionHandler with OpenAI's keys: messages, role, content)")
+    g.add_argument("--handler-name", default=None, choices=HANDLER_NAMES,
+                   help="how rows are read (default: AlpacaStyleInstructionHandler; GeneralPretrainHandler with "
+                        "--json-keys, as Megatron-LM's preprocessing passes it. OpenAIInstructionHandler: "
+                        "MindSpeed-LLM's name for SharegptStyleInstructionHandler with OpenAI's keys: messages, role, "
+                        "content)")
     g.add_argument("--prompt-type", default=None,
                    help="chat template name in templates.json (instruction handlers), or 'hf': the tokenizer's own "
                         "Jinja chat_template, rendered as apply_chat_template does")
@@ -191,7 +193,16 @@ def _fold_enable_thinking(args) -> None:
     args.chat_template_kwargs = kwargs
 
 
+def default_handler(args) -> str:
+    """``--handler-name`` when none is given: Megatron-LM's ``--json-keys text --append-eod`` names no handler and
+    means pretraining documents; otherwise Alpaca rows."""
+    return PRETRAIN if getattr(args, "json_keys", None) else "AlpacaStyleInstructionHandler"
+
+
 def validate_args(args) -> None:
+    defaulted = args.handler_name is None
+    if defaulted:
+        args.handler_name = default_handler(args)
     args.handler_name, args.map_keys = canonical_handler(args.handler_name, args.map_keys)
     if getattr(args, "tokenizer_not_use_fast", False):
         raise PreprocessError("--tokenizer-not-use-fast: preprocessing encodes with the tokenizer's fast (Rust) "
@@ -233,7 +244,10 @@ def validate_args(args) -> None:
                 raise PreprocessError(f"{args.handler_name} tokenises each row's text as written (no template, no "
                                       "EOS, as MindSpeed-LLM): drop --prompt-type and --append-eod")
         elif args.prompt_type is None:
-            raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json, or hf)")
+            raise PreprocessError(f"{args.handler_name} needs --prompt-type (a template of templates.json, or hf)"
+                                  + (" (it is the default --handler-name; plain text for pretraining is --handler-name "
+                                     "GeneralPretrainHandler --append-eod, MindSpeed-LLM's default, or Megatron-LM's "
+                                     "--json-keys text --append-eod)" if defaulted else ""))
         if pairwise.is_pairwise(args.handler_name) and args.pack and not args.neat_pack:
             raise PreprocessError(f"{args.handler_name} needs --pack --neat-pack: a preference pair is a unit of "
                                   "packing, its chosen and rejected answers told apart by their segment ids (or "

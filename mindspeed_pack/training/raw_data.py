@@ -72,6 +72,8 @@ def raw_data_args(parser, pretrain: bool = False):
         action = copy.copy(source[dest])
         if pretrain and dest == "handler_name":
             action.default, action.choices = PRETRAIN, [PRETRAIN]
+        elif dest == "handler_name" and action.default is None:
+            action.default = "AlpacaStyleInstructionHandler"  # posttrain.py's raw rows: preprocess_data.py's default
         group._add_action(action)
     return parser
 
