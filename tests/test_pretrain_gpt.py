@@ -362,3 +362,22 @@ def test_an_empty_split_that_is_read_is_refused_with_the_counts(tmp_path):
                          "--data-cache-path", str(tmp_path / "cache"))
     result = _setup_within(args, {"train": 8, "valid": 4})
     assert "the valid split holds no document" in str(result.get("error")) and "(5 documents)" in str(result["error"])
+
+
+def test_an_unweighted_blend_shorter_than_the_run_is_refused_before_training(tmp_path, corpus):
+    """`--data-path A B` (no weights) is one epoch of each in megatron-core: a run reading more stopped when it got
+    there ('train data exhausted'), its steps unsaved; now refused at setup with the counts."""
+    init_single_process()
+    args = pretrain_args("--data-path", corpus[0], corpus[1], "--split", "90,10,0", "--train-iters", "2",
+                         "--data-cache-path", str(tmp_path / "cache"))
+    with pytest.raises(Exception, match=r"the train split holds \d+ samples .* this run reads 100000") as err:
+        GPTBatchSource().setup(args, {"train": 100000, "valid": 4})
+    epoch = int(str(err.value).split("the train split holds ")[1].split()[0])
+    source = GPTBatchSource()
+    source.setup(args, {"train": epoch, "valid": 4})  # one epoch: as before, every sample read
+    assert len(source.splits["train"]) == epoch
+    weighted = pretrain_args("--data-path", "1", corpus[0], "1", corpus[1], "--split", "90,10,0", "--train-iters",
+                             "2", "--data-cache-path", str(tmp_path / "cache"))
+    source = GPTBatchSource()
+    source.setup(weighted, {"train": epoch + 4, "valid": 4})  # weights draw as many epochs as needed
+    assert len(source.splits["train"]) >= epoch + 4

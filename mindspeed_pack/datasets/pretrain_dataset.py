@@ -199,6 +199,13 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
     sizes = [num_samples.get(name, 0) for name in ("train", "valid", "test")]
     _drop_or_refuse_empty_splits(config, blend, sizes)
     datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    for name, ds, n in zip(("train", "valid", "test"), datasets, sizes):
+        if n and ds is not None and len(ds) < n:  # else the run stops when it reaches the end, unsaved
+            raise DataError(f"--data-path {' '.join(args.data_path)}: the {name} split holds {len(ds)} samples of "
+                            f"--seq-length {args.seq_length}, and this run reads {n}: megatron-core blends prefixes "
+                            "given without weights over one epoch only; give each a weight ('W1 P1 W2 P2 ...', e.g. "
+                            "their token counts) to draw more epochs, or read fewer samples (--train-iters, "
+                            "--eval-iters)")
     return {name: (ds if n else None) for name, ds, n in zip(("train", "valid", "test"), datasets, sizes)}
 
 
