@@ -520,6 +520,10 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
         log.info("loaded weights from %s (%s): iteration reset to 0", root, "release" if release else "finetune")
         return 0, 0
     consumed = int(state.get("consumed_samples", iteration * args.global_batch_size))
+    if args.no_load_optim:  # MindSpeed-LLM's scripts pass it always: its resume is then not the uninterrupted run
+        log.warning("%s %s: --no-load-optim: resuming at iteration %d with fresh Adam moments and the learning-rate "
+                    "schedule started over (warmup again), as in Megatron-LM; drop the flag to go on as the "
+                    "uninterrupted run would", flag, root, iteration)
     if not args.no_load_optim and "optimizer" not in state and args.no_save_optim:
         # the run saves no optimizer state (--no-save-optim), so its own resume finds none: fresh moments, the
         # schedule stepped to the saved position (a function of the samples consumed), not started over
