@@ -148,6 +148,11 @@ def test_eod_and_vocabulary_come_from_the_preprocessing_sidecar(tmp_path, corpus
     args = parse_args(base + ["--eod-id", "5"], world_size=1, extra_args_provider=pretrain_gpt.pretrain_args)
     with pytest.raises(DataError, match="--eod-id 5, but preprocessing ended the documents with 2"):
         build_tokenizer(args)
+    # a vocabulary too small for the recorded EOD names where the id came from (it named an --eod-id never given)
+    args = parse_args([*base, "--padded-vocab-size", "2"], world_size=1, extra_args_provider=pretrain_gpt.pretrain_args)
+    with pytest.raises(DataError, match=r"^the end-of-document id preprocessing recorded \(_text_meta.json\), 2, is "
+                                        r"outside the vocabulary \[0, 2\)"):
+        build_tokenizer(args)
 
 
 def test_pretrain_gpt_blend_eval_and_exact_resume(tmp_path, corpus):

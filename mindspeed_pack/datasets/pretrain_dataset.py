@@ -106,6 +106,7 @@ def build_tokenizer(args) -> EodTokenizer:
     if eod is not None and recorded is not None and eod != recorded:
         raise DataError(f"--eod-id {eod}, but preprocessing ended the documents with {recorded} (its "
                         "_text_meta.json): drop --eod-id or pass the recorded id")
+    source = "--eod-id" if eod is not None else "the end-of-document id preprocessing recorded (_text_meta.json)"
     eod = recorded if eod is None else eod
     vocab = args.vocab_size or _from_sidecars(args.data_path, "vocab_size")
     name = "eod-only"
@@ -117,13 +118,15 @@ def build_tokenizer(args) -> EodTokenizer:
         vocab = vocab or len(tok)
         if eod is None:
             eod = tok.eos_token_id
+            source = f"the EOS of --tokenizer-name-or-path {args.tokenizer_name_or_path}"
             if eod is None:
                 raise DataError(f"--tokenizer-name-or-path {args.tokenizer_name_or_path}: the tokenizer has no "
                                 "EOS token to end documents with; pass --eod-id")
     if eod is None:
         raise DataError("pretraining needs the end-of-document id: pass --eod-id or --tokenizer-name-or-path")
     if args.padded_vocab_size is not None and not 0 <= eod < args.padded_vocab_size:
-        raise DataError(f"--eod-id {eod} is outside the vocabulary [0, {args.padded_vocab_size})")
+        raise DataError(f"{source}, {eod}, is outside the vocabulary [0, {args.padded_vocab_size}) of "
+                        "--padded-vocab-size: the data was tokenized with a larger vocabulary")
     return EodTokenizer(eod=int(eod), vocab_size=vocab, name=name)
 
 
