@@ -141,6 +141,20 @@ def test_what_cannot_mean_the_same_is_refused_by_name(data, capsys, extra, messa
     assert args is None and message in error
 
 
+def test_a_layer_list_of_the_even_split_is_accepted(data, capsys):
+    """--num-layer-list 1,1 on 2 layers at PP 2 is the split the pipeline builds: it was refused as 'uneven'."""
+    def parse(layers):
+        return parse_args([*TINY_FLAGS, "--seq-length", "128", "--global-batch-size", "2", "--train-iters", "2",
+                           "--data-path", data, "--pipeline-model-parallel-size", "2", "--num-layer-list", layers],
+                          world_size=2, extra_args_provider=posttrain.posttrain_args)
+
+    assert parse("1,1").pipeline_model_parallel_size == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        parse("2,0")
+    assert "--num-layer-list 2,0: uneven pipeline stages" in capsys.readouterr().err
+
+
 def test_ascend_optimisations_are_accepted_with_one_warning(data, caplog):
     with caplog.at_level(logging.WARNING, logger="mindspeed_pack.config.mindspeed_llm_flags"):
         args, error = _parse(data, ["--use-ascend-coc", "--swap-optimizer", "--moe-zero-memory", "level1",

@@ -63,7 +63,8 @@ REFUSED = {
         "no-op padding layers are not built here: --num-layers must divide over --pipeline-model-parallel-size"),
     "--num-layer-list": (
         {"default": None},
-        "uneven pipeline stages are not built here: --num-layers must divide over --pipeline-model-parallel-size"),
+        "uneven pipeline stages are not built here: --num-layers must divide over --pipeline-model-parallel-size "
+        "(a list of --pipeline-model-parallel-size equal stages, the even split, is accepted)"),
     "--no-pad-to-seq-lengths": (
         {"action": "store_true"},
         "unpacked samples are padded to --seq-length here; pack them instead (--neat-pack: several samples per "
@@ -118,10 +119,22 @@ def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
 
 
+def _even_layer_list(args, value) -> bool:
+    """Whether ``--num-layer-list`` names the even split the pipeline builds anyway (``2,2`` for 4 layers on PP 2)."""
+    try:
+        counts = [int(n) for n in str(value).split(",")]
+    except ValueError:
+        return False
+    return (len(counts) == args.pipeline_model_parallel_size and sum(counts) == args.num_layers
+            and len(set(counts)) == 1)
+
+
 def check_refused(args) -> None:
     """Refuse the layouts this project does not build (before anything else reads the flags)."""
     for flag, (_, why) in REFUSED.items():
         value = getattr(args, _dest(flag))
+        if flag == "--num-layer-list" and value is not None and _even_layer_list(args, value):
+            continue  # the stages --pipeline-model-parallel-size gives
         if value not in (None, False):
             raise ArgumentError(f"{flag}{'' if value is True else f' {value}'}: {why}")
 
