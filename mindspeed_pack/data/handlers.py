@@ -40,6 +40,7 @@ after the first, no answer) are skipped and counted by reason; rows of the wrong
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -134,8 +135,6 @@ def canonical_handler(name: str, map_keys) -> tuple:
     if not isinstance(given, dict):
         raise PreprocessError(f"--map-keys must be a JSON object, got {map_keys!r}")
     if given.pop("tags", None) is not None:
-        import logging
-
         logging.getLogger(__name__).warning("--handler-name %s takes OpenAI's role names; the 'tags' of --map-keys "
                                             "are ignored (as MindSpeed-LLM ignores them there)", OPENAI)
     return SHAREGPT, {**OPENAI_MAP_KEYS, **given}
