@@ -213,17 +213,26 @@ def test_scored_rollouts_give_ratio_one_and_dp2_equals_one_process(converted, mo
     assert step["grad norm"] == pytest.approx(norm, rel=1e-5)
 
 
-def test_a_step_without_a_trained_token_is_named_not_called_non_finite(converted, tmp_path):
+def test_a_step_without_a_trained_token_is_named_not_called_non_finite(converted, tmp_path, capsys):
     """Rollouts whose every response token is masked (tool output only) make 0/0: the run said 'non-finite loss
-    nan', as for a diverged run; it names the cause, and --nan-policy skip skips the step."""
+    nan', as for a diverged run; it names the cause (in this process: the exit code is run_cli's, not a
+    process teardown's)."""
+    import posttrain
+    from mindspeed_pack.training.cli import run_cli
+    from tests.model_utils import TINY_FLAGS, init_single_process
+
     rows = random_rollouts(4, seed=7)
     for row in rows:
         row["response_mask"] = [0] * len(row["response_ids"])
     src = write_jsonl(tmp_path / "masked.jsonl", rows)
-    argv = ["--stage", "grpo", "--rollout-path", src, "--seq-length", str(S), "--micro-batch-size", "1",
-            "--global-batch-size", "4", "--load", converted, "--finetune", "--max-seqlen-per-dp-cp-rank", "64",
+    argv = [*TINY_FLAGS, "--stage", "grpo", "--rollout-path", src, "--seq-length", str(S), "--micro-batch-size",
+            "1", "--global-batch-size", "4", "--load", converted, "--finetune", "--max-seqlen-per-dp-cp-rank", "64",
             "--lr", "1e-4", "--train-iters", "1"]
-    proc, _ = run_posttrain(argv, check=False)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    assert "error: no trained token in the global batch (every label masked" in proc.stderr
-    assert "at iteration 1; use --nan-policy skip" in proc.stderr and "non-finite loss" not in proc.stderr
+    init_single_process()
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_cli("posttrain.py", lambda: posttrain.main(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 1, err[-2000:]
+    assert "error: no trained token in the global batch (every label masked" in err
+    assert "at iteration 1; use --nan-policy skip" in err and "non-finite loss" not in err
