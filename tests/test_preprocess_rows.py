@@ -222,6 +222,14 @@ def test_a_large_csv_with_multiline_values_is_read(tmp_path):
     got = [(where, row) for chunk in readers.iter_chunks([path], 1000) for where, row in readers.chunk_rows(chunk)]
     assert [[r["instruction"], r["output"]] for _, r in got] == rows
     assert got[-1][0] == f"{path}: row {len(rows)}"
+    # one value longer than pyarrow's 1 MiB block, after other rows: it 'straddled two block boundaries'
+    rows = [[f"q{i}", f"a{i}"] for i in range(2000)] + [["long", "line\n" * 700_000], ["last", "z"]]
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["instruction", "output"])
+        writer.writerows(rows)
+    got = [row for chunk in readers.iter_chunks([path], 1000) for _, row in readers.chunk_rows(chunk)]
+    assert [[r["instruction"], r["output"]] for r in got] == rows
 
 
 @pytest.mark.parametrize("tags", [

@@ -90,6 +90,7 @@ def fingerprint(files) -> list[dict]:
             for f in files]
 
 
+CSV_BLOCK_BYTES = 64 << 20  # the CSV reader's block: the longest quoted value it reads (multi-line answers)
 TEXT_ENCODING = "utf-8-sig"  # UTF-8, without the byte-order mark some editors put first
 
 
@@ -304,6 +305,10 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
                 # quoted values may span lines (answers with newlines): without this a block boundary inside one
                 # splits it into bogus rows or stops the read ("out of sync with chunker")
                 parse_options=pacsv.ParseOptions(invalid_row_handler=bad_row, newlines_in_values=True),
+                # a quoted value must fit in one block: the whole file up to CSV_BLOCK_BYTES (pyarrow's 1 MiB
+                # default stopped a file at its first value over it, "straddles two block boundaries")
+                read_options=pacsv.ReadOptions(block_size=max(1 << 20, min(path.stat().st_size + 1,
+                                                                             CSV_BLOCK_BYTES))),
             )
             for batch in reader:
                 if invalid:
@@ -315,6 +320,9 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
         except pa.ArrowInvalid as exc:
             if first_undecodable_line(path) is not None:
                 raise not_utf8_error(path) from None
+            if "straddl" in str(exc):
+                raise PreprocessError(f"{path}: a quoted CSV value is longer than {CSV_BLOCK_BYTES >> 20} MiB, the "
+                                      "reader's block: store such rows as JSON lines or Parquet") from None
             raise PreprocessError(f"{path}: malformed CSV: {exc}") from None
         finally:
             records.close()
