@@ -257,6 +257,9 @@ def test_map_keys_tags_as_mindspeed_llm_documents_them(tmp_path, run_preprocess,
     code, _, err = run_preprocess(output_prefix=tmp_path / "bad", map_keys=json.dumps({"tags": {"speaker": "role"}}),
                                   **flags)
     assert code == 2 and "--map-keys: unknown key 'speaker' in 'tags'" in err, err
+    code, _, err = run_preprocess(output_prefix=tmp_path / "twice", map_keys=json.dumps(
+        {"messages": "messages", "role": "speaker", "tags": tags}), **flags)  # which one? it took the flat one
+    assert code == 2 and "--map-keys: role_tag given both in 'tags' and beside it" in err, err
 
 
 def test_mindspeed_llms_openai_handler_reads_openai_rows(tmp_path, run_preprocess, read_indexed):

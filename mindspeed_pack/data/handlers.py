@@ -206,6 +206,9 @@ def resolve_map_keys(handler: str, map_keys: Optional[dict]) -> tuple[dict, set]
             if key not in mapping or not key.endswith("_tag"):
                 raise PreprocessError(f"--map-keys: unknown key {key!r} in 'tags' for {handler}; known keys: "
                                       f"{', '.join(k for k in mapping if k.endswith('_tag'))}")
+        twice = sorted(set(tags) & {_OPENAI_ALIASES.get(key, key) for key in map_keys})  # flat: role or role_tag
+        if twice:
+            raise PreprocessError(f"--map-keys: {', '.join(twice)} given both in 'tags' and beside it: give each once")
         map_keys = {**tags, **map_keys}
     for key, value in map_keys.items():
         key = _OPENAI_ALIASES.get(key, key) if SHAREGPT in (handler, base) else key
