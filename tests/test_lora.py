@@ -462,6 +462,20 @@ def test_adapters_are_accepted_on_a_reshard_of_their_megatron_base(qwen, trained
     assert "the adapters were trained on the base" in capsys.readouterr().err
 
 
+def test_finetune_from_a_lora_runs_own_save_resumes_it(qwen, tmp_path, caplog):
+    """--lora-load D --save D --finetune (a config file's 'finetune: true') on a LoRA run's own D was refused as
+    'another run's (--lora-load D here, (not set) there)': its record now decides, as for --load D --save D."""
+    import logging
+
+    save = str(tmp_path / "run")
+    argv = [*TINY_FLAGS, *RUN, "--train-iters", "1", "--data-path", qwen["data"], "--load", qwen["mg"], "--save", save]
+    posttrain.main(argv)  # the LoRA run, recorded in D/run_config.yaml
+    with caplog.at_level(logging.INFO):
+        posttrain.main([*argv, "--lora-load", save, "--finetune"])
+    assert "holds iteration 1 of this run" in caplog.text and "resuming from it" in caplog.text
+    assert "nothing to train" in caplog.text  # the run had ended: its iteration, not a restart at 0
+
+
 def test_dry_run_memory_counts_adapters_not_the_frozen_base():
     """--dry-run's plan under LoRA: Qwen2.5-7B r=8 on all linears has 20.2M adapter parameters (the README's
     table), and only they get gradients and optimizer state."""
@@ -573,8 +587,8 @@ def test_a_lora_runs_checkpoint_gives_its_lora_flags(qwen, trained):
     args = parse_args(base, world_size=1)
     mine = trained["trainer"].args
     assert (args.lora_r, args.lora_alpha, args.lora_use_rslora) == (4, 8.0, False)
-    assert lora.resolve_targets(args.lora_target_modules) == lora.resolve_targets(mine.lora_target_modules or
-                                                                                  [lora.ALL_LINEAR])
+    assert lora.resolve_targets(args.lora_target_modules or [lora.ALL_LINEAR]) == lora.resolve_targets(
+        mine.lora_target_modules or [lora.ALL_LINEAR])  # all linears: left at the default, as the run gave it
     assert args.flag_sources["lora_r"][1] == "checkpoint"
     # some given: the others still from the record (alpha fell back to its default, 32, then 'differed')
     args = parse_args([*base, "--lora-r", "4"], world_size=1)

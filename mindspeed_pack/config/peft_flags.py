@@ -34,9 +34,11 @@ def _recorded_settings(root: str):
         return None
     if not record or not record.get("targets"):
         return None
+    targets = sorted({t.split(".")[-1] for t in record["targets"]})
+    if lora.resolve_targets(targets) == lora.resolve_targets([lora.ALL_LINEAR]):
+        targets = None  # the default, as the run was given it (its resolved config records it so)
     return {"lora_r": record["r"], "lora_alpha": record["alpha"], "lora_use_rslora": bool(record.get("rslora")),
-            "lora_target_modules": sorted({t.split(".")[-1] for t in record["targets"]}),
-            "lora_dropout": record.get("dropout", 0.0)}
+            "lora_target_modules": targets, "lora_dropout": record.get("dropout", 0.0)}
 
 
 def fill_lora_flags(args, given: set) -> set:
@@ -53,7 +55,7 @@ def fill_lora_flags(args, given: set) -> set:
             setattr(args, dest, values[dest])
         log.info("--lora-load %s: LoRA flags from its checkpoint's record: %s", root,
                  " ".join(f"--{d.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                          for d, v in sorted(values.items()) if d in filled))
+                          for d, v in sorted(values.items()) if d in filled and v is not None))
         return filled
     if not root or not adapters.is_peft_dir(root):
         return set()

@@ -183,8 +183,9 @@ def run_differences(args, save_dir: str):
     # the run started (its HF directory), and a resume that loads SAVE itself does not start where it started:
     # where it loads from is then no difference
     skip = set(NOT_DEFINING)
-    if any(side.get("load") is not None and side.get("load") == side.get("save") for side in (theirs, mine)):
-        skip |= {"load", "load_format", "finetune"}
+    if any(side.get(source) is not None and side.get(source) == side.get("save")
+           for side in (theirs, mine) for source in ("load", "lora_load")):  # LoRA: its adapters' --lora-load SAVE
+        skip |= {"load", "load_format", "finetune", "lora_load"}
     return [f"--{names.get(dest, dest)} {_show(value)} here, {_show(theirs[dest])} there"
             for dest, value in mine.items()
             if dest in theirs and dest not in skip and value != theirs[dest]]
