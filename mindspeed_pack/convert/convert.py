@@ -581,6 +581,12 @@ def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", b
     # trainers save it beside the adapters
     tok_source = tokenizer_dir or recorded_directory(source.tokenizer)
     base_model = base_model or lora_map.peft_base_model(source.lora)
+    if base_model is None:
+        log.warning("%s: base_model_name_or_path left empty: the adapters' base %s is a Megatron checkpoint with no "
+                    "HF directory of the same weights (one converted from HF in a lower precision, or trained): load "
+                    "them with peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE_HF), DIR) on "
+                    "its HF export, or merge them (--lora-merge)", save_dir,
+                    ((source.lora or {}).get("base") or {}).get("path"))
     with staged_output(save_dir) as tmp:
         lora_map.write_peft_dir(tmp, tensors, source.lora, base_model, dtype)
         if tok_source:
