@@ -116,3 +116,18 @@ def test_memory_estimate_counts_the_rows_packed_at_load_time(tmp_path):
     with open(f"{packed}_packed_meta.json", "w") as f:
         f.write('{"layout": {"kind": "packed", "seq_length": 32768, "neat_pack": true}}')
     assert estimate(*balanced, data=packed) == estimate()
+
+
+def test_a_reward_models_plan_counts_its_score_head_not_a_vocabulary():
+    """--stage orm swaps the output layer for a hidden -> 1 score head: the plan counted Qwen2.5-7B's 0.54B-row
+    output layer and its fp32 logits (7.62B parameters, 2 GiB per GPU too many)."""
+    import posttrain
+
+    args = parse_args(["--config", os.path.join(ROOT, "configs", "orm", "qwen25_7b_4k_orm_pack.yaml")], world_size=8,
+                      extra_args_provider=posttrain.posttrain_args)
+    assert args.reward_head
+    total, _, _ = run_plan.parameters_per_rank(args)
+    assert round(total / 1e9, 2) == 7.07
+    assert run_plan._loss_line(args).startswith("loss: the score head's")
+    head_off = run_plan.memory_estimate(type(args)(**{**vars(args), "reward_head": False}))
+    assert run_plan.memory_estimate(args)["activations"] < head_off["activations"]

@@ -95,7 +95,9 @@ def parameters_per_rank(args) -> tuple:
     experts, router = m.experts * m.expert_mlp, m.hidden * m.experts  # of one MoE layer
     embedding = m.vocab * m.hidden + (args.max_position_embeddings * m.hidden
                                       if args.position_embedding_type == "learned_absolute" else 0)
-    output = 0 if not args.untie_embeddings_and_output_weights else m.vocab * m.hidden
+    # a reward model's output layer is its score head (hidden -> 1), untied from the embedding
+    output = m.hidden if getattr(args, "reward_head", False) else (
+        0 if not args.untie_embeddings_and_output_weights else m.vocab * m.hidden)
     dense = m.layers - m.moe_layers
     total = m.layers * attention + dense * m.mlp + m.moe_layers * (experts + router) + embedding + output
     tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
@@ -151,6 +153,8 @@ def memory_estimate(args) -> dict:
     logits = rows * vocab * 4 * 2
     if chunk != 0 and half and not adapters:  # its backward sums a trained output layer's gradient in fp32
         logits += vocab * args.hidden_size * 4
+    if getattr(args, "reward_head", False):
+        logits = 0  # one score per token of the score head, no vocabulary logits
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
            "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
            "optimizer": (trained_dense / dense_shards + trained_experts / expert_shards) * states / GiB,
@@ -239,6 +243,8 @@ def loss_path(args) -> int:
 
 
 def _loss_line(args) -> str:
+    if getattr(args, "reward_head", False):
+        return "loss: the score head's (one score per sample, no vocabulary logits)"
     if not args.padded_vocab_size:
         return "loss: chosen at the first step (vocabulary unknown)"
     tokens = tokens_per_rank(args)
