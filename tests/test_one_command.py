@@ -369,6 +369,17 @@ def test_raw_rows_for_a_stage_need_its_handler(assets):
                         "--stage", "dpo", "--dry-run"])
 
 
+def test_megatron_lms_text_flag_points_to_pretraining(assets):
+    """posttrain.py --json-keys text (Megatron-LM's pretraining preprocessing flag) got argparse's bare
+    'unrecognized arguments': it names the script that trains plain text."""
+    from mindspeed_pack.datasets.packed_dataset import DataError
+
+    with pytest.raises(DataError, match="^--json-keys text names pretraining documents' text field: train plain text "
+                                        "with pretrain_gpt.py"):
+        posttrain.main(["--load", assets["hf"], "--data-path", assets["data"], *TRAIN, "--train-iters", "1",
+                        "--json-keys", "text", "--dry-run"])
+
+
 def test_a_stage_value_out_of_range_is_one_error_line_before_raw_data_is_packed(assets, tmp_path, capsys):
     """The stage checks raise after the parser: posttrain.py printed a traceback (exit 1) instead of one error
     line (exit 2), and only after tokenising and packing the raw files."""

@@ -68,6 +68,10 @@ def raw_data_args(parser, pretrain: bool = False):
                                       "raw --data-path files: tokenised into documents first, as preprocess_data.py "
                                       "--handler-name GeneralPretrainHandler does (--tokenizer-name-or-path serves "
                                       "both)")
+    if not pretrain:  # Megatron-LM's pretraining text flag: named (prepare), not argparse's "unrecognized"
+        action = copy.copy(source["json_keys"])
+        action.help = "refused: pretraining documents' text field; train them with pretrain_gpt.py"
+        group._add_action(action)
     for dest in PRETRAIN_ONLY if pretrain else PREPROCESS_ONLY:
         action = copy.copy(source[dest])
         if pretrain and dest == "handler_name":
@@ -246,6 +250,10 @@ def prepare(args, pretrain: bool = False) -> Optional[dict]:
     ``args.data_path`` at them; ``args.raw_data_path`` keeps what was given. Packed prefixes: check the
     preprocessing flags given. ``pretrain``: a weighted blend ``0.3 a.jsonl 0.7 b.jsonl`` tokenises each raw
     file into its own cached documents, blended with the weights (:func:`_prepare_blend`)."""
+    if not pretrain and getattr(args, "json_keys", None):
+        raise DataError(f"--json-keys {' '.join(args.json_keys)} names pretraining documents' text field: train "
+                        "plain text with pretrain_gpt.py (which preprocesses raw --data-path files too); "
+                        "posttrain.py reads instruction rows (--handler-name, --map-keys)")
     if pretrain and blend_weights(args.data_path):
         return _prepare_blend(args)
     inputs = raw_inputs(args)
