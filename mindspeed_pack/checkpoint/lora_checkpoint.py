@@ -60,9 +60,7 @@ def base_record(args) -> dict:
     record = {"path": os.path.abspath(args.load), "format": getattr(args, "load_format", None) or "mg",
               "fingerprint": _fingerprint(args.load, "--load")}
     if record["format"] == "mg":
-        lineage = {adapters.SAME_WEIGHTS_AS: adapters.same_weights_as(args.load),
-                   adapters.HF_ORIGIN: adapters.hf_origin(args.load)}
-        record.update({k: v for k, v in lineage.items() if v})
+        record.update(adapters.lineage(args.load))  # one read of the base's rank file
     return record
 
 

@@ -187,25 +187,26 @@ def fingerprint(path: str) -> str:
     return combine({f: file_sha256(os.path.join(path, f)) for f in files})
 
 
-def _lineage(path: str) -> dict:
-    """The first rank file's record of Megatron checkpoint ``path`` ({} for a HF directory)."""
+def lineage(path: str) -> dict:
+    """What Megatron checkpoint ``path`` holds the same weights as, from its first rank file: ``SAME_WEIGHTS_AS``
+    and ``HF_ORIGIN``, those it records ({} for a HF directory)."""
     iteration = layout.read_tracker(path) if os.path.isdir(path) else None
     files = base_files(path) if iteration is not None else []
     if not files:
         return {}
     record = layout.load_file(os.path.join(path, files[0]), mmap=True)
-    return record if isinstance(record, dict) else {}
+    return {k: record[k] for k in (SAME_WEIGHTS_AS, HF_ORIGIN) if record.get(k)} if isinstance(record, dict) else {}
 
 
 def same_weights_as(path: str) -> List[str]:
     """Fingerprints of the checkpoints Megatron checkpoint ``path`` is a reshard of (none for a HF directory)."""
-    return list(_lineage(path).get(SAME_WEIGHTS_AS) or [])
+    return list(lineage(path).get(SAME_WEIGHTS_AS) or [])
 
 
 def hf_origin(path: str) -> Optional[str]:
     """The HF directory Megatron checkpoint ``path`` (or the one it is a reshard of) was converted from without
     loss, else None."""
-    return _lineage(path).get(HF_ORIGIN)
+    return lineage(path).get(HF_ORIGIN)
 
 
 def peft_base_model(record: Optional[dict]) -> Optional[str]:
