@@ -269,6 +269,15 @@ def test_unsupported_configs_are_refused_naming_the_field(work, tmp_path, family
     assert not os.path.exists(tmp_path / "out")
 
 
+def test_a_shape_error_names_the_head_dim_it_assumed(work, tmp_path):
+    """Weights with 24-wide heads and a config.json without head_dim: the shapes cannot match the assumed 128, and
+    the error says 128 was assumed, not only that the tensor disagrees with "config.json"."""
+    bad = _with_config(work["hf"]["qwen3"], tmp_path / "bad", drop=("head_dim",))
+    with pytest.raises(ConversionError, match=r"has shape \[96, 64\], but config.json implies \[512, 64\] "
+                                              r"\(config.json has no head_dim, so 128 was assumed.*qwen3"):
+        hf_to_megatron(bad, str(tmp_path / "out"), 1, 1)
+
+
 def test_a_window_covering_the_training_length_converts(work, tmp_path):
     windowed = _with_config(work["hf"]["mistral"], tmp_path / "w", sliding_window=64)
     hf_to_megatron(windowed, str(tmp_path / "out"), 1, 1, seq_length=64)

@@ -46,8 +46,7 @@ from mindspeed_pack.convert.model_specs import (
 )
 from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, shard_state_dict, stage_units
 from mindspeed_pack.convert.tokenizer_record import has_tokenizer, read_tokenizer_record, recorded_directory
-from mindspeed_pack.convert.weight_map import (check_tied_output, expected_hf_shapes, hf_to_mg_unit, hf_unit_shapes,
-                                               is_ignorable_hf_tensor)
+from mindspeed_pack.convert.weight_map import check_hf_tensors, hf_to_mg_unit, hf_unit_shapes
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 from mindspeed_pack.runtime.peers import all_ranks_ok
@@ -171,8 +170,7 @@ def read_rank_units(args, path: Optional[str] = None, flag: str = "--load") -> I
         with hf_io.HFCheckpointReader(path) as reader:
             model = hf_model_args(args, path, flag, reader.config)
             spec = get_spec(model.model_type_hf)
-            reader.check_shapes(expected_hf_shapes(model, spec), lambda n: is_ignorable_hf_tensor(n, model))
-            check_tied_output(reader, model)
+            check_hf_tensors(reader, model, spec)
         yield from rank_units(lambda: hf_io.HFCheckpointReader(path), model,
                               ps.get_tensor_model_parallel_rank(), tp, ps.get_pipeline_model_parallel_rank(), pp,
                               ps.get_expert_model_parallel_rank(), ep)

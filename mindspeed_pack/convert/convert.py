@@ -37,9 +37,8 @@ from typing import Dict, Optional
 import torch
 from tqdm import tqdm
 
-from mindspeed_pack.convert import adapter_reshard
+from mindspeed_pack.convert import adapter_reshard, hf_io
 from mindspeed_pack.convert import adapters as lora_map
-from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.convert.model_specs import (
     MINDSPEED_MODEL_TYPES,
@@ -63,17 +62,19 @@ from mindspeed_pack.convert.sharding import (
     stage_of_layer,
     stage_units,
 )
-from mindspeed_pack.convert.tokenizer_record import describe, read_tokenizer_record, recorded_directory
+from mindspeed_pack.convert.tokenizer_record import (
+    describe,
+    read_tokenizer_record,
+    recorded_directory,
+)
 from mindspeed_pack.convert.weight_map import (
     EMBEDDING,
     FINAL,
     MG_EMBEDDING,
     MG_OUTPUT,
-    check_tied_output,
-    expected_hf_shapes,
+    check_hf_tensors,
     hf_to_mg_unit,
     hf_unit_shapes,
-    is_ignorable_hf_tensor,
     mg_layer_prefix,
     mg_to_hf_unit,
     mg_unit_names,
@@ -350,8 +351,7 @@ def hf_to_megatron(
         args = args_from_hf_config(reader.config, model_type_hf, tp, pp, make_vocab_size_divisible_by,
                                    padded_vocab_size, where=config_path, seq_length=seq_length, ep=ep)
         spec = get_spec(args.model_type_hf)
-        reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
-        check_tied_output(reader, args)
+        check_hf_tensors(reader, args, spec)
 
         def full_unit(unit):
             return {k: v.to(dtype) for k, v in hf_to_mg_unit(unit, reader.get, args, spec).items()}
@@ -608,8 +608,7 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str =
     with hf_io.HFCheckpointReader(hf_dir, allow_unsafe) as reader:
         args = args_from_hf_config(reader.config, None, 1, 1, where=os.path.join(hf_dir, hf_io.CONFIG))
         spec = get_spec(args.model_type_hf)
-        reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args))
-        check_tied_output(reader, args)
+        check_hf_tensors(reader, args, spec)
         adapters = _adapter_checkpoint(lora_dir, allow_unsafe, args)
         scale = lora_map.scale_of(adapters.lora)
         args = _export_args(args, adapters)

@@ -220,8 +220,10 @@ class HFCheckpointReader:
         piece = handle.get_slice(name)
         return piece[start:stop] if dim == 0 else piece[:, start:stop]
 
-    def check_shapes(self, expected: Dict[str, Tuple[int, ...]], ignorable) -> None:
-        """Every expected tensor present with its shape, and no unexplained extra tensor."""
+    def check_shapes(self, expected: Dict[str, Tuple[int, ...]], ignorable, assumed: str = "") -> None:
+        """Every expected tensor present with its shape, and no unexplained extra tensor.
+
+        ``assumed`` names the defaults filled in for fields config.json lacks: a wrong shape may come from one."""
         missing = [n for n in expected if n not in self._where]
         if missing:
             raise ConversionError(
@@ -232,7 +234,7 @@ class HFCheckpointReader:
             if found != tuple(shape):
                 raise ConversionError(
                     f"{self.file_of(name)}: tensor {name!r} has shape {list(found)}, but config.json implies "
-                    f"{list(shape)}"
+                    f"{list(shape)}" + (f" ({assumed})" if assumed else "")
                 )
         extra = [n for n in self._where if n not in expected and not ignorable(n)]
         if extra:

@@ -134,6 +134,21 @@ def is_ignorable_hf_tensor(name: str, args) -> bool:
     return name == HF_OUTPUT and not args.untie_embeddings_and_output_weights
 
 
+def assumed_defaults(config: Dict, args, spec: ModelSpec) -> str:
+    """The config-class defaults that stood in for fields config.json lacks, said where a shape disagrees."""
+    if spec.head_dim is not None and config.get("head_dim") is None and args.kv_channels == spec.head_dim:
+        return (f"config.json has no head_dim, so {spec.head_dim} was assumed, the default of transformers' "
+                f"{spec.hf_model_type} config; add the weights' head_dim to config.json")
+    return ""
+
+
+def check_hf_tensors(reader, args, spec: ModelSpec) -> None:
+    """Every tensor of the HF files named and shaped as config.json implies, and a tied output layer really tied."""
+    reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args),
+                        assumed_defaults(reader.config, args, spec))
+    check_tied_output(reader, args)
+
+
 def check_tied_output(reader, args) -> None:
     """A tied model's files may still store ``lm_head.weight``: ignored when it equals the embedding, refused when
     it differs (transformers does not tie them then: the model it loads has its own output layer, which the tied
