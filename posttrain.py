@@ -46,4 +46,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli("posttrain.py", main)
+    run_cli("posttrain.py", main, own_process=True)

@@ -51,4 +51,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli("pretrain_gpt.py", main)
+    run_cli("pretrain_gpt.py", main, own_process=True)

@@ -13,6 +13,7 @@ keys, the metrics rewrite, the one-line failures); the slow ones run whole torch
 the uninterrupted reference and the hung-peer jobs, whose ranks start without a launcher in
 preloaded processes (:mod:`tests.preloaded`).
 """
+import contextlib
 import datetime
 import json
 import os
@@ -294,3 +295,30 @@ def test_hung_peer_makes_the_others_exit_instead_of_hanging(tmp_path, data):
     assert codes["B"] == 128 + signal.SIGTERM, out_b[-3000:]
     assert "did not agree to stop" in out_b and "exiting without saving" in out_b, out_b[-3000:]
     assert waited < 15 + 45, waited  # A's timeout plus a margin (B's grace is shorter)
+
+
+@pytest.mark.parametrize("outcome,torn_down", [
+    (None, True), (SystemExit(0), True), ("data", True), ("peer", False), (SystemExit(2), False),
+    (RuntimeError("gloo timeout"), False)])
+def test_a_scripts_process_groups_are_destroyed_before_exit_unless_a_peer_may_wait(monkeypatch, outcome, torn_down):
+    """Left to the interpreter's teardown, gloo's worker threads could abort it ("terminate called without an
+    active exception": exit 134 instead of the run's code). A script destroys its groups first; not after a
+    lost peer or an unexplained failure, where a collective may still wait and the destroy could block."""
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.runtime import process_groups
+    from mindspeed_pack.training.cli import run_cli
+
+    calls = []
+    monkeypatch.setattr(process_groups, "destroy", lambda: calls.append(1))
+    raised = {"data": DataError("bad row"), "peer": PeerFailure("rank 1 is gone")}.get(outcome, outcome)
+
+    def main():
+        if raised is not None:
+            raise raised
+
+    with contextlib.suppress(SystemExit, RuntimeError):
+        run_cli("posttrain.py", main, own_process=True)
+    assert calls == ([1] if torn_down else [])
+    with contextlib.suppress(SystemExit, RuntimeError):
+        run_cli("posttrain.py", main)  # in process (tests, a notebook): the caller's groups stay
+    assert calls == ([1] if torn_down else [])

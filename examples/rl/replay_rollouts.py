@@ -87,4 +87,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli("replay_rollouts.py", main)
+    run_cli("replay_rollouts.py", main, own_process=True)

@@ -126,4 +126,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_cli("reward_loop.py", main)
+    run_cli("reward_loop.py", main, own_process=True)

@@ -7,6 +7,7 @@ import sys
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.datasets.packed_documents import DataError
+from mindspeed_pack.runtime import process_groups
 from mindspeed_pack.runtime.disk import DiskFullError
 from mindspeed_pack.runtime.peers import PeerFailure
 from mindspeed_pack.runtime.process_groups import LaunchError
@@ -19,16 +20,34 @@ def setup_logging() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # keep the console for our step lines
 
 
-def run_cli(script: str, main) -> None:
+def run_cli(script: str, main, own_process: bool = False) -> None:
     """Run ``main()``; bad input (data, checkpoint) ends with one ``error:`` line and exit 2,
     a diverged run (``--nan-policy stop``) with one line naming the iteration and exit 1, a dead or
-    hung peer with one line naming what this rank waited for and exit 1 (torchrun then restarts)."""
+    hung peer with one line naming what this rank waited for and exit 1 (torchrun then restarts).
+
+    ``own_process`` (a script's ``__main__``): the process groups are destroyed before the interpreter exits, unless
+    a peer was lost (a collective may still wait on it). Left to the interpreter's teardown, gloo's threads could
+    abort it ("terminate called without an active exception", exit 134 instead of the run's code)."""
+    peers_alive = True
     try:
         main()
     # the message says what and where (or how to start); ArgumentError: a check after the parser's (a stage's flags)
     except (CheckpointError, DataError, LaunchError, ArgumentError) as e:
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (NonFiniteLossError, PeerFailure, RendezvousTimeout, DiskFullError) as e:
+    except (NonFiniteLossError, DiskFullError) as e:
         print(f"{script}: error: {e}", file=sys.stderr)
         sys.exit(1)
+    except (PeerFailure, RendezvousTimeout) as e:
+        peers_alive = False
+        print(f"{script}: error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except SystemExit as e:  # --help, a usage error, a clean early exit
+        peers_alive = e.code in (0, None)
+        raise
+    except BaseException:  # a traceback, Ctrl-C: nothing says which collective is still waiting
+        peers_alive = False
+        raise
+    finally:
+        if own_process and peers_alive:
+            process_groups.destroy()
