@@ -131,3 +131,21 @@ def test_a_reward_models_plan_counts_its_score_head_not_a_vocabulary():
     assert run_plan._loss_line(args).startswith("loss: the score head's")
     head_off = run_plan.memory_estimate(type(args)(**{**vars(args), "reward_head": False}))
     assert run_plan.memory_estimate(args)["activations"] < head_off["activations"]
+
+
+def test_a_dpo_plan_counts_its_reference_model():
+    """--stage dpo (and kto) builds a frozen reference model beside the policy, a second copy of its weights: the plan
+    left it out (Qwen2.5-7B at TP4, bf16: 27.20 GiB per GPU where the run holds 3.55 GiB more); --ref-logps and a
+    reference-free stage hold none."""
+    import posttrain
+
+    def estimate(*extra):
+        args = parse_args(["--config", os.path.join(ROOT, "configs", "dpo", "qwen25_7b_4k_dpo_pack.yaml"), *extra],
+                          world_size=8, extra_args_provider=posttrain.posttrain_args)
+        return run_plan.memory_estimate(args)
+
+    dpo, table, simpo = estimate(), estimate("--ref-logps"), estimate("--stage", "simpo")
+    assert dpo["reference model"] == pytest.approx(dpo["weights"]) and round(dpo["reference model"], 2) == 3.55
+    assert dpo["total"] == pytest.approx(table["total"] + dpo["weights"])
+    assert table["reference model"] == simpo["reference model"] == 0
+    assert estimate("--stage", "kto")["reference model"] == dpo["reference model"]

@@ -122,8 +122,10 @@ def memory_estimate(args) -> dict:
 
     The optimizer state of dense parameters is sharded over DP x CP, that of expert parameters over the smaller
     expert-data-parallel group (:func:`optimizer_shards`). Under LoRA only the adapters have gradients and
-    optimizer state (the frozen base has neither)."""
+    optimizer state (the frozen base has neither). A DPO or KTO run's in-job reference model is a second copy of
+    the base weights (:func:`reference_model_parameters`)."""
     total, dense, experts = parameters_per_rank(args)
+    reference = reference_model_parameters(args, dense + experts)
     params = dense + experts
     adapters = lora.settings_from_args(args)
     trained_dense, trained_experts = dense, experts
@@ -156,11 +158,23 @@ def memory_estimate(args) -> dict:
     if getattr(args, "reward_head", False):
         logits = 0  # one score per token of the score head, no vocabulary logits
     out = {"parameters": total, "parameters per GPU": params, "trained per GPU": trained,
-           "weights": params * (2 if half else 4) / GiB, "gradients": trained * 4 / GiB,
+           "weights": params * (2 if half else 4) / GiB, "reference model": reference * (2 if half else 4) / GiB,
+           "gradients": trained * 4 / GiB,
            "optimizer": (trained_dense / dense_shards + trained_experts / expert_shards) * states / GiB,
            "activations": (layers * in_flight + (logits if pp == 1 else 0)) / GiB}
-    out["total"] = out["weights"] + out["gradients"] + out["optimizer"] + out["activations"]
+    out["total"] = out["weights"] + out["reference model"] + out["gradients"] + out["optimizer"] + out["activations"]
     return out
+
+
+def reference_model_parameters(args, base: float) -> float:
+    """Parameters per GPU of the frozen reference model that ``--stage dpo``/``kto`` build beside the policy (a copy of
+    the starting weights or ``--ref-load``, in the policy's precision): ``base``, the policy's without adapters; none
+    with ``--ref-logps`` or under LoRA without ``--ref-load`` (the adapters switched off), and for other stages."""
+    from mindspeed_pack.training.stages.reference import has_reference_model
+
+    if getattr(args, "stage", None) not in ("dpo", "kto") or not has_reference_model(args):
+        return 0.0
+    return base
 
 
 def layer_activation_bytes(args) -> float:
@@ -336,7 +350,9 @@ def plan_lines(args) -> list:
                  + ")")
     lines.append(_loss_line(args))
     lines.append(COMPILE_LINES[getattr(args, "torch_compile_kernels", "auto")])
-    lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GiB + gradients {m['gradients']:.2f} GiB + "
+    reference = f"reference model {m['reference model']:.2f} GiB + " if m["reference model"] else ""
+    lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GiB + {reference}"
+                 f"gradients {m['gradients']:.2f} GiB + "
                  f"optimizer {m['optimizer']:.2f} GiB + activations {m['activations']:.2f} GiB = {m['total']:.2f} GiB "
                  f"(fp32 gradients and Adam state as megatron keeps them; activations {_recompute_words(args)}, "
                  "Korthikanti et al.; allocator and communication buffers come on top)")
