@@ -192,3 +192,36 @@ def test_ms_swift_pairs_end_the_conversation_with_the_chosen_answer(tmp_path, ru
     for a, b in zip(*packs):
         assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
     assert json.load(open(tmp_path / "swift_packed_meta.json"))["statistics"]["pairs"] == 6
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen", "hf"])
+def test_trl_conversational_pairs_with_an_explicit_prompt(tmp_path, run_preprocess, read_indexed, prompt_type):
+    """TRL's conversational pairs (``prompt`` a list of messages, ``chosen``/``rejected`` a list of one assistant
+    message each) were refused ("got a list"): they give the same packs as one message per answer. A whole
+    conversation per answer (TRL's implicit prompt) is still refused, naming the row and what to give."""
+    from tests.chat_corpus import TEMPLATES
+
+    prompt = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"}]
+    trl = [{"prompt": [*prompt, {"role": "user", "content": f"question {i}"}],
+            "chosen": [{"role": "assistant", "content": f"good answer {i}"}],
+            "rejected": [{"role": "assistant", "content": f"bad answer {i}"}]} for i in range(6)]
+    explicit = [{"messages": r["prompt"], "chosen": r["chosen"][0], "rejected": r["rejected"][0]} for r in trl]
+    keys = {"role": "role", "content": "content"}
+    extra = {"chat_template": str(TEMPLATES / "qwen2_5.jinja")} if prompt_type == "hf" else {}
+    common = dict(handler_name="SharegptStylePairwiseHandler", prompt_type=prompt_type, seq_length=512, pack=True,
+                  neat_pack=True, **extra)
+    packs = []
+    for name, rows, mapped in (("trl", trl, {**keys, "messages": "prompt"}),
+                               ("explicit", explicit, {**keys, "messages": "messages"})):
+        code, _, err = run_preprocess(input=toy.write_dataset(tmp_path / f"{name}.jsonl", rows),
+                                      output_prefix=tmp_path / name, map_keys=json.dumps(mapped), **common)
+        assert code == 0, err
+        packs.append(_packs(read_indexed, tmp_path / name))
+    for a, b in zip(*packs):
+        assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
+    implicit = [{"messages": r["prompt"][:1], "chosen": [*r["prompt"][1:], *r["chosen"]],
+                 "rejected": [*r["prompt"][1:], *r["rejected"]]} for r in trl]
+    code, _, err = run_preprocess(input=toy.write_dataset(tmp_path / "implicit.jsonl", implicit),
+                                  output_prefix=tmp_path / "implicit", map_keys=json.dumps({**keys, "messages": "messages"}),
+                                  **common)
+    assert code == 2 and "line 1" in err and "'chosen'" in err and "a list of 3" in err and "implicit-prompt" in err

@@ -5,7 +5,8 @@ Handlers (MindSpeed-LLM's names; LLaMA-Factory's ranking format):
 * ``AlpacaStylePairwiseHandler``: ``instruction`` (+ ``input``), optional ``system`` and
   ``history``, and the two answers ``chosen`` / ``rejected``.
 * ``SharegptStylePairwiseHandler``: ``conversations`` ending with the user's turn, and
-  ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}`` or a string; or (ms-swift's
+  ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}``, a list of one (TRL's
+  conversational pairs with an explicit prompt: ``--map-keys '{"messages": "prompt"}'``) or a string; or (ms-swift's
   rows) the conversation ending with the chosen answer, no ``chosen`` column, and the rejected answer
   (``--map-keys '{"rejected": "rejected_response"}'``).
 
@@ -116,6 +117,8 @@ class PairwiseEncoder(SampleEncoder):
         """The ``chosen``/``rejected`` answer's text: a string, or a ShareGPT/OpenAI message holding it."""
         column, content_tag = self.keys[key], self.keys.get("content_tag", "value")
         value = row.get(column)
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
+            value = value[0]  # TRL's conversational pairs with an explicit prompt: the answer is one message
         if isinstance(value, dict):  # a message: its text, and nothing it would lose
             for name, reason in (("tool_calls", REASON_TOOLS), *((f, REASON_REASONING) for f in REASONING_FIELDS)):
                 if value.get(name):
@@ -137,9 +140,10 @@ class PairwiseEncoder(SampleEncoder):
             return text
         if not isinstance(value, str):
             got = "missing" if column not in row else "null" if value is None else f"a {type(value).__name__}"
-            if isinstance(value, list):  # TRL's conversational pairs: the whole conversation per answer
-                got += (" (a conversation per answer, as TRL's conversational pairs: give the prompt's turns in the "
-                        "conversation column and the answers as text or one assistant message each)")
+            if isinstance(value, list):  # TRL's implicit-prompt pairs: the whole conversation per answer
+                got += (f" of {len(value)} (a conversation per answer, as TRL's implicit-prompt pairs: give the "
+                        "prompt's turns in the conversation column and each answer as text, one assistant message or "
+                        "a list of one)")
             ending = (" (or end the conversation with the chosen answer, as ms-swift's rows do)"
                       if key == "chosen" and self.handler != ALPACA else "")
             raise RowError(f"{where}: field {column!r} (--map-keys {key}) must be the {key} answer (a string or a "
