@@ -187,6 +187,20 @@ def test_megatron_thd_rope_would_sync_in_every_layer(data):
     assert sum(large.values()) > sum(small.values()) > 2
 
 
+def test_gradient_norm_of_large_cpu_gradients_is_exact():
+    """The logged (and clipping) gradient norm of a 1M-element fp32 gradient on a CPU equals the fp64 norm: the
+    CPU's fp32 norm kernel, adding the squares in sequence, was 9e-6 relative off, so the same gradients logged
+    different norms at TP1 and TP2 (one 2M-element tensor there, two halves here)."""
+    from mindspeed_pack.training.multi_tensor import foreach_l2_norm
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(1_000_000, generator=g), torch.randn(64, generator=g) * 1e-3]
+    exact = sum(float(t.double().square().sum()) for t in grads) ** 0.5
+    norm, _ = foreach_l2_norm(0, None, [grads], False)
+    assert norm.dtype == torch.float32 and norm.shape == (1,)
+    assert abs(float(norm) - exact) / exact <= 1e-7, (float(norm), exact)
+
+
 def test_gradient_norm_is_read_once_and_equals_megatron_cores():
     """megatron-core's fallback l2 norm (no TE, no Apex) reads every gradient's norm back; the foreach
     kernels read the total once, with the same value, and clip the same."""

@@ -5,7 +5,8 @@ Without Transformer Engine or Apex, megatron-core falls back to ``local_multi_te
 per tensor: ~200 per step at 0.5B, each stalling the CPU until the GPU drains), and to
 ``local_multi_tensor_scale``: two kernels per tensor. The replacements compute the same values with one
 foreach kernel per list and leave the norm on the device; megatron's ``get_grad_norm_fp32`` reads it
-once per step, as with Apex. Clipping multiplies by the same fp32 coefficient (bit for bit the same).
+once per step, as with Apex (on a CPU summed in fp64: its fp32 norm kernel adds the squares in sequence).
+Clipping multiplies by the same fp32 coefficient (bit for bit the same).
 """
 from __future__ import annotations
 
@@ -24,8 +25,11 @@ def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     tensors = [t for tensors in tensor_lists for t in tensors]
     if not tensors:
         return torch.zeros(1, dtype=torch.float32, device="cuda" if cuda_usable() else "cpu"), None
-    norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+    # the CPU's fp32 norm adds the squares one after another: 9e-6 relative error on a 1M-element gradient, so the
+    # same gradients logged other norms at TP1 and TP2; summed in fp64 there (a GPU's reduction is a tree already)
+    dtype = torch.float64 if tensors[0].device.type == "cpu" else None
+    norms = torch._foreach_norm(tensors, 2, dtype=dtype)
+    return torch.linalg.vector_norm(torch.stack(norms)).float().reshape(1), None
 
 
 def foreach_scale(chunk_size, noop_flag, tensor_lists, scale):
