@@ -16,6 +16,8 @@ import logging
 import os
 import warnings
 
+from megatron.core.tensor_parallel import random as megatron_random
+
 from mindspeed_pack.config import (
     checkpoint_flags,
     finetune_defaults,
@@ -33,6 +35,10 @@ from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
 from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
+
+# megatron-core 0.16.1's names (TransformerConfig checks them only when the model is built)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+CHECKPOINT_WITHOUT_OUTPUT_MODULES = {"layernorm", "moe_act"}
 
 # flags that only pick fused GPU kernels (the TE spec uses its fused kernels anyway): no-ops on a CPU.
 # Precision (--bf16/--fp16), --sequence-parallel, --use-distributed-optimizer and the overlap flags
@@ -314,7 +320,7 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                         "and keeps only each chunk's input; block recomputes the first --recompute-num-layers "
                         "layers of each stage and keeps the others' activations")
     g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--recompute-modules", nargs="+", default=None,
+    g.add_argument("--recompute-modules", nargs="+", default=None, choices=RECOMPUTE_MODULES,
                    help="selective: the submodules recomputed (megatron-core's names: core_attn, layernorm, mlp, "
                         "moe, moe_act, shared_experts; default core_attn)")
     g.add_argument("--recompute-activations", action="store_true",
@@ -686,6 +692,13 @@ def _check_recompute(args) -> None:
     if args.recompute_modules is not None and granularity != "selective":
         raise ArgumentError(f"--recompute-modules goes with --recompute-granularity selective (this run's: "
                             f"{granularity})")
+    without_te = sorted(set(args.recompute_modules or ()) & CHECKPOINT_WITHOUT_OUTPUT_MODULES)
+    if granularity == "selective" and without_te and not megatron_random.HAVE_TE:
+        # megatron-core 0.16.1's CheckpointWithoutOutput takes every instance as FP8 and reads TE's FP8 state:
+        # without TE the first forward stopped with a NameError
+        raise ArgumentError(f"--recompute-modules {' '.join(without_te)} needs Transformer Engine, not importable "
+                            "here (megatron-core 0.16.1 checkpoints these modules through TE's FP8 state): recompute "
+                            "core_attn or mlp instead, or use --recompute-granularity full")
     if granularity == "full":
         if args.recompute_method is None:
             raise ArgumentError("--recompute-granularity full needs --recompute-method uniform or block")
