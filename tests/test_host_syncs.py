@@ -209,8 +209,10 @@ def test_gradient_norm_is_read_once_and_equals_megatron_cores():
 
     from mindspeed_pack.runtime import platform
     from mindspeed_pack.training.multi_tensor import foreach_l2_norm, foreach_scale
+    from tests.model_utils import init_single_process
 
     platform.enable()
+    init_single_process()  # get_grad_norm_fp32 all-reduces: the test also runs alone (-k), not only after the others
     g = torch.Generator().manual_seed(0)
     grads = [torch.randn(n, generator=g) * s for n, s in ((1000, 1.0), (37, 100.0), (3 * 4096, 1e-3), (1, 5.0))]
     norms = {}
