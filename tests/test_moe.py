@@ -422,7 +422,9 @@ def test_te_names_keep_moe_layers_own_norm_and_map_grouped_experts():
     (["--tensor-model-parallel-size", "2"], 2, "needs --sequence-parallel"),
     (["--expert-model-parallel-size", "3", "--global-batch-size", "6"], 3, "must divide --num-experts 4"),
     (["--moe-layer-freq", "[0,1,1]"], 1, "--moe-layer-freq lists 3 layers"),
-], ids=["tp-without-sp", "ep-experts", "layer-freq"])
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"], 2,
+     "must divide the data-parallel size 1 (world size 2 / TP 2 x PP 1 x CP 1): launch a multiple of 4 processes"),
+], ids=["tp-without-sp", "ep-experts", "layer-freq", "ep-over-dp"])
 def test_moe_flag_combinations_are_refused_by_name(extra, world, message, capsys):
     from mindspeed_pack.config.arguments import parse_args
     from tests.model_utils import TINY_FLAGS

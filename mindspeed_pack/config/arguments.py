@@ -164,8 +164,12 @@ def _check_moe_flags(args) -> None:
         raise ArgumentError(f"--moe-layer-freq lists {len(args.moe_layer_freq)} layers, the model has "
                             f"--num-layers {args.num_layers}")
     if args.data_parallel_size % ep:
+        tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                      args.context_parallel_size)
+        world = args.data_parallel_size * tp * pp * cp
         raise ArgumentError(f"--expert-model-parallel-size {ep} must divide the data-parallel size "
-                            f"{args.data_parallel_size}")
+                            f"{args.data_parallel_size} (world size {world} / TP {tp} x PP {pp} x CP {cp}): launch "
+                            f"a multiple of {ep * tp * pp * cp} processes, or lower the TP, PP or CP size")
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         raise ArgumentError("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                             "(megatron-core's MoE layer)")
