@@ -366,6 +366,23 @@ def test_plot_is_a_valid_png_and_json_round_trips(tmp_path, capsys):
     assert code == 2 and "x.png" in err
 
 
+def test_plot_legend_tells_runs_in_directories_of_the_same_layout_apart(tmp_path, capsys, monkeypatch):
+    """runs/tp1/metrics.jsonl against runs/tp2/metrics.jsonl (docs/precision_comparison.md's layout) was drawn as
+    "A: metrics.jsonl" and "B: metrics.jsonl": the legend named neither run."""
+    from matplotlib.figure import Figure
+
+    for run in ("tp1", "tp2"):
+        (tmp_path / run).mkdir()
+        write_jsonl(tmp_path / run / "metrics.jsonl", make_records(range(1, 5)))
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (figures.append(self), save(self, *a, **k))[1])
+    code, _, _ = run_cli(capsys, tmp_path / "tp1", tmp_path / "tp2", "--plot", tmp_path / "diff.png")
+    assert code == 0
+    labels = [t.get_text() for t in figures[0].axes[0].get_legend().get_texts()]
+    assert labels == ["A: tp1/metrics.jsonl", "B: tp2/metrics.jsonl"]
+
+
 def test_compact_steps_lists_ranges_and_strides():
     assert compact_steps([1, 2, 3, 4, 7, 10, 20, 30]) == "1-4, 7, 10-30 every 10"
     assert compact_steps([5]) == "5" and compact_steps([]) == "none"

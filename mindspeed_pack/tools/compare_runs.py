@@ -320,6 +320,18 @@ def format_report(report: ComparisonReport, max_rows: int = DEFAULT_MAX_ROWS) ->
     return "\n".join(lines)
 
 
+def plot_labels(name_a: str, name_b: str) -> Tuple[str, str]:
+    """The two runs' legend labels: the shortest path tails that tell them apart (``runs/tp1/metrics.jsonl`` and
+    ``runs/tp2/metrics.jsonl``, the layout the docs use, are ``tp1/metrics.jsonl`` and ``tp2/metrics.jsonl``,
+    where the file names alone were the same label twice)."""
+    a, b = Path(name_a).parts, Path(name_b).parts
+    for n in range(1, max(len(a), len(b)) + 1):
+        tail_a, tail_b = str(Path(*a[-n:])), str(Path(*b[-n:]))
+        if tail_a != tail_b:
+            return tail_a, tail_b
+    return name_a, name_b
+
+
 def plot_report(report: ComparisonReport, path: os.PathLike) -> None:
     """PNG: per metric, both curves (top) and the relative error on a log scale (bottom)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -329,11 +341,12 @@ def plot_report(report: ComparisonReport, path: os.PathLike) -> None:
     figure = Figure(figsize=(6.5 * columns, 6.5), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(2, columns, sharex="col", squeeze=False, height_ratios=[3, 2])
+    label_a, label_b = plot_labels(report.name_a, report.name_b)
     for column, c in enumerate(report.metrics):
         top, bottom = axes[0][column], axes[1][column]
         steps = [s.iteration for s in c.steps]
-        top.plot(steps, [s.a for s in c.steps], label=f"A: {Path(report.name_a).name}", linewidth=1.5)
-        top.plot(steps, [s.b for s in c.steps], label=f"B: {Path(report.name_b).name}", linewidth=1, linestyle="--")
+        top.plot(steps, [s.a for s in c.steps], label=f"A: {label_a}", linewidth=1.5)
+        top.plot(steps, [s.b for s in c.steps], label=f"B: {label_b}", linewidth=1, linestyle="--")
         top.set_title(c.metric)
         top.set_ylabel(c.metric)
         top.legend(loc="best", fontsize="small")
