@@ -479,6 +479,16 @@ def test_a_log_whose_last_window_is_cut_short_is_still_warned(tmp_path, capsys):
             (steps, err)
 
 
+def test_a_log_of_one_full_window_and_a_cut_one_is_named_by_its_interval(tmp_path, capsys):
+    """--train-iters 6 at --log-interval 4 logs 4 and 6 (the last a mean of 2 steps): the warning called it a log
+    of "every 2 steps"."""
+    every_step = write_jsonl(tmp_path / "m.jsonl", make_records(range(1, 7)))
+    log = write_log(tmp_path / "log.txt", make_records([4, 6]))
+    log.write_text(log.read_text()[:-1] + " iterations in mean: 2 |\n")
+    _, _, err = run_cli(capsys, every_step, log)
+    assert "logs every step and" in err and "log.txt every 4 steps: a console log's values" in err, err
+
+
 def test_a_console_window_cut_short_says_how_many_steps_its_means_hold(capsys):
     """A resume off a --log-interval boundary prints a window of fewer steps (iteration 10 after a resume at 8,
     interval 5): the line says so, where it silently looked like a full window's means."""

@@ -447,17 +447,19 @@ def build_parser() -> argparse.ArgumentParser:
 def _logging_stride(run: RunMetrics) -> Optional[int]:
     """The most common gap between logged iterations (1: every step, a metrics file; K: a console log's
     ``--log-interval``, whose values are means over K steps), the gaps that end in a window cut short (its
-    ``iterations in mean``: the last window, a resume) left out; without a full gap, those windows' sizes."""
+    ``iterations in mean``: the last window, a resume) left out; without a full gap, the first full window (from
+    iteration 1), else the cut windows' sizes (fewer steps than the interval: --train-iters 6 at --log-interval 4
+    logs 4 and 6, the last a mean of 2, and was taken for a log of every 2 steps)."""
     steps = sorted(next(iter(run.values()), {}))
     cut = run.get("iterations in mean") or {}  # windows cut short (the last one, a resume): no full interval
     gaps = [b - a for a, b in zip(steps, steps[1:]) if b not in cut]
     if gaps:
         return max(set(gaps), key=lambda gap: (gaps.count(gap), gap))  # a tie: the longer interval
-    means = [int(n) for n in cut.values() if n > 1]
-    if means:
-        return max(means)
     full = [step for step in steps if step not in cut]
-    return full[0] if full else None  # the first window, from iteration 1
+    if full:
+        return full[0]  # the first window, from iteration 1
+    means = [int(n) for n in cut.values() if n > 1]
+    return max(means) if means else None
 
 
 def _unlike_logging(run_a: RunMetrics, run_b: RunMetrics, names: Sequence[str]) -> Optional[str]:
