@@ -103,6 +103,32 @@ def test_sidecar_records_tokenizer_template_and_statistics(sharegpt_outputs, rea
     assert s["fill_rate"] == pytest.approx(s["tokens"] / (s["packs"] * SEQ), abs=1e-6)
 
 
+def test_rates_leave_out_the_writers_import(tmp_path, toy_alpaca_rows, run_preprocess, monkeypatch):
+    """megatron-core's import (4-10 s on 2 cores) was counted in the build: 200 rows reported 2,900 tokens/s where
+    they were written at 195,000. It is setup now, as loading the tokenizer is."""
+    import time
+
+    from mindspeed_pack.datasets import pack_writer
+
+    module = pack_writer.indexed_dataset_module()
+    calls = []
+
+    def slow_first_import():
+        if not calls:
+            time.sleep(1.0)
+        calls.append(1)
+        return module
+
+    monkeypatch.setattr(pack_writer, "indexed_dataset_module", slow_first_import)
+    data = toy.write_dataset(tmp_path / "a.jsonl", toy_alpaca_rows[:20])
+    code, out, err = run_preprocess(input=data, output_prefix=tmp_path / "a", prompt_type="qwen", seq_length=128,
+                                    pack=True)
+    assert code == 0, err
+    s = json.loads(Path(f"{tmp_path / 'a'}_packed_meta.json").read_text())["statistics"]
+    assert s["setup_seconds"] >= 1.0 and s["elapsed_seconds"] - s["setup_seconds"] < 1.0, s
+    assert "megatron-core import)" in out
+
+
 def test_workers_2_output_is_byte_identical_to_workers_1(tmp_path, toy_sharegpt_jsonl, run_preprocess, monkeypatch):
     from mindspeed_pack.datasets import preprocess
 
