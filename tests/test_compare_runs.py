@@ -506,6 +506,26 @@ def test_a_console_window_cut_short_says_how_many_steps_its_means_hold(capsys):
     assert len(lines) == 2 and "iterations in mean: 2 |" in lines[0] and "iterations in mean" not in lines[1]
 
 
+def test_a_window_cut_short_by_an_early_exit_is_printed_when_the_logger_closes(capsys):
+    """--exit-interval 3 at --log-interval 2 stopped after iteration 3 with no console line for it: the resumed log
+    went from iteration 2 to 4, and a comparison of console logs never saw step 3."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.metrics import MetricsLogger
+
+    logger = MetricsLogger(SimpleNamespace(train_iters=6, log_interval=2, metrics_file=None, tensorboard_dir=None),
+                           enabled=True)
+    for step in range(1, 4):
+        logger.step({"iteration": step, "split": "train", "lm loss": float(step), "lr": 1e-4, "grad norm": 1.0,
+                     "tokens": 100, "step time (ms)": 10.0, "consumed samples": step, "global batch size": 1,
+                     "skipped": 0})
+    logger.close()
+    logger.close()  # closed twice (a failure's cleanup, then the normal one): printed once
+    lines = [line for line in capsys.readouterr().out.splitlines() if " iteration " in line]
+    assert len(lines) == 2 and " iteration        3/       6 |" in lines[1], lines
+    assert "lm loss: 3.000000E+00 |" in lines[1] and "iterations in mean: 1 |" in lines[1]
+
+
 def test_a_preference_stages_validation_line_has_no_perplexity(capsys):
     """exp of a DPO loss is no perplexity: only SFT and pretraining (a language model's NLL) print one."""
     from types import SimpleNamespace

@@ -186,6 +186,10 @@ class MetricsLogger:
                                 "saved so far are intact)") from None
 
     def close(self) -> None:
+        """Print the window a stop before its --log-interval boundary cut short (--exit-interval,
+        --exit-duration-in-mins, a signal), whose steps no console line showed, then close the files."""
+        if self._interval:
+            self._print_interval(self._interval[-1][0])
         if self.jsonl:
             try:
                 self.jsonl.close()
