@@ -455,6 +455,18 @@ def test_run_summary_rates_tokens_over_time_and_names_what_it_counts(tmp_path):
     assert "tokens (not padding)" not in summarise(str(write_log(tmp_path / "log.txt", make_records(range(1, 4)))))
 
 
+def test_run_summary_weighs_each_step_by_the_tokens_it_ran(tmp_path):
+    """Online packing runs 1 or 2 rows a step: the plain mean of the steps' padding ratios (0.25) and samples per
+    pack (6) was not the run's (1024 of 3072 tokens padding: 1/3; 16 samples in 3 rows)."""
+    from mindspeed_pack.tools.run_summary import summarise
+
+    records = make_records(range(1, 3))
+    records[0].update({"tokens": 1024, "padding ratio": 0.0, "samples per pack": 8.0})  # one row of 1024
+    records[1].update({"tokens": 1024, "padding ratio": 0.5, "samples per pack": 4.0})  # two rows, half padding
+    summary = summarise(str(write_jsonl(tmp_path / "m.jsonl", records)))
+    assert summary["padding ratio"] == pytest.approx(1 / 3) and summary["samples per pack"] == pytest.approx(16 / 3)
+
+
 def test_a_metrics_file_against_a_log_of_interval_means_is_warned(tmp_path, capsys):
     """Steps against means over --log-interval steps can pass or fail on that alone: the tool says so."""
     every_step = write_jsonl(tmp_path / "m.jsonl", make_records(range(1, 13)))

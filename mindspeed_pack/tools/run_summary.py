@@ -33,6 +33,20 @@ def _rate(train: dict, steps) -> float:
     return _mean((train.get("tokens/s") or {}).get(i) for i in steps)
 
 
+def _step_weighted(train: dict, key: str) -> float:
+    """The run's ``key`` (padding ratio, samples per pack) over all its steps: each step weighted by the tokens it
+    ran, real and padding (``tokens`` / (1 - padding ratio)), as the console's interval lines weigh them. The plain
+    mean of the steps' values was off where steps run different numbers of rows (online packing): 0.198 for a run
+    that padded 27% of its tokens. A console log gives no token counts: the mean of its lines."""
+    values, tokens, padding = (train.get(k) or {} for k in (key, "tokens", "padding ratio"))
+    steps = [i for i in values if i in tokens and i in padding and padding[i] < 1.0]
+    if not steps or len(steps) < len(values):
+        return _mean(values.values())
+    ran = {i: tokens[i] / (1.0 - padding[i]) for i in steps}
+    total = sum(ran.values())
+    return sum(values[i] * ran[i] for i in steps) / total if total > 0 else _mean(values.values())
+
+
 def summarise(metrics_path: str, data_prefix: Optional[str] = None) -> dict:
     splits = load_all_splits(metrics_path)
     train = splits.get("train") or {}
@@ -46,8 +60,8 @@ def summarise(metrics_path: str, data_prefix: Optional[str] = None) -> dict:
         "loss start": _mean(loss[i] for i in steps[:window]),
         "loss end": _mean(loss[i] for i in steps[-window:]),
         "tokens/s": _rate(train, steps[1:] or steps),
-        "padding ratio": _mean((train.get("padding ratio") or {}).values()),
-        "samples per pack": _mean((train.get("samples per pack") or {}).values()),
+        "padding ratio": _step_weighted(train, "padding ratio"),
+        "samples per pack": _step_weighted(train, "samples per pack"),
     }
     tokens = train.get("tokens") or {}
     if tokens:  # the metrics file's (a console log has none): prompts included, padding not
