@@ -257,6 +257,30 @@ def test_log_interval_mean_loss_leaves_skipped_iterations_out(capsys):
     assert "loss scale: 2.0 |" in line and "number of skipped iterations:   2 |" in line
 
 
+def test_megatron_lms_tensorboard_flags_parse_and_take_effect(tmp_path):
+    """--tensorboard-log-interval, --tensorboard-queue-size, --log-validation-ppl-to-tensorboard and the
+    --log-*-to-tensorboard switches of Megatron-LM's example scripts were refused as unrecognized arguments."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mindspeed_pack.training.metrics import MetricsLogger
+
+    args = build_parser().parse_args([
+        "--tensorboard-dir", str(tmp_path / "tb"), "--tensorboard-log-interval", "2", "--tensorboard-queue-size", "5",
+        "--log-validation-ppl-to-tensorboard", "--log-timers-to-tensorboard", "--log-batch-size-to-tensorboard",
+        "--log-learning-rate-to-tensorboard", "--log-loss-scale-to-tensorboard", "--log-interval", "1",
+        "--train-iters", "4", "--stage", "sft"])
+    logger = MetricsLogger(args, enabled=True)
+    for it in range(1, 5):
+        logger.step({"iteration": it, "split": "train", "lm loss": 2.0, "lr": 1e-4, "grad norm": 1.0, "tokens": 100,
+                     "step time (ms)": 10.0, "consumed samples": it, "global batch size": 1, "skipped": 0})
+    logger.validation(4, 2.0, tokens=10)
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/lm loss")] == [2, 4]
+    assert events.Scalars("valid/lm loss PPL")[0].value == pytest.approx(np.exp(2.0), rel=1e-6)
+
+
 # 10 -----------------------------------------------------------------------------------------
 def test_resume_after_halving_the_global_batch_size_continues(tmp_path, neat):
     ckpt = str(tmp_path / "ckpt")
@@ -325,7 +349,8 @@ def test_omitted_flags_mean_what_they_mean_in_megatron_lm(neat):
 
 # 13 -----------------------------------------------------------------------------------------
 ACCEPTED_NO_OPS = {"is_instruction_dataset", "variable_seq_lengths", "use_mcore_models", "attention_mask_type",
-                   "dataloader_type"}
+                   "dataloader_type", "log_timers_to_tensorboard", "log_batch_size_to_tensorboard",
+                   "log_learning_rate_to_tensorboard", "log_loss_scale_to_tensorboard"}
 
 
 def _training_code() -> str:

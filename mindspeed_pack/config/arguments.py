@@ -470,6 +470,17 @@ def _logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=100,
                    help="global batches per validation (and test) evaluation; 0 = no evaluation")
     g.add_argument("--tensorboard-dir", default=None)
+    # Megatron-LM's TensorBoard flags, as its example scripts pass them
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="write the training scalars to TensorBoard every N iterations (Megatron-LM's)")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="TensorBoard events kept in memory before a write to disk (Megatron-LM's)")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="also write the validation (and test) perplexity, SFT and pretraining only (Megatron-LM's)")
+    for name, what in (("--log-timers-to-tensorboard", "step time (ms)"),
+                       ("--log-batch-size-to-tensorboard", "global batch size"),
+                       ("--log-learning-rate-to-tensorboard", "lr"), ("--log-loss-scale-to-tensorboard", "loss scale")):
+        g.add_argument(name, action="store_true", help=f"accepted no-op: TensorBoard always gets train/{what}")
     g.add_argument("--metrics-file", default=None, help="every step's metrics as JSON lines")
     g.add_argument("--log-throughput", action="store_true",
                    help="also log the model TFLOP/s per GPU (tokens/s is always logged)")

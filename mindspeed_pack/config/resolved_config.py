@@ -40,7 +40,9 @@ NOT_WRITTEN = ("config", "dry_run", "help")
 # (run_differences; a resume from --save may change them). Every other flag defines the run: model, data, schedule.
 NOT_DEFINING = ("save", "save_hf", "save_interval", "no_save_optim", "no_save_rng", "no_load_optim", "no_load_rng",
                 "overwrite_output_dir", "lora_merge",
-                "metrics_file", "tensorboard_dir", "log_interval", "log_throughput", "peak_tflops", "eval_interval",
+                "metrics_file", "tensorboard_dir", "tensorboard_log_interval", "tensorboard_queue_size",
+                "log_validation_ppl_to_tensorboard", "log_timers_to_tensorboard", "log_batch_size_to_tensorboard",
+                "log_learning_rate_to_tensorboard", "log_loss_scale_to_tensorboard", "log_interval", "log_throughput", "peak_tflops", "eval_interval",
                 "eval_iters", "exit_interval", "exit_duration_in_mins", "exit_signal_handler",
                 "distributed_timeout_minutes",
                 "data_cache_path", "workers", "overwrite_cache")

@@ -59,7 +59,8 @@ class MetricsLogger:
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if replace else None)
+            self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if replace else None,
+                                    max_queue=max(1, getattr(args, "tensorboard_queue_size", 1000)))
 
     def resumed(self, iteration: int, loaded_from: str) -> None:
         """Once per job start: where training resumes (``loaded_from`` at ``iteration``) and which logged
@@ -101,7 +102,7 @@ class MetricsLogger:
         self._interval.append((record, total_tokens, samples, rows, flops, skipped_now))
         self._write(record)
         it = record["iteration"]
-        if self.tb:
+        if self.tb and it % max(1, getattr(self.args, "tensorboard_log_interval", 1)) == 0:
             for k, v in record.items():
                 if k not in ("iteration", "split") and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(f"train/{k}", v, it)
@@ -168,6 +169,8 @@ class MetricsLogger:
             self._write(record)
         if self.tb:
             self.tb.add_scalar(f"{split}/lm loss", loss, iteration)
+            if ppl and getattr(self.args, "log_validation_ppl_to_tensorboard", False):
+                self.tb.add_scalar(f"{split}/lm loss PPL", value, iteration)
             for k, v in extra.items():
                 self.tb.add_scalar(f"{split}/{k}", v, iteration)
 
