@@ -257,6 +257,22 @@ def test_log_interval_mean_loss_leaves_skipped_iterations_out(capsys):
     assert "loss scale: 2.0 |" in line and "number of skipped iterations:   2 |" in line
 
 
+def test_plain_pack_padding_is_padding_in_the_metrics(tmp_path, read_indexed):
+    """Plain --pack rows (attention_mask all ones) end with untrained pads: the metrics counted them as real tokens
+    and logged padding ratio 0."""
+    data = write_eos_packs(str(tmp_path / "plain"), neat_pack=False, num_packs=4)
+    metrics = str(tmp_path / "m.jsonl")
+    posttrain.main(argv(data, "--train-iters", "1", metrics=metrics))
+    ids = read_indexed(f"{data}_packed_input_ids_document")[:2]
+    labels = read_indexed(f"{data}_packed_labels_document")[:2]
+    pads = 0
+    for row, label in zip(ids, labels):
+        real = np.flatnonzero((row != PAD) | (label != -100))
+        pads += len(row) - (real[-1] + 1)
+    step = read_metrics(metrics)[1]
+    assert pads > 0 and step["tokens"] == 2 * 128 - pads and step["padding ratio"] == pytest.approx(pads / 256)
+
+
 def test_megatron_lms_tensorboard_flags_parse_and_take_effect(tmp_path):
     """--tensorboard-log-interval, --tensorboard-queue-size, --log-validation-ppl-to-tensorboard and the
     --log-*-to-tensorboard switches of Megatron-LM's example scripts were refused as unrecognized arguments."""

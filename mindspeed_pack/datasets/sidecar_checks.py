@@ -63,6 +63,10 @@ def check_data(docs, args) -> None:
     for name in ("plain_pack_samples", "pack_eos_id", "pack_pad_id"):
         setattr(args, name, getattr(args, name, None))
     plain_pack = layout.get("kind") == "packed" and not has_segment_ids
+    if plain_pack and getattr(args, "sample_pad_id", None) is None:
+        # the pads that end a plain pack are padding too, though its mask is all ones: without them in the
+        # metrics a row with 15% padding logged padding ratio 0 and counted the pads in tokens and tokens/s
+        args.sample_pad_id = layout.get("pad_id")
     if plain_pack and (args.reset_position_ids or args.reset_attention_mask or args.per_sample_loss):
         args.plain_pack_samples = True
         if getattr(docs, "sample_lengths", None) is not None:
