@@ -197,8 +197,8 @@ def test_ms_swift_pairs_end_the_conversation_with_the_chosen_answer(tmp_path, ru
 @pytest.mark.parametrize("prompt_type", ["qwen", "hf"])
 def test_trl_conversational_pairs_with_an_explicit_prompt(tmp_path, run_preprocess, read_indexed, prompt_type):
     """TRL's conversational pairs (``prompt`` a list of messages, ``chosen``/``rejected`` a list of one assistant
-    message each) were refused ("got a list"): they give the same packs as one message per answer. A whole
-    conversation per answer (TRL's implicit prompt) is still refused, naming the row and what to give."""
+    message each) were refused ("got a list"): they give the same packs as one message per answer. A prompt column
+    beside answers that continue it (neither form) is refused, naming the row and what to give."""
     from tests.chat_corpus import TEMPLATES
 
     prompt = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"}]
@@ -219,9 +219,88 @@ def test_trl_conversational_pairs_with_an_explicit_prompt(tmp_path, run_preproce
         packs.append(_packs(read_indexed, tmp_path / name))
     for a, b in zip(*packs):
         assert len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
-    implicit = [{"messages": r["prompt"][:1], "chosen": [*r["prompt"][1:], *r["chosen"]],
-                 "rejected": [*r["prompt"][1:], *r["rejected"]]} for r in trl]
-    code, _, err = run_preprocess(input=toy.write_dataset(tmp_path / "implicit.jsonl", implicit),
-                                  output_prefix=tmp_path / "implicit", map_keys=json.dumps({**keys, "messages": "messages"}),
+    split = [{"messages": r["prompt"][:1], "chosen": [*r["prompt"][1:], *r["chosen"]],
+              "rejected": [*r["prompt"][1:], *r["rejected"]]} for r in trl]
+    code, _, err = run_preprocess(input=toy.write_dataset(tmp_path / "split.jsonl", split),
+                                  output_prefix=tmp_path / "split", map_keys=json.dumps({**keys, "messages": "messages"}),
                                   **common)
-    assert code == 2 and "line 1" in err and "'chosen'" in err and "a list of 3" in err and "implicit-prompt" in err
+    assert code == 2 and "line 1: field 'messages' holds 1 messages beside 'chosen' and 'rejected'" in err, err
+    assert "give the prompt once" in err
+
+
+def _conversations(n: int = 6) -> list:
+    """(prompt, chosen, rejected) in OpenAI messages: a system message, a history, a single turn, by row."""
+    out = []
+    for i in range(n):
+        prompt = ([{"role": "system", "content": "be brief"}] if i % 2 else []) + (
+            [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"}] if i % 3 else []
+        ) + [{"role": "user", "content": f"question {i}"}]
+        out.append((prompt, {"role": "assistant", "content": f"good answer {i}"},
+                    {"role": "assistant", "content": f"bad answer {i}"}))
+    return out
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen", "hf"])
+def test_trl_and_hub_pair_rows_give_the_explicit_packs(tmp_path, run_preprocess, read_indexed, prompt_type):
+    """TRL's implicit-prompt pairs (chosen/rejected whole conversations), UltraFeedback-binarized rows (a ``prompt``
+    text, the conversations, ``messages``, scores) and TRL's explicit ``prompt`` list were refused ("column
+    'conversations' not found"): with no --map-keys they give, byte for byte, the explicit form's packs."""
+    from tests.chat_corpus import TEMPLATES
+
+    convs = _conversations()
+    forms = {
+        "explicit": ([{"messages": p, "chosen": c["content"], "rejected": r["content"]} for p, c, r in convs],
+                     {"messages": "messages", "role": "role", "content": "content"}),
+        "implicit": ([{"chosen": [*p, c], "rejected": [*p, r]} for p, c, r in convs], None),
+        "ultrafeedback": ([{"prompt": p[-1]["content"], "chosen": [*p, c], "rejected": [*p, r], "messages": [*p, c],
+                            "score_chosen": 8.0, "score_rejected": 3.5, "prompt_id": str(i)}
+                           for i, (p, c, r) in enumerate(convs)], None),
+        "ultrafeedback_mapped": (None, {"messages": "messages", "role": "role", "content": "content"}),
+        "trl_prompt": ([{"prompt": p, "chosen": [c], "rejected": [r]} for p, c, r in convs], None),
+    }
+    forms["ultrafeedback_mapped"] = (forms["ultrafeedback"][0], forms["ultrafeedback_mapped"][1])
+    extra = {"chat_template": str(TEMPLATES / "qwen2_5.jinja")} if prompt_type == "hf" else {}
+    packs = {}
+    for name, (rows, keys) in forms.items():
+        code, _, err = run_preprocess(input=toy.write_dataset(tmp_path / f"{name}.jsonl", rows),
+                                      output_prefix=tmp_path / name, handler_name="SharegptStylePairwiseHandler",
+                                      prompt_type=prompt_type, seq_length=512, pack=True, neat_pack=True,
+                                      **({"map_keys": json.dumps(keys)} if keys else {}), **extra)
+        assert code == 0, (name, err)
+        packs[name] = [x.tolist() for part in _packs(read_indexed, tmp_path / name) for x in part]
+        assert json.load(open(tmp_path / f"{name}_packed_meta.json"))["statistics"]["pairs"] == len(convs)
+    assert all(packs[name] == packs["explicit"] for name in forms), [n for n in forms if packs[n] != packs["explicit"]]
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen", "hf"])
+def test_implicit_pairs_that_are_not_one_prompt_and_two_answers_are_refused(tmp_path, run_preprocess, prompt_type):
+    """An implicit-prompt pair must share its prompt and go on with one assistant message a side; anything else
+    (answers of several turns, prompts that differ, a side without an answer) is refused naming the row and what
+    was found, never trained as a longer or shorter answer. An answer's tool calls are refused as before."""
+    from tests.chat_corpus import TEMPLATES
+
+    def user(text):
+        return {"role": "user", "content": text}
+
+    def assistant(text, **more):
+        return {"role": "assistant", "content": text, **more}
+
+    good = {"chosen": [user("q"), assistant("good")], "rejected": [user("q"), assistant("bad")]}
+    cases = (
+        ({"chosen": [user("q"), assistant("a"), user("more"), assistant("b")],
+          "rejected": [user("q"), assistant("c"), user("more"), assistant("d")]},
+         "is 1 messages (user); after it 'chosen' has 3 (assistant, user, assistant) and 'rejected' 3"),
+        ({"chosen": [user("q1"), assistant("a")], "rejected": [user("q2"), assistant("b")]},
+         "is empty: they differ from their first message; after it 'chosen' has 2 (user, assistant)"),
+        ({"chosen": [user("q"), assistant("a")], "rejected": [user("q")]}, "'rejected' 0 (none)"),
+        ({"chosen": [user("q"), assistant("a")], "rejected": "b"}, "field 'rejected' must be a conversation"),
+        ({"chosen": [user("q"), assistant(None, tool_calls=[{"type": "function", "function": {"name": "f"}}])],
+          "rejected": [user("q"), assistant("b")]}, "field 'chosen' (--map-keys chosen) has 'tool_calls'"),
+    )
+    extra = {"chat_template": str(TEMPLATES / "qwen2_5.jinja")} if prompt_type == "hf" else {}
+    for n, (row, needle) in enumerate(cases):
+        data = toy.write_dataset(tmp_path / f"bad{n}.jsonl", [good, good, row])
+        code, _, err = run_preprocess(input=data, output_prefix=tmp_path / f"b{n}",
+                                      handler_name="SharegptStylePairwiseHandler", prompt_type=prompt_type,
+                                      seq_length=512, pack=True, neat_pack=True, **extra)
+        assert code == 2 and f"bad{n}.jsonl: line 3: " in err and needle in err, (n, err)

@@ -8,7 +8,10 @@ Handlers (MindSpeed-LLM's names; LLaMA-Factory's ranking format):
   ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}``, a list of one (TRL's
   conversational pairs with an explicit prompt: ``--map-keys '{"messages": "prompt"}'``) or a string; or (ms-swift's
   rows) the conversation ending with the chosen answer, no ``chosen`` column, and the rejected answer
-  (``--map-keys '{"rejected": "rejected_response"}'``).
+  (``--map-keys '{"rejected": "rejected_response"}'``). Without the conversation column, TRL's and the hub's rows
+  (OpenAI messages, no ``--map-keys`` needed): TRL's explicit ``prompt`` (a list of messages), or ``chosen`` and
+  ``rejected`` each the whole conversation (TRL's implicit prompt; UltraFeedback-binarized rows), the messages both
+  start with being the prompt and one assistant message after it each side's answer.
 
 Both samples go through the same template as supervised data; only the final answer is trained (the
 answers of a ``history`` are context, as in LLaMA-Factory). Under ``--prompt-type hf`` the
@@ -33,13 +36,14 @@ order, for ``--stage orm`` (``P_packed_pair_margins``).
 """
 from __future__ import annotations
 
+import json
 from typing import Optional
 
 import numpy as np
 
 from mindspeed_pack.data.chat_messages import REASONING_FIELDS
 from mindspeed_pack.data.chat_template import REASON_REASONING, REASON_TOKEN_BOUNDARY
-from mindspeed_pack.data.errors import RowError
+from mindspeed_pack.data.errors import BAD_MISSING_FIELD, RowError
 from mindspeed_pack.data.handlers import ALPACA, ASSISTANT, PAIRWISE_BASE, SKIP_EMPTY, SampleEncoder, chat_order_skip
 from mindspeed_pack.data.readers import not_an_object
 from mindspeed_pack.data.templates import REASON_TOOLS
@@ -48,6 +52,7 @@ SKIP_TOO_LONG = "pair longer than --seq-length"
 SKIP_IDENTICAL = "identical chosen and rejected"
 MISSING_ANSWER = "missing chosen/rejected"
 BAD_MARGIN = "margin not a number"
+BAD_CONVERSATIONS = "chosen/rejected conversations not one prompt and two answers"
 
 
 def is_pairwise(handler: str) -> bool:
@@ -67,6 +72,19 @@ def pair_plan(lengths: np.ndarray, seq_length: int):
     pairs = np.asarray(plan.item_order, dtype=np.int64)
     samples = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
     return PackPlan(samples, 2 * np.asarray(plan.bin_offsets, dtype=np.int64), plan.capacity)
+
+
+def in_mapped_tags(messages: list, keys: dict) -> list:
+    """OpenAI messages (``role``/``content``, as TRL's and the hub's rows always are) under the handler's
+    ``--map-keys`` role/content names, so the conversation reads as the explicit form's; others unchanged."""
+    role_tag, content_tag = keys["role_tag"], keys["content_tag"]
+    out = []
+    for message in messages:
+        if isinstance(message, dict) and role_tag not in message and "role" in message:
+            message = {role_tag if k == "role" else content_tag if k == "content" else k: v
+                       for k, v in message.items()}
+        out.append(message)
+    return out
 
 
 def final_answer_only(plan: list) -> list:
@@ -151,6 +169,74 @@ class PairwiseEncoder(SampleEncoder):
                            f"the row has: {', '.join(map(str, row)) or 'no fields'}", MISSING_ANSWER)
         return value
 
+    def _role(self, message) -> str:
+        return message.get(self.keys.get("role_tag", "from"), message.get("role")) if isinstance(message, dict) \
+            else type(message).__name__
+
+    def _assistant(self, message) -> bool:
+        return self._role(message) in {self.keys.get("assistant_tag", "gpt"), "gpt", "assistant"}
+
+    def _is_conversation(self, value) -> bool:
+        """A whole conversation given as an answer (TRL's implicit prompt): messages other than one answer."""
+        return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value) and (
+            len(value) > 1 or not self._assistant(value[0]))
+
+    def _implicit_prompt(self, row: dict, where: str) -> tuple:
+        """(prompt, chosen message, rejected message) of a pair whose answers are whole conversations (TRL's implicit
+        prompt, as ``trl.extract_prompt`` reads it): the messages both share from the start are the prompt, and each
+        must go on with one final assistant message. Identical conversations: their last message is both answers."""
+        names = self.keys["chosen"], self.keys["rejected"]
+        sides = [row.get(name) for name in names]
+        for name, side in zip(names, sides):
+            if not (isinstance(side, list) and side and all(isinstance(m, dict) for m in side)):
+                raise RowError(f"{where}: field {name!r} must be a conversation (a list of messages) like the other "
+                               f"answer (TRL's implicit prompt: each answer the whole conversation, sharing the "
+                               f"prompt's messages), got {json.dumps(side, default=str)[:80]}", BAD_CONVERSATIONS)
+        chosen, rejected = sides
+        shared = next((n for n, (c, r) in enumerate(zip(chosen, rejected)) if c != r), min(map(len, sides)))
+        if chosen == rejected:
+            shared -= 1
+        tails = chosen[shared:], rejected[shared:]
+        if not all(len(tail) == 1 and self._assistant(tail[0]) for tail in tails):
+            roles = [", ".join(map(str, map(self._role, m))) or "none" for m in (chosen[:shared], *tails)]
+            prompt = f"{shared} messages ({roles[0]})" if shared else "empty: they differ from their first message"
+            raise RowError(f"{where}: fields {names[0]!r} and {names[1]!r} are whole conversations (TRL's implicit "
+                           f"prompt), whose prompt, the messages both start with, is {prompt}; after it {names[0]!r} "
+                           f"has {len(tails[0])} ({roles[1]}) and {names[1]!r} {len(tails[1])} ({roles[2]}): each must "
+                           "go on with one final assistant message, its answer (conversations that differ before it, "
+                           "or answers of several turns, are not one preference pair)", BAD_CONVERSATIONS)
+        return chosen[:shared], tails[0][0], tails[1][0]
+
+    def _explicit_pair(self, row: dict, where: str) -> dict:
+        """A ShareGPT pair row in its explicit form (the conversation column holding the prompt): TRL's and the
+        hub's rows are read as it. Answers given as whole conversations (TRL's implicit prompt; UltraFeedback's
+        rows, whose ``prompt`` text and ``messages`` copy of the chosen conversation are then ignored when they
+        agree) are split by :meth:`_implicit_prompt`; TRL's explicit ``prompt`` (a list of messages) stands for a
+        missing conversation column. Their OpenAI role/content names are read under the handler's."""
+        if self.handler == ALPACA:
+            return row
+        conversation, names = self.keys["messages"], (self.keys["chosen"], self.keys["rejected"])
+        if any(self._is_conversation(row.get(name)) for name in names):
+            prompt, chosen, rejected = self._implicit_prompt(row, where)
+            for column in (conversation, self.keys["prompt"]):
+                given = row.get(column)
+                if isinstance(given, list) and given not in (prompt, prompt + [chosen]):
+                    raise RowError(f"{where}: field {column!r} holds {len(given)} messages beside {names[0]!r} and "
+                                   f"{names[1]!r} given as whole conversations, whose shared prompt ({len(prompt)} "
+                                   "messages) differs from them: give the prompt once, in that column with each answer "
+                                   "one assistant message, or inside both answers (TRL's implicit prompt)",
+                                   BAD_CONVERSATIONS)
+            return {**row, conversation: in_mapped_tags(prompt, self.keys), names[0]: chosen, names[1]: rejected}
+        prompt = row.get(self.keys["prompt"])
+        if conversation not in row and isinstance(prompt, list):  # TRL's explicit prompt, a list of messages
+            return {**row, conversation: in_mapped_tags(prompt, self.keys)}
+        if conversation not in row and names[0] in row:  # (ms-swift's rows end the conversation with the answer)
+            raise RowError(f"{where}: missing field {conversation!r} (--map-keys messages), the prompt's messages; "
+                           f"or give TRL's {self.keys['prompt']!r} (--map-keys prompt) as a list of messages, or "
+                           f"{names[0]!r} and {names[1]!r} as whole conversations sharing the prompt (TRL's implicit "
+                           f"prompt); the row has: {', '.join(map(str, row)) or 'no fields'}", BAD_MISSING_FIELD)
+        return row
+
     def _chosen_ending_the_conversation(self, row: dict, where: str) -> dict:
         """A ShareGPT row without a chosen column whose conversation ends with an assistant message (ms-swift's
         pairs: ``messages`` ending with the chosen answer, ``rejected_response``): that message is the chosen
@@ -175,7 +261,7 @@ class PairwiseEncoder(SampleEncoder):
             raise row
         if not isinstance(row, dict):
             raise not_an_object(where, row)
-        row = self._chosen_ending_the_conversation(row, where)
+        row = self._chosen_ending_the_conversation(self._explicit_pair(row, where), where)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
         margin = self._margin(row, where)
         prompt, system = (self._alpaca_prompt if self.handler == ALPACA else self._sharegpt_messages)(row, where)
@@ -198,7 +284,7 @@ class PairwiseEncoder(SampleEncoder):
             raise row
         if not isinstance(row, dict):
             raise not_an_object(where, row)
-        row = self._chosen_ending_the_conversation(row, where)
+        row = self._chosen_ending_the_conversation(self._explicit_pair(row, where), where)
         chosen, rejected = self._answer(row, "chosen", where), self._answer(row, "rejected", where)
         margin = self._margin(row, where)
         prompt, tools = self._chat_messages(row, where, answer=False)

@@ -50,6 +50,7 @@ from mindspeed_pack.data import kto, pairwise, process_reward, readers
 from mindspeed_pack.data.errors import SKIP_BAD_ROWS_HINT, PreprocessError, RowError
 from mindspeed_pack.data.handlers import (
     COLUMN_KEYS,
+    CONVERSATION_ELSEWHERE,
     HANDLER_NAMES,
     PRETRAIN,
     PROCESS_REWARD,
@@ -371,7 +372,8 @@ def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows:
             empty.append(f)
             continue
         for key in wanted:
-            if keys[key] not in columns:
+            elsewhere = () if key in explicit else CONVERSATION_ELSEWHERE.get(handler, {}).get(key, ())
+            if keys[key] not in columns and not (elsewhere and all(keys[k] in columns for k in elsewhere)):
                 raise PreprocessError(f"{f}: column {keys[key]!r} (--map-keys {key}) not found; "
                                       f"columns: {', '.join(map(str, columns))}")
     if len(empty) < len(files):  # all empty: the empty-input error says so
