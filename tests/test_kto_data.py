@@ -157,3 +157,43 @@ def test_without_pack_each_couple_is_its_own_document(tmp_path, run_preprocess, 
     assert sorted(key) == sorted(packed) and len(key) == ROWS
     # input order: the first row's couple is stored last (its partner takes the last completion)
     assert [e for *_, e in key] == [int(x) for x in labels[1:] + labels[:1]]
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen", "hf"])
+def test_trl_conversational_kto_rows_give_the_explicit_packs(tmp_path, run_preprocess, read_indexed, prompt_type):
+    """TRL's conversational KTO rows (``prompt`` a list of messages, ``completion`` a list of one assistant message,
+    ``label``) were refused ("column 'conversations' not found"): with no --map-keys they give, byte for byte, the
+    packs and labels of the same conversations in OpenAI ``messages``."""
+    rows, _, _ = _rows("openai", 8)
+    trl = [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:], "label": r["kto_tag"]} for r in rows]
+    extra = {"chat_template": str(TEMPLATES / "qwen2_5.jinja")} if prompt_type == "hf" else {}
+    packs = []
+    for name, data, keys in (("explicit", rows, {"map_keys": json.dumps(OPENAI_KEYS)}), ("trl", trl, {})):
+        code, _, err = run_preprocess(input=toy.write_dataset(tmp_path / f"{name}.jsonl", data),
+                                      output_prefix=tmp_path / name, handler_name="SharegptStyleKTOHandler",
+                                      prompt_type=prompt_type, seq_length=512, pack=True, neat_pack=True, **keys,
+                                      **extra)
+        assert code == 0, err
+        packs.append([x.tolist() for k in ("input_ids_document", "attention_mask_document", "labels_document",
+                                           "kto_labels") for x in read_indexed(f"{tmp_path / name}_packed_{k}")])
+    assert packs[0] == packs[1]
+
+
+def test_trl_kto_rows_whose_completion_is_not_one_answer_are_refused(tmp_path, run_preprocess):
+    """A completion of several messages (or a prompt given as text) is refused naming the row and what it holds,
+    never trained as a longer answer or read as another format."""
+    good = {"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}],
+            "label": True}
+    cases = (({"completion": [{"role": "assistant", "content": "a"}, {"role": "user", "content": "b"}]},
+              "field 'completion' (--map-keys completion) has 2 messages (assistant, user); a KTO completion is one "
+              "assistant message"),
+             ({"completion": [{"role": "user", "content": "b"}]},
+              "field 'completion' (--map-keys completion) has 1 messages (user)"),
+             ({"prompt": "q"}, "field 'prompt' (--map-keys prompt) must be a list of messages, the prompt (TRL's "
+                               "conversational KTO rows), got \"q\"; for TRL's standard rows"))
+    for n, (bad, needle) in enumerate(cases):
+        data = toy.write_dataset(tmp_path / f"bad{n}.jsonl", [good, good, {**good, **bad}])
+        code, _, err = run_preprocess(input=data, output_prefix=tmp_path / f"k{n}",
+                                      handler_name="SharegptStyleKTOHandler", prompt_type="qwen", seq_length=512,
+                                      pack=True, neat_pack=True)
+        assert code == 2 and f"bad{n}.jsonl: line 3: {needle}" in err, err

@@ -116,12 +116,13 @@ for _kto, _base in KTO_BASE.items():  # the base handler's keys plus the row's l
     REQUIRED_COLUMNS[_kto] = REQUIRED_COLUMNS[_base] + ("label",)
     COLUMN_KEYS[_kto] = COLUMN_KEYS[_base] + ("label",)
 # TRL's and the hub's conversational rows (OpenAI messages): a pair's prompt as its own ``prompt`` list, or inside
-# chosen/rejected given as whole conversations (the implicit prompt)
-for _handler, _keys in ((SHAREGPT_PAIRWISE, ("prompt",)),):
+# chosen/rejected given as whole conversations (the implicit prompt); a KTO row's ``prompt`` list and ``completion``
+for _handler, _keys in ((SHAREGPT_PAIRWISE, ("prompt",)), (SHAREGPT_KTO, ("prompt", "completion"))):
     DEFAULT_MAP_KEYS[_handler].update({k: k for k in _keys})
     COLUMN_KEYS[_handler] += _keys
 # a required conversation column a file may lack when it has these columns, which then carry the conversation
-CONVERSATION_ELSEWHERE = {SHAREGPT_PAIRWISE: {"messages": ("chosen",)}}
+CONVERSATION_ELSEWHERE = {SHAREGPT_PAIRWISE: {"messages": ("chosen",)},
+                          SHAREGPT_KTO: {"messages": ("prompt", "completion")}}
 # MindSpeed-LLM's OpenAIInstructionHandler: ShareGPT rows under OpenAI's names (its defaults), read as such
 OPENAI = "OpenAIInstructionHandler"
 OPENAI_MAP_KEYS = {"messages": "messages", "role_tag": "role", "content_tag": "content", "user_tag": "user",

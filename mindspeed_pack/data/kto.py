@@ -3,7 +3,8 @@
 Handlers (the instruction handlers' rows plus a ``label`` column, ``--map-keys '{"label": "kto_tag"}'`` for
 LLaMA-Factory's name): ``AlpacaStyleKTOHandler`` (``instruction`` + ``input`` -> ``output``) and
 ``SharegptStyleKTOHandler`` (``conversations`` ending with the answer; OpenAI ``messages`` through the
-ShareGPT handler's ``--map-keys``). A label is ``true`` (desirable) or ``false`` (undesirable): a JSON/Parquet
+ShareGPT handler's ``--map-keys``; TRL's conversational rows, ``prompt`` a list of messages and ``completion`` a list
+of one assistant message, without any). A label is ``true`` (desirable) or ``false`` (undesirable): a JSON/Parquet
 boolean, 0/1, or the text ``true``/``false`` (CSV); anything else, or none, is a :class:`RowError` naming the
 file, row and field. As for preference pairs, only the final answer is trained (earlier turns are context),
 and a sample is never truncated.
@@ -24,13 +25,14 @@ segment (1 desirable, 0 undesirable, -1 a KL partner) to ``P_packed_kto_labels``
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from mindspeed_pack.data.errors import BAD_MISSING_FIELD, BAD_TYPE, PreprocessError, RowError
-from mindspeed_pack.data.handlers import KTO_BASE, SKIP_EMPTY, EncodedChunk, SampleEncoder, chat_order_skip
-from mindspeed_pack.data.pairwise import final_answer_only
+from mindspeed_pack.data.handlers import ALPACA, KTO_BASE, SKIP_EMPTY, EncodedChunk, SampleEncoder, chat_order_skip
+from mindspeed_pack.data.pairwise import final_answer_only, in_mapped_tags
 from mindspeed_pack.data.readers import not_an_object
 
 SKIP_TOO_LONG = "KTO sample with its KL partner longer than --seq-length"
@@ -84,10 +86,38 @@ class KTOEncoder(SampleEncoder):
             raise not_an_object(where, row)
         return self.label(row, where)
 
+    def _conversation(self, row: dict, where: str) -> dict:
+        """A ShareGPT KTO row without its conversation column read from TRL's conversational KTO columns: ``prompt``
+        (a list of messages) followed by ``completion`` (a list of one assistant message), OpenAI's role/content
+        names read under the handler's. A row with the conversation column is read as it always was."""
+        if self.handler == ALPACA:
+            return row
+        conversation, prompt_column, completion_column = (self.keys[k] for k in ("messages", "prompt", "completion"))
+        if conversation in row or not {prompt_column, completion_column} & set(row):
+            return row
+        prompt, completion = row.get(prompt_column), row.get(completion_column)
+        if isinstance(completion, dict):
+            completion = [completion]
+        for key, value, what in (("prompt", prompt, "a list of messages, the prompt"),
+                                 ("completion", completion, "a list of one assistant message, the answer")):
+            if not (isinstance(value, list) and value and all(isinstance(m, dict) for m in value)):
+                raise RowError(f"{where}: field {self.keys[key]!r} (--map-keys {key}) "
+                               f"must be {what} (TRL's conversational KTO rows), got "
+                               f"{json.dumps(value, default=str)[:80]}; for TRL's standard rows (prompt and completion "
+                               "as text) use --handler-name AlpacaStyleKTOHandler --map-keys "
+                               "'{\"prompt\": \"prompt\", \"response\": \"completion\"}'", BAD_TYPE)
+        role = completion[0].get(self.keys["role_tag"], completion[0].get("role"))
+        if len(completion) != 1 or role not in {self.keys["assistant_tag"], "assistant"}:
+            roles = ", ".join(str(m.get(self.keys["role_tag"], m.get("role"))) for m in completion)
+            raise RowError(f"{where}: field {completion_column!r} (--map-keys completion) has {len(completion)} "
+                           f"messages ({roles}); a KTO completion is one assistant message, the answer the label "
+                           "judges (earlier turns belong in the prompt)", BAD_TYPE)
+        return {**row, conversation: in_mapped_tags(prompt + completion, self.keys)}
+
     # JSON templates: the base plan, the final answer trained
     def plan_row(self, row, where: str, texts: list):
         desirable = self._checked(row, where)
-        plan, skip = super().plan_row(row, where, texts)
+        plan, skip = super().plan_row(self._conversation(row, where), where, texts)
         return (None, skip) if plan is None else ((desirable, where, final_answer_only(plan)), None)
 
     def finish_row(self, plan, encoded: list):
@@ -100,7 +130,7 @@ class KTOEncoder(SampleEncoder):
     # --prompt-type hf: the conversation rendered by the model's template, its last message trained
     def plan_chat_row(self, row, where: str, texts: list):
         desirable = self._checked(row, where)
-        messages, tools = self._chat_messages(row, where)
+        messages, tools = self._chat_messages(self._conversation(row, where), where)
         if all(m["role"] == "system" for m in messages):
             return None, SKIP_EMPTY
         skip = chat_order_skip(messages)  # the JSON templates' rules: roles in order, an answer last
