@@ -296,6 +296,8 @@ def test_implicit_pairs_that_are_not_one_prompt_and_two_answers_are_refused(tmp_
         ({"chosen": [user("q"), assistant("a")], "rejected": "b"}, "field 'rejected' must be a conversation"),
         ({"chosen": [user("q"), assistant(None, tool_calls=[{"type": "function", "function": {"name": "f"}}])],
           "rejected": [user("q"), assistant("b")]}, "field 'chosen' (--map-keys chosen) has 'tool_calls'"),
+        ({"prompt": "q", "chosen": "a", "rejected": "b"},
+         "TRL's standard rows (all text) are --handler-name AlpacaStylePairwiseHandler --map-keys"),
     )
     extra = {"chat_template": str(TEMPLATES / "qwen2_5.jinja")} if prompt_type == "hf" else {}
     for n, (row, needle) in enumerate(cases):

@@ -231,10 +231,12 @@ class PairwiseEncoder(SampleEncoder):
         if conversation not in row and isinstance(prompt, list):  # TRL's explicit prompt, a list of messages
             return {**row, conversation: in_mapped_tags(prompt, self.keys)}
         if conversation not in row and names[0] in row:  # (ms-swift's rows end the conversation with the answer)
+            fields = ", ".join(map(str, row)) or "no fields"
             raise RowError(f"{where}: missing field {conversation!r} (--map-keys messages), the prompt's messages; "
                            f"or give TRL's {self.keys['prompt']!r} (--map-keys prompt) as a list of messages, or "
                            f"{names[0]!r} and {names[1]!r} as whole conversations sharing the prompt (TRL's implicit "
-                           f"prompt); the row has: {', '.join(map(str, row)) or 'no fields'}", BAD_MISSING_FIELD)
+                           f"prompt); TRL's standard rows (all text) are --handler-name AlpacaStylePairwiseHandler "
+                           f"--map-keys '{{\"prompt\": \"prompt\"}}'; the row has: {fields}", BAD_MISSING_FIELD)
         return row
 
     def _chosen_ending_the_conversation(self, row: dict, where: str) -> dict:
