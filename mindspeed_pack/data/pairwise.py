@@ -6,7 +6,7 @@ Handlers (MindSpeed-LLM's names; LLaMA-Factory's ranking format):
   ``history``, and the two answers ``chosen`` / ``rejected``.
 * ``SharegptStylePairwiseHandler``: ``conversations`` ending with the user's turn, and
   ``chosen`` / ``rejected``, each a message ``{"from": "gpt", "value": ...}``, a list of one (TRL's
-  conversational pairs with an explicit prompt: ``--map-keys '{"messages": "prompt"}'``) or a string; or (ms-swift's
+  conversational pairs with an explicit prompt, below) or a string; or (ms-swift's
   rows) the conversation ending with the chosen answer, no ``chosen`` column, and the rejected answer
   (``--map-keys '{"rejected": "rejected_response"}'``). Without the conversation column, TRL's and the hub's rows
   (OpenAI messages, no ``--map-keys`` needed): TRL's explicit ``prompt`` (a list of messages), or ``chosen`` and
