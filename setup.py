@@ -3,8 +3,28 @@
 The pybind11 extension ``mindspeed_pack._helpers`` (packing and the training sample index)
 is compiled here, at install time, so nothing is ever built at run time.
 """
+import os
+
 from pybind11.setup_helpers import Pybind11Extension, build_ext
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+
+# the chat templates live where MindSpeed-LLM keeps them (configs/finetune/templates.json); an installed package
+# has no configs/, so each build copies the file into the package (mindspeed_pack.data.templates reads either)
+TEMPLATES = os.path.join("configs", "finetune", "templates.json")
+
+
+
+class build_py_with_templates(build_py):
+    """build_py that also ships configs/finetune/templates.json as mindspeed_pack/data/templates.json."""
+
+    def run(self):
+        super().run()
+        if not getattr(self, "editable_mode", False):  # an editable install reads the checkout's configs/
+            target = os.path.join(self.build_lib, "mindspeed_pack", "data", "templates.json")
+            self.mkpath(os.path.dirname(target))
+            self.copy_file(TEMPLATES, target)
+
 
 ext_modules = [
     Pybind11Extension(
@@ -40,7 +60,7 @@ setup(
     packages=find_packages(include=["mindspeed_pack", "mindspeed_pack.*"]),
     package_data={"mindspeed_pack": ["csrc/*.cpp", "csrc/*.h"]},
     ext_modules=ext_modules,
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": build_ext, "build_py": build_py_with_templates},
     python_requires=">=3.10",
     install_requires=install_requires,
     extras_require={

@@ -133,3 +133,22 @@ def test_truncation_shares_budget_per_turn():
     assert cut and len(turns) == 2 and sum(len(x) + len(y) for x, y in turns) == 20
     turns, cut = truncate_turns([(p[:5], a[:5])], 20)
     assert not cut and turns == [(p[:5], a[:5])]
+
+
+def test_installed_package_ships_its_templates(tmp_path):
+    """``pip install .`` copies the package without configs/: the build must ship templates.json beside
+    ``mindspeed_pack.data.templates``, or every --prompt-type NAME of an installed package is 'not found'."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    lib = tmp_path / "lib"
+    subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)], cwd=repo, check=True,
+                   capture_output=True)
+    probe = ("from mindspeed_pack.data import templates; print(templates.DEFAULT_TEMPLATES_PATH); "
+             "print(templates.get_template('qwen').name)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(lib)},
+                         check=True, capture_output=True, text=True).stdout.split()
+    assert out == [str(lib / "mindspeed_pack" / "data" / "templates.json"), "qwen"]

@@ -44,7 +44,16 @@ from typing import Optional, Union
 from mindspeed_pack.data.chat_messages import function_call_content
 from mindspeed_pack.data.errors import PreprocessError, RowError
 
-DEFAULT_TEMPLATES_PATH = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "templates.json"
+
+def _default_templates_path() -> Path:
+    """configs/finetune/templates.json of the checkout; an installed package has no configs/: its build copies
+    the file beside this module."""
+    installed = Path(__file__).resolve().parent / "templates.json"
+    checkout = Path(__file__).resolve().parents[2] / "configs" / "finetune" / "templates.json"
+    return installed if installed.is_file() else checkout
+
+
+DEFAULT_TEMPLATES_PATH = _default_templates_path()
 
 Slot = Union[str, dict]
 USER, ASSISTANT, OBSERVATION, FUNCTION = "user", "assistant", "observation", "function"
