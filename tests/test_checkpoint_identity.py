@@ -117,6 +117,52 @@ def test_a_megatron_load_fills_the_model_flags_it_records(made):
     assert args.flag_sources["seq_length"][1] == "given"
 
 
+def _as_megatron_lm_checkpoint(release: str, root: str) -> str:
+    """``release``'s weights as a Megatron-LM run under Transformer Engine saves them: its parsed flags as a
+    Namespace (``add_bias_linear``, the dest of --disable-bias-linear; no family), TE's fused layer-norm names and
+    ``_extra_state`` entries, iteration 100."""
+    import argparse
+
+    record = torch.load(_rank_file(release), weights_only=True)
+    recorded = {k: v for k, v in record["args"].items() if k not in ("disable_bias_linear", "model_type_hf")}
+    te_names = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    model = {}
+    for name, tensor in record["model"].items():
+        for local, te in te_names.items():
+            name = name.replace(local, te)
+        model[name] = tensor
+        if name.endswith(("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")):
+            model[name[: -len("weight")] + "_extra_state"] = torch.empty(0, dtype=torch.uint8)
+    path = layout.checkpoint_file(root, 100, 0, 0, 1)
+    os.makedirs(os.path.dirname(path))
+    torch.save({"args": argparse.Namespace(**recorded, add_bias_linear=False, transformer_impl="transformer_engine"),
+                "checkpoint_version": 3.0, "iteration": 100, "model": model}, path)
+    with open(os.path.join(root, layout.TRACKER), "w") as f:
+        f.write("100")
+    return root
+
+
+def test_a_megatron_lm_checkpoint_loads_with_no_model_flag(made, tmp_path):
+    """Megatron-LM records --disable-bias-linear as add_bias_linear=False and, under TE, saves the norms fused into
+    the linears: the model was built with linear biases and the load refused the names."""
+    from mindspeed_pack.checkpoint.save_load import load_weights
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.model.gpt import build_gpt_model
+    from tests.model_utils import init_single_process
+
+    ckpt = _as_megatron_lm_checkpoint(made["policy"], str(tmp_path / "megatron_lm"))
+    args = parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", made["data"], "--load", ckpt,
+                       "--finetune", "--attention-backend", "local"], world_size=1)
+    assert args.disable_bias_linear and args.flag_sources["disable_bias_linear"][1] == "checkpoint"
+    init_single_process()
+    model = build_gpt_model(args)
+    load_weights(args, ckpt, model)
+    release = torch.load(_rank_file(made["policy"]), weights_only=True)["model"]
+    loaded = layout.model_state_for_save(model)
+    assert sorted(loaded) == sorted(release) and all(torch.equal(loaded[k], release[k]) for k in release)
+
+
 @pytest.mark.parametrize("form", ["megatron", "hf"])
 def test_ref_load_refuses_a_reference_of_another_model(made, form):
     """As a DPO reference the same checkpoint silently took the policy's settings."""

@@ -435,7 +435,9 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
                               "(its optimizer state has no score head): pass --finetune to start the reward model "
                               "from its weights")
     _check_tokenizer(args, state.get("tokenizer"), source, policy=flag in POLICY_FLAGS)
-    model = _without_output_layer(state["model"]) if fresh else state["model"]
+    # a Megatron-LM run under Transformer Engine saves TE's fused layer-norm names and _extra_state entries
+    model = layout.to_canonical_names(state["model"])
+    model = _without_output_layer(model) if fresh else model
     weights = layout.to_backend_names(model, module.attention_backend, module.state_dict().keys())
     _check_shapes(path, module, weights, fresh)
     module.load_state_dict(weights, strict=False)

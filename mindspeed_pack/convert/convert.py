@@ -174,12 +174,9 @@ class MegatronCheckpoint:
         self._loaded: Dict[tuple, dict] = {}
         first = self._file(0, 0)
         first_path = self.files[(0, 0, 0)]
-        stored = first.get("args")
-        if stored is None:
+        if first.get("args") is None:
             raise ConversionError(f"{first_path}: no 'args' entry")
-        if isinstance(stored, argparse.Namespace):
-            stored = vars(stored)
-        self.args = args_from_dict(stored, first_path)
+        self.args = args_from_dict(layout.args_of(first), first_path)
         saved = (self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size,
                  self.args.expert_model_parallel_size)
         if saved != (self.tp, self.pp, self.ep):

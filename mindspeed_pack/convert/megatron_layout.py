@@ -243,9 +243,14 @@ def _saved_expert_parallel_size(path: str, allow_unsafe: bool) -> int:
 
 
 def args_of(record: dict) -> dict:
-    """The arguments a checkpoint file records, as a dict (Megatron-LM's files hold a Namespace)."""
+    """The arguments a checkpoint file records, as a dict (Megatron-LM's files hold a Namespace). Megatron-LM stores
+    --disable-bias-linear under its dest, ``add_bias_linear``: read as ``disable_bias_linear``, or a --load of its
+    checkpoint builds linear biases the file does not hold."""
     saved = record.get("args") or {}
-    return saved if isinstance(saved, dict) else vars(saved)
+    saved = saved if isinstance(saved, dict) else vars(saved)
+    if "disable_bias_linear" not in saved and isinstance(saved.get("add_bias_linear"), bool):
+        saved = {**saved, "disable_bias_linear": not saved["add_bias_linear"]}
+    return saved
 
 
 def first_rank_file(root: str) -> Optional[str]:
