@@ -215,6 +215,25 @@ def test_hf_megatron_hf_round_trip_is_bit_identical(work, name, tp, pp):
     assert os.path.isfile(os.path.join(back, "generation_config.json"))
 
 
+def test_a_checkpoint_recording_mindspeed_llms_family_name_converts_to_hf(work, tmp_path):
+    """MindSpeed-LLM's converter records its own --model-type-hf (qwen25), and a run that loads its checkpoint
+    records it in turn: mg->hf refused it as an unknown family, even with --model-type-hf qwen25 given."""
+    import glob
+    import shutil
+
+    mg = str(tmp_path / "mg")
+    shutil.copytree(work["mg"][("qwen2", *LAYOUTS[0])], mg)
+    for path in sorted(glob.glob(os.path.join(mg, RELEASE, "mp_rank_*", "model_optim_rng.pt"))):
+        record = torch.load(path, weights_only=True)
+        record["args"]["model_type_hf"] = "qwen25"
+        torch.save(record, path)
+    megatron_to_hf(mg, str(tmp_path / "hf"))
+    original = load_file(os.path.join(work["hf"]["qwen2"], "model.safetensors"))
+    restored = load_file(os.path.join(tmp_path / "hf", "model.safetensors"))
+    assert sorted(original) == sorted(restored) and all(torch.equal(t, restored[k]) for k, t in original.items())
+    assert json.load(open(tmp_path / "hf" / "config.json"))["architectures"] == ["Qwen2ForCausalLM"]
+
+
 def test_hf_output_loads_in_transformers_with_same_logits(work):
     import transformers
 

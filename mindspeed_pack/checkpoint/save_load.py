@@ -40,7 +40,7 @@ from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.checkpoint.rank_files import is_shard_writer, rank_dir_name_here, tp_pp_ranks
 from mindspeed_pack.convert import hf_io
 from mindspeed_pack.convert import megatron_layout as layout
-from mindspeed_pack.convert.model_specs import training_model_args
+from mindspeed_pack.convert.model_specs import recorded_family, training_model_args
 from mindspeed_pack.convert.tokenizer_record import read_tokenizer_record
 from mindspeed_pack.convert.weight_map import MG_OUTPUT, MG_SCORE
 from mindspeed_pack.model import lora
@@ -513,7 +513,7 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
                     if uncommitted else "")
         return 0, 0
     iteration, it_dir, path, state = load_weights(args, root, model[0].module, flag)
-    args.loaded_model_type_hf = layout.args_of(state).get("model_type_hf")
+    args.loaded_model_type_hf = recorded_family(layout.args_of(state).get("model_type_hf"))
     args.loaded_sliding_window = layout.args_of(state).get("sliding_window")
     release = iteration == layout.RELEASE
     if finetune or release or args.no_load_optim:

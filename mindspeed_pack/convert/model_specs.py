@@ -281,6 +281,12 @@ def show_setting(value) -> str:
 MINDSPEED_MODEL_TYPES = {"qwen25": "qwen2", "qwen3-moe": "qwen3_moe", "llama2": "llama"}
 
 
+def recorded_family(name: Optional[str]) -> Optional[str]:
+    """A checkpoint's recorded ``model_type_hf`` as MODEL_SPECS names it: MindSpeed-LLM's converter records its own
+    --model-type-hf (qwen25, llama2, qwen3-moe), which a run that loads it records in turn."""
+    return MINDSPEED_MODEL_TYPES.get(name, name)
+
+
 def get_spec(model_type_hf: str) -> ModelSpec:
     try:
         return MODEL_SPECS[model_type_hf]
@@ -581,6 +587,7 @@ def args_from_dict(stored: dict, where: str) -> argparse.Namespace:
                               "or a trainer that stores the model-shape arguments")
     args = argparse.Namespace(**{k: stored[k] for k in MODEL_ARG_NAMES},
                               **{k: stored.get(k, default) for k, default in OPTIONAL_MODEL_ARGS.items()})
+    args.model_type_hf = recorded_family(args.model_type_hf)
     if args.kv_channels is None:  # a training run without --kv-channels (before it was filled in)
         args.kv_channels = args.hidden_size // args.num_attention_heads
     return args
