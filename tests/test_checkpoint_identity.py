@@ -117,6 +117,25 @@ def test_a_megatron_load_fills_the_model_flags_it_records(made):
     assert args.flag_sources["seq_length"][1] == "given"
 
 
+@pytest.mark.parametrize("form", ["megatron", "hf"])
+def test_use_checkpoint_args_lets_the_checkpoint_override_the_flags(made, capsys, caplog, form):
+    """Megatron-LM's --use-checkpoint-args (its scripts pass the model flags and it): 'unrecognized arguments'
+    here. The checkpoint's values replace those given, warned; without --load it is refused by name."""
+    from mindspeed_pack.config.arguments import parse_args
+
+    load = made["rope"] if form == "megatron" else os.path.join(os.path.dirname(made["rope"]), "hf")
+    with caplog.at_level(logging.WARNING):
+        args = parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", made["data"], "--load", load,
+                           "--finetune", "--norm-epsilon", "1e-6", "--num-layers", "2", "--use-checkpoint-args"],
+                          world_size=1)
+    assert (args.norm_epsilon, args.rotary_base, args.num_layers) == (0.1, 10000, 2)
+    assert "--use-checkpoint-args: the " in caplog.text and "--norm-epsilon 1e-06 but " in caplog.text
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", made["data"], *TINY_FLAGS,
+                    "--use-checkpoint-args"], world_size=1)
+    assert "--use-checkpoint-args takes the model flags from --load's checkpoint: pass --load" in capsys.readouterr().err
+
+
 def _as_megatron_lm_checkpoint(release: str, root: str) -> str:
     """``release``'s weights as a Megatron-LM run under Transformer Engine saves them: its parsed flags as a
     Namespace (``add_bias_linear``, the dest of --disable-bias-linear; no family), TE's fused layer-norm names and

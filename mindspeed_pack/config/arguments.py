@@ -443,6 +443,10 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer files) to DIR (must not exist or be empty)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true", help="load weights only and reset the iteration")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="Megatron-LM's: the model flags come from --load (the arguments a Megatron checkpoint "
+                        "records, a Hugging Face directory's config.json) with or without it; with it, a model flag "
+                        "given with another value takes the checkpoint's (warned) instead of being refused")
     g.add_argument("--overwrite-output-dir", action="store_true",
                    help="start over in --save, removing the checkpoints it holds (and its fine-tuning default "
                         "--save-hf SAVE/hf). Without it a run that starts from --load's weights (a Hugging Face "
@@ -872,6 +876,8 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
         from_peft = peft_flags.fill_lora_flags(args, given)  # a PEFT --lora-load states its LoRA settings
         if args.lora_r is None and args.lora_target_modules is not None:
             args.lora_r = LORA_DEFAULT_RANK  # LoRA is on (lora.trains_adapters) from here on
+        if args.use_checkpoint_args and not args.load:
+            raise ArgumentError("--use-checkpoint-args takes the model flags from --load's checkpoint: pass --load")
         before = dict(vars(args))
         hf_flags.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
         from_hf, before = _changed(before, args), dict(vars(args))

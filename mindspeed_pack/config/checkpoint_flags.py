@@ -92,9 +92,13 @@ def fill_model_args(args, explicit: set) -> None:
     given = [k for k in keys if k in explicit]
     disagree = [f"{flag_of(key)} {show_setting(mine)} but {path} records {flag_of(key)} {show_setting(theirs)}"
                 for key, theirs, mine in model_differences(recorded, args, given)]
-    if disagree:
+    if disagree and not getattr(args, "use_checkpoint_args", False):
         raise ArgumentError("model flags disagree with the --load checkpoint (drop them, or pass its values): "
                             + "; ".join(disagree))
+    if disagree:  # Megatron-LM's --use-checkpoint-args: the checkpoint's arguments override the flags
+        log.warning("--use-checkpoint-args: the --load checkpoint's values replace the flags given: %s",
+                    "; ".join(disagree))
+        given = []
     filled = [k for k in keys if k not in given]
     for key in filled:
         setattr(args, key, recorded[key])

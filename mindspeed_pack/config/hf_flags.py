@@ -63,9 +63,12 @@ def fill_model_args(args, explicit: set) -> argparse.Namespace:
     for key, value in vars(model).items():
         if key not in RUN_LAYOUT_ARGS:
             setattr(args, key, value)
-    if disagree:
+    if disagree and not getattr(args, "use_checkpoint_args", False):
         raise ArgumentError("model flags disagree with the Hugging Face config (drop them, or pass the config's "
                             "values): " + "; ".join(disagree))
+    if disagree:  # Megatron-LM's --use-checkpoint-args: config.json's values (set above) override the flags
+        log.warning("--use-checkpoint-args: the Hugging Face config's values replace the flags given: %s",
+                    "; ".join(disagree))
     # dropout is the HF model's own (its config's attention_dropout; transformers' decoders have no hidden
     # dropout), not Megatron-LM's 0.1 defaults, unless the flags are given
     if "attention_dropout" not in explicit:
