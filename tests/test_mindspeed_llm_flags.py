@@ -299,6 +299,26 @@ def test_convert_takes_mindspeed_llms_family_names_and_refuses_its_layouts(tiny_
         assert not (tmp_path / "refused").exists()
 
 
+def test_convert_takes_num_layer_list_naming_the_even_split(tiny_hf, tmp_path, capsys):
+    """Its hf2mcore scripts' --num-layer-list 1,1 for 2 layers at PP 2 is the split written anyway: posttrain.py
+    took it, the converter refused it as 'uneven'."""
+    import os
+
+    from mindspeed_pack.convert.convert import main as convert_main
+    from mindspeed_pack.convert.megatron_layout import checkpoint_file
+
+    hf2mg = ["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", tiny_hf,
+             "--target-pipeline-parallel-size", "2"]
+    mg = str(tmp_path / "mg")
+    assert convert_main([*hf2mg, "--num-layer-list", "1,1", "--save-dir", mg]) == 0
+    assert os.path.isfile(checkpoint_file(mg, "release", 0, 1, 2))
+    assert convert_main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--num-layer-list",
+                         "1,1", "--save-dir", str(tmp_path / "hf")]) == 0
+    capsys.readouterr()
+    assert convert_main([*hf2mg, "--num-layer-list", "2,0", "--save-dir", str(tmp_path / "uneven")]) == 2
+    assert "--num-layer-list 2,0: uneven" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- running MindSpeed-LLM's scripts
 def test_max_position_embeddings_of_a_rope_model_is_not_compared(data, tiny_hf):
     """MindSpeed-LLM's scripts pass --max-position-embeddings ${SEQ_LENGTH}, below the config's (Qwen3: 40960): RoPE

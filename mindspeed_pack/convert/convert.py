@@ -709,7 +709,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
                    help="experts are split like the other weights: only --target-tensor-parallel-size's value")
     for flag in _REFUSED_LAYOUTS:
-        g.add_argument(flag, default=None, help="refused: uneven or virtual pipeline stages are not built here")
+        g.add_argument(flag, default=None, help="refused: uneven or virtual pipeline stages are not built here"
+                       + (" (the even split is accepted)" if flag == "--num-layer-list" else ""))
     # its first converter's (convert_ckpt.py, not _v2): accepted, the family's config.json decides the layout
     g.add_argument("--use-mcore-models", action="store_true", help="accepted: checkpoints are megatron-core's")
     g.add_argument("--model-type", choices=["GPT"], default=None, help="accepted: GPT models only")
@@ -753,6 +754,22 @@ def _loaded_family(args) -> Optional[str]:
         return None  # the conversion itself names what is wrong with --load-dir
 
 
+def _even_layer_list(args, value: str) -> bool:
+    """Whether ``--num-layer-list`` names the even split of --load-dir's layers over the written (hf->mg, mg->mg) or
+    read (mg->hf) pipeline stages: ``1,1`` for 2 layers at PP 2, the split built anyway."""
+    try:
+        counts = [int(n) for n in value.split(",")]
+        if args.load_model_type == "hf":
+            layers = hf_io.read_config(args.load_dir)["num_hidden_layers"]
+        else:
+            source = MegatronCheckpoint(args.load_dir, args.allow_unsafe_checkpoint_load)
+            layers = source.args.num_layers
+        stages = args.target_pipeline_parallel_size if args.save_model_type == "mg" else source.pp
+    except (ConversionError, OSError, ValueError, KeyError, TypeError):
+        return False  # refused as uneven; the conversion names what is wrong with --load-dir
+    return len(counts) == stages and sum(counts) == layers and len(set(counts)) == 1
+
+
 def _mindspeed_flags(args) -> None:
     """MindSpeed-LLM's converter flags: translated to ours, or refused by name."""
     given = args.model_type_hf
@@ -782,6 +799,8 @@ def _mindspeed_flags(args) -> None:
                  "tokenizer beside the weights", original, args.save_dir)
     for flag in _REFUSED_LAYOUTS:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if flag == "--num-layer-list" and value is not None and _even_layer_list(args, value):
+            continue  # the stages the pipeline size gives (posttrain.py takes it too)
         if value is not None:
             raise ConversionError(f"{flag} {value}: uneven or virtual pipeline stages are not built here; "
                                   "--num-layers must divide over --target-pipeline-parallel-size")
