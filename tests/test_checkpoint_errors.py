@@ -1,5 +1,6 @@
 """Bad checkpoints and data get errors that say what and where, and nothing is overwritten."""
 import os
+import re
 import shutil
 
 import pytest
@@ -105,6 +106,38 @@ def test_other_parallel_layout_points_to_the_converter(saved, tmp_path):
     with pytest.raises(CheckpointError, match=r"saved at TP=1, PP=2 but this run uses TP=1, PP=1.*convert_ckpt.py "
                                               r"--load-model-type mg --save-model-type mg"):
         posttrain.main(argv(saved[0], "--load", ckpt))
+
+
+def test_a_megatron_lm_distributed_checkpoint_is_named_with_its_conversion(saved, tmp_path, capsys):
+    """Megatron-LM's default --ckpt-format torch_dist writes no mp_rank_* files: the load said 'no mp_rank_*
+    directories; not a Megatron checkpoint' (without model flags: 'missing required arguments'), the converter
+    raised a FileNotFoundError, and --ckpt-format torch_dist was argparse's bare 'invalid choice'."""
+    from mindspeed_pack.convert.convert import main as convert_main
+
+    ckpt = str(tmp_path / "torch_dist")
+    it_dir = layout.iteration_dir(ckpt, 10)
+    os.makedirs(it_dir)
+    for name in ("__0_0.distcp", "__1_0.distcp", ".metadata", "common.pt"):
+        open(os.path.join(it_dir, name), "wb").close()
+    with open(os.path.join(it_dir, "metadata.json"), "w") as f:
+        f.write('{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    layout.write_tracker(ckpt, 10)
+    named = (re.escape(f"{it_dir} is a Megatron-LM distributed checkpoint (--ckpt-format torch_dist), which is not "
+                       "read here") + ".*" + re.escape(f"--load {ckpt} --ckpt-convert-format torch --ckpt-convert-save "
+                                                       "NEW_DIR"))
+    with pytest.raises(CheckpointError, match=named):
+        posttrain.main(argv(saved[0], "--load", ckpt))
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", saved[0], "--load", ckpt], world_size=1)
+    assert f"--load {ckpt}: {it_dir} is a Megatron-LM distributed checkpoint" in capsys.readouterr().err
+    assert convert_main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", ckpt, "--save-dir",
+                         str(tmp_path / "hf")]) == 2
+    assert f"convert_ckpt: error: {it_dir} is a Megatron-LM distributed checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args([*TINY_FLAGS, "--seq-length", "128", "--train-iters", "1", "--data-path", saved[0],
+                    "--ckpt-format", "torch_dist"], world_size=1)
+    assert "--ckpt-format torch_dist: checkpoints are saved and loaded here in Megatron-LM's per-rank format only" \
+        in capsys.readouterr().err
 
 
 def test_checkpoint_without_optimizer_state(saved, tmp_path):

@@ -228,7 +228,7 @@ def _saved_parallel_sizes(args, it_dir: str) -> tuple:
         return layout.parallel_sizes_in(it_dir, _allow_unsafe(args))
     except FileNotFoundError as e:
         raise CheckpointError(f"{it_dir}: no mp_rank_* directories; not a Megatron checkpoint") from e
-    except layout.UnsafeCheckpointError as e:
+    except (layout.UnsafeCheckpointError, layout.DistributedCheckpointError) as e:
         raise CheckpointError(str(e)) from None
 
 

@@ -456,7 +456,9 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")
-    g.add_argument("--ckpt-format", default="torch", choices=["torch"])
+    g.add_argument("--ckpt-format", default="torch", choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"],
+                   help="torch: Megatron-LM's per-rank files (model_optim_rng.pt under mp_rank_*), the only format "
+                        "saved and loaded here; its distributed formats (torch_dist, its default) are refused by name")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="--load D --save D with no checkpoint in D yet stops instead of starting from scratch "
                         "(any other --load without a checkpoint always does)")
@@ -531,6 +533,16 @@ def _check_precision_and_parallel(args) -> None:
                             f"a multiple of --tensor-model-parallel-size {args.tensor_model_parallel_size}")
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _check_checkpoint_format(args) -> None:
+    """Megatron-LM's default --ckpt-format torch_dist, passed by its scripts, was argparse's bare 'invalid choice'."""
+    fmt = getattr(args, "ckpt_format", "torch")
+    if fmt != "torch":
+        raise ArgumentError(f"--ckpt-format {fmt}: checkpoints are saved and loaded here in Megatron-LM's per-rank "
+                            "format only (--ckpt-format torch, as MindSpeed-LLM's scripts pass): pass torch or drop "
+                            f"the flag; a {fmt} checkpoint to --load is re-saved in it by Megatron-LM's training "
+                            "script with --ckpt-convert-format torch --ckpt-convert-save NEW_DIR")
 
 
 def _check_ranges(args) -> None:
@@ -729,6 +741,7 @@ def _check_recompute(args) -> None:
 
 def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     """Check combinations and fill derived values (Megatron-LM semantics)."""
+    _check_checkpoint_format(args)
     need = ["num_layers", "hidden_size", "num_attention_heads", "seq_length"]
     missing = [f"--{n.replace('_', '-')}" for n in need if getattr(args, n) is None]
     if missing:

@@ -160,7 +160,12 @@ class MegatronCheckpoint:
         it_dir = layout.iteration_dir(load_dir, iteration)
         if not os.path.isdir(it_dir):
             raise ConversionError(f"{os.path.join(load_dir, layout.TRACKER)} names {iteration!r}, but {it_dir} does not exist")
-        self.tp, self.pp, self.ep = layout.parallel_sizes_in(it_dir, allow_unsafe)
+        try:
+            self.tp, self.pp, self.ep = layout.parallel_sizes_in(it_dir, allow_unsafe)
+        except layout.DistributedCheckpointError as e:
+            raise ConversionError(str(e)) from None
+        except FileNotFoundError as e:
+            raise ConversionError(f"{e}; not a Megatron checkpoint") from None
         self.iteration = iteration
         self.files = {}
         for pp_rank in range(self.pp):

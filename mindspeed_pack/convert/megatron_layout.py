@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 import pickle
@@ -146,6 +147,34 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """A checkpoint file that asks the unpickler for code, not data."""
 
 
+class DistributedCheckpointError(ValueError):
+    """An iteration saved in Megatron-LM's distributed format (its default ``--ckpt-format torch_dist``)."""
+
+
+def distributed_format(it_dir: str) -> Optional[str]:
+    """The ``--ckpt-format`` of a Megatron-LM distributed checkpoint in ``it_dir`` (``metadata.json``'s sharded
+    backend, or its ``*.distcp`` files), None for any other directory."""
+    try:
+        with open(os.path.join(it_dir, "metadata.json"), encoding="utf-8") as f:
+            return str(json.load(f).get("sharded_backend") or "torch_dist")
+    except (OSError, ValueError, AttributeError):
+        pass
+    return "torch_dist" if os.path.isdir(it_dir) and any(n.endswith(".distcp") for n in os.listdir(it_dir)) else None
+
+
+def refuse_distributed(it_dir: str) -> None:
+    """Megatron-LM's distributed checkpoints hold no ``mp_rank_*`` files: named, with Megatron-LM's own way to
+    re-save one in the per-rank format read here (it was 'no mp_rank_* directories; not a Megatron checkpoint')."""
+    fmt = distributed_format(it_dir)
+    if fmt:
+        root = os.path.dirname(os.path.normpath(it_dir))
+        raise DistributedCheckpointError(
+            f"{it_dir} is a Megatron-LM distributed checkpoint (--ckpt-format {fmt}), which is not read here: only "
+            "--ckpt-format torch (one model_optim_rng.pt per rank under mp_rank_*). Re-save it with Megatron-LM: its "
+            f"training script with the run's flags and --load {root} --ckpt-convert-format torch --ckpt-convert-save "
+            "NEW_DIR, then load NEW_DIR")
+
+
 UNSAFE_FLAG = "--allow-unsafe-checkpoint-load"
 
 
@@ -225,6 +254,7 @@ def parallel_sizes_in(it_dir: str, allow_unsafe: bool = False) -> tuple[int, int
             ranks.append(tuple(int(g or 0) for g in m.groups()))
             with_ep = with_ep or m.group(3) is not None
     if not ranks:
+        refuse_distributed(it_dir)
         raise FileNotFoundError(f"{it_dir}: no mp_rank_* directories")
     tp, second = max(r[0] for r in ranks) + 1, max(r[1] for r in ranks) + 1
     if with_ep:
@@ -257,7 +287,7 @@ def first_rank_file(root: str) -> Optional[str]:
     """The first rank file (TP, PP and EP rank 0) of checkpoint ``root``'s tracked iteration, whose ``args``
     record the model it holds; None where ``root`` holds no tracked iteration (a first launch's
     ``--load D --save D``) or that iteration lacks the file, for the load to report.
-    Raises ValueError for a tracker that names no iteration."""
+    Raises ValueError for a tracker that names no iteration, or an iteration in Megatron-LM's distributed format."""
     iteration = read_tracker(root) if os.path.isdir(root) else None
     if iteration is None:
         return None
@@ -266,6 +296,8 @@ def first_rank_file(root: str) -> Optional[str]:
         it_dir += ".old"
     first = sorted(n for n in os.listdir(it_dir) if re.fullmatch(r"mp_rank_00(?:_000){0,2}", n)) \
         if os.path.isdir(it_dir) else []
+    if not first:
+        refuse_distributed(it_dir)
     path = os.path.join(it_dir, first[0], "model_optim_rng.pt") if first else None
     return path if path and os.path.isfile(path) else None
 
