@@ -182,6 +182,23 @@ def test_a_megatron_lm_checkpoint_loads_with_no_model_flag(made, tmp_path):
     assert sorted(loaded) == sorted(release) and all(torch.equal(loaded[k], release[k]) for k in release)
 
 
+def test_a_megatron_lm_checkpoint_converts_to_hf_given_its_family(made, tmp_path, capsys):
+    """A Megatron-LM run records no family and, under TE, other names: mg->hf said 'args lacks
+    ['model_type_hf']' whatever --model-type-hf was given, then knew no rule for TE's fused norm names."""
+    from safetensors.torch import load_file
+
+    from mindspeed_pack.convert.convert import main as convert_main
+
+    ckpt = _as_megatron_lm_checkpoint(made["policy"], str(tmp_path / "megatron_lm"))
+    mg2hf = ["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", ckpt]
+    assert convert_main([*mg2hf, "--save-dir", str(tmp_path / "no_family")]) == 2
+    assert "records no model family (a Megatron-LM checkpoint): pass --model-type-hf" in capsys.readouterr().err
+    assert convert_main([*mg2hf, "--model-type-hf", "qwen25", "--save-dir", str(tmp_path / "hf")]) == 0
+    original = load_file(os.path.join(os.path.dirname(made["policy"]), "hf", "model.safetensors"))
+    written = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(original) == sorted(written) and all(torch.equal(t, written[k]) for k, t in original.items())
+
+
 @pytest.mark.parametrize("form", ["megatron", "hf"])
 def test_ref_load_refuses_a_reference_of_another_model(made, form):
     """As a DPO reference the same checkpoint silently took the policy's settings."""

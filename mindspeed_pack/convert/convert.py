@@ -150,7 +150,8 @@ def _load_rank_file(path: str, allow_unsafe: bool = False) -> dict:
 class MegatronCheckpoint:
     """A Megatron checkpoint directory: its args, parallel layout, and merged units."""
 
-    def __init__(self, load_dir: str, allow_unsafe: bool = False):
+    def __init__(self, load_dir: str, allow_unsafe: bool = False, family: Optional[str] = None):
+        """``family``: --model-type-hf as given, for a checkpoint that records none (Megatron-LM's own)."""
         self.allow_unsafe = allow_unsafe
         if not os.path.isdir(load_dir):
             raise ConversionError(f"--load-dir {load_dir}: not a directory")
@@ -181,7 +182,13 @@ class MegatronCheckpoint:
         first_path = self.files[(0, 0, 0)]
         if first.get("args") is None:
             raise ConversionError(f"{first_path}: no 'args' entry")
-        self.args = args_from_dict(layout.args_of(first), first_path)
+        stored = layout.args_of(first)
+        if stored.get("model_type_hf") is None:  # a Megatron-LM run's checkpoint: its flags name no family
+            if family is None:
+                raise ConversionError(f"{first_path}: records no model family (a Megatron-LM checkpoint): pass "
+                                      f"--model-type-hf ({', '.join(sorted(MODEL_SPECS))})")
+            stored = {**stored, "model_type_hf": family}
+        self.args = args_from_dict(stored, first_path)
         saved = (self.args.tensor_model_parallel_size, self.args.pipeline_model_parallel_size,
                  self.args.expert_model_parallel_size)
         if saved != (self.tp, self.pp, self.ep):
@@ -208,6 +215,8 @@ class MegatronCheckpoint:
             record = _load_rank_file(self.files[key], self.allow_unsafe)
             if "model" not in record:
                 raise ConversionError(f"{self.files[key]}: no 'model' entry")
+            # a Megatron-LM run under Transformer Engine saves TE's fused layer-norm names and _extra_state entries
+            record["model"] = layout.to_canonical_names(record["model"])
             self._loaded[key] = record
         return self._loaded[key]
 
@@ -392,7 +401,7 @@ def megatron_to_hf(
     """
     dtype = _dtype(params_dtype)
     check_save_dir(save_dir, load_dir)
-    source = MegatronCheckpoint(load_dir, allow_unsafe)
+    source = MegatronCheckpoint(load_dir, allow_unsafe, model_type_hf)
     if source.lora is not None and lora_dir is None and not source.holds_base():
         raise ConversionError(f"{load_dir} holds LoRA adapters only (a LoRA run's --save): pass their base as "
                               f"--load-dir and {load_dir} as --lora-load")
