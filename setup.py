@@ -72,6 +72,7 @@ setup(
     entry_points={
         "console_scripts": [
             "mindspeed-preprocess=mindspeed_pack.datasets.preprocess:main",
+            "mindspeed-convert-ckpt=mindspeed_pack.convert.convert:main",
             "mindspeed-compare-runs=mindspeed_pack.tools.compare_runs:main",
             "mindspeed-inspect-pack=mindspeed_pack.tools.inspect_pack:main",
         ]

@@ -251,3 +251,16 @@ def test_a_family_whose_layout_keeps_every_setting_converts(tmp_path):
     with torch.no_grad():
         assert torch.allclose(model(ids).logits, ref(ids).logits, atol=1e-5)
 
+
+
+def test_an_installed_package_has_every_script_whose_main_it_holds():
+    """pip install gave preprocess_data.py's main as mindspeed-preprocess but convert_ckpt.py's as nothing: an
+    installed package could not convert (the scripts themselves are not installed)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    entry_points = set(re.findall(r'"mindspeed-[a-z-]+=([\w.]+:main)"', (repo / "setup.py").read_text()))
+    for script in ("preprocess_data.py", "convert_ckpt.py"):
+        module = re.search(r"^from (mindspeed_pack[\w.]*) import main$", (repo / script).read_text(), re.M).group(1)
+        assert f"{module}:main" in entry_points, script
