@@ -121,6 +121,28 @@ def test_resume_of_a_checkpoint_whose_schedule_counts_iterations_is_exact(tmp_pa
     assert_steps_match(read_metrics(metrics), ref_train, range(6, 8))
 
 
+def test_ckpt_step_resumes_the_iteration_it_names(tmp_path, data, reference, capsys):
+    """Megatron-LM's --ckpt-step N (load iteration N, not the tracked one) was 'unrecognized arguments': the
+    reference's checkpoint tracks 10; --ckpt-step 5 resumes at 5 exactly, an absent step is named."""
+    import re
+
+    from mindspeed_pack.checkpoint.errors import CheckpointError
+    from mindspeed_pack.config.arguments import parse_args
+
+    ref_train, _, ckpt = reference
+    assert layout.read_tracker(ckpt) == 10
+    metrics = str(tmp_path / "m.jsonl")
+    posttrain.main(base_argv(data, metrics, "--load", ckpt, "--ckpt-step", "5", "--exit-interval", "7"))
+    assert_steps_match(read_metrics(metrics), ref_train, range(6, 8))
+    absent = f"--ckpt-step 6: {ckpt}/iter_0000006 does not exist; {ckpt} holds iter_0000005, iter_0000010"
+    with pytest.raises(CheckpointError, match=re.escape(absent)):  # the model flags given: the load names it
+        posttrain.main(base_argv(data, metrics, "--load", ckpt, "--ckpt-step", "6"))
+    with pytest.raises(SystemExit):  # none given: the flags are read from that iteration, named before
+        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", data, "--load", ckpt, "--ckpt-step",
+                    "6"], world_size=1)
+    assert absent in capsys.readouterr().err
+
+
 def test_no_load_rng_and_no_load_optim_change_the_run(tmp_path, data, reference, stopped_at_5, caplog):
     """Negative controls: RNG and optimizer state really are what makes the resume exact (--no-load-optim, which
     MindSpeed-LLM's scripts always pass, says so: it resumed without a word)."""

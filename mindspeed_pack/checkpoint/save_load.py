@@ -403,6 +403,12 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
         hint = (f"; it holds {', '.join(found[-3:])}: write the iteration to load into {layout.TRACKER}"
                 if found else "; nor is it a Hugging Face model (config.json and *.safetensors)")
         raise CheckpointError(f"{source}: no checkpoint found ({layout.TRACKER} is missing){hint}")
+    step = getattr(args, "ckpt_step", None)
+    if step is not None and flag == "--load" and root == args.load:  # Megatron-LM's --ckpt-step: not the tracked one
+        if not os.path.isdir(layout.iteration_dir(root, step)):
+            raise CheckpointError(f"--ckpt-step {step}: {layout.iteration_dir(root, step)} does not exist; {root} "
+                                  f"holds {', '.join(_saved_iterations(root)) or 'no iteration'}")
+        iteration = step
     it_dir = _iteration_dir_for_load(root, iteration, flag)
     saved_tp, saved_pp, saved_ep = _saved_parallel_sizes(args, it_dir)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

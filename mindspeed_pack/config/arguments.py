@@ -443,6 +443,9 @@ def _checkpoint_args(p: argparse.ArgumentParser) -> None:
                         "tokenizer files) to DIR (must not exist or be empty)")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--finetune", action="store_true", help="load weights only and reset the iteration")
+    g.add_argument("--ckpt-step", type=int, default=None, metavar="N",
+                   help="Megatron-LM's: load iteration N of the Megatron --load instead of the one "
+                        "latest_checkpointed_iteration.txt names")
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="Megatron-LM's: the model flags come from --load (the arguments a Megatron checkpoint "
                         "records, a Hugging Face directory's config.json) with or without it; with it, a model flag "
@@ -891,6 +894,8 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
             args.lora_r = LORA_DEFAULT_RANK  # LoRA is on (lora.trains_adapters) from here on
         if args.use_checkpoint_args and not args.load:
             raise ArgumentError("--use-checkpoint-args takes the model flags from --load's checkpoint: pass --load")
+        if args.ckpt_step is not None and not args.load:
+            raise ArgumentError(f"--ckpt-step {args.ckpt_step} picks an iteration of --load's checkpoint: pass --load")
         before = dict(vars(args))
         hf_flags.apply_hf_flags(args, parser, argv)  # a HF --load: model flags from its config.json
         from_hf, before = _changed(before, args), dict(vars(args))
@@ -898,6 +903,9 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
             from_hf.discard("load_format")
         if args.load_format == "mg":  # a Megatron --load: model flags from the arguments it records
             checkpoint_flags.fill_model_args(args, given)
+        elif args.ckpt_step is not None:
+            raise ArgumentError(f"--ckpt-step {args.ckpt_step} picks an iteration of a Megatron checkpoint; --load "
+                                f"{args.load} is a Hugging Face directory")
         from_checkpoint = _changed(before, args) | from_peft
         mindspeed_llm_flags.apply(args, given, loads_hf=args.load_format == "hf")
         model_head.apply(args)  # a reward model's score head (--stage orm, or --stage score of one)

@@ -44,8 +44,13 @@ _REQUIRED = ("num_layers", "hidden_size", "num_attention_heads")
 def read_record(args):
     """(file, its record) of ``args.load``'s tracked iteration, or None when it holds none yet."""
     root = args.load
+    step = getattr(args, "ckpt_step", None)
+    if step is not None and not os.path.isdir(layout.iteration_dir(root, step)):
+        found = sorted(n for n in os.listdir(root) if n.startswith("iter_")) if os.path.isdir(root) else []
+        raise ArgumentError(f"--ckpt-step {step}: {layout.iteration_dir(root, step)} does not exist; {root} holds "
+                            f"{', '.join(found) or 'no iteration'}")
     try:
-        path = layout.first_rank_file(root)
+        path = layout.first_rank_file(root, step)
     except ValueError as e:  # a tracker naming no iteration
         raise ArgumentError(f"--load {root}: {e}") from None
     if path is None:

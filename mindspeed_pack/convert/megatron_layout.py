@@ -283,12 +283,13 @@ def args_of(record: dict) -> dict:
     return saved
 
 
-def first_rank_file(root: str) -> Optional[str]:
-    """The first rank file (TP, PP and EP rank 0) of checkpoint ``root``'s tracked iteration, whose ``args``
-    record the model it holds; None where ``root`` holds no tracked iteration (a first launch's
-    ``--load D --save D``) or that iteration lacks the file, for the load to report.
+def first_rank_file(root: str, iteration=None) -> Optional[str]:
+    """The first rank file (TP, PP and EP rank 0) of checkpoint ``root``'s tracked iteration (or ``iteration``: a
+    --ckpt-step), whose ``args`` record the model it holds; None where ``root`` holds no tracked iteration (a first
+    launch's ``--load D --save D``) or that iteration lacks the file, for the load to report.
     Raises ValueError for a tracker that names no iteration, or an iteration in Megatron-LM's distributed format."""
-    iteration = read_tracker(root) if os.path.isdir(root) else None
+    if iteration is None:
+        iteration = read_tracker(root) if os.path.isdir(root) else None
     if iteration is None:
         return None
     it_dir = iteration_dir(root, iteration)
