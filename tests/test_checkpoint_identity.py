@@ -183,7 +183,7 @@ def test_a_megatron_lm_checkpoint_loads_with_no_model_flag(made, tmp_path):
 
 
 def test_a_megatron_lm_checkpoint_converts_to_hf_given_its_family(made, tmp_path, capsys):
-    """A Megatron-LM run records no family and, under TE, other names: mg->hf said 'args lacks
+    """A Megatron-LM run records no family and, under TE, other names: mg->hf (and mg->mg) said 'args lacks
     ['model_type_hf']' whatever --model-type-hf was given, then knew no rule for TE's fused norm names."""
     from safetensors.torch import load_file
 
@@ -197,6 +197,12 @@ def test_a_megatron_lm_checkpoint_converts_to_hf_given_its_family(made, tmp_path
     original = load_file(os.path.join(os.path.dirname(made["policy"]), "hf", "model.safetensors"))
     written = load_file(str(tmp_path / "hf" / "model.safetensors"))
     assert sorted(original) == sorted(written) and all(torch.equal(t, written[k]) for k, t in original.items())
+    # a reshard names the family too (it said to pass --model-type-hf, then did not read it), and records it
+    tp2 = str(tmp_path / "tp2")
+    assert convert_main(["--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", ckpt, "--save-dir", tp2,
+                         "--target-tensor-parallel-size", "2", "--model-type-hf", "qwen2"]) == 0
+    assert torch.load(layout.checkpoint_file(tp2, layout.RELEASE, 1, 0, 1), weights_only=True)["args"][
+        "model_type_hf"] == "qwen2"
 
 
 @pytest.mark.parametrize("form", ["megatron", "hf"])

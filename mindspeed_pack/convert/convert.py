@@ -469,9 +469,10 @@ def _recorded_tokenizer(source) -> Optional[str]:
 
 def megatron_to_megatron(
     load_dir: str, save_dir: str, tp: int, pp: int, padded_vocab_size: Optional[int] = None,
-    allow_unsafe: bool = False, tokenizer_dir: Optional[str] = None, ep: int = 1,
+    allow_unsafe: bool = False, tokenizer_dir: Optional[str] = None, ep: int = 1, model_type_hf: Optional[str] = None,
 ) -> None:
-    """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp``, EP=``ep`` (dtype kept).
+    """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp``, EP=``ep`` (dtype kept); ``model_type_hf`` names the
+    family of one that records none (a Megatron-LM run's), which the resharded checkpoint records.
 
     The padded vocabulary follows Megatron's rule for the new TP size
     (``make_vocab_size_divisible_by * tp``) when the source used that rule, else the
@@ -484,7 +485,7 @@ def megatron_to_megatron(
     what a resume needs (:mod:`.adapter_reshard`).
     """
     check_save_dir(save_dir, load_dir)
-    source = MegatronCheckpoint(load_dir, allow_unsafe)
+    source = MegatronCheckpoint(load_dir, allow_unsafe, model_type_hf)
     args = copy.copy(source.args)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size = tp, pp, ep
     args.vocab_size = vocab_rows(source, tokenizer_dir)
@@ -903,7 +904,7 @@ def main(argv=None) -> int:
             megatron_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                                  args.target_pipeline_parallel_size, args.padded_vocab_size,
                                  args.allow_unsafe_checkpoint_load, args.tokenizer_dir,
-                                 args.target_expert_parallel_size)
+                                 args.target_expert_parallel_size, args.model_type_hf)
         else:
             raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
     except ConversionError as e:
