@@ -15,7 +15,7 @@ import torch
 from mindspeed_pack.convert import ConversionError, hf_to_megatron, megatron_to_hf, megatron_to_megatron
 from mindspeed_pack.convert import convert as convert_module
 from mindspeed_pack.convert.convert import main
-from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file
+from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file, read_tracker
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +194,16 @@ def test_cli_converts_both_ways(hf_dir, tmp_path):
 
     a, b = load_file(os.path.join(hf_dir, "model.safetensors")), load_file(os.path.join(back, "model.safetensors"))
     assert all(torch.equal(t.to(torch.bfloat16), b[k]) for k, t in a.items())
+
+
+def test_the_directions_default_to_mindspeed_llms_hf_to_mg(hf_dir, mg_dir, tmp_path, capsys):
+    """MindSpeed-LLM's converter defaults --load-model-type hf --save-model-type mg: here both were required."""
+    mg = str(tmp_path / "mg")
+    assert main(["--load-dir", hf_dir, "--save-dir", mg]) == 0
+    assert read_tracker(mg) == "release"
+    assert main(["--load-dir", mg_dir, "--save-dir", str(tmp_path / "again")]) == 2
+    assert "is a Megatron checkpoint (it has latest_checkpointed_iteration.txt): pass --load-model-type mg" \
+        in capsys.readouterr().err
 
 
 def test_another_familys_name_is_refused_where_it_would_change_the_model(hf_dir, mg_dir, out):

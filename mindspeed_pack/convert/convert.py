@@ -676,8 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert checkpoints between Hugging Face and Megatron (and reshard Megatron ones, a LoRA run's "
                     "adapter checkpoint too: --load-model-type mg --save-model-type mg --load-dir SAVE).",
         allow_abbrev=False)  # MindSpeed-LLM's --model-type GPT must not be read as --model-type-hf
-    p.add_argument("--load-model-type", choices=["hf", "mg"], required=True)
-    p.add_argument("--save-model-type", choices=["mg", "hf"], required=True)
+    # MindSpeed-LLM's defaults: hf -> mg (a Megatron --load-dir given as hf is named, with the flag to pass)
+    p.add_argument("--load-model-type", choices=["hf", "mg"], default="hf", help="default: hf")
+    p.add_argument("--save-model-type", choices=["mg", "hf"], default="mg", help="default: mg")
     p.add_argument("--model-type-hf", choices=sorted({*MODEL_SPECS, *MINDSPEED_MODEL_TYPES}), default=None,
         help="architecture; default: detected from config.json (hf) or the checkpoint args (mg); MindSpeed-LLM's "
              f"names too ({', '.join(f'{k} = {v}' for k, v in sorted(MINDSPEED_MODEL_TYPES.items()))})")
