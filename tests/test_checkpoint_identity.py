@@ -182,6 +182,29 @@ def test_a_megatron_lm_checkpoint_loads_with_no_model_flag(made, tmp_path):
     assert sorted(loaded) == sorted(release) and all(torch.equal(loaded[k], release[k]) for k in release)
 
 
+def test_a_checkpoint_recording_no_model_shape_asks_for_the_model_flags(made, tmp_path, capsys):
+    """MindSpeed-LLM's converter records its own arguments (--model-type-hf qwen25, the target layout), not the
+    model's: without model flags the run said 'missing required arguments', naming neither file nor why."""
+    import argparse
+
+    from mindspeed_pack.config.arguments import parse_args
+
+    record = torch.load(_rank_file(made["policy"]), weights_only=True)
+    ckpt = str(tmp_path / "mindspeed_llm")
+    path = layout.checkpoint_file(ckpt, 1, 0, 0, 1)
+    os.makedirs(os.path.dirname(path))
+    converter = argparse.Namespace(load_model_type="hf", save_model_type="mg", model_type_hf="qwen25",
+                                   target_tensor_parallel_size=1, target_pipeline_parallel_size=1, num_layers=None)
+    torch.save({"args": converter, "checkpoint_version": 3.0, "iteration": 1, "model": record["model"]}, path)
+    layout.write_tracker(ckpt, 1)
+    run = ["--seq-length", "128", "--train-iters", "1", "--data-path", made["data"], "--load", ckpt, "--finetune"]
+    with pytest.raises(SystemExit):
+        parse_args(run, world_size=1)
+    assert (f"--load {ckpt}: {path} records no --num-layers, --hidden-size, --num-attention-heads (a checkpoint of "
+            "another tool, such as MindSpeed-LLM's converter") in capsys.readouterr().err
+    assert parse_args([*run, *TINY_FLAGS], world_size=1).num_layers == 2
+
+
 def test_a_megatron_lm_checkpoint_converts_to_hf_given_its_family(made, tmp_path, capsys):
     """A Megatron-LM run records no family and, under TE, other names: mg->hf (and mg->mg) said 'args lacks
     ['model_type_hf']' whatever --model-type-hf was given, then knew no rule for TE's fused norm names."""

@@ -94,6 +94,11 @@ def fill_model_args(args, explicit: set) -> None:
                             "they were trained with (--lora-r, --lora-alpha, --lora-target-modules)")
     recorded = layout.args_of(record)
     keys = [k for k in FILLED_ARGS if recorded.get(k) is not None]  # None: not recorded (another tool's file)
+    unknown = [k for k in missing if k not in keys]
+    if unknown:  # MindSpeed-LLM's converter records its own arguments, not the model's: 'missing required arguments'
+        raise ArgumentError(f"--load {args.load}: {path} records no {', '.join(flag_of(k) for k in unknown)} (a checkpoint "
+                            "of another tool, such as MindSpeed-LLM's converter, which records its own arguments): "
+                            "pass the model flags of the model it holds, as MindSpeed-LLM's tune scripts do")
     given = [k for k in keys if k in explicit]
     disagree = [f"{flag_of(key)} {show_setting(mine)} but {path} records {flag_of(key)} {show_setting(theirs)}"
                 for key, theirs, mine in model_differences(recorded, args, given)]
