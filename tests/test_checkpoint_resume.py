@@ -161,6 +161,31 @@ def test_no_load_rng_and_no_load_optim_change_the_run(tmp_path, data, reference,
     assert rel_err(got[7]["lm loss"], ref_train[7]["lm loss"]) > 1e-6  # ... but a fresh Adam and schedule
 
 
+def test_a_megatron_lm_rng_state_is_restored(tmp_path, data, reference, stopped_at_5):
+    """Megatron-LM's checkpoints name the RNG states random_rng_state, np_rng_state, ...: a resume of one with
+    --no-load-optim (no --no-load-rng) stopped with KeyError: 'random'. Restored, step 6 draws the same dropout."""
+    import numpy as np
+    import torch
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(stopped_at_5, ckpt)
+    path = layout.checkpoint_file(ckpt, 5, 0, 0, 1)
+    record = torch.load(path, weights_only=True)
+    names = {"random": "random_rng_state", "np": "np_rng_state", "torch": "torch_rng_state",
+             "cuda": "cuda_rng_state", "tracker": "rng_tracker_states"}
+    states = []
+    for state in record["rng_state"]:
+        version, internal, gauss = state["random"]
+        name, keys, pos, has_gauss, np_gauss = state["np"]
+        state = {**state, "random": (version, tuple(internal), gauss),
+                 "np": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, np_gauss)}
+        states.append({names[k]: v for k, v in state.items()})
+    torch.save({**record, "rng_state": states}, path)
+    metrics = str(tmp_path / "m.jsonl")
+    posttrain.main(base_argv(data, metrics, "--load", ckpt, "--no-load-optim", "--exit-interval", "6"))
+    assert rel_err(read_metrics(metrics)[6]["lm loss"], reference[0][6]["lm loss"]) <= 1e-6
+
+
 def test_the_same_command_resumes_a_run_that_saves_no_optimizer_state(tmp_path, data, reference, stopped_at_5):
     """--no-save-optim checkpoints hold no optimizer state, so the same command (torchrun's restart) could never
     resume one (it asked for --no-load-optim, then refused that as another run): it resumes with fresh Adam

@@ -87,7 +87,13 @@ def _restore_rng(states, path: str) -> None:
     _set_rng_state(states[dp_rank])
 
 
+# Megatron-LM's names for the same states (its get_rng_state), read from its checkpoints
+_MEGATRON_LM_RNG_KEYS = {"random_rng_state": "random", "np_rng_state": "np", "torch_rng_state": "torch",
+                         "cuda_rng_state": "cuda", "rng_tracker_states": "tracker"}
+
+
 def _set_rng_state(state: dict) -> None:
+    state = {_MEGATRON_LM_RNG_KEYS.get(k, k): v for k, v in state.items()}  # a resume of Megatron-LM's: KeyError
     version, internal, gauss = state["random"]
     random.setstate((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, gauss = state["np"]  # a list (or an array in older checkpoints)
