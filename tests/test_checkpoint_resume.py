@@ -186,6 +186,23 @@ def test_a_megatron_lm_rng_state_is_restored(tmp_path, data, reference, stopped_
     assert rel_err(read_metrics(metrics)[6]["lm loss"], reference[0][6]["lm loss"]) <= 1e-6
 
 
+def test_a_megatron_lm_checkpoint_resumes_at_the_samples_it_consumed(tmp_path, data, stopped_at_5):
+    """Megatron-LM records the samples read in its args (consumed_train_samples, which a batch-size ramp-up makes
+    other than iteration x batch): the resume took iteration x --global-batch-size, skipping data never read."""
+    import torch
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(stopped_at_5, ckpt)
+    path = layout.checkpoint_file(ckpt, 5, 0, 0, 1)
+    record = torch.load(path, weights_only=True)
+    del record["consumed_samples"]
+    record["args"]["consumed_train_samples"] = 12  # 5 iterations, the first ones at a smaller batch
+    torch.save(record, path)
+    metrics = str(tmp_path / "m.jsonl")
+    posttrain.main(base_argv(data, metrics, "--load", ckpt, "--exit-interval", "6"))
+    assert read_metrics(metrics)[6]["consumed samples"] == 12 + 4
+
+
 def test_the_same_command_resumes_a_run_that_saves_no_optimizer_state(tmp_path, data, reference, stopped_at_5):
     """--no-save-optim checkpoints hold no optimizer state, so the same command (torchrun's restart) could never
     resume one (it asked for --no-load-optim, then refused that as another run): it resumes with fresh Adam
