@@ -14,7 +14,6 @@ from setuptools.command.build_py import build_py
 TEMPLATES = os.path.join("configs", "finetune", "templates.json")
 
 
-
 class build_py_with_templates(build_py):
     """build_py that also ships configs/finetune/templates.json as mindspeed_pack/data/templates.json."""
 

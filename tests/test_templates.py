@@ -5,7 +5,13 @@ import numpy as np
 import pytest
 
 from mindspeed_pack.data.errors import PreprocessError
-from mindspeed_pack.data.handlers import SHAREGPT, ALPACA, SampleEncoder, resolve_map_keys, truncate_turns
+from mindspeed_pack.data.handlers import (
+    ALPACA,
+    SHAREGPT,
+    SampleEncoder,
+    resolve_map_keys,
+    truncate_turns,
+)
 from mindspeed_pack.data.templates import get_template, render_text, template_names
 from mindspeed_pack.data.tokenizer import TokenizerSpec, load_tokenizer
 
