@@ -201,6 +201,13 @@ def test_a_megatron_lm_checkpoint_resumes_at_the_samples_it_consumed(tmp_path, d
     metrics = str(tmp_path / "m.jsonl")
     posttrain.main(base_argv(data, metrics, "--load", ckpt, "--exit-interval", "6"))
     assert read_metrics(metrics)[6]["consumed samples"] == 12 + 4
+    # none recorded (MindSpeed-LLM's converter writes iteration 1 and its own arguments): read from sample 0, as
+    # Megatron-LM's getattr(checkpoint_args, 'consumed_train_samples', 0); it skipped iteration x batch samples
+    del record["args"]["consumed_train_samples"]
+    torch.save(record, path)
+    metrics = str(tmp_path / "m0.jsonl")
+    posttrain.main(base_argv(data, metrics, "--load", ckpt, "--exit-interval", "6"))
+    assert read_metrics(metrics)[6]["consumed samples"] == 4
 
 
 def test_the_same_command_resumes_a_run_that_saves_no_optimizer_state(tmp_path, data, reference, stopped_at_5):

@@ -534,7 +534,10 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
         log.info("loaded weights from %s (%s): iteration reset to 0", root, "release" if release else "finetune")
         return 0, 0
     consumed = state.get("consumed_samples", layout.args_of(state).get("consumed_train_samples"))  # Megatron-LM's
-    consumed = int(iteration * args.global_batch_size if consumed is None else consumed)
+    if consumed is None:  # another tool's (MindSpeed-LLM's converter writes iteration 1): Megatron-LM reads 0
+        log.info("%s records no consumed samples: iteration %d reads the data from its start, as Megatron-LM does",
+                 path, iteration + 1)
+    consumed = int(consumed or 0)
     if args.no_load_optim:  # MindSpeed-LLM's scripts pass it always: its resume is then not the uninterrupted run
         log.warning("%s %s: --no-load-optim: resuming at iteration %d with fresh Adam moments and the learning-rate "
                     "schedule started over (warmup again), as in Megatron-LM; drop the flag to go on as the "
