@@ -171,6 +171,16 @@ def test_qwen3_trains_each_reasoning_trace_once_and_never_as_history(family_toke
     assert "A1_0 a1<|im_end|>" in second[0] and "A1_0" not in second[1]  # turn 1 is context there, untrained
 
 
+@pytest.mark.parametrize("field", ["thinking", "reasoning"])
+def test_reasoning_under_transformers_other_names_is_trained(field, family_tokenizer_dir):
+    """``thinking`` (gpt-oss's field, and its datasets') was dropped: Qwen3 trained an empty <think> block instead."""
+    encoder = _encoder(family_tokenizer_dir("qwen3"))
+    messages = [{"role": "user", "content": "U1_0 q1"}, {"role": "assistant", "content": "A1_0 a1", field: "R1_0 trace"}]
+    (_, ids, trained), = encode_with_plans(encoder, {"messages": messages})[0]
+    assert encoder.tokenizer.decode(ids[trained.astype(bool)]) == "<think>\nR1_0 trace\n</think>\n\nA1_0 a1<|im_end|>"
+    assert ids.tolist() == encoder.tokenizer.hf.apply_chat_template(messages, tokenize=True, return_dict=False)
+
+
 def test_reasoning_history_keep_trains_one_sample_with_every_trace(family_tokenizer_dir):
     encoder = _encoder(family_tokenizer_dir("qwen3"), reasoning_history="keep")
     row = {"messages": [{"role": "user", "content": "U1_0 q1"},

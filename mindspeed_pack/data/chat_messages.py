@@ -7,7 +7,8 @@ One reading of the row formats users bring, whatever template renders them after
   ``observation`` (a tool result); an optional ``tools`` column (JSON text or a list of schemas).
 * OpenAI ``messages`` (through ``--map-keys``, or its short keys): roles user/assistant/system/tool,
   ``tool_calls`` (``{"type": "function", "function": {"name", "arguments"}}``, arguments a JSON
-  string or an object; several = parallel calls), ``reasoning_content``, ``tool_call_id``, ``name``.
+  string or an object; several = parallel calls), ``reasoning_content`` (or ``thinking``, gpt-oss's name, or
+  ``reasoning``: transformers reads all three), ``tool_call_id``, ``name``.
 * Alpaca: the handler's own reading (``system``, ``history`` pairs, ``instruction`` + ``input``,
   ``output``), plus the ``tools`` column.
 
@@ -25,7 +26,7 @@ REASON_ARGUMENTS = "unparseable tool arguments"
 REASON_ROLE = "unknown role"
 REASON_FIELD = "malformed message"
 REASON_PART = "content part that is not text"
-REASONING_FIELDS = ("reasoning_content", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names, in its order of precedence
 _PASSED_FIELDS = ("tool_call_id", "name")
 
 
@@ -178,7 +179,7 @@ def sharegpt_messages(raw: list, system: Optional[str], keys: dict, column: str)
             if value is not None:
                 if not isinstance(value, str):
                     raise RowError(f"{where} field {name!r} must be a string", REASON_FIELD)
-                out["reasoning_content"] = value
+                out.setdefault("reasoning_content", value)  # the first one present, as apply_chat_template reads it
         for name in _PASSED_FIELDS:
             if isinstance(message.get(name), str):
                 out[name] = message[name]
