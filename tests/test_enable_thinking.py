@@ -117,3 +117,15 @@ def test_inspect_pack_decodes_from_another_working_directory(tmp_path, run_prepr
     assert "cat dog" in capsys.readouterr().out
     assert inspect_main([str(tmp_path / "nothing"), "--index", "0"]) == 2  # not megatron's assertion and a traceback
     assert "nothing: no packs here" in capsys.readouterr().err
+
+
+def test_hf_template_that_reads_no_enable_thinking_refuses_it():
+    """Qwen3-2507's or Llama's template ignores the variable: the flag changed nothing, silently (a JSON template
+    without thought words refuses it)."""
+    from mindspeed_pack.data.chat_template import ChatTemplate
+
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    with pytest.raises(PreprocessError, match="reads no enable_thinking variable"):
+        ChatTemplate(plain, {}, {"enable_thinking": False}, origin="chat.jinja")
+    reads = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}" + plain
+    assert ChatTemplate(reads, {}, {"enable_thinking": False}).kwargs["enable_thinking"] is False

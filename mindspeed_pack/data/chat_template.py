@@ -118,6 +118,16 @@ def pinned_kwargs(source: str, kwargs: dict) -> dict:
     return kwargs
 
 
+def _check_enable_thinking(source: str, kwargs: dict, origin: str) -> None:
+    """``enable_thinking`` given to a template that never reads it (Qwen3-2507, Llama) would change nothing, silently;
+    a JSON template without thought words refuses ``--enable-thinking`` the same way."""
+    if "enable_thinking" in kwargs and "enable_thinking" not in source:
+        template = "the tokenizer's chat template" if origin == "tokenizer" else f"chat template {origin}"
+        raise PreprocessError(f"--enable-thinking (enable_thinking in --chat-template-kwargs): {template} reads no "
+                              "enable_thinking variable, so it would change nothing; drop it, or pass a "
+                              "--chat-template that reads it (Qwen3's hybrid template)")
+
+
 def _pinned_now(value) -> datetime.datetime:
     try:
         return datetime.datetime.fromisoformat(value)
@@ -158,6 +168,7 @@ class ChatTemplate:
             raise PreprocessError(f"--reasoning-history must be one of {', '.join(REASONING_HISTORY)}, got {reasoning_history!r}")
         self.source, self.origin, self.reasoning_history = source, origin, reasoning_history
         self.kwargs = pinned_kwargs(source, kwargs)
+        _check_enable_thinking(source, self.kwargs, origin)
         # kwargs win, as in apply_chat_template; the pinned moment replaces the environment's strftime_now (a global,
         # which a render's variables shadow): transformers turns callables in kwargs into placeholders, so it is
         # given to the compiled template directly (render_prefixes)
