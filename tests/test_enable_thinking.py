@@ -13,11 +13,11 @@ THOUGHT = "<think>\n\n</think>\n\n"
 CONVERSATION = [("user", "q1"), ("assistant", "<think>\nr1\n</think>\n\na1"), ("user", "q2"), ("assistant", "a2")]
 
 
-def _turns(enable_thinking):
-    """(prompt text, answer text) per turn of CONVERSATION under ``--enable-thinking``."""
+def _turns(enable_thinking, conversation=CONVERSATION):
+    """(prompt text, answer text) per turn of ``conversation`` under ``--enable-thinking``."""
     template = with_thinking(get_template("qwen3"), enable_thinking)
     text = (lambda slots: "".join(s if isinstance(s, str) else "<eos>" for s in slots))
-    return [(text(p), text(a)) for p, a in render_turns(template, CONVERSATION, None)]
+    return [(text(p), text(a)) for p, a in render_turns(template, conversation, None)]
 
 
 def test_true_keeps_thoughts_and_trains_an_empty_one_where_an_answer_has_none():
@@ -35,6 +35,15 @@ def test_false_removes_thoughts_and_closes_every_prompt_with_an_empty_one_untrai
 def test_none_renders_answers_as_written():
     (_, a1), (p2, a2) = _turns(None)
     assert a1 == "<think>\nr1\n</think>\n\na1<eos>" and a2 == "a2<eos>" and THOUGHT not in p2
+
+
+def test_a_thought_spelled_without_newlines_is_a_thought():
+    """``<think>r</think>a`` got a second, empty thought before it under true (MindSpeed-LLM and LLaMA-Factory look
+    for the thought words without their newlines), and kept its thought after the prompt's empty one under false."""
+    tight = [("user", "q1"), ("assistant", "<think>r1</think>a1")]
+    ((_, kept),), ((prompt, removed),) = _turns(True, tight), _turns(False, tight)
+    assert kept == "<think>r1</think>a1<eos>"
+    assert removed == "a1<eos>" and prompt.endswith("<|im_start|>assistant\n" + THOUGHT)
 
 
 def test_a_template_without_thought_words_refuses_the_flag():

@@ -281,14 +281,17 @@ def with_thinking(template: Template, enable_thinking: Optional[bool]) -> Templa
 
 
 def _has_thought(template: Template, content) -> bool:
+    """Whether the answer holds a thought: a thought word without its newlines, as MindSpeed-LLM and LLaMA-Factory
+    look for it (``<think>r</think>a`` has one, and gets no second, empty one)."""
     text = content.text if isinstance(content, ToolCalls) else content
-    return any(word in text for word in template.thought_words)
+    return any(word.strip() in text for word in template.thought_words)
 
 
 def _without_thought(template: Template, content):
     """The answer with its thought removed (as MindSpeed-LLM's ``remove_thought``: the span between the thought
-    words, then the newlines it leaves at the start)."""
-    open_word, close_word = (re.escape(w) for w in template.thought_words)
+    words, then the newlines it leaves at the start); the words are matched without their newlines, so a thought
+    spelled ``<think>r</think>`` goes too, as :func:`_has_thought` finds it."""
+    open_word, close_word = (re.escape(w.strip()) for w in template.thought_words)
     strip = (lambda text: re.sub(f"{open_word}(.*?){close_word}", "", text, flags=re.DOTALL).lstrip("\n"))
     if isinstance(content, ToolCalls):
         return ToolCalls(strip(content.text), content.calls)
