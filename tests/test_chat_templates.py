@@ -422,6 +422,15 @@ def test_json_template_without_tool_support_refuses_tools(toy_tokenizer_dir):
         encoder.encode_row(WHY_ROW, "row 4")
 
 
+def test_inspect_pack_names_gpt_oss_reasoning_and_tool_calls():
+    """gpt-oss's analysis channel and its calls were shown as plain answers."""
+    from mindspeed_pack.tools.inspect_pack import span_kinds
+
+    assert span_kinds("<|channel|>analysis<|message|>r<|end|><|start|>assistant<|channel|>final<|message|>a") == \
+        ["reasoning"]
+    assert span_kinds(' to=functions.f<|channel|>commentary json<|message|>{"x": 1}<|call|>') == ["tool call"]
+
+
 def test_prompt_type_hf_end_to_end_preprocess_train_inspect(tmp_path, family_tokenizer_dir, run_preprocess, capsys):
     """preprocess_data.py --prompt-type hf (Qwen3, tools, reasoning) -> packs -> posttrain a few steps -> inspect_pack."""
     import json

@@ -85,9 +85,9 @@ def print_context_parallel_split(ids: np.ndarray, labels: np.ndarray, mask: np.n
     print(f"  causal work max/mean {float(pairs.max() / pairs.float().mean()):.4f}")
 
 
-# text that marks a trained span as reasoning or as a tool call (Qwen, Llama, DeepSeek, GLM spellings)
-SPAN_KINDS = (("reasoning", ("<think>", "</think>")),
-              ("tool call", ("<tool_call>", "<｜tool▁call▁begin｜>", "<|python_tag|>", '{"name": ')))
+# text that marks a trained span as reasoning or as a tool call (Qwen, Llama, DeepSeek, GLM, gpt-oss spellings)
+SPAN_KINDS = (("reasoning", ("<think>", "</think>", "<|channel|>analysis")),
+              ("tool call", ("<tool_call>", "<｜tool▁call▁begin｜>", "<|python_tag|>", '{"name": ', "<|call|>")))
 
 
 def trained_spans(labels: np.ndarray) -> list[tuple[int, int]]:
