@@ -138,3 +138,11 @@ def test_hf_template_that_reads_no_enable_thinking_refuses_it():
         ChatTemplate(plain, {}, {"enable_thinking": False}, origin="chat.jinja")
     reads = "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}" + plain
     assert ChatTemplate(reads, {}, {"enable_thinking": False}).kwargs["enable_thinking"] is False
+
+
+def test_reasoning_history_keep_is_refused_where_no_chat_template_reads_it(tmp_path, run_preprocess):
+    """A JSON template ignored --reasoning-history keep (it writes each answer as the row gives it), silently."""
+    code, _, err = run_preprocess(input=_alpaca(tmp_path), output_prefix=tmp_path / "q", prompt_type="qwen3",
+                                  seq_length=128, reasoning_history="keep", handler_name="AlpacaStyleInstructionHandler")
+    assert code != 0 and "--reasoning-history keep applies to --prompt-type hf" in err
+    assert not list(tmp_path.glob("q_packed_*"))

@@ -259,6 +259,9 @@ def validate_args(args) -> None:
                                   "couple its own document)")
     if args.prompt_type != HF_PROMPT_TYPE and (args.chat_template or args.chat_template_kwargs):
         raise PreprocessError("--chat-template and --chat-template-kwargs apply to --prompt-type hf")
+    if args.prompt_type != HF_PROMPT_TYPE and getattr(args, "reasoning_history", None) == "keep":
+        raise PreprocessError("--reasoning-history keep applies to --prompt-type hf: a JSON template never rewrites "
+                              "history, it writes every answer as the row gives it (with --enable-thinking: see its help)")
     if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
         raise PreprocessError("--append-eod does not apply to --prompt-type hf: the chat template ends every turn "
                               "with its own end-of-turn token (trained)")
