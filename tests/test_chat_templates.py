@@ -409,6 +409,26 @@ def test_tools_column_renders_like_official_qwen2_5_with_json_templates(prompt_t
     assert np.array_equal(ids, official[:-1]) and np.array_equal(trained, official_trained[:-1])
 
 
+@pytest.mark.parametrize("prompt_type", ["hf", "qwen2_5"])
+def test_bare_tool_schemas_render_in_openais_form(prompt_type, family_tokenizer_dir):
+    """LLaMA-Factory's tools column holds bare {"name", "description", "parameters"} schemas, which were written bare;
+    an inference server gives the template OpenAI's {"type": "function", "function": ...}, as LLaMA-Factory writes
+    them: the same row with either form now gives the same sample."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    tok_dir = family_tokenizer_dir("qwen2_5")
+    bare = dict(WHY_ROW, tools=json.dumps([chat_corpus._schema(9, 0)["function"]]))
+    if prompt_type == "hf":
+        encoder = _encoder(tok_dir, map_keys=None)
+        encode = (lambda row: encode_with_plans(encoder, row)[0][0][1])
+    else:
+        keys, _ = resolve_map_keys(SHAREGPT, None)
+        encoder = SampleEncoder(SHAREGPT, _encoder(tok_dir).tokenizer, get_template("qwen2_5"), keys, None, False)
+        encode = (lambda row: encoder.encode_row(row, "row 1")[0][0])
+    assert np.array_equal(encode(bare), encode(WHY_ROW))
+
+
 def test_json_template_without_tool_support_refuses_tools(toy_tokenizer_dir):
     from mindspeed_pack.data.handlers import SampleEncoder
     from mindspeed_pack.data.templates import get_template

@@ -65,7 +65,13 @@ def parse_tools(value, column: str) -> Optional[list]:
             raise RowError(f"field {column!r} item {n} is not a tool schema (an object naming a function: "
                            f"\"function\": {{\"name\": ...}} or \"name\"): {json.dumps(tool, default=str)[:80]}",
                            REASON_FIELD)
-    return value or None
+    return [_openai_schema(tool) for tool in value] or None
+
+
+def _openai_schema(tool: dict) -> dict:
+    """A bare ``{"name", "description", "parameters"}`` schema (LLaMA-Factory's tools column) in OpenAI's form, as an
+    inference server gives it to the template and LLaMA-Factory writes it; an OpenAI schema as it is."""
+    return tool if isinstance(tool.get("function"), dict) else {"type": "function", "function": tool}
 
 
 def content_text(content, where: str, content_tag: str, type_reason: str = REASON_FIELD):
