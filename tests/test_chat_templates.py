@@ -429,6 +429,14 @@ def test_bare_tool_schemas_render_in_openais_form(prompt_type, family_tokenizer_
     assert np.array_equal(encode(bare), encode(WHY_ROW))
 
 
+def test_append_eod_refusal_does_not_claim_every_template_ends_turns(tmp_path, run_preprocess):
+    """The refusal said every template ends its turns with an end-of-turn token, trained; GLM-4's has none."""
+    code, _, err = run_preprocess(input=tmp_path / "x.jsonl", output_prefix=tmp_path / "p", prompt_type="hf",
+                                  handler_name=SHAREGPT, seq_length=64, append_eod=True)
+    assert code != 0 and "--append-eod does not apply to --prompt-type hf" in err
+    assert "GLM-4" in err and "ends every turn" not in err
+
+
 def test_json_template_without_tool_support_refuses_tools(toy_tokenizer_dir):
     from mindspeed_pack.data.handlers import SampleEncoder
     from mindspeed_pack.data.templates import get_template

@@ -263,8 +263,9 @@ def validate_args(args) -> None:
         raise PreprocessError("--reasoning-history keep applies to --prompt-type hf: a JSON template never rewrites "
                               "history, it writes every answer as the row gives it (with --enable-thinking: see its help)")
     if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
-        raise PreprocessError("--append-eod does not apply to --prompt-type hf: the chat template ends every turn "
-                              "with its own end-of-turn token (trained)")
+        raise PreprocessError("--append-eod does not apply to --prompt-type hf: a sample is the chat template's "
+                              "render, each turn trained through the end-of-turn token the template writes (GLM-4's "
+                              "writes none, so its turns train none: see docs/chat_templates.md)")
     if args.prompt_type == HF_PROMPT_TYPE and args.tokenizer_type != "PretrainedFromHF":
         raise PreprocessError("--prompt-type hf needs --tokenizer-type PretrainedFromHF (a tokenizer with a chat template)")
     args.chat_template_kwargs = hf_chat.parse_template_kwargs(args.chat_template_kwargs)
