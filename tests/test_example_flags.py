@@ -345,6 +345,13 @@ def test_qwen3_scripts_agree_with_each_other():
     assert data.tokenizer_name_or_path == tune.tokenizer_name_or_path == mg2hf.tokenizer_dir == hf2mg.load_dir
 
 
+def test_qwen3_data_script_takes_mindspeed_llms_enable_thinking():
+    """MindSpeed-LLM's Qwen3 data script passes --enable-thinking true; ours had no way to (its arguments are ignored)."""
+    (default,) = check_script(QWEN3 / "data_convert_qwen3_instruction_pack.sh")
+    (thinking,) = check_script(QWEN3 / "data_convert_qwen3_instruction_pack.sh", ENABLE_THINKING="true")
+    assert default.enable_thinking is None and thinking.enable_thinking is True
+
+
 def test_qwen25_32k_cp_scripts_agree_with_each_other():
     """The 32k wrappers run the 4k scripts with context parallelism; data and training still agree."""
     data = _qwen25("data_convert_qwen25_instruction_pack_32k_cp.sh")

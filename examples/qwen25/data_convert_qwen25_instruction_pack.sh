@@ -29,6 +29,7 @@ SEQ_LEN=${SEQ_LEN:-4096}   # must equal --seq-length of tune_qwen25_7b_4k_full_p
 # Pad every sample to a multiple of this before packing (1 = off). For context parallelism:
 # 2 x CP x TP of the training (it uses --sequence-parallel), so training adds no padding.
 PAD_MULTIPLE=${PAD_MULTIPLE:-1}
+ENABLE_THINKING=${ENABLE_THINKING:-}   # true/false: MindSpeed-LLM's --enable-thinking (unset: not passed)
 WORKERS=${WORKERS:-8}
 # 1: neat packs of SEQ_LEN tokens. 0: one sample per document (SEQ_LEN truncates), for training's online packing
 # (--sequence-packing-scheduler dp_balanced / default_dynamic_cp).
@@ -59,6 +60,9 @@ if [[ "$PACK" != 1 ]]; then  # one sample per document: training packs at load t
 fi
 if (( PAD_MULTIPLE > 1 )); then
     PREPROCESS_ARGS+=(--pad-to-multiple-of "$PAD_MULTIPLE")
+fi
+if [[ -n "$ENABLE_THINKING" ]]; then
+    PREPROCESS_ARGS+=(--enable-thinking "$ENABLE_THINKING")
 fi
 
 source "$(dirname "${BASH_SOURCE[0]}")/../common/launch_preprocess.bash"   # PRINT_ARGS, DRY_RUN, then preprocess
