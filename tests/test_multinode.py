@@ -143,3 +143,36 @@ def test_world_size_without_a_launcher_is_one_error_line_naming_torchrun(tmp_pat
     assert errors == ["posttrain.py: error: WORLD_SIZE=4 but RANK is not set: this process was not started by a "
                       "launcher. Start the job with torchrun (torchrun --nproc-per-node 4 posttrain.py ...), or unset "
                       "WORLD_SIZE to run one process"], proc.stderr[-2000:]
+
+
+def _init_with_rank_flags(prefix: str, per_rank: dict) -> str:
+    """One rank of a job whose nodes were started with different flags: its flags parsed, then the process
+    groups made from them; returns the error line (or "ok")."""
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.runtime.process_groups import LaunchError, initialize_from_args
+
+    rank = int(os.environ["RANK"])
+    args = parse_args([*TINY_FLAGS, "--seq-length", str(SEQ_LENGTH), "--neat-pack", "--data-path", prefix,
+                       "--train-iters", "3", "--global-batch-size", "2", *per_rank.get(rank, [])], world_size=2)
+    os.environ["GROUP_RANK"] = str(rank)  # one process per "node"
+    try:
+        initialize_from_args(args)
+    except LaunchError as e:
+        return str(e)
+    return "ok"
+
+
+def test_nodes_started_with_different_flags_are_refused_naming_the_flag(tmp_path):
+    """Node 1 started with another --lr (or --train-iters): its data-parallel replica trained apart from node 0's
+    without a word (another --train-iters waited 10 minutes in mismatched collectives, then blamed a hung peer);
+    now every rank stops at the rendezvous naming the rank, node and the flags' values."""
+    from tests.dist_harness import run_distributed
+
+    prefix = write_packed_instruction_dataset(str(tmp_path / "toy"), num_packs=8, seq_length=SEQ_LENGTH)
+    same = run_distributed(_init_with_rank_flags, 2, prefix, {1: ["--metrics-file", str(tmp_path / "m.jsonl")]})
+    assert same == ["ok", "ok"]  # where the logging rank writes may differ per node
+    errors = run_distributed(_init_with_rank_flags, 2, prefix, {1: ["--lr", "5e-4", "--train-iters", "4"]})
+    assert errors[0] == errors[1], errors
+    assert errors[0].startswith("the ranks were started with different flags: rank 1 (node 1, host "), errors
+    assert "--lr 0.0005 there, " in errors[0] and "--train-iters 4 there, 3 on rank 0" in errors[0], errors
+    assert errors[0].endswith("start every node with the same command (only --node-rank differs)"), errors

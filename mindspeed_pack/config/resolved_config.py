@@ -83,6 +83,16 @@ def _value(args, dest):
     return getattr(args, dest, None)
 
 
+# what may differ between the nodes of one job: where the logging rank writes, a node's own cache and workers
+PER_NODE = ("metrics_file", "tensorboard_dir", "data_cache_path", "workers")
+
+
+def flag_values(args) -> dict:
+    """{flag name: value} of every flag the nodes of one job must share (all but :data:`PER_NODE`)."""
+    return {name: _value(args, dest) for dest, (name, _) in getattr(args, "flag_sources", {}).items()
+            if dest not in PER_NODE}
+
+
 def text(args, script: str) -> str:
     """The resolved configuration as YAML (see the module docstring)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -7,6 +7,8 @@ The process group meets through a store scoped to this restart attempt
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import logging
 import os
 import random
@@ -21,7 +23,6 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from mindspeed_pack.runtime import faults, platform
 from mindspeed_pack.runtime.rendezvous import attempt_store
-
 
 _LAYOUT = None  # (TP, PP, CP, EP, dynamic CP) of the megatron groups this module made
 
@@ -39,6 +40,7 @@ def initialize_distributed(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     dynamic_context_parallel: bool = False,
+    flags: dict | None = None,
 ) -> None:
     """Initialise torch.distributed from torchrun's environment and megatron's groups.
 
@@ -48,7 +50,8 @@ def initialize_distributed(
     ``dynamic_context_parallel`` (``--sequence-packing-scheduler default_dynamic_cp``): megatron's sub-groups
     of every power-of-two size of the data x context parallel ranks are made too (:func:`dynamic_cp_group`).
     Called again with the same layout, a no-op; with another (a later run in the same processes), megatron's
-    groups are made anew.
+    groups are made anew. ``flags`` ({flag: value}, the run's): checked to be the same on every rank once the
+    process group exists, before megatron's groups are made from them (:func:`check_same_flags`).
     """
     if not platform.cuda_usable():
         platform.enable()
@@ -75,6 +78,8 @@ def initialize_distributed(
         if rank == 0 and faults.restart_attempt() > 0:
             logging.getLogger(__name__).info("restart %d of this job: its processes met as attempt %d",
                                              faults.restart_attempt(), generation)
+        if flags is not None:
+            check_same_flags(flags)
     model_parallel = tensor_model_parallel_size * pipeline_model_parallel_size * context_parallel_size
     if world_size % model_parallel != 0:
         raise ValueError(
@@ -97,9 +102,35 @@ def initialize_distributed(
     set_seed(seed)
 
 
+def check_same_flags(flags: dict) -> None:
+    """Every rank was started with the same ``flags`` ({flag: value}); else :class:`LaunchError` on every rank,
+    naming the ranks, nodes and values that differ. Nodes started with different commands (another --lr, --seq-length,
+    --train-iters or --data-path on one node) otherwise train apart silently (their data-parallel replicas'
+    weights drift) or meet in different collectives and wait there until the timeout, blaming a hung peer."""
+    mine = json.dumps(flags, sort_keys=True, default=str)
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(mine.encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    ranks = [None] * dist.get_world_size()  # only now the whole set: one rank's, and where each rank runs
+    dist.all_gather_object(ranks, (flags, os.environ.get("GROUP_RANK", "?"), socket.gethostname()))
+    reference, *_ = ranks[0]
+    lines = []
+    for rank, (theirs, node, host) in enumerate(ranks):
+        differing = [f"--{k} {theirs.get(k)!r} there, {reference.get(k)!r} on rank 0"
+                     for k in sorted(set(theirs) | set(reference)) if theirs.get(k) != reference.get(k)]
+        if differing:
+            lines.append(f"rank {rank} (node {node}, host {host}): {'; '.join(differing[:5])}")
+    raise LaunchError(f"the ranks were started with different flags: {' | '.join(lines[:4])}"
+                      f"{f' (and {len(lines) - 4} more ranks)' if len(lines) > 4 else ''}; start every node with "
+                      "the same command (only --node-rank differs)")
+
+
 def initialize_from_args(args) -> None:
     """:func:`initialize_distributed` with the run's flags, the deterministic environment set before
     the process group exists; called again (e.g. after raw data was prepared with the groups), a no-op."""
+    from mindspeed_pack.config import resolved_config  # config imports the model, which imports this module
+
     if args.deterministic_mode:
         # cuBLAS needs a fixed workspace for deterministic GEMMs; NCCL must not pick algorithms per run
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -110,7 +141,7 @@ def initialize_from_args(args) -> None:
                            context_parallel_size=args.context_parallel_size,
                            expert_model_parallel_size=args.expert_model_parallel_size,
                            dynamic_context_parallel=getattr(args, "sequence_packing_scheduler", None)
-                           == "default_dynamic_cp")
+                           == "default_dynamic_cp", flags=resolved_config.flag_values(args))
 
 
 def dynamic_cp_group(size: int):
