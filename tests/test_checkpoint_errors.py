@@ -350,3 +350,44 @@ def test_an_export_of_another_kind_is_replaced_even_where_the_run_has_ended(tmp_
     monkeypatch.setattr(hf_checkpoint, "exports_adapters", lambda a: False)  # --lora-merge: a model
     assert trainer_module._existing_export(args, 4) is True and args.save_hf == str(export)
 
+
+
+def test_a_save_dir_another_job_saves_into_is_refused_naming_it(saved, tmp_path):
+    """Two jobs given one --save both started (it held no checkpoint yet) and saved over each other's iterations
+    and run_config.yaml: the second now stops at once, naming the first; once that job is gone the directory is
+    free (the kernel drops its lock), and a run ending in this process gives it back for the next."""
+    import subprocess
+    import sys
+
+    save = tmp_path / "shared"
+    save.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(save / '.save.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+        "fcntl.lockf(fd, fcntl.LOCK_EX)\n"
+        "os.write(fd, b'4242 node7\\n')\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(CheckpointError, match=rf"^--save {save} is in use by another job \(PID 4242 on node7 "
+                                                  r"holds .*\.save\.lock\): two runs saving into one directory"):
+            posttrain.main(argv(saved[0], "--save", str(save)))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert os.listdir(save) == [".save.lock"]  # nothing written but the holder's lock
+    posttrain.main(argv(saved[0], "--save", str(save)))
+    posttrain.main(argv(saved[0], "--save", str(save), "--train-iters", "2"))  # the same process, the next run
+    assert layout.read_tracker(str(save)) == 2
+    assert not (save / ".save.lock").exists()  # a run that ends removes its lock
+
+
+def test_a_save_dir_that_cannot_be_written_is_one_error_before_training(saved, tmp_path):
+    """A --save that cannot be created (read-only mount, a file in the way) was a traceback of the resolved
+    configuration's write, after the model was built and loaded; now one line naming it."""
+    (tmp_path / "file").write_text("")
+    save = tmp_path / "file" / "ckpt"
+    with pytest.raises(CheckpointError, match=rf"^--save {save} cannot be written \(Not a directory: .*\): pass a "
+                                              r"--save this job can write"):
+        posttrain.main(argv(saved[0], "--save", str(save)))

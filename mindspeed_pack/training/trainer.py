@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from mindspeed_pack.checkpoint import hf_checkpoint, identity, save_load
+from mindspeed_pack.checkpoint import hf_checkpoint, identity, save_dir, save_load
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.checkpoint.resume import load_run_checkpoint, loaded_from
 from mindspeed_pack.config import finetune_defaults
@@ -76,6 +76,7 @@ class Trainer:
     def setup(self) -> None:
         args = self.args
         initialize_from_args(args)
+        save_dir.claim(args)  # before anything is built: an unwritable --save, or another job's, stops here
         if args.deterministic_mode:
             torch.use_deterministic_algorithms(True, warn_only=not cuda_usable())
         self.model = build_model(args)
@@ -440,6 +441,7 @@ class Trainer:
             self.collector.close()
         if self.exit_signal:
             self.exit_signal.close()
+        save_dir.release(self.args.save)
         if barrier and dist.is_initialized():
             self.phase = "the other ranks to finish (final barrier)"
             dist.barrier()
