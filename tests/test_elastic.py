@@ -150,6 +150,33 @@ def test_faults_fire_on_their_rank_and_attempt_only():
         fault_hooks.parse("step@3:rankX")
 
 
+_SIGNAL_DURING_A_SAVE = """
+import os, signal, time
+from mindspeed_pack.runtime.exit_signal import ExitSignal
+exit_signal = ExitSignal(grace_s=lambda: 0.5, describe=lambda: "the save of iteration 5")
+with exit_signal.writing():
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(2.0)  # a checkpoint that takes longer to write than the grace
+time.sleep(0.2)  # the next iteration, then the agreement to stop
+exit_signal.agreed()
+print("agreed after the save", flush=True)
+"""
+
+
+def test_a_signal_during_a_long_checkpoint_write_waits_for_it_then_for_the_agreement():
+    """--exit-signal-handler: SIGTERM while a checkpoint was being written (a 7B save takes longer than the grace of
+    10 s + two steps) cut that save off and left without the exit's save, as if a peer were dead; the grace now
+    waits for the rank's writes and starts again after them (the save's collectives still count: a hung peer there
+    ends the rank within the grace, test_hung_peer_makes_the_others_exit_instead_of_hanging)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_DURING_A_SAVE], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "agreed after the save" and "exiting without saving" not in proc.stderr
+
+
 def test_resumed_metrics_file_replaces_the_re_run_steps(tmp_path):
     """Records after the resume iteration go (train, validation, setup); earlier ones, lines that are
     not ours and nothing else; a last line cut by the kill goes too. The file is replaced whole."""

@@ -21,6 +21,7 @@ die or fail at each phase of a save.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import logging
@@ -148,7 +149,10 @@ def _precision(args) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
 
-def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler) -> None:
+def save_checkpoint(args, iteration, consumed_samples, model, optimizer, scheduler, writing=None) -> None:
+    """``writing()``: a context around this rank's own file writes (no collective inside), which a signal's
+    grace does not count (:meth:`~mindspeed_pack.runtime.exit_signal.ExitSignal.writing`)."""
+    writing = writing or contextlib.nullcontext
     root = args.save
     final_dir = layout.iteration_dir(root, iteration)
     tmp_dir = final_dir + ".tmp"
@@ -176,7 +180,8 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
     error = None
     try:
         if is_shard_writer():
-            layout.save_file_atomic(state, os.path.join(rank_dir, "model_optim_rng.pt"), iteration)
+            with writing():
+                layout.save_file_atomic(state, os.path.join(rank_dir, "model_optim_rng.pt"), iteration)
         if args.use_distributed_optimizer and not args.no_save_optim:
             # the distributed optimizer's parameter state is sharded over data-parallel ranks
             optimizer.save_parameter_state(os.path.join(rank_dir, "distrib_optim.pt"))
@@ -188,7 +193,8 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
     error = None
     if dist.get_rank() == 0:
         try:
-            _publish(root, iteration, final_dir, tmp_dir)
+            with writing():
+                _publish(root, iteration, final_dir, tmp_dir)
         except OSError as e:
             error = e
     if not all_ranks_ok(error):

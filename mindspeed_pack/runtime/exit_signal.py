@@ -6,10 +6,15 @@ rank, or a peer hangs, that agreement never comes, and the Python handler cannot
 the main thread sits in a collective. So a watcher thread, woken through
 :func:`signal.set_wakeup_fd` whatever the main thread is doing, gives the rank ``grace``
 seconds to reach the agreement; past it the rank exits at once (status 128 + signal) with one
-line, without saving: the last complete checkpoint stays the one a restart resumes from.
+line, without saving: the last complete checkpoint stays the one a restart resumes from. The time this rank
+spends writing its checkpoint files (:meth:`ExitSignal.writing`) does not count against the grace, which
+starts again when they are written: a checkpoint that takes longer to write than a few steps was cut off,
+with the exit's own save, where the ranks were about to agree. The save's collectives do count: a hung peer
+there still ends the rank within the grace.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -30,6 +35,8 @@ class ExitSignal:
         self._grace_s = grace_s
         self._describe = describe
         self._agreed = threading.Event()
+        self._idle = threading.Event()  # set when this rank is not writing checkpoint files
+        self._idle.set()
         read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._previous = {signum: signal.getsignal(signum) for signum in SIGNALS}
@@ -39,7 +46,9 @@ class ExitSignal:
         threading.Thread(target=self._watch, args=(read_fd,), name="exit-signal-watch", daemon=True).start()
 
     def close(self) -> None:
-        """Give the signals back (a run inside a longer-lived process); the watcher stops."""
+        """Give the signals back (a run inside a longer-lived process); the watcher stops (a signal that came after
+        the last iteration leaves the run to end as it does)."""
+        self._agreed.set()
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         signal.set_wakeup_fd(self._previous_fd)
@@ -55,6 +64,15 @@ class ExitSignal:
         """Every rank agreed to stop: they are all alive, so the save may take its time."""
         self._agreed.set()
 
+    @contextlib.contextmanager
+    def writing(self):
+        """This rank's checkpoint files being written: the grace waits for them, then starts again."""
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._idle.set()
+
     def _watch(self, read_fd: int) -> None:
         with os.fdopen(read_fd, "rb", buffering=0) as wakeups:
             while True:
@@ -64,9 +82,13 @@ class ExitSignal:
                 if byte[0] in SIGNALS:
                     signum = byte[0]
                     break
-        grace = self._grace_s()
-        if self._agreed.wait(grace):
-            return
+        while True:
+            grace = self._grace_s()
+            if self._agreed.wait(grace):
+                return
+            if self._idle.is_set():
+                break
+            self._idle.wait()  # its files being written: their end, then a new grace to reach the agreement
         print(f"rank {os.environ.get('RANK', '0')}: signal {signum} received during {self._describe()} and the "
               f"ranks did not agree to stop within {grace:.0f} s (a peer is dead or hung): exiting without saving",
               file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ The loss is the per-token mean over the global batch (megatron-core's
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -430,7 +431,11 @@ class Trainer:
     def save(self) -> None:
         self.sync_params()
         save_load.save_checkpoint(self.args, self.iteration, self.consumed_samples, self.model,
-                                      self.optimizer, self.scheduler)
+                                  self.optimizer, self.scheduler, writing=self.writing)
+
+    def writing(self):
+        """A signal's grace (--exit-signal-handler) does not run out while this rank writes its checkpoint files."""
+        return self.exit_signal.writing() if self.exit_signal else contextlib.nullcontext()
 
     def cleanup(self, barrier: bool = True) -> None:
         """Close the logs; after a normal end wait for every rank (never after a failure: a dead
