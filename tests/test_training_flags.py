@@ -550,3 +550,18 @@ def test_a_split_paths_blend_is_refused_before_anything_is_built(neat, capsys):
         with pytest.raises(SystemExit):
             posttrain.main([*flags, "--train-iters", "2", "--train-data-path", *paths, "--dry-run"])
         assert f"error: --train-data-path {' '.join(paths)}: takes one packed prefix" in capsys.readouterr().err
+
+
+def test_a_metrics_file_that_cannot_be_written_is_one_error_line(neat, tmp_path, capsys):
+    """A --metrics-file in a read-only (or file-blocked) directory was a traceback of the logging rank after the
+    model was built and loaded; now one error line naming the flag and the path."""
+    from mindspeed_pack.training.cli import run_cli
+
+    (tmp_path / "file").write_text("")
+    metrics = str(tmp_path / "file" / "m.jsonl")
+    with pytest.raises(SystemExit) as stop:
+        run_cli("posttrain.py", lambda: posttrain.main(nargv(neat, "--train-iters", "1", metrics=metrics)))
+    assert stop.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert errors == [f"posttrain.py: error: --metrics-file {metrics} cannot be written (File exists: "
+                      f"{tmp_path / 'file'}): pass a --metrics-file in a directory this job can write"], errors

@@ -17,6 +17,7 @@ import math
 import os
 import time
 
+from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.runtime import faults
 from mindspeed_pack.runtime.disk import DiskFullError, disk_full_message, is_disk_full
 from mindspeed_pack.training import metrics_history
@@ -52,15 +53,27 @@ class MetricsLogger:
             return
         replace = metrics_history.replaces_records(start_iteration, trains=not getattr(args, "skip_train", False))
         if args.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            if replace:
-                self.replaced = metrics_history.drop_records_after(args.metrics_file, start_iteration)
-            self.jsonl = open(args.metrics_file, "a", buffering=1)
+            self.jsonl = self._open_metrics_file(args.metrics_file, replace, start_iteration)
         if args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(log_dir=args.tensorboard_dir, purge_step=start_iteration + 1 if replace else None,
                                     max_queue=max(1, getattr(args, "tensorboard_queue_size", 1000)))
+
+    def _open_metrics_file(self, path: str, replace: bool, start_iteration: int):
+        """The metrics file, for appending (a resume's re-run steps taken out first); a directory that cannot be
+        written is one error line, not a traceback after the model was loaded."""
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            if replace:
+                self.replaced = metrics_history.drop_records_after(path, start_iteration)
+            return open(path, "a", buffering=1)
+        except OSError as e:
+            if is_disk_full(e):
+                raise DiskFullError(disk_full_message("--metrics-file", path, None)) from None
+            raise ArgumentError(f"--metrics-file {path} cannot be written ({e.strerror or e}"
+                                f"{f': {e.filename}' if e.filename else ''}): pass a --metrics-file in a directory "
+                                "this job can write") from None
 
     def resumed(self, iteration: int, loaded_from: str) -> None:
         """Once per job start: where training resumes (``loaded_from`` at ``iteration``) and which logged
