@@ -149,6 +149,7 @@ def _init_with_rank_flags(prefix: str, per_rank: dict) -> str:
     """One rank of a job whose nodes were started with different flags: its flags parsed, then the process
     groups made from them; returns the error line (or "ok")."""
     from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.config.resolved_config import flag_values
     from mindspeed_pack.runtime.process_groups import LaunchError, initialize_from_args
 
     rank = int(os.environ["RANK"])
@@ -156,7 +157,7 @@ def _init_with_rank_flags(prefix: str, per_rank: dict) -> str:
                        "--train-iters", "3", "--global-batch-size", "2", *per_rank.get(rank, [])], world_size=2)
     os.environ["GROUP_RANK"] = str(rank)  # one process per "node"
     try:
-        initialize_from_args(args)
+        initialize_from_args(args, flags=flag_values(args))
     except LaunchError as e:
         return str(e)
     return "ok"

@@ -126,11 +126,10 @@ def check_same_flags(flags: dict) -> None:
                       "the same command (only --node-rank differs)")
 
 
-def initialize_from_args(args) -> None:
+def initialize_from_args(args, flags: dict | None = None) -> None:
     """:func:`initialize_distributed` with the run's flags, the deterministic environment set before
-    the process group exists; called again (e.g. after raw data was prepared with the groups), a no-op."""
-    from mindspeed_pack.config import resolved_config  # config imports the model, which imports this module
-
+    the process group exists; called again (e.g. after raw data was prepared with the groups), a no-op.
+    ``flags``: the values every rank must share (``resolved_config.flag_values``), checked once the ranks meet."""
     if args.deterministic_mode:
         # cuBLAS needs a fixed workspace for deterministic GEMMs; NCCL must not pick algorithms per run
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -141,7 +140,7 @@ def initialize_from_args(args) -> None:
                            context_parallel_size=args.context_parallel_size,
                            expert_model_parallel_size=args.expert_model_parallel_size,
                            dynamic_context_parallel=getattr(args, "sequence_packing_scheduler", None)
-                           == "default_dynamic_cp", flags=resolved_config.flag_values(args))
+                           == "default_dynamic_cp", flags=flags)
 
 
 def dynamic_cp_group(size: int):

@@ -214,9 +214,11 @@ def _leader(args):
 def _on_rank_zero(args, work) -> dict:
     """``work()`` on rank 0 (each node's first rank under ``--no-shared-storage``) while the other ranks wait
     (up to :data:`WAIT_HOURS`); its result on every rank."""
+    from mindspeed_pack.config.resolved_config import flag_values
     from mindspeed_pack.runtime.process_groups import initialize_from_args
 
-    initialize_from_args(args)  # the process groups training uses next (a second call is a no-op)
+    # the process groups training uses next (a second call is a no-op)
+    initialize_from_args(args, flags=flag_values(args))
     return run_on_leader(args, work)
 
 

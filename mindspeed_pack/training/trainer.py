@@ -29,7 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from mindspeed_pack.checkpoint import hf_checkpoint, identity, save_dir, save_load
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.checkpoint.resume import load_run_checkpoint, loaded_from
-from mindspeed_pack.config import finetune_defaults
+from mindspeed_pack.config import finetune_defaults, resolved_config
 from mindspeed_pack.datasets.sidecar_checks import check_data
 from mindspeed_pack.model import moe
 from mindspeed_pack.packing import context_parallel as cp_view
@@ -76,7 +76,7 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         args = self.args
-        initialize_from_args(args)
+        initialize_from_args(args, flags=resolved_config.flag_values(args))  # the same on every rank
         save_dir.claim(args)  # before anything is built: an unwritable --save, or another job's, stops here
         if args.deterministic_mode:
             torch.use_deterministic_algorithms(True, warn_only=not cuda_usable())
