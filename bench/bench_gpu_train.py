@@ -31,7 +31,8 @@ communication and idle, and the top 10 kernels (on a CPU aten ops stand in for k
 ``--suite`` runs the issue's whole table in one command and writes one JSON (``--json``, after every run), its
 parts in ``--parts`` order: (a) ``shapes``: ``--suite-shapes`` (0.5b 1.5b), ours vs transformers; ``layers``: ours
 with every transformer layer compiled whole (``--torch-compile-kernels layers``; at the sweep shape also at 2 packs
-per forward) against the default; ``loss``: ours
+per forward) against the default (on CUDA the default compiles the layers whole too since 2026-11-28, so there the
+1-pack run repeats (a)'s; ``--torch-compile-kernels regions`` was the default before); ``loss``: ours
 with ``--loss-chunks`` (0: the unfused loss) against the default at those shapes; (b) ``lora``: LoRA r=16 at
 ``--lora-shape`` (7b), ours vs transformers + PEFT; (c) ``microbatch``: ours at ``--micro-batches`` (1 2 4) packs
 per forward at ``--sweep-shape`` (0.5b; 1 is (a)'s run); (d) with ``--profile``, the profile of every run (it

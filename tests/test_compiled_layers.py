@@ -200,7 +200,7 @@ def test_a_layer_that_cannot_be_traced_whole_stops_with_the_flag_named():
     layer = Layer()
     forward = compiled_layers._compiled_forward(layer)
     with pytest.raises(compiled_layers.LayerCompileError, match=r"layers: transformer layer 7 could not be compiled "
-                                                               r"whole .*--torch-compile-kernels auto"):
+                                                               r"whole .*--torch-compile-kernels regions"):
         forward(torch.zeros(2))
 
 
@@ -330,8 +330,33 @@ def test_dry_run_says_what_is_compiled(capsys, monkeypatch):
               "--train-iters", "1", "--data-path", "none", "--dry-run"]
     posttrain.main([*common, "--torch-compile-kernels", "layers"])
     assert "# torch.compile: every transformer layer whole, forward and backward" in capsys.readouterr().out
-    posttrain.main(common)
+    posttrain.main(common)  # auto: the layers on CUDA
+    assert "# torch.compile (auto): on CUDA every transformer layer whole, forward and backward, with the flash " \
+        "backend" in capsys.readouterr().out
+    posttrain.main([*common, "--num-experts", "4", "--moe-router-topk", "2"])  # a layout that keeps the regions
+    assert "# torch.compile (auto): on CUDA RoPE's and the loss's elementwise regions (layers not compiled whole: " \
+        "MoE layers route" in capsys.readouterr().out
+    posttrain.main([*common, "--torch-compile-kernels", "regions"])
     assert "# torch.compile: RoPE's and the loss's elementwise regions, on CUDA" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides,backend,on_gpu,mode", [
+    ({}, "flash", True, "layers"),  # the default on CUDA: measured 2.29x (0.5B) and 1.32x (1.5B) the regions
+    ({}, "flash", False, "regions"),  # on a CPU: eager (a compile per run costs short jobs and tests more)
+    ({}, "te", True, "regions"), ({}, "local", True, "regions"),
+    ({"context_parallel_size": 2}, "flash", True, "regions"), ({"num_experts": 4}, "flash", True, "regions"),
+    ({"recompute_granularity": "selective"}, "flash", True, "regions"),
+    ({"torch_compile_kernels": "regions"}, "flash", True, "regions"),
+    ({"torch_compile_kernels": "off"}, "flash", True, "off"),
+    ({"torch_compile_kernels": "layers"}, "flash", False, "layers"),
+])
+def test_auto_compiles_the_layers_whole_on_cuda_where_they_can_be(overrides, backend, on_gpu, mode):
+    import types
+
+    from mindspeed_pack.model import compiled_layers
+
+    got, why = compiled_layers.resolve_mode(types.SimpleNamespace(**overrides), backend, on_gpu)
+    assert got == mode and why
 
 
 def test_under_a_counting_dispatch_mode_a_layer_runs_eagerly():

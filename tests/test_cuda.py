@@ -53,7 +53,7 @@ def test_packed_equals_unpacked_on_cuda_fp32():
         assert loss_rel <= 1e-5 and grad_rel <= 1e-5, (lengths, loss_rel, grad_rel)
 
 
-def _bf16_logits_errors(root, device="cuda", backend="flash", isolated=True, compile_mode="auto"):
+def _bf16_logits_errors(root, device="cuda", backend="flash", isolated=True, compile_mode="regions"):
     """Packed bf16 logits of ``backend`` and transformers' bf16 logits of each sample alone, each against
     transformers' fp32 logits of each sample alone (max |difference| / max |reference|).
 
@@ -148,7 +148,7 @@ def _compiled_layers_training(data: str, on_cpu: bool = False) -> dict:
         wgrad_fusion.install(probe=False, device="cpu")
     in_graph = _count_in_graph_accumulations(wgrad_fusion)
     out = {}
-    for mode in ("auto", "layers"):
+    for mode in ("regions", "layers"):  # (auto is layers on CUDA)
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         torch._dynamo.reset()
@@ -169,7 +169,7 @@ def test_compiled_layers_train_as_eager_on_cuda(tmp_path):
     data = write_copy_task(str(tmp_path / "copy"), num_packs=16)
     out = run_distributed(_compiled_layers_training, 1, data, env=ON_GPU, start_method="spawn", timeout=600)[0]
     assert out["fusion installed"] and out["in-graph accumulations"] == 2 * 4 * 4 * 3, out
-    for (l0, g0), (l1, g1) in zip(out["auto"], out["layers"]):
+    for (l0, g0), (l1, g1) in zip(out["regions"], out["layers"]):
         assert l1 == pytest.approx(l0, rel=2e-2) and g1 == pytest.approx(g0, rel=2e-2), out
 
 

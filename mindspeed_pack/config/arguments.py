@@ -96,12 +96,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "micro-batch's fp32 logits; 0 = megatron-core's unfused loss; default: the unfused loss "
                         "while a micro-batch's fp32 logits fit 4 GiB per rank (no second output-layer matmul), "
                         "else chunks of 512 MiB of logits (--dry-run shows the choice)")
-    g.add_argument("--torch-compile-kernels", default="auto", choices=["auto", "off", "layers"],
-                   help="auto: fuse RoPE's and the loss's elementwise steps with torch.compile on CUDA (eager on a "
-                        "CPU; a region that fails to compile twice stops the run); off: always eager; layers: "
-                        "every transformer layer compiled whole, forward and backward (flash backend, dense, "
-                        "TP and sequence parallelism inside the graph, no CP or --overlap-param-gather; cuts the "
-                        "host time per layer; a layer that cannot be traced whole stops the run)")
+    g.add_argument("--torch-compile-kernels", default="auto", choices=["auto", "layers", "regions", "off"],
+                   help="auto: on CUDA every transformer layer compiled whole where it can be (layers), else the "
+                        "regions; eager on a CPU. layers: every transformer layer compiled whole, forward and "
+                        "backward (flash backend, dense, TP and sequence parallelism inside the graph, no CP, "
+                        "selective recomputation or --overlap-param-gather; cuts the host time per layer; a layer "
+                        "that cannot be traced whole stops the run). regions: RoPE's and the loss's elementwise "
+                        "steps fused with torch.compile on CUDA (a region that fails to compile twice stops the "
+                        "run). off: always eager")
     g.add_argument("--use-mcore-models", action="store_true",
                    help="accepted no-op: megatron-core models are the only models (always on)")
     g.add_argument("--transformer-impl", default=None, choices=["local", "transformer_engine"],

@@ -1,4 +1,5 @@
-"""``--torch-compile-kernels layers``: every transformer layer's forward compiled whole, and with it its backward.
+"""``--torch-compile-kernels layers`` (and ``auto``, the default, on CUDA wherever it can): every transformer layer's
+forward compiled whole, and with it its backward.
 
 Why: at one 4096-token pack per forward, Qwen2.5-0.5B's step on an H200 is bound by the host. Each layer
 dispatches some 180 ATen ops per micro-batch through megatron-core's modules and autograd functions, each op
@@ -54,17 +55,16 @@ class LayerCompileError(RuntimeError):
 def unsupported_reason(args, backend: str) -> str:
     """Why this run cannot compile its layers whole ("" if it can); the layout's reasons before the backend's."""
     if getattr(args, "num_experts", None):
-        return "MoE layers route tokens by data-dependent counts (host reads); use --torch-compile-kernels auto"
+        return "MoE layers route tokens by data-dependent counts (host reads)"
     if getattr(args, "context_parallel_size", 1) > 1 or \
             getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
-        return "context parallelism runs collectives inside attention; use --torch-compile-kernels auto"
+        return "context parallelism runs collectives inside attention"
     if getattr(args, "recompute_granularity", None) == "selective":
         return ("selective recomputation checkpoints modules inside the layer (megatron-core's checkpoint function, "
-                "which dynamo cannot trace); use --recompute-granularity full, or --torch-compile-kernels auto")
+                "which dynamo cannot trace); --recompute-granularity full can")
     if getattr(args, "overlap_param_gather", False):
         return ("--overlap-param-gather waits for each module's parameters in a forward pre-hook that a layer "
-                "compiled whole would guard on its own parameters (one compilation per layer); drop "
-                "--overlap-param-gather or use --torch-compile-kernels auto")
+                "compiled whole would guard on its own parameters (one compilation per layer)")
     if backend != "flash":
         return (f"needs --attention-backend flash (this run's is {backend!r}: the local backend plans its "
                 f"buckets on the host, Transformer Engine's modules are not traced)")
@@ -74,7 +74,44 @@ def unsupported_reason(args, backend: str) -> str:
 def check_supported(args, backend: str) -> None:
     why = unsupported_reason(args, backend)
     if why:
-        raise ValueError(f"{FLAG}: {why}")
+        raise ValueError(f"{FLAG}: {why}; use --torch-compile-kernels auto")
+
+
+COMPILE_WORDS = {
+    "layers": "every transformer layer whole, forward and backward (compiled in the first steps)",
+    "regions": "RoPE's and the loss's elementwise regions, on CUDA (eager on a CPU)",
+    "off": "off (every op eager)",
+}
+
+
+def plan_line(args) -> str:
+    """What ``--torch-compile-kernels`` compiles, for ``--dry-run`` (on a machine that may have no GPU: ``auto`` is
+    said for CUDA and the flash backend, the layout's reason to keep the regions named)."""
+    requested = getattr(args, "torch_compile_kernels", "auto")
+    if requested != "auto":
+        return f"torch.compile: {COMPILE_WORDS[requested]}"
+    why = unsupported_reason(args, "flash")
+    on_cuda = (f"RoPE's and the loss's elementwise regions (layers not compiled whole: {why})" if why else
+               "every transformer layer whole, forward and backward, with the flash backend (RoPE's and the "
+               "loss's elementwise regions with another)")
+    return f"torch.compile (auto): on CUDA {on_cuda}; eager on a CPU"
+
+
+def resolve_mode(args, backend: str, on_gpu: bool) -> tuple:
+    """``--torch-compile-kernels`` as this run applies it, and why: ``layers`` (every layer compiled whole),
+    ``regions`` (RoPE's and the loss's elementwise regions, compiled on CUDA, eager on a CPU) or ``off``.
+
+    ``auto`` (the default) compiles the layers whole on CUDA wherever they can be: on an H200 at Qwen2.5-0.5B and
+    1.5B shapes that ran 2.29x and 1.32x the regions' real tokens/s (docs/gpu.md). On a CPU it keeps the regions
+    (eager there): compiling each layer costs a CPU run more than it saves in a short job or a test."""
+    requested = getattr(args, "torch_compile_kernels", "auto")
+    if requested != "auto":
+        return requested, "requested with --torch-compile-kernels"
+    if not on_gpu:
+        return "regions", "auto: no CUDA device, the regions run eagerly"
+    why = unsupported_reason(args, backend)
+    return ("regions", f"auto: the layers cannot be compiled whole: {why}") if why else \
+        ("layers", "auto: CUDA, flash backend, a layout a layer compiles whole in")
 
 
 def compile_layers(model: torch.nn.Module) -> int:
@@ -163,6 +200,6 @@ def _compiled_forward(layer, accumulated=()):
             raise LayerCompileError(
                 f"{FLAG}: transformer layer {layer.layer_number} could not be compiled whole "
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); run with "
-                f"--torch-compile-kernels auto") from e
+                f"--torch-compile-kernels regions") from e
 
     return forward

@@ -137,9 +137,10 @@ def attention_backend(args, quiet: bool = False) -> str:
 
 def build_gpt_model(args, pre_process: bool = True, post_process: bool = True, vp_stage=None) -> PackedGPTModel:
     backend = attention_backend(args)
-    compile_mode = getattr(args, "torch_compile_kernels", "auto")
-    if compile_mode == "layers":
+    if getattr(args, "torch_compile_kernels", "auto") == "layers":
         compiled_layers.check_supported(args, backend)
+    compile_mode, why = compiled_layers.resolve_mode(args, backend, cuda_usable())
+    log.info("torch.compile: %s (%s)", compiled_layers.COMPILE_WORDS[compile_mode], why)
     compiled.set_enabled(compile_mode != "off")
     config = transformer_config(args, backend)
     spec = layer_spec(backend, config, qk_layernorm=config.qk_layernorm, vp_stage=vp_stage)

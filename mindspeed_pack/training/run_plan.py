@@ -22,7 +22,7 @@ import os
 
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.datasets.packed_documents import DataError
-from mindspeed_pack.model import lora
+from mindspeed_pack.model import compiled_layers, lora
 from mindspeed_pack.model.vocab_cross_entropy import UNFUSED_ELEMENTS, loss_chunk
 from mindspeed_pack.packing.balance import model_shape
 
@@ -273,13 +273,6 @@ def _loss_line(args) -> str:
     return f"loss: {what} ({size}, {why})"
 
 
-COMPILE_LINES = {
-    "auto": "torch.compile: RoPE's and the loss's elementwise regions, on CUDA (eager on a CPU)",
-    "off": "torch.compile: off (every op eager)",
-    "layers": "torch.compile: every transformer layer whole, forward and backward (compiled in the first steps)",
-}
-
-
 # ---------------------------------------------------------------------------- the plan
 def _data_lines(args) -> list:
     if getattr(args, "rollout_path", None):
@@ -349,7 +342,7 @@ def plan_lines(args) -> list:
                  + (f"; LoRA: {_count(m['trained per GPU'])} trained per GPU" if lora.settings_from_args(args) else "")
                  + ")")
     lines.append(_loss_line(args))
-    lines.append(COMPILE_LINES[getattr(args, "torch_compile_kernels", "auto")])
+    lines.append(compiled_layers.plan_line(args))
     reference = f"reference model {m['reference model']:.2f} GiB + " if m["reference model"] else ""
     lines.append(f"memory per GPU (estimate): weights {m['weights']:.2f} GiB + {reference}"
                  f"gradients {m['gradients']:.2f} GiB + "
