@@ -122,6 +122,14 @@ def test_unsupported_extension(tmp_path, run_preprocess):
     _assert_failed_cleanly(run_preprocess(**_flags(data, out)), out, "data.xml", "unsupported file extension '.xml'", "jsonl")
 
 
+def test_damaged_parquet_names_the_file(tmp_path, run_preprocess, toy_alpaca_rows):
+    """A shard cut short (a partial download) is one error line naming it, not pyarrow's traceback."""
+    whole = toy.write_dataset(tmp_path / "d" / "a.parquet", toy_alpaca_rows[:3]).read_bytes()
+    (tmp_path / "d" / "b.parquet").write_bytes(whole[:len(whole) // 2])
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(tmp_path / "d", out)), out, "b.parquet: not a readable Parquet file")
+
+
 def test_mixed_directory(tmp_path, run_preprocess, toy_alpaca_rows):
     toy.write_dataset(tmp_path / "d" / "a.jsonl", toy_alpaca_rows[:3])
     toy.write_dataset(tmp_path / "d" / "b.parquet", toy_alpaca_rows[:3])

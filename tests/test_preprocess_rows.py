@@ -90,7 +90,7 @@ def test_malformed_first_line_is_a_bad_row_too(tmp_path, run_preprocess, toy_alp
     assert json.loads((tmp_path / "o_packed_meta.json").read_text())["statistics"]["skipped"] == {"malformed JSON": 1}
 
 
-@pytest.mark.parametrize("ext", ["csv", "jsonl"])
+@pytest.mark.parametrize("ext", ["csv", "jsonl", "parquet", "arrow"])
 def test_empty_file_in_a_directory_is_skipped_with_a_warning(tmp_path, run_preprocess, toy_alpaca_rows, ext):
     toy.write_dataset(tmp_path / "d" / f"a.{ext}", toy_alpaca_rows[:10])
     (tmp_path / "d" / f"b.{ext}").write_text("")

@@ -181,14 +181,14 @@ def columns_of(path, skip_bad_rows: bool = False) -> Optional[list[str]]:
     """
     p = Path(path)
     fmt = FORMATS[p.suffix.lower()]
+    if p.stat().st_size == 0:
+        return None  # an empty file of any format: no rows (a 0-byte Parquet/Arrow file is not even a header)
     if fmt == "txt":
         return ["text"]
     if fmt == "csv":
         return _csv_header(p)  # None for an empty file
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        return list(pq.read_schema(p).names)
+        return list(_parquet_schema(p).names)
     if fmt == "arrow":
         return list(_open_arrow(p).schema.names)
     for chunk in iter_chunks([p], 1):
@@ -198,6 +198,21 @@ def columns_of(path, skip_bad_rows: bool = False) -> Optional[list[str]]:
             if not skip_bad_rows:
                 raise row if isinstance(row, RowError) else not_an_object(where, row)
     return None
+
+
+def _not_parquet(path: Path, exc) -> PreprocessError:
+    return PreprocessError(f"{path}: not a readable Parquet file ({exc}); a partial download or copy? Write it "
+                           "again, or move it out of the input")
+
+
+def _parquet_schema(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise _not_parquet(path, exc) from None
 
 
 def _open_arrow(path: Path):
@@ -227,6 +242,8 @@ def iter_chunks(files, chunk_rows: int) -> Iterator[Chunk]:
         path = Path(path)
         name = str(path)
         fmt = FORMATS[path.suffix.lower()]
+        if path.stat().st_size == 0:
+            continue  # an empty file: no rows, whatever its format
         columns = _json_columns(path) if fmt == "json" and not _looks_like_json_array(path) else None
         if columns is not None:  # one object of columns: its rows, numbered as an array's
             for start in range(0, len(columns), chunk_rows):
@@ -278,7 +295,11 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        yield from pq.ParquetFile(path).iter_batches(batch_size=chunk_rows)
+        try:
+            parquet = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise _not_parquet(path, exc) from None
+        yield from parquet.iter_batches(batch_size=chunk_rows)
     elif fmt == "arrow":
         yield from _arrow_batches(path)
     else:  # csv: stream, every column a string so types cannot change between blocks
@@ -385,12 +406,10 @@ def struct_objects(path, column: str) -> list[str]:
     only stored as JSON text (a string column), which is read as written."""
     p = Path(path)
     fmt = FORMATS[p.suffix.lower()]
-    if fmt not in ("parquet", "arrow"):
+    if fmt not in ("parquet", "arrow") or p.stat().st_size == 0:
         return []
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        schema = pq.read_schema(p)
+        schema = _parquet_schema(p)
     else:
         schema = _open_arrow(p).schema
     if column not in schema.names:
