@@ -130,6 +130,16 @@ def test_damaged_parquet_names_the_file(tmp_path, run_preprocess, toy_alpaca_row
     _assert_failed_cleanly(run_preprocess(**_flags(tmp_path / "d", out)), out, "b.parquet: not a readable Parquet file")
 
 
+def test_compressed_file_in_a_directory_is_not_left_out_silently(tmp_path, run_preprocess, toy_alpaca_rows):
+    import gzip
+
+    toy.write_dataset(tmp_path / "d" / "a.jsonl", toy_alpaca_rows[:3])
+    (tmp_path / "d" / "b.jsonl.gz").write_bytes(gzip.compress(b"{}\n"))
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(tmp_path / "d", out)), out, "b.jsonl.gz: compressed input is not "
+                           "read; decompress it first")
+
+
 def test_mixed_directory(tmp_path, run_preprocess, toy_alpaca_rows):
     toy.write_dataset(tmp_path / "d" / "a.jsonl", toy_alpaca_rows[:3])
     toy.write_dataset(tmp_path / "d" / "b.parquet", toy_alpaca_rows[:3])

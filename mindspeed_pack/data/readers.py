@@ -4,7 +4,8 @@ Formats by extension: ``.parquet`` (record batches), ``.arrow`` (Arrow IPC file 
 as HF ``datasets`` writes), ``.csv`` (all columns read as strings), ``.jsonl`` (one object
 a line), ``.json`` (an array of objects, JSON lines, or one object of equal-length columns written over several
 lines, as HF ``datasets`` reads it), ``.txt`` (one ``text`` row a line).
-A directory holds files of exactly one of these formats (the metadata JSON files of an HF
+A directory holds files of exactly one of these formats; a compressed one (``a.jsonl.gz``) is refused, not left
+out (the metadata JSON files of an HF
 ``datasets.save_to_disk`` directory are ignored next to its ``.arrow`` shards).
 
 Text files are UTF-8; a leading byte-order mark (Excel's "CSV UTF-8") is dropped, as pandas
@@ -38,6 +39,7 @@ from mindspeed_pack.data.errors import BAD_CSV, BAD_JSON, BAD_TYPE, PreprocessEr
 FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json", ".jsonl": "jsonl", ".txt": "txt"}
 # metadata HF datasets' save_to_disk writes next to its .arrow shards: not data
 _HF_DATASETS_METADATA = ("state.json", "dataset_info.json", "dataset_dict.json")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst", ".zip")  # data.jsonl.gz: not read, so never silently left out
 
 
 @dataclass
@@ -54,6 +56,7 @@ def resolve_input_files(path) -> list[Path]:
     """The input file, or the files of the one supported format in a directory (sorted)."""
     p = Path(path)
     if p.is_file():
+        _refuse_compressed([p])
         if p.suffix.lower() not in FORMATS:
             raise PreprocessError(f"{p}: unsupported file extension {p.suffix or '(none)'!r}; "
                                   f"supported: {', '.join(FORMATS)}")
@@ -64,6 +67,7 @@ def resolve_input_files(path) -> list[Path]:
             splits = sorted(d for d in p.iterdir() if d.is_dir() and any(d.glob("*.arrow")))
             raise PreprocessError(f"{p}: a saved HF DatasetDict (dataset_dict.json), one directory per split; pass "
                                   f"a split's directory: {', '.join(map(str, splits)) or '(none found)'}")
+        _refuse_compressed(files)
         by_format: dict[str, list[Path]] = {}
         for f in files:
             if f.name in _HF_DATASETS_METADATA and any(g.suffix == ".arrow" for g in files):
@@ -78,6 +82,17 @@ def resolve_input_files(path) -> list[Path]:
             raise PreprocessError(f"{p}: mixed input formats ({detail}); put one format per directory")
         return next(iter(by_format.values()))
     raise PreprocessError(f"--input {str(path)!r} does not exist")
+
+
+def _refuse_compressed(files) -> None:
+    """A compressed data file (``train-0.jsonl.gz``): this reader does not decompress, and in a directory it
+    would otherwise be left out without a word while the other files are read."""
+    compressed = [f for f in files if len(f.suffixes) > 1 and f.suffixes[-1].lower() in COMPRESSIONS
+                  and f.suffixes[-2].lower() in FORMATS]
+    if compressed:
+        more = f" and {len(compressed) - 3} more" if len(compressed) > 3 else ""
+        raise PreprocessError(f"{', '.join(map(str, compressed[:3]))}{more}: compressed input is not read; "
+                              f"decompress it first (e.g. gunzip), or move it out of the input")
 
 
 def fingerprint(files) -> list[dict]:
