@@ -1,6 +1,7 @@
 """End-to-end preprocessing: packs hold every sample exactly once, intact; output is deterministic."""
 import json
 import os
+import signal
 from collections import Counter
 from pathlib import Path
 
@@ -141,6 +142,21 @@ def test_workers_2_output_is_byte_identical_to_workers_1(tmp_path, toy_sharegpt_
     assert len(names) == 6
     for suffix in names:
         assert (tmp_path / f"w1{suffix}").read_bytes() == (tmp_path / f"w2{suffix}").read_bytes(), suffix
+
+
+def _sigint_disposition(chunk):
+    return signal.getsignal(signal.SIGINT)
+
+
+def test_ctrl_c_is_left_to_the_main_process_not_a_traceback_per_worker(monkeypatch):
+    """Ctrl-C signals the whole process group: the workers ignore it, the main process ends the pool and prints
+    one line (each worker printed a KeyboardInterrupt traceback before it)."""
+    from mindspeed_pack.datasets import preprocess
+
+    monkeypatch.setattr(preprocess, "_encode_chunk", _sigint_disposition)
+    got = list(preprocess.encode_in_order(iter(range(4)), None, workers=2, encoder=object()))
+    assert got == [signal.SIG_IGN] * 4
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
 
 
 def test_cache_is_reused_then_rebuilt(tmp_path, toy_alpaca_rows, run_preprocess):

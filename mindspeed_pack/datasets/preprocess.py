@@ -35,6 +35,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -335,6 +336,14 @@ def _init_worker(config: EncoderConfig) -> None:
     _ENCODER = config.build()
 
 
+def _start_pool_worker(config: Optional[EncoderConfig]) -> None:
+    """A pool worker leaves Ctrl-C (SIGINT to the whole process group) to the main process, which ends the pool and
+    prints one line: handled here, every worker printed a KeyboardInterrupt traceback first."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if config is not None:  # None: the encoder was inherited through fork
+        _init_worker(config)
+
+
 def _encode_chunk(chunk: readers.Chunk):
     return _ENCODER.encode_rows(readers.chunk_rows(chunk))
 
@@ -356,7 +365,7 @@ def encode_in_order(chunks, config: EncoderConfig, workers: int, encoder: Option
         return
     ctx = mp.get_context("fork" if fork else "spawn")
     inherited = fork and encoder is not None
-    with ctx.Pool(workers, initializer=None if inherited else _init_worker, initargs=() if inherited else (config,)) as pool:
+    with ctx.Pool(workers, initializer=_start_pool_worker, initargs=(None if inherited else config,)) as pool:
         pending = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(_encode_chunk, (chunk,)))
