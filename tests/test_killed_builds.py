@@ -121,12 +121,17 @@ def test_a_killed_cache_builder_does_not_block_the_job_waiting_for_it(tmp_path, 
         _until("the second job to wait for the first",
                lambda: f"waiting for PID {first.pid}" in second_log() or second.poll() is not None)
         assert f"waiting for PID {first.pid}" in second_log(), second_log()[-3000:]
+        time.sleep(2)
     finally:
         first.kill()
     assert first.wait(TIMEOUT) == -signal.SIGKILL
     assert second.wait(TIMEOUT) == 0, second_log()[-3000:]
     assert "rows read 80" in second_log() and "removed 2 leftovers of killed runs" in second_log()
     assert sorted(os.listdir(out)) == _finished_outputs(out)
+    # the wait is its own figure, not "setup: tokenizer, input checks, megatron-core import"
+    stats = json.loads((out / "a_packed_meta.json").read_text())["statistics"]
+    assert stats["lock_wait_seconds"] >= 2 and "for another job's build)" in second_log(), stats
+    assert stats["setup_seconds"] <= stats["elapsed_seconds"] - stats["lock_wait_seconds"], stats
 
 
 # --------------------------------------------------------------------------- the helper itself

@@ -568,13 +568,15 @@ def run_or_reuse(args) -> Tuple[dict, bool]:
     cached = _cached(args, cache_key)
     if cached is None:
         out_dir.mkdir(parents=True, exist_ok=True)
+        t_lock = time.time()
         with stale_files.exclusive(str(out_dir / f".{Path(args.output_prefix).name}.lock"),
                                    args.output_prefix) as waited:
+            wait = time.time() - t_lock if waited else 0.0
             if waited:  # the build this job waited for was killed: its leftovers go
                 _remove_leftovers(args, out_dir)
             cached = _cached(args, cache_key)  # or it finished (even as this job checked): reused
             if cached is None:
-                meta = _build(args, files, config, tokenizer, encoder, changes, cache_key, out_dir, t0)
+                meta = _build(args, files, config, tokenizer, encoder, changes, cache_key, out_dir, t0, wait)
                 print_summary(meta)
                 return meta, False
     print(f"cache hit: reusing cached output {args.output_prefix} (inputs, tokenizer, template and arguments match "
@@ -592,12 +594,13 @@ def _remove_leftovers(args, out_dir: Path) -> None:
 
 
 def _build(args, files, config: EncoderConfig, tokenizer, encoder, changes: dict, cache_key: dict, out_dir: Path,
-           t0: float) -> dict:
+           t0: float, lock_wait: float = 0.0) -> dict:
     """Tokenize and pack into temporaries named after this process, then move them into place.
 
     The rates count from here: reading, tokenizing, packing and writing, not loading the tokenizer, checking
     the inputs and importing megatron-core's writer before (``setup_seconds``): that import takes seconds, and in
-    the rates it made 200 rows look 60x slower than they were written."""
+    the rates it made 200 rows look 60x slower than they were written. ``lock_wait``: the seconds spent waiting for
+    another job's build of this output (a killed one), recorded apart, not as setup."""
     pack_writer.indexed_dataset_module()
     t_build = time.time()
     name = Path(args.output_prefix).name
@@ -619,8 +622,9 @@ def _build(args, files, config: EncoderConfig, tokenizer, encoder, changes: dict
                                     stats.pop("_kto_labels", None)))
         t_end = time.time()
         building = t_end - t_build
-        stats.update(setup_seconds=round(t_build - t0, 3), encode_seconds=round(t_encoded - t_build, 3),
-                     elapsed_seconds=round(t_end - t0, 3),
+        stats.update(setup_seconds=round(t_build - t0 - lock_wait, 3), encode_seconds=round(t_encoded - t_build, 3),
+                     elapsed_seconds=round(t_end - t0, 3), **({"lock_wait_seconds": round(lock_wait, 3)}
+                                                              if lock_wait else {}),
                      rows_per_second=round(stats["rows_read"] / max(building, 1e-9), 1),
                      samples_per_second=round(stats["samples_written"] / max(building, 1e-9), 1),
                      tokens_per_second=round(stats["tokens"] / max(building, 1e-9), 1))
@@ -874,8 +878,9 @@ def print_summary(meta: dict) -> None:
     if s.get("cp_pad_tokens"):
         multiple = meta["arguments"]["pad_to_multiple_of"]
         lines.append(f"cp pad tokens {s['cp_pad_tokens']} (every sample padded to a multiple of {multiple})")
-    setup = (f" (setup {s['setup_seconds']:.2f}s: tokenizer, input checks, megatron-core import)"
-             if "setup_seconds" in s else "")
+    setup = (f" (setup {s['setup_seconds']:.2f}s: tokenizer, input checks, megatron-core import"
+             + (f"; waited {s['lock_wait_seconds']:.2f}s for another job's build" if "lock_wait_seconds" in s else "")
+             + ")" if "setup_seconds" in s else "")
     rows_per_second = f"{s['rows_per_second']:.0f} rows/s, " if "rows_per_second" in s else ""
     lines.append(f"tokens {s['tokens']}, {s['tokens_per_second']:.0f} tokens/s, {rows_per_second}"
                  f"{s['samples_per_second']:.0f} samples/s, elapsed {s['elapsed_seconds']:.2f}s{setup}")
