@@ -291,3 +291,18 @@ def test_a_command_line_alternative_overrides_the_files_flag(tmp_path):
     args, _ = yaml_file.parse(parser, ["--config", str(config), "--lr-warmup-iters", "4"])
     assert (args.train_epochs, args.lr_warmup_fraction, args.lr_warmup_iters) == (2, None, 4)
 
+
+
+def test_a_json_flag_from_the_file_is_the_same_value_as_on_the_command_line(tmp_path, packs):
+    """A config file's mapping reaches the parser as json.dumps' text ('{"messages": "msgs"}'), the command line's as
+    typed ('{"messages":"msgs"}'): nodes started one way and the other were refused at the rendezvous as started with
+    different flags, and a resume of the run by the other form was refused as another run's --save."""
+    argv = [*TINY_FLAGS, *RUN, "--data-path", packs, "--save", str(tmp_path / "save")]
+    config = tmp_path / "run.yaml"
+    config.write_text(_yaml_of(argv) + "map-keys: {messages: msgs, system: sys}\n")
+    from_cli = _parse([*argv, "--map-keys", '{"system":"sys","messages":"msgs"}'])
+    from_file = _parse(["--config", str(config)])
+    assert from_file.map_keys != from_cli.map_keys  # the same JSON, other text
+    assert resolved_config.flag_values(from_file) == resolved_config.flag_values(from_cli)
+    resolved_config.write(from_cli, "posttrain.py")
+    assert resolved_config.run_differences(from_file, str(tmp_path / "save")) == []

@@ -16,6 +16,7 @@ is shown as a comment, not set, so a repeat recomputes it from the data as the o
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 
@@ -83,13 +84,24 @@ def _value(args, dest):
     return getattr(args, dest, None)
 
 
+def _comparable(value):
+    """A JSON flag's value as the JSON it says: a config file's mapping (``map-keys: {prompt: q}``, passed on as
+    ``'{"prompt": "q"}'``) and the same JSON typed on a command line (``'{"prompt":"q"}'``) are one value."""
+    if isinstance(value, str) and value.startswith(("{", "[")):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
 # what may differ between the nodes of one job: where the logging rank writes, a node's own cache and workers
 PER_NODE = ("metrics_file", "tensorboard_dir", "data_cache_path", "workers")
 
 
 def flag_values(args) -> dict:
     """{flag name: value} of every flag the nodes of one job must share (all but :data:`PER_NODE`)."""
-    return {name: _value(args, dest) for dest, (name, _) in getattr(args, "flag_sources", {}).items()
+    return {name: _comparable(_value(args, dest)) for dest, (name, _) in getattr(args, "flag_sources", {}).items()
             if dest not in PER_NODE}
 
 
@@ -200,4 +212,4 @@ def run_differences(args, save_dir: str):
         skip |= {"load", "load_format", "finetune", "lora_load"}
     return [f"--{names.get(dest, dest)} {_show(value)} here, {_show(theirs[dest])} there"
             for dest, value in mine.items()
-            if dest in theirs and dest not in skip and value != theirs[dest]]
+            if dest in theirs and dest not in skip and _comparable(value) != _comparable(theirs[dest])]
