@@ -197,3 +197,18 @@ def test_trl_kto_rows_whose_completion_is_not_one_answer_are_refused(tmp_path, r
                                       handler_name="SharegptStyleKTOHandler", prompt_type="qwen", seq_length=512,
                                       pack=True, neat_pack=True)
         assert code == 2 and f"bad{n}.jsonl: line 3: {needle}" in err, err
+
+
+def test_llama_factorys_kto_tag_column_is_named_with_the_map_keys_that_reads_it(tmp_path, run_preprocess):
+    """LLaMA-Factory names the label kto_tag: the error listed the columns but not the --map-keys to read it."""
+    rows, _, _ = _rows("sharegpt", 4)
+    data = toy.write_dataset(tmp_path / "kto.jsonl", [{**{k: v for k, v in r.items() if k != "label"},
+                                                       "kto_tag": r["label"]} for r in rows])
+    common = dict(input=data, output_prefix=tmp_path / "out" / "k", handler_name="SharegptStyleKTOHandler",
+                  prompt_type="qwen", seq_length=512, pack=True, neat_pack=True)
+    code, _, err = run_preprocess(**common)
+    assert code == 2, err
+    assert ("kto.jsonl: column 'label' (--map-keys label) not found; columns: conversations, system, kto_tag; pass "
+            "--map-keys '{\"label\": \"kto_tag\"}' to read column 'kto_tag' as it") in err, err
+    code, _, err = run_preprocess(**common, map_keys='{"label": "kto_tag"}')
+    assert code == 0, err

@@ -389,10 +389,22 @@ def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows:
             elsewhere = () if key in explicit else CONVERSATION_ELSEWHERE.get(handler, {}).get(key, ())
             if keys[key] not in columns and not (elsewhere and all(keys[k] in columns for k in elsewhere)):
                 raise PreprocessError(f"{f}: column {keys[key]!r} (--map-keys {key}) not found; "
-                                      f"columns: {', '.join(map(str, columns))}")
+                                      f"columns: {', '.join(map(str, columns))}{_known_column(key, columns)}")
     if len(empty) < len(files):  # all empty: the empty-input error says so
         for f in empty:
             print(f"warning: {f}: no rows (an empty file); skipped", file=sys.stderr)
+
+
+# other tools' names for a column, which a file missing ours may hold: LLaMA-Factory's KTO label, ms-swift's
+# rejected answer
+KNOWN_COLUMNS = {"label": "kto_tag", "rejected": "rejected_response"}
+
+
+def _known_column(key: str, columns) -> str:
+    """The --map-keys that reads another tool's name for ``key``'s column, when the file has it."""
+    other = KNOWN_COLUMNS.get(key)
+    return f"; pass --map-keys '{{\"{key}\": \"{other}\"}}' to read column {other!r} as it" if other in columns \
+        else ""
 
 
 def warn_struct_key_order(files, handler: str, keys: dict) -> None:
