@@ -391,3 +391,6 @@ def test_a_save_dir_that_cannot_be_written_is_one_error_before_training(saved, t
     with pytest.raises(CheckpointError, match=rf"^--save {save} cannot be written \(Not a directory: .*\): pass a "
                                               r"--save this job can write"):
         posttrain.main(argv(saved[0], "--save", str(save)))
+    file = str(tmp_path / "file")  # the --save itself a file: makedirs said only "File exists"
+    with pytest.raises(CheckpointError, match=rf"^--save {file} is a file, not a directory: pass a directory"):
+        posttrain.main(argv(saved[0], "--save", file))

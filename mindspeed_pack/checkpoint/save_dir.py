@@ -64,6 +64,9 @@ def _claim(save: str) -> Optional[str]:
             os.makedirs(save, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
+            if os.path.exists(save) and not os.path.isdir(save):  # makedirs said only "File exists"
+                return (f"--save {save} is a file, not a directory: pass a directory for the checkpoints (made if "
+                        "missing)")
             return (f"--save {save} cannot be written ({e.strerror or e}"
                     f"{f': {e.filename}' if e.filename else ''}): pass a --save this job can write, on a file system "
                     "every node sees")
