@@ -394,3 +394,15 @@ def test_a_save_dir_that_cannot_be_written_is_one_error_before_training(saved, t
     file = str(tmp_path / "file")  # the --save itself a file: makedirs said only "File exists"
     with pytest.raises(CheckpointError, match=rf"^--save {file} is a file, not a directory: pass a directory"):
         posttrain.main(argv(saved[0], "--save", file))
+
+
+def test_overwrite_output_dir_refuses_to_remove_the_checkpoint_it_loads(saved, tmp_path):
+    """--load D --save D --overwrite-output-dir removed D's checkpoints, then loaded D, found none and trained from
+    scratch (a warning): the checkpoint was lost and the model random. Refused before anything is removed."""
+    ckpt = copy(saved[1], tmp_path)
+    before = fingerprint(ckpt)
+    with pytest.raises(CheckpointError, match=rf"^--overwrite-output-dir removes the checkpoints of --save {ckpt}, "
+                                              rf"which --load {ckpt} loads \(iteration 1\): the run would start from "
+                                              "scratch; pass another --save"):
+        posttrain.main(argv(saved[0], "--load", ckpt, "--save", ckpt, "--overwrite-output-dir", "--train-iters", "2"))
+    assert fingerprint(ckpt) == before

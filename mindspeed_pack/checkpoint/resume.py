@@ -144,6 +144,7 @@ def _own_checkpoint(args) -> Optional[str]:
     differing = resolved_config.run_differences(args, save) if tracked is not None else None
     same_run = differing == []
     if args.overwrite_output_dir and not (faults.restart_attempt() and same_run):
+        _refuse_removing_the_load(args, save, tracked)
         _start_over(args, save)
         return None
     if not fresh:
@@ -162,6 +163,16 @@ def _own_checkpoint(args) -> Optional[str]:
             "resume it")
     raise CheckpointError(f"--save {save} holds iteration {tracked} {what}, another --save, or --overwrite-output-dir "
                           f"to start over in {save} (its checkpoints are removed)")
+
+
+def _refuse_removing_the_load(args, save: str, tracked) -> None:
+    """``--overwrite-output-dir`` with ``--load D --save D`` (LoRA: ``--lora-load D``): starting over in ``D`` removed
+    the checkpoint the run was to load, and the run then trained from scratch (warned only)."""
+    flag, source = ("--lora-load", args.lora_load) if lora.trains_adapters(args) else ("--load", args.load)
+    if tracked is not None and _same_dir(source, save):
+        raise CheckpointError(f"--overwrite-output-dir removes the checkpoints of --save {save}, which {flag} {source} "
+                              f"loads (iteration {tracked}): the run would start from scratch; pass another --save to "
+                              "start over from its weights, or leave out --overwrite-output-dir to resume it")
 
 
 def _start_over(args, save: str) -> None:
