@@ -124,8 +124,9 @@ def test_precomputed_reference_gives_the_same_losses_and_resume_is_exact(setup, 
     # scored at DP2, 3 micro-batches a step (the last step wraps round the packs)
     proc, _ = run_posttrain(["--stage", "dpo_reference", "--seq-length", "128", "--neat-pack", "--micro-batch-size", "1",
                              "--global-batch-size", "6", "--data-path", setup["data"],
-                             "--load", setup["mg"], "--finetune"], nproc=2)
+                             "--load", setup["mg"], "--finetune", "--save", str(setup["root"] / "unused")], nproc=2)
     assert os.path.isfile(setup["data"] + SUFFIX) and "reference log-probs of 60 pairs" in proc.stdout
+    assert not (setup["root"] / "unused").exists()  # a scoring pass saves nothing: --save is neither made nor claimed
     ckpt = {stage: str(setup["root"] / f"ckpt_{stage}") for stage in STAGE_FLAGS}
     for path in ckpt.values():
         write_tracker(path, 2)  # the baselines saved iterations 2 and their last

@@ -55,10 +55,12 @@ class NonFiniteLossError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, args, batch_source: BatchSource, stage, resume_save: bool = True):
+    def __init__(self, args, batch_source: BatchSource, stage, resume_save: bool = True, saves: bool = True):
         """``resume_save``: a run started again resumes from its own ``--save`` (checkpoint/resume.py); an RL
-        session's driver chooses that itself (its rounds of rollouts are its own)."""
+        session's driver chooses that itself (its rounds of rollouts are its own). ``saves``: False for a
+        forward-only pass (scoring), which writes nothing into ``--save`` and so neither creates nor claims it."""
         self.args = args
+        self.saves = saves
         self.started = time.monotonic()  # --exit-duration-in-mins counts from here, the job's start (Megatron-LM)
         self.resume_save = resume_save
         self.source = batch_source
@@ -77,7 +79,8 @@ class Trainer:
     def setup(self) -> None:
         args = self.args
         initialize_from_args(args, flags=resolved_config.flag_values(args))  # the same on every rank
-        save_dir.claim(args)  # before anything is built: an unwritable --save, or another job's, stops here
+        if self.saves:  # before anything is built: an unwritable --save, or another job's, stops here
+            save_dir.claim(args)
         if args.deterministic_mode:
             torch.use_deterministic_algorithms(True, warn_only=not cuda_usable())
         self.model = build_model(args)

@@ -244,7 +244,7 @@ class ReferenceScoringStage:
             log.info("--stage %s reads the weights of --load%s only (as --finetune)", self.name,
                      " and --lora-load" if args.lora_load else "")
             args.finetune = True
-        trainer = Trainer(args, self.batch_source(args), self)
+        trainer = Trainer(args, self.batch_source(args), self, saves=False)  # (a --save out of habit: left alone)
         trainer.setup()
         try:
             for chunk in trainer.model:
