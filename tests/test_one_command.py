@@ -393,3 +393,14 @@ def test_a_stage_value_out_of_range_is_one_error_line_before_raw_data_is_packed(
     err = capsys.readouterr().err
     assert e.value.code == 2 and "posttrain.py: error: --dpo-beta 0.0 must be a finite number > 0" in err and "Traceback" not in err
     assert not cache.exists()
+
+
+def test_the_same_json_mapping_spelled_two_ways_is_one_cache(assets):
+    """--map-keys from a config file's mapping (passed on as json.dumps text) and the same JSON typed compactly on a
+    command line named two caches: the same packs built twice."""
+    prefixes = set()
+    for spelling in ('{"messages": "conversations"}', '{"messages":"conversations"}'):
+        args = parse_args([*one_command(assets), "--train-iters", "1", "--map-keys", spelling],
+                          extra_args_provider=posttrain.posttrain_args)
+        prefixes.add(raw_data.preprocess_namespace(args, [assets["data"]]).output_prefix)
+    assert len(prefixes) == 1, prefixes

@@ -143,8 +143,10 @@ def preprocess_namespace(args, inputs: list, pretrain: bool = False):
         _check_handler_for_stage(getattr(args, "stage", "sft"), ns.handler_name)
     # the prefix names what shapes the packs, so runs with other flags keep their own cache
     identity = {"inputs": [os.path.abspath(p) for p in inputs], "tokenizer": ns.tokenizer_name_or_path,
-                **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "map_keys", "prompt_type_path", "chat_template",
-                                                 "chat_template_kwargs", "reasoning_history", "enable_thinking")},
+                **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "prompt_type_path", "chat_template",
+                                                 "reasoning_history", "enable_thinking")},
+                # JSON flags by value: a config file's mapping and the same JSON typed differently are one cache
+                **{k: _json_value(getattr(ns, k)) for k in ("map_keys", "chat_template_kwargs")},
                 **({"json_keys": ns.json_keys, "add_bos": ns.add_bos} if pretrain else {}),
                 **({"step_tags": [ns.placeholder_token, *ns.reward_tokens]}
                    if ns.handler_name == PROCESS_REWARD else {})}
@@ -153,6 +155,16 @@ def preprocess_namespace(args, inputs: list, pretrain: bool = False):
     root = args.data_cache_path or os.path.join(first.parent, CACHE_DIR)
     ns.output_prefix = os.path.join(root, f"{first.stem if first.is_file() else first.name}-{digest}")
     return ns
+
+
+def _json_value(value):
+    """A JSON flag's value (``--map-keys``, ``--chat-template-kwargs``): parsed from its text when it is JSON."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
 
 
 def _check_handler_for_stage(stage: str, handler: str) -> None:
@@ -362,11 +374,8 @@ def check_packed_flags(args) -> None:
             continue
         for dest in given:
             mine = getattr(args, dest)
-            if dest in ("map_keys", "chat_template_kwargs") and isinstance(mine, str):
-                try:
-                    mine = json.loads(mine)
-                except json.JSONDecodeError:
-                    pass
+            if dest in ("map_keys", "chat_template_kwargs"):
+                mine = _json_value(mine)
             if dest in RECORDED_WHEN_SET:
                 recorded = {**recorded, dest: recorded.get(dest)}
             if dest in recorded and recorded[dest] != mine:
