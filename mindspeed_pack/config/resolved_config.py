@@ -84,7 +84,7 @@ def _value(args, dest):
     return getattr(args, dest, None)
 
 
-def _comparable(value):
+def json_flag_value(value):
     """A JSON flag's value as the JSON it says: a config file's mapping (``map-keys: {prompt: q}``, passed on as
     ``'{"prompt": "q"}'``) and the same JSON typed on a command line (``'{"prompt":"q"}'``) are one value."""
     if isinstance(value, str) and value.startswith(("{", "[")):
@@ -101,7 +101,7 @@ PER_NODE = ("metrics_file", "tensorboard_dir", "data_cache_path", "workers")
 
 def flag_values(args) -> dict:
     """{flag name: value} of every flag the nodes of one job must share (all but :data:`PER_NODE`)."""
-    return {name: _comparable(_value(args, dest)) for dest, (name, _) in getattr(args, "flag_sources", {}).items()
+    return {name: json_flag_value(_value(args, dest)) for dest, (name, _) in getattr(args, "flag_sources", {}).items()
             if dest not in PER_NODE}
 
 
@@ -212,4 +212,4 @@ def run_differences(args, save_dir: str):
         skip |= {"load", "load_format", "finetune", "lora_load"}
     return [f"--{names.get(dest, dest)} {_show(value)} here, {_show(theirs[dest])} there"
             for dest, value in mine.items()
-            if dest in theirs and dest not in skip and _comparable(value) != _comparable(theirs[dest])]
+            if dest in theirs and dest not in skip and json_flag_value(value) != json_flag_value(theirs[dest])]

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from mindspeed_pack.config.resolved_config import json_flag_value
 from mindspeed_pack.datasets.packed_documents import DataError, dataset_paths, read_meta
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def preprocess_namespace(args, inputs: list, pretrain: bool = False):
                 **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "prompt_type_path", "chat_template",
                                                  "reasoning_history", "enable_thinking")},
                 # JSON flags by value: a config file's mapping and the same JSON typed differently are one cache
-                **{k: _json_value(getattr(ns, k)) for k in ("map_keys", "chat_template_kwargs")},
+                **{k: json_flag_value(getattr(ns, k)) for k in ("map_keys", "chat_template_kwargs")},
                 **({"json_keys": ns.json_keys, "add_bos": ns.add_bos} if pretrain else {}),
                 **({"step_tags": [ns.placeholder_token, *ns.reward_tokens]}
                    if ns.handler_name == PROCESS_REWARD else {})}
@@ -155,16 +156,6 @@ def preprocess_namespace(args, inputs: list, pretrain: bool = False):
     root = args.data_cache_path or os.path.join(first.parent, CACHE_DIR)
     ns.output_prefix = os.path.join(root, f"{first.stem if first.is_file() else first.name}-{digest}")
     return ns
-
-
-def _json_value(value):
-    """A JSON flag's value (``--map-keys``, ``--chat-template-kwargs``): parsed from its text when it is JSON."""
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
 
 
 def _check_handler_for_stage(stage: str, handler: str) -> None:
@@ -375,7 +366,7 @@ def check_packed_flags(args) -> None:
         for dest in given:
             mine = getattr(args, dest)
             if dest in ("map_keys", "chat_template_kwargs"):
-                mine = _json_value(mine)
+                mine = json_flag_value(mine)
             if dest in RECORDED_WHEN_SET:
                 recorded = {**recorded, dest: recorded.get(dest)}
             if dest in recorded and recorded[dest] != mine:
