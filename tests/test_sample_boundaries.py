@@ -91,6 +91,16 @@ def test_dp_balanced_on_plain_packs_trains_as_scheduler_none(tmp_path, data, fla
     assert all(r["samples per pack"] > 2 for r in none.values())  # the samples were found, not one per pack
 
 
+def test_plain_packs_trained_as_rows_count_their_samples(tmp_path, data):
+    """Plain --pack rows trained whole (no reset flags) still hold the samples preprocessing recorded: samples per
+    pack logged 1.00 for them, as if each row were one sample."""
+    plain = _train(data["plain"], tmp_path, "rows")
+    with_flags = _train(data["plain"], tmp_path, "reset", "--reset-attention-mask", "--reset-position-ids")
+    for it in with_flags:
+        assert with_flags[it]["samples per pack"] > 2
+        assert plain[it]["samples per pack"] == with_flags[it]["samples per pack"]
+
+
 # items 1 and 4 ---------------------------------------------------------------------------------
 def test_dp_balanced_on_padded_packs_counts_real_lengths_as_scheduler_none(tmp_path, data):
     """One global batch of every pack: tokens and model FLOPs are the samples' own, pads left out."""

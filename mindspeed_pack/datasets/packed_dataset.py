@@ -171,6 +171,10 @@ def micro_batch(samples: List[dict], args, seq_length: Optional[int] = None, iso
         segments_t = torch.from_numpy(segments)
     margins = {} if not all("pair_margins" in s for s in samples) else {  # pairs' reward margins, in segment order
         "pair_margins": torch.from_numpy(np.concatenate([s["pair_margins"] for s in samples]))}
+    if segments_t is None and sample_ids is None and all("sample_ids" in s for s in samples):
+        # plain packs trained as whole rows still hold the samples preprocessing recorded: the metrics count
+        # those (samples per pack), not one per row
+        margins["sample_count"] = sum(int(s["sample_ids"][:seq_length].max(initial=0)) for s in samples)
     return {"input_ids": ids_t, "labels": labels_t, "segment_ids": segments_t, "sample_ids": sample_ids, **margins,
             # the samples' real lengths (padding excluded) for throughput metrics
             "segment_lengths": np.concatenate([

@@ -171,7 +171,7 @@ class Trainer:
             b = host_packed_batch(mb, args)
             if mb.get("cp_rank", 0) == 0:  # dynamic CP: a group's micro-batch is counted by its first rank
                 stats["rows"] += mb["input_ids"].shape[0]
-                stats["samples"] += b.num_samples
+                stats["samples"] += mb.get("sample_count", b.num_samples)
                 stats["tokens"] += b.num_tokens
                 throughput.add_micro_batch(stats, mb)
             batches.append(b)
