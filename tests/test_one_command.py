@@ -26,6 +26,7 @@ from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.stages.sft import SFTStage
 from mindspeed_pack.training.trainer import run
 from tests.data_utils import read_metrics
+from tests.model_utils import TINY_FLAGS as TINY_MODEL
 from tests.train_utils import run_posttrain, train_losses
 
 SHAREGPT = ["--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "qwen"]
@@ -404,3 +405,35 @@ def test_the_same_json_mapping_spelled_two_ways_is_one_cache(assets):
                           extra_args_provider=posttrain.posttrain_args)
         prefixes.add(raw_data.preprocess_namespace(args, [assets["data"]]).output_prefix)
     assert len(prefixes) == 1, prefixes
+
+
+def test_an_omitted_map_keys_and_one_spelling_out_the_defaults_are_one_cache(assets):
+    """--map-keys naming the handler's own defaults (as MindSpeed-LLM's scripts do) built the same packs again under
+    another cache name than a run without the flag; another mapping still names its own cache."""
+    def prefix(*flags):
+        args = parse_args([*one_command(assets), "--train-iters", "1", *flags],
+                          extra_args_provider=posttrain.posttrain_args)
+        return raw_data.preprocess_namespace(args, [assets["data"]]).output_prefix
+
+    omitted = prefix()
+    assert prefix("--map-keys", '{"messages": "conversations", "role_tag": "from", "content_tag": "value"}') == omitted
+    assert prefix("--map-keys", '{"messages": "conversations", "role": "from"}') == omitted  # the OpenAI-style alias
+    assert prefix("--map-keys", '{"messages": "dialogue"}') != omitted
+
+
+def test_map_keys_spelling_out_the_defaults_agrees_with_packs_preprocessed_without_it(tmp_path):
+    """Training on packs preprocessed without --map-keys, given --map-keys naming the handler's defaults, was refused
+    ("was preprocessed with --map-keys None"); another mapping still is."""
+    prefix = str(tmp_path / "sg")
+    with open(f"{prefix}_packed_meta.json", "w") as f:
+        json.dump({"arguments": {"handler_name": "SharegptStyleInstructionHandler", "map_keys": None}}, f)
+
+    def check(mapping):
+        args = parse_args(["--data-path", prefix, *TINY_MODEL, "--seq-length", "64", "--train-iters", "1", "--handler-name",
+                           "SharegptStyleInstructionHandler", "--map-keys", mapping],
+                          extra_args_provider=posttrain.posttrain_args)
+        raw_data.check_packed_flags(args)
+
+    check('{"messages": "conversations", "role": "from"}')
+    with pytest.raises(DataError, match="--map-keys"):
+        check('{"messages": "dialogue"}')

@@ -125,6 +125,21 @@ def raw_inputs(args) -> Optional[list]:
 
 
 # ---------------------------------------------------------------------------- preprocessing
+def _effective_map_keys(handler: str, map_keys):
+    """The column and role names ``handler`` reads under ``map_keys`` (its defaults where not given); the flag's
+    value as given where it does not resolve (preprocessing then says why)."""
+    from mindspeed_pack.data.errors import PreprocessError
+    from mindspeed_pack.data.handlers import resolve_map_keys
+
+    value = json_flag_value(map_keys)
+    if value is not None and not isinstance(value, dict):
+        return value
+    try:
+        return resolve_map_keys(handler, value)[0]
+    except PreprocessError:
+        return value
+
+
 def preprocess_namespace(args, inputs: list, pretrain: bool = False):
     """preprocess_data.py's arguments for ``inputs``: its defaults, this run's shared and preprocessing flags
     (``pretrain``: pretrain_gpt.py's, pretraining documents)."""
@@ -146,8 +161,10 @@ def preprocess_namespace(args, inputs: list, pretrain: bool = False):
     identity = {"inputs": [os.path.abspath(p) for p in inputs], "tokenizer": ns.tokenizer_name_or_path,
                 **{k: getattr(ns, k) for k in (*_OUTPUT_ARGS, "prompt_type_path", "chat_template",
                                                  "reasoning_history", "enable_thinking")},
-                # JSON flags by value: a config file's mapping and the same JSON typed differently are one cache
-                **{k: json_flag_value(getattr(ns, k)) for k in ("map_keys", "chat_template_kwargs")},
+                # JSON flags by value: a config file's mapping and the same JSON typed differently are one cache,
+                # and so are an omitted --map-keys and one spelling out the handler's defaults
+                "map_keys": _effective_map_keys(ns.handler_name, ns.map_keys),
+                "chat_template_kwargs": json_flag_value(ns.chat_template_kwargs),
                 **({"json_keys": ns.json_keys, "add_bos": ns.add_bos} if pretrain else {}),
                 **({"step_tags": [ns.placeholder_token, *ns.reward_tokens]}
                    if ns.handler_name == PROCESS_REWARD else {})}
@@ -364,12 +381,18 @@ def check_packed_flags(args) -> None:
         if not recorded:
             continue
         for dest in given:
-            mine = getattr(args, dest)
-            if dest in ("map_keys", "chat_template_kwargs"):
+            mine, theirs = getattr(args, dest), recorded.get(dest)
+            if dest == "map_keys":  # the names read, so spelled-out defaults equal an omitted flag
+                from mindspeed_pack.data.handlers import canonical_handler
+
+                mine = _effective_map_keys(*canonical_handler(args.handler_name, mine))
+                theirs = _effective_map_keys(*canonical_handler(recorded.get("handler_name", args.handler_name),
+                                                                theirs))
+            elif dest == "chat_template_kwargs":
                 mine = json_flag_value(mine)
             if dest in RECORDED_WHEN_SET:
                 recorded = {**recorded, dest: recorded.get(dest)}
-            if dest in recorded and recorded[dest] != mine:
+            if dest in recorded and theirs != mine:
                 flag = "--" + sources[dest][0]
                 raise DataError(f"{flag} {getattr(args, dest)}, but {prefix!r} was preprocessed with {flag} "
                                 f"{recorded[dest]} ({prefix}_packed_meta.json): drop the flag, or re-run "
