@@ -14,7 +14,8 @@ from pathlib import Path
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 
-# family -> (template file, bos, eos, the token every trained turn ends with; None: the template has none)
+# family -> (template file, bos, eos, the token(s) every trained turn ends with: the template's end-of-turn token, or
+# where it writes none (GLM-4) the token that begins the next message, appended after a sample's last turn)
 FAMILIES = {
     "qwen2_5": ("qwen2_5.jinja", None, "<|im_end|>", "<|im_end|>"),
     "qwen3": ("qwen3.jinja", None, "<|im_end|>", "<|im_end|>"),
@@ -25,8 +26,10 @@ FAMILIES = {
                    "<｜end▁of▁sentence｜>"),
     "gemma3": ("gemma3.jinja", "<bos>", "<eos>", "<end_of_turn>"),
     "phi3_5": ("phi3_5.jinja", "<s>", "<|endoftext|>", "<|endoftext|>"),
-    "glm4": ("glm4moe.jinja", None, "<|endoftext|>", None),
+    "glm4": ("glm4moe.jinja", None, "<|endoftext|>", ("<|user|>", "<|observation|>")),
 }
+# the stop token appended after a sample's last turn where the template writes no end-of-turn token
+APPENDED_STOP = {"glm4": "<|user|>"}
 
 SPECIAL = ("<|im_start|> <|im_end|> <|endoftext|> <|begin_of_text|> <|start_header_id|> <|end_header_id|> <|eot_id|> "
            "<|eom_id|> <|python_tag|> <｜begin▁of▁sentence｜> <｜end▁of▁sentence｜> <｜User｜> <｜Assistant｜> "

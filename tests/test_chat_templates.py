@@ -108,8 +108,11 @@ def test_samples_are_the_official_template_token_for_token(family, family_result
     for i, samples, messages, tools in accepted:
         for sample, ids, trained in samples:
             last = sample.turns[-1][0]
-            # (1) the sample is the official render of the conversation up to its last trained turn
-            assert ids.tolist() == _apply(hf, messages[:last + 1], tools, kwargs)["input_ids"], f"row {i}"
+            # (1) the sample is the official render of the conversation up to its last trained turn (then the stop
+            # token where the template writes no end-of-turn token)
+            stop = chat_corpus.APPENDED_STOP.get(family)
+            official = _apply(hf, messages[:last + 1], tools, kwargs)["input_ids"]
+            assert ids.tolist() == official + ([encoder.tokenizer.token_to_id(stop)] if stop else []), f"row {i}"
             for k, start, end in sample.turns:
                 # (2) its context is exactly what inference shows before turn k
                 prompt = _apply(hf, messages[:k], tools, kwargs, add_generation_prompt=True)["input_ids"]
@@ -126,7 +129,7 @@ def test_only_assistant_output_is_trained_with_its_end_of_turn_token(family, fam
     encoder, accepted, _ = family_results(family)
     tok = encoder.tokenizer
     eot = chat_corpus.FAMILIES[family][3]
-    eot_id = tok.token_to_id(eot) if eot else None
+    eot_ids = {tok.token_to_id(t) for t in ((eot,) if isinstance(eot, str) else eot)}
     bos = chat_corpus.FAMILIES[family][1]
     for i, samples, messages, tools in accepted:
         for sample, ids, trained in samples:
@@ -138,8 +141,8 @@ def test_only_assistant_output_is_trained_with_its_end_of_turn_token(family, fam
                 text = tok.decode(ids[run])
                 kinds = {m.group(1) for m in TAG.finditer(text)}
                 assert kinds <= {"A", "R"}, f"row {i}: trained text {text!r} holds {kinds - {'A', 'R'}}"
-                if eot_id is not None:
-                    assert ids[run[-1]] == eot_id, f"row {i}: trained turn {text!r} does not end with {eot}"
+                if eot_ids:
+                    assert ids[run[-1]] in eot_ids, f"row {i}: trained turn {text!r} does not end with {eot}"
                     # the separator after the end-of-turn token (Qwen's and Gemma's newline) is not trained
                     assert run[-1] + 1 == len(ids) or not trained[run[-1] + 1]
             # (4) one BOS at most; every call, argument and reasoning trace of a trained turn is trained
@@ -429,12 +432,35 @@ def test_bare_tool_schemas_render_in_openais_form(prompt_type, family_tokenizer_
     assert np.array_equal(encode(bare), encode(WHY_ROW))
 
 
+def test_glm4_turns_train_the_token_that_stops_them_as_glms_own_fine_tuning_does(family_tokenizer_dir):
+    """GLM-4's template writes no end-of-turn token: its turns trained none, so the model never learned where to stop.
+    GLM's fine-tuning script trains the token that begins the next message (<|user|>, <|observation|>: stop tokens
+    of its generation config) and appends <|user|> after the last message; so does the hf path now."""
+    encoder = _encoder(family_tokenizer_dir("glm4"))
+    call = {"type": "function", "function": {"name": "fn3", "arguments": {"q": "V3"}}}
+    row = {"messages": [{"role": "user", "content": "U0"}, {"role": "assistant", "content": "A1"},
+                        {"role": "user", "content": "U2"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "T4"}, {"role": "assistant", "content": "A5"}]}
+    ((_, ids, trained),), messages, _ = encode_with_plans(encoder, row)
+    tok = encoder.tokenizer
+    official = encoder.tokenizer.hf.apply_chat_template(messages, tokenize=False)
+    assert tok.decode(ids) == official + "<|user|>"
+    assert encoder.chat.turn_stop == "<|user|>" and encoder.chat.identity()["turn_stop"] == "<|user|>"
+    runs = np.split(np.arange(len(ids)), np.flatnonzero(np.diff(trained.astype(np.int8))) + 1)
+    assert [tok.decode(ids[r]) for r in runs if trained[r[0]]] == [
+        "\n<think></think>\nA1<|user|>",
+        "\n<think></think>\n<tool_call>fn3\n<arg_key>q</arg_key>\n<arg_value>V3</arg_value>\n</tool_call><|observation|>",
+        "\n<think></think>\nA5<|user|>"]
+    for family in ("qwen2_5", "llama3_1", "gemma3", "phi3_5"):  # templates that end their turns themselves
+        assert _encoder(family_tokenizer_dir(family)).chat.turn_stop is None, family
+
+
 def test_append_eod_refusal_does_not_claim_every_template_ends_turns(tmp_path, run_preprocess):
     """The refusal said every template ends its turns with an end-of-turn token, trained; GLM-4's has none."""
     code, _, err = run_preprocess(input=tmp_path / "x.jsonl", output_prefix=tmp_path / "p", prompt_type="hf",
                                   handler_name=SHAREGPT, seq_length=64, append_eod=True)
     assert code != 0 and "--append-eod does not apply to --prompt-type hf" in err
-    assert "GLM-4" in err and "ends every turn" not in err
+    assert "GLM-4" in err and "ends every turn" not in err and "<|user|>" in err
 
 
 def test_json_template_without_tool_support_refuses_tools(toy_tokenizer_dir):
@@ -1022,7 +1048,7 @@ KEEP_TEXTS = {  # every turn as the template renders a final turn, joined by wha
     "glm4": ("[gMASK]<sop><|user|>\nU0"
              + "".join(f"<|assistant|>\n<think>R{n}</think>\n<tool_call>fn{n}\n<arg_key>q</arg_key>\n<arg_value>V{n}"
                        f"</arg_value>\n</tool_call><|observation|>\n<tool_response>\nT{n + 1}\n</tool_response>" for n in (1, 3))
-             + "<|assistant|>\n<think>R5</think>\nA5<|user|>\nU6<|assistant|>\n<think>R7</think>\nA7"),
+             + "<|assistant|>\n<think>R5</think>\nA5<|user|>\nU6<|assistant|>\n<think>R7</think>\nA7<|user|>"),
     "phi3_5": "".join(f"<|user|>\nU{n}<|end|>\n<|assistant|>\nA{n + 1}<|end|>\n<|endoftext|>" for n in (0, 2, 4)),
 }
 

@@ -11,7 +11,11 @@ path. Nothing about the spans is hand-written; they come from *prefix renders*::
 
 so the end-of-turn token (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...) is trained
 and the whitespace separator after it (Qwen's and Gemma's ``\\n``) is not: the model stops at
-the end-of-turn token and never generates what follows. Where the template has
+the end-of-turn token and never generates what follows. A template that writes no end-of-turn
+token (GLM-4: a turn ends where the next message's ``<|user|>`` or ``<|observation|>`` begins,
+its stop tokens) trains that next token instead, and after a sample's last turn the one a user
+message would begin with, appended: GLM's own fine-tuning script does the same, so the model
+learns where to stop. Where the template has
 ``{% generation %}`` markers, the trained text is the marked text instead (the mask equals
 transformers' ``assistant_masks``).
 
@@ -188,12 +192,14 @@ class ChatTemplate:
             raise PreprocessError(f"chat template ({origin}) does not render a plain user/assistant exchange: "
                                   f"{type(exc).__name__}: {exc}") from exc
         self.capabilities = self._probe()
+        self.turn_stop = None if self.has_generation_markers else self._turn_stop()
 
     def identity(self) -> dict:
         """What the sidecar and the cache key record about the template."""
         return {"name": "hf", "origin": self.origin, "chat_template_sha256": self.sha256,
                 "chat_template_kwargs": self.kwargs, "reasoning_history": self.reasoning_history,
-                "generation_markers": self.has_generation_markers, "capabilities": self.capabilities}
+                "generation_markers": self.has_generation_markers, "capabilities": self.capabilities,
+                "turn_stop": self.turn_stop}
 
     # ------------------------------------------------------------------ rendering
     def render(self, conversations: list, tools, add_generation_prompt: bool) -> tuple[list[str], list]:
@@ -285,6 +291,35 @@ class ChatTemplate:
             caps["reasoning"] = "think_tags" if text and "probe_reasoning" in text else None
         return caps
 
+    def _turn_stop(self) -> Optional[str]:
+        """The token that ends an assistant turn where the template writes none after it (GLM-4): the unsplittable
+        token a following user message begins with (``<|user|>``); None where the template ends its turns itself."""
+        exchange = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "probe_answer"}]
+        text = self._renders(exchange, None)
+        if not text or not text.rstrip().endswith("probe_answer") or self._atoms is None:
+            return None
+        followed = self._renders(exchange + [{"role": "user", "content": "q2"}], None)
+        at = len(text.rstrip())
+        if not followed or not followed.startswith(text.rstrip()):
+            return None
+        stop = self._atoms.match(followed, at)
+        return stop.group(0) if stop else None
+
+    def _train_turn_stops(self, sample: SamplePlan) -> None:
+        """Templates without an end-of-turn token (:meth:`_turn_stop`): each turn trains the unsplittable token that
+        begins the next message, the last one the stop token, appended after it."""
+        turns = []
+        for n, (k, start, end) in enumerate(sample.turns):
+            stop = self._atoms.match(sample.text, end)
+            if stop:
+                end = stop.end()
+            elif n == len(sample.turns) - 1 and not sample.text[end:].strip():
+                sample.text = sample.text[:end] + self.turn_stop
+                end = len(sample.text)
+            turns.append((k, start, end))
+        sample.turns = turns
+        sample.trained = self._trained_spans(turns, None)
+
     # ------------------------------------------------------------------ messages -> samples
     def adapt(self, messages: list[dict], tools) -> tuple[list[dict], dict]:
         """Messages in the form this template reads (or RowError naming what it cannot render), and per
@@ -359,7 +394,7 @@ class ChatTemplate:
         if self.reasoning_history == "keep":
             samples = [self._keep(turns, prompts, fulls, ends)]
             samples[0].notes = [(NOTE_TEXT_DROPPED, k) for k in sorted(dropped)]
-            return samples
+            return self._with_turn_stops(samples)
         samples, i = [], 0
         while i < len(turns):
             j = i
@@ -373,6 +408,12 @@ class ChatTemplate:
             sample.notes = [(NOTE_TEXT_DROPPED, turns[t]) for t in range(i, j + 1) if turns[t] in dropped]
             samples.append(sample)
             i = j + 1
+        return self._with_turn_stops(samples)
+
+    def _with_turn_stops(self, samples: list) -> list:
+        if self.turn_stop:
+            for sample in samples:
+                self._train_turn_stops(sample)
         return samples
 
     def _trained_spans(self, turns, marked) -> list:

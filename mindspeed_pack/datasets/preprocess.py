@@ -68,8 +68,9 @@ from mindspeed_pack.runtime import faults, stale_files
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 
 HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
-FORMAT_VERSION = 3  # 2: packs in a seeded random order; template tokens added when missing; 3: reasoning in a
-# "thinking" field, bare tool schemas in OpenAI's form, thoughts without newlines, TRL's and the hub's pair and KTO rows
+FORMAT_VERSION = 4  # 2: packs in a seeded random order; template tokens added when missing; 3: reasoning in a
+# "thinking" field, bare tool schemas in OpenAI's form, thoughts without newlines, TRL's and the hub's pair and KTO rows;
+# 4: --prompt-type hf turns of templates without an end-of-turn token (GLM-4) train the token that stops them
 CHUNK_ROWS = 1000
 # arguments that change the output bytes (the cache compares these; --workers does not)
 _OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed",
@@ -267,7 +268,9 @@ def validate_args(args) -> None:
     if args.prompt_type == HF_PROMPT_TYPE and args.append_eod:
         raise PreprocessError("--append-eod does not apply to --prompt-type hf: a sample is the chat template's "
                               "render, each turn trained through the end-of-turn token the template writes (GLM-4's "
-                              "writes none, so its turns train none: see docs/chat_templates.md)")
+                              "writes none: its turns train the <|user|> or <|observation|> that begins the next "
+                              "message, and <|user|> is appended after the last, as GLM's own fine-tuning does: see "
+                              "docs/chat_templates.md)")
     if args.prompt_type == HF_PROMPT_TYPE and args.tokenizer_type != "PretrainedFromHF":
         raise PreprocessError("--prompt-type hf needs --tokenizer-type PretrainedFromHF (a tokenizer with a chat template)")
     args.chat_template_kwargs = hf_chat.parse_template_kwargs(args.chat_template_kwargs)
