@@ -856,7 +856,7 @@ def test_json_qwen2_5_writes_openai_tool_calls_as_the_official_template(family_t
     assert "A7_0 let me look that up\n<tool_call>" in hf_encoder.tokenizer.decode(ids[trained.astype(bool)])
     reasoning = CORPUS[12]
     with pytest.raises(RowError, match=r"row 12: message 1 has 'reasoning_content', which template 'qwen2_5' does not "
-                                       r"write \(refused, not dropped\)") as err:
+                                       r"write as given \(refused, not dropped\); use --prompt-type hf") as err:
         json_encoder.encode_row(reasoning, "row 12")
     assert err.value.reason == REASON_REASONING
     chatml = SampleEncoder(SHAREGPT, hf_encoder.tokenizer, get_template("chatml"), keys, None, False)
@@ -1373,3 +1373,35 @@ def test_a_call_without_arguments_renders_empty_arguments(family, family_tokeniz
         texts.add(encoder.tokenizer.decode(ids).replace('"arguments": "{}"', '"arguments": {}'))
         assert '"arguments": {}' in encoder.tokenizer.decode(json_encoder.encode_row(row, "row 0")[0][0])
     assert len(texts) == 1 and '"name": "now", "arguments": {}' in texts.pop()
+
+
+def test_json_qwen3_with_enable_thinking_writes_a_reasoning_field_between_its_thought_words(family_tokenizer_dir):
+    """--prompt-type qwen3 --enable-thinking refused every row whose reasoning is a reasoning_content field (the
+    OpenAI-style reasoning datasets' form), though it writes the same thought given inside the content. Now: true
+    writes it inline, as Qwen3's own template renders the field for a final answer; false removes it with every
+    thought; without the flag the refusal names --enable-thinking."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template, with_thinking
+
+    tok = _encoder(family_tokenizer_dir("qwen3")).tokenizer
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+
+    def encode(row, thinking):
+        encoder = SampleEncoder(SHAREGPT, tok, with_thinking(get_template("qwen3"), thinking), keys, None, False)
+        (ids, trained), skip, _ = encoder.encode_row(row, "row 1")
+        assert skip is None
+        return ids.tolist(), trained.tolist()
+
+    user = {"role": "user", "content": "U1_0 q"}
+    field = {"messages": [user, {"role": "assistant", "content": "A1_0 a", "reasoning_content": "\nR1_0 r\n"}]}
+    inline = {"messages": [user, {"role": "assistant", "content": "<think>\nR1_0 r\n</think>\n\nA1_0 a"}]}
+    plain = {"messages": [user, {"role": "assistant", "content": "A1_0 a"}]}
+    assert encode(field, True) == encode(inline, True)
+    official = tok.hf.apply_chat_template(field["messages"], tokenize=False)
+    assert tok.decode(encode(field, True)[0]) + "\n" == official  # Qwen3's template: the same text, then "\n"
+    assert encode(field, False) == encode(plain, False)
+    with pytest.raises(RowError, match="pass --enable-thinking true to write it between the template's thought words"):
+        encode(field, None)
+    both = {"messages": [user, {**inline["messages"][1], "reasoning_content": "R1_0 r"}]}
+    with pytest.raises(RowError, match="give the reasoning once"):
+        encode(both, True)

@@ -67,6 +67,8 @@ from mindspeed_pack.data.templates import (
     USER,
     Template,
     ToolCalls,
+    has_thought,
+    inline_thought,
     merge_observations,
     render_turns,
     special_token_text,
@@ -351,6 +353,7 @@ class SampleEncoder:
                 content = content_text(message.get(content_tag), f"message {n}", content_tag, BAD_TYPE)
             except RowError as exc:
                 raise exc.at(where) from None
+            content, message = self._inline_reasoning(message, content, n, where, self._role_of.get(tag))
             self._refuse_unwritable(message, content, n, where, calls and self._role_of.get(tag) == ASSISTANT)
             if tag in (self.keys["system_tag"], "system") and tag not in self._role_of:
                 if n > 0:  # a known role in the wrong place: the row is unusable (a skip reason), not malformed
@@ -372,14 +375,34 @@ class SampleEncoder:
                 messages.append((self._role_of[tag], content))
         return messages, system
 
+    def _inline_reasoning(self, message: dict, content, n: int, where: str, role) -> tuple:
+        """(content, message) with an answer's reasoning field written inline, between the thought words, where the
+        template has them and ``--enable-thinking`` is given (false then removes it with every thought); else as
+        given (:meth:`_refuse_unwritable` refuses the field)."""
+        field_name = next((f for f in REASONING_FIELDS if message.get(f)), None)
+        template = self.template
+        if field_name is None or role != ASSISTANT or not template.thought_words or template.enable_thinking is None:
+            return content, message
+        reasoning = message[field_name]
+        if not isinstance(reasoning, str):
+            raise RowError(f"{where}: message {n} field {field_name!r} must be a string, got "
+                           f"{type(reasoning).__name__}", BAD_TYPE)
+        if content and has_thought(template, content):
+            raise RowError(f"{where}: message {n} has {field_name!r} and a thought inside its content too; give the "
+                           "reasoning once", BAD_TYPE)
+        return inline_thought(template, reasoning, content or ""), {
+            k: v for k, v in message.items() if k not in REASONING_FIELDS}
+
     def _refuse_unwritable(self, message: dict, text: Optional[str], n: int, where: str, calls_allowed: bool) -> None:
         """RowError for what a message holds that this JSON template would drop."""
         name = self.template.name
         reasoning = next((f for f in REASONING_FIELDS if message.get(f)), None)
         if reasoning:
-            raise RowError(f"{where}: message {n} has {reasoning!r}, which template {name!r} does not write (refused, "
-                           "not dropped); use --prompt-type hf with a chat template that renders reasoning",
-                           hf_chat.REASON_REASONING)
+            how = ("pass --enable-thinking true to write it between the template's thought words (false removes "
+                   "every thought)" if self.template.thought_words else
+                   "use --prompt-type hf with a chat template that renders reasoning")
+            raise RowError(f"{where}: message {n} has {reasoning!r}, which template {name!r} does not write as given "
+                           f"(refused, not dropped); {how}", hf_chat.REASON_REASONING)
         if message.get("tool_calls") and not calls_allowed:
             raise RowError(f"{where}: message {n} has 'tool_calls' but is not an assistant message "
                            f"({self.keys['assistant_tag']!r} or 'assistant')", BAD_TYPE)

@@ -280,7 +280,18 @@ def with_thinking(template: Template, enable_thinking: Optional[bool]) -> Templa
     return replace(template, enable_thinking=bool(enable_thinking))
 
 
-def _has_thought(template: Template, content) -> bool:
+def inline_thought(template: Template, reasoning: str, content):
+    """An answer with a separate reasoning field (``reasoning_content``) as a reasoning template writes its thought:
+    between the thought words, before the answer (Qwen3's own template renders the field so). ``content``: text or
+    :class:`ToolCalls`."""
+    open_word, close_word = template.thought_words
+    thought = open_word + reasoning.strip("\n") + close_word
+    if isinstance(content, ToolCalls):
+        return ToolCalls(thought + content.text.lstrip("\n"), content.calls)
+    return thought + content.lstrip("\n")
+
+
+def has_thought(template: Template, content) -> bool:
     """Whether the answer holds a thought: a thought word without its newlines, as MindSpeed-LLM and LLaMA-Factory
     look for it (``<think>r</think>a`` has one, and gets no second, empty one)."""
     text = content.text if isinstance(content, ToolCalls) else content
@@ -290,7 +301,7 @@ def _has_thought(template: Template, content) -> bool:
 def _without_thought(template: Template, content):
     """The answer with its thought removed (as MindSpeed-LLM's ``remove_thought``: the span between the thought
     words, then the newlines it leaves at the start); the words are matched without their newlines, so a thought
-    spelled ``<think>r</think>`` goes too, as :func:`_has_thought` finds it."""
+    spelled ``<think>r</think>`` goes too, as :func:`has_thought` finds it."""
     open_word, close_word = (re.escape(w.strip()) for w in template.thought_words)
     strip = (lambda text: re.sub(f"{open_word}(.*?){close_word}", "", text, flags=re.DOTALL).lstrip("\n"))
     if isinstance(content, ToolCalls):
@@ -306,7 +317,7 @@ def _thinking(template: Template, messages: list) -> tuple[list, list]:
         messages = [(role, _without_thought(template, content) if role in ANSWER_ROLES else content)
                     for role, content in messages]
     where = "answer" if template.enable_thinking else "prompt"
-    return messages, [where if role in ANSWER_ROLES and not _has_thought(template, content) else None
+    return messages, [where if role in ANSWER_ROLES and not has_thought(template, content) else None
                       for role, content in messages]
 
 

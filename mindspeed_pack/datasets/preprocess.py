@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f'Llama-3.x date header is pinned to date_string "{hf_chat.DEFAULT_DATE_STRING}" unless given')
     g.add_argument("--enable-thinking", type=_true_false_none, default=None, metavar="{true,false,none}",
                    help="MindSpeed-LLM's reasoning switch. A template with thought words (qwen3): true keeps each "
-                        "answer's inline <think> thought and gives an answer without one an empty one, trained; "
+                        "answer's inline <think> thought (a reasoning_content field is written inline) and gives an "
+                        "answer without one an empty one, trained; "
                         "false removes them and closes every prompt with the empty one, untrained. --prompt-type "
                         "hf: the chat template's enable_thinking variable. none (default): answers as written")
     g.add_argument("--reasoning-history", default="split", choices=hf_chat.REASONING_HISTORY,
