@@ -13,42 +13,8 @@
 The EOD id and vocabulary size default to what preprocess_data.py recorded in
 ``P_text_meta.json`` next to the documents.
 """
-import warnings
-
-from mindspeed_pack.config import resolved_config
-from mindspeed_pack.config.arguments import parse_args
-from mindspeed_pack.datasets.pretrain_dataset import GPTBatchSource, resolve_pretrain_vocab_size
-from mindspeed_pack.training import raw_data, run_plan
-from mindspeed_pack.training.cli import run_cli, setup_logging
-from mindspeed_pack.training.stages.sft import SFTStage
-from mindspeed_pack.training.trainer import run
-
-
-def pretrain_args(parser):
-    g = parser.add_argument_group("pretraining data")
-    g.add_argument("--eod-id", type=int, default=None,
-                   help="end-of-document token id (default: the tokenizer's EOS)")
-    parser.set_defaults(pretraining=True)  # no fine-tuning defaults from a Hugging Face --load (finetune_defaults.py)
-    return raw_data.raw_data_args(parser, pretrain=True)
-
-
-def main(argv=None):
-    setup_logging()
-    args = parse_args(argv, extra_args_provider=pretrain_args,
-                      description="mindspeed-pack pretraining on indexed documents")
-    if args.reset_position_ids and not args.isolate_segments and args.position_embedding_type == "rope":
-        warnings.warn("--reset-position-ids without --reset-attention-mask under RoPE changes nothing: rotary "
-                      "positions restart per attention sequence, here the whole row (as in Megatron-LM); add "
-                      "--reset-attention-mask to restart them per document", stacklevel=1)
-    if args.no_shuffle:
-        warnings.warn("--no-shuffle is ignored: GPTDataset draws Megatron-LM's seeded order", stacklevel=1)
-    raw_data.prepare(args, pretrain=True)  # raw --data-path files -> documents, once (rank 0)
-    resolve_pretrain_vocab_size(args)
-    if run_plan.dry_run(args, "pretrain_gpt.py"):
-        return None
-    return run(args, GPTBatchSource(), SFTStage(args),
-               before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))
-
+# the script's code lives in the package (console script mindspeed-pretrain); tests import main from here
+from mindspeed_pack.training.pretrain import cli, main, pretrain_args  # noqa: F401
 
 if __name__ == "__main__":
-    run_cli("pretrain_gpt.py", main, own_process=True)
+    cli()

@@ -71,6 +71,8 @@ setup(
     entry_points={
         "console_scripts": [
             "mindspeed-preprocess=mindspeed_pack.datasets.preprocess:main",
+            "mindspeed-posttrain=mindspeed_pack.training.posttrain:cli",
+            "mindspeed-pretrain=mindspeed_pack.training.pretrain:cli",
             "mindspeed-convert-ckpt=mindspeed_pack.convert.convert:main",
             "mindspeed-compare-runs=mindspeed_pack.tools.compare_runs:main",
             "mindspeed-inspect-pack=mindspeed_pack.tools.inspect_pack:main",
