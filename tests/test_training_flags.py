@@ -199,6 +199,84 @@ def test_lr_warmup_fraction_stays_fractional_as_megatron_counts_it(neat, fractio
         assert lrs[1] < lrs[2] < lrs[3] == pytest.approx(megatron_lr(3, 0.05, 50, 2))
 
 
+def hand_lr(steps, *, lr=1e-3, min_lr=1e-4, init=0.0, warmup=0, decay, style="linear", wsd=None,
+            wsd_style="exponential"):
+    """Megatron-LM's OptimizerParamScheduler.get_lr, written out by hand (steps in samples)."""
+    if warmup and steps <= warmup:
+        return init + (lr - init) * steps / warmup
+    if steps > decay:
+        return min_lr
+    if style == "WSD":
+        start = decay - wsd
+        if steps <= start:
+            return lr
+        r = (steps - start) / wsd
+        coeff = {"linear": 1 - r, "cosine": 0.5 * (np.cos(np.pi * r) + 1), "exponential": 2 * 0.5 ** r - 1,
+                 "minus_sqrt": 1 - r ** 0.5}[wsd_style]
+    else:
+        coeff = 1 - (steps - warmup) / (decay - warmup)
+    return min_lr + coeff * (lr - min_lr)
+
+
+def schedule_of(data, *flags, iters=10):
+    """(lr, weight decay) after 0..iters updates of the scheduler these flags build (GBS 2)."""
+    from types import SimpleNamespace
+
+    from mindspeed_pack.training.schedule import build_scheduler
+
+    args = parse_args(nargv(data, "--train-iters", str(iters), "--lr-warmup-iters", "0", *flags))
+    group = {"lr": None, "weight_decay": None}
+    scheduler = build_scheduler(args, SimpleNamespace(param_groups=[group]))
+    out = [(group["lr"], group["weight_decay"])]
+    for _ in range(iters):
+        scheduler.step(args.global_batch_size)
+        out.append((group["lr"], group["weight_decay"]))
+    return out
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--lr-decay-style", "linear", "--lr-warmup-iters", "2", "--lr-warmup-init", "2e-4"],
+     dict(init=2e-4, warmup=4, decay=20)),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "4", "--lr-wsd-decay-style", "linear", "--lr-warmup-iters",
+      "1"], dict(style="WSD", warmup=2, decay=20, wsd=8, wsd_style="linear")),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "3", "--lr-decay-iters", "8"],
+     dict(style="WSD", decay=16, wsd=6)),
+])
+def test_megatron_lms_schedule_flags_give_its_learning_rates(neat, flags, expected):
+    """--lr-warmup-init and --lr-decay-style WSD (with --lr-wsd-decay-iters/-style) were refused as unknown flags;
+    each step's lr is now Megatron-LM's formula, computed by hand."""
+    lrs = [lr for lr, _ in schedule_of(neat, *flags)]
+    want = [hand_lr(2 * k, **expected) for k in range(11)]
+    assert lrs == pytest.approx(want, rel=1e-12, abs=1e-15)
+    if "--lr-warmup-init" in flags:
+        assert lrs[0] == 2e-4  # the first step runs at the warmup's start, not 0
+
+
+def test_weight_decay_incr_style_raises_the_weight_decay_as_in_megatron_lm(neat, capsys):
+    """--weight-decay-incr-style linear/cosine from --start-weight-decay to --end-weight-decay over the run's samples
+    (was refused as unknown); constant with start/end, or an increase missing one end, is refused by name."""
+    wds = [wd for _, wd in schedule_of(neat, "--weight-decay-incr-style", "cosine", "--start-weight-decay", "0.0",
+                                       "--end-weight-decay", "0.1")]
+    assert wds == pytest.approx([0.1 * 0.5 * (np.cos(np.pi * (1 - k / 10)) + 1) for k in range(11)], abs=1e-15)
+    assert {wd for _, wd in schedule_of(neat, "--weight-decay", "0.05")} == {0.05}
+    for flags, message in ((["--start-weight-decay", "0.1"], "need --weight-decay-incr-style linear or cosine"),
+                           (["--weight-decay-incr-style", "linear", "--end-weight-decay", "0.1"], "give both")):
+        with pytest.raises(SystemExit):
+            parse_args(nargv(neat, "--train-iters", "4", *flags))
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--lr-decay-style", "WSD"], "give it"),
+    (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5"], "must be in [1, --lr-decay-iters"),
+    (["--lr-warmup-init", "2e-3"], "--lr-warmup-init 0.002 must be in [0, --lr 0.001]"),
+])
+def test_impossible_schedule_flags_are_refused_by_name(neat, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_args(nargv(neat, "--train-iters", "4", *flags))
+    assert message in capsys.readouterr().err
+
+
 # 7 ------------------------------------------------------------------------------------------
 def test_prompt_type_is_checked_against_the_sidecar(eos_packs):
     _, plain = eos_packs

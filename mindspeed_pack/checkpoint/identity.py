@@ -40,8 +40,10 @@ SCHEDULE_FIELDS = {
     "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction (in samples)",
     "lr_decay_steps": "--lr-decay-iters (default --train-iters) x --global-batch-size (in samples)",
     "lr_decay_style": "--lr-decay-style",
-    "start_wd": "--weight-decay",
-    "end_wd": "--weight-decay",
+    "start_wd": "--weight-decay (--start-weight-decay)",
+    "end_wd": "--weight-decay (--end-weight-decay)",
+    "wd_incr_style": "--weight-decay-incr-style",
+    "wd_incr_steps": "--train-iters x --global-batch-size (the weight decay's increase, in samples)",
 }
 
 
@@ -95,8 +97,9 @@ def check_tokenizer(record, run_record, source: str) -> None:
 def schedule_mismatches(saved: dict, scheduler) -> list:
     """``[(flag, checkpoint value, value of these flags)]`` where the schedules differ."""
     out = []
+    constant = saved.get("wd_incr_style", "constant") == "constant" and scheduler.wd_incr_style == "constant"
     for key, flag in SCHEDULE_FIELDS.items():
-        if key not in saved:
+        if key not in saved or (key == "wd_incr_steps" and constant):  # a constant decay's length means nothing
             continue
         mine = getattr(scheduler, key)
         if saved[key] != mine and not (isinstance(mine, float) and np.isclose(saved[key], mine, rtol=1e-12, atol=0)):

@@ -294,13 +294,29 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, default=1e-4)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", default="linear",
-                   choices=["constant", "linear", "cosine", "inverse-square-root"])
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                   help="WSD (warmup-stable-decay): --lr until the last --lr-wsd-decay-iters of --lr-decay-iters, "
+                        "then --lr-wsd-decay-style down to --min-lr")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"],
+                   help="--lr-decay-style WSD: the shape of its final decay (Megatron-LM's default exponential)")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="--lr-decay-style WSD: iterations of the final decay, at the end of --lr-decay-iters")
     g.add_argument("--lr-warmup-fraction", type=float, default=None,
                    help="warmup as a fraction of --lr-decay-iters, kept fractional (the schedule counts samples, "
                         "as in Megatron-LM); not together with --lr-warmup-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the learning rate the warmup starts from (Megatron-LM's; at most --lr)")
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"],
+                   help="Megatron-LM's weight decay schedule: constant --weight-decay, or from --start-weight-decay "
+                        "to --end-weight-decay over the training samples")
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="--weight-decay-incr-style linear/cosine: the weight decay at the start")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="--weight-decay-incr-style linear/cosine: the weight decay at the end of training")
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
@@ -596,9 +612,35 @@ def _check_schedule_flags(args) -> None:
             raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters both given: pass only one of them")
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
             raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
+    if args.lr_warmup_init < 0 or args.lr_warmup_init > args.lr:
+        raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init} must be in [0, --lr {args.lr}]")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
+        raise ArgumentError("--lr-decay-style WSD decays over its last --lr-wsd-decay-iters iterations: give it")
+    wsd, decay = args.lr_wsd_decay_iters, args.lr_decay_iters  # decay: None until --train-epochs is resolved
+    if wsd is not None and (wsd < 1 or (decay and wsd > decay)):
+        raise ArgumentError(f"--lr-wsd-decay-iters {wsd} must be in [1, --lr-decay-iters (default --train-iters) "
+                            f"{decay}]")
+    _check_weight_decay_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given: "
                             "pass only one of them")
+
+
+def _check_weight_decay_schedule(args) -> None:
+    """Megatron-LM's rule: a constant weight decay is --weight-decay; an increasing one names both ends."""
+    ends = (args.start_weight_decay, args.end_weight_decay)
+    if args.weight_decay_incr_style == "constant":
+        if any(end is not None for end in ends):
+            raise ArgumentError("--start-weight-decay/--end-weight-decay need --weight-decay-incr-style linear or "
+                                "cosine (constant: --weight-decay)")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        return
+    if any(end is None for end in ends):
+        raise ArgumentError(f"--weight-decay-incr-style {args.weight_decay_incr_style} goes from "
+                            "--start-weight-decay to --end-weight-decay: give both")
+    if not 0.0 <= args.start_weight_decay <= args.end_weight_decay:
+        raise ArgumentError(f"--start-weight-decay {args.start_weight_decay} and --end-weight-decay "
+                            f"{args.end_weight_decay}: need 0 <= start <= end (the weight decay only increases)")
 
 
 def _check_data_flags(args) -> None:

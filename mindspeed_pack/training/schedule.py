@@ -6,9 +6,12 @@ the global batch size after every update::
     decay steps   = --lr-decay-iters (default --train-iters) x GBS
     warmup steps  = --lr-warmup-fraction x decay steps   (fractional: 0.01 x 50 iterations x GBS 2 = 1 sample)
                   or --lr-warmup-iters x GBS
+    WSD's decay   = --lr-wsd-decay-iters x GBS, the last ones of the decay steps
+    weight decay  = --start-weight-decay -> --end-weight-decay over --train-iters x GBS (--weight-decay-incr-style;
+                    constant: --weight-decay)
 
-so a warmup shorter than an iteration still warms up (the first step runs at lr 0), and a
-resume with another global batch size keeps its place in the schedule (with
+so a warmup shorter than an iteration still warms up (the first step runs at --lr-warmup-init, 0 by
+default), and a resume with another global batch size keeps its place in the schedule (with
 ``--use-checkpoint-opt_param-scheduler``). Checkpoints written before the schedule counted
 samples hold iteration counts: :func:`mindspeed_pack.checkpoint.identity.in_samples` converts them at load.
 """
@@ -27,7 +30,7 @@ class SampleScheduler(OptimizerParamScheduler):
 
 
 def build_scheduler(args, optimizer) -> SampleScheduler:
-    """Megatron-LM's ``get_optimizer_param_scheduler`` for iteration-based runs (constant weight decay)."""
+    """Megatron-LM's ``get_optimizer_param_scheduler`` for iteration-based runs."""
     gbs = args.global_batch_size
     decay_steps = (args.lr_decay_iters or args.train_iters or 1) * gbs
     if args.lr_warmup_fraction is not None:
@@ -36,9 +39,14 @@ def build_scheduler(args, optimizer) -> SampleScheduler:
         warmup_steps = args.lr_warmup_iters * gbs
     # megatron-core needs warmup < decay: a warmup as long as the run decays over one more iteration
     decay_steps = max(decay_steps, warmup_steps + gbs)
+    wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+    if wsd_steps is not None and wsd_steps > decay_steps:  # --train-epochs: decay iterations known only now
+        raise ValueError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} is longer than the decay "
+                         f"({decay_steps // gbs} iterations, --lr-decay-iters or --train-iters): give fewer")
     return SampleScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=(args.train_iters or 1) * gbs, wd_incr_style="constant",
+        start_wd=args.start_weight_decay, end_wd=args.end_weight_decay,
+        wd_incr_steps=(args.train_iters or 1) * gbs, wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=wsd_steps, lr_wsd_decay_style=args.lr_wsd_decay_style,
     )
