@@ -214,21 +214,24 @@ def hand_lr(steps, *, lr=1e-3, min_lr=1e-4, init=0.0, warmup=0, decay, style="li
         coeff = {"linear": 1 - r, "cosine": 0.5 * (np.cos(np.pi * r) + 1), "exponential": 2 * 0.5 ** r - 1,
                  "minus_sqrt": 1 - r ** 0.5}[wsd_style]
     else:
-        coeff = 1 - (steps - warmup) / (decay - warmup)
+        r = (steps - warmup) / (decay - warmup)
+        coeff = 0.5 * (np.cos(np.pi * r) + 1) if style == "cosine" else 1 - r
     return min_lr + coeff * (lr - min_lr)
 
 
 def schedule_of(data, *flags, iters=10):
-    """(lr, weight decay) after 0..iters updates of the scheduler these flags build (GBS 2)."""
+    """(lr, weight decay) after 0..--train-iters updates of the scheduler these flags build (GBS 2; ``iters`` None:
+    the flags say how many)."""
     from types import SimpleNamespace
 
     from mindspeed_pack.training.schedule import build_scheduler
 
-    args = parse_args(nargv(data, "--train-iters", str(iters), "--lr-warmup-iters", "0", *flags))
+    length = () if iters is None else ("--train-iters", str(iters))
+    args = parse_args(nargv(data, *length, "--lr-warmup-iters", "0", *flags))
     group = {"lr": None, "weight_decay": None}
     scheduler = build_scheduler(args, SimpleNamespace(param_groups=[group]))
     out = [(group["lr"], group["weight_decay"])]
-    for _ in range(iters):
+    for _ in range(args.train_iters):
         scheduler.step(args.global_batch_size)
         out.append((group["lr"], group["weight_decay"]))
     return out
@@ -264,6 +267,35 @@ def test_weight_decay_incr_style_raises_the_weight_decay_as_in_megatron_lm(neat,
         with pytest.raises(SystemExit):
             parse_args(nargv(neat, "--train-iters", "4", *flags))
         assert message in capsys.readouterr().err
+
+
+def test_train_samples_trains_its_iterations_on_megatron_lms_sample_schedule(neat):
+    """--train-samples (and --lr-decay-samples, --lr-warmup-samples) were refused as unknown: 21 samples at GBS 2
+    are 10 iterations, and the lr decays over the samples given, not over iterations x GBS."""
+    args = parse_args(nargv(neat, "--train-samples", "21", "--lr-warmup-iters", "0", "--lr-warmup-samples", "3",
+                            "--lr-decay-samples", "19"))
+    assert args.train_iters == 10
+    lrs = [lr for lr, _ in schedule_of(neat, "--lr-warmup-samples", "3", "--lr-decay-samples", "19",
+                                       "--train-samples", "21", iters=None)]
+    want = [hand_lr(2 * k, warmup=3, decay=19, style="cosine") for k in range(11)]  # TINY_FLAGS: cosine
+    assert lrs == pytest.approx(want, rel=1e-12, abs=1e-15)
+    fraction = [lr for lr, _ in schedule_of(neat, "--lr-warmup-fraction", "0.1", "--train-samples", "21", iters=None)]
+    want = [hand_lr(2 * k, warmup=2.1, decay=21, style="cosine") for k in range(11)]
+    assert fraction == pytest.approx(want, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--train-samples", "20", "--train-iters", "4"], "--train-samples 20 counts samples: --train-iters count"),
+    (["--train-samples", "20", "--lr-decay-iters", "4"], "--lr-decay-iters count iterations"),
+    (["--train-iters", "4", "--lr-decay-samples", "8"], "--lr-decay-samples size the schedule of --train-samples"),
+    (["--train-samples", "1"], "less than one global batch"),
+    (["--train-samples", "20", "--lr-warmup-samples", "2", "--lr-warmup-fraction", "0.1"],
+     "--lr-warmup-fraction and --lr-warmup-samples both given"),
+])
+def test_sample_and_iteration_flags_are_not_mixed(neat, capsys, flags, message):
+    with pytest.raises(SystemExit):
+        parse_args(nargv(neat, "--lr-warmup-iters", "0", *flags))
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -37,13 +37,14 @@ _STEP_KEYS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")
 SCHEDULE_FIELDS = {
     "max_lr": "--lr",
     "min_lr": "--min-lr",
-    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-fraction (in samples)",
-    "lr_decay_steps": "--lr-decay-iters (default --train-iters) x --global-batch-size (in samples)",
+    "lr_warmup_steps": "--lr-warmup-iters/--lr-warmup-samples/--lr-warmup-fraction (in samples)",
+    "lr_decay_steps": "--lr-decay-iters (default --train-iters) x --global-batch-size, or --lr-decay-samples (default "
+                      "--train-samples) (in samples)",
     "lr_decay_style": "--lr-decay-style",
     "start_wd": "--weight-decay (--start-weight-decay)",
     "end_wd": "--weight-decay (--end-weight-decay)",
     "wd_incr_style": "--weight-decay-incr-style",
-    "wd_incr_steps": "--train-iters x --global-batch-size (the weight decay's increase, in samples)",
+    "wd_incr_steps": "--train-iters x --global-batch-size or --train-samples (the weight decay's increase, in samples)",
 }
 
 

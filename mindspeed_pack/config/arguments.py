@@ -279,6 +279,10 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="Megatron-LM's sample-based training: train --train-samples // --global-batch-size "
+                        "iterations, the schedule sized in samples (--lr-decay-samples, --lr-warmup-samples, "
+                        "--lr-wsd-decay-samples); not with --train-iters")
     g.add_argument("--seq-length", type=int, required=False)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
@@ -309,6 +313,11 @@ def _training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="the learning rate the warmup starts from (Megatron-LM's; at most --lr)")
     g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="--train-samples: samples the lr decays over (default --train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="--train-samples: warmup samples")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="--train-samples with --lr-decay-style WSD: samples of the final decay")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"],
                    help="Megatron-LM's weight decay schedule: constant --weight-decay, or from --start-weight-decay "
@@ -608,22 +617,50 @@ def _check_loss_and_gc_flags(args) -> None:
 def _check_schedule_flags(args) -> None:
     """Megatron-LM's rules for the warmup and the resume schedule flags."""
     if args.lr_warmup_fraction is not None:
-        if args.lr_warmup_iters:
-            raise ArgumentError("--lr-warmup-fraction and --lr-warmup-iters both given: pass only one of them")
+        for flag, value in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-warmup-samples", args.lr_warmup_samples)):
+            if value:
+                raise ArgumentError(f"--lr-warmup-fraction and {flag} both given: pass only one of them")
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
             raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
     if args.lr_warmup_init < 0 or args.lr_warmup_init > args.lr:
         raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init} must be in [0, --lr {args.lr}]")
-    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None:
-        raise ArgumentError("--lr-decay-style WSD decays over its last --lr-wsd-decay-iters iterations: give it")
-    wsd, decay = args.lr_wsd_decay_iters, args.lr_decay_iters  # decay: None until --train-epochs is resolved
+    unit = "samples" if args.train_samples else "iters"
+    wsd, decay = getattr(args, f"lr_wsd_decay_{unit}"), getattr(args, f"lr_decay_{unit}")
+    if args.lr_decay_style == "WSD" and wsd is None:
+        raise ArgumentError(f"--lr-decay-style WSD decays over its last --lr-wsd-decay-{unit} {unit}: give it")
+    decay = decay or args.train_samples  # None until --train-epochs is resolved
     if wsd is not None and (wsd < 1 or (decay and wsd > decay)):
-        raise ArgumentError(f"--lr-wsd-decay-iters {wsd} must be in [1, --lr-decay-iters (default --train-iters) "
+        raise ArgumentError(f"--lr-wsd-decay-{unit} {wsd} must be in [1, --lr-decay-{unit} (default --train-{unit}) "
                             f"{decay}]")
     _check_weight_decay_schedule(args)
     if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
         raise ArgumentError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given: "
                             "pass only one of them")
+
+
+def _resolve_train_samples(args) -> None:
+    """Megatron-LM's sample-based training: ``--train-iters`` = ``--train-samples`` // GBS, the schedule's lengths
+    in samples; the iteration-based lengths are refused with it, and the sample-based ones without it."""
+    counted = {"--train-iters": args.train_iters, "--train-epochs": getattr(args, "train_epochs", None),
+               "--lr-decay-iters": args.lr_decay_iters, "--lr-warmup-iters": args.lr_warmup_iters,
+               "--lr-wsd-decay-iters": args.lr_wsd_decay_iters}
+    sampled = {"--lr-decay-samples": args.lr_decay_samples, "--lr-warmup-samples": args.lr_warmup_samples,
+               "--lr-wsd-decay-samples": args.lr_wsd_decay_samples}
+    if not args.train_samples:
+        given = [flag for flag, value in sampled.items() if value]
+        if given:
+            raise ArgumentError(f"{', '.join(given)} size the schedule of --train-samples runs: give --train-samples, "
+                                "or the iteration flags (--lr-decay-iters, --lr-warmup-iters, --lr-wsd-decay-iters)")
+        return
+    given = [flag for flag, value in counted.items() if value]
+    if given:
+        raise ArgumentError(f"--train-samples {args.train_samples} counts samples: {', '.join(given)} count "
+                            "iterations; give their sample flags (--lr-decay-samples, --lr-warmup-samples, "
+                            "--lr-wsd-decay-samples) or --train-iters instead")
+    args.train_iters = args.train_samples // args.global_batch_size
+    if args.train_iters < 1:
+        raise ArgumentError(f"--train-samples {args.train_samples} is less than one global batch "
+                            f"(--global-batch-size {args.global_batch_size})")
 
 
 def _check_weight_decay_schedule(args) -> None:
@@ -861,7 +898,8 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError("--max-seqlen-per-dp-cp-rank must be at least 2")
     if args.padded_vocab_size is None and args.vocab_size is not None:
         args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by, tp)
-    if args.lr_decay_iters is None:
+    _resolve_train_samples(args)
+    if args.lr_decay_iters is None and not args.train_samples:
         args.lr_decay_iters = args.train_iters
     _check_schedule_flags(args)
     _check_loss_and_gc_flags(args)
@@ -877,7 +915,8 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     if epochs is not None and epochs < 1:
         raise ArgumentError(f"--train-epochs {epochs} must be >= 1")
     if not args.skip_train and not args.train_iters and not epochs and args.stage not in ("dpo_reference", "score"):
-        raise ArgumentError("--train-iters is required (or --train-epochs, or --skip-train for evaluation only)")
+        raise ArgumentError("--train-iters is required (or --train-epochs, --train-samples, or --skip-train for "
+                            "evaluation only)")
     if args.skip_train and not args.eval_iters:
         raise ArgumentError("--skip-train needs --eval-iters > 0")
     if args.finetune and not args.load:

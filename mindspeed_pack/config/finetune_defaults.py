@@ -46,7 +46,7 @@ def tokenizer_default(args, given: set) -> set:
 def _fresh_defaults(args, given: set) -> dict:
     """{dest: value} of the defaults a fine-tuning run from a HF model starts with."""
     out = {}
-    if not {"lr_warmup_fraction", "lr_warmup_iters"} & given:
+    if not {"lr_warmup_fraction", "lr_warmup_iters", "lr_warmup_samples"} & given:
         out["lr_warmup_fraction"] = WARMUP_FRACTION
     out["lr_decay_style"] = "cosine"
     out["min_lr"] = float(f"{MIN_LR_RATIO * args.lr:.12g}")  # 2e-6, not 2.0000000000000003e-06

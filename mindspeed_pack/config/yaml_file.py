@@ -222,7 +222,9 @@ def config_path(argv: Iterable[str]) -> Optional[str]:
 
 
 # flags that say the same thing two ways (refused together): one on the command line overrides the other in the file
-ALTERNATIVES = (("--train-epochs", "--train-iters"), ("--lr-warmup-fraction", "--lr-warmup-iters"))
+ALTERNATIVES = (("--train-epochs", "--train-iters"), ("--lr-warmup-fraction", "--lr-warmup-iters"),
+                ("--train-samples", "--train-iters"), ("--train-samples", "--train-epochs"),
+                ("--lr-warmup-fraction", "--lr-warmup-samples"))
 
 
 def _without(tokens: List[str], flag: str) -> List[str]:
