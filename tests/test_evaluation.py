@@ -119,3 +119,23 @@ def test_evaluation_asked_for_without_validation_data_is_said(trained, tmp_path,
         posttrain.main([*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
                         "--neat-pack", "--data-path", data, "--train-iters", "1"])
     assert "no validation data" not in caplog.text
+
+
+@pytest.mark.parametrize("skip_train", [True, False])
+def test_skip_train_from_a_hugging_face_model_does_not_warn_that_nothing_is_exported(tmp_path, caplog, skip_train):
+    """--skip-train trains nothing, so 'the trained model will not be written' was noise on every evaluation run."""
+    import logging
+
+    import transformers
+
+    from mindspeed_pack.config.arguments import parse_args
+
+    config = transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(str(tmp_path / "hf"))
+    data = write_packed_instruction_dataset(str(tmp_path / "toy"), num_packs=8, seed=3)
+    flags = ["--skip-train"] if skip_train else ["--train-iters", "2"]
+    with caplog.at_level(logging.WARNING, logger="mindspeed_pack.config.finetune_defaults"):
+        parse_args(["--seq-length", "128", "--neat-pack", "--global-batch-size", "2", "--eval-iters", "1",
+                    "--data-path", data, "--load", str(tmp_path / "hf"), *flags], world_size=1)
+    assert ("will not be written" in caplog.text) is not skip_train

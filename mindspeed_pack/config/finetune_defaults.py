@@ -110,7 +110,7 @@ def apply(args, given: set) -> set:
                 defaults["save_hf"] = os.path.join(args.save, SAVE_HF_SUBDIR)
             else:
                 del defaults["save_hf"]
-    if args.load_format == "hf" and not {"save_hf"} & (given | set(defaults)):
+    if args.load_format == "hf" and not {"save_hf"} & (given | set(defaults)) and not getattr(args, "skip_train", False):
         log.warning("--load %s is a Hugging Face model but neither --save nor --save-hf is given: the trained "
                     "model will not be written", args.load)
     if not defaults:
