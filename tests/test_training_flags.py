@@ -284,6 +284,17 @@ def test_train_samples_trains_its_iterations_on_megatron_lms_sample_schedule(nea
     assert fraction == pytest.approx(want, rel=1e-12, abs=1e-15)
 
 
+def test_a_wsd_decay_longer_than_the_epochs_iterations_is_refused_before_the_model_is_built(neat):
+    """With --train-epochs the decay's iterations are known only from the data: a longer --lr-wsd-decay-iters made
+    megatron-core's WSD coefficient run past its range (a traceback at best)."""
+    from mindspeed_pack.training.run_plan import resolve_epochs
+
+    args = parse_args(nargv(neat, "--train-epochs", "1", "--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "1000"),
+                      extra_args_provider=posttrain.posttrain_args)
+    with pytest.raises(DataError, match=r"--lr-wsd-decay-iters 1000 is longer than the decay \((\d+) iterations"):
+        resolve_epochs(args)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--train-samples", "20", "--train-iters", "4"], "--train-samples 20 counts samples: --train-iters count"),
     (["--train-samples", "20", "--lr-decay-iters", "4"], "--lr-decay-iters count iterations"),

@@ -82,6 +82,10 @@ def resolve_epochs(args) -> None:
                  f"divides {epoch}, or --padded-samples, makes the epochs exact)")
     args.epochs_note = note
     log.info(note)
+    wsd = getattr(args, "lr_wsd_decay_iters", None)
+    if wsd is not None and wsd > args.lr_decay_iters:  # the parser could not check it before the epochs' iterations
+        raise DataError(f"--lr-wsd-decay-iters {wsd} is longer than the decay ({args.lr_decay_iters} iterations, "
+                        f"--lr-decay-iters or {note.split(':')[0]}'s): give at most {args.lr_decay_iters}")
 
 
 # ---------------------------------------------------------------------------- memory

@@ -54,9 +54,6 @@ def build_scheduler(args, optimizer) -> SampleScheduler:
     decay_steps, warmup_steps, wsd_steps, incr_steps = schedule_lengths(args)
     # megatron-core needs warmup < decay: a warmup as long as the run decays over one more iteration
     decay_steps = max(decay_steps, warmup_steps + gbs)
-    if wsd_steps is not None and wsd_steps > decay_steps:  # --train-epochs: decay iterations known only now
-        raise ValueError(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} is longer than the decay "
-                         f"({decay_steps // gbs} iterations, --lr-decay-iters or --train-iters): give fewer")
     return SampleScheduler(
         optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
         lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=args.lr_decay_style,
