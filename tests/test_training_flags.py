@@ -313,6 +313,7 @@ def test_sample_and_iteration_flags_are_not_mixed(neat, capsys, flags, message):
     (["--lr-decay-style", "WSD"], "give it"),
     (["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "5"], "must be in [1, --lr-decay-iters"),
     (["--lr-warmup-init", "2e-3"], "--lr-warmup-init 0.002 must be in [0, --lr 0.001]"),
+    (["--min-lr", "2e-3"], "--min-lr 0.002 is above --lr 0.001"),  # was megatron-core's bare AssertionError
 ])
 def test_impossible_schedule_flags_are_refused_by_name(neat, capsys, flags, message):
     with pytest.raises(SystemExit):

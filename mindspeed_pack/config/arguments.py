@@ -622,6 +622,8 @@ def _check_schedule_flags(args) -> None:
                 raise ArgumentError(f"--lr-warmup-fraction and {flag} both given: pass only one of them")
         if not 0.0 <= args.lr_warmup_fraction < 1.0:
             raise ArgumentError(f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in [0, 1)")
+    if args.min_lr > args.lr:  # megatron-core's scheduler asserts it, a bare AssertionError after the model is built
+        raise ArgumentError(f"--min-lr {args.min_lr} is above --lr {args.lr}: the lr decays from --lr down to --min-lr")
     if args.lr_warmup_init < 0 or args.lr_warmup_init > args.lr:
         raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init} must be in [0, --lr {args.lr}]")
     unit = "samples" if args.train_samples else "iters"
