@@ -46,11 +46,19 @@ def test_load_dir_without_checkpoint(saved, tmp_path):
         posttrain.main(argv(data, "--load", ckpt))
 
 
-def test_tracker_naming_a_missing_iteration(saved, tmp_path):
+def test_tracker_naming_a_missing_iteration(saved, tmp_path, capsys):
+    """Without the model flags (they come from the checkpoint) the run stopped with 'missing required arguments:
+    --num-layers, ...': it names the missing iteration, those held and how to load one, as the load does."""
     ckpt = copy(saved[1], tmp_path)
     layout.write_tracker(ckpt, 7)
-    with pytest.raises(CheckpointError, match="names iteration 7 but .*iter_0000007 does not exist"):
+    why = (f"names iteration 7 but {ckpt}/iter_0000007 does not exist; {ckpt} holds iter_0000001: write the "
+           f"iteration to load into {ckpt}/{layout.TRACKER}, or pass --ckpt-step N")
+    with pytest.raises(CheckpointError, match=re.escape(why)):
         posttrain.main(argv(saved[0], "--load", ckpt))
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", saved[0], "--load", ckpt], world_size=1)
+    err = capsys.readouterr().err
+    assert why in err and "missing required arguments" not in err
 
 
 def test_load_equal_to_save_on_a_first_launch_starts_from_scratch(saved, tmp_path):

@@ -27,7 +27,6 @@ import glob
 import logging
 import os
 import random
-import re
 from typing import Optional
 
 import numpy as np
@@ -225,8 +224,7 @@ def _iteration_dir_for_load(root: str, iteration, flag: str = "--load") -> str:
         log.warning("%s is missing but %s.old is complete (a re-save was interrupted): loading it", it_dir, it_dir)
         return it_dir + ".old"
     if not os.path.isdir(it_dir):
-        raise CheckpointError(f"{flag} {root}: {layout.TRACKER} names iteration {iteration} but {it_dir} "
-                              "does not exist")
+        raise CheckpointError(f"{flag} {root}: {layout.missing_iteration(root, iteration)}")
     return it_dir
 
 
@@ -308,8 +306,7 @@ def _check_shapes(path: str, module, state: dict, fresh=()) -> None:
 
 def _saved_iterations(root: str) -> list:
     """Names of complete-looking iteration directories (not a crashed save's ``.tmp``)."""
-    names = [os.path.basename(p) for p in glob.glob(os.path.join(root, "iter_*")) if os.path.isdir(p)]
-    return sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n))
+    return layout.held_iterations(root)
 
 
 def refresh_master_weights(optimizer) -> None:

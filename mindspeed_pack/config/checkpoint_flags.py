@@ -66,6 +66,16 @@ def read_record(args):
     return path, record if isinstance(record, dict) else {}
 
 
+def _tracked_file_missing(args) -> str:
+    """Why the iteration ``args.load``'s tracker (or ``--ckpt-step``) names has no first rank file to read."""
+    step = getattr(args, "ckpt_step", None)
+    iteration = layout.read_tracker(args.load) if step is None else step
+    it_dir = layout.iteration_dir(args.load, iteration)
+    if not os.path.isdir(it_dir) and not os.path.isdir(it_dir + ".old"):
+        return layout.missing_iteration(args.load, iteration)
+    return f"{it_dir} holds no mp_rank_00*/model_optim_rng.pt (an incomplete copy?): load another iteration"
+
+
 def fill_model_args(args, explicit: set) -> None:
     """Set the recorded model arguments of ``args.load`` that the user did not pass; refuse those passed with
     another value. A checkpoint that records none (another tool's), or none yet, leaves the flags as given; a --load
@@ -85,6 +95,8 @@ def fill_model_args(args, explicit: set) -> None:
         if missing and not os.path.isfile(os.path.join(args.load, layout.TRACKER)):
             raise ArgumentError(_no_model(args, missing, "holds neither a Hugging Face model (config.json, "
                                           f"*.safetensors) nor a Megatron checkpoint ({layout.TRACKER})"))
+        if missing:  # the tracked iteration is gone: its reason, not "missing required arguments: --num-layers"
+            raise ArgumentError(f"--load {args.load}: {_tracked_file_missing(args)}")
         return
     path, record = found
     if record.get("lora") is not None and not lora.trains_adapters(args):

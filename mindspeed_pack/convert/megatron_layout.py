@@ -303,6 +303,21 @@ def first_rank_file(root: str, iteration=None) -> Optional[str]:
     return path if path and os.path.isfile(path) else None
 
 
+def held_iterations(root: str) -> list:
+    """Names of ``root``'s complete-looking iteration directories (not a crashed save's ``.tmp``), oldest first."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n) and os.path.isdir(os.path.join(root, n)))
+
+
+def missing_iteration(root: str, iteration) -> str:
+    """Why ``root``'s tracker names nothing to load (its iteration directory is gone), and what to do: the load
+    and the model flags read from the checkpoint say the same."""
+    held = held_iterations(root)
+    hint = (f"; {root} holds {', '.join(held)}: write the iteration to load into {os.path.join(root, TRACKER)}, or "
+            "pass --ckpt-step N" if held else f"; {root} holds no other iteration")
+    return f"{TRACKER} names iteration {iteration} but {iteration_dir(root, iteration)} does not exist{hint}"
+
+
 def remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
