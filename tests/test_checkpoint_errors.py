@@ -226,6 +226,22 @@ def test_resume_in_another_precision_names_the_flags(saved, tmp_path):
     assert trainer.iteration == 2  # resumed at the saved step 1, then trained one more
 
 
+def test_resume_with_the_distributed_optimizer_switched_names_the_flag(saved, tmp_path):
+    """--use-distributed-optimizer on (or off) across a resume failed with a bare KeyError from the optimizer's load
+    ('optimizer' or 'state') and a hint at precision and LoRA flags; --no-load-optim still resumes."""
+    ckpt = copy(saved[1], tmp_path)
+    with pytest.raises(CheckpointError, match=r"its optimizer state was saved without --use-distributed-optimizer, "
+                                              r"this run is with it .*resume without --use-distributed-optimizer"):
+        posttrain.main(argv(saved[0], "--load", ckpt, "--use-distributed-optimizer", "--train-iters", "2"))
+    trainer = posttrain.main(argv(saved[0], "--load", ckpt, "--use-distributed-optimizer", "--no-load-optim",
+                                  "--train-iters", "2"))
+    assert trainer.iteration == 2
+    sharded = str(tmp_path / "sharded")
+    posttrain.main(argv(saved[0], "--save", sharded, "--use-distributed-optimizer"))
+    with pytest.raises(CheckpointError, match=r"saved with --use-distributed-optimizer, this run is without it"):
+        posttrain.main(argv(saved[0], "--load", sharded, "--train-iters", "2"))
+
+
 def test_the_same_command_again_after_its_export_writes_none_over_it(saved, tmp_path):
     """README: "the same command again resumes". A run that resumes at the iteration its export holds writes none
     over it; one that trains on (a longer --train-iters) replaces its own export with the last iteration's (it

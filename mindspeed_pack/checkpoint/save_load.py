@@ -144,6 +144,20 @@ NO_LOAD_OPTIM = ("the run goes on from the saved step and data position with fre
 _PRECISION_FLAGS = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "neither --bf16 nor --fp16"}
 
 
+def _check_optimizer_layout(args, source: str, it_dir: str) -> None:
+    """Refuse optimizer state saved with the distributed optimizer on into a run with it off, or the reverse: the
+    two keep Adam's moments in other layouts (sharded in ``distrib_optim.pt``, or whole in the rank file), and the
+    load stopped with a bare ``KeyError`` that named neither."""
+    saved = os.path.isfile(os.path.join(it_dir, rank_dir_name_here(), "distrib_optim.pt"))
+    if saved == bool(args.use_distributed_optimizer):
+        return
+    was, now = ("with", "without") if saved else ("without", "with")
+    raise CheckpointError(f"{source}: its optimizer state was saved {was} --use-distributed-optimizer, this run is "
+                          f"{now} it (the two keep Adam's moments in other layouts): resume {was} "
+                          "--use-distributed-optimizer (at any data-parallel size), or pass --no-load-optim "
+                          f"({NO_LOAD_OPTIM}) or --finetune")
+
+
 def _precision(args) -> str:
     return "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
 
@@ -571,6 +585,7 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
                                   f"{_precision(args)}: resume with the precision flag it was saved with "
                                   f"({_PRECISION_FLAGS[saved]}), or pass --no-load-optim ({NO_LOAD_OPTIM}) or "
                                   "--finetune")
+        _check_optimizer_layout(args, f"{flag} {root}", it_dir)
         try:
             optimizer.load_state_dict(state["optimizer"])
         except (KeyError, ValueError, IndexError, RuntimeError) as e:  # a checkpoint older than its precision record
