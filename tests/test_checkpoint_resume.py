@@ -161,6 +161,27 @@ def test_no_load_rng_and_no_load_optim_change_the_run(tmp_path, data, reference,
     assert rel_err(got[7]["lm loss"], ref_train[7]["lm loss"]) > 1e-6  # ... but a fresh Adam and schedule
 
 
+def test_a_longer_run_says_which_schedule_it_follows(tmp_path, data, reference, stopped_at_5, caplog):
+    """--train-iters raised on resume (the decay then differs from the checkpoint's): under
+    --use-checkpoint-opt_param-scheduler the flags' decay was ignored without a word (megatron-core's "using checkpoint
+    value" goes to a logger nothing shows); both flags now name the values they keep or replace."""
+    ref_train, _, _ = reference
+    decay = "--lr-decay-iters (default --train-iters) x --global-batch-size (in samples): checkpoint 40, flags 48"
+    argv = [a if a != str(ITERS) else "12" for a in base_argv(data, "", "--load", stopped_at_5, "--exit-interval", "6")]
+    kept = str(tmp_path / "kept.jsonl")
+    with caplog.at_level("INFO", logger="mindspeed_pack.checkpoint.identity"):
+        posttrain.main([*argv, "--metrics-file", kept, "--use-checkpoint-opt_param-scheduler"])
+    assert f"--use-checkpoint-opt_param-scheduler: keeping the checkpoint's schedule, not these flags' ({decay})" \
+        in caplog.text
+    assert read_metrics(kept)[6]["lr"] == ref_train[6]["lr"]  # the 10-iteration decay
+    caplog.clear()
+    followed = str(tmp_path / "followed.jsonl")
+    with caplog.at_level("INFO", logger="mindspeed_pack.checkpoint.identity"):
+        posttrain.main([*argv, "--metrics-file", followed, "--override-opt_param-scheduler"])
+    assert f"--override-opt_param-scheduler: following the flags' schedule from sample 20 ({decay})" in caplog.text
+    assert read_metrics(followed)[6]["lr"] > ref_train[6]["lr"]  # a longer decay
+
+
 def test_a_megatron_lm_rng_state_is_restored(tmp_path, data, reference, stopped_at_5):
     """Megatron-LM's checkpoints name the RNG states random_rng_state, np_rng_state, ...: a resume of one with
     --no-load-optim (no --no-load-rng) stopped with KeyError: 'random'. Restored, step 6 draws the same dropout."""

@@ -114,13 +114,17 @@ def check_resume_schedule(args, scheduler, saved: dict) -> None:
         return  # --skip-train: no update, so no schedule
     differing = schedule_mismatches(saved, scheduler)
     if differing:
-        what = "; ".join(f"{flag}: checkpoint {a}, flags {b}" for flag, a, b in differing)
+        what = _listed(differing)
         own, adapters = getattr(args, "resumed_from", None), getattr(args, "lora_load", None)
         source = f"--save {own}" if own else f"--lora-load {adapters}" if adapters else f"--load {args.load}"
         raise CheckpointError(
             f"{source}: the learning-rate schedule differs from the checkpoint's ({what}). Pass "
             "--override-opt_param-scheduler to follow these flags from the checkpoint's iteration, or "
             "--use-checkpoint-opt_param-scheduler to keep the checkpoint's schedule")
+
+
+def _listed(differing: list) -> str:
+    return "; ".join(f"{flag}: checkpoint {a}, flags {b}" for flag, a, b in differing)
 
 
 def guard_scheduler_resume(args, scheduler) -> None:
@@ -136,6 +140,10 @@ def guard_scheduler_resume(args, scheduler) -> None:
     def load_state_dict(state_dict: dict) -> None:
         state_dict = in_samples(state_dict, args.global_batch_size)  # older checkpoints: iterations
         check_resume_schedule(args, scheduler, state_dict)
+        differing = schedule_mismatches(state_dict, scheduler)
+        if args.use_checkpoint_opt_param_scheduler and differing and not args.skip_train:
+            log.warning("--use-checkpoint-opt_param-scheduler: keeping the checkpoint's schedule, not these flags' "
+                        "(%s); --override-opt_param-scheduler follows the flags instead", _listed(differing))
         if args.skip_train:
             scheduler.use_checkpoint_opt_param_scheduler = True
         if scheduler.wd_incr_style == "constant" and state_dict.get("wd_incr_style", "constant") == "constant":
@@ -149,8 +157,8 @@ def guard_scheduler_resume(args, scheduler) -> None:
             group["max_lr"], group["min_lr"] = scheduler.max_lr, scheduler.min_lr
         scheduler.step(increment=0)
         if args.override_opt_param_scheduler:
-            log.info("--override-opt_param-scheduler: following the flags' schedule from sample %d",
-                     scheduler.num_steps)
+            log.info("--override-opt_param-scheduler: following the flags' schedule from sample %d%s",
+                     scheduler.num_steps, f" ({_listed(differing)})" if differing else "")
 
     scheduler.load_state_dict = load_state_dict
 
