@@ -182,6 +182,26 @@ def test_a_longer_run_says_which_schedule_it_follows(tmp_path, data, reference, 
     assert read_metrics(followed)[6]["lr"] > ref_train[6]["lr"]  # a longer decay
 
 
+def test_a_resume_on_other_data_or_in_another_order_is_warned(tmp_path, data, stopped_at_5, caplog):
+    """consumed_samples counts into the sample index of the data and flags the run resumes with: another --data-path
+    (or --seed, --seq-length, --split, ...) went on silently at sample 20 of data the checkpoint never read from."""
+    other = write_packed_instruction_dataset(str(tmp_path / "other"), num_packs=64, seed=1)
+    metrics = str(tmp_path / "m.jsonl")
+    with caplog.at_level("WARNING", logger="mindspeed_pack.checkpoint.save_load"):
+        posttrain.main(base_argv(other, metrics, "--load", stopped_at_5, "--exit-interval", "6"))
+    assert f"--load {stopped_at_5}: iteration 5 was trained on other data or in another sample order (--data-path " \
+           f"{other} here, {data} there): this run goes on at sample 20 of its own sample index" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mindspeed_pack.checkpoint.save_load"):
+        posttrain.main(base_argv(data, metrics, "--load", stopped_at_5, "--exit-interval", "6", "--seed", "9"))
+    assert "(--seed 9 here, 1234 there)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mindspeed_pack.checkpoint.save_load"):  # the same data: no word
+        posttrain.main(base_argv(data, metrics, "--load", stopped_at_5, "--exit-interval", "6",
+                                 "--micro-batch-size", "1"))
+    assert "other data" not in caplog.text
+
+
 def test_a_megatron_lm_rng_state_is_restored(tmp_path, data, reference, stopped_at_5):
     """Megatron-LM's checkpoints name the RNG states random_rng_state, np_rng_state, ...: a resume of one with
     --no-load-optim (no --no-load-rng) stopped with KeyError: 'random'. Restored, step 6 draws the same dropout."""

@@ -138,6 +138,44 @@ def _save_failed(root: str, iteration: int, error, tmp_dir: str) -> CheckpointEr
                            f"were removed and {kept}: {hint} and resume from there")
 
 
+# what decides the sample a resumed run reads next: consumed_samples counts into the index these build
+DATA_ORDER_ARGS = ("data_path", "train_data_path", "seq_length", "split", "seed", "no_shuffle", "padded_samples")
+
+
+def _data_order(args) -> dict:
+    """This run's :data:`DATA_ORDER_ARGS` (paths absolute, a blend's weights as given), recorded in its checkpoints."""
+    def value(key):
+        v = getattr(args, key, None)
+        return [p if _is_number(p) else os.path.abspath(p) for p in v] if key.endswith("data_path") and v else v
+    return {key: value(key) for key in DATA_ORDER_ARGS}
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _warn_other_data(args, source: str, state: dict, consumed: int) -> None:
+    """A resume with other data or another sample order (``--data-path``, ``--seq-length``, ``--seed``, ...) went on
+    silently at the checkpoint's consumed samples of *this* run's sample index: not where the saved run stopped."""
+    saved = state.get("data_order")
+    if not isinstance(saved, dict) or dist.get_rank() != 0:
+        return  # a checkpoint older than the record, or another tool's
+    mine = _data_order(args)
+    def show(v):
+        return " ".join(map(str, v)) if isinstance(v, list) else v
+    differing = [f"--{k.replace('_', '-')} {show(mine[k])} here, {show(saved[k])} there" for k in DATA_ORDER_ARGS
+                 if k in saved and saved[k] != mine[k]]
+    if differing:
+        log.warning("%s: iteration %s was trained on other data or in another sample order (%s): this run goes on "
+                    "at sample %d of its own sample index, which is not where that run stopped (samples may be read "
+                    "again or skipped); --finetune starts this data from its first sample with these weights",
+                    source, state.get("iteration"), "; ".join(differing), consumed)
+
+
 # what --no-load-optim keeps and drops (Megatron-LM's meaning: the learning-rate schedule is the optimizer's)
 NO_LOAD_OPTIM = ("the run goes on from the saved step and data position with fresh Adam moments and a learning-rate "
                  "schedule started over, as in Megatron-LM")
@@ -182,6 +220,7 @@ def save_checkpoint(args, iteration, consumed_samples, model, optimizer, schedul
         "tokenizer": hf_checkpoint.run_tokenizer_record(args),
         "precision": _precision(args),  # the optimizer state's layout depends on it
         "model": layout.model_state_for_save(model[0]),
+        "data_order": _data_order(args),  # a resume with other data is warned about
     }
     state.update(lora.checkpoint_entries(args, state["model"]))  # LoRA: the adapters only, and their base
     if not args.no_save_optim:
@@ -555,6 +594,7 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
         log.info("%s records no consumed samples: iteration %d reads the data from its start, as Megatron-LM does",
                  path, iteration + 1)
     consumed = int(consumed or 0)
+    _warn_other_data(args, f"{flag} {root}", state, consumed)
     if args.no_load_optim:  # MindSpeed-LLM's scripts pass it always: its resume is then not the uninterrupted run
         log.warning("%s %s: --no-load-optim: resuming at iteration %d with fresh Adam moments and the learning-rate "
                     "schedule started over (warmup again), as in Megatron-LM; drop the flag to go on as the "
