@@ -227,6 +227,27 @@ def test_a_megatron_lm_rng_state_is_restored(tmp_path, data, reference, stopped_
     assert rel_err(read_metrics(metrics)[6]["lm loss"], reference[0][6]["lm loss"]) <= 1e-6
 
 
+def test_another_dp_size_warns_about_dropout_only_where_there_is_dropout(tmp_path, data, stopped_at_5, caplog):
+    """A DP2 checkpoint resumed on one rank takes rank 0's RNG state: only dropout masks can differ, so a run with no
+    dropout (a Qwen or Llama fine-tune) was warned for nothing on every such resume."""
+    import torch
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(stopped_at_5, ckpt)
+    path = layout.checkpoint_file(ckpt, 5, 0, 0, 1)
+    record = torch.load(path, weights_only=True)
+    torch.save({**record, "rng_state": record["rng_state"] * 2}, path)  # as two data-parallel ranks save it
+    warned = "holds RNG states of 2 data(xcontext)-parallel ranks, this run has 1"
+    with caplog.at_level("WARNING", logger="mindspeed_pack.checkpoint.save_load"):
+        posttrain.main(base_argv(data, str(tmp_path / "a.jsonl"), "--load", ckpt, "--exit-interval", "6"))
+    assert warned in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mindspeed_pack.checkpoint.save_load"):
+        posttrain.main(base_argv(data, str(tmp_path / "b.jsonl"), "--load", ckpt, "--exit-interval", "6",
+                                 "--hidden-dropout", "0", "--attention-dropout", "0"))
+    assert warned not in caplog.text
+
+
 def test_a_megatron_lm_checkpoint_resumes_at_the_samples_it_consumed(tmp_path, data, stopped_at_5):
     """Megatron-LM records the samples read in its args (consumed_train_samples, which a batch-size ramp-up makes
     other than iteration x batch): the resume took iteration x --global-batch-size, skipping data never read."""

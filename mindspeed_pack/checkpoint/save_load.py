@@ -75,14 +75,21 @@ def _rng_states_by_dp_rank() -> list:
     return states
 
 
-def _restore_rng(states, path: str) -> None:
+def _has_dropout(args) -> bool:
+    """Whether the run draws dropout masks (a Qwen or Llama fine-tune has none: a changed DP size then changes
+    nothing the RNG states decide, and saying otherwise was a false alarm on every such resume)."""
+    return any((getattr(args, k, 0) or 0) > 0 for k in ("attention_dropout", "hidden_dropout", "lora_dropout"))
+
+
+def _restore_rng(states, path: str, args) -> None:
     if isinstance(states, dict):  # one state for every rank
         states = [states]
     dp = ps.get_data_parallel_world_size(with_context_parallel=True)
     dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
     if len(states) != dp:
-        log.warning("%s holds RNG states of %d data(xcontext)-parallel ranks, this run has %d: every rank takes rank "
-                    "0's, so dropout will not continue exactly", path, len(states), dp)
+        log.log(logging.WARNING if _has_dropout(args) else logging.DEBUG,
+                "%s holds RNG states of %d data(xcontext)-parallel ranks, this run has %d: every rank takes rank "
+                "0's, so dropout will not continue exactly", path, len(states), dp)
         dp_rank = 0
     _set_rng_state(states[dp_rank])
 
@@ -638,7 +645,7 @@ def load_checkpoint(args, model, optimizer, scheduler, root=None, flag: str = "-
         scheduler.load_state_dict(state["opt_param_scheduler"])
     if not args.no_load_rng:
         if "rng_state" in state:
-            _restore_rng(state["rng_state"], path)
+            _restore_rng(state["rng_state"], path, args)
         elif state.get("resharded_from"):  # convert_ckpt.py's reshard of a LoRA run's checkpoint
             log.warning("%s was resharded from %s, whose RNG states belong to that layout's ranks and were not "
                         "carried: dropout draws start afresh from --seed", path, state["resharded_from"])
