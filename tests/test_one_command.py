@@ -291,6 +291,7 @@ def test_one_command_refuses_a_save_holding_another_runs_checkpoint(assets, tmp_
     assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"--save {save} holds iteration 2 of another run" in error[0] and "--lr 0.002 here, 0.001 there" in \
         error[0] and "--overwrite-output-dir" in error[0], error
+    assert f"--load {save} to resume it with these (Megatron-LM's resume" in error[0]  # how to change a flag
     assert layout.read_tracker(str(save)) == 2
     proc, records = run_posttrain(resume_argv(assets, save, "--lr", "2e-3", "--overwrite-output-dir"),
                                   model_flags=(), metrics=str(tmp_path / "over.jsonl"))

@@ -158,7 +158,11 @@ def _own_checkpoint(args) -> Optional[str]:
                      "(--overwrite-output-dir starts over)", save, tracked, resolved_config.FILE_NAME)
         return save  # an export in SAVE/hf: written again or not once the iteration is known (trainer.run)
     record = os.path.join(save, resolved_config.FILE_NAME)
-    what = (f"of another run ({record}: {'; '.join(differing)}): pass the flags it was run with to resume it"
+    source = "--lora-load" if lora.trains_adapters(args) else "--load"
+    what = (f"of another run ({record}: {'; '.join(differing)}): pass the flags it was run with to resume it, "
+            f"{source} {save} to resume it with these (Megatron-LM's resume: another --micro-batch-size or data-parallel "
+            "size goes on exactly; another schedule needs --override-opt_param-scheduler or "
+            "--use-checkpoint-opt_param-scheduler)"
             if differing else f"but no readable {record} says which run wrote it: pass --load {save} (with the model flags) to "
             "resume it")
     raise CheckpointError(f"--save {save} holds iteration {tracked} {what}, another --save, or --overwrite-output-dir "
