@@ -59,6 +59,11 @@ def test_tracker_naming_a_missing_iteration(saved, tmp_path, capsys):
         parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", saved[0], "--load", ckpt], world_size=1)
     err = capsys.readouterr().err
     assert why in err and "missing required arguments" not in err
+    os.makedirs(os.path.join(ckpt, "iter_0000007"))  # an incomplete copy
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", saved[0], "--load", ckpt], world_size=1)
+    assert f"{ckpt}/iter_0000007 holds no mp_rank_00*/model_optim_rng.pt (an incomplete copy?); {ckpt} holds " \
+           "iter_0000001, iter_0000007: write the iteration" in capsys.readouterr().err
 
 
 def test_load_equal_to_save_on_a_first_launch_starts_from_scratch(saved, tmp_path):

@@ -73,7 +73,7 @@ def _tracked_file_missing(args) -> str:
     it_dir = layout.iteration_dir(args.load, iteration)
     if not os.path.isdir(it_dir) and not os.path.isdir(it_dir + ".old"):
         return layout.missing_iteration(args.load, iteration)
-    return f"{it_dir} holds no mp_rank_00*/model_optim_rng.pt (an incomplete copy?): load another iteration"
+    return f"{it_dir} holds no mp_rank_00*/model_optim_rng.pt (an incomplete copy?); {layout.other_iterations(args.load)}"
 
 
 def fill_model_args(args, explicit: set) -> None:

@@ -312,10 +312,15 @@ def held_iterations(root: str) -> list:
 def missing_iteration(root: str, iteration) -> str:
     """Why ``root``'s tracker names nothing to load (its iteration directory is gone), and what to do: the load
     and the model flags read from the checkpoint say the same."""
+    return f"{TRACKER} names iteration {iteration} but {iteration_dir(root, iteration)} does not exist; " \
+        + other_iterations(root)
+
+
+def other_iterations(root: str) -> str:
+    """Which iterations ``root`` holds and how to load one of them instead of the tracked one."""
     held = held_iterations(root)
-    hint = (f"; {root} holds {', '.join(held)}: write the iteration to load into {os.path.join(root, TRACKER)}, or "
-            "pass --ckpt-step N" if held else f"; {root} holds no other iteration")
-    return f"{TRACKER} names iteration {iteration} but {iteration_dir(root, iteration)} does not exist{hint}"
+    return (f"{root} holds {', '.join(held)}: write the iteration to load into {os.path.join(root, TRACKER)}, or pass "
+            "--ckpt-step N" if held else f"{root} holds no other iteration")
 
 
 def remove_tree(path: str) -> None:
