@@ -179,7 +179,8 @@ def _warn_other_data(args, source: str, state: dict, consumed: int) -> None:
     if differing:
         log.warning("%s: iteration %s was trained on other data or in another sample order (%s): this run goes on "
                     "at sample %d of its own sample index, which is not where that run stopped (samples may be read "
-                    "again or skipped); --finetune starts this data from its first sample with these weights",
+                    "again or skipped; the same files moved elsewhere are no change); --finetune starts this data "
+                    "from its first sample with these weights",
                     source, state.get("iteration"), "; ".join(differing), consumed)
 
 
