@@ -46,6 +46,21 @@ def test_load_dir_without_checkpoint(saved, tmp_path):
         posttrain.main(argv(data, "--load", ckpt))
 
 
+def test_a_load_of_an_iteration_directory_names_its_checkpoint(saved, tmp_path, capsys):
+    """--load CKPT/iter_0000001 (or one of its rank directories), a common slip, said only that it holds no
+    checkpoint: it now names the checkpoint root to pass (and --ckpt-step where the tracker names another)."""
+    ckpt = copy(saved[1], tmp_path)
+    it_dir = os.path.join(ckpt, "iter_0000001")
+    with pytest.raises(CheckpointError, match=re.escape(f"it is iteration 1 of the checkpoint {ckpt}: pass --load "
+                                                        f"{ckpt}")):
+        posttrain.main(argv(saved[0], "--load", it_dir))
+    layout.write_tracker(ckpt, 7)
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-length", "128", "--train-iters", "1", "--data-path", saved[0], "--load",
+                    os.path.join(it_dir, "mp_rank_00")], world_size=1)
+    assert f"it is iteration 1 of the checkpoint {ckpt}: pass --load {ckpt} --ckpt-step 1" in capsys.readouterr().err
+
+
 def test_tracker_naming_a_missing_iteration(saved, tmp_path, capsys):
     """Without the model flags (they come from the checkpoint) the run stopped with 'missing required arguments:
     --num-layers, ...': it names the missing iteration, those held and how to load one, as the load does."""

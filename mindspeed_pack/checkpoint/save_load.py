@@ -472,6 +472,7 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
         found = _saved_iterations(root)
         hint = (f"; it holds {', '.join(found[-3:])}: write the iteration to load into {layout.TRACKER}"
                 if found else "; nor is it a Hugging Face model (config.json and *.safetensors)")
+        hint = layout.inside_checkpoint(root) or hint
         raise CheckpointError(f"{source}: no checkpoint found ({layout.TRACKER} is missing){hint}")
     step = getattr(args, "ckpt_step", None)
     if step is not None and flag == "--load" and root == args.load:  # Megatron-LM's --ckpt-step: not the tracked one

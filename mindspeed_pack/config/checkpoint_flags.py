@@ -94,7 +94,8 @@ def fill_model_args(args, explicit: set) -> None:
     if found is None:
         if missing and not os.path.isfile(os.path.join(args.load, layout.TRACKER)):
             raise ArgumentError(_no_model(args, missing, "holds neither a Hugging Face model (config.json, "
-                                          f"*.safetensors) nor a Megatron checkpoint ({layout.TRACKER})"))
+                                          f"*.safetensors) nor a Megatron checkpoint ({layout.TRACKER})"
+                                          + layout.inside_checkpoint(args.load)))
         if missing:  # the tracked iteration is gone: its reason, not "missing required arguments: --num-layers"
             raise ArgumentError(f"--load {args.load}: {_tracked_file_missing(args)}")
         return

@@ -309,6 +309,24 @@ def held_iterations(root: str) -> list:
     return sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n) and os.path.isdir(os.path.join(root, n)))
 
 
+def inside_checkpoint(path: str) -> str:
+    """A hint when ``path`` is an iteration directory of a checkpoint (or one of its rank directories), which a
+    ``--load`` names by its root: '' otherwise."""
+    path = os.path.normpath(os.path.abspath(path))
+    if re.fullmatch(r"mp_rank_\d{2}(?:_\d{3}){0,2}", os.path.basename(path)):
+        path = os.path.dirname(path)
+    found = re.fullmatch(r"iter_(\d{7})", os.path.basename(path))
+    if not found:
+        return ""
+    root, iteration = os.path.dirname(path), int(found.group(1))
+    try:
+        tracked = read_tracker(root)
+    except ValueError:  # an unreadable tracker: name the iteration
+        tracked = None
+    step = "" if tracked == iteration else f" --ckpt-step {iteration}"
+    return f"; it is iteration {iteration} of the checkpoint {root}: pass --load {root}{step}"
+
+
 def missing_iteration(root: str, iteration) -> str:
     """Why ``root``'s tracker names nothing to load (its iteration directory is gone), and what to do: the load
     and the model flags read from the checkpoint say the same."""
