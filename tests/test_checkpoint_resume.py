@@ -166,7 +166,9 @@ def test_a_longer_run_says_which_schedule_it_follows(tmp_path, data, reference, 
     --use-checkpoint-opt_param-scheduler the flags' decay was ignored without a word (megatron-core's "using checkpoint
     value" goes to a logger nothing shows); both flags now name the values they keep or replace."""
     ref_train, _, _ = reference
-    decay = "--lr-decay-iters (default --train-iters) x --global-batch-size (in samples): checkpoint 40, flags 48"
+    from mindspeed_pack.checkpoint.identity import SCHEDULE_FIELDS
+
+    decay = f"{SCHEDULE_FIELDS['lr_decay_steps']}: checkpoint 40, flags 48"
     argv = [a if a != str(ITERS) else "12" for a in base_argv(data, "", "--load", stopped_at_5, "--exit-interval", "6")]
     kept = str(tmp_path / "kept.jsonl")
     with caplog.at_level("INFO", logger="mindspeed_pack.checkpoint.identity"):
