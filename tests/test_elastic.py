@@ -349,3 +349,25 @@ def test_a_scripts_process_groups_are_destroyed_before_exit_unless_a_peer_may_wa
     with contextlib.suppress(SystemExit, RuntimeError):
         run_cli("posttrain.py", main)  # in process (tests, a notebook): the caller's groups stay
     assert calls == ([1] if torn_down else [])
+
+
+def test_a_lost_peers_address_names_the_ranks_that_run_there():
+    """"lost a peer ... Connection closed by peer [10.0.0.2]:50375" named an address only: on a many-node job, which
+    node died? The ranks' places, gathered when they meet, name its ranks, node and host."""
+    from mindspeed_pack.runtime import peers
+
+    loop = ["127.0.0.1", "::1"]
+    peers.record_places([("0", "h1", ["10.0.0.1", *loop]), ("0", "h1", ["10.0.0.1", *loop]),
+                         ("1", "h2", ["10.0.0.2", *loop]), ("1", "h2", ["10.0.0.2", *loop])])
+    try:
+        for address, named in (("10.0.0.2", "one of ranks 2-3: node 1, host h2"), ("127.0.0.1", "rank 1: node 0, host h1")):
+            with pytest.raises(PeerFailure) as e:
+                with waiting_for("iteration 8", 1):
+                    raise RuntimeError(f"[pair.cc:553] Connection closed by peer [{address}]:50375")
+            assert str(e.value).endswith(f"Connection closed by peer [{address}]:50375 (the peer at {address} is {named})")
+        with pytest.raises(PeerFailure) as e:  # an address no rank reported: as before
+            with waiting_for("iteration 8", 1):
+                raise RuntimeError("Connection closed by peer [10.9.9.9]:1")
+        assert str(e.value).endswith("[10.9.9.9]:1")
+    finally:
+        peers.record_places([])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,63 @@ from mindspeed_pack.runtime.rendezvous import RendezvousTimeout, first_line
 _BACKEND_FAILURE = re.compile(r"gloo|nccl|Connection (closed|reset|refused)|Timed out|timed out|timeout|"
                               r"Socket|pair closure|Broken pipe", re.IGNORECASE)
 _TIMEOUT = re.compile(r"Timed out|timeout", re.IGNORECASE)
+
+
+# where every rank runs ({address: [(rank, node, host), ...]}), recorded when the ranks meet (check_same_flags)
+_PLACES: dict = {}
+_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+_LOOPBACK = ("127.0.0.1", "::1")
+
+
+def this_place() -> tuple:
+    """(node, host, addresses) of this process: torchrun's node rank, the host name and its IP addresses."""
+    host = socket.gethostname()
+    try:
+        addresses = socket.gethostbyname_ex(host)[2]
+    except OSError:
+        addresses = []
+    return os.environ.get("GROUP_RANK", "?"), host, sorted(set(addresses) | set(_LOOPBACK))
+
+
+def record_places(places: list) -> None:
+    """Remember ``places[rank]`` (:func:`this_place` of every rank) for the failure message."""
+    _PLACES.clear()
+    for rank, (node, host, addresses) in enumerate(places):
+        for address in addresses:
+            _PLACES.setdefault(address, []).append((rank, node, host))
+
+
+def _ranks_at(message: str) -> str:
+    """' (ranks 8-15 run there: node 1, host h2)' for the peer address in a backend's message; '' if unknown. A
+    loopback address is a peer on this rank's host."""
+    found = _ADDRESS.search(message)
+    if not found or not _PLACES:
+        return ""
+    address = found.group(1)
+    me = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    here = [p for p in _PLACES.get(address, []) if p[0] != me]
+    if address in _LOOPBACK:
+        host = next((h for r, _, h in _PLACES[address] if r == me), None)
+        here = [p for p in here if p[2] == host]
+    if not here:
+        return ""
+    ranks = [r for r, _, _ in here]
+    spans = _spans(ranks)  # "8-15", "3, 5"
+    nodes = sorted({n for _, n, _ in here})
+    hosts = sorted({h for _, _, h in here})
+    return (f" (the peer at {address} is {f'one of ranks {spans}' if len(ranks) > 1 else f'rank {spans}'}: node "
+            f"{', '.join(map(str, nodes))}, host {', '.join(hosts)})")
+
+
+def _spans(ranks: list) -> str:
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
 
 
 class PeerFailure(RuntimeError):
@@ -54,7 +112,7 @@ def waiting_for(what, timeout_minutes: float):
                      f"(hung or unreachable)")
         else:
             cause = "lost a peer (it died or closed its connection)"
-        raise PeerFailure(f"rank {rank}: {cause} during {what}: {first}") from None
+        raise PeerFailure(f"rank {rank}: {cause} during {what}: {first}{_ranks_at(first)}") from None
 
 
 def all_ranks_ok(error) -> bool:

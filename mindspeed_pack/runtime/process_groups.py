@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from mindspeed_pack.runtime import faults, platform
+from mindspeed_pack.runtime import faults, peers, platform
 from mindspeed_pack.runtime.rendezvous import attempt_store
 
 _LAYOUT = None  # (TP, PP, CP, EP, dynamic CP) of the megatron groups this module made
@@ -108,8 +108,11 @@ def check_same_flags(flags: dict) -> None:
     --train-iters or --data-path on one node) otherwise train apart silently (their data-parallel replicas'
     weights drift) or meet in different collectives and wait there until the timeout, blaming a hung peer."""
     mine = json.dumps(flags, sort_keys=True, default=str)
-    digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, hashlib.sha256(mine.encode()).hexdigest())
+    gathered = [None] * dist.get_world_size()
+    # one gather: the digest, and where the rank runs (a lost peer's address then names its ranks: peers.py)
+    dist.all_gather_object(gathered, (hashlib.sha256(mine.encode()).hexdigest(), peers.this_place()))
+    digests = [digest for digest, _ in gathered]
+    peers.record_places([place for _, place in gathered])
     if len(set(digests)) == 1:
         return
     ranks = [None] * dist.get_world_size()  # only now the whole set: one rank's, and where each rank runs
