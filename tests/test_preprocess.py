@@ -236,6 +236,35 @@ def test_sentencepiece_tokenizer(tmp_path, toy_alpaca_rows, run_preprocess, read
     assert labels and all(len(x) == 256 for x in labels) and any((x != -100).any() for x in labels)
 
 
+def test_sentencepiece_llama2_answers_take_no_extra_word_mark(tmp_path, run_preprocess, read_indexed):
+    # Llama-2's sentencepiece (dummy prefix, whitespace kept): the llama2 template's answer run " {{content}} " alone
+    # became a lone "\u2581" (29871) then "\u2581word", trained before every answer; Meta encodes a turn in one call
+    import sentencepiece as spm
+
+    words = "paris is the capital of france two plus four hello world cat dog runs".split()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(words[(i * 7 + j) % len(words)] for j in range(i % 9 + 3)) for i in range(300)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=320, hard_vocab_limit=False, minloglevel=2,
+                                   remove_extra_whitespaces=False, byte_fallback=True, normalization_rule_name="identity")
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+    turns = [("where is paris", "paris is in france"), ("two plus two", "four")]
+    row = {"conversations": [{"from": f, "value": v} for q, a in turns for f, v in (("human", q), ("gpt", a))]}
+    data = toy.write_dataset(tmp_path / "s.jsonl", [row])
+    code, _, err = run_preprocess(input=data, output_prefix=tmp_path / "o", tokenizer_type="SentencePiece",
+                                  tokenizer_model=tmp_path / "sp.model", tokenizer_name_or_path=None,
+                                  handler_name="SharegptStyleInstructionHandler", prompt_type="llama2", seq_length=128)
+    assert code == 0, err
+    ids, labels = [], []
+    for q, a in turns:  # Meta's chat_completion: [INST] q [/INST] a, one call per turn, BOS and EOS around it
+        prompt = [sp.bos_id()] + sp.encode(f"[INST] {q.strip()} [/INST]")
+        answer = sp.encode(f"[INST] {q.strip()} [/INST] {a.strip()} ")[len(prompt) - 1:] + [sp.eos_id()]
+        ids += prompt + answer
+        labels += [-100] * len(prompt) + answer
+    (got_ids,), (got_labels,) = read_indexed(tmp_path / "o_packed_input_ids_document"), read_indexed(
+        tmp_path / "o_packed_labels_document")
+    assert got_ids.tolist() == ids and got_labels.tolist() == labels
+
+
 def test_inspect_pack_lists_segments_and_draws_mask(sharegpt_outputs, capsys, tmp_path):
     from mindspeed_pack.tools.inspect_pack import main as inspect_main
 

@@ -630,10 +630,14 @@ class SampleEncoder:
     def _arrays(sample):
         return None if sample is None else (np.array(sample[0], dtype=np.int32), np.array(sample[1], dtype=np.uint8))
 
+    def _encode_texts(self, texts: list) -> list:
+        """A pretraining document is encoded as Megatron-LM encodes it; a template's runs as pieces of one sample."""
+        return self.tokenizer.encode_batch(texts) if self.handler == PRETRAIN else self.tokenizer.encode_runs(texts)
+
     def _encode_one(self, plan, skip, texts):
         if plan is None:
             return None, skip, False
-        sample, skip, truncated = self.finish(plan, self.tokenizer.encode_batch(texts))
+        sample, skip, truncated = self.finish(plan, self._encode_texts(texts))
         return self._arrays(sample), skip, truncated
 
     def encode_messages(self, messages, system):
@@ -676,7 +680,7 @@ class SampleEncoder:
                 if not self.skip_bad_rows:
                     raise
                 chunk.skip(exc.reason, str(exc))
-        encoded = self.tokenizer.encode_batch(texts)
+        encoded = self._encode_texts(texts)
         ids, trained, lengths = [], [], []
         for plan, skip, where in plans:
             samples, truncated = [], False
