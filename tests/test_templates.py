@@ -51,6 +51,14 @@ def test_llama2_puts_system_inside_first_instruction():
                     "<s>[INST] Say the first word.\nsun moon [/INST] sun </s>")
 
 
+def test_llama2_strips_message_text_as_llama2_chat_does():
+    # Llama-2-chat's template and Meta's chat_completion write "[INST] " + q.strip() + " [/INST] " + a.strip() + " ":
+    # an answer " sun\n" was written " [/INST]  sun\n </s>", its edge whitespace trained
+    turns = [("user", "  Reverse the words.\nred cat "), ("assistant", " cat red\n"), ("user", "Say it. "), ("assistant", " sun")]
+    text = render_text(get_template("llama2"), turns, None, eos_token="</s>", bos_token="<s>")
+    assert text == "<s>[INST] Reverse the words.\nred cat [/INST] cat red </s><s>[INST] Say it. [/INST] sun </s>"
+
+
 def test_llama3_renders_header_blocks():
     text = render_text(get_template("llama3"), TWO_TURNS[:2], "S", eos_token="<|end_of_text|>", bos_token="<|begin_of_text|>")
     assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
