@@ -117,6 +117,15 @@ def test_mindspeed_llm_translations(data):
     assert args.moe_ffn_hidden_size == 96 and args.deterministic_mode
 
 
+def test_pad_vocab_size_to_is_the_padded_vocab_size(data):
+    # ModelLink's (MindSpeed-LLM's) Llama-2 scripts pass --pad-vocab-size-to 32000: it was an unrecognized argument
+    i = TINY_FLAGS.index("--padded-vocab-size")
+    flags = [*TINY_FLAGS[:i], *TINY_FLAGS[i + 2:], "--seq-length", "128", "--global-batch-size", "2", "--train-iters", "2"]
+    args = parse_args([*flags, "--data-path", data, "--pad-vocab-size-to", "384"],
+                      extra_args_provider=posttrain.posttrain_args)
+    assert args.padded_vocab_size == 384
+
+
 @pytest.mark.parametrize("extra,message", [
     ([*MOE, "--norm-topk-prob", "--moe-router-pre-softmax"], "--norm-topk-prob renormalises"),
     (["--spec", "mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"], "pass --qk-layernorm"),

@@ -76,8 +76,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--high-freq-factor", type=float, default=4.0, help="llama3 RoPE scaling (MindSpeed-LLM)")
     g.add_argument("--original-max-position-embeddings", type=int, default=8192,
                    help="llama3 RoPE scaling: the context the model was pretrained with (MindSpeed-LLM)")
-    g.add_argument("--padded-vocab-size", type=int, default=None,
-                   help="vocabulary size of the embedding (else derived from the tokenizer)")
+    g.add_argument("--padded-vocab-size", "--pad-vocab-size-to", type=int, default=None,
+                   help="vocabulary size of the embedding (else derived from the tokenizer); --pad-vocab-size-to is "
+                        "MindSpeed-LLM's (ModelLink's) name")
     g.add_argument("--vocab-size", type=int, default=None, help="true vocabulary size (else from the tokenizer)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None)
