@@ -280,6 +280,31 @@ def test_conversion_and_training_record_the_tokenizers_vocabulary(made, tmp_path
     assert saved["added"] == {**record["added"], str(len(WORDS) + len(record["added"])): "<|im_start|>"}
 
 
+def test_data_tokenized_with_another_tokenizer_than_the_runs_is_refused(tmp_path):
+    # data preprocessed with tokenizer b trained on --load of tokenizer a: the run's tokenizer defaults to the --load
+    # directory's, which the checkpoint agrees with, so ids meaning other tokens were trained with no word
+    import argparse
+    import json
+
+    from mindspeed_pack.checkpoint.hf_checkpoint import check_data_tokenizer
+
+    a = save_word_tokenizer(tmp_path / "a", WORDS)
+    b = save_word_tokenizer(tmp_path / "b", [*WORDS[:100], "other", *WORDS[101:]])
+    same = save_word_tokenizer(tmp_path / "a_copy", WORDS)
+
+    def check(data_tokenizer, **meta):
+        (tmp_path / "d_packed_meta.json").write_text(json.dumps({"tokenizer_path": data_tokenizer, **meta}))
+        check_data_tokenizer(argparse.Namespace(data_path=[str(tmp_path / "d")]), read_tokenizer_record(a))
+
+    with pytest.raises(CheckpointError) as e:
+        check(b)
+    assert str(e.value).startswith(f"the data {tmp_path}/d were tokenized with another tokenizer than this run's (the "
+                                   f"base vocabularies differ): the data's is {b}: 250 base tokens")
+    check(same)  # the same vocabulary in another directory
+    check(b, extended_tokenizer={"path": "d_tokenizer"})  # an extended P_tokenizer/ is the run's own
+    check(str(tmp_path / "gone"))  # a tokenizer no longer there cannot be read
+
+
 def test_a_reference_of_another_tokenizer_is_refused_and_one_without_a_record_warned(made, caplog):
     ref = made["other_tokenizer"]
     with pytest.raises(CheckpointError) as e:

@@ -45,7 +45,13 @@ from mindspeed_pack.convert.model_specs import (
     training_model_args,
 )
 from mindspeed_pack.convert.sharding import expert_shard, experts_of_rank, shard_state_dict, stage_units
-from mindspeed_pack.convert.tokenizer_record import has_tokenizer, read_tokenizer_record, recorded_directory
+from mindspeed_pack.convert.tokenizer_record import (
+    describe,
+    disagreement,
+    has_tokenizer,
+    read_tokenizer_record,
+    recorded_directory,
+)
 from mindspeed_pack.convert.weight_map import check_hf_tensors, hf_to_mg_unit, hf_unit_shapes
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
@@ -213,6 +219,27 @@ def run_tokenizer_record(args) -> Optional[dict]:
     if not hasattr(args, "tokenizer_record"):
         args.tokenizer_record = read_tokenizer_record(tokenizer_dir(args))
     return args.tokenizer_record
+
+
+def check_data_tokenizer(args, run_record: Optional[dict]) -> None:
+    """Refuse data whose ids another tokenizer wrote than this run's (its sidecar names the directory): the run's
+    tokenizer is the HF ``--load`` directory's unless told, and a checkpoint is checked against that one only."""
+    from mindspeed_pack.datasets.packed_documents import read_meta
+
+    if run_record is None or getattr(args, "data_tokenizer_checked", False):
+        return
+    args.data_tokenizer_checked = True
+    for prefix in _data_prefixes(args)[:1]:
+        meta = read_meta(prefix) or {}
+        path = meta.get("tokenizer_path")
+        if meta.get("extended_tokenizer") or not has_tokenizer(path) or os.path.abspath(path) == run_record["source"]:
+            return  # an extended P_tokenizer/ is the run's; a tokenizer gone (or a .model file) cannot be read
+        data = read_tokenizer_record(path)
+        why = data and disagreement(data, run_record)
+        if why:
+            raise CheckpointError(f"the data {prefix} were tokenized with another tokenizer than this run's ({why}): "
+                                  f"the data's is {describe(data)}; this run's is {describe(run_record)}; preprocess "
+                                  "the data with this run's tokenizer, or train a model of the data's")
 
 
 def _export_args(args) -> dict:

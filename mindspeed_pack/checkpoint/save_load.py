@@ -408,6 +408,7 @@ def load_distributed_parameter_state(optimizer, path: str) -> None:
 def _check_tokenizer(args, record, source: str, policy: bool) -> None:
     """The checkpoint's tokenizer against this run's; a run that knows none takes the policy checkpoint's."""
     run_record = hf_checkpoint.run_tokenizer_record(args)
+    hf_checkpoint.check_data_tokenizer(args, run_record)
     identity.check_tokenizer(record, run_record, source)
     if policy and run_record is None:
         args.tokenizer_record = record  # the model's tokenizer: what this run's checkpoints record in turn
