@@ -149,3 +149,30 @@ def test_a_dpo_plan_counts_its_reference_model():
     assert dpo["total"] == pytest.approx(table["total"] + dpo["weights"])
     assert table["reference model"] == simpo["reference model"] == 0
     assert estimate("--stage", "kto")["reference model"] == dpo["reference model"]
+
+
+def test_a_model_the_hosts_memory_cannot_hold_stops_before_anything_is_built(tmp_path, monkeypatch):
+    """Without a CUDA device the tensors live in host memory: `bash examples/qwen25/tune_qwen25_7b_4k_full_pack.sh` on
+    a CPU machine built Qwen2.5-7B in 8 processes until the kernel killed them (torchrun's SIGKILL summary, no word of
+    why, and a --save claimed). posttrain.py now stops first with --dry-run's estimate x the host's processes."""
+    import posttrain
+    from mindspeed_pack.config.errors import ArgumentError
+
+    monkeypatch.setattr(run_plan, "cuda_usable", lambda: False)
+    monkeypatch.setattr(run_plan, "host_memory_gib", lambda: 20.0)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    save = tmp_path / "ckpt"
+    with pytest.raises(ArgumentError, match=r"no CUDA device: this run would hold about 27\.20 GiB per process .* "
+                                            r"x 8 process\(es\) on this host = 217\.6 GiB, and the host has 20\.0 GiB "
+                                            r"free: run it on GPUs \(--dry-run"):
+        posttrain.main(["--config", os.path.join(ROOT, "configs", "sft", "qwen25_7b_4k_full_pack.yaml"),
+                        "--save", str(save)])
+    assert not save.exists()
+    # a model that fits (the quickstart's) is not stopped
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    quickstart = parse_args(["--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--data-path",
+                             str(tmp_path / "sft")], extra_args_provider=posttrain.posttrain_args)
+    run_plan.check_host_memory(quickstart)

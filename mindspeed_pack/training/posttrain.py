@@ -41,6 +41,7 @@ def main(argv=None):
         data_layouts.check_data_paths(args)  # what the stage's setup would refuse
     if run_plan.dry_run(args, "posttrain.py"):
         return None
+    run_plan.check_host_memory(args)  # on a CPU: a model that cannot fit stops here, not OOM-killed
     if hasattr(stage, "run"):  # a pass that is not a training loop (scoring)
         return stage.run(args)
     # the resolved configuration once the run is set up (a run that fails to start overwrites nothing)

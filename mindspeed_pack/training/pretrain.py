@@ -48,6 +48,7 @@ def main(argv=None):
     resolve_pretrain_vocab_size(args)
     if run_plan.dry_run(args, "pretrain_gpt.py"):
         return None
+    run_plan.check_host_memory(args)  # on a CPU: a model that cannot fit stops here, not OOM-killed
     return run(args, GPTBatchSource(), SFTStage(args),
                before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))
 

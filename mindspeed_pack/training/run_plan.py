@@ -21,10 +21,12 @@ import math
 import os
 
 from mindspeed_pack.config import resolved_config
+from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.model import compiled_layers, lora
 from mindspeed_pack.model.vocab_cross_entropy import UNFUSED_ELEMENTS, loss_chunk
 from mindspeed_pack.packing.balance import model_shape
+from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
 
@@ -444,6 +446,47 @@ def _dynamic_cp_lines(args) -> list:
 
 def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+def host_memory_gib():
+    """GiB of memory this host can still give (``MemAvailable``, within a cgroup v2 limit), or None where unknown."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 / GiB for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                found.append((int(limit) - int(g.read().strip())) / GiB)
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_host_memory(args) -> None:
+    """Without a CUDA device the run's tensors live in host memory: when ``--dry-run``'s estimate for this host's
+    processes exceeds what it has free, stop before anything is built (the Qwen2.5-7B example on a CPU machine
+    had its 8 processes killed by the kernel one by one, a SIGKILL summary and no word of why)."""
+    if cuda_usable():
+        return
+    free = host_memory_gib()
+    if free is None:
+        return
+    m = memory_estimate(args)
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if m["total"] * processes <= free:
+        return
+    parts = " + ".join(f"{name} {m[name]:.2f}" for name in ("weights", "reference model", "gradients", "optimizer",
+                                                            "activations") if m[name])
+    raise ArgumentError(
+        f"no CUDA device: this run would hold about {m['total']:.2f} GiB per process in host memory ({parts} GiB, "
+        f"--dry-run's estimate for a {_count(m['parameters'])}-parameter model) x {processes} process(es) on this "
+        f"host = {m['total'] * processes:.1f} GiB, and the host has {free:.1f} GiB free: run it on GPUs "
+        "(--dry-run, the example scripts' DRY_RUN=1, checks its flags and prints its plan without one), or make the "
+        "model or --seq-length smaller")
 
 
 def dry_run(args, script: str) -> bool:
