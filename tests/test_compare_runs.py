@@ -565,3 +565,23 @@ def test_logs_whose_windows_were_cut_short_by_a_resume_are_warned(tmp_path, caps
     assert "warning: at iteration 8 the two logs' values are means over different numbers of steps" in err
     _, _, err = run_cli(capsys, whole, whole)
     assert "warning" not in err
+
+
+@pytest.mark.parametrize("module,command", [("compare_runs", True), ("inspect_pack", True), ("run_summary", True),
+                                            ("run_metrics", False), ("host_syncs", False)])
+def test_every_tools_module_answers_help(module, command, monkeypatch, capsys):
+    """`python -m mindspeed_pack.tools.X --help`: a command prints its usage; a library (run_metrics, host_syncs)
+    printed nothing and exited 0, as if it had done something; it now says it is no command and names those that are."""
+    import runpy
+    import sys
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", [module, "--help"])
+    with warnings.catch_warnings():  # runpy warns that the module is already imported
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_module(f"mindspeed_pack.tools.{module}", run_name="__main__")
+    if command:
+        assert exit_.value.code in (0, None) and "usage:" in capsys.readouterr().out
+    else:
+        assert "is a library, not a command" in str(exit_.value.code) and "compare_runs" in str(exit_.value.code)

@@ -190,3 +190,9 @@ class HostSyncCounter:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
         return False
+
+
+if __name__ == "__main__":  # `python -m mindspeed_pack.tools.host_syncs --help` printed nothing and exited 0
+    sys.exit("mindspeed_pack.tools.host_syncs is a library, not a command: use HostSyncCounter in a test or "
+             "benchmark (tests/test_host_syncs.py, bench/bench_gpu_train.py); the commands are "
+             "mindspeed_pack.tools.inspect_pack, compare_runs and run_summary")

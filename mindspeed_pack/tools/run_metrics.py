@@ -254,3 +254,10 @@ def _by_metric(steps: Dict[int, Dict[str, float]]) -> RunMetrics:
         for key, value in steps[iteration].items():
             run.setdefault(key, {})[iteration] = value
     return run
+
+
+if __name__ == "__main__":  # `python -m mindspeed_pack.tools.run_metrics --help` printed nothing and exited 0
+    import sys
+
+    sys.exit("mindspeed_pack.tools.run_metrics is a library, not a command: load_run() reads a run's metrics for "
+             "mindspeed_pack.tools.compare_runs and run_summary, the commands to use")
