@@ -93,8 +93,9 @@ fi
 
 # Packs from data_convert_qwen25_instruction_pack.sh. --neat-pack isolates the samples of a pack
 # (attention, labels) and, with --reset-position-ids, restarts RoPE positions at every sample, so a
-# packed sample trains exactly as it would alone. Packs are shuffled (no --no-shuffle): the packer
-# emits packs ordered by sample length; add --no-shuffle only for loss-comparison runs.
+# packed sample trains exactly as it would alone. Packs are shuffled, in a new seeded order every epoch (no
+# --no-shuffle; the files already hold them in a seeded, stratified order): add --no-shuffle only for
+# loss-comparison runs.
 DATA_ARGS=(
     --data-path "$DATA_PATH"
     --split 100,0,0
