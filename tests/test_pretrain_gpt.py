@@ -386,3 +386,18 @@ def test_an_unweighted_blend_shorter_than_the_run_is_refused_before_training(tmp
     source = GPTBatchSource()
     source.setup(weighted, {"train": epoch + 4, "valid": 4})  # weights draw as many epochs as needed
     assert len(source.splits["train"]) >= epoch + 4
+
+
+def test_a_missing_document_prefix_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """A typo in pretrain_gpt.py's --data-path was found by GPTDataset's setup, after the model was built."""
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.training import pretrain
+
+    def built(*_, **__):
+        raise AssertionError("the run was started")
+
+    monkeypatch.setattr(pretrain, "run", built)
+    with pytest.raises(DataError, match=r"data prefix .*typo_text_document.*: missing .*typo_text_document\.bin"):
+        pretrain_gpt.main([*TINY_FLAGS, "--seq-length", "64", "--train-iters", "1", "--eod-id", "1", "--vocab-size",
+                           "200", "--data-path", "0.5", str(tmp_path / "typo_text_document"), "0.5",
+                           str(tmp_path / "other_text_document")])

@@ -687,3 +687,19 @@ def test_a_metrics_file_that_cannot_be_written_is_one_error_line(neat, tmp_path,
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert errors == [f"posttrain.py: error: --metrics-file {metrics} cannot be written (File exists: "
                       f"{tmp_path / 'file'}): pass a --metrics-file in a directory this job can write"], errors
+
+
+def test_a_missing_data_prefix_is_refused_before_the_model_is_built(tmp_path, monkeypatch, eos_packs):
+    """A typo in --data-path (or --valid-data-path) was reported by the data setup, after the model and optimizer were
+    built and a HF --load's weights read: minutes on a GPU cluster to learn of it."""
+    from mindspeed_pack.training import posttrain as posttrain_module
+
+    def built(*_, **__):
+        raise AssertionError("the run was started")
+
+    monkeypatch.setattr(posttrain_module, "run", built)
+    neat, _ = eos_packs
+    for flags in (["--data-path", str(tmp_path / "typo")],
+                  ["--train-data-path", neat, "--valid-data-path", str(tmp_path / "typo")]):
+        with pytest.raises(DataError, match=r"data prefix .*typo.*: missing .*typo_packed_input_ids_document\.bin"):
+            posttrain.main([*TINY_FLAGS, "--seq-length", "128", "--train-iters", "1", "--neat-pack", *flags])

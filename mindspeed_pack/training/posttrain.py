@@ -38,16 +38,16 @@ def main(argv=None):
     run_plan.resolve_epochs(args)  # --train-epochs -> --train-iters
     stage = get_stage(args)  # its own flag checks, under --dry-run too
     if args.dry_run:
-        data_layouts.check_data_paths(args)  # what the stage's setup would refuse
+        data_layouts.check_data_paths(args)  # what the stage's setup would refuse (the data may come later)
     if run_plan.dry_run(args, "posttrain.py"):
         return None
     run_plan.check_host_memory(args)  # on a CPU: a model that cannot fit stops here, not OOM-killed
+    data_layouts.check_data_paths(args, required=True)  # and a missing prefix, not after the model is built
     if hasattr(stage, "run"):  # a pass that is not a training loop (scoring)
         return stage.run(args)
     # the resolved configuration once the run is set up (a run that fails to start overwrites nothing)
     return run(args, stage.batch_source(args), stage,
                before_train=lambda trainer: resolved_config.write(args, "posttrain.py"))
-
 
 
 def cli() -> None:

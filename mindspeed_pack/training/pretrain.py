@@ -19,7 +19,12 @@ import warnings
 
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.config.arguments import parse_args
-from mindspeed_pack.datasets.pretrain_dataset import GPTBatchSource, resolve_pretrain_vocab_size
+from mindspeed_pack.datasets.pretrain_dataset import (
+    GPTBatchSource,
+    check_prefix_files,
+    data_prefixes,
+    resolve_pretrain_vocab_size,
+)
 from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.cli import run_cli, setup_logging
 from mindspeed_pack.training.stages.sft import SFTStage
@@ -48,6 +53,8 @@ def main(argv=None):
     resolve_pretrain_vocab_size(args)
     if run_plan.dry_run(args, "pretrain_gpt.py"):
         return None
+    if args.data_path:  # a typo is refused before the model is built
+        check_prefix_files(data_prefixes(args.data_path)[0])
     run_plan.check_host_memory(args)  # on a CPU: a model that cannot fit stops here, not OOM-killed
     return run(args, GPTBatchSource(), SFTStage(args),
                before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))

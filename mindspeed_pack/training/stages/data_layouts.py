@@ -43,11 +43,12 @@ def check(stage: str, prefix: str, meta) -> None:
                                 "handler)")
 
 
-def check_data_paths(args) -> None:
+def check_data_paths(args, required: bool = False) -> None:
     """:func:`check`, and the flags against what preprocessing recorded (``--seq-length``, ``--neat-pack``,
     ``--prompt-type``: :func:`~mindspeed_pack.datasets.sidecar_checks.check_data`, which the run's data setup
     applies), for every prefix of ``--data-path`` (its weights skipped) and of the per-split paths that is there
-    (a dry run may check a job's flags before its data exists)."""
+    (a dry run may check a job's flags before its data exists). ``required`` (a run, before its model is built):
+    a prefix that is not there is refused now, not after minutes of building the model and reading its weights."""
     from mindspeed_pack.datasets.packed_documents import PackedDocuments
     from mindspeed_pack.datasets.sidecar_checks import check_data
 
@@ -60,6 +61,8 @@ def check_data_paths(args) -> None:
             continue  # a blend's weight
         except ValueError:
             meta = read_meta(path)
+            if required:
+                PackedDocuments(path)  # its DataError names the missing files
             if meta is not None or os.path.isfile(dataset_paths(path)["input_ids"] + ".bin"):
                 check(args.stage, path, meta)
                 if all(os.path.isfile(p + ".bin") for p in dataset_paths(path).values()):
