@@ -694,8 +694,10 @@ def print_table(title: str, results: dict) -> None:
         if not isinstance(r, dict) or "tokens/s" not in r:
             continue
         mfu = f"{r['MFU']:.1%}" if r.get("MFU") is not None else "n/a"
+        busy = r["GPU busy"]
+        busy = f"{busy:.1%}" if busy == busy else "n/a"  # NaN without a GPU
         print(f"{side[:29]:<30}{r['backend'][:31]:<32}{r['tokens/s']:>10.0f}{r['TFLOP/s']:>9.2f}{mfu:>7}"
-              f"{r['peak memory GiB']:>10.2f}{r['launches/step']:>10}{r['syncs/step']:>7}{r['GPU busy']:>9.1%}")
+              f"{r['peak memory GiB']:>10.2f}{r['launches/step']:>10}{r['syncs/step']:>7}{busy:>9}")
     if "ratio" in results:
         print(f"ours / baseline: {results['ratio']:.2f}x real tokens/s; same packs in every step: "
               f"{results['same packs']}")
