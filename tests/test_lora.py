@@ -603,3 +603,17 @@ def test_a_peft_adapter_of_the_embedding_is_refused_by_name():
         with pytest.raises(ConversionError, match="adapters \\(or trained copies\\) of the embedding or output layer "
                                                   "are not supported here"):
             adapters.canonical_name(key)
+
+
+@pytest.mark.parametrize("model_flags, targets, message", [
+    ([f for f in TINY_FLAGS if f != "--swiglu"], ["linear_fc1"], "LoRA on linear_fc1 of a model without a gated MLP"),
+    ([*TINY_FLAGS, "--num-experts", "4", "--moe-router-topk", "2"], ["linear_fc1", "linear_fc2"],
+     "none of the targeted linears exists in this model's layers"),
+])
+def test_adapters_the_model_has_no_linear_for_are_refused_by_the_parser(model_flags, targets, message, capsys):
+    """Targets building the model refuses (fc1 of a GELU MLP; only MLPs, every layer MoE) are refused with the flags,
+    so --dry-run refuses them too: it planned such a run, which then stopped in the model build with a traceback."""
+    with pytest.raises(SystemExit):
+        parse_args([*model_flags, "--data-path", "d", "--seq-length", "128", "--micro-batch-size", "1",
+                    "--train-iters", "1", "--lr", "1e-4", "--lora-target-modules", *targets, "--dry-run"], world_size=1)
+    assert f"error: --lora-target-modules: {message}" in capsys.readouterr().err

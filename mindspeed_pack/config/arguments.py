@@ -239,6 +239,9 @@ def _check_lora_flags(args) -> None:
         lora.resolve_targets(args.lora_target_modules or [lora.ALL_LINEAR])
     except ValueError as e:
         raise ArgumentError(str(e)) from None
+    problem = lora.target_problem(args)  # what building the model would refuse, refused by --dry-run too
+    if problem:
+        raise ArgumentError(problem)
     if not args.load:
         raise ArgumentError("--lora-r: LoRA adapts a model: pass it (the base, a Hugging Face directory or a Megatron "
                             "checkpoint) with --load")

@@ -150,6 +150,25 @@ def adapter_parameters(settings: LoRASettings, args, tp: int = 1) -> int:
     return int(total)
 
 
+def target_problem(args) -> Optional[str]:
+    """Why the model the flags describe has no linear for some of ``--lora-target-modules`` (None when it has), so
+    that the parser, hence ``--dry-run``, refuses what building the model would (:func:`adapt_layer_spec`)."""
+    settings = settings_from_args(args)
+    if settings is None:
+        return None
+    experts = getattr(args, "num_experts", None)
+    freq = getattr(args, "moe_layer_freq", 1)
+    moe_layers = (sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))) if experts else 0
+    dense_mlp = moe_layers < args.num_layers
+    if not any(dense_mlp or not linear.startswith("mlp.") for linear, _ in settings.targets):
+        return ("--lora-target-modules: none of the targeted linears exists in this model's layers (the MLPs of MoE "
+                "layers get no adapter); add linear_qkv or linear_proj")
+    if dense_mlp and settings.projections("mlp.linear_fc1") and not getattr(args, "swiglu", False):
+        return ("--lora-target-modules: LoRA on linear_fc1 of a model without a gated MLP (--swiglu): it has no "
+                "gate_proj and up_proj; adapt linear_qkv linear_proj linear_fc2 instead")
+    return None
+
+
 def without_lora(args):
     """A copy of ``args`` that builds the model without adapters (a DPO ``--ref-load`` reference)."""
     plain = copy.copy(args)
