@@ -176,3 +176,29 @@ def test_a_model_the_hosts_memory_cannot_hold_stops_before_anything_is_built(tmp
     quickstart = parse_args(["--config", os.path.join(ROOT, "configs", "quickstart.yaml"), "--data-path",
                              str(tmp_path / "sft")], extra_args_provider=posttrain.posttrain_args)
     run_plan.check_host_memory(quickstart)
+
+
+def test_a_plan_without_a_gpu_says_the_fine_tuning_defaults_train_bf16_on_one(tmp_path, monkeypatch):
+    """A --load HF_DIR --stage sft run gets --bf16 from the fine-tuning defaults on a GPU that has it, and stays in
+    fp32 where none is visible: the plan sized the GPU job (an H100 assumed) in fp32 without a word, so a job
+    planned on a login node was estimated for the wrong precision."""
+    import posttrain
+    from mindspeed_pack.config import finetune_defaults
+    from tests.model_utils import write_converted_tiny_qwen2
+
+    write_converted_tiny_qwen2(tmp_path)
+    monkeypatch.setattr(finetune_defaults, "bf16_supported", lambda: False)
+
+    def plan(*extra):
+        args = parse_args(["--load", str(tmp_path / "hf"), "--data-path", str(tmp_path / "none"), "--seq-length",
+                           "128", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--dry-run", *extra],
+                          world_size=1, extra_args_provider=posttrain.posttrain_args)
+        return args, [line for line in run_plan.plan_lines(args) if line.startswith("precision:")]
+
+    args, lines = plan()
+    assert not args.bf16 and len(lines) == 1, lines
+    bf16_args, _ = plan("--bf16")
+    assert lines[0].startswith("precision: fp32 here (no GPU visible); on a GPU with bf16 the fine-tuning defaults "
+                               "turn on --bf16")
+    assert f"(estimate) {run_plan.memory_estimate(bf16_args)['total']:.2f} GiB; pass --bf16" in lines[0]
+    assert plan("--bf16")[1] == plan("--fp16")[1] == []

@@ -50,8 +50,11 @@ def _fresh_defaults(args, given: set) -> dict:
         out["lr_warmup_fraction"] = WARMUP_FRACTION
     out["lr_decay_style"] = "cosine"
     out["min_lr"] = float(f"{MIN_LR_RATIO * args.lr:.12g}")  # 2e-6, not 2.0000000000000003e-06
-    if bf16_supported() and not {"bf16", "fp16"} & given:
-        out["bf16"] = True
+    if not {"bf16", "fp16"} & given:
+        if bf16_supported():
+            out["bf16"] = True
+        else:  # fp32 here; --dry-run, which plans for a GPU where none is visible, says what a GPU run would take
+            args.bf16_on_a_gpu = True
     if args.save:
         out["save_hf"] = os.path.join(args.save, SAVE_HF_SUBDIR)
     return out

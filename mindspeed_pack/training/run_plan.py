@@ -357,7 +357,19 @@ def plan_lines(args) -> list:
                  "Korthikanti et al.; allocator and communication buffers come on top)")
     if not load_time:  # load-time packing and rollouts: one row per forward
         lines.append(_micro_batch_line(args))
+    lines += _gpu_precision_lines(args)
     return lines
+
+
+def _gpu_precision_lines(args) -> list:
+    """Where no GPU is visible the fine-tuning defaults leave a run in fp32 (finetune_defaults.py), while the plan
+    sizes it for a GPU, where the same command trains in bf16: say so, with that run's estimate."""
+    if not getattr(args, "bf16_on_a_gpu", False) or args.bf16 or args.fp16:
+        return []
+    bf16 = copy.copy(args)
+    bf16.bf16 = True
+    return [f"precision: fp32 here (no GPU visible); on a GPU with bf16 the fine-tuning defaults turn on --bf16: "
+            f"memory per GPU (estimate) {memory_estimate(bf16)['total']:.2f} GiB; pass --bf16 to plan that run"]
 
 
 ROLLOUT_STAGES = ("grpo", "score")  # a micro-batch is one row packed at load time (datasets/rollouts.py)
