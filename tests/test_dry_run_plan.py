@@ -202,3 +202,35 @@ def test_a_plan_without_a_gpu_says_the_fine_tuning_defaults_train_bf16_on_one(tm
                                "turn on --bf16")
     assert f"(estimate) {run_plan.memory_estimate(bf16_args)['total']:.2f} GiB; pass --bf16" in lines[0]
     assert plan("--bf16")[1] == plan("--fp16")[1] == []
+
+
+def test_the_fused_losss_fp32_weight_gradient_buffer_is_counted_in_fp32_runs_too():
+    """The chunked loss sums a trained output layer's gradient in an fp32 buffer of the weight's shape whatever the
+    weight's dtype (vocab_cross_entropy.py: ``promote_types(weight.dtype, float32)``); the plan counted it only in
+    bf16/fp16 (Qwen2.5-7B at TP1 in fp32: 2.03 GiB left out)."""
+    from types import SimpleNamespace
+
+    def activations(**changes):
+        args = SimpleNamespace(**{**vars(lora_free_qwen7b()), **changes})
+        return run_plan.memory_estimate(args)["activations"] * GiB
+
+    assert run_plan.loss_path(lora_free_qwen7b()) > 0  # 2 packs of 4096 tokens: over the unfused loss's budget
+    buffer, chunk = 152064 * 3584 * 4, run_plan.loss_path(lora_free_qwen7b())
+    layers = 8192 * run_plan.layer_activation_bytes(lora_free_qwen7b()) * 28  # 16-bit bytes of 2 packs
+    assert activations() == pytest.approx(2 * layers + chunk * 152064 * 8 + buffer)
+    assert activations(bf16=True) == pytest.approx(layers + chunk * 152064 * 8 + buffer)
+    unfused = activations(micro_batch_size=1)  # the unfused loss: megatron-core's, no such buffer
+    assert unfused == pytest.approx(layers + 4096 * 152064 * 8)
+
+
+def lora_free_qwen7b():
+    """Qwen2.5-7B's flags at TP1, fp32, micro-batch 2 of 4096 tokens (a namespace as the parser would give)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
+        kv_channels=None, swiglu=True, add_qkv_bias=True, padded_vocab_size=152064, max_position_embeddings=4096,
+        position_embedding_type="rope", untie_embeddings_and_output_weights=True, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, expert_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1,
+        use_distributed_optimizer=False, bf16=False, fp16=False, optimizer="adam", seq_length=4096,
+        micro_batch_size=2, sequence_parallel=False, num_micro_batches=1, num_experts=None, lora_r=None)

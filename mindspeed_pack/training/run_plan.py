@@ -159,7 +159,7 @@ def memory_estimate(args) -> dict:
     if chunk:
         rows = min(rows, chunk)
     logits = rows * vocab * 4 * 2
-    if chunk != 0 and half and not adapters:  # its backward sums a trained output layer's gradient in fp32
+    if chunk != 0 and not adapters:  # it sums a trained output layer's gradient in an fp32 buffer, in fp32 runs too
         logits += vocab * args.hidden_size * 4
     if getattr(args, "reward_head", False):
         logits = 0  # one score per token of the score head, no vocabulary logits
