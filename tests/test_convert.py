@@ -27,6 +27,7 @@ from mindspeed_pack.convert import (
 )
 from mindspeed_pack.convert.megatron_layout import RELEASE, checkpoint_file, read_tracker
 from mindspeed_pack.convert.model_specs import ConversionError
+from mindspeed_pack.convert.weight_map import HF_EMBEDDING
 from mindspeed_pack.data import toy
 from tests.dist_harness import run_distributed
 from tests.model_utils import forward_pipeline, load_release_checkpoint
@@ -259,6 +260,45 @@ def test_bf16_conversion_round_trips_exactly(work):
     restored = load_file(os.path.join(back, "model.safetensors"))
     assert all(torch.equal(t.to(torch.bfloat16), restored[k]) for k, t in original.items())
     assert json.load(open(os.path.join(back, "config.json")))["dtype"] == "bfloat16"
+
+
+def test_a_bf16_model_stays_bf16_without_params_dtype(work, tmp_path):
+    """convert_ckpt.py without --params-dtype wrote fp32 (a bf16 7B model became 28 GB, and twice the memory): the
+    source's own dtype is kept, bit for bit, through hf->mg->hf of a sharded model, and the index loads."""
+    import copy
+
+    import transformers
+
+    from mindspeed_pack.convert.convert import main
+
+    hf, mg, back = str(tmp_path / "hf"), str(tmp_path / "mg"), str(tmp_path / "back")
+    copy.deepcopy(work["model"]["qwen2"]).to(torch.bfloat16).save_pretrained(hf, max_shard_size="100KB")
+    assert main(["--load-dir", hf, "--save-dir", mg, "--target-tensor-parallel-size", "2"]) == 0
+    for tp_rank in range(2):
+        record = torch.load(checkpoint_file(mg, RELEASE, tp_rank, 0, 1), weights_only=True)
+        assert {t.dtype for t in record["model"].values()} == {torch.bfloat16}
+    assert main(["--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", mg, "--save-dir",
+                 str(tmp_path / "single")]) == 0
+    assert load_file(str(tmp_path / "single" / "model.safetensors"))[HF_EMBEDDING].dtype == torch.bfloat16
+    megatron_to_hf(mg, back, max_shard_bytes=20_000)  # sharded, as a large model's is
+
+    def tensors(d):
+        out = {}
+        for f in os.listdir(d):
+            if f.endswith(".safetensors"):
+                out.update(load_file(os.path.join(d, f)))
+        return out
+
+    original, restored = tensors(hf), tensors(back)
+    assert sorted(original) == sorted(restored)
+    for key, tensor in original.items():
+        assert restored[key].dtype == torch.bfloat16 and torch.equal(tensor, restored[key]), key
+    assert json.load(open(os.path.join(back, "config.json")))["dtype"] == "bfloat16"
+    index = json.load(open(os.path.join(back, "model.safetensors.index.json")))
+    assert sorted(index["weight_map"]) == sorted(original)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in original.values())
+    model = transformers.AutoModelForCausalLM.from_pretrained(back)
+    assert model.dtype == torch.bfloat16
 
 
 def test_sharded_hf_input_converts_like_single_file(work):

@@ -70,6 +70,7 @@ from mindspeed_pack.convert.tokenizer_record import (
 from mindspeed_pack.convert.weight_map import (
     EMBEDDING,
     FINAL,
+    HF_EMBEDDING,
     MG_EMBEDDING,
     MG_OUTPUT,
     check_hf_tensors,
@@ -90,10 +91,27 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def _dtype(name: str) -> torch.dtype:
+def _dtype(name: Optional[str], stored: Optional[torch.dtype] = None, where: str = "") -> torch.dtype:
+    """``--params-dtype``'s dtype; without it ``stored``, the dtype the source's weights are in (``where``): a bf16
+    model stays bf16, bit for bit, instead of an fp32 copy twice its size on disk and in memory."""
+    if name is None:
+        if stored is None:  # nothing stored to keep (no tensors)
+            return torch.float32
+        if stored not in _HF_DTYPE_NAMES:
+            raise ConversionError(f"{where} holds {stored} weights: pass --params-dtype ({', '.join(sorted(DTYPES))})")
+        log.info("writing %s weights (those of %s; --params-dtype to change)", _HF_DTYPE_NAMES[stored], where)
+        return stored
     if name not in DTYPES:
         raise ConversionError(f"--params-dtype {name!r}: choose one of {sorted(DTYPES)}")
     return DTYPES[name]
+
+
+def _stored_dtype(source: "MegatronCheckpoint") -> Optional[torch.dtype]:
+    """The dtype of a Megatron checkpoint's weights: its word embedding's, else its first floating tensor's."""
+    model = source.rank_file(0, 0)["model"]
+    if MG_EMBEDDING in model:
+        return model[MG_EMBEDDING].dtype
+    return next((t.dtype for t in model.values() if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
 
 
 # --------------------------------------------------------------------------- output dir
@@ -341,7 +359,7 @@ def hf_to_megatron(
     save_dir: str,
     tp: int,
     pp: int,
-    params_dtype: str = "fp32",
+    params_dtype: Optional[str] = None,
     model_type_hf: Optional[str] = None,
     make_vocab_size_divisible_by: int = 128,
     padded_vocab_size: Optional[int] = None,
@@ -353,9 +371,8 @@ def hf_to_megatron(
     (and EP=``ep``: each expert-parallel rank's file holds its experts).
 
     ``seq_length`` (default: the config's ``max_position_embeddings``) is the longest training
-    sequence; a sliding window below it is refused.
+    sequence; a sliding window below it is refused. ``params_dtype`` None keeps the weights' own dtype.
     """
-    dtype = _dtype(params_dtype)
     check_save_dir(save_dir, load_dir)
     with hf_io.HFCheckpointReader(load_dir, allow_unsafe) as reader:
         config_path = os.path.join(load_dir, hf_io.CONFIG)
@@ -363,6 +380,7 @@ def hf_to_megatron(
                                    padded_vocab_size, where=config_path, seq_length=seq_length, ep=ep)
         spec = get_spec(args.model_type_hf)
         check_hf_tensors(reader, args, spec)
+        dtype = _dtype(params_dtype, reader.dtype(HF_EMBEDDING), reader.file_of(HF_EMBEDDING))
 
         def full_unit(unit):
             return {k: v.to(dtype) for k, v in hf_to_mg_unit(unit, reader.get, args, spec).items()}
@@ -371,7 +389,7 @@ def hf_to_megatron(
         # the same weights as the HF directory when the dtype loses nothing: adapters trained on that directory
         # (--load HF_DIR) are accepted on this conversion too (convert_ckpt.py --lora-load, --lora-load at training)
         source_dtype = reader.config.get("torch_dtype") or reader.config.get("dtype")
-        exact = dtype == torch.float32 or source_dtype == _HF_DTYPE_NAMES[dtype]
+        exact = dtype in (torch.float32, reader.dtype(HF_EMBEDDING)) or source_dtype == _HF_DTYPE_NAMES[dtype]
         lineage = {lora_map.SAME_WEIGHTS_AS: [lora_map.fingerprint(load_dir)],
                    lora_map.HF_ORIGIN: os.path.abspath(load_dir)} if exact else None
         with staged_output(save_dir) as tmp:
@@ -384,7 +402,7 @@ def hf_to_megatron(
 def megatron_to_hf(
     load_dir: str,
     save_dir: str,
-    params_dtype: str = "fp32",
+    params_dtype: Optional[str] = None,
     model_type_hf: Optional[str] = None,
     tokenizer_dir: Optional[str] = None,
     max_shard_bytes: int = 5 * 1024**3,
@@ -398,10 +416,11 @@ def megatron_to_hf(
     HF config stored at conversion; ``tokenizer_dir``'s tokenizer files and
     generation_config.json are copied. LoRA adapters, of the checkpoint itself (a LoRA run's
     ``--save-hf --lora-merge``) or of the adapter checkpoint ``lora_dir``, are merged into the weights.
+    ``params_dtype`` None keeps the checkpoint's dtype.
     """
-    dtype = _dtype(params_dtype)
     check_save_dir(save_dir, load_dir)
     source = MegatronCheckpoint(load_dir, allow_unsafe, model_type_hf)
+    dtype = _dtype(params_dtype, _stored_dtype(source), source.files[(0, 0, 0)])
     if source.lora is not None and lora_dir is None and not source.holds_base():
         raise ConversionError(f"{load_dir} holds LoRA adapters only (a LoRA run's --save): pass their base as "
                               f"--load-dir and {load_dir} as --lora-load")
@@ -570,13 +589,12 @@ def _adapter_checkpoint(lora_dir: str, allow_unsafe: bool, base_args=None) -> Me
     return adapters
 
 
-def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", base_model: Optional[str] = None,
+def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: Optional[str] = None, base_model: Optional[str] = None,
                      allow_unsafe: bool = False, tokenizer_dir: Optional[str] = None) -> None:
     """A LoRA run's adapter checkpoint (any TP/PP) -> a PEFT adapter directory (``PeftModel.from_pretrained``).
 
     ``base_model`` goes into ``adapter_config.json`` (``base_model_name_or_path``).
     """
-    dtype = _dtype(params_dtype)
     check_save_dir(save_dir, lora_dir)
     source = _adapter_checkpoint(lora_dir, allow_unsafe)
     tensors = {}
@@ -585,6 +603,7 @@ def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", b
     reward = bool(getattr(source.args, "reward_head", False))
     if reward:  # the score head trained in full beside the adapters: PEFT's modules_to_save
         tensors.update(lora_map.trained_in_full(source.unit(FINAL)))
+    dtype = _dtype(params_dtype, next((t.dtype for t in tensors.values()), None), source.files[(0, 0, 0)])
     if getattr(source.args, "num_experts", None) and any(".mlp." in k for k in tensors):
         log.warning("%s: MoE model with adapters on dense layers' MLPs: peft (0.21, transformers 5) re-targets "
                     "gate_proj/up_proj/down_proj of MoE families to the fused experts and skips them; merge instead "
@@ -611,16 +630,16 @@ def megatron_to_peft(lora_dir: str, save_dir: str, params_dtype: str = "fp32", b
                  "num_labels=1, pad_token_id=%s), %r)", save_dir, source.args.reward_pad_token_id, save_dir)
 
 
-def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str = "fp32",
+def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: Optional[str] = None,
                   tokenizer_dir: Optional[str] = None, max_shard_bytes: int = 5 * 1024**3,
                   allow_unsafe: bool = False) -> None:
     """A HF base plus a LoRA run's adapters -> a HF model with the adapters merged, one unit at a time."""
-    dtype = _dtype(params_dtype)
     check_save_dir(save_dir, hf_dir)
     with hf_io.HFCheckpointReader(hf_dir, allow_unsafe) as reader:
         args = args_from_hf_config(reader.config, None, 1, 1, where=os.path.join(hf_dir, hf_io.CONFIG))
         spec = get_spec(args.model_type_hf)
         check_hf_tensors(reader, args, spec)
+        dtype = _dtype(params_dtype, reader.dtype(HF_EMBEDDING), reader.file_of(HF_EMBEDDING))
         adapters = _adapter_checkpoint(lora_dir, allow_unsafe, args)
         scale = lora_map.scale_of(adapters.lora)
         args = _export_args(args, adapters)
@@ -650,7 +669,7 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: str =
 
 
 def lora_export(load_type: str, load_dir: str, lora_dir: str, save_dir: str, merge: bool,
-                params_dtype: str = "fp32", tokenizer_dir: Optional[str] = None,
+                params_dtype: Optional[str] = None, tokenizer_dir: Optional[str] = None,
                 max_shard_bytes: int = 5 * 1024**3, allow_unsafe: bool = False) -> None:
     """``convert_ckpt.py --lora-load``: a LoRA run's adapters on their base (checked by content) as a PEFT
     adapter directory, or merged into the base (``--lora-merge``, MindSpeed-LLM's converter does this)."""
@@ -688,8 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
     p.add_argument("--target-expert-parallel-size", type=int, default=1,
                    help="expert-parallel ranks of the written Megatron checkpoint (MoE models)")
-    p.add_argument("--params-dtype", choices=sorted(DTYPES), default="fp32",
-                   help="dtype of the written weights (hf->mg, mg->hf)")
+    p.add_argument("--params-dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype of the written weights (hf->mg, mg->hf); default: the source's own (a bf16 model stays "
+                        "bf16, bit for bit)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--seq-length", type=int, default=None,
                    help="hf->mg: the longest training sequence (default max_position_embeddings); a sliding_window "

@@ -148,6 +148,9 @@ class _TorchBinFile:
         return tuple(self._state[name].shape)
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
 class HFCheckpointReader:
     """Lazy access to the tensors of a HF model directory (single file or sharded)."""
 
@@ -203,6 +206,14 @@ class HFCheckpointReader:
         if isinstance(handle, _TorchBinFile):
             return handle.shape(name)
         return tuple(handle.get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype ``name`` is stored in, read from the file's header (no tensor data)."""
+        handle = self._handles[self._where[name]]
+        if isinstance(handle, _TorchBinFile):
+            return handle.get_tensor(name).dtype
+        stored = handle.get_slice(name).get_dtype()
+        return _SAFETENSORS_DTYPES.get(stored) or getattr(torch, stored.lower(), torch.float32)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
