@@ -74,6 +74,7 @@ from mindspeed_pack.convert.weight_map import (
     MG_EMBEDDING,
     MG_OUTPUT,
     check_hf_tensors,
+    expected_hf_shapes,
     hf_to_mg_unit,
     hf_unit_shapes,
     mg_layer_prefix,
@@ -381,6 +382,7 @@ def hf_to_megatron(
         spec = get_spec(args.model_type_hf)
         check_hf_tensors(reader, args, spec)
         dtype = _dtype(params_dtype, reader.dtype(HF_EMBEDDING), reader.file_of(HF_EMBEDDING))
+        reader.stream(expected_hf_shapes(args, spec))
 
         def full_unit(unit):
             return {k: v.to(dtype) for k, v in hf_to_mg_unit(unit, reader.get, args, spec).items()}

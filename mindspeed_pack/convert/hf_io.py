@@ -158,21 +158,12 @@ class HFCheckpointReader:
         self.model_dir = model_dir
         self.config = read_config(model_dir)
         files, index, index_name = _weight_files(model_dir)
+        self.allow_unsafe = allow_unsafe
         self._handles = {}
         self._where: Dict[str, str] = {}
+        self._unread: Dict[str, set] = {}  # see stream()
         for name in files:
-            path = os.path.join(model_dir, name)
-            if name.endswith(".bin"):
-                try:
-                    handle = _TorchBinFile(path, allow_unsafe)
-                except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-                    raise ConversionError(f"{path}: not a readable torch file ({e})") from None
-            else:
-                try:
-                    handle = safe_open(path, framework="pt")
-                except Exception as e:  # safetensors raises its own error types
-                    raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
-            self._handles[name] = handle
+            handle = self._handles[name] = self._open(name)
             for key in handle.keys():
                 if key in self._where:
                     raise ConversionError(f"tensor {key!r} is stored twice: in {self._where[key]} and {name}")
@@ -184,6 +175,36 @@ class HFCheckpointReader:
                         f"{os.path.join(model_dir, index_name)}: maps {key!r} to {fname}, "
                         f"but that tensor is {'in ' + self._where[key] if key in self._where else 'absent'}"
                     )
+
+    def _open(self, name: str):
+        path = os.path.join(self.model_dir, name)
+        if name.endswith(".bin"):
+            try:
+                return _TorchBinFile(path, self.allow_unsafe)
+            except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+                raise ConversionError(f"{path}: not a readable torch file ({e})") from None
+        try:
+            return safe_open(path, framework="pt")
+        except Exception as e:  # safetensors raises its own error types
+            raise ConversionError(f"{path}: not a readable safetensors file ({e})") from None
+
+    def _handle(self, name: str):
+        """The open file ``name`` (reopened if :meth:`stream` let it go)."""
+        handle = self._handles.get(name)
+        if handle is None:
+            handle = self._handles[name] = self._open(name)
+        return handle
+
+    def stream(self, names: Iterable[str]) -> None:
+        """From now on, let a weight file go once :meth:`get` has read every one of ``names`` it holds.
+
+        An open file keeps every page read from it mapped, so a conversion held the whole model's pages until the
+        end, on top of what it writes (a 70B model's 140 GB); let go, a file's pages are freed with the tensors read
+        from it, when their stage is written. A file read again is reopened."""
+        self._unread = {}
+        for name in names:
+            if name in self._where:
+                self._unread.setdefault(self._where[name], set()).add(name)
 
     def __enter__(self):
         return self
@@ -202,14 +223,14 @@ class HFCheckpointReader:
         return os.path.join(self.model_dir, self._where[name])
 
     def shape(self, name: str) -> Tuple[int, ...]:
-        handle = self._handles[self._where[name]]
+        handle = self._handle(self._where[name])
         if isinstance(handle, _TorchBinFile):
             return handle.shape(name)
         return tuple(handle.get_slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
         """The dtype ``name`` is stored in, read from the file's header (no tensor data)."""
-        handle = self._handles[self._where[name]]
+        handle = self._handle(self._where[name])
         if isinstance(handle, _TorchBinFile):
             return handle.get_tensor(name).dtype
         stored = handle.get_slice(name).get_dtype()
@@ -218,14 +239,21 @@ class HFCheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._where:
             raise ConversionError(f"{self.model_dir}: tensor {name!r} not found in the weight files")
-        return self._handles[self._where[name]].get_tensor(name)
+        fname = self._where[name]
+        tensor = self._handle(fname).get_tensor(name)
+        unread = self._unread.get(fname)
+        if unread is not None:
+            unread.discard(name)
+            if not unread:  # all read: its pages go with the tensors read from it
+                del self._handles[fname]
+        return tensor
 
     def get_range(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         """Rows (``dim`` 0) or columns (``dim`` 1) ``[start, stop)`` of a tensor; from safetensors
         only those bytes are read (``get_slice``), so a rank never loads another rank's part."""
         if name not in self._where:
             raise ConversionError(f"{self.model_dir}: tensor {name!r} not found in the weight files")
-        handle = self._handles[self._where[name]]
+        handle = self._handle(self._where[name])
         if isinstance(handle, _TorchBinFile):  # memory-mapped: narrow touches only the range
             return handle.get_tensor(name).narrow(dim, start, stop - start).clone()
         piece = handle.get_slice(name)
