@@ -161,6 +161,67 @@ def test_failure_while_writing_leaves_no_output(hf_dir, out, monkeypatch):
     assert len(calls) == 2
 
 
+def test_a_terminated_conversion_leaves_no_partial_output(hf_dir, out):
+    """SIGTERM (a scheduler's stop, ``timeout``) killed convert_ckpt.py outright and left its partial output in the
+    hidden ``.NAME.tmp-HOST-PID`` beside --save-dir, as large as the model: it now unwinds and removes it. The
+    conversion is stopped (fault ``exported@0:stop``) with the output complete but not yet renamed."""
+    import signal
+    import time
+
+    from tests.preloaded import ScriptProcess
+
+    env = {**os.environ, "MINDSPEED_PACK_FAULT": "exported@0:stop"}
+    log = os.path.join(os.path.dirname(os.path.dirname(out)), "convert.log")
+    proc = ScriptProcess("convert_ckpt.py", ["--load-dir", hf_dir, "--save-dir", out], env=env, stdout=log)
+    try:
+        deadline = time.monotonic() + 120
+        while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+            assert proc.poll() is None and time.monotonic() < deadline, open(log).read()
+            time.sleep(0.05)
+        assert os.listdir(os.path.dirname(out))  # the temporary directory, complete
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(60) == 128 + signal.SIGTERM, open(log).read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "stopped by signal 15: the partial output is removed" in open(log).read()
+
+
+def test_a_signal_during_a_write_is_not_masked_by_torch(tmp_path, monkeypatch):
+    """SIGTERM's SystemExit (or Ctrl-C) raised inside torch.save's write came out as torch's "unexpected pos" error,
+    a traceback instead of the signal's exit: it is raised as it came, and the half-written file is gone."""
+    from mindspeed_pack.convert import megatron_layout as layout
+
+    class Interrupted:
+        def __init__(self, path, mode):
+            self._f = open(path, mode)
+            self.name = path
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+
+        def write(self, data):
+            if len(data) >= 4000 and not self.__dict__.get("signalled"):  # the tensor's bytes; torch then writes on
+                self.signalled = True
+                raise SystemExit(143)
+            return self._f.write(data)
+
+        def flush(self):
+            self._f.flush()
+
+        def fileno(self):
+            return self._f.fileno()
+
+    monkeypatch.setattr(layout, "open", Interrupted, raising=False)
+    with pytest.raises(SystemExit):
+        layout.save_file_atomic({"w": torch.zeros(1000)}, str(tmp_path / "rank" / "model_optim_rng.pt"))
+    assert os.listdir(tmp_path / "rank") == []
+
+
 def test_megatron_input_errors(hf_dir, mg_dir, tmp_path, out):
     with pytest.raises(ConversionError, match="no latest_checkpointed_iteration.txt"):
         megatron_to_hf(hf_dir, out)

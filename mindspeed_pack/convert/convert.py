@@ -31,7 +31,9 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import sys
+import threading
 from typing import Dict, Optional
 
 import torch
@@ -888,9 +890,19 @@ def _check_lora_settings(args, record: dict, lora_dir: str) -> None:
                               "drop the flags (the record is used) or pass the adapters they describe")
 
 
+def _on_sigterm(signum, frame) -> None:
+    """SIGTERM (a scheduler's stop, ``timeout``, ``kill``) unwinds as Ctrl-C does: the partial output in the hidden
+    temporary directory beside --save-dir (up to the model's size) is removed instead of left behind."""
+    print(f"convert_ckpt: stopped by signal {signum}: the partial output is removed, --save-dir is not written",
+          file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main_thread else None
     try:
         _mindspeed_flags(args)
         _check_load_type(args)
@@ -933,4 +945,7 @@ def main(argv=None) -> int:
     except ConversionError as e:
         print(f"convert_ckpt: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0

@@ -124,17 +124,19 @@ def save_file_atomic(obj, path: str, iteration: Optional[int] = None) -> None:
 
 
 class _WriteErrorKeeper:
-    """A file wrapper that remembers the OSError of a failed write (disk full, file too large)."""
+    """A file wrapper that remembers why a write failed: an OSError (disk full, file too large), or the exception of
+    a signal that came during it (SIGTERM's SystemExit, Ctrl-C), which torch would otherwise turn into its own
+    "unexpected pos" error."""
 
     def __init__(self, f):
         self._f = f
-        self.error: Optional[OSError] = None
+        self.error: Optional[BaseException] = None
 
     def write(self, data) -> int:
         try:
             return self._f.write(data)
-        except OSError as e:
-            if e.filename is None:
+        except BaseException as e:
+            if isinstance(e, OSError) and e.filename is None:
                 e.filename = self._f.name
             self.error = self.error or e
             raise
