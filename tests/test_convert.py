@@ -354,6 +354,32 @@ def test_hf_to_megatron_lets_each_shard_go_once_read(work, monkeypatch):
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_megatron_sources_are_read_one_unit_at_a_time(work, tmp_path, monkeypatch):
+    """mg->hf and mg->mg kept every rank file they had read (one memory map each, holding every page read from it)
+    to the end of its pipeline stage, at PP1 the whole checkpoint: a unit now starts with none held, and the outputs
+    are the same."""
+    from mindspeed_pack.convert import convert as convert_module
+
+    held = []
+    unit = convert_module.MegatronCheckpoint.unit
+
+    def spy(self, which):
+        held.append(len(self._loaded))
+        return unit(self, which)
+
+    monkeypatch.setattr(convert_module.MegatronCheckpoint, "unit", spy)
+    megatron_to_hf(work["mg"][("qwen2", 2, 1)], str(tmp_path / "hf"))
+    megatron_to_megatron(work["mg"][("qwen2", 2, 1)], str(tmp_path / "mg"), 1, 1)
+    # every unit but each conversion's first (whose files its checks read) starts with no file held
+    assert held.count(0) == 2 * (MODELS["qwen2"][1]["num_hidden_layers"] + 1), held
+    original = load_file(os.path.join(work["hf"]["qwen2"], "model.safetensors"))
+    restored = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert sorted(original) == sorted(restored) and all(torch.equal(t, restored[k]) for k, t in original.items())
+    a = torch.load(checkpoint_file(str(tmp_path / "mg"), RELEASE, 0, 0, 1), weights_only=True)["model"]
+    b = torch.load(checkpoint_file(work["mg"][("qwen2", 1, 1)], RELEASE, 0, 0, 1), weights_only=True)["model"]
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resharding_equals_direct_conversion(work):
     """mg TP2 -> TP1 and PP2 -> TP2 give the very tensors a direct conversion gives."""
     pairs = [(work["mg"]["qwen2_resharded"], work["mg"][("qwen2", 1, 1)], 1),

@@ -241,9 +241,11 @@ class MegatronCheckpoint:
             self._loaded[key] = record
         return self._loaded[key]
 
-    def release_stage(self, pp_rank: int) -> None:
-        for key in [k for k in self._loaded if k[1] == pp_rank]:
-            del self._loaded[key]
+    def release(self) -> None:
+        """Drop the rank files read so far (read again when needed, a few milliseconds): a file is one memory map
+        that keeps every page read from it while any of its tensors lives, so holding them kept the whole
+        checkpoint's pages to the end; dropped after each unit, a unit's pages go with its tensors (once written)."""
+        self._loaded.clear()
 
     def unit(self, unit) -> Dict[str, torch.Tensor]:
         """The canonical full tensors of ``unit`` (vocabulary still padded)."""
@@ -465,10 +467,7 @@ def megatron_to_hf(
                         own = lora_map.split_adapters(adapters.unit(unit))[1]
                     hf = lora_map.merge_into_hf(hf, own, lora_map.scale_of(adapters.lora))
                 writer.add_all({k: v.to(dtype) for k, v in hf.items()})
-                if unit != EMBEDDING and unit != FINAL:
-                    stage, local = stage_of_layer(unit, args.num_layers, source.pp)
-                    if local == args.num_layers // source.pp - 1 and stage != source.pp - 1:
-                        source.release_stage(stage)  # done with it (the last stage still has FINAL)
+                source.release()
                 bar.update()
         writer.close()
         config.save_pretrained(tmp)
@@ -532,6 +531,7 @@ def megatron_to_megatron(
 
     def full_unit(unit):
         full = source.unit(unit)
+        source.release()
         for name in (MG_EMBEDDING, MG_OUTPUT):
             if name in full and not same_padding:  # re-pad for the new size
                 full[name] = full[name][: args.vocab_size]
