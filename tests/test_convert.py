@@ -380,6 +380,23 @@ def test_megatron_sources_are_read_one_unit_at_a_time(work, tmp_path, monkeypatc
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_resharding_writes_the_params_dtype_it_is_given(work, tmp_path):
+    """convert_ckpt.py mg->mg ignored --params-dtype (an fp32 training checkpoint resharded with --params-dtype bf16
+    came out fp32, twice the size asked for): the weights are cast, and no longer claim the source's lineage."""
+    from mindspeed_pack.convert import adapters as lora_map
+    from mindspeed_pack.convert.convert import main
+
+    source, out = work["mg"][("qwen2", 2, 1)], str(tmp_path / "bf16")
+    assert main(["--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", source, "--save-dir", out,
+                 "--params-dtype", "bf16"]) == 0
+    a = torch.load(checkpoint_file(out, RELEASE, 0, 0, 1), weights_only=True)
+    b = torch.load(checkpoint_file(work["mg"][("qwen2", 1, 1)], RELEASE, 0, 0, 1), weights_only=True)
+    assert sorted(a["model"]) == sorted(b["model"])
+    assert all(a["model"][k].dtype == torch.bfloat16 and torch.equal(a["model"][k], b["model"][k].to(torch.bfloat16))
+               for k in a["model"])
+    assert not a.get(lora_map.SAME_WEIGHTS_AS) and not a.get(lora_map.HF_ORIGIN)
+
+
 def test_resharding_equals_direct_conversion(work):
     """mg TP2 -> TP1 and PP2 -> TP2 give the very tensors a direct conversion gives."""
     pairs = [(work["mg"]["qwen2_resharded"], work["mg"][("qwen2", 1, 1)], 1),

@@ -492,9 +492,11 @@ def _recorded_tokenizer(source) -> Optional[str]:
 def megatron_to_megatron(
     load_dir: str, save_dir: str, tp: int, pp: int, padded_vocab_size: Optional[int] = None,
     allow_unsafe: bool = False, tokenizer_dir: Optional[str] = None, ep: int = 1, model_type_hf: Optional[str] = None,
+    params_dtype: Optional[str] = None,
 ) -> None:
-    """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp``, EP=``ep`` (dtype kept); ``model_type_hf`` names the
-    family of one that records none (a Megatron-LM run's), which the resharded checkpoint records.
+    """Reshard a Megatron checkpoint to TP=``tp``, PP=``pp``, EP=``ep`` (dtype kept, or ``params_dtype``'s: a model's
+    weights only); ``model_type_hf`` names the family of one that records none (a Megatron-LM run's), which the
+    resharded checkpoint records.
 
     The padded vocabulary follows Megatron's rule for the new TP size
     (``make_vocab_size_divisible_by * tp``) when the source used that rule, else the
@@ -508,6 +510,11 @@ def megatron_to_megatron(
     """
     check_save_dir(save_dir, load_dir)
     source = MegatronCheckpoint(load_dir, allow_unsafe, model_type_hf)
+    dtype = _dtype(params_dtype) if params_dtype is not None else None
+    if dtype is not None and source.lora is not None:
+        raise ConversionError(f"--params-dtype {params_dtype}: {load_dir} is a LoRA run's adapter checkpoint, resharded "
+                              "as it is (its adapters beside their fp32 master copy, for a resume); drop the flag, or "
+                              "choose the dtype when exporting (--save-model-type hf)")
     args = copy.copy(source.args)
     args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size = tp, pp, ep
     args.vocab_size = vocab_rows(source, tokenizer_dir)
@@ -535,11 +542,15 @@ def megatron_to_megatron(
         for name in (MG_EMBEDDING, MG_OUTPUT):
             if name in full and not same_padding:  # re-pad for the new size
                 full[name] = full[name][: args.vocab_size]
+        if dtype is not None:
+            full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
         return full  # same size: padded rows kept as trained, so resharding is exact
 
     tokenizer = read_tokenizer_record(tokenizer_dir) if tokenizer_dir else source.tokenizer
+    # the same weights unless --params-dtype loses precision (adapters trained on the source would not fit them)
+    exact = dtype in (None, torch.float32, _stored_dtype(source))
     lineage = {lora_map.SAME_WEIGHTS_AS: [lora_map.fingerprint(load_dir), *source.same_weights_as],
-               lora_map.HF_ORIGIN: source.hf_origin}
+               lora_map.HF_ORIGIN: source.hf_origin} if exact else None
     with staged_output(save_dir) as tmp:
         _write_sharded(tmp, args, source.hf_config, tokenizer, full_unit, f"mg {layouts}", lineage)
         record = os.path.join(load_dir, layout.RUN_CONFIG)
@@ -712,8 +723,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-expert-parallel-size", type=int, default=1,
                    help="expert-parallel ranks of the written Megatron checkpoint (MoE models)")
     p.add_argument("--params-dtype", choices=sorted(DTYPES), default=None,
-                   help="dtype of the written weights (hf->mg, mg->hf); default: the source's own (a bf16 model stays "
-                        "bf16, bit for bit)")
+                   help="dtype of the written weights (hf->mg, mg->hf, mg->mg); default: the source's own (a bf16 "
+                        "model stays bf16, bit for bit)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--seq-length", type=int, default=None,
                    help="hf->mg: the longest training sequence (default max_position_embeddings); a sliding_window "
@@ -939,7 +950,7 @@ def main(argv=None) -> int:
             megatron_to_megatron(args.load_dir, args.save_dir, args.target_tensor_parallel_size,
                                  args.target_pipeline_parallel_size, args.padded_vocab_size,
                                  args.allow_unsafe_checkpoint_load, args.tokenizer_dir,
-                                 args.target_expert_parallel_size, args.model_type_hf)
+                                 args.target_expert_parallel_size, args.model_type_hf, args.params_dtype)
         else:
             raise ConversionError("--load-model-type hf --save-model-type hf: nothing to convert")
     except ConversionError as e:
