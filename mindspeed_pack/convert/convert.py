@@ -655,6 +655,7 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: Optio
         spec = get_spec(args.model_type_hf)
         check_hf_tensors(reader, args, spec)
         dtype = _dtype(params_dtype, reader.dtype(HF_EMBEDDING), reader.file_of(HF_EMBEDDING))
+        reader.stream(expected_hf_shapes(args, spec))  # each base shard let go once read, as hf->mg does
         adapters = _adapter_checkpoint(lora_dir, allow_unsafe, args)
         scale = lora_map.scale_of(adapters.lora)
         args = _export_args(args, adapters)
@@ -672,6 +673,7 @@ def hf_merge_lora(hf_dir: str, lora_dir: str, save_dir: str, params_dtype: Optio
                 if unit != EMBEDDING and unit != FINAL:
                     hf = lora_map.merge_into_hf(hf, lora_map.split_adapters(adapters.unit(unit))[1], scale)
                 writer.add_all({k: v.to(dtype) for k, v in hf.items()})
+                adapters.release()  # the adapters' rank files too (read again when needed)
             writer.close()
             config.save_pretrained(tmp)
             for d in (hf_dir, tok_dir):
