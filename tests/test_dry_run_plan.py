@@ -234,3 +234,26 @@ def lora_free_qwen7b():
         pipeline_model_parallel_size=1, expert_model_parallel_size=1, context_parallel_size=1, data_parallel_size=1,
         use_distributed_optimizer=False, bf16=False, fp16=False, optimizer="adam", seq_length=4096,
         micro_batch_size=2, sequence_parallel=False, num_micro_batches=1, num_experts=None, lora_r=None)
+
+
+def test_the_plan_says_what_a_step_costs_and_given_a_peak_how_long_the_run_takes():
+    """--dry-run gave memory but no compute: sizing a job's hours took a hand count. The line's FLOPs are the model
+    FLOPs the training log counts (6 x the linear weights a token passes through, plus causal attention), for full
+    rows whose attention runs from none to one sample per row."""
+    from tests.model_utils import TINY_FLAGS
+
+    flags = [*TINY_FLAGS, "--seq-length", "512", "--global-batch-size", "8", "--train-iters", "1000", "--data-path", "x"]
+    args = parse_args(flags)
+    hidden, ffn, head_dim, heads, groups, layers, vocab = 64, 128, 16, 4, 2, 2, 256
+    per_layer = hidden * heads * head_dim + 2 * hidden * groups * head_dim + heads * head_dim * hidden + 3 * hidden * ffn
+    tokens = 8 * 512
+    low = 6 * (layers * per_layer + hidden * vocab) * tokens
+    high = low + 6 * layers * heads * head_dim * 8 * 512 ** 2
+    assert run_plan.step_flops(args) == (pytest.approx(low, rel=1e-12), pytest.approx(high, rel=1e-12))
+    line = next(x for x in run_plan.plan_lines(args) if x.startswith("compute:"))
+    assert f"{low / 1e15:.3g}-{high / 1e15:.3g} PFLOP per step" in line and "--peak-tflops P" in line
+    timed = next(x for x in run_plan.plan_lines(parse_args([*flags, "--peak-tflops", "100"]))
+                 if x.startswith("compute:"))
+    rate = 100e12 * run_plan.ASSUMED_MFU  # one device
+    assert f"{low / rate:.3g}-{high / rate:.3g} s per step" in timed
+    assert f"{1000 * low / rate / 3600:.3g}-{1000 * high / rate / 3600:.3g} h for 1000 iterations" in timed

@@ -347,6 +347,8 @@ def plan_lines(args) -> list:
                  f"({precision}" + (", vocabulary unknown" if not args.padded_vocab_size else "")
                  + (f"; LoRA: {_count(m['trained per GPU'])} trained per GPU" if lora.settings_from_args(args) else "")
                  + ")")
+    if args.padded_vocab_size and not load_time:
+        lines.append(_compute_line(args, world))
     lines.append(_loss_line(args))
     lines.append(compiled_layers.plan_line(args))
     reference = f"reference model {m['reference model']:.2f} GiB + " if m["reference model"] else ""
@@ -458,6 +460,33 @@ def _dynamic_cp_lines(args) -> list:
 
 def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
+ASSUMED_MFU = 0.4  # what the project measured on an H200 at 1.5B with the layers compiled (docs/gpu.md): 42-45%
+
+
+def step_flops(args) -> tuple:
+    """(fewest, most) model FLOPs of one step, as the training log counts them: ``--global-batch-size`` full rows,
+    their attention from none (many short samples) up to one sample per row (segments' squared lengths)."""
+    from mindspeed_pack.packing.balance import cost_model
+
+    tokens = args.global_batch_size * args.seq_length
+    model = cost_model(args)
+    return model.flops(tokens, 0), model.flops(tokens, args.global_batch_size * args.seq_length ** 2)
+
+
+def _compute_line(args, world: int) -> str:
+    """What a step costs in FLOPs and, given ``--peak-tflops``, about how long the run takes: for sizing a job."""
+    low, high = step_flops(args)
+    line = (f"compute: {low / 1e15:.3g}-{high / 1e15:.3g} PFLOP per step ({args.global_batch_size} x {args.seq_length} "
+            "tokens; attention from none up to one sample per row; the log's model TFLOPs count the samples packed)")
+    if not args.peak_tflops:
+        return line + "; --peak-tflops P (a device's dense peak, e.g. 989 for an H100 in bf16) adds the run's time"
+    rate = world * args.peak_tflops * 1e12 * ASSUMED_MFU
+    hours = [args.train_iters * f / rate / 3600 for f in (low, high)] if args.train_iters else None
+    return line + (f"; at {ASSUMED_MFU:.0%} MFU of {world} x {args.peak_tflops:g} TFLOP/s: {low / rate:.3g}-"
+                   f"{high / rate:.3g} s per step" + (f", {hours[0]:.3g}-{hours[1]:.3g} h for {args.train_iters} "
+                                                       "iterations" if hours else ""))
 
 
 def host_memory_gib():
