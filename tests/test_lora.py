@@ -617,3 +617,16 @@ def test_adapters_the_model_has_no_linear_for_are_refused_by_the_parser(model_fl
         parse_args([*model_flags, "--data-path", "d", "--seq-length", "128", "--micro-batch-size", "1",
                     "--train-iters", "1", "--lr", "1e-4", "--lora-target-modules", *targets, "--dry-run"], world_size=1)
     assert f"error: --lora-target-modules: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rslora,shown", [(False, "scale 2 (alpha / r)"), (True, "scale 4 (rsLoRA: alpha / sqrt(r))")])
+def test_the_lora_log_line_states_the_scale_and_rslora(rslora, shown, caplog):
+    """rsLoRA doubles the update at r=4 (alpha / sqrt(r) instead of alpha / r): the run's LoRA line says which."""
+    import logging
+
+    from mindspeed_pack.training.model_setup import _log_model
+
+    args = tiny_args(lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lora_target_modules=None, lora_use_rslora=rslora)
+    with caplog.at_level(logging.INFO, logger="mindspeed_pack.training.model_setup"):
+        _log_model(args, torch.nn.Linear(4, 4), "local")
+    assert f"LoRA r=4 alpha=8 {shown} on all-linear" in caplog.text

@@ -67,8 +67,10 @@ def _log_model(args, model, backend) -> None:
         log.info("kernels: %s", kernel_fallbacks())
     if lora.trains_adapters(args):
         trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log.info("LoRA r=%d alpha=%g on %s: %d adapter parameters train (%.3f%% of the chunk), the base is "
-                 "frozen (no gradient buffer, no optimizer state)", args.lora_r, args.lora_alpha,
+        settings = lora.settings_from_args(args)  # the scale: rsLoRA's alpha / sqrt(r) differs from alpha / r
+        log.info("LoRA r=%d alpha=%g scale %g (%s) on %s: %d adapter parameters train (%.3f%% of the chunk), the "
+                 "base is frozen (no gradient buffer, no optimizer state)", args.lora_r, args.lora_alpha,
+                 settings.scale, "rsLoRA: alpha / sqrt(r)" if settings.rslora else "alpha / r",
                  " ".join(args.lora_target_modules or [lora.ALL_LINEAR]), trained, 100.0 * trained / n)
 
 
