@@ -62,7 +62,7 @@ QWEN25_LORA_TUNE = """--use-mcore-models --tensor-model-parallel-size 1 --pipeli
     --min-lr 1.25e-7 --weight-decay 1e-1 --lr-warmup-fraction 0.01 --clip-grad 1.0 --adam-beta1 0.9
     --initial-loss-scale 4096 --adam-beta2 0.95 --no-gradient-accumulation-fusion --no-load-optim --no-load-rng
     --seed 42 --bf16 --lora-r 8 --lora-alpha 16 --lora-fusion --lora-target-modules linear_qkv linear_proj
-    linear_fc1 linear_fc2 --lora-ckpt-filter --split 100,0,0 --log-interval 1 --save-interval 1000
+    linear_fc1 linear_fc2 --lora-ckpt-filter --lora-register-forward-hook word_embeddings input_layernorm --split 100,0,0 --log-interval 1 --save-interval 1000
     --eval-interval 1000 --eval-iters 0 --finetune --stage sft --is-instruction-dataset --prompt-type qwen"""
 
 
@@ -132,6 +132,10 @@ def test_pad_vocab_size_to_is_the_padded_vocab_size(data):
     (["--spec", "my.module", "layer_spec"], "only mindspeed_llm.tasks.models.spec.qwen3_spec"),
     (["--is-pairwise-dataset"], "--stage sft does not train on preference pairs"),
     (["--lora-ckpt-filter"], "--lora-ckpt-filter saves a LoRA run's adapters only"),
+    (["--lora-register-forward-hook", "word_embeddings", "input_layernorm"],
+     "--lora-register-forward-hook word_embeddings input_layernorm goes with LoRA"),
+    (["--lora-modules-to-save", "word_embeddings", "output_layer"],
+     "--lora-modules-to-save word_embeddings output_layer: modules trained in full beside the adapters"),
     (["--expert-tensor-parallel-size", "2"], "must equal --tensor-model-parallel-size 1"),
     (["--enable-hf2mg-convert"], "is not a Hugging Face model directory"),
     (["--model-type-hf", "qwen3"], "goes with --enable-hf2mg-convert"),
@@ -182,6 +186,15 @@ def tiny_hf(tmp_path_factory):
     root = tmp_path_factory.mktemp("ms_hf")
     write_converted_tiny_qwen2(root)
     return str(root / "hf")
+
+
+def test_mindspeed_llms_lora_forward_hook_is_accepted_with_lora(data, tiny_hf):
+    """MindSpeed-LLM's LoRA examples pass --lora-register-forward-hook (its PP gradient-chain repair): a LoRA run here
+    needs none, so the flag parses with LoRA instead of stopping the script as an unknown argument."""
+    args = parse_args(["--seq-length", "128", "--global-batch-size", "2", "--train-iters", "2", "--data-path", data,
+                       "--load", tiny_hf, "--lora-r", "4", "--lora-register-forward-hook", "word_embeddings",
+                       "input_layernorm"], extra_args_provider=posttrain.posttrain_args)
+    assert args.lora_r == 4 and args.lora_register_forward_hook == ["word_embeddings", "input_layernorm"]
 
 
 def test_enable_hf2mg_convert_names_the_family_of_the_hugging_face_load(data, tiny_hf, capsys):

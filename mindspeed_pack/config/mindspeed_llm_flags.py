@@ -13,7 +13,8 @@ Each has one of four fates here, never a silent drop:
 * **the same behaviour**: ``--no-shared-storage``, raw data preprocessed by each node's first rank
   (:mod:`mindspeed_pack.training.raw_data`);
 * **a check of what always holds**: ``--is-pairwise-dataset`` (a pairwise ``--stage``), ``--lora-ckpt-filter``
-  (a LoRA run's checkpoints hold only its adapters), ``--attention-mask-type`` (packed attention follows the
+  (a LoRA run's checkpoints hold only its adapters), ``--lora-register-forward-hook`` (a LoRA run: its adapters'
+  gradients cross pipeline stages without MindSpeed-LLM's hook), ``--attention-mask-type`` (packed attention follows the
   samples' boundaries, ``cu_seqlens``, whichever mask type MindSpeed would build);
 * **Ascend optimisations** (:data:`NPU_OPTIMISATIONS`): overlap, swapping and fused NPU kernels, which change
   speed or memory but not what is computed: accepted with one warning naming them (a job that fitted only with
@@ -69,6 +70,11 @@ REFUSED = {
         {"action": "store_true"},
         "unpacked samples are padded to --seq-length here; pack them instead (--neat-pack: several samples per "
         "row, each trained exactly as alone), which removes the padding, or drop the flag"),
+    "--lora-modules-to-save": (
+        {"nargs": "+", "default": None, "metavar": "MODULE"},
+        "modules trained in full beside the adapters (MindSpeed-LLM's word_embeddings / output_layer, for an "
+        "extended vocabulary) are not trained here: drop it (a LoRA run trains its adapters only; a full "
+        "fine-tune, without --lora-r, trains every weight)"),
 }
 
 QWEN3_SPEC = "mindspeed_llm.tasks.models.spec.qwen3_spec"
@@ -101,6 +107,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="the data are preference pairs: checked against --stage (dpo, simpo, orpo, orm)")
     g.add_argument("--lora-ckpt-filter", action="store_true",
                    help="save only the LoRA adapters (what a LoRA run always saves here)")
+    g.add_argument("--lora-register-forward-hook", nargs="+", default=None, metavar="MODULE",
+                   help="MindSpeed-LLM's repair of the gradient chain that a frozen first layer breaks under PP: not "
+                        "needed here (the adapters' gradients reach every pipeline stage), accepted with LoRA")
     g.add_argument("--no-shared-storage", action="store_true",
                    help="the nodes share no file system: raw --data-path files are preprocessed by each node's first "
                         "rank onto its own disk (checkpoints still need a --save every node sees: a resume whose "
@@ -136,7 +145,8 @@ def check_refused(args) -> None:
         if flag == "--num-layer-list" and value is not None and _even_layer_list(args, value):
             continue  # the stages --pipeline-model-parallel-size gives
         if value not in (None, False):
-            raise ArgumentError(f"{flag}{'' if value is True else f' {value}'}: {why}")
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            raise ArgumentError(f"{flag}{'' if value is True else f' {shown}'}: {why}")
 
 
 def apply(args, given: set, loads_hf: bool) -> None:
@@ -177,6 +187,9 @@ def apply(args, given: set, loads_hf: bool) -> None:
     if args.lora_ckpt_filter and args.lora_r is None:
         raise ArgumentError("--lora-ckpt-filter saves a LoRA run's adapters only: pass --lora-r and "
                             "--lora-target-modules (a full fine-tune saves every weight)")
+    if args.lora_register_forward_hook and args.lora_r is None:
+        raise ArgumentError(f"--lora-register-forward-hook {' '.join(args.lora_register_forward_hook)} goes with "
+                            "LoRA (--lora-r, --lora-target-modules); a full fine-tune drops it")
     used = [flag for flag in NPU_OPTIMISATIONS if getattr(args, _dest(flag)) not in (None, False)]
     if used:
         log.warning("MindSpeed-LLM's Ascend optimisations have no effect here (what is computed is the same; speed "
