@@ -427,6 +427,20 @@ def test_peft_dir_of_other_settings_or_another_base_is_refused_by_name(qwen, tra
     assert [r["iteration"] for r in map(json.loads, open(metrics)) if r.get("split") == "train"] == [1]
 
 
+def test_a_peft_dir_whose_config_rank_is_not_its_tensors_is_refused_by_name(qwen, trained, tmp_path, capsys):
+    """adapter_config.json's r fills --lora-r: when its tensors hold another rank, say so (the load blamed the model
+    flags, which the user never gave)."""
+    import json
+
+    peft_dir = _peft_export(qwen, trained, tmp_path / "peft")
+    path = os.path.join(peft_dir, adapters.ADAPTER_CONFIG)
+    json.dump({**json.load(open(path)), "r": 8}, open(path, "w"))
+    code, line = _exit([*TINY_FLAGS, *RUN[:-4], "--data-path", qwen["data"], "--load", qwen["mg"], "--lora-load",
+                        peft_dir], capsys)
+    assert code == 2 and "adapter_model.safetensors: base_model.model.model.layers.0.mlp.down_proj.lora_A.weight " \
+        "has rank 4, but adapter_config.json says r 8: the file and its config disagree" in line, line
+
+
 def test_adapters_are_accepted_on_a_reshard_of_their_megatron_base(qwen, trained, tmp_path, capsys):
     """A Megatron base's fingerprint is its files', which a reshard changes (TP2's files are others): the reshard
     records the bases it came from, so the adapters trained on qwen/mg are accepted on its TP2 reshard (export) and

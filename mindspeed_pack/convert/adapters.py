@@ -306,10 +306,16 @@ def read_peft_settings(path: str) -> dict:
     try:
         with safe_open(weights, "pt") as f:
             names, metadata = [canonical_name(k) for k in f.keys()], f.metadata() or {}
+            ranks = {k: f.get_slice(k).get_shape()[0 if ".lora_A." in k else -1] for k in f.keys()
+                     if ".lora_A." in k or ".lora_B." in k}
     except ConversionError as e:
         raise ConversionError(f"{weights}: {e}") from None
     except Exception as e:  # a truncated or foreign file
         raise ConversionError(f"{weights}: unreadable ({e})") from None
+    other = next((k for k, n in sorted(ranks.items()) if n != r), None)
+    if other is not None:  # else the load blames the model flags, which came from this very config
+        raise ConversionError(f"{weights}: {other} has rank {ranks[other]}, but {ADAPTER_CONFIG} says r {r}: the "
+                              "file and its config disagree; set r to the tensors' rank")
     full = sorted(k for k in names if k in TRAINED_IN_FULL)
     missing = sorted(set(modules) - {TRAINED_IN_FULL[k] for k in full})
     if missing or (full and not modules):
