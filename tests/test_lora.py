@@ -441,6 +441,19 @@ def test_a_peft_dir_whose_config_rank_is_not_its_tensors_is_refused_by_name(qwen
         "has rank 4, but adapter_config.json says r 8: the file and its config disagree" in line, line
 
 
+def test_a_named_peft_adapters_parent_directory_names_its_subdirectory(qwen, trained, tmp_path, capsys):
+    """PEFT saves an adapter not named 'default' in DIR/NAME: --lora-load DIR asked for LoRA flags, or (given them)
+    found 'no checkpoint', instead of pointing at DIR/NAME."""
+    parent = tmp_path / "named"
+    _peft_export(qwen, trained, parent / "sft")
+    argv = [*TINY_FLAGS, *RUN[:-4], "--data-path", qwen["data"], "--load", qwen["mg"], "--lora-load", str(parent)]
+    for extra in ([], RUN[-4:]):
+        code, line = _exit([*argv, *extra], capsys)
+        assert code == 2 and f"--lora-load {parent}: no adapter_config.json there, but the PEFT adapters sft below " \
+            f"it (PEFT saves an adapter not named 'default' in a subdirectory of its name): pass --lora-load " \
+            f"{parent / 'sft'}" in line, line
+
+
 def test_adapters_are_accepted_on_a_reshard_of_their_megatron_base(qwen, trained, tmp_path, capsys):
     """A Megatron base's fingerprint is its files', which a reshard changes (TP2's files are others): the reshard
     records the bases it came from, so the adapters trained on qwen/mg are accepted on its TP2 reshard (export) and

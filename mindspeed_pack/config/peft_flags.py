@@ -11,6 +11,7 @@ adapters go on training, not what they are. Loading the adapters is
 from __future__ import annotations
 
 import logging
+import os
 
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.convert import adapters
@@ -46,6 +47,11 @@ def fill_lora_flags(args, given: set) -> set:
     differ are refused) or a LoRA run's checkpoint's record (it asked for all of them, though it records them;
     given ones are checked against the record at load); returns the destinations filled."""
     root = args.lora_load
+    named = adapters.named_peft_adapters(root) if root else []
+    if named:
+        raise ArgumentError(f"--lora-load {root}: no adapter_config.json there, but the PEFT adapters {', '.join(named)} "
+                            "below it (PEFT saves an adapter not named 'default' in a subdirectory of its name): pass "
+                            f"--lora-load {os.path.join(root, named[0])}")
     if root and not adapters.is_peft_dir(root):  # those given are checked against the record at load
         values = _recorded_settings(root)
         if values is None:

@@ -261,6 +261,14 @@ def is_peft_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ADAPTER_CONFIG)) and not os.path.isfile(os.path.join(path, layout.TRACKER))
 
 
+def named_peft_adapters(path: str) -> List[str]:
+    """Subdirectories of ``path`` that are PEFT directories, when ``path`` is neither one nor a Megatron checkpoint:
+    PEFT's ``save_pretrained`` writes an adapter not named ``default`` into ``DIR/NAME``."""
+    if not os.path.isdir(path) or is_peft_dir(path) or os.path.isfile(os.path.join(path, layout.TRACKER)):
+        return []
+    return sorted(n for n in os.listdir(path) if is_peft_dir(os.path.join(path, n)))
+
+
 def _modules_to_save(config: dict, where: str) -> List[str]:
     """The modules trained in full that adapter_config.json names: none, or a reward model's score head (PEFT's
     sequence classifiers name ``classifier`` and ``score`` whichever the model has)."""
