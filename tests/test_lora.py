@@ -454,6 +454,16 @@ def test_a_named_peft_adapters_parent_directory_names_its_subdirectory(qwen, tra
             f"{parent / 'sft'}" in line, line
 
 
+def test_convert_of_a_peft_dir_as_lora_load_says_what_to_do(qwen, trained, tmp_path, capsys):
+    """convert_ckpt.py --lora-load exports a LoRA run's checkpoint; a PEFT directory (e.g. --save-hf's) got 'no
+    latest_checkpointed_iteration.txt; not a Megatron checkpoint directory'."""
+    peft_dir = _peft_export(qwen, trained, tmp_path / "peft")
+    capsys.readouterr()
+    assert convert_main(["--load-model-type", "hf", "--load-dir", qwen["hf"], "--lora-load", peft_dir,
+                         "--save-model-type", "hf", "--save-dir", str(tmp_path / "merged"), "--lora-merge"]) != 0
+    assert f"--lora-load {peft_dir}: a PEFT adapter directory, not a LoRA run's checkpoint" in capsys.readouterr().err
+
+
 def test_adapters_are_accepted_on_a_reshard_of_their_megatron_base(qwen, trained, tmp_path, capsys):
     """A Megatron base's fingerprint is its files', which a reshard changes (TP2's files are others): the reshard
     records the bases it came from, so the adapters trained on qwen/mg are accepted on its TP2 reshard (export) and

@@ -591,6 +591,11 @@ _ADAPTER_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_atte
 
 def _adapter_checkpoint(lora_dir: str, allow_unsafe: bool, base_args=None) -> MegatronCheckpoint:
     """The LoRA run's adapter checkpoint ``lora_dir``, checked against the base's shape."""
+    if lora_map.is_peft_dir(lora_dir):  # else: "no latest_checkpointed_iteration.txt", which says not what to do
+        raise ConversionError(f"--lora-load {lora_dir}: a PEFT adapter directory, not a LoRA run's checkpoint (its "
+                              "--save), which is what convert_ckpt.py exports: merge it with peft's "
+                              f"PeftModel.from_pretrained(BASE, {lora_dir!r}).merge_and_unload(), or train on from it "
+                              f"with posttrain.py --lora-load {lora_dir} (its --save then converts)")
     adapters = MegatronCheckpoint(lora_dir, allow_unsafe)
     if adapters.lora is None:
         raise ConversionError(f"--lora-load {lora_dir}: not a LoRA checkpoint (its files hold no 'lora' record: "
