@@ -480,12 +480,14 @@ def _compute_line(args, world: int) -> str:
     low, high = step_flops(args)
     line = (f"compute: {low / 1e15:.3g}-{high / 1e15:.3g} PFLOP per step ({args.global_batch_size} x {args.seq_length} "
             "tokens; attention from none up to one sample per row; the log's model TFLOPs count the samples packed)")
-    if not args.peak_tflops:
+    peak = getattr(args, "peak_tflops", None)
+    if not peak:
         return line + "; --peak-tflops P (a device's dense peak, e.g. 989 for an H100 in bf16) adds the run's time"
-    rate = world * args.peak_tflops * 1e12 * ASSUMED_MFU
-    hours = [args.train_iters * f / rate / 3600 for f in (low, high)] if args.train_iters else None
-    return line + (f"; at {ASSUMED_MFU:.0%} MFU of {world} x {args.peak_tflops:g} TFLOP/s: {low / rate:.3g}-"
-                   f"{high / rate:.3g} s per step" + (f", {hours[0]:.3g}-{hours[1]:.3g} h for {args.train_iters} "
+    rate = world * peak * 1e12 * ASSUMED_MFU
+    iterations = getattr(args, "train_iters", None)
+    hours = [iterations * f / rate / 3600 for f in (low, high)] if iterations else None
+    return line + (f"; at {ASSUMED_MFU:.0%} MFU of {world} x {peak:g} TFLOP/s: {low / rate:.3g}-"
+                   f"{high / rate:.3g} s per step" + (f", {hours[0]:.3g}-{hours[1]:.3g} h for {iterations} "
                                                        "iterations" if hours else ""))
 
 
