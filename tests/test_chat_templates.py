@@ -1405,3 +1405,26 @@ def test_json_qwen3_with_enable_thinking_writes_a_reasoning_field_between_its_th
     both = {"messages": [user, {**inline["messages"][1], "reasoning_content": "R1_0 r"}]}
     with pytest.raises(RowError, match="give the reasoning once"):
         encode(both, True)
+
+
+def test_json_qwen3_with_enable_thinking_writes_calls_right_after_a_thought_alone(family_tokenizer_dir):
+    """A tool call whose answer is only its reasoning (a reasoning_content field or an inline thought) was written
+    "</think>\\n\\n\\n<tool_call>": the separator meant for answer text went after the thought too, and the model was
+    trained on a newline Qwen3's own template (and LLaMA-Factory's) never writes there."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template, with_thinking
+
+    tok = _encoder(family_tokenizer_dir("qwen3")).tokenizer
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    encoder = SampleEncoder(SHAREGPT, tok, with_thinking(get_template("qwen3"), True), keys, None, False)
+    call = {"type": "function", "function": {"name": "fn", "arguments": {"q": "V"}}}
+    tools = [{"type": "function", "function": {"name": "fn", "description": "d",
+                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    user = {"role": "user", "content": "U0"}
+    for answer in ({"content": "", "reasoning_content": "R1"}, {"content": "<think>\nR1\n</think>\n\n"},
+                   {"content": "Let me look.", "reasoning_content": "R1"}):
+        messages = [user, {"role": "assistant", "tool_calls": [call], **answer}]
+        (ids, _), skip, _ = encoder.encode_row({"messages": messages, "tools": tools}, "row 0")
+        assert skip is None
+        official = tok.hf.apply_chat_template(messages, tools=tools, tokenize=False)
+        assert tok.decode(ids) + "\n" == official, answer

@@ -246,6 +246,10 @@ def format_function(template: Template, content) -> str:
         return json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
     written = [template.format_tool_call.replace("{{name}}", call["function"]["name"])
                .replace("{{arguments}}", _written_arguments(template, call)) for call in calls]
+    if text and template.thought_words and not _without_thought(template, text).strip():
+        # a thought alone before the calls: they follow it directly, as Qwen3's template and LLaMA-Factory write them
+        # (the separator parts answer text from the calls; it gave "</think>\n\n\n<tool_call>")
+        return text + template.tool_call_separator.join(written)
     return template.tool_call_separator.join(([text] if text else []) + written)
 
 
