@@ -703,3 +703,20 @@ def test_a_missing_data_prefix_is_refused_before_the_model_is_built(tmp_path, mo
                   ["--train-data-path", neat, "--valid-data-path", str(tmp_path / "typo")]):
         with pytest.raises(DataError, match=r"data prefix .*typo.*: missing .*typo_packed_input_ids_document\.bin"):
             posttrain.main([*TINY_FLAGS, "--seq-length", "128", "--train-iters", "1", "--neat-pack", *flags])
+
+
+def test_a_missing_rollout_path_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """--stage grpo/score with a typo in --rollout-path built the model and read a --load's weights first, then said
+    "--input '...' does not exist", naming a flag posttrain.py does not have."""
+    from mindspeed_pack.training import posttrain as posttrain_module
+
+    def built(*_, **__):
+        raise AssertionError("the run was started")
+
+    monkeypatch.setattr(posttrain_module, "run", built)
+    typo = str(tmp_path / "typo.jsonl")
+    base = [*TINY_FLAGS, "--seq-length", "128", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--max-seqlen-per-dp-cp-rank", "64", "--train-iters", "1", "--rollout-path", typo]
+    for stage in (["--stage", "grpo"], ["--stage", "score", "--score-output", str(tmp_path / "out.jsonl")]):
+        with pytest.raises(DataError, match=rf"^--rollout-path '{re.escape(typo)}' does not exist$"):
+            posttrain.main([*base, *stage])

@@ -52,8 +52,9 @@ class Chunk:
     payload: Any
 
 
-def resolve_input_files(path) -> list[Path]:
-    """The input file, or the files of the one supported format in a directory (sorted)."""
+def resolve_input_files(path, flag: str = "--input") -> list[Path]:
+    """The input file, or the files of the one supported format in a directory (sorted); ``flag``: the flag that
+    named ``path``, for the error when it is not there."""
     p = Path(path)
     if p.is_file():
         _refuse_compressed([p])
@@ -81,7 +82,7 @@ def resolve_input_files(path) -> list[Path]:
             detail = "; ".join(f"{fmt}: {len(fs)} file(s)" for fmt, fs in sorted(by_format.items()))
             raise PreprocessError(f"{p}: mixed input formats ({detail}); put one format per directory")
         return next(iter(by_format.values()))
-    raise PreprocessError(f"--input {str(path)!r} does not exist")
+    raise PreprocessError(f"{flag} {str(path)!r} does not exist")
 
 
 def _refuse_compressed(files) -> None:

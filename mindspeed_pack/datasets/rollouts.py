@@ -211,7 +211,7 @@ def load_rollouts(path: str, vocab_size: int, max_length: int, overlong: str = "
     from mindspeed_pack.datasets.rollout_text import tokenize_text_rows
 
     def rows():
-        for chunk in iter_chunks(resolve_input_files(path), 4096):
+        for chunk in iter_chunks(resolve_input_files(path, "--rollout-path"), 4096):
             yield from chunk_rows(chunk) if text_args is None else tokenize_text_rows(chunk_rows(chunk), text_args, path)
 
     try:

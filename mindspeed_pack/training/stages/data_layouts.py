@@ -52,6 +52,14 @@ def check_data_paths(args, required: bool = False) -> None:
     from mindspeed_pack.datasets.packed_documents import PackedDocuments
     from mindspeed_pack.datasets.sidecar_checks import check_data
 
+    if required and getattr(args, "rollout_path", None):  # --stage score/grpo: found before the model is built too
+        from mindspeed_pack.data.errors import PreprocessError
+        from mindspeed_pack.data.readers import resolve_input_files
+
+        try:
+            resolve_input_files(args.rollout_path, "--rollout-path")
+        except PreprocessError as exc:
+            raise DataError(str(exc)) from None
     paths = list(args.data_path or [])
     for name in ("train", "valid", "test"):
         paths += getattr(args, f"{name}_data_path", None) or []
