@@ -1428,3 +1428,22 @@ def test_json_qwen3_with_enable_thinking_writes_calls_right_after_a_thought_alon
         assert skip is None
         official = tok.hf.apply_chat_template(messages, tools=tools, tokenize=False)
         assert tok.decode(ids) + "\n" == official, answer
+
+
+def test_json_qwen3_reasoning_on_a_function_call_message_is_not_told_to_pass_the_flag_it_has(family_tokenizer_dir):
+    """A ShareGPT function_call message with a reasoning_content field under --enable-thinking true was refused with
+    "pass --enable-thinking true", the flag the run had: only assistant answers' reasoning is written inline."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template, with_thinking
+
+    tok = _encoder(family_tokenizer_dir("qwen3")).tokenizer
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    encoder = SampleEncoder(SHAREGPT, tok, with_thinking(get_template("qwen3"), True), keys, None, False)
+    call = json.dumps({"name": "fn", "arguments": {"q": "V"}})
+    row = {"conversations": [{"from": "human", "value": "U0"},
+                             {"from": "function_call", "value": call, "reasoning_content": "R1"},
+                             {"from": "observation", "value": "T2"}, {"from": "gpt", "value": "A3"}]}
+    with pytest.raises(RowError, match="row 0: message 1 has 'reasoning_content'") as err:
+        encoder.encode_row(row, "row 0")
+    assert "pass --enable-thinking true" not in str(err.value)
+    assert "give the call as an assistant message with tool_calls beside its reasoning_content" in str(err.value)

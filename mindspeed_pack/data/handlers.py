@@ -401,6 +401,10 @@ class SampleEncoder:
             how = ("pass --enable-thinking true to write it between the template's thought words (false removes "
                    "every thought)" if self.template.thought_words else
                    "use --prompt-type hf with a chat template that renders reasoning")
+            if self.template.thought_words and self.template.enable_thinking is not None:  # the flag is given
+                how = (f"--enable-thinking writes the reasoning of {self.keys['assistant_tag']!r}/'assistant' "
+                       "messages only (a ShareGPT function_call message's is not: give the call as an assistant "
+                       "message with tool_calls beside its reasoning_content)")
             raise RowError(f"{where}: message {n} has {reasoning!r}, which template {name!r} does not write as given "
                            f"(refused, not dropped); {how}", hf_chat.REASON_REASONING)
         if message.get("tool_calls") and not calls_allowed:
