@@ -339,3 +339,20 @@ def test_an_installed_package_has_every_script_whose_main_it_holds():
     for script in ("posttrain.py", "pretrain_gpt.py"):
         module = re.search(r"^from (mindspeed_pack[\w.]*) import cli, main", (repo / script).read_text(), re.M).group(1)
         assert f"{module}:cli" in entry_points, script
+
+
+@pytest.mark.parametrize("module", ["mindspeed_pack.training.posttrain", "mindspeed_pack.training.pretrain",
+                                    "mindspeed_pack.convert.convert"])
+def test_every_console_script_module_runs_as_python_m(module, monkeypatch, capsys):
+    """`python -m` (or `torchrun -m`) of a console script's module printed nothing and exited 0, as if it had run:
+    the modules had no __main__ block once the scripts' code moved into the package."""
+    import runpy
+    import sys
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", [module.rsplit(".", 1)[-1], "--help"])
+    with warnings.catch_warnings():  # runpy warns that the module is already imported
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(SystemExit) as exit_:
+            runpy.run_module(module, run_name="__main__")
+    assert exit_.value.code in (0, None) and "usage:" in capsys.readouterr().out

@@ -967,3 +967,7 @@ def main(argv=None) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+if __name__ == "__main__":  # python -m (it printed nothing and exited 0)
+    sys.exit(main())

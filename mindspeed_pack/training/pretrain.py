@@ -64,3 +64,7 @@ def main(argv=None):
 def cli() -> None:
     """The ``pretrain_gpt.py`` command (also installed as a console script): :func:`main` with one-line errors."""
     run_cli(os.path.basename(sys.argv[0]) or "pretrain_gpt.py", main, own_process=True)
+
+
+if __name__ == "__main__":  # python -m / torchrun -m (it printed nothing and exited 0)
+    cli()
