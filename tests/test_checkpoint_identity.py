@@ -305,6 +305,23 @@ def test_data_tokenized_with_another_tokenizer_than_the_runs_is_refused(tmp_path
     check(str(tmp_path / "gone"))  # a tokenizer no longer there cannot be read
 
 
+def test_a_validation_set_of_another_tokenizer_is_refused_too(tmp_path):
+    # only the first --data-path/--train-data-path prefix was checked: a --valid-data-path preprocessed with another
+    # tokenizer gave validation losses of ids that mean other tokens, with no word
+    import argparse
+    import json
+
+    from mindspeed_pack.checkpoint.hf_checkpoint import check_data_tokenizer
+
+    a = save_word_tokenizer(tmp_path / "a", WORDS)
+    b = save_word_tokenizer(tmp_path / "b", [*WORDS[:100], "other", *WORDS[101:]])
+    for name, tokenizer in (("train", a), ("valid", b)):
+        (tmp_path / f"{name}_packed_meta.json").write_text(json.dumps({"tokenizer_path": tokenizer}))
+    args = argparse.Namespace(train_data_path=[str(tmp_path / "train")], valid_data_path=[str(tmp_path / "valid")])
+    with pytest.raises(CheckpointError, match=rf"^the data {tmp_path}/valid were tokenized with another tokenizer"):
+        check_data_tokenizer(args, read_tokenizer_record(a))
+
+
 def test_a_reference_of_another_tokenizer_is_refused_and_one_without_a_record_warned(made, caplog):
     ref = made["other_tokenizer"]
     with pytest.raises(CheckpointError) as e:

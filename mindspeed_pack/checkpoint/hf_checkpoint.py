@@ -229,11 +229,16 @@ def check_data_tokenizer(args, run_record: Optional[dict]) -> None:
     if run_record is None or getattr(args, "data_tokenizer_checked", False):
         return
     args.data_tokenizer_checked = True
-    for prefix in _data_prefixes(args)[:1]:
+    split_paths = [p for name in ("valid", "test") for p in getattr(args, f"{name}_data_path", None) or []]
+    seen = set()
+    for prefix in _data_prefixes(args) + split_paths:  # a validation set of another tokenizer evaluates wrong too
         meta = read_meta(prefix) or {}
         path = meta.get("tokenizer_path")
         if meta.get("extended_tokenizer") or not has_tokenizer(path) or os.path.abspath(path) == run_record["source"]:
-            return  # an extended P_tokenizer/ is the run's; a tokenizer gone (or a .model file) cannot be read
+            continue  # an extended P_tokenizer/ is the run's; a tokenizer gone (or a .model file) cannot be read
+        if os.path.abspath(path) in seen:
+            continue
+        seen.add(os.path.abspath(path))
         data = read_tokenizer_record(path)
         why = data and disagreement(data, run_record)
         if why:
