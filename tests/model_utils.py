@@ -170,3 +170,33 @@ def spread_weights(model):
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
     return model
+
+
+def count_open_shards(monkeypatch) -> list:
+    """Spy on the converter's safetensors reader: the list returned gets, at every tensor read, how many shards read
+    from are still open (a reader that lets each shard go once read keeps it small)."""
+    import weakref
+
+    from mindspeed_pack.convert import hf_io
+
+    read_from, counts = set(), []
+    real_open = hf_io.safe_open
+
+    class Spy:
+        def __init__(self, path, framework):
+            self._handle, self._path = real_open(path, framework=framework), path
+            weakref.finalize(self, read_from.discard, path)
+
+        def keys(self):
+            return self._handle.keys()
+
+        def get_slice(self, name):
+            return self._handle.get_slice(name)
+
+        def get_tensor(self, name):
+            read_from.add(self._path)
+            counts.append(len(read_from))
+            return self._handle.get_tensor(name)
+
+    monkeypatch.setattr(hf_io, "safe_open", Spy)
+    return counts

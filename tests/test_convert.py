@@ -317,34 +317,13 @@ def test_hf_to_megatron_lets_each_shard_go_once_read(work, monkeypatch):
     """hf->mg kept every shard of a sharded model open to the end, and with it every page read from it (a 70B
     model's 140 GB on top of what it writes): a shard is let go once its tensors are read, so at most two shards
     read from (a unit across a shard boundary) are open at any read, and the output is the same."""
-    import weakref
-
-    from mindspeed_pack.convert import hf_io
+    from tests.model_utils import count_open_shards
 
     sharded = str(work["root"] / "qwen2_hf_many_shards")
     work["model"]["qwen2"].save_pretrained(sharded, max_shard_size="200KB")  # more than a layer, as in real models
     shards = [f for f in os.listdir(sharded) if f.endswith(".safetensors")]
     assert len(shards) >= 4
-    read_from, most = set(), []  # the open shards a tensor was read from
-
-    class Spy:
-        def __init__(self, path, framework):
-            self._handle, self._path = hf_io_safe_open(path, framework=framework), path
-            weakref.finalize(self, read_from.discard, path)
-
-        def keys(self):
-            return self._handle.keys()
-
-        def get_slice(self, name):
-            return self._handle.get_slice(name)
-
-        def get_tensor(self, name):
-            read_from.add(self._path)
-            most.append(len(read_from))
-            return self._handle.get_tensor(name)
-
-    hf_io_safe_open = hf_io.safe_open
-    monkeypatch.setattr(hf_io, "safe_open", Spy)
+    most = count_open_shards(monkeypatch)  # the open shards a tensor was read from, at each read
     mg = str(work["root"] / "qwen2_mg_from_many_shards")
     hf_to_megatron(sharded, mg, 2, 1)
     assert most and max(most) <= 2, most

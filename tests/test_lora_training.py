@@ -116,35 +116,13 @@ def test_merging_into_a_sharded_base_lets_each_shard_go_once_read(setup, tp1, mo
     """--lora-merge onto a HF base kept every base shard open to the end (and every page read from it), as hf->mg
     did: a shard is let go once its tensors are read (at most the three a layer spans here are open at any read, of
     five), and the merged model is the same."""
-    import weakref
-
     import transformers
 
-    from mindspeed_pack.convert import hf_io
+    from tests.model_utils import count_open_shards
 
     sharded = str(setup["root"] / "base_many_shards")
     transformers.Qwen2ForCausalLM.from_pretrained(setup["hf"]).save_pretrained(sharded, max_shard_size="100KB")
-    assert sum(f.endswith(".safetensors") for f in os.listdir(sharded)) >= 4
-    read_from, most = set(), []
-    real_open = hf_io.safe_open
-
-    class Spy:
-        def __init__(self, path, framework):
-            self._handle, self._path = real_open(path, framework=framework), path
-            weakref.finalize(self, read_from.discard, path)
-
-        def keys(self):
-            return self._handle.keys()
-
-        def get_slice(self, name):
-            return self._handle.get_slice(name)
-
-        def get_tensor(self, name):
-            read_from.add(self._path)
-            most.append(len(read_from))
-            return self._handle.get_tensor(name)
-
-    monkeypatch.setattr(hf_io, "safe_open", Spy)
+    most = count_open_shards(monkeypatch)
     merged = {}
     for name, base in (("one", setup["hf"]), ("many", sharded)):
         out = str(setup["root"] / f"merged_from_{name}")
