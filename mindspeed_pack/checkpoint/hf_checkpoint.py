@@ -224,14 +224,13 @@ def run_tokenizer_record(args) -> Optional[dict]:
 def check_data_tokenizer(args, run_record: Optional[dict]) -> None:
     """Refuse data whose ids another tokenizer wrote than this run's (its sidecar names the directory): the run's
     tokenizer is the HF ``--load`` directory's unless told, and a checkpoint is checked against that one only."""
-    from mindspeed_pack.datasets.packed_documents import read_meta
+    from mindspeed_pack.datasets.packed_documents import data_prefixes, read_meta
 
     if run_record is None or getattr(args, "data_tokenizer_checked", False):
         return
     args.data_tokenizer_checked = True
-    split_paths = [p for name in ("valid", "test") for p in getattr(args, f"{name}_data_path", None) or []]
     seen = set()
-    for prefix in _data_prefixes(args) + split_paths:  # a validation set of another tokenizer evaluates wrong too
+    for prefix in data_prefixes(args):  # a validation set of another tokenizer evaluates wrong too
         meta = read_meta(prefix) or {}
         path = meta.get("tokenizer_path")
         if meta.get("extended_tokenizer") or not has_tokenizer(path) or os.path.abspath(path) == run_record["source"]:

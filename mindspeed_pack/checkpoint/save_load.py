@@ -151,18 +151,12 @@ DATA_ORDER_ARGS = ("data_path", "train_data_path", "seq_length", "split", "seed"
 
 def _data_order(args) -> dict:
     """This run's :data:`DATA_ORDER_ARGS` (paths absolute, a blend's weights as given), recorded in its checkpoints."""
+    from mindspeed_pack.datasets.packed_documents import is_blend_weight
+
     def value(key):
         v = getattr(args, key, None)
-        return [p if _is_number(p) else os.path.abspath(p) for p in v] if key.endswith("data_path") and v else v
+        return [p if is_blend_weight(p) else os.path.abspath(p) for p in v] if key.endswith("data_path") and v else v
     return {key: value(key) for key in DATA_ORDER_ARGS}
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def _warn_other_data(args, source: str, state: dict, consumed: int) -> None:

@@ -16,6 +16,24 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 KEYS = ("input_ids", "attention_mask", "labels")
 
 
+def is_blend_weight(text: str) -> bool:
+    """Whether a ``--data-path`` item is a blend's weight (``0.3 A 0.7 B``), not a prefix."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def data_prefixes(args) -> list:
+    """Every prefix a run reads, each once: ``--data-path``'s (a blend's weights skipped), then
+    ``--train/--valid/--test-data-path``'s."""
+    found = [p for p in getattr(args, "data_path", None) or [] if not is_blend_weight(p)]
+    for name in ("train", "valid", "test"):
+        found += getattr(args, f"{name}_data_path", None) or []
+    return list(dict.fromkeys(found))
+
+
 def dataset_paths(prefix: str) -> dict:
     return {k: f"{prefix}_packed_{k}_document" for k in KEYS}
 

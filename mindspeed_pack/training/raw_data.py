@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Optional
 
 from mindspeed_pack.config.resolved_config import json_flag_value
-from mindspeed_pack.datasets.packed_documents import DataError, dataset_paths, read_meta
+from mindspeed_pack.datasets.packed_documents import DataError, data_prefixes, dataset_paths, read_meta
 
 log = logging.getLogger(__name__)
 
@@ -373,10 +373,7 @@ def check_packed_flags(args) -> None:
     given = [d for d in RECORDED if sources.get(d, [None, None])[1] == "given"]
     if not given:
         return
-    prefixes = list(args.data_path or [])
-    for name in ("train", "valid", "test"):
-        prefixes += getattr(args, f"{name}_data_path", None) or []
-    for prefix in prefixes:
+    for prefix in data_prefixes(args):
         recorded = (read_meta(prefix) or {}).get("arguments")
         if not recorded:
             continue

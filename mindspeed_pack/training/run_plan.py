@@ -22,7 +22,7 @@ import os
 
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.config.errors import ArgumentError
-from mindspeed_pack.datasets.packed_documents import DataError
+from mindspeed_pack.datasets.packed_documents import DataError, is_blend_weight
 from mindspeed_pack.model import compiled_layers, lora
 from mindspeed_pack.model.vocab_cross_entropy import UNFUSED_ELEMENTS, loss_chunk
 from mindspeed_pack.packing.balance import model_shape
@@ -244,7 +244,7 @@ def _unpacked_data(args) -> bool:
     from mindspeed_pack.datasets.online_packing import data_kind
     from mindspeed_pack.datasets.packed_documents import PackedDocuments
 
-    prefixes = getattr(args, "train_data_path", None) or [p for p in args.data_path or [] if not _is_weight(p)]
+    prefixes = getattr(args, "train_data_path", None) or [p for p in args.data_path or [] if not is_blend_weight(p)]
     if not prefixes:
         return False
     try:
@@ -286,13 +286,10 @@ def _data_lines(args) -> list:
                 f"{args.max_seqlen_per_dp_cp_rank} tokens per CP rank)"]
     if getattr(args, "data_summary", None):
         return [f"data: {args.data_summary}"]
-    from mindspeed_pack.datasets.packed_documents import read_meta
+    from mindspeed_pack.datasets.packed_documents import data_prefixes, read_meta
 
     lines = []
-    prefixes = [p for p in args.data_path or [] if not _is_weight(p)]
-    for name in ("train", "valid", "test"):
-        prefixes += getattr(args, f"{name}_data_path", None) or []
-    for prefix in prefixes:
+    for prefix in data_prefixes(args):
         found = [f for f in (f"{prefix}_packed_input_ids_document.bin", f"{prefix}_text_document.bin",
                              f"{prefix}.bin") if os.path.isfile(f)]
         if not found:
@@ -306,18 +303,10 @@ def _data_lines(args) -> list:
     return lines
 
 
-def _is_weight(text: str) -> bool:
-    try:
-        float(text)
-        return True
-    except ValueError:
-        return False
-
-
 def plan_lines(args) -> list:
     lines = _data_lines(args)
     try:
-        if args.data_path and not any(_is_weight(p) for p in args.data_path):
+        if args.data_path and not any(is_blend_weight(p) for p in args.data_path):
             docs = training_documents(args)
             lines.append(f"training split: {docs} documents (--split {args.split})")
     except DataError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from mindspeed_pack.datasets.packed_documents import DataError, dataset_paths, read_meta
+from mindspeed_pack.datasets.packed_documents import DataError, data_prefixes, dataset_paths, read_meta
 
 _PAIRS = ("pairs", "preference pairs", "its sidecar records no pairing",
           "preprocess with --handler-name AlpacaStylePairwiseHandler or SharegptStylePairwiseHandler (--pack "
@@ -60,18 +60,11 @@ def check_data_paths(args, required: bool = False) -> None:
             resolve_input_files(args.rollout_path, "--rollout-path")
         except PreprocessError as exc:
             raise DataError(str(exc)) from None
-    paths = list(args.data_path or [])
-    for name in ("train", "valid", "test"):
-        paths += getattr(args, f"{name}_data_path", None) or []
-    for path in paths:
-        try:
-            float(path)
-            continue  # a blend's weight
-        except ValueError:
-            meta = read_meta(path)
-            if required:
-                PackedDocuments(path)  # its DataError names the missing files
-            if meta is not None or os.path.isfile(dataset_paths(path)["input_ids"] + ".bin"):
-                check(args.stage, path, meta)
-                if all(os.path.isfile(p + ".bin") for p in dataset_paths(path).values()):
-                    check_data(PackedDocuments(path), args)
+    for path in data_prefixes(args):
+        meta = read_meta(path)
+        if required:
+            PackedDocuments(path)  # its DataError names the missing files
+        if meta is not None or os.path.isfile(dataset_paths(path)["input_ids"] + ".bin"):
+            check(args.stage, path, meta)
+            if all(os.path.isfile(p + ".bin") for p in dataset_paths(path).values()):
+                check_data(PackedDocuments(path), args)
