@@ -401,3 +401,136 @@ def test_a_missing_document_prefix_is_refused_before_the_model_is_built(tmp_path
         pretrain_gpt.main([*TINY_FLAGS, "--seq-length", "64", "--train-iters", "1", "--eod-id", "1", "--vocab-size",
                            "200", "--data-path", "0.5", str(tmp_path / "typo_text_document"), "0.5",
                            str(tmp_path / "other_text_document")])
+
+
+def _ranged_documents(prefix, low, seed, n=80):
+    """Documents whose tokens lie in [low, low + 80) (EOD aside): a sample's tokens tell which corpus it came from."""
+    docs = [np.where(d == EOD, EOD, d % 80 + low).astype(np.int32) for d in random_documents(n, EOD, seed=seed,
+                                                                                              max_len=40)]
+    return write_pretrain_documents(prefix, docs)
+
+
+@pytest.fixture(scope="module")
+def ranged(tmp_path_factory):
+    """Three corpora of disjoint token ranges: A [3, 83), B [90, 170), C [170, 250)."""
+    d = tmp_path_factory.mktemp("ranged")
+    return {name: _ranged_documents(str(d / f"{name}_text_document"), low, seed)
+            for name, low, seed in (("A", 3, 1), ("B", 90, 2), ("C", 170, 3))}
+
+
+def _corpora_of(tokens) -> set:
+    tokens = tokens[tokens != EOD]
+    return {name for name, low in (("A", 3), ("B", 90), ("C", 170)) if bool(((tokens >= low) & (tokens < low + 80)).any())}
+
+
+def _tokens(source, split) -> np.ndarray:
+    return np.concatenate([mb["input_ids"].numpy().ravel() for mb in source.micro_batches(split, 0)])
+
+
+def test_per_split_data_paths_read_each_split_from_its_own_blend(tmp_path, ranged):
+    """Megatron-LM's --train-data-path/--valid-data-path (megatron-core's blend_per_split): pretrain_gpt.py refused
+    them; each split now reads its own prefix or weighted blend, whole, and nothing of the others'."""
+    init_single_process()
+    cache = ["--data-cache-path", str(tmp_path / "cache"), "--train-iters", "2"]
+    args = pretrain_args("--train-data-path", ranged["A"], "--valid-data-path", ranged["B"], *cache)
+    source = GPTBatchSource()
+    source.setup(args, {"train": 16, "valid": 8})
+    assert _corpora_of(_tokens(source, "train")) == {"A"} and _corpora_of(_tokens(source, "valid")) == {"B"}
+    assert source.splits["test"] is None
+    # one prefix for a split is megatron-core's GPTDataset of it whole: the samples --data-path A --split 100,0,0 reads
+    whole = GPTBatchSource()
+    whole.setup(pretrain_args("--data-path", ranged["A"], "--split", "100,0,0", *cache), {"train": 16})
+    assert torch.equal(next(whole.micro_batches("train", 0))["input_ids"],
+                       next(source.micro_batches("train", 0))["input_ids"])
+
+    args = pretrain_args("--train-data-path", "0.5", ranged["A"], "0.5", ranged["C"], "--valid-data-path",
+                         ranged["B"], "--test-data-path", "1", ranged["C"], *cache)
+    source = GPTBatchSource()
+    source.setup(args, {"train": 40, "valid": 8, "test": 4})
+    assert source.splits["train"].weights == pytest.approx([0.5, 0.5])
+    assert _corpora_of(_tokens(source, "train")) == {"A", "C"}
+    assert _corpora_of(_tokens(source, "valid")) == {"B"} and _corpora_of(_tokens(source, "test")) == {"C"}
+
+
+def test_pretrain_gpt_trains_on_train_data_path_and_evaluates_on_valid_data_path(tmp_path, ranged, monkeypatch):
+    """The whole script with per-split data: every training row comes from --train-data-path's blend and every
+    validation row from --valid-data-path, and the checkpoint records the training blend for a resume's check."""
+    seen = {"train": [], "valid": []}
+    original = GPTBatchSource.micro_batches
+
+    def spy(self, split, consumed):
+        for mb in original(self, split, consumed):
+            seen.setdefault(split, []).append(mb["input_ids"].numpy().ravel())
+            yield mb
+
+    monkeypatch.setattr(GPTBatchSource, "micro_batches", spy)
+    metrics = str(tmp_path / "m.jsonl")
+    trainer = pretrain_gpt.main(argv("--train-data-path", "0.3", ranged["A"], "0.7", ranged["C"], "--valid-data-path",
+                                     ranged["B"], "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
+                                     "--reset-attention-mask", "--data-cache-path", str(tmp_path / "cache"),
+                                     "--metrics-file", metrics, "--save", str(tmp_path / "ckpt")))
+    assert sorted(read_metrics(metrics)) == [1, 2] and sorted(read_metrics(metrics, "valid")) == [2]
+    assert _corpora_of(np.concatenate(seen["train"])) == {"A", "C"}
+    assert _corpora_of(np.concatenate(seen["valid"])) == {"B"}
+    assert trainer.source.splits["train"].weights == pytest.approx([0.3, 0.7])
+    state = torch.load(str(tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"),
+                       weights_only=False)
+    assert state["data_order"]["train_data_path"] == ["0.3", ranged["A"], "0.7", ranged["C"]]
+
+
+def test_data_path_with_per_split_paths_is_refused(ranged, capsys, tmp_path, monkeypatch):
+    """Megatron-LM asserts: --data-path is divided by --split, the per-split paths are used whole."""
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.training import pretrain
+
+    with pytest.raises(SystemExit):
+        pretrain_args("--data-path", ranged["A"], "--train-data-path", ranged["B"], "--train-iters", "2")
+    assert "give --data-path (divided by --split) or --train-data-path/--valid-data-path/--test-data-path, not " \
+           "both" in capsys.readouterr().err
+
+    def built(*_, **__):
+        raise AssertionError("the run was started")
+
+    monkeypatch.setattr(pretrain, "run", built)
+    with pytest.raises(DataError, match=r"data prefix .*typo_text_document.*: missing .*typo_text_document\.bin"):
+        pretrain_gpt.main(argv("--train-data-path", ranged["A"], "--valid-data-path", "0.5", ranged["B"], "0.5",
+                               str(tmp_path / "typo_text_document"), "--train-iters", "1"))
+    with pytest.raises(DataError, match=r"^--valid-data-path/--test-data-path without --train-data-path"):
+        pretrain_gpt.main(argv("--valid-data-path", ranged["B"], "--train-iters", "1"))
+    with pytest.raises(DataError, match=r"^--train-data-path 0.5 .* give prefixes, or weight-prefix pairs"):
+        pretrain_gpt.main(argv("--train-data-path", "0.5", ranged["A"], ranged["C"], "--train-iters", "1"))
+
+
+def test_raw_files_as_per_split_paths_train_as_their_documents(tmp_path, toy_tokenizer_dir, capsys):
+    """--train-data-path 0.3 a.jsonl 0.7 b.jsonl --valid-data-path c.jsonl: each split's raw files are tokenised as
+    --data-path's are (a blend's files each into its own documents), with the losses of the two commands."""
+    from mindspeed_pack.datasets.preprocess import main as preprocess_main
+
+    a, b, c = (_raw_corpus(tmp_path / f"{n}.jsonl", seed) for n, seed in (("a", 3), ("b", 4), ("c", 5)))
+    flags = [f for f in TINY_FLAGS if f not in ("--padded-vocab-size", "256")]
+    run = [*flags, "--seq-length", str(S), "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+           "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1", "--reset-attention-mask",
+           "--tokenizer-name-or-path", str(toy_tokenizer_dir), "--make-vocab-size-divisible-by", "64"]
+    for name, raw in (("a", a), ("b", b), ("c", c)):
+        assert preprocess_main(["--input", raw, "--output-prefix", str(tmp_path / "two" / name), "--handler-name",
+                                "GeneralPretrainHandler", "--append-eod", "--tokenizer-name-or-path",
+                                str(toy_tokenizer_dir)]) == 0
+    two = str(tmp_path / "two.jsonl")
+    docs = {n: str(tmp_path / "two" / f"{n}_text_document") for n in "abc"}
+    pretrain_gpt.main([*run, "--train-data-path", "0.3", docs["a"], "0.7", docs["b"], "--valid-data-path", docs["c"],
+                       "--metrics-file", two])
+    one = str(tmp_path / "one.jsonl")
+    trainer = pretrain_gpt.main([*run, "--train-data-path", "0.3", a, "0.7", b, "--valid-data-path", c,
+                                 "--append-eod", "--metrics-file", one])
+    assert trainer.args.raw_train_data_path == ["0.3", a, "0.7", b] and trainer.args.raw_valid_data_path == [c]
+    assert all(p.endswith("_text_document") for p in (*trainer.args.train_data_path[1::2],
+                                                      *trainer.args.valid_data_path))
+    for split in ("train", "valid"):
+        got, want = read_metrics(one, split), read_metrics(two, split)
+        assert got and sorted(got) == sorted(want) and all(got[i]["lm loss"] == want[i]["lm loss"] for i in got)
+    capsys.readouterr()
+    pretrain_gpt.main([*run, "--train-data-path", "0.3", a, "0.7", b, "--valid-data-path", c, "--append-eod",
+                       "--dry-run"])
+    plan = capsys.readouterr().out
+    assert f"train-data-path: ['0.3', {a}, '0.7', {b}]" in plan  # what was given, not the cache
+    assert f"# data: train: 0.3 {a} -> documents " in plan and f"; valid: {c} -> documents " in plan

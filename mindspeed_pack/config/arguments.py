@@ -381,12 +381,15 @@ def _training_args(p: argparse.ArgumentParser) -> None:
                    help="--manual-gc: no collection around evaluations")
 
 
-def per_split_data_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Megatron-LM's separately preprocessed splits (posttrain.py): each prefix is used whole."""
+def per_split_data_args(p: argparse.ArgumentParser, pretrain: bool = False) -> argparse.ArgumentParser:
+    """Megatron-LM's separately preprocessed splits: each prefix is used whole (posttrain.py: one packed prefix;
+    ``pretrain``: pretrain_gpt.py's, each split its own blend, as Megatron-LM's ``blend_per_split``)."""
     g = p.add_argument_group("per-split data (instead of --data-path and --split)")
     for name in ("train", "valid", "test"):
         g.add_argument(f"--{name}-data-path", nargs="*", default=None,
-                       help=f"prefix P of the {name} split's P_packed_*_document, used whole")
+                       help=f"the {name} split's P_text_document prefixes or raw files, or a weighted blend "
+                            "'0.3 A 0.7 B' of either, used whole" if pretrain else
+                       f"prefix P of the {name} split's P_packed_*_document, used whole")
     return p
 
 

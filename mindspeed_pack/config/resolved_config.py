@@ -79,8 +79,8 @@ def mark(args, dest: str, origin: str) -> None:
 
 
 def _value(args, dest):
-    if dest == "data_path" and getattr(args, "raw_data_path", None):
-        return args.raw_data_path  # what the user gave; the packs are a cache of it
+    if dest.endswith("data_path") and getattr(args, f"raw_{dest}", None):
+        return getattr(args, f"raw_{dest}")  # what the user gave; the packs are a cache of it
     return getattr(args, dest, None)
 
 

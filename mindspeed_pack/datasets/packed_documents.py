@@ -27,10 +27,10 @@ def is_blend_weight(text: str) -> bool:
 
 def data_prefixes(args) -> list:
     """Every prefix a run reads, each once: ``--data-path``'s (a blend's weights skipped), then
-    ``--train/--valid/--test-data-path``'s."""
-    found = [p for p in getattr(args, "data_path", None) or [] if not is_blend_weight(p)]
-    for name in ("train", "valid", "test"):
-        found += getattr(args, f"{name}_data_path", None) or []
+    ``--train/--valid/--test-data-path``'s (pretrain_gpt.py: each may be a blend too)."""
+    found = []
+    for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
+        found += [p for p in getattr(args, dest, None) or [] if not is_blend_weight(p)]  # pretrain_gpt.py: blends
     return list(dict.fromkeys(found))
 
 

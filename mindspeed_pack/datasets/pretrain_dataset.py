@@ -4,6 +4,8 @@
 EOD). megatron-core's ``BlendedMegatronDatasetBuilder`` splits (``--split``), blends
 (``--data-path 0.3 A 0.7 B``), shuffles and cuts the token stream into samples of
 ``seq_length + 1`` tokens; those indices are cached and identical to Megatron-LM's.
+``--train-data-path``/``--valid-data-path``/``--test-data-path`` give each split its own
+prefix or blend, used whole (megatron-core's ``blend_per_split``; ``--split`` is not used).
 
 Each sample becomes one row of the trainer's micro-batch contract, labels *aligned*::
 
@@ -74,22 +76,22 @@ def sidecar_info(prefix: str) -> dict:
     return {}
 
 
-def _from_sidecars(data_path: List[str], key: str) -> Optional[int]:
-    """``key`` of the blend's sidecars; the prefixes must agree on it."""
+def _from_sidecars(args, key: str) -> Optional[int]:
+    """``key`` of the sidecars of every prefix the run reads; the prefixes must agree on it."""
     values = {}
-    for prefix in data_prefixes(data_path)[0]:
+    for prefix in all_prefixes(args):
         value = sidecar_info(prefix).get(key)
         if value is not None:
             values[prefix] = int(value)
     if len(set(values.values())) > 1:
-        raise DataError(f"--data-path: the datasets were tokenized differently ({key}: {values})")
+        raise DataError(f"{data_flags(args)}: the datasets were tokenized differently ({key}: {values})")
     return next(iter(values.values()), None)
 
 
 def _check_documents_end_with_eod(args) -> None:
     if not (args.isolate_segments or args.eod_mask_loss):
         return
-    for prefix in data_prefixes(args.data_path)[0]:
+    for prefix in all_prefixes(args):
         info = sidecar_info(prefix)
         if info.get("append_eod") is False:
             raise DataError(f"{prefix}: written without --append-eod ({info['path']}), so documents carry no EOD "
@@ -102,13 +104,13 @@ def build_tokenizer(args) -> EodTokenizer:
     (MindSpeed's convention: documents end with the tokenizer's EOS)."""
     eod = getattr(args, "eod_id", None)
     _check_documents_end_with_eod(args)
-    recorded = _from_sidecars(args.data_path, "eod_id")
+    recorded = _from_sidecars(args, "eod_id")
     if eod is not None and recorded is not None and eod != recorded:
         raise DataError(f"--eod-id {eod}, but preprocessing ended the documents with {recorded} (its "
                         "_text_meta.json): drop --eod-id or pass the recorded id")
     source = "--eod-id" if eod is not None else "the end-of-document id preprocessing recorded (_text_meta.json)"
     eod = recorded if eod is None else eod
-    vocab = args.vocab_size or _from_sidecars(args.data_path, "vocab_size")
+    vocab = args.vocab_size or _from_sidecars(args, "vocab_size")
     name = "eod-only"
     if args.tokenizer_name_or_path:
         from transformers import AutoTokenizer
@@ -135,19 +137,54 @@ def resolve_pretrain_vocab_size(args) -> None:
     from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
 
     if args.padded_vocab_size is None and args.vocab_size is None:
-        args.vocab_size = _from_sidecars(args.data_path, "vocab_size")
+        args.vocab_size = _from_sidecars(args, "vocab_size")
     resolve_vocab_size(args)
 
 
-def data_prefixes(data_path: List[str]) -> tuple:
-    """(prefixes, weights or None) of ``--data-path`` (``P`` or ``w1 P1 w2 P2 ...``)."""
+SPLITS = ("train", "valid", "test")
+
+
+def blend_from_list(paths: List[str], flag: str = "--data-path") -> tuple:
+    """(prefixes, weights or None) of ``flag``'s value (``P`` or ``w1 P1 w2 P2 ...``), as megatron-core reads it."""
     from megatron.core.datasets.utils import get_blend_from_list
 
+    from mindspeed_pack.datasets.packed_documents import is_blend_weight
+
     try:
-        return get_blend_from_list(data_path)
+        blend = get_blend_from_list(paths)
     except AssertionError:
-        raise DataError(f"--data-path {' '.join(data_path)}: give prefixes, or weight-prefix pairs "
-                        "'0.3 A 0.7 B' (all weighted or none)") from None
+        blend = None
+    # megatron-core reads an odd-length '0.5 A B' as three prefixes, the first named 0.5
+    if blend is None or (blend[1] is None and any(is_blend_weight(p) for p in blend[0])):
+        raise DataError(f"{flag} {' '.join(paths)}: give prefixes, or weight-prefix pairs "
+                        "'0.3 A 0.7 B' (all weighted or none)")
+    return blend
+
+
+def split_blends(args) -> Optional[list]:
+    """Megatron-LM's ``blend_per_split`` (``get_blend_and_blend_per_split``): a blend, or None, for each of
+    ``--train/--valid/--test-data-path``; None when the run reads ``--data-path`` (divided by ``--split``)."""
+    paths = [getattr(args, f"{name}_data_path", None) for name in SPLITS]
+    if not any(paths):
+        return None
+    return [blend_from_list(p, f"--{name}-data-path") if p else None for name, p in zip(SPLITS, paths)]
+
+
+def all_prefixes(args) -> List[str]:
+    """Every prefix the run reads, each once (a blend's weights skipped)."""
+    from mindspeed_pack.datasets.packed_documents import data_prefixes
+
+    split_blends(args)  # a malformed blend is refused, naming its flag
+    if args.data_path:
+        blend_from_list(args.data_path)
+    return data_prefixes(args)
+
+
+def data_flags(args) -> str:
+    """The flags that name the run's data, as given (for messages)."""
+    given = [(f"--{dest.replace('_', '-')}", getattr(args, dest, None))
+             for dest in ("data_path", *(f"{name}_data_path" for name in SPLITS))]
+    return "; ".join(f"{flag} {' '.join(v)}" for flag, v in given if v)
 
 
 _PACK_PART = re.compile(r"^(?P<base>.+)_packed_(?:input_ids|attention_mask|labels)_document$")
@@ -177,20 +214,31 @@ def check_prefix_files(prefixes: List[str]) -> None:
 
 
 def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict:
-    """{'train'|'valid'|'test': GPTDataset/BlendedDataset or None}, built on every rank."""
+    """{'train'|'valid'|'test': GPTDataset/BlendedDataset or None}, built on every rank: ``--data-path`` divided by
+    ``--split``, or each split's own ``--train/--valid/--test-data-path`` blend (megatron-core's
+    ``blend_per_split``, as Megatron-LM passes it)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
     from mindspeed_pack.datasets.validation import validate_text_documents
 
-    blend = data_prefixes(args.data_path)
-    check_prefix_files(blend[0])
-    validate_text_documents(blend[0], args.padded_vocab_size)  # before the first step, not in it
+    per_split = split_blends(args)
+    blend = blend_from_list(args.data_path) if per_split is None else None
+    prefixes = all_prefixes(args)
+    check_prefix_files(prefixes)
+    validate_text_documents(prefixes, args.padded_vocab_size)  # before the first step, not in it
+    sizes = [num_samples.get(name, 0) for name in SPLITS]
+    if per_split is not None:
+        per_split = [b if n else None for b, n in zip(per_split, sizes)]  # a split not read is not built
+        _refuse_empty_prefixes(per_split)
+        if not any(per_split):  # megatron-core would build mock data from no blend at all
+            return dict.fromkeys(SPLITS)
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=blend,
-        split=args.split,
+        blend_per_split=per_split,
+        split=args.split if per_split is None else None,  # each split is its prefixes whole
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
         # masks and positions are derived per batch from segment ids (below), not by GPTDataset
@@ -199,17 +247,32 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
         eod_mask_loss=False,
         create_attention_mask=False,
     )
-    sizes = [num_samples.get(name, 0) for name in ("train", "valid", "test")]
-    _drop_or_refuse_empty_splits(config, blend, sizes)
+    if per_split is None:
+        _drop_or_refuse_empty_splits(config, blend, sizes)
     datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
-    for name, ds, n in zip(("train", "valid", "test"), datasets, sizes):
+    for name, ds, n in zip(SPLITS, datasets, sizes):
         if n and ds is not None and len(ds) < n:  # else the run stops when it reaches the end, unsaved
-            raise DataError(f"--data-path {' '.join(args.data_path)}: the {name} split holds {len(ds)} samples of "
-                            f"--seq-length {args.seq_length}, and this run reads {n}: megatron-core blends prefixes "
-                            "given without weights over one epoch only; give each a weight ('W1 P1 W2 P2 ...', e.g. "
-                            "their token counts) to draw more epochs, or read fewer samples (--train-iters, "
-                            "--eval-iters)")
-    return {name: (ds if n else None) for name, ds, n in zip(("train", "valid", "test"), datasets, sizes)}
+            where = (f"--data-path {' '.join(args.data_path)}: the {name} split" if per_split is None else
+                     f"--{name}-data-path {' '.join(getattr(args, f'{name}_data_path'))}")
+            raise DataError(f"{where} holds {len(ds)} samples of --seq-length {args.seq_length}, and this run reads "
+                            f"{n}: megatron-core blends prefixes given without weights over one epoch only; give each "
+                            "a weight ('W1 P1 W2 P2 ...', e.g. their token counts) to draw more epochs, or read fewer "
+                            "samples (--train-iters, --eval-iters)")
+    return {name: (ds if n else None) for name, ds, n in zip(SPLITS, datasets, sizes)}
+
+
+def _refuse_empty_prefixes(per_split: list) -> None:
+    """A read split's prefix that holds no document (megatron-core's GPTDataset would count epochs of 0 tokens
+    forever); an unweighted blend of several prefixes is one epoch of each: no loop."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for name, blend in zip(SPLITS, per_split):
+        if blend is None or (blend[1] is None and len(blend[0]) > 1):
+            continue
+        for prefix in blend[0]:
+            if len(IndexedDataset(prefix, mmap=True)) == 0:
+                raise DataError(f"--{name}-data-path: {prefix} holds no document, and {name} samples are read "
+                                "from it; give that split data")
 
 
 def _drop_or_refuse_empty_splits(config, blend: tuple, sizes: List[int]) -> None:
@@ -291,7 +354,8 @@ class GPTBatchSource:
     def micro_batches(self, split: str, consumed_samples: int) -> Iterator[dict]:
         dataset = self.splits.get(split)
         if dataset is None:
-            raise DataError(f"the {split} split is empty: check --split {self.args.split}")
+            where = f"--{split}-data-path" if split_blends(self.args) else f"--split {self.args.split}"
+            raise DataError(f"the {split} split is empty: check {where}")
         args = self.args
         mbs = args.micro_batch_size
         pos = consumed_samples

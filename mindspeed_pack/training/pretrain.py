@@ -9,6 +9,8 @@
         --handler-name GeneralPretrainHandler, as MindSpeed-LLM's pretrain scripts pass it)
     pretrain_gpt.py --data-path 0.3 a.jsonl 0.7 b.jsonl --append-eod ...
         (a weighted blend of raw files: each tokenised into its own cached documents, then blended)
+    pretrain_gpt.py --train-data-path 0.3 A 0.7 B --valid-data-path V [--test-data-path T] ...
+        (Megatron-LM's per-split data: each split its own prefix or blend, used whole; no --split)
 
 The EOD id and vocabulary size default to what preprocess_data.py recorded in
 ``P_text_meta.json`` next to the documents.
@@ -18,11 +20,12 @@ import sys
 import warnings
 
 from mindspeed_pack.config import resolved_config
-from mindspeed_pack.config.arguments import parse_args
+from mindspeed_pack.config.arguments import parse_args, per_split_data_args
+from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.datasets.pretrain_dataset import (
     GPTBatchSource,
+    all_prefixes,
     check_prefix_files,
-    data_prefixes,
     resolve_pretrain_vocab_size,
 )
 from mindspeed_pack.training import raw_data, run_plan
@@ -36,7 +39,7 @@ def pretrain_args(parser):
     g.add_argument("--eod-id", type=int, default=None,
                    help="end-of-document token id (default: the tokenizer's EOS)")
     parser.set_defaults(pretraining=True)  # no fine-tuning defaults from a Hugging Face --load (finetune_defaults.py)
-    return raw_data.raw_data_args(parser, pretrain=True)
+    return raw_data.raw_data_args(per_split_data_args(parser, pretrain=True), pretrain=True)
 
 
 def main(argv=None):
@@ -49,12 +52,14 @@ def main(argv=None):
                       "--reset-attention-mask to restart them per document", stacklevel=1)
     if args.no_shuffle:
         warnings.warn("--no-shuffle is ignored: GPTDataset draws Megatron-LM's seeded order", stacklevel=1)
-    raw_data.prepare(args, pretrain=True)  # raw --data-path files -> documents, once (rank 0)
+    raw_data.prepare(args, pretrain=True)  # raw --data-path (or per-split) files -> documents, once (rank 0)
+    if (args.valid_data_path or args.test_data_path) and not args.train_data_path and not args.skip_train:
+        raise DataError("--valid-data-path/--test-data-path without --train-data-path: give the training data as "
+                        "--train-data-path (or --skip-train to evaluate only)")
     resolve_pretrain_vocab_size(args)
     if run_plan.dry_run(args, "pretrain_gpt.py"):
         return None
-    if args.data_path:  # a typo is refused before the model is built
-        check_prefix_files(data_prefixes(args.data_path)[0])
+    check_prefix_files(all_prefixes(args))  # a typo is refused before the model is built
     run_plan.check_host_memory(args)  # on a CPU: a model that cannot fit stops here, not OOM-killed
     return run(args, GPTBatchSource(), SFTStage(args),
                before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))

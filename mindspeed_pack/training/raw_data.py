@@ -53,6 +53,7 @@ RECORDED = ("handler_name", "map_keys", "chat_template", "chat_template_kwargs",
 # recorded only when set: a sidecar without it was written without the flag
 RECORDED_WHEN_SET = ("enable_thinking",)
 CACHE_DIR = "mindspeed_pack_cache"
+SPLITS = ("train", "valid", "test")
 WAIT_HOURS = 24.0  # how long the other ranks wait for rank 0's preprocessing
 
 
@@ -100,7 +101,7 @@ def _is_number(text: str) -> bool:
 
 def raw_inputs(args) -> Optional[list]:
     """The raw files/directories of ``--data-path`` (None: packed prefixes, as before)."""
-    for name in ("train", "valid", "test"):
+    for name in SPLITS:
         raw = [p for p in getattr(args, f"{name}_data_path", None) or [] if _is_raw(p)]
         if raw:
             raise DataError(f"--{name}-data-path {raw[0]}: raw files are preprocessed from --data-path only; "
@@ -231,7 +232,7 @@ def _leader(args):
     return rank == nodes[node][0], groups[node], nodes[node][0]
 
 
-def _on_rank_zero(args, work) -> dict:
+def _on_rank_zero(args, work, what: Optional[str] = None) -> dict:
     """``work()`` on rank 0 (each node's first rank under ``--no-shared-storage``) while the other ranks wait
     (up to :data:`WAIT_HOURS`); its result on every rank."""
     from mindspeed_pack.config.resolved_config import flag_values
@@ -239,10 +240,10 @@ def _on_rank_zero(args, work) -> dict:
 
     # the process groups training uses next (a second call is a no-op)
     initialize_from_args(args, flags=flag_values(args))
-    return run_on_leader(args, work)
+    return run_on_leader(args, work, what)
 
 
-def run_on_leader(args, work) -> dict:
+def run_on_leader(args, work, what: Optional[str] = None) -> dict:
     """:func:`_on_rank_zero` once the process groups exist."""
     import torch.distributed as dist
 
@@ -256,14 +257,15 @@ def run_on_leader(args, work) -> dict:
         except DataError as e:
             error, message = e, [("error", str(e))]
     else:
-        log.info("rank %d: waiting for rank %d to preprocess --data-path %s", rank, leader, " ".join(args.data_path))
-    with peers.waiting_for(f"rank {leader}'s preprocessing of --data-path", WAIT_HOURS * 60):
+        log.info("rank %d: waiting for rank %d to preprocess %s", rank, leader,
+                 what or f"--data-path {' '.join(args.data_path)}")
+    with peers.waiting_for(f"rank {leader}'s preprocessing of {what or '--data-path'}", WAIT_HOURS * 60):
         dist.broadcast_object_list(message, src=leader, group=group)
     if error is not None:
         raise error
     status, payload = message[0]
     if status == "error":
-        raise DataError(f"rank {leader} could not preprocess --data-path: {payload}")
+        raise DataError(f"rank {leader} could not preprocess {what or '--data-path'}: {payload}")
     return payload
 
 
@@ -276,6 +278,8 @@ def prepare(args, pretrain: bool = False) -> Optional[dict]:
         raise DataError(f"--json-keys {' '.join(args.json_keys)} names pretraining documents' text field: train "
                         "plain text with pretrain_gpt.py (which preprocesses raw --data-path files too); "
                         "posttrain.py reads instruction rows (--handler-name, --map-keys)")
+    if pretrain and any(getattr(args, f"{name}_data_path", None) for name in SPLITS):
+        return _prepare_split_paths(args)
     if pretrain and blend_weights(args.data_path):
         return _prepare_blend(args)
     inputs = raw_inputs(args)
@@ -333,6 +337,59 @@ def _prepare_blend(args) -> Optional[dict]:
     return {"prefixes": prefixes, "results": results}
 
 
+def _prepare_split_paths(args) -> Optional[dict]:
+    """pretrain_gpt.py's ``--train/--valid/--test-data-path`` naming raw files: tokenised into documents as
+    ``--data-path`` would be (a weighted blend's files each into its own, an unweighted list into one), all on
+    the leader at once; ``args.raw_<split>_data_path`` keeps what was given. Preprocessed prefixes: as they are."""
+    jobs, plans = {}, {}
+    for name in SPLITS:
+        flag, paths = f"--{name}-data-path", list(getattr(args, f"{name}_data_path", None) or [])
+        weighted = blend_weights(paths) is not None
+        items = paths[1::2] if weighted else paths
+        raw = [p for p in items if _is_raw(p)]
+        if not raw:
+            continue
+        if not weighted and len(raw) != len(items):
+            other = next(p for p in items if p not in raw)
+            raise DataError(f"{flag} mixes raw files ({raw[0]}) and "
+                            + (f"a number ({other}): a blend is weight-path pairs, every path weighted "
+                               "('0.3 A 0.7 B')" if _is_number(other) else f"a preprocessed prefix ({other}): give "
+                               "one or the other, or weight them ('0.3 A 0.7 B')"))
+        missing = [p for p in raw if not os.path.exists(p)]
+        if missing:
+            if getattr(args, "dry_run", False):  # a job's flags checked before its data exists (the plan: NOT FOUND)
+                log.warning("--dry-run: %s %s: no such file or directory (nothing preprocessed)", flag, missing[0])
+                return None
+            raise DataError(f"{flag} {missing[0]}: no such file or directory")
+        groups = [(p,) for p in raw] if weighted else [tuple(raw)]
+        jobs.update(dict.fromkeys(groups))
+        plans[name] = (paths, weighted, groups)
+    if not plans:
+        return None  # preprocessed prefixes, as before
+    _check_documents_will_end_with_eod(args)
+    namespaces = {group: preprocess_namespace(args, list(group), pretrain=True) for group in jobs}
+    results = _on_leader(args, lambda: {group: _preprocess(ns) for group, ns in namespaces.items()},
+                         what=" ".join(f"--{name}-data-path" for name in plans))
+    summaries = []
+    for name, (paths, weighted, groups) in plans.items():
+        setattr(args, f"raw_{name}_data_path", paths)
+        prefixes = {group: _trained_prefix(results[group], True) for group in groups}
+        if weighted:
+            new = [item for weight, path in zip(paths[0::2], paths[1::2])
+                   for item in (weight, prefixes.get((path,), path))]
+            summary = "; ".join(f"{weight} " + (_summary([path], prefixes[(path,)], results[(path,)], True)
+                                                 if (path,) in prefixes else path)
+                                for weight, path in zip(paths[0::2], paths[1::2]))
+        else:
+            new = [prefixes[groups[0]]]
+            summary = _summary(list(groups[0]), new[0], results[groups[0]], True)
+        setattr(args, f"{name}_data_path", new)
+        summaries.append(f"{name}: {summary}")
+    args.data_summary = "; ".join(summaries)
+    _log_summary(args)
+    return {"results": results}
+
+
 def _check_documents_will_end_with_eod(args) -> None:
     """Before tokenising raw files for pretrain_gpt.py: the flags that find documents at their EOD need it written."""
     needs = [flag for flag, on in (("--reset-attention-mask", args.isolate_segments),
@@ -343,10 +400,11 @@ def _check_documents_will_end_with_eod(args) -> None:
                         "raw --data-path files would be tokenised without one: add --append-eod to this command")
 
 
-def _on_leader(args, work):
-    """``work()`` here, or under torchrun on rank 0 (each node's first rank under ``--no-shared-storage``)."""
+def _on_leader(args, work, what: Optional[str] = None):
+    """``work()`` here, or under torchrun on rank 0 (each node's first rank under ``--no-shared-storage``);
+    ``what``: the flags whose files it preprocesses (default --data-path), for the waiting ranks' messages."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:
-        return _on_rank_zero(args, work)
+        return _on_rank_zero(args, work, what)
     return work()
 
 

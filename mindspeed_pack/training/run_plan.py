@@ -289,17 +289,22 @@ def _data_lines(args) -> list:
     from mindspeed_pack.datasets.packed_documents import data_prefixes, read_meta
 
     lines = []
+    read_by = {}  # per-split data: which flags read each prefix
+    for name in ("train", "valid", "test"):
+        for path in getattr(args, f"{name}_data_path", None) or []:
+            read_by.setdefault(path, []).append(f"--{name}-data-path")
     for prefix in data_prefixes(args):
         found = [f for f in (f"{prefix}_packed_input_ids_document.bin", f"{prefix}_text_document.bin",
                              f"{prefix}.bin") if os.path.isfile(f)]
+        label = f" [{', '.join(read_by[prefix])}]" if prefix in read_by else ""
         if not found:
-            lines.append(f"data: {prefix}: NOT FOUND (neither packs {prefix}_packed_*_document.bin nor documents "
+            lines.append(f"data: {prefix}{label}: NOT FOUND (neither packs {prefix}_packed_*_document.bin nor documents "
                          f"{prefix}.bin nor a file or directory of that name)")
             continue
         stats = (read_meta(prefix) or {}).get("statistics") or {}
         detail = ", ".join(f"{stats[k]} {k.replace('_', ' ')}" for k in ("packs", "documents", "samples_written",
                                                                          "fill_rate") if k in stats)
-        lines.append(f"data: {found[0][:-4]}" + (f" ({detail})" if detail else ""))
+        lines.append(f"data: {found[0][:-4]}{label}" + (f" ({detail})" if detail else ""))
     return lines
 
 
