@@ -322,6 +322,30 @@ def test_a_validation_set_of_another_tokenizer_is_refused_too(tmp_path):
         check_data_tokenizer(args, read_tokenizer_record(a))
 
 
+def test_pretraining_documents_of_another_tokenizer_are_refused_in_a_per_split_blend(tmp_path):
+    # preprocess_data.py records a pretraining prefix P_text_document's tokenizer in P_text_meta.json, which the check
+    # never found (it looked for P_text_document_meta.json): pretrain_gpt.py's data went unchecked, a blend's
+    # second prefix and --valid-data-path's too
+    import argparse
+    import json
+
+    from mindspeed_pack.checkpoint.hf_checkpoint import check_data_tokenizer
+
+    a = save_word_tokenizer(tmp_path / "a", WORDS)
+    b = save_word_tokenizer(tmp_path / "b", [*WORDS[:100], "other", *WORDS[101:]])
+    for name, tokenizer in (("x", a), ("y", a), ("v", b)):
+        (tmp_path / f"{name}_text_meta.json").write_text(json.dumps({"tokenizer_path": tokenizer}))
+    args = argparse.Namespace(train_data_path=["0.5", str(tmp_path / "x_text_document"), "0.5",
+                                               str(tmp_path / "y_text_document")],
+                              valid_data_path=[str(tmp_path / "v_text_document")])
+    with pytest.raises(CheckpointError, match=rf"^the data {tmp_path}/v_text_document were tokenized with another"):
+        check_data_tokenizer(args, read_tokenizer_record(a))
+    args = argparse.Namespace(data_path=["0.5", str(tmp_path / "x_text_document"), "0.5",
+                                         str(tmp_path / "v_text_document")])
+    with pytest.raises(CheckpointError, match=rf"^the data {tmp_path}/v_text_document were tokenized with another"):
+        check_data_tokenizer(args, read_tokenizer_record(a))
+
+
 def test_a_reference_of_another_tokenizer_is_refused_and_one_without_a_record_warned(made, caplog):
     ref = made["other_tokenizer"]
     with pytest.raises(CheckpointError) as e:

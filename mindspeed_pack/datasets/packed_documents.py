@@ -39,8 +39,12 @@ def dataset_paths(prefix: str) -> dict:
 
 
 def read_meta(prefix: str) -> Optional[dict]:
-    """The preprocessing sidecar (arguments, tokenizer, statistics), if present."""
-    for name in (f"{prefix}_packed_meta.json", f"{prefix}_meta.json"):
+    """The preprocessing sidecar (arguments, tokenizer, statistics), if present: a pack's ``P_packed_meta.json``,
+    or pretraining documents' ``P_text_meta.json`` beside ``P_text_document``."""
+    names = [f"{prefix}_packed_meta.json", f"{prefix}_meta.json"]
+    if prefix.endswith("_text_document"):
+        names.append(f"{prefix[:-len('_document')]}_meta.json")
+    for name in names:
         if os.path.isfile(name):
             with open(name) as f:
                 return json.load(f)
