@@ -204,6 +204,107 @@ def test_a_resume_on_other_data_or_in_another_order_is_warned(tmp_path, data, st
     assert "other data" not in caplog.text
 
 
+def _copy_prefix(prefix: str, to_dir: str) -> str:
+    """Every file of ``prefix`` (indexed datasets and sidecars) copied into ``to_dir``, as a moved job has them."""
+    import glob
+
+    os.makedirs(to_dir, exist_ok=True)
+    for path in glob.glob(prefix + "*"):
+        shutil.copy(path, to_dir)
+    return os.path.join(to_dir, os.path.basename(prefix))
+
+
+def _order(**flags) -> dict:
+    """The data order a checkpoint saved by a run of ``flags`` records."""
+    import argparse
+
+    from mindspeed_pack.checkpoint.save_load import _data_order
+
+    return _data_order(argparse.Namespace(**flags))
+
+
+def _resume_messages(caplog, order: dict, here: dict) -> str:
+    """What a resume with the flags ``here`` logs about a checkpoint that recorded the data order ``order``."""
+    import argparse
+
+    from mindspeed_pack.checkpoint.save_load import _warn_other_data
+    from tests.model_utils import init_single_process
+
+    init_single_process()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mindspeed_pack.checkpoint.save_load"):
+        _warn_other_data(argparse.Namespace(**here), "--load ckpt", {"iteration": 5, "data_order": order}, 20)
+    return caplog.text
+
+
+def _data(prefix: str, kind: str, seed: int) -> str:
+    """Pretraining documents, or packs with the sidecar preprocess_data.py writes (its cache key names the raw
+    inputs' digests): the content identity of ``kind``."""
+    import json
+
+    from tests.data_utils import random_documents, write_pretrain_documents
+
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    if kind == "documents":
+        return write_pretrain_documents(prefix, random_documents(50, 2, seed=seed, max_len=30))
+    write_packed_instruction_dataset(prefix, num_packs=16, seed=seed)
+    key = {"inputs": [{"path": f"/data/raw{seed}.jsonl", "size": 1000 + seed, "sha256": f"{seed:064d}"}],
+           "tokenizer": {"vocab_size": 200, "files_sha256": "t"}, "arguments": {"pack": True}}
+    with open(f"{prefix}_packed_meta.json", "w") as f:
+        json.dump({"layout": {"kind": "packed", "neat_pack": True, "seq_length": 128}, "cache_key": key}, f)
+    return prefix
+
+
+@pytest.mark.parametrize("kind", ["packs", "documents"])
+def test_the_same_data_moved_to_another_directory_resumes_without_the_other_data_warning(tmp_path, caplog, kind):
+    """The data order compared the prefixes' paths: a job moved to another disk with its data copied was warned as
+    trained on other data; the prefixes' contents (index files, sizes, the sidecar's record of the inputs) are
+    compared now, the move said in an info line. Pretraining blends and --train-data-path alike."""
+    a, b = _data(str(tmp_path / "one" / "a"), kind, 1), _data(str(tmp_path / "one" / "b"), kind, 2)
+    a2, b2 = _copy_prefix(a, str(tmp_path / "two")), _copy_prefix(b, str(tmp_path / "two"))
+    for key, saved, here in (("data_path", [a], [a2]), ("data_path", ["0.3", a, "0.7", b], ["0.3", a2, "0.7", b2]),
+                             ("train_data_path", [a], [a2])):
+        text = _resume_messages(caplog, _order(**{key: saved, "seed": 1}), {key: here, "seed": 1})
+        assert "other data" not in text, text
+        assert f"the data moved (--{key.replace('_', '-')} {' '.join(here)} here, {' '.join(saved)} there): the same " \
+               "contents" in text
+    # another dataset moved in under the first one's name is other data
+    text = _resume_messages(caplog, _order(data_path=["0.3", a, "0.7", b], seed=1),
+                            {"data_path": ["0.3", a2, "0.7", a2], "seed": 1})
+    assert f"trained on other data or in another sample order (--data-path 0.3 {a2} 0.7 {a2} here, 0.3 {a} 0.7 {b} " \
+           "there)" in text
+
+
+@pytest.mark.parametrize("kind", ["packs", "documents"])
+def test_other_files_at_the_same_path_are_warned_as_other_data(tmp_path, caplog, kind):
+    """Data preprocessed again into the same prefix (another corpus) was read at the checkpoint's consumed samples
+    of another sample index with no word: the paths were equal."""
+    a = _data(str(tmp_path / "a"), kind, 1)
+    recorded = _order(data_path=[a], seed=1)
+    _data(a, kind, 3)
+    text = _resume_messages(caplog, recorded, {"data_path": [a], "seed": 1})
+    assert f"iteration 5 was trained on other data or in another sample order (--data-path {a}: the files of {a} " \
+           "changed since (other index contents))" in text
+    assert "the same files moved elsewhere are no change" not in text
+    assert "other data" not in _resume_messages(caplog, _order(data_path=[a], seed=1), {"data_path": [a], "seed": 1})
+
+
+def test_what_records_no_content_compares_paths_as_before(tmp_path, caplog):
+    """A checkpoint that recorded only paths (saved before the content identity), and packs whose sidecar records
+    nothing of their content (fixed-length packs: their index tells only how many), are compared by path."""
+    from mindspeed_pack.checkpoint.save_load import DATA_IDENTITY
+
+    a = _data(str(tmp_path / "one" / "a_text_document"), "documents", 1)
+    a2 = _copy_prefix(a, str(tmp_path / "two"))
+    older = {k: v for k, v in _order(data_path=[a], seed=1).items() if k != DATA_IDENTITY}
+    text = _resume_messages(caplog, older, {"data_path": [a2], "seed": 1})
+    assert f"(--data-path {a2} here, {a} there)" in text and "the same files moved elsewhere are no change" in text
+    bare = write_packed_instruction_dataset(str(tmp_path / "one" / "p"), num_packs=16)
+    other = write_packed_instruction_dataset(str(tmp_path / "two" / "p"), num_packs=16, seed=1)  # the same index
+    text = _resume_messages(caplog, _order(data_path=[bare], seed=1), {"data_path": [other], "seed": 1})
+    assert f"(--data-path {other} here, {bare} there)" in text
+
+
 def test_a_megatron_lm_rng_state_is_restored(tmp_path, data, reference, stopped_at_5):
     """Megatron-LM's checkpoints name the RNG states random_rng_state, np_rng_state, ...: a resume of one with
     --no-load-optim (no --no-load-rng) stopped with KeyError: 'random'. Restored, step 6 draws the same dropout."""

@@ -452,9 +452,11 @@ def test_per_split_data_paths_read_each_split_from_its_own_blend(tmp_path, range
     assert _corpora_of(_tokens(source, "valid")) == {"B"} and _corpora_of(_tokens(source, "test")) == {"C"}
 
 
-def test_pretrain_gpt_trains_on_train_data_path_and_evaluates_on_valid_data_path(tmp_path, ranged, monkeypatch):
+def test_pretrain_gpt_trains_on_train_data_path_and_evaluates_on_valid_data_path(tmp_path, ranged, monkeypatch,
+                                                                                  caplog):
     """The whole script with per-split data: every training row comes from --train-data-path's blend and every
-    validation row from --valid-data-path, and the checkpoint records the training blend for a resume's check."""
+    validation row from --valid-data-path; the checkpoint records the training blend for a resume's check, which a
+    copy of the data in another directory passes."""
     seen = {"train": [], "valid": []}
     original = GPTBatchSource.micro_batches
 
@@ -466,9 +468,10 @@ def test_pretrain_gpt_trains_on_train_data_path_and_evaluates_on_valid_data_path
     monkeypatch.setattr(GPTBatchSource, "micro_batches", spy)
     metrics = str(tmp_path / "m.jsonl")
     trainer = pretrain_gpt.main(argv("--train-data-path", "0.3", ranged["A"], "0.7", ranged["C"], "--valid-data-path",
-                                     ranged["B"], "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
-                                     "--reset-attention-mask", "--data-cache-path", str(tmp_path / "cache"),
-                                     "--metrics-file", metrics, "--save", str(tmp_path / "ckpt")))
+                                     ranged["B"], "--train-iters", "3", "--exit-interval", "2", "--eval-interval",
+                                     "2", "--eval-iters", "1", "--reset-attention-mask", "--data-cache-path",
+                                     str(tmp_path / "cache"), "--metrics-file", metrics, "--save",
+                                     str(tmp_path / "ckpt")))
     assert sorted(read_metrics(metrics)) == [1, 2] and sorted(read_metrics(metrics, "valid")) == [2]
     assert _corpora_of(np.concatenate(seen["train"])) == {"A", "C"}
     assert _corpora_of(np.concatenate(seen["valid"])) == {"B"}
@@ -476,6 +479,22 @@ def test_pretrain_gpt_trains_on_train_data_path_and_evaluates_on_valid_data_path
     state = torch.load(str(tmp_path / "ckpt" / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt"),
                        weights_only=False)
     assert state["data_order"]["train_data_path"] == ["0.3", ranged["A"], "0.7", ranged["C"]]
+    # the job moved with its data copied to another disk: the same data, resumed without the other-data warning
+    import shutil
+
+    moved = {}
+    for name in "ABC":
+        for ext in (".bin", ".idx"):
+            shutil.copy(ranged[name] + ext, str(tmp_path / f"moved_{name}_text_document{ext}"))
+        moved[name] = str(tmp_path / f"moved_{name}_text_document")
+    resumed = str(tmp_path / "resumed.jsonl")
+    with caplog.at_level("INFO", logger="mindspeed_pack.checkpoint.save_load"):
+        pretrain_gpt.main(argv("--train-data-path", "0.3", moved["A"], "0.7", moved["C"], "--valid-data-path",
+                               moved["B"], "--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1",
+                               "--reset-attention-mask", "--data-cache-path",
+                               str(tmp_path / "cache"), "--metrics-file", resumed, "--load", str(tmp_path / "ckpt")))
+    assert sorted(read_metrics(resumed)) == [3]
+    assert "other data" not in caplog.text and f"the data moved (--train-data-path 0.3 {moved['A']} 0.7 " in caplog.text
 
 
 def test_data_path_with_per_split_paths_is_refused(ranged, capsys, tmp_path, monkeypatch):

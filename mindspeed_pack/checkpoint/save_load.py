@@ -147,35 +147,67 @@ def _save_failed(root: str, iteration: int, error, tmp_dir: str) -> CheckpointEr
 
 # what decides the sample a resumed run reads next: consumed_samples counts into the index these build
 DATA_ORDER_ARGS = ("data_path", "train_data_path", "seq_length", "split", "seed", "no_shuffle", "padded_samples")
+DATA_PATH_ARGS = ("data_path", "train_data_path")  # compared by content where the record holds it
+DATA_IDENTITY = "data_identity"  # {absolute prefix: content identity}, recorded beside DATA_ORDER_ARGS
 
 
 def _data_order(args) -> dict:
-    """This run's :data:`DATA_ORDER_ARGS` (paths absolute, a blend's weights as given), recorded in its checkpoints."""
-    from mindspeed_pack.datasets.packed_documents import is_blend_weight
+    """This run's :data:`DATA_ORDER_ARGS` (paths absolute, a blend's weights as given), recorded in its checkpoints,
+    with each prefix's content identity (:func:`~mindspeed_pack.datasets.packed_documents.content_identity`)."""
+    from mindspeed_pack.datasets.packed_documents import content_identity, is_blend_weight
 
     def value(key):
         v = getattr(args, key, None)
         return [p if is_blend_weight(p) else os.path.abspath(p) for p in v] if key.endswith("data_path") and v else v
-    return {key: value(key) for key in DATA_ORDER_ARGS}
+    order = {key: value(key) for key in DATA_ORDER_ARGS}
+    order[DATA_IDENTITY] = {p: content_identity(p) for key in DATA_PATH_ARGS for p in order[key] or []
+                            if not is_blend_weight(p)}
+    return order
+
+
+def _by_content(paths, identities: dict):
+    """``paths`` with each prefix replaced by its content identity where known."""
+    return [identities.get(p) or p for p in paths] if isinstance(paths, list) else paths
 
 
 def _warn_other_data(args, source: str, state: dict, consumed: int) -> None:
     """A resume with other data or another sample order (``--data-path``, ``--seq-length``, ``--seed``, ...) went on
-    silently at the checkpoint's consumed samples of *this* run's sample index: not where the saved run stopped."""
+    silently at the checkpoint's consumed samples of *this* run's sample index: not where the saved run stopped.
+    Prefixes are compared by content where the checkpoint recorded it: the same files moved to another directory
+    are the same data (said in an info line), other files at the same path are not; older records compare paths."""
     saved = state.get("data_order")
     if not isinstance(saved, dict) or dist.get_rank() != 0:
         return  # a checkpoint older than the record, or another tool's
     mine = _data_order(args)
     def show(v):
         return " ".join(map(str, v)) if isinstance(v, list) else v
-    differing = [f"--{k.replace('_', '-')} {show(mine[k])} here, {show(saved[k])} there" for k in DATA_ORDER_ARGS
-                 if k in saved and saved[k] != mine[k]]
+    by_content = isinstance(saved.get(DATA_IDENTITY), dict)
+    differing, moved = [], []
+    for k in DATA_ORDER_ARGS:
+        if k not in saved or (saved[k] == mine[k] and not (by_content and k in DATA_PATH_ARGS)):
+            continue
+        flag = f"--{k.replace('_', '-')}"
+        if by_content and k in DATA_PATH_ARGS:
+            here, there = _by_content(mine[k], mine[DATA_IDENTITY]), _by_content(saved[k], saved[DATA_IDENTITY])
+            if here == there:
+                if saved[k] != mine[k]:
+                    moved.append(f"{flag} {show(mine[k])} here, {show(saved[k])} there")
+                continue
+            if saved[k] == mine[k]:
+                changed = [p for p in mine[k] if mine[DATA_IDENTITY].get(p) != saved[DATA_IDENTITY].get(p)]
+                differing.append(f"{flag} {show(mine[k])}: the files of {', '.join(changed)} changed since (other "
+                                 "index contents)")
+                continue
+        differing.append(f"{flag} {show(mine[k])} here, {show(saved[k])} there")
+    if moved:
+        log.info("%s: the data moved (%s): the same contents (their index files and sizes), so this run goes on "
+                 "where iteration %s stopped", source, "; ".join(moved), state.get("iteration"))
     if differing:
         log.warning("%s: iteration %s was trained on other data or in another sample order (%s): this run goes on "
                     "at sample %d of its own sample index, which is not where that run stopped (samples may be read "
-                    "again or skipped; the same files moved elsewhere are no change); --finetune starts this data "
-                    "from its first sample with these weights",
-                    source, state.get("iteration"), "; ".join(differing), consumed)
+                    "again or skipped%s); --finetune starts this data from its first sample with these weights",
+                    source, state.get("iteration"), "; ".join(differing), consumed,
+                    "" if by_content else "; the same files moved elsewhere are no change")
 
 
 # what --no-load-optim keeps and drops (Megatron-LM's meaning: the learning-rate schedule is the optimizer's)

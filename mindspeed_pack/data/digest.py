@@ -11,13 +11,15 @@ from pathlib import Path
 _BLOCK = 1 << 20
 
 
-def sha256_of_files(files) -> str:
-    """sha256 over each file's name and bytes, in the order given."""
+def sha256_of_files(files, names: bool = True) -> str:
+    """sha256 over each file's name (unless ``names`` is False: the bytes alone, wherever and however named)
+    and bytes, in the order given."""
     digest = hashlib.sha256()
     buffer = bytearray(_BLOCK)
     view = memoryview(buffer)
     for f in files:
-        digest.update(Path(f).name.encode() + b"\0")
+        if names:
+            digest.update(Path(f).name.encode() + b"\0")
         with open(f, "rb", buffering=0) as fh:
             while n := fh.readinto(buffer):
                 digest.update(view[:n])

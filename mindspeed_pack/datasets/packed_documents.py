@@ -5,6 +5,7 @@ neither has to import the other for the shared types.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -32,6 +33,54 @@ def data_prefixes(args) -> list:
     for dest in ("data_path", "train_data_path", "valid_data_path", "test_data_path"):
         found += [p for p in getattr(args, dest, None) or [] if not is_blend_weight(p)]  # pretrain_gpt.py: blends
     return list(dict.fromkeys(found))
+
+
+_IDENTITIES: dict = {}  # (prefix, its files' sizes and mtimes) -> identity: hashed once per process
+
+
+def _recorded_identity(meta: dict) -> Optional[dict]:
+    """What preprocessing recorded that names the data's content wherever it lies: its cache key (the inputs'
+    digests, tokenizer, template, flags) without the inputs' paths, and the written data's fingerprint (pairs,
+    KTO); None when the sidecar records neither."""
+    key = json.loads(json.dumps(meta.get("cache_key"))) if isinstance(meta.get("cache_key"), dict) else None
+    if key is not None and isinstance(key.get("inputs"), list):
+        key["inputs"] = [{k: v for k, v in i.items() if k != "path"} if isinstance(i, dict) else i
+                         for i in key["inputs"]]
+    fingerprint = (meta.get("statistics") or {}).get("data_fingerprint")
+    if key is None and fingerprint is None:
+        return None
+    return {"cache_key": key, "data_fingerprint": fingerprint}
+
+
+def content_identity(prefix: str) -> Optional[str]:
+    """What ``prefix``'s data is, wherever it lies (a copy moved to another disk has the same): sha256 over its
+    index files (``.idx``: every document's length and offset), the sizes of their ``.bin`` and what its sidecar
+    records of the content (:func:`_recorded_identity`). A ``.bin`` is never read: tokens edited in place with
+    every length and the sidecar kept go unseen. None when the prefix has no index here (packs
+    ``P_packed_*_document`` or documents ``P``), or for packs whose sidecar records nothing of their content
+    (every pack is ``--seq-length`` long: their index tells only how many there are)."""
+    parts = [(key, path) for key, path in dataset_paths(prefix).items() if os.path.isfile(path + ".idx")]
+    if not parts and os.path.isfile(prefix + ".idx"):
+        parts = [("documents", prefix)]
+    if not parts:
+        return None
+    stats = tuple((path, os.stat(path + ".idx").st_size, os.stat(path + ".idx").st_mtime_ns,
+                   os.path.getsize(path + ".bin") if os.path.isfile(path + ".bin") else None) for _, path in parts)
+    key = (os.path.abspath(prefix), stats)
+    if key not in _IDENTITIES:
+        from mindspeed_pack.data.digest import sha256_of_files
+
+        try:
+            recorded = _recorded_identity(read_meta(prefix) or {})
+        except (OSError, ValueError, AttributeError):  # an unreadable sidecar: the index alone (never stops a save)
+            recorded = None
+        if recorded is None and parts[0][0] != "documents":
+            _IDENTITIES[key] = None
+        else:
+            what = {"parts": [k for k, _ in parts], "bin_bytes": [s[3] for s in stats], "recorded": recorded,
+                    "idx_sha256": sha256_of_files([path + ".idx" for _, path in parts], names=False)}
+            _IDENTITIES[key] = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+    return _IDENTITIES[key]
 
 
 def dataset_paths(prefix: str) -> dict:
