@@ -144,6 +144,59 @@ def test_packed_lora_loss_and_adapter_gradients_equal_peft_per_sample(qwen, targ
     assert max(_rel(grads2[k], grads[k]) for k in grads) <= 1e-5
 
 
+def _dropped_inputs(linear, tokens: int, training: bool = True) -> dict:
+    """The dropped input each projection's A saw in one forward of ``linear`` on ones, features 0..r-1: A_p and
+    B_p are set to pass them through to the output unchanged (scale 1)."""
+    r = linear.lora_r
+    with torch.no_grad():
+        for p in linear.lora_parts:
+            linear.lora_A[p].copy_(torch.eye(*linear.lora_A[p].shape))
+            linear.lora_B[p].copy_(torch.eye(*linear.lora_B[p].shape))
+    x = torch.ones(tokens, 1, linear.lora_A[linear.lora_parts[0]].shape[1])
+    linear.lora_enabled = False
+    base = linear(x)[0]
+    linear.lora_enabled = True
+    linear.train(training)
+    delta = (linear(x)[0] - base).reshape(tokens, linear.lora_groups, -1)  # [tokens, groups, per-group rows]
+    out, at = {}, 0
+    for p, width in linear.lora_layout:  # each projection's first rows (HF order) sit in group 0
+        out[p] = delta[:, 0, at:at + r]
+        at += width // linear.lora_groups
+    return out
+
+
+@pytest.mark.parametrize("linear", ["linear_qkv", "linear_fc1"])
+def test_lora_dropout_draws_one_mask_per_projection_of_a_fused_linear(linear):
+    """--lora-dropout on q/k/v (gate/up) fused in one linear: each projection's A sees its own mask, drawn
+    independently at the keep rate 1 - p, as PEFT's separate modules do (one mask shared by the fused projections
+    made their updates correlated); off in eval, and p = 0 is the plain forward."""
+    init_single_process()
+    torch.manual_seed(0)
+    p, tokens = 0.25, 2048
+    args = tiny_args(seq_length=S, tensor_model_parallel_size=1, pipeline_model_parallel_size=1, lora_r=4,
+                     lora_alpha=4.0, lora_dropout=p, lora_target_modules=["all-linear"], lora_use_rslora=False)
+    layer = build_gpt_model(args).decoder.layers[0]
+    module = layer.self_attention.linear_qkv if linear == "linear_qkv" else layer.mlp.linear_fc1
+    masks = _dropped_inputs(module, tokens)
+    assert len(masks) == (3 if linear == "linear_qkv" else 2)
+    for name, m in masks.items():
+        kept = m != 0
+        assert torch.allclose(m[kept], torch.full_like(m[kept], 1 / (1 - p))), name  # inverted dropout's scale
+        assert abs(float(kept.float().mean()) - (1 - p)) < 0.03, name  # 8192 draws: 6 standard deviations
+    names = list(masks)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            agree = float(((masks[a] != 0) == (masks[b] != 0)).float().mean())
+            # independent masks agree with probability p^2 + (1 - p)^2 = 0.625; one shared mask agrees everywhere
+            assert abs(agree - (p * p + (1 - p) ** 2)) < 0.04, (a, b, agree)
+
+    x = torch.randn(8, 1, module.lora_A[names[0]].shape[1])
+    evaluated = module.eval()(x)[0]  # no dropout in eval: every projection sees the input itself
+    assert all(torch.allclose(m, torch.ones_like(m)) for m in _dropped_inputs(module, 8, training=False).values())
+    module.lora_dropout = None  # p = 0 (what the build gives for --lora-dropout 0): training is the same forward
+    assert torch.equal(module.train()(x)[0], evaluated)
+
+
 # --------------------------------------------------------------------------- a trained run, in process
 def _trainer(qwen, out, *extra):
     argv = [*TINY_FLAGS, *RUN, "--data-path", qwen["data"], "--load", qwen["mg"], "--save", out, *extra]

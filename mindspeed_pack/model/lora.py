@@ -12,11 +12,12 @@ PEFT has for the separate Hugging Face projections::
 Parameters ``<linear>.lora_A.<p>`` / ``<linear>.lora_B.<p>``; each B_p keeps its rows in the HF
 order, and the projections' outputs are interleaved into the base's fused layout (QKV per query
 group, ``[gate; up]``) in the forward only, so the export is a renaming
-(:mod:`mindspeed_pack.convert.adapters`). ``scale = alpha / r`` (``alpha / sqrt(r)`` with rsLoRA);
-B starts at zero, so the adapted model starts as the base model exactly. The base is frozen:
-megatron's DDP and optimizers then keep no gradient buffer and no state for it. An outcome reward
-model's score head is no adapter: it trains in full beside them (PEFT's ``modules_to_save``,
-:data:`TRAINED_IN_FULL`), and is saved and exported with them.
+(:mod:`mindspeed_pack.convert.adapters`). ``--lora-dropout`` draws a mask per projection, as PEFT's
+separate modules do (without dropout the projections' A run as one matmul). ``scale = alpha / r``
+(``alpha / sqrt(r)`` with rsLoRA); B starts at zero, so the adapted model starts as the base model
+exactly. The base is frozen: megatron's DDP and optimizers then keep no gradient buffer and no state
+for it. An outcome reward model's score head is no adapter: it trains in full beside them (PEFT's
+``modules_to_save``, :data:`TRAINED_IN_FULL`), and is saved and exported with them.
 
 Only the rank-r activations ``h = A x`` cross tensor-parallel ranks:
 
@@ -235,14 +236,17 @@ class _LoRALinear:
 
     def _lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         if self.lora_dropout is not None and self.training:
-            if self.lora_column and not self.lora_sequence_parallel:
-                x = self.lora_dropout(x)  # x is the same on every TP rank: so is its mask (default generator)
-            else:
-                with get_cuda_rng_tracker().fork():  # each rank holds other elements of x
-                    x = self.lora_dropout(x)
-        a = torch.cat([self.lora_A[p] for p in self.lora_parts]) if len(self.lora_parts) > 1 else \
-            self.lora_A[self.lora_parts[0]]
-        h = torch.matmul(x, a.t())
+            # one mask per projection, as PEFT draws for the separate q/k/v (gate/up) modules: each A sees its own
+            # dropped input (a mask shared by the fused projections would correlate their updates)
+            # x is the same on every TP rank: so are its masks (default generator); else each rank holds other elements
+            column = self.lora_column and not self.lora_sequence_parallel
+            with contextlib.nullcontext() if column else get_cuda_rng_tracker().fork():
+                hs = [torch.matmul(self.lora_dropout(x), self.lora_A[p].t()) for p in self.lora_parts]
+            h = torch.cat(hs, dim=-1) if len(hs) > 1 else hs[0]
+        else:  # no dropout: the projections' A in one matmul
+            a = torch.cat([self.lora_A[p] for p in self.lora_parts]) if len(self.lora_parts) > 1 else \
+                self.lora_A[self.lora_parts[0]]
+            h = torch.matmul(x, a.t())
         group = ps.get_tensor_model_parallel_group()
         if self.lora_column:
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=group) \
