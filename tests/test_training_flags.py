@@ -720,3 +720,67 @@ def test_a_missing_rollout_path_is_refused_before_the_model_is_built(tmp_path, m
     for stage in (["--stage", "grpo"], ["--stage", "score", "--score-output", str(tmp_path / "out.jsonl")]):
         with pytest.raises(DataError, match=rf"^--rollout-path '{re.escape(typo)}' does not exist$"):
             posttrain.main([*base, *stage])
+
+
+def _cli_error(monkeypatch, capsys, argv_, env):
+    """``posttrain.py ARGV`` in this process with torchrun's rank variables ``env``: (exit code, error lines)."""
+    import sys
+
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["posttrain.py", *argv_])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        posttrain.cli()
+    return exit_.value.code, [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),  # the parser's refusal
+    (["--bf16", "--fp16"], "--bf16 and --fp16 cannot be used together"),  # a check of the combination
+    (["--eval-interval", "0"], "--eval-interval 0 must be >= 1"),  # a value out of range
+    (["--stage", "dpo", "--dpo-beta", "0"], "--dpo-beta 0.0 must be a finite number > 0"),  # the stage's check
+    (["--stage", "orpo", "--pref-ftx", "0.2"], "--pref-ftx 0.2 with --stage orpo"),  # the stage's constructor
+])
+def test_a_flag_error_is_printed_once_per_job_by_rank_0(neat, monkeypatch, capsys, extra, message):
+    """torchrun --nproc-per-node 8 posttrain.py BAD-FLAGS printed the same error line from all 8 ranks,
+    interleaved: a refusal of the command line, which every rank parses alike, is printed by rank 0 alone; every
+    rank exits 2."""
+    flags = nargv(neat, "--train-iters", "1", *extra)
+    for env, printed in (({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2"}, False),
+                         ({"RANK": "1"}, False),
+                         ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, True),
+                         ({}, True)):  # plain python: a world of one
+        code, errors = _cli_error(monkeypatch, capsys, flags, env)
+        assert code == 2, (env, errors)
+        assert (len(errors) == 1 and message in errors[0]) if printed else errors == [], (env, errors)
+
+
+def test_an_error_a_rank_may_hit_alone_is_printed_by_that_rank(neat, tmp_path, monkeypatch, capsys):
+    """What depends on files stays printed where it is hit: a --config file (another node may hold another copy,
+    or none) by each node's local rank 0; a data prefix missing by every rank that misses it."""
+    missing = ["--config", str(tmp_path / "none.yaml")]
+    for env, printed in (({"RANK": "8", "LOCAL_RANK": "0"}, True), ({"RANK": "9", "LOCAL_RANK": "1"}, False)):
+        code, errors = _cli_error(monkeypatch, capsys, nargv(neat, "--train-iters", "1", *missing), env)
+        assert code == 2 and len(errors) == int(printed) and all("none.yaml: no such file" in e for e in errors)
+    flags = argv(str(tmp_path / "gone"), "--neat-pack", "--train-iters", "1")
+    code, errors = _cli_error(monkeypatch, capsys, flags, {"RANK": "9", "LOCAL_RANK": "1"})
+    assert code == 2 and len(errors) == 1 and "gone" in errors[0], errors
+
+
+def test_pretrain_gpt_flag_error_is_printed_by_rank_0_only(neat, monkeypatch, capsys):
+    import pretrain_gpt
+
+    for env, printed in (({"RANK": "3", "LOCAL_RANK": "3"}, False), ({"RANK": "0"}, True)):
+        for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr("sys.argv", ["pretrain_gpt.py", *TINY_FLAGS, "--no-such-flag"])
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_:
+            pretrain_gpt.cli()
+        assert exit_.value.code == 2
+        assert ("unrecognized arguments: --no-such-flag" in capsys.readouterr().err) == printed

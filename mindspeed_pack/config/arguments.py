@@ -28,10 +28,11 @@ from mindspeed_pack.config import (
     resolved_config,
     yaml_file,
 )
-from mindspeed_pack.config.errors import ArgumentError
+from mindspeed_pack.config.errors import ArgumentError, flag_scope
 from mindspeed_pack.model import compiled_layers, lora
 from mindspeed_pack.model.gpt import attention_backend, padded_vocab_size
 from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
+from mindspeed_pack.runtime import error_scope
 from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
@@ -535,9 +536,15 @@ def _logging_args(p: argparse.ArgumentParser) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse's parser whose errors are one line: the usage of some 300 flags buried the message."""
+    """argparse's parser whose errors are one line: the usage of some 300 flags buried the message. Every rank
+    parses the same flags: the line is printed once per job, or once per node when a file gave flags
+    (``refusal_scope``, :func:`~mindspeed_pack.config.errors.flag_scope`); every rank exits 2."""
+
+    refusal_scope = "job"  # the command line alone; yaml_file.parse and parse_args widen it once files give flags
 
     def error(self, message):
+        if not error_scope.prints_here(self.refusal_scope):
+            self.exit(2)
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
@@ -1005,8 +1012,7 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
         validate_args(args, world_size)
         _refuse_ignored_flags(args, given)
     except ArgumentError as e:
-        if int(os.environ.get("LOCAL_RANK", "0")) != 0:  # every rank parses the same flags: one line per node
-            parser.exit(2)
+        parser.refusal_scope = error_scope.scope_of(e) if hasattr(e, "scope") else flag_scope(args)
         parser.error(str(e))
     resolved_config.record_sources(parser, args, given, from_hf, defaults, from_checkpoint)
     return args

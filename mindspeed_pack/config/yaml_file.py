@@ -28,7 +28,7 @@ import json
 import os
 from typing import Iterable, List, Optional
 
-from mindspeed_pack.runtime import stale_files
+from mindspeed_pack.runtime import error_scope, stale_files
 
 FLAG = "--config"
 
@@ -261,10 +261,12 @@ def parse(parser: argparse.ArgumentParser, argv=None) -> tuple:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        argv = expand_argv(parser, argv)
-    except ConfigError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    return parser.parse_args(argv), argv
+        expanded = expand_argv(parser, argv)
+    except ConfigError as e:  # the file: each node reads its own copy (runtime.error_scope)
+        parser.exit(2, f"{parser.prog}: error: {e}\n" if error_scope.prints_here("node") else None)
+    if config_path(argv) is not None:  # the file gave flags: a refusal of them may differ per node
+        parser.refusal_scope = "node"
+    return parser.parse_args(expanded), expanded
 
 
 # ---------------------------------------------------------------------------- writing

@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from mindspeed_pack.runtime import faults, peers, platform
+from mindspeed_pack.runtime.error_scope import scoped
 from mindspeed_pack.runtime.rendezvous import attempt_store
 
 _LAYOUT = None  # (TP, PP, CP, EP, dynamic CP) of the megatron groups this module made
@@ -124,9 +125,10 @@ def check_same_flags(flags: dict) -> None:
                      for k in sorted(set(theirs) | set(reference)) if theirs.get(k) != reference.get(k)]
         if differing:
             lines.append(f"rank {rank} (node {node}, host {host}): {'; '.join(differing[:5])}")
-    raise LaunchError(f"the ranks were started with different flags: {' | '.join(lines[:4])}"
-                      f"{f' (and {len(lines) - 4} more ranks)' if len(lines) > 4 else ''}; start every node with "
-                      "the same command (only --node-rank differs)")
+    # every rank gathered the same: rank 0 says it for the job (runtime.error_scope)
+    raise scoped(LaunchError(f"the ranks were started with different flags: {' | '.join(lines[:4])}"
+                             f"{f' (and {len(lines) - 4} more ranks)' if len(lines) > 4 else ''}; start every node "
+                             "with the same command (only --node-rank differs)"), "job")
 
 
 def initialize_from_args(args, flags: dict | None = None) -> None:

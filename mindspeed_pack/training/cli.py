@@ -7,7 +7,7 @@ import sys
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.config.errors import ArgumentError
 from mindspeed_pack.datasets.packed_documents import DataError
-from mindspeed_pack.runtime import process_groups
+from mindspeed_pack.runtime import error_scope, process_groups
 from mindspeed_pack.runtime.disk import DiskFullError
 from mindspeed_pack.runtime.peers import PeerFailure
 from mindspeed_pack.runtime.process_groups import LaunchError
@@ -20,8 +20,15 @@ def setup_logging() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)  # keep the console for our step lines
 
 
+def _print_error(script: str, error: BaseException) -> None:
+    """The ``error:`` line, on the ranks that print an error of its scope (a refusal of the flags every rank parsed
+    alike: rank 0 only; :mod:`mindspeed_pack.runtime.error_scope`)."""
+    if error_scope.prints_here(error_scope.scope_of(error)):
+        print(f"{script}: error: {error}", file=sys.stderr)
+
+
 def run_cli(script: str, main, own_process: bool = False) -> None:
-    """Run ``main()``; bad input (data, checkpoint) ends with one ``error:`` line and exit 2,
+    """Run ``main()``; bad input (flags, data, checkpoint) ends with one ``error:`` line and exit 2,
     a diverged run (``--nan-policy stop``) with one line naming the iteration and exit 1, a dead or
     hung peer with one line naming what this rank waited for and exit 1 (torchrun then restarts).
 
@@ -33,14 +40,14 @@ def run_cli(script: str, main, own_process: bool = False) -> None:
         main()
     # the message says what and where (or how to start); ArgumentError: a check after the parser's (a stage's flags)
     except (CheckpointError, DataError, LaunchError, ArgumentError) as e:
-        print(f"{script}: error: {e}", file=sys.stderr)
+        _print_error(script, e)
         sys.exit(2)
     except (NonFiniteLossError, DiskFullError) as e:
-        print(f"{script}: error: {e}", file=sys.stderr)
+        _print_error(script, e)
         sys.exit(1)
     except (PeerFailure, RendezvousTimeout) as e:
         peers_alive = False
-        print(f"{script}: error: {e}", file=sys.stderr)
+        _print_error(script, e)
         sys.exit(1)
     except SystemExit as e:  # --help, a usage error, a clean early exit
         peers_alive = e.code in (0, None)

@@ -26,6 +26,7 @@ from mindspeed_pack.datasets.packed_documents import DataError, is_blend_weight
 from mindspeed_pack.model import compiled_layers, lora
 from mindspeed_pack.model.vocab_cross_entropy import UNFUSED_ELEMENTS, loss_chunk
 from mindspeed_pack.packing.balance import model_shape
+from mindspeed_pack.runtime.error_scope import scoped
 from mindspeed_pack.runtime.platform import cuda_usable
 
 log = logging.getLogger(__name__)
@@ -518,12 +519,12 @@ def check_host_memory(args) -> None:
         return
     parts = " + ".join(f"{name} {m[name]:.2f}" for name in ("weights", "reference model", "gradients", "optimizer",
                                                             "activations") if m[name])
-    raise ArgumentError(
+    raise scoped(ArgumentError(  # the host's memory: each node's local rank 0 says it (runtime.error_scope)
         f"no CUDA device: this run would hold about {m['total']:.2f} GiB per process in host memory ({parts} GiB, "
         f"--dry-run's estimate for a {_count(m['parameters'])}-parameter model) x {processes} process(es) on this "
         f"host = {m['total'] * processes:.1f} GiB, and the host has {free:.1f} GiB free: run it on GPUs "
         "(--dry-run, the example scripts' DRY_RUN=1, checks its flags and prints its plan without one), or make the "
-        "model or --seq-length smaller")
+        "model or --seq-length smaller"), "node")
 
 
 def dry_run(args, script: str) -> bool:

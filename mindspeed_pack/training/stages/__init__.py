@@ -143,7 +143,19 @@ _REFERENCE_STAGES = ("dpo", "kto")
 def check_stage_flags(args) -> None:
     """Values no stage can train with (a beta of 0 trains nothing, a negative one inverts the preference; a
     negative --pref-ftx maximises the NLL) refused by name; a reference given to a stage that has none refused;
-    another stage's flags given (a DPO script moved to SimPO kept its --dpo-beta) said once."""
+    another stage's flags given (a DPO script moved to SimPO kept its --dpo-beta) said once. A refusal is printed
+    once per job (:func:`~mindspeed_pack.config.errors.flag_scope`), not by every rank."""
+    from mindspeed_pack.config.errors import ArgumentError, flag_scope
+    from mindspeed_pack.runtime.error_scope import scoped
+
+    try:
+        _check_stage_flags(args)
+    except ArgumentError as e:
+        scoped(e, flag_scope(args))
+        raise
+
+
+def _check_stage_flags(args) -> None:
     import logging
     import math
 
@@ -174,7 +186,20 @@ def check_stage_flags(args) -> None:
 
 def get_stage(args):
     """The stage object ``--stage`` selects (the common checks of its flags: :func:`check_stage_flags`, which
-    posttrain.py runs first)."""
+    posttrain.py runs first). A stage's constructor checks its flags and reads no file: its refusal is printed
+    once per job (:func:`~mindspeed_pack.config.errors.flag_scope`), not by every rank."""
+    from mindspeed_pack.config.errors import ArgumentError, flag_scope
+    from mindspeed_pack.datasets.packed_dataset import DataError
+    from mindspeed_pack.runtime.error_scope import scoped
+
+    try:
+        return _make_stage(args)
+    except (ArgumentError, DataError) as e:
+        scoped(e, flag_scope(args))
+        raise
+
+
+def _make_stage(args):
     if args.stage == "dpo":
         from mindspeed_pack.training.stages.dpo import DPOStage
 

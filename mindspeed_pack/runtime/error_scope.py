@@ -1,0 +1,51 @@
+"""Which ranks print an error that many ranks hit alike: one line per job, not one per rank.
+
+Every rank of a torchrun job parses the same command line and runs the same checks, so a bad flag was printed
+by all of them (8 interleaved copies per node). An error says how far it is shared, its ``scope``:
+
+- ``"job"``: it follows from what every rank has alike (the command line; after the ranks met, what they
+  exchanged, e.g. ``check_same_flags``). Global rank 0 prints it (``RANK``; before the process group exists
+  the environment is all there is).
+- ``"node"``: it follows from files or the host (a ``--config`` file, ``--load``'s config.json, host memory):
+  another node may see other files, so each node's local rank 0 prints it (``LOCAL_RANK``).
+- ``"rank"`` (an error without a scope): only some ranks may hit it (a rank's own checkpoint shard, a lost
+  peer): every rank that hits it prints it.
+
+Every rank still exits with the same code; the launcher reports the failed ranks.
+"""
+from __future__ import annotations
+
+import os
+
+SCOPES = ("job", "node", "rank")
+
+
+def scope_of(error: BaseException) -> str:
+    """The ``scope`` an error was raised with; ``"rank"`` when it has none."""
+    scope = getattr(error, "scope", None)
+    return scope if scope in SCOPES else "rank"
+
+
+def _env_rank(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0"))
+    except ValueError:  # not a launcher's value: print rather than hide the error
+        return 0
+
+
+def prints_here(scope: str) -> bool:
+    """Whether this process prints an error of ``scope`` (:data:`SCOPES`)."""
+    if scope == "job":
+        import torch.distributed as dist
+
+        return (dist.get_rank() if dist.is_available() and dist.is_initialized() else _env_rank("RANK")) == 0
+    if scope == "node":
+        return _env_rank("LOCAL_RANK") == 0
+    return True
+
+
+def scoped(error: BaseException, scope: str) -> BaseException:
+    """``error`` with its ``scope`` set (``raise scoped(DataError(...), "job")``)."""
+    assert scope in SCOPES, scope
+    error.scope = scope
+    return error
