@@ -491,3 +491,33 @@ def test_exit_duration_stops_saved_and_the_same_command_resumes_exactly(tmp_path
     assert trainer.iteration == 1 and open(os.path.join(ckpt, layout.TRACKER)).read() == "1"
     posttrain.main([*argv, "--exit-interval", "3"])  # not a flag that defines the run: the same run resumes
     assert_steps_match(read_metrics(metrics), ref_train, range(1, 4))
+
+
+def test_iterations_later_than_a_tracker_set_back_are_named_at_load(tmp_path, data, reference, caplog):
+    """The tracker set back by hand (10 -> 5, to redo the last steps), or a save killed before its tracker: the
+    later iter_* stayed beside it without a word, and whoever took the highest iter_* (a script, a user) took the
+    abandoned weights. The load (and the converter) names them; a run saving there says which it saves over when
+    it reaches them (Megatron-LM's re-save) and which stay, with the command to remove them."""
+    from mindspeed_pack.convert.convert import MegatronCheckpoint
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(reference[2], ckpt)
+    os.makedirs(os.path.join(ckpt, "iter_0000007", "mp_rank_00"))  # an iteration this run does not save
+    layout.write_tracker(ckpt, 5)
+    metrics = str(tmp_path / "m.jsonl")
+    with caplog.at_level("WARNING"):
+        posttrain.main(base_argv(data, metrics, "--load", ckpt, "--save", ckpt, "--save-interval", "5",
+                                 "--exit-interval", "6"))
+    said = [r.getMessage() for r in caplog.records if "later iter_" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    assert f"{ckpt}/latest_checkpointed_iteration.txt names iteration 5, but {ckpt} also holds the later " \
+           "iter_0000007, iter_0000010" in said[0]
+    assert "iteration 5 is loaded, as the tracker says" in said[0]
+    assert "this run saves over iter_0000010 when it reaches it" in said[0]
+    assert "iter_0000007 stays beside this run's checkpoints" in said[0]
+    assert f"rm -r {ckpt}/iter_0000007" in said[0]
+    assert layout.read_tracker(ckpt) == 6  # resumed at 5, as Megatron-LM does
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        MegatronCheckpoint(ckpt)  # the converter reads the tracker too, and says what else is there
+    assert "names iteration 6, but" in caplog.text and "iter_0000007, iter_0000010" in caplog.text

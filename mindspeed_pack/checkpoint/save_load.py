@@ -315,6 +315,31 @@ def _iteration_dir_for_load(root: str, iteration, flag: str = "--load") -> str:
     return it_dir
 
 
+def _warn_later_iterations(args, root: str, iteration, flag: str) -> None:
+    """Rank 0 warns when ``root`` holds iterations later than its tracker's (:func:`layout.later_iterations`), and
+    says what this run does to them: one it saves into ``root`` at its --save-interval or last iteration is saved over
+    when the run reaches it; one it does not save stays, another trajectory's weights beside this run's."""
+    later = layout.later_iterations(root, iteration)
+    if not later or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    note = layout.later_iterations_note(root, iteration, later)
+    if args.save and os.path.abspath(args.save) == os.path.abspath(root) and not getattr(args, "skip_train", False):
+        interval, last = getattr(args, "save_interval", None), getattr(args, "train_iters", None) or 0
+        saves = {name: n <= last and (n == last or bool(interval and n % interval == 0))
+                 for name, n in ((name, int(name[len("iter_"):])) for name in later)}
+        saved_over = [name for name in later if saves[name]]
+        stays = [name for name in later if not saves[name]]
+        them = "it" if len(saved_over) == 1 else "them"
+        said = [f"this run saves over {', '.join(saved_over)} when it reaches {them}"] if saved_over else []
+        if stays:
+            said.append(f"{', '.join(stays)} {'stays' if len(stays) == 1 else 'stay'} beside this run's checkpoints "
+                        f"(not an iteration it saves: --save-interval {interval}, --train-iters {last}), holding the "
+                        f"other weights: remove {'it' if len(stays) == 1 else 'them'} if not wanted (rm -r "
+                        f"{' '.join(os.path.join(root, name) for name in stays)})")
+        note += "; " + "; ".join(said)
+    log.warning("%s %s: %s", flag, root, note)
+
+
 def _allow_unsafe(args) -> bool:
     """``--allow-unsafe-checkpoint-load`` (weights-only loads from model-shape namespaces have no such flag)."""
     return bool(getattr(args, "allow_unsafe_checkpoint_load", False))
@@ -507,6 +532,8 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
             raise CheckpointError(f"--ckpt-step {step}: {layout.iteration_dir(root, step)} does not exist; {root} "
                                   f"holds {', '.join(_saved_iterations(root)) or 'no iteration'}")
         iteration = step
+    else:
+        _warn_later_iterations(args, root, iteration, flag)
     it_dir = _iteration_dir_for_load(root, iteration, flag)
     saved_tp, saved_pp, saved_ep = _saved_parallel_sizes(args, it_dir)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

@@ -182,6 +182,9 @@ class MegatronCheckpoint:
         it_dir = layout.iteration_dir(load_dir, iteration)
         if not os.path.isdir(it_dir):
             raise ConversionError(f"{os.path.join(load_dir, layout.TRACKER)} names {iteration!r}, but {it_dir} does not exist")
+        later = layout.later_iterations(load_dir, iteration)
+        if later:  # the tracker set back: the tracked iteration is converted, not the highest iter_*
+            log.warning("--load-dir %s: %s", load_dir, layout.later_iterations_note(load_dir, iteration, later))
         try:
             self.tp, self.pp, self.ep = layout.parallel_sizes_in(it_dir, allow_unsafe)
         except layout.DistributedCheckpointError as e:

@@ -311,6 +311,27 @@ def held_iterations(root: str) -> list:
     return sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n) and os.path.isdir(os.path.join(root, n)))
 
 
+def later_iterations(root: str, iteration) -> list:
+    """``root``'s iteration directories later than ``iteration``, its tracker's, oldest first. The tracker is a save's
+    commit point, so they are not the checkpoint: the tracker was set back by hand (to redo the last steps), or a
+    save was killed between its rename and its tracker. Megatron-LM loads the tracked iteration and leaves them;
+    a run saving into ``root`` saves over each one it reaches, and until then whoever takes the highest ``iter_*``
+    (a script, a user) takes one of them."""
+    if not isinstance(iteration, int):  # release
+        return []
+    return [name for name in held_iterations(root) if int(name[len("iter_"):]) > iteration]
+
+
+def later_iterations_note(root: str, iteration, later: list) -> str:
+    """What the load of ``root`` at its tracked ``iteration`` says about ``later`` (:func:`later_iterations`)."""
+    tracker = os.path.join(root, TRACKER)
+    newest = int(later[-1][len("iter_"):])
+    return (f"{tracker} names iteration {iteration}, but {root} also holds the later {', '.join(later)} (the tracker "
+            f"set back by hand, or a save killed before it wrote the tracker): iteration {iteration} is loaded, as "
+            f"the tracker says (Megatron-LM's rule); to load iteration {newest} instead, write it into the tracker "
+            f"(echo {newest} > {tracker})")
+
+
 def inside_checkpoint(path: str) -> str:
     """A hint when ``path`` is an iteration directory of a checkpoint (or one of its rank directories), which a
     ``--load`` names by its root: '' otherwise."""
