@@ -720,3 +720,95 @@ def test_the_lora_log_line_states_the_scale_and_rslora(rslora, shown, caplog):
     with caplog.at_level(logging.INFO, logger="mindspeed_pack.training.model_setup"):
         _log_model(args, torch.nn.Linear(4, 4), "local")
     assert f"LoRA r=4 alpha=8 {shown} on all-linear" in caplog.text
+
+
+def _write_base(d, tensors) -> str:
+    """A HF-like base directory: config.json and one safetensors file of ``tensors``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({"model_type": "qwen2"}, f)
+    save_file(tensors, os.path.join(d, "model.safetensors"))
+    return str(d)
+
+
+def test_the_base_fingerprint_reads_a_sample_and_still_tells_bases_apart(tmp_path, monkeypatch):
+    """The LoRA base record hashed every byte of the base (~0.5 s per GB: minutes for a 70B model, at every
+    conversion and LoRA start); it reads the header and samples of every tensor now, and still tells apart what
+    another base differs in: every element of a tensor (a fine-tune, a LoRA merge), a sampled weight, a dtype."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"big": torch.randn(1024, 1024, generator=g), "small": torch.randn(64, generator=g)}  # 4 MiB + 256 B
+    base = _write_base(tmp_path / "base", tensors)
+    read = []
+
+    class CountingFile:
+        def __init__(self, *a, **kw):
+            self.f = open(*a, **kw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def seek(self, *a):
+            return self.f.seek(*a)
+
+        def read(self, n=-1):
+            data = self.f.read(n)
+            read.append(len(data))
+            return data
+
+    monkeypatch.setattr(adapters, "open", CountingFile, raising=False)
+    fp = adapters.fingerprint(base)
+    assert sum(read) < 64 * 1024, sum(read)  # of 4.2 MB: the header, 8 chunks of 4 KiB and the small tensor
+    assert adapters.is_sampled(fp) and adapters.fingerprint(_write_base(tmp_path / "copy", tensors)) == fp
+
+    def changed(name, edit):
+        edited = {k: v.clone() for k, v in tensors.items()}
+        edit(edited)
+        return adapters.fingerprint(_write_base(tmp_path / name, edited))
+
+    assert changed("tuned", lambda t: t["big"].add_(1e-3)) != fp  # every element (same size, dtype, shape)
+    assert changed("merged", lambda t: t["big"][:, :8].add_(1e-3)) != fp  # every row of the tensor touched
+    assert changed("first", lambda t: t["big"][0, 0].add_(1.0)) != fp  # one weight, in a sampled chunk
+    assert changed("last", lambda t: t["big"][-1, -1].add_(1.0)) != fp
+    assert changed("small", lambda t: t["small"][30].add_(1.0)) != fp  # a small tensor is read whole
+    assert changed("half", lambda t: t.update(big=t["big"].half())) != fp  # another dtype: the header
+
+
+def test_a_megatron_rank_files_fingerprint_covers_every_byte_by_its_zip_crcs(tmp_path):
+    """A Megatron base's files are torch.save zips: their central directory holds every entry's CRC-32, so one
+    changed weight anywhere changes the fingerprint, without reading the tensors."""
+    t = torch.randn(512, 512, generator=torch.Generator().manual_seed(1))
+    path = str(tmp_path / "model_optim_rng.pt")
+    torch.save({"model": {"w": t}}, path)
+    before = adapters.file_digest(path)
+    t[300, 200] += 1.0  # in the middle: no sample would see it
+    torch.save({"model": {"w": t}}, path)
+    assert adapters.file_digest(path) != before
+
+
+def test_a_base_recorded_by_the_older_full_hash_is_still_checked(tmp_path, caplog):
+    """Adapters saved before the sampled fingerprint record a sha256 of every byte: compared by that method (the
+    same base accepted, another refused); a lineage of the other kind, which cannot be compared, is warned about
+    and not refused."""
+    from mindspeed_pack.convert.model_specs import ConversionError
+
+    g = torch.Generator().manual_seed(2)
+    base = _write_base(tmp_path / "base", {"w": torch.randn(256, 256, generator=g)})
+    other = _write_base(tmp_path / "other", {"w": torch.randn(256, 256, generator=g)})
+    old = {"base": {"path": base, "fingerprint": adapters.fingerprint(base, sampled=False)}}
+    assert not adapters.is_sampled(old["base"]["fingerprint"]) and len(old["base"]["fingerprint"]) == 64
+    adapters.check_base(old, base, adapters.fingerprint(base), "--lora-load A")  # accepted
+    with pytest.raises(ConversionError, match="the adapters were trained on the base"):
+        adapters.check_base(old, other, adapters.fingerprint(other), "--lora-load A")
+    new = {"base": {"path": base, "fingerprint": adapters.fingerprint(base)}}
+    with caplog.at_level("WARNING"):  # `other` as a conversion whose lineage an older version recorded
+        adapters.check_base(new, other, adapters.fingerprint(other), "--lora-load A",
+                            same_here=[adapters.fingerprint(base, sampled=False)])
+    assert "cannot be checked" in caplog.text
+    with pytest.raises(ConversionError):  # the same lineage of this kind: compared, refused
+        adapters.check_base(new, other, adapters.fingerprint(other), "--lora-load A",
+                            same_here=[adapters.fingerprint(other)])

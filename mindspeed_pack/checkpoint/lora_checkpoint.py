@@ -1,8 +1,9 @@
 """A LoRA run's checkpoints: the frozen base it adapts, identified by content, and its adapters.
 
 ``--load BASE`` (a Hugging Face directory or a Megatron checkpoint) is always loaded as weights
-only, at iteration 0, and fingerprinted by content (sha256 of its weight files, the files hashed in
-parallel over the ranks: :func:`mindspeed_pack.convert.adapters.fingerprint` gives the same value).
+only, at iteration 0, and fingerprinted by content (its weight files sampled, in parallel over the ranks:
+:func:`mindspeed_pack.convert.adapters.fingerprint` gives the same value;
+:func:`~mindspeed_pack.convert.adapters.file_digest` says what it reads).
 ``--save`` then writes a checkpoint in Megatron's layout holding the adapters only, with their
 optimizer state, the schedule, RNG states and data position, and a ``lora`` record: the LoRA
 settings and the base (path and fingerprint) (:func:`mindspeed_pack.model.lora.checkpoint_entries`).
@@ -45,12 +46,12 @@ def _fingerprint(path: str, flag: str) -> str:
     if not files:
         raise CheckpointError(f"{flag} {path}: no model files to fingerprint")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {f: adapters.file_sha256(os.path.join(path, f)) for f in files[rank::world]}
+    mine = {f: adapters.file_digest(os.path.join(path, f)) for f in files[rank::world]}
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     fingerprint = adapters.combine({k: v for part in gathered for k, v in part.items()})
-    log.info("LoRA base %s %s: content fingerprint %s (%d files hashed over %d ranks in %.1f s)", flag, path,
-             fingerprint[:16], len(files), world, time.perf_counter() - start)
+    log.info("LoRA base %s %s: content fingerprint %s (%d files sampled over %d ranks in %.1f s)", flag, path,
+             adapters.short(fingerprint), len(files), world, time.perf_counter() - start)
     return fingerprint
 
 
@@ -132,8 +133,13 @@ def _check_peft_base(args, peft: dict) -> None:
     if named and os.path.abspath(named) == os.path.abspath(args.load):
         return
     if named and os.path.isdir(named):
-        same = {args.lora_base["fingerprint"], *args.lora_base.get(adapters.SAME_WEIGHTS_AS, ())}  # or converted
-        if _fingerprint(named, f"{where}: base_model_name_or_path") not in same:
+        base = args.lora_base  # --load, or what it was converted from, is the directory named
+        same = adapters.same_base({_fingerprint(named, f"{where}: base_model_name_or_path")}, args.load,
+                                  base["fingerprint"], base.get(adapters.SAME_WEIGHTS_AS, ()))
+        if same is None:
+            log.warning("%s: --load %s records its lineage by a fingerprint of an older version: whether it holds "
+                        "the weights of %s (adapter_config.json's base) cannot be checked", where, args.load, named)
+        elif not same:
             raise CheckpointError(f"{where}: adapter_config.json names the base {named}, whose content differs from "
                                   f"--load {args.load}'s: pass --load {named} (or that model's exact copy)")
         return

@@ -13,9 +13,10 @@ A reward model's score head, trained in full beside the adapters, is PEFT's ``mo
 tensor goes in as ``base_model.model.score.weight`` (``task_type`` ``SEQ_CLS``), and into a merged
 model as is.
 
-The base an adapter was trained on is recorded as its path and a content fingerprint: sha256 over
-the base's weight files (a HF directory's config.json and weight files, a Megatron checkpoint's
-``model_optim_rng.pt`` files of its tracked iteration), checked wherever adapters meet a base again.
+The base an adapter was trained on is recorded as its path and a content fingerprint of the base's weight files
+(a HF directory's config.json and weight files, a Megatron checkpoint's ``model_optim_rng.pt`` files of its
+tracked iteration; sampled, not every byte hashed: :func:`file_digest`), checked wherever adapters meet a base
+again.
 A Megatron checkpoint's files depend on its layout, so ``convert_ckpt.py``'s mg->mg reshard records in
 the new files the fingerprints of the checkpoints it was resharded from (``same_weights_as``): a base
 and its reshards are the same model, and adapters of one are accepted on the others. A lossless hf->mg
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from typing import Dict, Iterable, List, Optional
@@ -47,6 +49,8 @@ PEFT_PREFIX = "base_model.model."
 SAME_WEIGHTS_AS = "same_weights_as"  # a reshard's record: fingerprints of the checkpoints it was resharded from
 HF_ORIGIN = "hf_origin"  # a lossless conversion's record: its HF directory (PEFT's base_model_name_or_path)
 PEFT_BASE_METADATA = "mindspeed_pack.lora_base"  # adapter_model.safetensors metadata: the base record (JSON)
+
+log = logging.getLogger(__name__)
 
 _MG_ADAPTER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)\.lora_([AB])\.(\w+)$")
 _PEFT_ADAPTER = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])\.weight$")
@@ -164,6 +168,27 @@ def base_files(path: str) -> List[str]:
     return sorted([hf_io.CONFIG, *hf_io.weight_files(path)])
 
 
+# A base's fingerprint says which model adapters were trained on, so that they are not applied to another one.
+# Another base that fits the same adapters (same names and shapes) differs in every element of the tensors it
+# changed: another checkpoint of the family, a full fine-tune, a LoRA merge (B @ A is dense over each adapted
+# projection), another precision (other dtypes and sizes). Hashing every byte (sha256, ~0.5 s per GB: minutes
+# for a 70B base, at every LoRA start and every conversion) is not needed to tell those apart:
+# - a safetensors file: its size, its header (the first 8 bytes give its length; its JSON names every tensor
+#   with its dtype, shape and offsets) and, of every tensor, evenly spaced chunks (its first and last bytes
+#   among them; a small tensor whole);
+# - a zip file (torch.save's .pt/.bin: a Megatron checkpoint's rank files): its central directory, which holds
+#   every entry's name, size and CRC-32 (torch computes it over the entry's bytes when it saves): every byte
+#   counted, read from the file's end;
+# - anything else (config.json, an index): hashed whole when small, else sampled like a tensor.
+# What a sample misses is a change confined to the bytes between the chunks of a safetensors tensor (one edited
+# element): not another base for the adapters' purpose. Such a fingerprint starts with SAMPLED; a record of
+# the older kind (a sha256 of every byte, 64 hex digits) is compared by that method (check_base).
+SAMPLED = "sampled1:"
+_CHUNK = 4096  # bytes of one sample
+_CHUNKS_PER_TENSOR = 8
+_WHOLE_BELOW = 16 << 20  # a small file outside the formats above is hashed whole
+
+
 def file_sha256(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -172,19 +197,119 @@ def file_sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def combine(digests: Dict[str, str]) -> str:
-    """One fingerprint of a base from its files' digests (relative path -> sha256)."""
-    h = hashlib.sha256()
-    for rel in sorted(digests):
-        h.update(f"{rel}:{digests[rel]}\n".encode())
+def _sample(f, h, start: int, end: int) -> None:
+    """Evenly spaced chunks of the bytes [start, end) of open file ``f`` into hash ``h`` (all of them when few)."""
+    length = end - start
+    if length <= _CHUNK * _CHUNKS_PER_TENSOR:
+        f.seek(start)
+        h.update(f.read(length))
+        return
+    step = (length - _CHUNK) / (_CHUNKS_PER_TENSOR - 1)
+    for i in range(_CHUNKS_PER_TENSOR):
+        f.seek(start + int(i * step))  # the first chunk at start, the last ending at end
+        h.update(f.read(_CHUNK))
+
+
+def _safetensors_digest(f, size: int, h) -> bool:
+    """The header and every tensor's samples of safetensors file ``f`` into ``h``; False when it is none."""
+    import struct
+
+    head = f.read(8)
+    if len(head) < 8:
+        return False
+    (n,) = struct.unpack("<Q", head)
+    if n > min(size - 8, 100 << 20):
+        return False
+    header = f.read(n)
+    try:
+        tensors = json.loads(header)
+    except ValueError:
+        return False
+    h.update(head + header)
+    spans = sorted(tuple(t["data_offsets"]) for k, t in tensors.items() if k != "__metadata__")
+    for begin, end in spans:
+        _sample(f, h, 8 + n + begin, 8 + n + end)
+    return True
+
+
+def _zip_digest(path: str, h) -> bool:
+    """Every entry's name, size and CRC-32 of zip file ``path`` into ``h``; False when it is none, or when its
+    writer recorded no CRC (then the entries' bytes are not vouched for)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            entries = [(i.filename, i.file_size, i.CRC) for i in z.infolist()]
+    except (zipfile.BadZipFile, OSError):
+        return False
+    if any(size and not crc for _, size, crc in entries):
+        return False
+    for name, size, crc in entries:
+        h.update(f"{name}:{size}:{crc:08x}\n".encode())
+    return True
+
+
+def file_digest(path: str) -> str:
+    """The sampled digest of one file of a base (the comment above says what it reads and why)."""
+    import zipfile
+
+    size = os.path.getsize(path)
+    h = hashlib.sha256(f"size {size}\n".encode())
+    with open(path, "rb") as f:
+        if path.endswith(".safetensors") and _safetensors_digest(f, size, h):
+            return h.hexdigest()
+    if zipfile.is_zipfile(path) and _zip_digest(path, h):
+        return h.hexdigest()
+    if size <= _WHOLE_BELOW:
+        return file_sha256(path)
+    with open(path, "rb") as f:
+        _sample(f, h, 0, size)
     return h.hexdigest()
 
 
-def fingerprint(path: str) -> str:
+def combine(digests: Dict[str, str], sampled: bool = True) -> str:
+    """One fingerprint of a base from its files' digests (relative path -> :func:`file_digest`; ``sampled``
+    False: -> :func:`file_sha256`, the older kind)."""
+    h = hashlib.sha256()
+    for rel in sorted(digests):
+        h.update(f"{rel}:{digests[rel]}\n".encode())
+    return (SAMPLED if sampled else "") + h.hexdigest()
+
+
+def fingerprint(path: str, sampled: bool = True) -> str:
+    """The content fingerprint of base ``path`` (``sampled`` False: the older kind, a sha256 of every byte)."""
     files = base_files(path)
     if not files:
         raise ConversionError(f"{path}: no model files to fingerprint")
-    return combine({f: file_sha256(os.path.join(path, f)) for f in files})
+    digest = file_digest if sampled else file_sha256
+    return combine({f: digest(os.path.join(path, f)) for f in files}, sampled)
+
+
+def is_sampled(fingerprint_: str) -> bool:
+    """Whether a recorded fingerprint is of the sampled kind (else a sha256 of every byte, recorded before)."""
+    return str(fingerprint_).startswith(SAMPLED)
+
+
+def short(fingerprint_: Optional[str]) -> str:
+    """A fingerprint's first 16 hex digits, after its kind's tag."""
+    text = str(fingerprint_)
+    return text[:len(SAMPLED) + 16] if is_sampled(text) else text[:16]
+
+
+def same_base(recorded, path: str, here: str, same_here=()) -> Optional[bool]:
+    """Whether base ``path`` (fingerprint ``here``, and ``same_here``: those of the checkpoints it was converted or
+    resharded from) holds the weights of one of the ``recorded`` fingerprints. A recorded fingerprint of the
+    older kind is compared by its method (``path``'s every byte hashed, once); None when it cannot be told: a
+    match could only be through ``same_here`` and their kinds differ (a conversion recorded by an older version
+    and adapters of this one, or the reverse)."""
+    recorded = set(recorded) - {None}
+    if recorded & {here, *same_here}:
+        return True
+    if any(not is_sampled(r) for r in recorded) and fingerprint(path, sampled=False) in recorded:
+        return True
+    if any(is_sampled(r) != is_sampled(s) for r in recorded for s in same_here):
+        return None
+    return False
 
 
 def lineage(path: str) -> dict:
@@ -223,10 +348,15 @@ def check_base(record: dict, base_dir: str, fingerprint_here: str, where: str, f
     resharded from (``same_weights_as``; ``same_here``), have none in common."""
     base = record.get("base") or {}
     theirs = {base.get("fingerprint"), *(base.get(SAME_WEIGHTS_AS) or [])} - {None}
-    if not theirs & {fingerprint_here, *same_here}:
+    same = same_base(theirs, base_dir, fingerprint_here, same_here)
+    if same is None:
+        log.warning("%s: the adapters' base %s is recorded by a fingerprint of another kind than %s %s's lineage "
+                    "(one written by an older version): the base cannot be checked, and is taken as theirs", where,
+                    base.get("path"), flag, base_dir)
+    elif not same:
         raise ConversionError(
             f"{where}: the adapters were trained on the base {base.get('path')} (content fingerprint "
-            f"{str(base.get('fingerprint'))[:16]}), but {flag} {base_dir} has fingerprint {fingerprint_here[:16]}: "
+            f"{short(base.get('fingerprint'))}), but {flag} {base_dir} has fingerprint {short(fingerprint_here)}: "
             f"pass {flag} {base.get('path')} (or that model's exact copy, or its reshard by convert_ckpt.py)")
 
 
