@@ -726,6 +726,9 @@ def _cli_error(monkeypatch, capsys, argv_, env):
     """``posttrain.py ARGV`` in this process with torchrun's rank variables ``env``: (exit code, error lines)."""
     import sys
 
+    from mindspeed_pack.runtime import error_scope
+
+    monkeypatch.setattr(error_scope, "QUIET_EXIT_DELAY_S", 0)  # the wait that lets rank 0 print under torchrun
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
@@ -773,6 +776,9 @@ def test_an_error_a_rank_may_hit_alone_is_printed_by_that_rank(neat, tmp_path, m
 def test_pretrain_gpt_flag_error_is_printed_by_rank_0_only(neat, monkeypatch, capsys):
     import pretrain_gpt
 
+    from mindspeed_pack.runtime import error_scope
+
+    monkeypatch.setattr(error_scope, "QUIET_EXIT_DELAY_S", 0)
     for env, printed in (({"RANK": "3", "LOCAL_RANK": "3"}, False), ({"RANK": "0"}, True)):
         for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
             monkeypatch.delenv(k, raising=False)

@@ -34,14 +34,32 @@ def _env_rank(name: str) -> int:
 
 
 def prints_here(scope: str) -> bool:
-    """Whether this process prints an error of ``scope`` (:data:`SCOPES`)."""
+    """Whether this process prints an error of ``scope`` (:data:`SCOPES`). One that does not waits
+    :data:`QUIET_EXIT_DELAY_S` first (:func:`leave_it_to_the_printer`)."""
     if scope == "job":
         import torch.distributed as dist
 
-        return (dist.get_rank() if dist.is_available() and dist.is_initialized() else _env_rank("RANK")) == 0
-    if scope == "node":
-        return _env_rank("LOCAL_RANK") == 0
-    return True
+        printer = (dist.get_rank() if dist.is_available() and dist.is_initialized() else _env_rank("RANK")) == 0
+    elif scope == "node":
+        printer = _env_rank("LOCAL_RANK") == 0
+    else:
+        printer = True
+    if not printer:
+        leave_it_to_the_printer()
+    return printer
+
+
+# torchrun stops a job's other processes (SIGTERM) as soon as one of them exits: a rank that leaves the line to
+# rank 0 and exits at once could have rank 0 killed before it prints it (it runs the same checks at about the
+# same moment, but on a busy host a second or two later)
+QUIET_EXIT_DELAY_S = 3.0
+
+
+def leave_it_to_the_printer() -> None:
+    """Wait :data:`QUIET_EXIT_DELAY_S` before this rank exits without printing the error."""
+    import time
+
+    time.sleep(QUIET_EXIT_DELAY_S)
 
 
 def scoped(error: BaseException, scope: str) -> BaseException:
