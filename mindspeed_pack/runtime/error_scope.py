@@ -4,8 +4,8 @@ Every rank of a torchrun job parses the same command line and runs the same chec
 by all of them (8 interleaved copies per node). An error says how far it is shared, its ``scope``:
 
 - ``"job"``: it follows from what every rank has alike (the command line; after the ranks met, what they
-  exchanged, e.g. ``check_same_flags``). Global rank 0 prints it (``RANK``; before the process group exists
-  the environment is all there is).
+  exchanged, e.g. ``check_same_flags``). Global rank 0 prints it (``RANK``: before the process group exists
+  the environment is all there is, and after it is the group's rank).
 - ``"node"``: it follows from files or the host (a ``--config`` file, ``--load``'s config.json, host memory):
   another node may see other files, so each node's local rank 0 prints it (``LOCAL_RANK``).
 - ``"rank"`` (an error without a scope): only some ranks may hit it (a rank's own checkpoint shard, a lost
@@ -36,10 +36,8 @@ def _env_rank(name: str) -> int:
 def prints_here(scope: str) -> bool:
     """Whether this process prints an error of ``scope`` (:data:`SCOPES`). One that does not waits
     :data:`QUIET_EXIT_DELAY_S` first (:func:`leave_it_to_the_printer`)."""
-    if scope == "job":
-        import torch.distributed as dist
-
-        printer = (dist.get_rank() if dist.is_available() and dist.is_initialized() else _env_rank("RANK")) == 0
+    if scope == "job":  # torchrun's RANK is the process group's rank once it exists (a world of one: unset)
+        printer = _env_rank("RANK") == 0
     elif scope == "node":
         printer = _env_rank("LOCAL_RANK") == 0
     else:
