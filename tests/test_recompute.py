@@ -100,10 +100,10 @@ def test_recomputed_layers_train_exactly_as_stored_ones(runs, name, reference):
 @pytest.mark.slow
 def test_recomputed_lora_layers_train_their_adapters(runs):
     """Under LoRA the embedding is frozen: its output is made to need a gradient, or megatron-core's checkpoint
-    function would pass none to the adapters (their gradient norm 0, the next steps' losses off by ~1e-2). The
-    first layer's input gradient, computed now, leaves the sums' rounding a few 1e-8 apart."""
-    for (l0, g0, _), (l1, g1, _) in zip(runs["lora"]["steps"], runs["lora full uniform"]["steps"]):
-        assert l1 == pytest.approx(l0, rel=1e-6) and g1 == pytest.approx(g0, rel=1e-6)
+    function would pass none to the adapters (their gradient norm 0, the next steps' losses off by ~1e-2). And the
+    same numbers bit for bit, as for full fine-tuning: the adapters' matmuls take one kernel in the recomputed
+    (no-grad) forward too (``torch.matmul`` batched a 3-D input there, a few 1e-8 apart)."""
+    assert runs["lora full uniform"]["steps"] == runs["lora"]["steps"]
 
 
 @pytest.mark.slow

@@ -241,12 +241,12 @@ class _LoRALinear:
             # x is the same on every TP rank: so are its masks (default generator); else each rank holds other elements
             column = self.lora_column and not self.lora_sequence_parallel
             with contextlib.nullcontext() if column else get_cuda_rng_tracker().fork():
-                hs = [torch.matmul(self.lora_dropout(x), self.lora_A[p].t()) for p in self.lora_parts]
+                hs = [_matmul_2d(self.lora_dropout(x), self.lora_A[p]) for p in self.lora_parts]
             h = torch.cat(hs, dim=-1) if len(hs) > 1 else hs[0]
         else:  # no dropout: the projections' A in one matmul
             a = torch.cat([self.lora_A[p] for p in self.lora_parts]) if len(self.lora_parts) > 1 else \
                 self.lora_A[self.lora_parts[0]]
-            h = torch.matmul(x, a.t())
+            h = _matmul_2d(x, a)
         group = ps.get_tensor_model_parallel_group()
         if self.lora_column:
             h = gather_from_sequence_parallel_region(h, tensor_parallel_output_grad=True, group=group) \
@@ -255,7 +255,7 @@ class _LoRALinear:
             h = reduce_scatter_to_sequence_parallel_region(h, group=group) if self.lora_sequence_parallel else \
                 reduce_from_tensor_model_parallel_region(h, group=group)
         r = self.lora_r
-        ys = {p: torch.matmul(h[..., i * r:(i + 1) * r], self.lora_B[p].t()) for i, p in enumerate(self.lora_parts)}
+        ys = {p: _matmul_2d(h[..., i * r:(i + 1) * r], self.lora_B[p]) for i, p in enumerate(self.lora_parts)}
         return self._fused(ys, h) * self.lora_scale
 
     def _fused(self, ys: dict, h: torch.Tensor) -> torch.Tensor:
@@ -265,6 +265,13 @@ class _LoRALinear:
         lead, g = h.shape[:-1], self.lora_groups
         pieces = [(ys[p] if p in ys else h.new_zeros(*lead, w)).reshape(*lead, g, w // g) for p, w in self.lora_layout]
         return torch.cat(pieces, dim=-1).reshape(*lead, -1)
+
+
+def _matmul_2d(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` as one 2-D matmul whatever the grad mode. ``torch.matmul`` folds a 3-D input into one ``mm``
+    only when the weight requires grad, else batches it: a recomputed forward (no grad) took another kernel than
+    the first, and LoRA gradients differed in their last bits with and without activation recomputation."""
+    return torch.mm(x.reshape(-1, x.shape[-1]), weight.t()).view(*x.shape[:-1], weight.shape[0])
 
 
 def _output_layout(linear: str, output_size: int, config, tp: int):
