@@ -105,6 +105,40 @@ def test_rendezvous_timeout_names_the_missing_rank():
         rendezvous._lead(server, 2, time.monotonic() + 0.5, "here", timeout)
 
 
+@pytest.mark.parametrize("stopping_rank", [1, 0])
+def test_a_rank_stopping_before_the_ranks_meet_stops_the_others_at_once(monkeypatch, stopping_rank):
+    """Node 1 started with another --seq-length than the packs' stops at its data check, before the rendezvous; node 0
+    waited the whole --distributed-timeout-minutes (10 min) in silence, then said rank 1 'did not join'. Now the
+    stopping rank leaves its error line in torchrun's store and the waiting rank stops within a second with it."""
+    server, client = _store_pair()
+    port = server.port
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", str(stopping_rank))
+    monkeypatch.setenv("GROUP_RANK", str(stopping_rank))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's agent hosts the store
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    rendezvous.announce_stop("--seq-length 128 differs from the packs' length 256 in data/sft_packed_meta.json")
+    waiting = 1 - stopping_rank
+    start = time.monotonic()
+    with pytest.raises(rendezvous.PeerStoppedEarly, match=rf"rank {waiting}: rank {stopping_rank} \(node "
+                       rf"{stopping_rank}, host .*\) stopped before the ranks met, so this rank stops too; its error: "
+                       r"--seq-length 128 differs from the packs' length 256"):
+        if waiting == 0:
+            rendezvous._lead(server, 2, time.monotonic() + 60, "here", datetime.timedelta(minutes=1))
+        else:
+            rendezvous._join(client, 1, time.monotonic() + 60, "here", datetime.timedelta(minutes=1))
+    assert time.monotonic() - start < 10
+    # a restart attempt does not stop on the error of the attempt before it (the key is not scoped to an attempt)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with pytest.raises(rendezvous.RendezvousTimeout, match="timed out"):
+        if waiting == 0:
+            rendezvous._lead(server, 2, time.monotonic() + 1, "here", datetime.timedelta(seconds=1))
+        else:
+            rendezvous._join(client, 1, time.monotonic() + 1, "here", datetime.timedelta(seconds=1))
+
+
 def test_a_taken_master_port_is_named_not_waited_for(monkeypatch):
     """A port another process listens on fails at once with its own message, not as a 10-minute timeout."""
     import socket

@@ -15,7 +15,14 @@ Instead the workers of an attempt agree on a fresh *generation* through the stor
   the acknowledgement of *its own* nonce, re-reading the leader key meanwhile (a value left
   by a dead attempt is never acknowledged; the new rank 0 soon replaces it).
 
-Keys of generation ``g`` are new by construction, so nothing stale is read. The process
+Keys of generation ``g`` are new by construction, so nothing stale is read.
+
+A rank that stops before the ranks meet (bad input on one node: another ``--seq-length`` than the packs', a
+missing file) calls :func:`announce_stop`: it leaves its error line under ``STOPPED_KEY``, and the ranks waiting
+in :func:`_lead` / :func:`_join` stop within ``POLL_S`` with that line, naming its rank, node and host, instead of
+waiting out ``--distributed-timeout-minutes`` in silence and then blaming a rank that "did not join". Only on a
+job's first attempt: the key is not scoped to an attempt (nothing is, before the ranks meet), and a restart must not
+stop on the error of the attempt before it. The process
 group and every later group (megatron's ``new_group`` calls use the default store) live
 under ``mindspeed_pack/generation<g>/``. The same holds for gloo and NCCL, one node or many,
 and without torchrun (rank 0 then hosts the store, as ``env://`` does).
@@ -23,9 +30,11 @@ and without torchrun (rank 0 then hosts the store, as ``env://`` does).
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import re
+import socket
 import time
 import uuid
 
@@ -36,7 +45,9 @@ log = logging.getLogger(__name__)
 PREFIX = "mindspeed_pack"
 GENERATION_KEY = f"{PREFIX}/generation"
 LEADER_KEY = f"{PREFIX}/leader"
-POLL_S = 0.5  # how often a joiner re-reads the leader key while it waits
+STOPPED_KEY = f"{PREFIX}/stopped"  # the error line of a rank that stopped before the ranks met (announce_stop)
+POLL_S = 0.5  # how often a waiting rank re-reads the leader key and STOPPED_KEY
+ANNOUNCE_TIMEOUT_S = 5.0  # how long a stopping rank tries to reach the store to say why
 
 
 class RendezvousTimeout(RuntimeError):
@@ -45,6 +56,10 @@ class RendezvousTimeout(RuntimeError):
 
 class StorePortTaken(RendezvousTimeout):
     """Rank 0 could not host the key-value store: ``MASTER_PORT`` is in use (the workers cannot meet at all)."""
+
+
+class PeerStoppedEarly(RendezvousTimeout):
+    """Another rank stopped before the ranks met (its error line is in the message): this rank stops too."""
 
 
 def attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> tuple:
@@ -74,13 +89,18 @@ def _lead(store, world_size: int, deadline: float, where: str, timeout) -> int:
     store.set(LEADER_KEY, str(generation))
     keys = [f"{PREFIX}/join/{generation}/{r}" for r in range(1, world_size)]
     if keys:
-        try:
-            store.wait(keys, _remaining(deadline))
-        except RuntimeError:
-            missing = [r for r, key in zip(range(1, world_size), keys) if not store.check([key])]
-            raise RendezvousTimeout(
-                f"rank 0: timed out after {_minutes(timeout)} (--distributed-timeout-minutes) waiting for rank(s) "
-                f"{_ranks(missing)} to join attempt {generation} at {where}") from None
+        while True:
+            try:
+                store.wait(keys, datetime.timedelta(seconds=min(POLL_S, max(0.001, deadline - time.monotonic()))))
+                break
+            except RuntimeError:
+                pass
+            _raise_if_stopped(store, 0)
+            if time.monotonic() >= deadline:
+                missing = [r for r, key in zip(range(1, world_size), keys) if not store.check([key])]
+                raise RendezvousTimeout(
+                    f"rank 0: timed out after {_minutes(timeout)} (--distributed-timeout-minutes) waiting for "
+                    f"rank(s) {_ranks(missing)} to join attempt {generation} at {where}")
         for nonce in store.multi_get(keys):
             store.set(f"{PREFIX}/ack/{nonce.decode()}", str(generation))
     return generation
@@ -105,12 +125,40 @@ def _join(store, rank: int, deadline: float, where: str, timeout) -> int:
         try:
             store.wait([ack], datetime.timedelta(seconds=min(POLL_S, left)))
         except RuntimeError:
+            _raise_if_stopped(store, rank)
             continue
         return int(store.get(ack))
 
 
-def _remaining(deadline: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(0.001, deadline - time.monotonic()))
+def announce_stop(error: str) -> None:
+    """Leave ``error`` (this rank's one-line reason to stop) where the ranks waiting to meet it look (best effort,
+    :data:`ANNOUNCE_TIMEOUT_S` at most): only before the ranks met, under a launcher, on the job's first attempt."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or "RANK" not in os.environ:
+        return
+    rank = int(os.environ["RANK"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if not _first_attempt() or (rank == 0 and not agent_store):  # rank 0 without torchrun: nobody hosts a store
+        return
+    record = json.dumps({"rank": rank, "node": os.environ.get("GROUP_RANK", "?"), "host": socket.gethostname(),
+                         "error": error})
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=ANNOUNCE_TIMEOUT_S))
+        store.set(STOPPED_KEY, record)
+    except (RuntimeError, ValueError, KeyError) as e:  # no store to reach: the peers time out as before
+        log.debug("could not tell the other ranks why rank %d stopped: %s", rank, first_line(e))
+
+
+def _raise_if_stopped(store, rank: int) -> None:
+    if not _first_attempt() or not store.check([STOPPED_KEY]):
+        return
+    stopped = json.loads(store.get(STOPPED_KEY))
+    raise PeerStoppedEarly(f"rank {rank}: rank {stopped['rank']} (node {stopped['node']}, host {stopped['host']}) "
+                           f"stopped before the ranks met, so this rank stops too; its error: {stopped['error']}")
+
+
+def _first_attempt() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0
 
 
 def _minutes(timeout: datetime.timedelta) -> str:

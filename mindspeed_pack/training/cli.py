@@ -11,7 +11,7 @@ from mindspeed_pack.runtime import error_scope, process_groups
 from mindspeed_pack.runtime.disk import DiskFullError
 from mindspeed_pack.runtime.peers import PeerFailure
 from mindspeed_pack.runtime.process_groups import LaunchError
-from mindspeed_pack.runtime.rendezvous import RendezvousTimeout
+from mindspeed_pack.runtime.rendezvous import RendezvousTimeout, announce_stop
 from mindspeed_pack.training.trainer import NonFiniteLossError
 
 
@@ -29,6 +29,7 @@ def _print_error(script: str, error: BaseException) -> None:
 
 def run_cli(script: str, main, own_process: bool = False) -> None:
     """Run ``main()``; bad input (flags, data, checkpoint) ends with one ``error:`` line and exit 2,
+    a rank stopping before the ranks met tells them why (they stop too, at once: ``rendezvous.announce_stop``),
     a diverged run (``--nan-policy stop``) with one line naming the iteration and exit 1, a dead or
     hung peer with one line naming what this rank waited for and exit 1 (torchrun then restarts).
 
@@ -41,6 +42,7 @@ def run_cli(script: str, main, own_process: bool = False) -> None:
     # the message says what and where (or how to start); ArgumentError: a check after the parser's (a stage's flags)
     except (CheckpointError, DataError, LaunchError, ArgumentError) as e:
         _print_error(script, e)
+        announce_stop(str(e))  # before the ranks met, the others would wait for this rank until their timeout
         sys.exit(2)
     except (NonFiniteLossError, DiskFullError) as e:
         _print_error(script, e)
@@ -51,6 +53,8 @@ def run_cli(script: str, main, own_process: bool = False) -> None:
         sys.exit(1)
     except SystemExit as e:  # --help, a usage error, a clean early exit
         peers_alive = e.code in (0, None)
+        if not peers_alive:  # its message is already on this node's console
+            announce_stop(f"{script} exited with status {e.code} (its error line is in that node's log)")
         raise
     except BaseException:  # a traceback, Ctrl-C: nothing says which collective is still waiting
         peers_alive = False
