@@ -269,6 +269,7 @@ def test_node_leaders_are_each_nodes_first_rank():
 def _lead_and_resume(no_shared_storage: bool, iterations: tuple):
     """A rank of a job whose every process is its own node (LOCAL_WORLD_SIZE 1): which rank did the work it
     heard of, and why the ranks resuming at ``iterations[rank]`` were stopped (None: they were not)."""
+    import os
     import types
 
     import torch.distributed as dist
@@ -278,6 +279,7 @@ def _lead_and_resume(no_shared_storage: bool, iterations: tuple):
 
     args = types.SimpleNamespace(no_shared_storage=no_shared_storage, data_path=["raw.jsonl"], load="ckpt",
                                  lora_load=None, resumed_from=None)
+    os.environ["GROUP_RANK"] = os.environ["RANK"]  # torchrun's node rank: each process is its own node here
     dist.init_process_group("gloo")
     worker = raw_data.run_on_leader(args, lambda: dist.get_rank())
     try:
@@ -298,7 +300,10 @@ def test_no_shared_storage_makes_each_nodes_first_rank_preprocess(no_shared_stor
         assert all(o["stopped"] is None for o in out)
     else:  # ranks resuming different iterations (trackers on disks the nodes do not share) stop, every one
         assert all("found different checkpoints to resume" in o["stopped"] for o in out)
-        assert "iterations 3..5" in out[0]["stopped"]
+        # every rank's message names what each node found (node 0's log used to say only 'the ranks range over
+        # iterations 3..5', not which node's --save lacked the files)
+        assert all("node 0 (host " in o["stopped"] and ", rank 0): iteration 3; node 1 (host " in o["stopped"]
+                   and ", rank 1): iteration 5;" in o["stopped"] for o in out), out
 
 
 # ---------------------------------------------------------------------------- convert_ckpt.py

@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import socket
 from typing import Optional
 
 import torch
@@ -60,10 +61,27 @@ def _check_ranks_agree(args, position: tuple) -> None:
     low, high = (-both[:2]).cpu(), both[2:].cpu()
     if torch.equal(low, high):
         return
-    raise CheckpointError(f"the ranks found different checkpoints to resume (rank {dist.get_rank()}: iteration "
-                          f"{position[0]}; the ranks range over iterations {int(low[0])}..{int(high[0])}): "
-                          f"{loaded_from(args)} must be one directory every node sees (with --no-shared-storage "
-                          "too: it covers the data, not the checkpoints)")
+    found = [None] * dist.get_world_size()  # only now: which rank found which, and where it runs
+    dist.all_gather_object(found, (position[0], os.environ.get("GROUP_RANK", "?"), socket.gethostname()))
+    raise CheckpointError(f"the ranks found different checkpoints to resume in {loaded_from(args)}: "
+                          f"{_found_by_node(found)}; it must be one directory every node sees (a shared filesystem, "
+                          "or the same files copied to every node; with --no-shared-storage too: it covers the data, "
+                          "not the checkpoints)")
+
+
+def _found_by_node(found: list) -> str:
+    """'node 0 (host a, rank 0): iteration 3; node 1 (host b, rank 1): no checkpoint' from every rank's
+    (iteration, node, host), ranks that found the same on one node together."""
+    groups: dict = {}
+    for rank, (iteration, node, host) in enumerate(found):
+        groups.setdefault((node, host, iteration), []).append(rank)
+    parts = []
+    for (node, host, iteration), ranks in groups.items():
+        which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}" \
+            if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"ranks {', '.join(map(str, ranks))}"
+        parts.append(f"node {node} (host {host}, {which}): "
+                     f"{f'iteration {iteration}' if iteration else 'no checkpoint (starts from scratch)'}")
+    return "; ".join(parts[:8]) + (f"; and {len(parts) - 8} more" if len(parts) > 8 else "")
 
 
 def loaded_from(args) -> str:
