@@ -177,3 +177,23 @@ def test_nodes_started_with_different_flags_are_refused_naming_the_flag(tmp_path
     assert errors[0].startswith("the ranks were started with different flags: rank 1 (node 1, host "), errors
     assert "--lr 0.0005 there, " in errors[0] and "--train-iters 4 there, 3 on rank 0" in errors[0], errors
     assert errors[0].endswith("start every node with the same command (only --node-rank differs)"), errors
+
+
+def test_the_training_log_says_the_layout_every_node_joined(tmp_path, monkeypatch):
+    """Two "nodes" of one process each: the log showed the steps but not the world they formed (Megatron-LM prints
+    'using world size: 2, data-parallel size: 2, ...'), so a user could not see that both nodes joined as DP 2. Now
+    the logging rank prints the layout once at start, with torchrun's node count."""
+    from mindspeed_pack.config.arguments import parse_args
+    from mindspeed_pack.training.run_plan import layout_line
+    from tests.train_utils import run_posttrain
+
+    data = write_packed_instruction_dataset(str(tmp_path / "toy"), num_packs=8, seq_length=SEQ_LENGTH)
+    argv = ["--data-path", data, "--seq-length", str(SEQ_LENGTH), "--neat-pack", "--train-iters", "1",
+            "--global-batch-size", "4"]
+    proc, _ = run_posttrain(argv, nproc=2, timeout=300)  # the test harness's ranks are one node
+    layouts = [line[line.index("layout: "):] for line in proc.stderr.splitlines() if ": layout: world " in line]
+    rest = f"TP 1 x PP 1 x CP 1 x DP 2 (EP 1); global batch 4 = micro-batch 1 x DP 2 x 2 micro-batches of {SEQ_LENGTH} "
+    assert layouts == [f"layout: world 2 = {rest}tokens per row"], proc.stderr[-3000:]
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # torchrun --nnodes 2
+    assert layout_line(parse_args([*TINY_FLAGS, *argv], world_size=2)) == \
+        f"layout: world 2 (2 nodes x 1 process) = {rest}tokens per row"
