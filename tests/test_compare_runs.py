@@ -106,6 +106,11 @@ def test_divergence_from_step_k_exits_1_and_names_step_k(tmp_path, capsys):
     code, out, _ = run_cli(capsys, a, b, "--tolerance", "0.02")
     assert code == 1
     assert "'lm loss'" in last_line(out) and f"iteration {k}" in last_line(out)
+    # by how much, in the relative terms of the threshold (the last line said only where)
+    a_k, b_k = loss_at(k), loss_at(k) * 1.05
+    words = f"(rel err {0.05 / 1.05:.3e} > 0.02: A {a_k:.8g}, B {b_k:.8g})"
+    assert f"'lm loss' first over tolerance at iteration {k} {words}" in last_line(out), last_line(out)
+    assert f"first at iteration {k} {words}: {k}-100" in out
     assert re.search(rf"^\s+{k}\s.*> tol$", out, re.MULTILINE), "the diverging row is marked"
     assert not re.search(rf"^\s+{k - 1}\s.*> tol$", out, re.MULTILINE)
     # the same runs pass under a looser tolerance: the tolerance is what decides
@@ -138,7 +143,7 @@ def test_nan_in_one_run_fails_nan_in_both_agrees(tmp_path, capsys):
     b_records[2]["lm loss"] = math.nan  # iteration 3; json writes NaN
     b = write_jsonl(tmp_path / "b.jsonl", b_records)
     code, out, _ = run_cli(capsys, a, b)
-    assert code == 1 and "iteration 3" in last_line(out)
+    assert code == 1 and "iteration 3 (NaN/inf in B only: A 3, B nan)" in last_line(out), last_line(out)
 
     both = write_jsonl(tmp_path / "both.jsonl", b_records)
     code, out, _ = run_cli(capsys, b, both)
@@ -163,6 +168,8 @@ def test_missing_steps_are_aligned_and_reported(tmp_path, capsys):
     assert code == 0
     assert "missing in B, only in A (4 steps): 10-12, 40" in out
     assert "missing in A, only in B (5 steps): 61-65" in out
+    # the verdict says so too: a candidate cut short at step 60 of 65 printed a bare 'PASS' as its last line
+    assert last_line(out).endswith("(not compared: iterations 10-12, 40 only in A; iterations 61-65 only in B)")
 
 
 def test_out_of_order_and_repeated_steps_last_record_wins(tmp_path):

@@ -114,6 +114,11 @@ class MetricComparison:
     def first_over_step(self) -> Optional[int]:
         return self.over_steps[0] if self.over_steps else None
 
+    @property
+    def first_over(self) -> Optional[StepDiff]:
+        """The first step over tolerance (its values and errors), or None."""
+        return next((s for s in self.steps if s.over), None)
+
 
 @dataclass
 class ComparisonReport:
@@ -286,8 +291,8 @@ def format_metric_summary(c: MetricComparison) -> List[str]:
     ]
     if c.over_steps:
         lines.append(
-            f"  {_steps(len(c.over_steps))} over tolerance, first at iteration {c.first_over_step}: "
-            f"{compact_steps(c.over_steps)}"
+            f"  {_steps(len(c.over_steps))} over tolerance, first at iteration {c.first_over_step} "
+            f"({_first_over_words(c)}): {compact_steps(c.over_steps)}"
         )
     if c.missing_in_a:
         lines.append(f"  missing in A, only in B ({_steps(len(c.missing_in_a))}): {compact_steps(c.missing_in_a)}")
@@ -298,6 +303,29 @@ def format_metric_summary(c: MetricComparison) -> List[str]:
             f"  NaN/inf in both runs (counted as agreement) at: {compact_steps(c.both_nonfinite_steps)}"
         )
     return lines
+
+
+def _first_over_words(c: MetricComparison) -> str:
+    """'rel err 2.912e-02 > 0.02: A 5.9019064, B 6.0789636' for the first diverging step (the number MindSpeed-LLM's
+    precision checks compare with their relative threshold), 'NaN in B only: A 5.9019064, B nan' for a non-finite one."""
+    s = c.first_over
+    values = f"A {_fmt(s.a)}, B {_fmt(s.b)}"
+    if not math.isfinite(s.rel_err):
+        side = "A" if not math.isfinite(s.a) and math.isfinite(s.b) else "B" if math.isfinite(s.a) else "both"
+        return f"{'NaN/inf' if side == 'both' else f'NaN/inf in {side} only'}: {values}"
+    limit = f"{c.tolerance:g}" + (f" + atol {c.atol:g}" if c.atol else "")
+    return f"rel err {_fmt_err(s.rel_err)} > {limit}: {values}"
+
+
+def _not_compared(report: ComparisonReport) -> str:
+    """' (not compared: iterations 5-6 only in A)': steps one run lacks (a run cut short, another --train-iters), said
+    on the verdict line, where a CI job or a reader of the last line sees it; they do not fail the comparison."""
+    parts = []
+    for side, attr in (("A", "missing_in_b"), ("B", "missing_in_a")):
+        steps = sorted({i for m in report.metrics for i in getattr(m, attr)})
+        if steps:
+            parts.append(f"iteration{'s' if len(steps) > 1 else ''} {compact_steps(steps)} only in {side}")
+    return f" (not compared: {'; '.join(parts)})" if parts else ""
 
 
 def format_report(report: ComparisonReport, max_rows: int = DEFAULT_MAX_ROWS) -> str:
@@ -311,12 +339,13 @@ def format_report(report: ComparisonReport, max_rows: int = DEFAULT_MAX_ROWS) ->
         lines += format_metric_summary(comparison)
     if report.passed:
         names = ", ".join(m.metric for m in report.metrics)
-        lines.append(f"PASS: {names} within {tol}")
+        lines.append(f"PASS: {names} within {tol}{_not_compared(report)}")
     else:
         failing = "; ".join(
-            f"'{m.metric}' first over tolerance at iteration {m.first_over_step}" for m in report.failures
+            f"'{m.metric}' first over tolerance at iteration {m.first_over_step} ({_first_over_words(m)})"
+            for m in report.failures
         )
-        lines.append(f"FAIL: {failing} ({tol})")
+        lines.append(f"FAIL: {failing} ({tol}){_not_compared(report)}")
     return "\n".join(lines)
 
 
