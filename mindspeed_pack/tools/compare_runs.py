@@ -20,7 +20,7 @@ lists those steps, since a NaN loss is worth a look whatever the comparison says
 Steps present in only one run are listed but do not fail the comparison.
 
 Exit status: 0 every metric within tolerance, 1 some metric over tolerance (the last line
-names each failing metric and its first diverging iteration), 2 bad usage or input (the
+names each failing metric, its first diverging iteration and its relative error there), 2 bad usage or input (the
 message names the file and, for malformed JSON, the line).
 """
 from __future__ import annotations
