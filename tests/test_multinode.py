@@ -177,6 +177,12 @@ def test_nodes_started_with_different_flags_are_refused_naming_the_flag(tmp_path
     assert errors[0].startswith("the ranks were started with different flags: rank 1 (node 1, host "), errors
     assert "--lr 0.0005 there, " in errors[0] and "--train-iters 4 there, 3 on rank 0" in errors[0], errors
     assert errors[0].endswith("start every node with the same command (only --node-rank differs)"), errors
+    # node-local copies of the data at different paths: refused, saying what to do about it
+    copy = write_packed_instruction_dataset(str(tmp_path / "node1" / "toy"), num_packs=8, seq_length=SEQ_LENGTH)
+    errors = run_distributed(_init_with_rank_flags, 2, prefix, {1: ["--data-path", copy]})
+    assert f"--data-path [{copy!r}] there, [{prefix!r}] on rank 0" in errors[0], errors
+    assert errors[0].endswith("(only --node-rank differs); per-node copies of the data must sit at the same path on "
+                              "every node (a symlink will do), or on a filesystem every node shares"), errors
 
 
 def test_the_training_log_says_the_layout_every_node_joined(tmp_path, monkeypatch):

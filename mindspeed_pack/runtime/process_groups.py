@@ -125,10 +125,23 @@ def check_same_flags(flags: dict) -> None:
                      for k in sorted(set(theirs) | set(reference)) if theirs.get(k) != reference.get(k)]
         if differing:
             lines.append(f"rank {rank} (node {node}, host {host}): {'; '.join(differing[:5])}")
+    paths = sorted({k for theirs, _, _ in ranks for k in set(theirs) | set(reference)
+                    if theirs.get(k) != reference.get(k) and k in _PATH_HINTS})
+    hints = "".join(f"; {_PATH_HINTS[k]}" for k in paths)
     # every rank gathered the same: rank 0 says it for the job (runtime.error_scope)
     raise scoped(LaunchError(f"the ranks were started with different flags: {' | '.join(lines[:4])}"
                              f"{f' (and {len(lines) - 4} more ranks)' if len(lines) > 4 else ''}; start every node "
-                             "with the same command (only --node-rank differs)"), "job")
+                             f"with the same command (only --node-rank differs){hints}"), "job")
+
+
+# what to do when a path differs between nodes (node-local copies mounted at different places)
+_PATH_HINTS = {
+    "data-path": "per-node copies of the data must sit at the same path on every node (a symlink will do), or on a "
+                 "filesystem every node shares",
+    "save": "--save must be one directory every node sees (a shared filesystem): each node's own directory leaves "
+            "the checkpoint on node 0 only, and a resume is refused",
+    "load": "--load must be the same path on every node (a shared filesystem, or a copy at the same path)",
+}
 
 
 def initialize_from_args(args, flags: dict | None = None) -> None:
