@@ -16,6 +16,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -203,3 +204,53 @@ def test_the_training_log_says_the_layout_every_node_joined(tmp_path, monkeypatc
     monkeypatch.setenv("GROUP_WORLD_SIZE", "2")  # torchrun --nnodes 2
     assert layout_line(parse_args([*TINY_FLAGS, *argv], world_size=2)) == \
         f"layout: world 2 (2 nodes x 1 process) = {rest}tokens per row"
+
+
+class _Copy:
+    """A rank's data at the one --data-path every node was given: what its node's copy holds."""
+
+    def __init__(self, prefix: str, fingerprint: str):
+        self.prefix, self._fingerprint = prefix, fingerprint
+
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+
+def _check_copies(fingerprints: list) -> str:
+    import types
+
+    import torch.distributed as dist
+
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.training.trainer import Trainer
+
+    dist.init_process_group("gloo")
+    os.environ["GROUP_RANK"] = os.environ["RANK"]  # one process per "node"
+    fake = types.SimpleNamespace(source=types.SimpleNamespace(docs=[_Copy("data/sft", fingerprints[dist.get_rank()])]))
+    try:
+        Trainer._same_data_on_every_rank(fake)
+    except DataError as e:
+        return str(e)
+    return "ok"
+
+
+def test_per_node_copies_of_the_data_that_differ_are_refused(tmp_path):
+    """Each node kept its own copy of the packs at the same --data-path (the flags agree), node 1's a stale one of
+    another preprocessing: the run trained on both datasets mixed, each node's replicas reading theirs, without a
+    word. Now every rank stops naming what each node holds; copies preprocessed alike from the same input, kept at
+    different places, are the same data."""
+    from mindspeed_pack.datasets.packed_documents import PackedDocuments
+    from tests.dist_harness import run_distributed
+
+    node0 = PackedDocuments(write_packed_instruction_dataset(str(tmp_path / "n0" / "sft"), num_packs=8, meta=True))
+    twin = PackedDocuments(write_packed_instruction_dataset(str(tmp_path / "twin" / "sft"), num_packs=8, meta=True))
+    stale = PackedDocuments(write_packed_instruction_dataset(str(tmp_path / "n1" / "sft"), num_packs=6, meta=True))
+    assert node0.fingerprint() == twin.fingerprint() != stale.fingerprint()
+    assert stale.fingerprint().startswith("6 documents, data ")
+    assert run_distributed(_check_copies, 2, [node0.fingerprint(), twin.fingerprint()]) == ["ok", "ok"]
+    errors = run_distributed(_check_copies, 2, [node0.fingerprint(), stale.fingerprint()])
+    assert errors[0] == errors[1], errors
+    assert errors[0] == (f"the ranks read different data at data/sft: node 0 (host {socket.gethostname()}, rank 0): "
+                         f"{node0.fingerprint()}; node 1 (host {socket.gethostname()}, rank 1): {stale.fingerprint()}; "
+                         "per-node copies must be the same files (copy node 0's to every node, or use a filesystem "
+                         "every node shares)"), errors

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -30,6 +31,7 @@ from mindspeed_pack.checkpoint import hf_checkpoint, identity, save_dir, save_lo
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.checkpoint.resume import load_run_checkpoint, loaded_from
 from mindspeed_pack.config import finetune_defaults, resolved_config
+from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.datasets.sidecar_checks import check_data
 from mindspeed_pack.model import moe
 from mindspeed_pack.packing import context_parallel as cp_view
@@ -100,6 +102,7 @@ class Trainer:
         self.dynamic_cp = getattr(self.source, "dynamic_cp", False)
         for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
             check_data(docs, args)
+        self._same_data_on_every_rank()
         self._no_validation_warning()
         self.stage.setup(self)
         self.metrics = MetricsLogger(args, enabled=self._is_logging_rank(), start_iteration=self.iteration,
@@ -113,6 +116,26 @@ class Trainer:
             # the current iteration and the agreement to stop, with room for a slow step
             self.exit_signal = ExitSignal(grace_s=lambda: 10.0 + 2.0 * self.slowest_step_s,
                                           describe=lambda: self.phase)
+
+    def _same_data_on_every_rank(self) -> None:
+        """Every rank reads the same files at each data path: per-node copies at one path (the same --data-path on
+        every node, so the flags agree) that differ (a stale copy, another preprocessing) mixed two datasets in one
+        run without a word, each node's replicas reading theirs."""
+        if dist.get_world_size() == 1:
+            return
+        mine = {docs.prefix: docs.fingerprint() for docs in getattr(self.source, "docs", None) or []}
+        gathered = [None] * dist.get_world_size()  # every rank calls it: ranks that read no data bring {}
+        dist.all_gather_object(gathered, (mine, os.environ.get("GROUP_RANK", "?"), socket.gethostname()))
+        for prefix in dict.fromkeys(p for prints, _, _ in gathered for p in prints):
+            seen: dict = {}
+            for rank, (prints, node, host) in enumerate(gathered):
+                if prefix in prints:
+                    seen.setdefault(prints[prefix], []).append(f"node {node} (host {host}, rank {rank})")
+            if len(seen) > 1:
+                found = "; ".join(f"{', '.join(where[:3])}{' ...' if len(where) > 3 else ''}: {what}"
+                                  for what, where in seen.items())
+                raise DataError(f"the ranks read different data at {prefix}: {found}; per-node copies must be the "
+                                "same files (copy node 0's to every node, or use a filesystem every node shares)")
 
     def _no_validation_warning(self) -> None:
         """Evaluation asked for (--eval-interval or --eval-iters given) with no validation data: said once, where
