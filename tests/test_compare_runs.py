@@ -172,7 +172,7 @@ def test_missing_steps_are_aligned_and_reported(tmp_path, capsys):
     assert last_line(out).endswith("(not compared: iterations 10-12, 40 only in A; iterations 61-65 only in B)")
 
 
-def test_out_of_order_and_repeated_steps_last_record_wins(tmp_path):
+def test_out_of_order_and_repeated_steps_last_record_wins(tmp_path, capsys):
     records = make_records([3, 1, 2, 5, 4])
     # a resumed run re-logs iterations 4 and 5; the re-logged record replaces the old one whole
     records.append({"iteration": 5, "split": "train", "lm loss": 9.5})
@@ -188,6 +188,13 @@ def test_out_of_order_and_repeated_steps_last_record_wins(tmp_path):
     relogged = dict(log_records[1], **{"lm loss": 7.25})
     log = write_log(tmp_path / "run.log", log_records + [relogged])
     assert load_run(log)["lm loss"] == {1: pytest.approx(loss_at(1)), 2: 7.25, 3: pytest.approx(loss_at(3))}
+
+    # the comparison says which steps a run logged twice and which record it took (it took the last silently)
+    _, _, err = run_cli(capsys, write_jsonl(tmp_path / "a.jsonl", make_records(range(1, 6))), tmp_path / "run.jsonl")
+    assert (f"note: B ({tmp_path / 'run.jsonl'}) logs iterations 4-5 more than once (a resumed or restarted run "
+            "re-logs the steps after its checkpoint): the last record of each is compared") in err, err
+    _, _, err = run_cli(capsys, log, log, "--metrics", "lm loss")
+    assert "note: A (" in err and "note: B (" in err and "logs iteration 2 more than once" in err, err
 
 
 # --------------------------------------------------------------------------- reading

@@ -40,6 +40,7 @@ from mindspeed_pack.tools.run_metrics import (
     RunMetricsError,
     find_metric,
     load_run,
+    relogged_iterations,
     resolve_run_file,
 )
 
@@ -528,6 +529,12 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     warning = _unlike_logging(run_a, run_b, names)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
+    for side, path, name in (("A", args.run_a, names[0]), ("B", args.run_b, names[1])):
+        again = relogged_iterations(path, split=args.split)
+        if again:  # a resumed run: say which record was taken, not just take it
+            print(f"note: {side} ({name}) logs iteration{'s' if len(again) > 1 else ''} {compact_steps(again)} more "
+                  "than once (a resumed or restarted run re-logs the steps after its checkpoint): the last record of "
+                  "each is compared", file=sys.stderr)
     outputs = [
         (args.json, lambda: _write_atomically(
             args.json, lambda tmp: tmp.write_text(json.dumps(report.to_dict(), indent=1) + "\n"))),

@@ -161,12 +161,25 @@ def _read_lines(path: Path) -> Iterator[Tuple[int, str]]:
         raise RunMetricsError(f"{path}: cannot read ({err.strerror or err})") from err
 
 
-def _store(records: _Records, split: str, iteration: int, metrics: Dict[str, float]) -> None:
+def _store(records: _Records, split: str, iteration: int, metrics: Dict[str, float],
+           relogged: Optional[Dict[str, set]] = None) -> None:
     # last record of a (split, iteration) wins as a whole: see the module docstring
-    records.setdefault(split, {})[iteration] = metrics
+    steps = records.setdefault(split, {})
+    if iteration in steps and relogged is not None:
+        relogged.setdefault(split, set()).add(iteration)
+    steps[iteration] = metrics
 
 
-def _parse_jsonl(path: Path) -> _Records:
+def relogged_iterations(path: PathLike, split: str = "train") -> list:
+    """The iterations of ``split`` that the run's file logs more than once (a resumed or restarted run re-logs the
+    steps after its checkpoint; the last record of each is the one :func:`load_run` keeps)."""
+    file = resolve_run_file(path)
+    relogged: Dict[str, set] = {}
+    (_parse_jsonl if detect_format(file) == "jsonl" else _parse_log)(file, relogged)
+    return sorted(relogged.get(split, ()))
+
+
+def _parse_jsonl(path: Path, relogged: Optional[Dict[str, set]] = None) -> _Records:
     records: _Records = {}
     for number, line in _read_lines(path):
         text = line.strip()
@@ -195,7 +208,7 @@ def _parse_jsonl(path: Path) -> _Records:
                 continue
             if isinstance(value, (int, float)):
                 metrics[normalise_metric_name(key)] = float(value)
-        _store(records, split, iteration, metrics)
+        _store(records, split, iteration, metrics, relogged)
     return records
 
 
@@ -225,7 +238,7 @@ def _evaluation_metrics(fields) -> Dict[str, float]:
             for key, value in _parse_pairs(fields).items()}
 
 
-def _parse_log(path: Path) -> _Records:
+def _parse_log(path: Path, relogged: Optional[Dict[str, set]] = None) -> _Records:
     records: _Records = {}
     last_train = 0
     for _, line in _read_lines(path):
@@ -234,17 +247,17 @@ def _parse_log(path: Path) -> _Records:
         head, *fields = line.split("|")
         valid = _VALID_ITERATION.search(head)
         if valid:
-            _store(records, "valid", int(valid.group(1)), _evaluation_metrics(fields))
+            _store(records, "valid", int(valid.group(1)), _evaluation_metrics(fields), relogged)
             continue
         end = _END_OF_TRAINING.search(head)
         if end:
             split = ("valid" if end.group(1) == "val" else "test") + END_SUFFIX
-            _store(records, split, last_train, _evaluation_metrics(fields))
+            _store(records, split, last_train, _evaluation_metrics(fields), relogged)
             continue
         train = _TRAIN_ITERATION.search(head)
         if train:
             last_train = int(train.group(1))
-            _store(records, "train", last_train, _parse_pairs(fields))
+            _store(records, "train", last_train, _parse_pairs(fields), relogged)
     return records
 
 
