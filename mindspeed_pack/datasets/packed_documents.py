@@ -184,11 +184,8 @@ class PackedDocuments:
         """'135 documents, data 1a2b3c4d5e6f': what these files are, cheaply (the sidecar's record of the inputs,
         their hashes and the preprocessing flags; else the files' sizes), so ranks reading per-node copies at one
         path can tell that their copies differ (a stale copy, another preprocessing)."""
-        record = dict((self.meta or {}).get("cache_key") or {}) or \
+        record = _recorded_identity(self.meta or {}) or \
             {key: [int(d.sequence_lengths.sum()), len(d)] for key, d in self.datasets.items()}
-        if isinstance(record.get("inputs"), list):  # the inputs' contents, not where each node kept its copy
-            record["inputs"] = [{k: v for k, v in i.items() if k != "path"} if isinstance(i, dict) else i
-                                for i in record["inputs"]]
         digest = hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()[:12]
         return f"{len(self)} documents, data {digest}"
 
