@@ -775,7 +775,6 @@ def test_an_error_a_rank_may_hit_alone_is_printed_by_that_rank(neat, tmp_path, m
 
 def test_pretrain_gpt_flag_error_is_printed_by_rank_0_only(neat, monkeypatch, capsys):
     import pretrain_gpt
-
     from mindspeed_pack.runtime import error_scope
 
     monkeypatch.setattr(error_scope, "QUIET_EXIT_DELAY_S", 0)
