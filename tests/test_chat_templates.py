@@ -346,6 +346,44 @@ def test_template_probe_records_what_it_renders():
 
 
 
+# Mistral v3's and Hermes' tool templates raise on a call id that is not 9 characters / a tool result without a name
+STRICT_TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}{% for m in messages %}"
+    "{% if m.role == 'tool' and (m.name is not defined or m.tool_call_id | length != 9) %}"
+    "{{ raise_exception('Tool response dicts require a name and a tool_call_id of 9 characters') }}{% endif %}"
+    "<|im_start|>{{ m.role }}\n{% if m.tool_calls is defined %}{% for c in m.tool_calls %}"
+    "{% if c.id is not defined or c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric "
+    "strings with length 9!') }}{% endif %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_templates_that_require_call_ids_and_tool_names_render_tool_rows(tmp_path, family_tokenizer_dir):
+    """A template that raises on a tool call without its id or a result without its name (Mistral v3, Hermes) still
+    renders tool calls: rows that give them are the template's render with the call trained, not refused as
+    'tools the template cannot render'; a row without them is refused with the template's own message."""
+    caps = ChatTemplate(STRICT_TOOLS_TEMPLATE, {}, {}).capabilities
+    assert caps == {"tools": True, "tool_calls": "object", "tool_results": True, "reasoning": "think_tags"}
+    path = tmp_path / "strict.jinja"
+    path.write_text(STRICT_TOOLS_TEMPLATE)
+    tools = [chat_corpus._schema(5, 0)]
+    call = {"id": "call00001", "type": "function", "function": {"name": "fn5_0", "arguments": '{"q": "V5_0"}'}}
+    row = {"tools": tools, "messages": [
+        {"role": "user", "content": "U5_0 weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call00001", "name": "fn5_0", "content": "T5_0 sunny"},
+        {"role": "assistant", "content": "A5_1 It is sunny."}]}
+    encoder = _encoder(family_tokenizer_dir("qwen2_5"), chat_template=str(path))
+    ((_, ids, trained),), messages, _ = encode_with_plans(encoder, row)
+    hf = encoder.tokenizer.hf
+    expected = _apply(hf, messages, tools, {"chat_template": STRICT_TOOLS_TEMPLATE})["input_ids"]
+    assert list(ids) == list(expected)
+    assert hf.decode(ids[trained.astype(bool)]) == ('<tool_call>{"name": "fn5_0", "arguments": {"q": "V5_0"}}'
+                                                    '</tool_call><|im_end|>A5_1 It is sunny.<|im_end|>')
+    del row["messages"][2]["name"]
+    with pytest.raises(RowError, match="the chat template raised TemplateError: Tool response dicts require a name"):
+        encode_with_plans(encoder, row)
+
+
 def test_compiled_renderer_answers_attribute_lookups_as_the_sandbox_does():
     """template_renderer's shortcut lookups give what transformers' sandboxed render gives: dict keys named like
     dict methods, missing keys, loop counters, and unsafe attributes still refused."""

@@ -261,15 +261,19 @@ class ChatTemplate:
         Tool-call arguments: ``"object"`` when the template renders them only from an object (Qwen2.5 and Llama
         ``| tojson`` them: a string would be written as an escaped JSON string), ``"string"`` when only from a
         string, ``"either"`` when it writes a string verbatim and an object too (Qwen3's ``is string`` branch):
-        the arguments then stay as the row gives them, so the sample is what ``apply_chat_template`` renders."""
+        the arguments then stay as the row gives them, so the sample is what ``apply_chat_template`` renders.
+
+        The probe call carries an ``id`` and its result the ``tool_call_id`` and ``name`` that strict templates
+        require (Mistral v3 raises on a call id that is not 9 alphanumeric characters, Hermes on a tool result
+        without ``name``): without them such a template read as rendering no tool calls and refused every tool row."""
         schema = {"type": "function", "function": {"name": "probe_schema_fn", "description": "d",
                                                    "parameters": {"type": "object", "properties": {}}}}
         user = {"role": "user", "content": "q"}
 
         def call(arguments):
-            return {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "probe_call_fn",
-                                                                                         "arguments": arguments}}]}
-        result = {"role": "tool", "content": "probe_result_text"}
+            return {"role": "assistant", "tool_calls": [{"id": "probecall", "type": "function",
+                                                         "function": {"name": "probe_call_fn", "arguments": arguments}}]}
+        result = {"role": "tool", "content": "probe_result_text", "tool_call_id": "probecall", "name": "probe_call_fn"}
         caps = {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": None}
         text = self._renders([user, {"role": "assistant", "content": "a"}], [schema])
         caps["tools"] = bool(text and "probe_schema_fn" in text)
