@@ -53,6 +53,36 @@ def test_missing_mapped_column_lists_existing_columns(tmp_path, run_preprocess, 
     _assert_failed_cleanly(result, out, "a.jsonl", "'question'", "--map-keys prompt", "instruction, input, output, system")
 
 
+def test_mapped_column_on_later_json_lines_only_is_read(tmp_path, run_preprocess):
+    """JSON lines whose tools/system keys are only on the rows that have them (HF datasets reads the others as null):
+    a --map-keys naming them is not refused because the first row lacks them; a name no row holds still is."""
+    schema = {"type": "function", "function": {"name": "lookup", "description": "d", "parameters": {"type": "object"}}}
+    rows = [{"dialog": [{"speaker": "USER", "text": "hi"}, {"speaker": "BOT", "text": "hello"}]},
+            {"sys": "be brief", "funcs": json.dumps([schema]), "dialog": [
+                {"speaker": "USER", "text": "look it up"}, {"speaker": "CALL", "text": '{"name": "lookup", "arguments": {}}'},
+                {"speaker": "OBS", "text": "found"}, {"speaker": "BOT", "text": "done"}]}]
+    data = toy.write_dataset(tmp_path / "in" / "sg.jsonl", rows)
+    keys = {"messages": "dialog", "role_tag": "speaker", "content_tag": "text", "user_tag": "USER", "assistant_tag": "BOT",
+            "function_tag": "CALL", "observation_tag": "OBS", "system": "sys", "tools": "funcs"}
+    out = tmp_path / "out"
+    code, _, err = run_preprocess(**_flags(data, out, prompt_type="qwen2_5", handler_name="SharegptStyleInstructionHandler",
+                                           map_keys=json.dumps(keys), seq_length=512))
+    assert code == 0, err
+    stats = json.loads((out / "p_packed_meta.json").read_text())["statistics"]
+    assert (stats["rows_read"], stats["samples_written"], stats["skipped"]) == (2, 2, {})
+    plain = [rows[0], {"dialog": rows[1]["dialog"]}]  # the same rows without system text and tools: fewer tokens
+    code, _, err = run_preprocess(**_flags(toy.write_dataset(tmp_path / "in2" / "sg.jsonl", plain), tmp_path / "plain",
+                                           prompt_type="qwen2_5", handler_name="SharegptStyleInstructionHandler",
+                                           map_keys=json.dumps({k: v for k, v in keys.items() if k not in ("system", "tools")}),
+                                           seq_length=512))
+    assert code == 0, err
+    assert json.loads((tmp_path / "plain" / "p_packed_meta.json").read_text())["statistics"]["tokens"] < stats["tokens"]
+    out = tmp_path / "typo"
+    result = run_preprocess(**_flags(data, out, prompt_type="qwen2_5", handler_name="SharegptStyleInstructionHandler",
+                                     map_keys=json.dumps({**keys, "tools": "fucns"})))
+    _assert_failed_cleanly(result, out, "sg.jsonl: column 'fucns' (--map-keys tools) not found; columns: dialog")
+
+
 def test_missing_column_in_parquet(tmp_path, run_preprocess, toy_alpaca_rows):
     data = toy.write_dataset(tmp_path / "a.parquet", [{"instruction": r["instruction"]} for r in toy_alpaca_rows[:5]])
     out = tmp_path / "out"

@@ -216,6 +216,23 @@ def columns_of(path, skip_bad_rows: bool = False) -> Optional[list[str]]:
     return None
 
 
+def json_keys_present(path, names) -> set:
+    """Which of ``names`` some record of a JSON or JSON lines file holds as a key.
+
+    Records of one file may differ in their keys (``tools`` or ``system`` only on the rows that have them; HF
+    datasets' json loader, which MindSpeed-LLM and LLaMA-Factory read with, makes such a column null elsewhere), so
+    a column named in --map-keys exists when any record has it, not only the first. Stops once all are found;
+    rows that are not objects are left to the pass that reads them."""
+    wanted, found = set(names), set()
+    for chunk in iter_chunks([Path(path)], 1024):
+        for _, row in chunk_rows(chunk):
+            if isinstance(row, dict):
+                found |= wanted & row.keys()
+                if found == wanted:
+                    return found
+    return found
+
+
 def _not_parquet(path: Path, exc) -> PreprocessError:
     return PreprocessError(f"{path}: not a readable Parquet file ({exc}); a partial download or copy? Write it "
                            "again, or move it out of the input")

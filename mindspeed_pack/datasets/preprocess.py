@@ -390,6 +390,9 @@ def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows:
         if columns is None:
             empty.append(f)
             continue
+        absent = [keys[key] for key in wanted if keys[key] not in columns]
+        if absent and readers.FORMATS[Path(f).suffix.lower()] in ("json", "jsonl"):  # the first record's keys only
+            columns = list(columns) + sorted(readers.json_keys_present(f, absent))
         for key in wanted:
             elsewhere = () if key in explicit else CONVERSATION_ELSEWHERE.get(handler, {}).get(key, ())
             if keys[key] not in columns and not (elsewhere and all(keys[k] in columns for k in elsewhere)):
