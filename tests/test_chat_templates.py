@@ -1289,6 +1289,14 @@ def test_turns_out_of_order_are_skipped_as_on_the_json_templates(family, family_
     parallel = CORPUS[8]  # two tool results in a row
     assert [m["role"] for m in parallel["messages"]].count("tool") == 2
     assert hf_encoder.encode_chat_row(parallel, "row 8")
+    # the first skipped row names the message out of order, not only the line
+    tool_after_user, two_answers = ORDER_ROWS["roles out of order"][3], ORDER_ROWS["roles out of order"][2]
+    chunk = hf_encoder.encode_rows([("f.jsonl: line 1", {"messages": [{"role": "system", "content": "S"}, *tool_after_user]}),
+                                    ("f.jsonl: line 2", {"messages": two_answers})])
+    assert dict(chunk.skipped) == {"roles out of order": 2} and list(chunk.skipped) == ["roles out of order"]
+    assert type(list(chunk.skipped)[0]) is str
+    assert chunk.first_skipped == {"roles out of order": "f.jsonl: line 1: message 2 is a tool result where an assistant "
+                                   "answer should be (turns alternate user/tool results and assistant, from a user turn)"}
 
 
 STRING_ARGUMENTS = {"messages": [

@@ -43,7 +43,9 @@ def test_unusable_rows_are_skipped_under_their_true_reason(tmp_path, run_preproc
     assert stats["samples_written"] == 2
     assert stats["skipped"] == {"system message after the first message": 1, "roles out of order": 1,
                                 "conversation does not end with an answer": 1}
-    assert stats["first_skipped"]["roles out of order"] == f"{data}: line 3"
+    assert stats["first_skipped"]["roles out of order"] == (f"{data}: line 3: turn 1 is a user message where an assistant "
+                                                            "answer should be (turns alternate user/tool results and "
+                                                            "assistant, from a user turn)")
     assert f"first skipped (system message after the first message): {data}: line 2" in out
 
 

@@ -163,13 +163,30 @@ SKIP_SYSTEM_NOT_FIRST = "system message after the first message"
 SKIP_NO_ANSWER = "conversation does not end with an answer"
 
 
-def turn_order_skip(roles: list) -> Optional[str]:
+class SkipReason(str):
+    """A skip reason (counted as the plain string) with the row's detail, which the first skipped row's note shows."""
+
+    def __new__(cls, reason: str, detail: str):
+        self = super().__new__(cls, reason)
+        self.detail = detail
+        return self
+
+
+_TURN_NAMES = {USER: "a user message", OBSERVATION: "a tool result", ASSISTANT: "an assistant answer",
+               FUNCTION: "a tool call"}
+
+
+def turn_order_skip(roles: list, messages: Optional[list] = None) -> Optional[str]:
     """Why a conversation is unusable by the order of its turns (roles user/observation/assistant/function, the
     system message left out, consecutive tool results already one turn), or None: prompt and answer turns must
-    alternate from a prompt (else "roles out of order") and end with an answer (else "does not end with an answer")."""
+    alternate from a prompt (else "roles out of order") and end with an answer (else "does not end with an answer").
+    ``messages``: each turn's message index, so the reason names the message out of order."""
     for i, role in enumerate(roles):
         if role not in (PROMPT_ROLES if i % 2 == 0 else ANSWER_ROLES):
-            return SKIP_ROLE_ORDER
+            at = f"message {messages[i]}" if messages else f"turn {i}"
+            want = "a user message or tool result" if i % 2 == 0 else "an assistant answer"
+            return SkipReason(SKIP_ROLE_ORDER, f"{at} is {_TURN_NAMES.get(role, repr(role))} where {want} should be "
+                                               "(turns alternate user/tool results and assistant, from a user turn)")
     return SKIP_NO_ANSWER if len(roles) % 2 else None
 
 
@@ -180,7 +197,7 @@ def chat_order_skip(messages: list[dict]) -> Optional[str]:
     """:func:`turn_order_skip` for OpenAI-style messages (``--prompt-type hf``), the JSON templates' rules: a system
     message only first, and consecutive tool results one turn (the results of parallel calls, as templates join
     them)."""
-    roles = []
+    roles, at = [], []
     for n, message in enumerate(messages):
         if message["role"] == "system":
             if n:
@@ -189,7 +206,8 @@ def chat_order_skip(messages: list[dict]) -> Optional[str]:
         role = _CHAT_TURN_ROLES[message["role"]]
         if not (role == OBSERVATION and roles and roles[-1] == OBSERVATION):
             roles.append(role)
-    return turn_order_skip(roles)
+            at.append(n)
+    return turn_order_skip(roles, at)
 
 
 def _empty_answer(message: dict) -> bool:
@@ -251,8 +269,10 @@ class EncodedChunk:
     first_notes: dict = field(default_factory=dict)
 
     def skip(self, reason: str, example: str) -> None:
+        detail = getattr(reason, "detail", None)
+        reason = str(reason)
         self.skipped[reason] += 1
-        self.first_skipped.setdefault(reason, example)
+        self.first_skipped.setdefault(reason, f"{example}: {detail}" if detail else example)
 
     def note(self, what: str, example: str) -> None:
         self.notes[what] += 1
