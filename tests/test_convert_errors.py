@@ -79,7 +79,8 @@ def test_directory_without_weights(hf_dir, tmp_path, out):
 
 def test_unknown_architecture(hf_dir, tmp_path, out):
     gpt2 = _copy_with_config(hf_dir, tmp_path / "gpt2", model_type="gpt2", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(ConversionError, match="unknown architecture.*gpt2.*supported model types: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(ConversionError,
+                       match="unknown architecture.*gpt2.*supported model types: llama, mistral, mixtral, qwen2, qwen3"):
         hf_to_megatron(gpt2, out, 1, 1)
 
 

@@ -1,4 +1,4 @@
-"""Qwen3, Llama-3.1 (llama3 RoPE scaling) and Mistral against transformers, packed, at TP1, TP2 and PP2.
+"""Qwen3, Llama-3.1 (llama3 RoPE scaling), Mistral and Mixtral against transformers, packed, at TP1, TP2 and PP2.
 
 Each family is a tiny random transformers model using the family's real features: GQA
 everywhere; Qwen3 with q/k norms, ``head_dim`` 24 != hidden/heads 16 and tied embeddings;
@@ -37,6 +37,8 @@ FAMILIES = {
         "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 16})),
     "mistral": ("Mistral", dict(tie_word_embeddings=False, sliding_window=4096, rope_theta=1e6)),
+    "mixtral": ("Mixtral", dict(tie_word_embeddings=False, sliding_window=None, rope_theta=1e6, num_local_experts=4,
+                                num_experts_per_tok=2)),
 }
 
 
@@ -172,6 +174,9 @@ def test_hf_megatron_hf_is_bit_exact(work, name):
         cfg_out = json.load(open(os.path.join(back, "config.json")))
         differ = {k: (cfg_in.get(k), cfg_out.get(k)) for k in set(cfg_in) | set(cfg_out)
                   if cfg_in.get(k) != cfg_out.get(k) and k not in ("dtype", "architectures", "transformers_version")}
+        # MixtralConfig saves head_dim null (read as hidden / heads); the converter writes the width it used
+        if differ.get("head_dim") == (None, cfg_in["hidden_size"] // cfg_in["num_attention_heads"]):
+            del differ["head_dim"]
         assert differ == {}, differ
 
 
@@ -204,6 +209,33 @@ def test_a_config_without_head_dim_gets_its_config_class_default():
     assert args_from_hf_config({**config, "head_dim": 64}, None, 1, 1).kv_channels == 64
     qwen2 = {**config, "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}
     assert args_from_hf_config(qwen2, None, 1, 1).kv_channels == 64  # Qwen2's heads are hidden / heads
+
+
+# Mixtral-8x7B-Instruct-v0.1's config.json as published (transformers 4.x: rope_theta at the top, no head_dim)
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "sliding_window": None,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+    "use_cache": True, "vocab_size": 32000}
+
+
+def test_the_published_mixtral_config_is_megatron_lms_mixtral():
+    """Every layer MoE with 8 experts 14336 wide, top-2 renormalised (no --moe-router-pre-softmax), and back
+    to a MixtralConfig with the same fields."""
+    from mindspeed_pack.convert.model_specs import MODEL_SPECS, args_from_hf_config, hf_config_from_args
+
+    args = args_from_hf_config(MIXTRAL_8X7B, None, 8, 4, seq_length=4096)
+    assert (args.model_type_hf, args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
+            args.moe_router_pre_softmax, args.moe_layer_freq, args.num_query_groups, args.kv_channels,
+            args.rotary_base, args.sliding_window, args.qk_layernorm, args.add_qkv_bias) == \
+        ("mixtral", 8, 2, 14336, False, [1] * 32, 8, 128, 1000000, None, False, False)
+    back = hf_config_from_args(args, MODEL_SPECS["mixtral"], "bfloat16", MIXTRAL_8X7B).to_dict()
+    for key in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef",
+                "sliding_window", "num_key_value_heads"):
+        assert back[key] == MIXTRAL_8X7B[key], key
 
 
 def test_megatron_cores_llama3_constants_match_transformers():
@@ -261,7 +293,12 @@ def _with_config(src, dst, drop=(), **changes) -> str:
     ("qwen3", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e6}),
      r"rope_parameters.rope_type='llama3' is not supported for qwen3"),
     ("qwen3", dict(attention_bias=True), r"attention_bias=True is not supported"),
-], ids=["mistral-window", "qwen-window", "moe", "unknown-field", "model-type", "rope-key", "rope-type", "bias"])
+    ("mixtral", dict(sliding_window=64), r"sliding_window=64 is not supported: it is below the sequence length 128"),
+    ("mixtral", dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1 is not supported"),
+    ("mixtral", dict(mlp_only_layers=[0]), r"mixture-of-experts field\(s\) mlp_only_layers are not supported: the "
+                                           r"mixtral mapping reads MixtralForCausalLM's expert fields only"),
+], ids=["mistral-window", "qwen-window", "moe", "unknown-field", "model-type", "rope-key", "rope-type", "bias",
+        "mixtral-window", "mixtral-jitter", "mixtral-dense-layers"])
 def test_unsupported_configs_are_refused_naming_the_field(work, tmp_path, family, changes, message):
     bad = _with_config(work["hf"][family], tmp_path / "bad", **changes)
     with pytest.raises(ConversionError, match=message):

@@ -515,3 +515,70 @@ def test_reshard_of_an_ep2_training_checkpoint_names_its_ep(converted, tmp_path,
     with caplog.at_level(logging.WARNING, logger="mindspeed_pack.convert.convert"):
         megatron_to_megatron(str(ep2), str(tmp_path / "ep1"), 1, 1, ep=1)
     assert "resume at TP=1, PP=1, --expert-model-parallel-size 2" in caplog.text
+
+
+# --------------------------------------------------------------------------- Mixtral
+# a tiny random transformers Mixtral: every layer sparse, experts under block_sparse_moe.experts.{j}.w1/w3/w2
+MIXTRAL_FLAGS = (
+    "--num-layers 2 --hidden-size 32 --ffn-hidden-size 48 --num-attention-heads 4 --group-query-attention "
+    "--num-query-groups 2 --disable-bias-linear --swiglu --normalization RMSNorm --norm-epsilon 1e-5 "
+    "--rotary-base 1000000 --untie-embeddings-and-output-weights --padded-vocab-size 256 "
+    "--position-embedding-type rope --num-experts 4 --moe-router-topk 2 --attention-dropout 0.0 --hidden-dropout 0.0 "
+    "--log-interval 1 --eval-iters 0 --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 0.01 "
+    "--seq-length 128 --micro-batch-size 2 --global-batch-size 4 --neat-pack --train-iters 3 --lr 1e-3"
+).split()
+
+
+def build_mixtral(path):
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=128,
+        bos_token_id=1, eos_token_id=EOS, pad_token_id=EOS)
+    torch.manual_seed(7)
+    spread_weights(transformers.MixtralForCausalLM(config)).save_pretrained(path)
+    return str(path)
+
+
+def test_mixtral_converts_at_ep2_and_trains_packed_from_its_hf_directory(tmp_path):
+    """Mixtral (MixtralForCausalLM) at --target-expert-parallel-size 2 goes HF -> Megatron -> HF bit-exact under
+    the published names (block_sparse_moe.gate, experts.{j}.w1/w3/w2); loaded straight from its HF directory it
+    trains packed SFT steps at EP2 (alltoall) as in one process, and --save-hf at EP2 writes a Mixtral that
+    transformers loads."""
+    import transformers
+
+    from mindspeed_pack.convert.convert import main as convert_main
+    from tests.train_utils import run_posttrain, write_copy_task
+
+    hf = build_mixtral(tmp_path / "hf")
+    assert convert_main(["--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", hf, "--save-dir",
+                         str(tmp_path / "mg_ep2"), "--target-expert-parallel-size", "2",
+                         "--padded-vocab-size", str(VOCAB)]) == 0
+    megatron_to_hf(str(tmp_path / "mg_ep2"), str(tmp_path / "back"))
+    original, back = load_file(os.path.join(hf, "model.safetensors")), load_file(tmp_path / "back" / "model.safetensors")
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in back and \
+        "model.layers.0.block_sparse_moe.gate.weight" in back
+    assert sorted(original) == sorted(back) and all(torch.equal(original[k], back[k]) for k in original)
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["architectures"], config["num_local_experts"], config["num_experts_per_tok"],
+            config["intermediate_size"]) == (["MixtralForCausalLM"], 4, 2, 48)
+    assert not {"norm_topk_prob", "mlp_only_layers", "moe_intermediate_size", "num_experts"} & set(config)
+
+    data = write_copy_task(str(tmp_path / "data"), num_packs=12)
+    runs = {}
+    for name, nproc, extra in (("one", 1, []),
+                               ("ep2", 2, [*EP2, "--save-hf", str(tmp_path / "hf_out")])):
+        _, records = run_posttrain(["--data-path", data, "--load", hf, *extra], nproc=nproc, model_flags=MIXTRAL_FLAGS,
+                                   metrics=str(tmp_path / f"{name}.jsonl"))
+        runs[name] = [r for r in records if r["split"] == "train"]
+    assert len(runs["one"]) == 3
+    for got, want in zip(runs["ep2"], runs["one"], strict=True):
+        for key in ("lm loss", "moe aux loss", "grad norm"):
+            assert abs(got[key] - want[key]) <= 1e-5 * abs(want[key]), (got["iteration"], key)
+        assert got["tokens per expert"] == want["tokens per expert"], got["iteration"]
+    assert sum(runs["one"][0]["tokens per expert"][0]) == 2 * runs["one"][0]["tokens"]  # top-2 of every real token
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf_out"))
+    assert type(exported).__name__ == "MixtralForCausalLM"
+    assert not torch.equal(exported.model.layers[1].mlp.experts.down_proj,
+                           transformers.AutoModelForCausalLM.from_pretrained(hf).model.layers[1].mlp.experts.down_proj)

@@ -1,10 +1,11 @@
 """The model families the converter, the direct loader and the model builder know: one row each.
 
-Qwen2/2.5, Qwen3, Llama 2/3/3.1/3.2 and Mistral share one layout (pre-norm RMSNorm decoder,
+Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 2/3/3.1/3.2, Mistral and Mixtral share one layout (pre-norm RMSNorm decoder,
 RoPE, GQA, SwiGLU MLP, optional tied embeddings). What differs is data in a :class:`ModelSpec`
 row: the Megatron arguments the family fixes (``--add-qkv-bias``, ``--qk-layernorm``), the
 RoPE types it may use, and the config.json fields it understands beyond the common mapping,
-each with its check. :func:`args_from_hf_config` maps a config through its row; every field
+each with its check, and for a mixture-of-experts family where its config and files keep the
+experts (an :class:`ExpertLayout`). :func:`args_from_hf_config` maps a config through its row; every field
 no row explains is refused by name (MoE fields with their own message), so a model is
 never built that silently differs from the one in config.json. Tensor names and fused
 layouts live in :mod:`.weight_map`, which reads the same row.
@@ -118,12 +119,40 @@ _QWEN_FIELDS = {"use_sliding_window": equals(False), "layer_types": full_attenti
 _QWEN3_MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
                      "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step", "router_aux_loss_coef",
                      "output_router_logits")
+_MIXTRAL_FIELDS = {**{k: harmless for k in ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef",
+                                            "output_router_logits")},
+                   # multiplicative noise on the router's input, in training only: Megatron's is not applied here
+                   "router_jitter_noise": equals(0.0),
+                   "sliding_window": window_covers_sequence}
 
 ROPE_KEYS = {
     "default": ("rope_type", "type", "rope_theta"),
     "llama3": ("rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
 }
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where a mixture-of-experts family keeps its routed experts: the layer's MoE module in the weight files
+    (``model.layers.{i}.<block>.gate.weight`` the router, ``<block>.experts.{j}.<gate|up|down>.weight``), and
+    the config.json fields of their count, width, top-k normalisation and dense layers."""
+    block: str = "mlp"
+    projections: Tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's gate, up, down
+    count_field: str = "num_experts"
+    width_field: str = "moe_intermediate_size"  # one expert's FFN width
+    renormalised: Optional[bool] = None  # top-k weights renormalised over the chosen k; None: norm_topk_prob says
+    dense_layers: bool = True  # mlp_only_layers / decoder_sparse_step name dense layers (else every layer is MoE)
+
+
+# Qwen3-MoE: mlp.experts.{j}.gate_proj, moe_intermediate_size, norm_topk_prob, mlp_only_layers
+QWEN3_MOE_EXPERTS = ExpertLayout()
+# Mixtral (the published checkpoints and transformers 5.x's save_pretrained, which un-fuses its in-memory
+# mlp.experts.gate_up_proj): block_sparse_moe.experts.{j}.w1 (gate), w3 (up), w2 (down); every layer sparse,
+# experts intermediate_size wide, top-k weights always renormalised (softmax over the chosen k)
+MIXTRAL_EXPERTS = ExpertLayout(block="block_sparse_moe", projections=("w1", "w3", "w2"),
+                               count_field="num_local_experts", width_field="intermediate_size", renormalised=True,
+                               dense_layers=False)
 
 
 @dataclass(frozen=True)
@@ -136,7 +165,7 @@ class ModelSpec:
     rope_types: Tuple[str, ...] = ("default",)
     fields: Dict[str, FieldCheck] = field(default_factory=dict)  # understood beyond COMMON/MAPPED_FIELDS
     hf_defaults: Dict[str, object] = field(default_factory=dict)  # written into a converted config.json
-    moe: bool = False  # routed experts (no shared expert) in the layers --moe-layer-freq marks
+    moe: Optional[ExpertLayout] = None  # routed experts (no shared expert) in the layers --moe-layer-freq marks
     hf_reward_architecture: Optional[str] = None  # *ForSequenceClassification: the outcome reward model's class
     head_dim: Optional[int] = None  # the config class's head_dim where config.json has none (else hidden / heads)
 
@@ -149,7 +178,7 @@ MODEL_SPECS = {
                        hf_defaults={"attention_bias": False}, hf_reward_architecture="Qwen3ForSequenceClassification",
                        head_dim=128),  # transformers' Qwen3Config default
     "qwen3_moe": ModelSpec("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qkv_bias=False, qk_layernorm=True,
-                           moe=True, fields={**_QWEN_FIELDS, "attention_bias": equals(False),
+                           moe=QWEN3_MOE_EXPERTS, fields={**_QWEN_FIELDS, "attention_bias": equals(False),
                                              **{k: harmless for k in _QWEN3_MOE_FIELDS}},
                            hf_defaults={"attention_bias": False},
                            hf_reward_architecture="Qwen3MoeForSequenceClassification"),
@@ -160,9 +189,11 @@ MODEL_SPECS = {
     "mistral": ModelSpec("mistral", "mistral", "MistralForCausalLM", qkv_bias=False,
                          fields={"sliding_window": window_covers_sequence},
                          hf_reward_architecture="MistralForSequenceClassification"),
+    "mixtral": ModelSpec("mixtral", "mixtral", "MixtralForCausalLM", qkv_bias=False, moe=MIXTRAL_EXPERTS,
+                         fields=_MIXTRAL_FIELDS, hf_reward_architecture="MixtralForSequenceClassification"),
 }
 # the families of MODEL_SPECS as users name them (messages)
-FAMILY_NAMES = ("Qwen2/Qwen2.5", "Qwen3", "Qwen3-MoE", "Llama 2/3/3.1/3.2", "Mistral")
+FAMILY_NAMES = ("Qwen2/Qwen2.5", "Qwen3", "Qwen3-MoE", "Llama 2/3/3.1/3.2", "Mistral", "Mixtral")
 
 # args stored in every converted checkpoint: the model shape the trainer must match
 MODEL_ARG_NAMES = (
@@ -177,7 +208,7 @@ MODEL_ARG_NAMES = (
 OPTIONAL_MODEL_ARGS = {
     "qk_layernorm": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0, "low_freq_factor": 1.0,
     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "sliding_window": None, "rotary_percent": 1.0,
-    # mixture of experts (qwen3_moe); a dense model has num_experts None
+    # mixture of experts (qwen3_moe, mixtral); a dense model has num_experts None
     "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None, "moe_router_pre_softmax": False,
     "moe_layer_freq": 1, "expert_model_parallel_size": 1,
     # an outcome reward model (--stage orm): a scalar score head, read at the last token that is not this pad
@@ -310,7 +341,7 @@ def spec_for_args(args) -> ModelSpec:
     """The family whose fixed Megatron arguments ``args`` has (for checkpoints trained from flags)."""
     moe = bool(getattr(args, "num_experts", None))
     for spec in MODEL_SPECS.values():
-        if (spec.qkv_bias, spec.qk_layernorm, spec.moe) == (bool(getattr(args, "add_qkv_bias", False)),
+        if (spec.qkv_bias, spec.qk_layernorm, bool(spec.moe)) == (bool(getattr(args, "add_qkv_bias", False)),
                                                             bool(getattr(args, "qk_layernorm", False)), moe):
             return spec
     raise ConversionError(f"no model family has --add-qkv-bias={getattr(args, 'add_qkv_bias', False)}, "
@@ -324,7 +355,7 @@ def detect_model_type(hf_config: dict, config_path: str = "config.json") -> str:
     for name, arch in SHARED_EXPERT_FAMILIES.items():
         if model_type == name or arch in archs:
             raise ConversionError(f"{config_path}: {arch} ({name}) has shared experts, which are not supported; "
-                                  "mixture-of-experts families supported: qwen3_moe (Qwen3-MoE)")
+                                  "mixture-of-experts families supported: qwen3_moe (Qwen3-MoE), mixtral (Mixtral)")
     for spec in MODEL_SPECS.values():
         if model_type == spec.hf_model_type:
             return spec.name
@@ -509,7 +540,7 @@ def args_from_hf_config(
         model_type_hf=spec.name,
     )
     if spec.moe:
-        vars(args).update(moe_args_from_hf_config(hf_config, args.num_layers, where))
+        vars(args).update(moe_args_from_hf_config(hf_config, args.num_layers, where, spec.moe))
     if _is_reward_config(hf_config):
         archs = hf_config.get("architectures")
         if reward_architecture(spec) not in archs:
@@ -522,25 +553,40 @@ def args_from_hf_config(
     return args
 
 
-def moe_args_from_hf_config(hf_config: dict, num_layers: int, where: str) -> dict:
-    """Qwen3-MoE's expert fields as Megatron-LM arguments. A layer is sparse unless listed in
-    ``mlp_only_layers``, and only every ``decoder_sparse_step``-th one (transformers' rule)."""
+def moe_args_from_hf_config(hf_config: dict, num_layers: int, where: str,
+                            layout: ExpertLayout = QWEN3_MOE_EXPERTS) -> dict:
+    """A MoE family's expert fields as Megatron-LM arguments. Qwen3-MoE: a layer is sparse unless listed in
+    ``mlp_only_layers``, and only every ``decoder_sparse_step``-th one (transformers' rule); Mixtral: every layer."""
     experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
     if not experts:
-        raise ConversionError(f"{where}: required field 'num_experts' (or 'num_local_experts') is missing")
+        raise ConversionError(f"{where}: required field {layout.count_field!r} is missing")
     topk = int(_require(hf_config, "num_experts_per_tok", where))
     if not 1 <= topk <= int(experts):
-        raise ConversionError(f"{where}: num_experts_per_tok={topk} must be in [1, num_experts={experts}]")
-    step = int(hf_config.get("decoder_sparse_step") or 1)
-    dense = set(hf_config.get("mlp_only_layers") or [])
+        raise ConversionError(f"{where}: num_experts_per_tok={topk} must be in [1, {layout.count_field}={experts}]")
+    step = int(hf_config.get("decoder_sparse_step") or 1) if layout.dense_layers else 1
+    dense = set(hf_config.get("mlp_only_layers") or []) if layout.dense_layers else set()
     outside = sorted(i for i in dense if not 0 <= i < num_layers)
     if outside:
         raise ConversionError(f"{where}: mlp_only_layers {outside} are not layers of a {num_layers}-layer model")
+    renormalised = layout.renormalised if layout.renormalised is not None else bool(hf_config.get("norm_topk_prob"))
     return dict(num_experts=int(experts), moe_router_topk=topk,
-                moe_ffn_hidden_size=int(_require(hf_config, "moe_intermediate_size", where)),
+                moe_ffn_hidden_size=int(_require(hf_config, layout.width_field, where)),
                 # normalised top-k weights = softmax over the chosen experts' logits (megatron's default)
-                moe_router_pre_softmax=not bool(hf_config.get("norm_topk_prob", False)),
+                moe_router_pre_softmax=not renormalised,
                 moe_layer_freq=[int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)])
+
+
+def hf_moe_fields(args, layout: ExpertLayout) -> dict:
+    """The config.json fields of the experts of ``args`` in ``layout``'s family (inverse of moe_args_from_hf_config;
+    what a family cannot say, e.g. Mixtral's dense layers, comes back different and settings_lost names it)."""
+    fields = {layout.count_field: args.num_experts, "num_experts_per_tok": args.moe_router_topk,
+              layout.width_field: args.moe_ffn_hidden_size or args.ffn_hidden_size}
+    if layout.renormalised is None:
+        fields["norm_topk_prob"] = not args.moe_router_pre_softmax
+    if layout.dense_layers:
+        sparse = set(moe_layers(args))
+        fields.update(decoder_sparse_step=1, mlp_only_layers=[i for i in range(args.num_layers) if i not in sparse])
+    return fields
 
 
 def moe_layers(args) -> list:
@@ -628,11 +674,7 @@ def hf_config_from_args(args, spec: ModelSpec, dtype: str, extra: Optional[dict]
         **spec.hf_defaults,
     )
     if spec.moe:
-        sparse = set(moe_layers(args))
-        fields.update(num_experts=args.num_experts, num_experts_per_tok=args.moe_router_topk,
-                      moe_intermediate_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
-                      norm_topk_prob=not args.moe_router_pre_softmax, decoder_sparse_step=1,
-                      mlp_only_layers=[i for i in range(args.num_layers) if i not in sparse])
+        fields.update(hf_moe_fields(args, spec.moe))
         if extra and extra.get("router_aux_loss_coef") is not None:  # a training setting: the source model's
             fields["router_aux_loss_coef"] = extra["router_aux_loss_coef"]
     if spec.fields.get("sliding_window") is window_covers_sequence:

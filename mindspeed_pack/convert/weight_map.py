@@ -11,9 +11,11 @@ Canonical names are megatron-core's local-spec parameter names of a TP1/PP1 mode
     decoder.layers.{i}.pre_mlp_layernorm.weight <- post_attention_layernorm
     decoder.layers.{i}.mlp.linear_fc1.weight    <- [gate_proj; up_proj]
     decoder.layers.{i}.mlp.linear_fc2.weight    <- down_proj
-    decoder.layers.{i}.mlp.router.weight        <- mlp.gate.weight (MoE layers: Qwen3-MoE)
+    decoder.layers.{i}.mlp.router.weight        <- mlp.gate.weight (MoE layers: Qwen3-MoE;
+                                                   Mixtral: block_sparse_moe.gate.weight)
     decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc1.weight <- [experts.{j}.gate_proj; up_proj]
-    decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight <- experts.{j}.down_proj
+                                                   (Mixtral: block_sparse_moe.experts.{j}.[w1; w3])
+    decoder.layers.{i}.mlp.experts.local_experts.{j}.linear_fc2.weight <- experts.{j}.down_proj (Mixtral: w2)
     decoder.final_layernorm.weight              <- model.norm.weight
     output_layer.weight                         <- lm_head.weight (untied only; vocab padded)
     score.weight                                <- score.weight (a reward model's [1, hidden] head,
@@ -70,6 +72,26 @@ def _mg_layer(i: int) -> str:
     return f"decoder.layers.{i}."
 
 
+DENSE_MLP = ("gate_proj", "up_proj", "down_proj")  # a dense layer's gate, up and down projections
+
+
+def _mlps(unit: int, args, spec: ModelSpec, experts: Optional[range] = None) -> List[Tuple[str, str, Tuple[str, ...]]]:
+    """``(HF prefix, megatron prefix, (gate, up, down) names)`` of a layer's MLPs: the dense MLP, or each of
+    ``experts`` (global indices; default all) of an MoE layer, named as the family's :class:`ExpertLayout` says."""
+    hp, mp = _hf_layer(unit), _mg_layer(unit)
+    if unit not in moe_layers(args):
+        return [(hp + "mlp.", mp + "mlp.", DENSE_MLP)]
+    layout = spec.moe
+    if layout is None:
+        raise ConversionError(f"the {spec.name} family has no mixture-of-experts layers (layer {unit} is one here)")
+    return [(f"{hp}{layout.block}.experts.{j}.", f"{mp}mlp.experts.local_experts.{j}.", layout.projections)
+            for j in (experts if experts is not None else range(args.num_experts))]
+
+
+def _hf_router(unit: int, spec: ModelSpec) -> str:
+    return f"{_hf_layer(unit)}{spec.moe.block}.gate.weight"
+
+
 def hf_projection(layer: int, mg_linear: str, projection: str) -> str:
     """HF module of one projection fused in a megatron linear: (3, 'self_attention.linear_qkv', 'q_proj')
     -> 'model.layers.3.self_attn.q_proj' (its weight is that name + '.weight')."""
@@ -99,16 +121,13 @@ def hf_unit_shapes(unit: Unit, args, spec: ModelSpec) -> Dict[str, Tuple[int, ..
         p + "self_attn.o_proj.weight": (h, q_rows),
         p + "post_attention_layernorm.weight": (h,),
     }
+    f = args.ffn_hidden_size
     if unit in moe_layers(args):
         f = args.moe_ffn_hidden_size or args.ffn_hidden_size
-        shapes[p + "mlp.gate.weight"] = (args.num_experts, h)
-        for j in range(args.num_experts):
-            e = f"{p}mlp.experts.{j}."
-            shapes.update({e + "gate_proj.weight": (f, h), e + "up_proj.weight": (f, h), e + "down_proj.weight": (h, f)})
-    else:
-        shapes.update({p + "mlp.gate_proj.weight": (args.ffn_hidden_size, h),
-                       p + "mlp.up_proj.weight": (args.ffn_hidden_size, h),
-                       p + "mlp.down_proj.weight": (h, args.ffn_hidden_size)})
+        shapes[_hf_router(unit, spec)] = (args.num_experts, h)
+    for hf_mlp, _, (gate, up, down) in _mlps(unit, args, spec):
+        shapes.update({f"{hf_mlp}{gate}.weight": (f, h), f"{hf_mlp}{up}.weight": (f, h),
+                       f"{hf_mlp}{down}.weight": (h, f)})
     if spec.qk_layernorm:
         shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
     if spec.qkv_bias:
@@ -221,14 +240,11 @@ def hf_to_mg_unit(unit: Unit, get: Callable[[str], torch.Tensor], args, spec: Mo
         mp + "self_attention.linear_proj.weight": get(attn + "o_proj.weight"),
         mp + "pre_mlp_layernorm.weight": get(hp + "post_attention_layernorm.weight"),
     }
-    mlps = [(hp + "mlp.", mp + "mlp.")]
     if unit in moe_layers(args):
-        out[mp + "mlp.router.weight"] = get(hp + "mlp.gate.weight")
-        mlps = [(f"{hp}mlp.experts.{j}.", f"{mp}mlp.experts.local_experts.{j}.")
-                for j in (experts if experts is not None else range(args.num_experts))]
-    for hf_mlp, mg_mlp in mlps:
-        out[mg_mlp + "linear_fc1.weight"] = torch.cat([get(hf_mlp + "gate_proj.weight"), get(hf_mlp + "up_proj.weight")], 0)
-        out[mg_mlp + "linear_fc2.weight"] = get(hf_mlp + "down_proj.weight")
+        out[mp + "mlp.router.weight"] = get(_hf_router(unit, spec))
+    for hf_mlp, mg_mlp, (gate, up, down) in _mlps(unit, args, spec, experts):
+        out[mg_mlp + "linear_fc1.weight"] = torch.cat([get(f"{hf_mlp}{gate}.weight"), get(f"{hf_mlp}{up}.weight")], 0)
+        out[mg_mlp + "linear_fc2.weight"] = get(f"{hf_mlp}{down}.weight")
     if spec.qk_layernorm:
         for hf_norm, mg_norm in QK_NORMS:
             out[mp + "self_attention." + mg_norm] = get(attn + hf_norm)
@@ -267,14 +283,12 @@ def mg_to_hf_unit(unit: Unit, full: Dict[str, torch.Tensor], args, spec: ModelSp
         attn + "o_proj.weight": take(mp + "self_attention.linear_proj.weight"),
         hp + "post_attention_layernorm.weight": take(mp + "pre_mlp_layernorm.weight"),
     }
-    mlps = [(hp + "mlp.", mp + "mlp.")]
     if unit in moe_layers(args):
-        out[hp + "mlp.gate.weight"] = take(mp + "mlp.router.weight")
-        mlps = [(f"{hp}mlp.experts.{j}.", f"{mp}mlp.experts.local_experts.{j}.") for j in range(args.num_experts)]
-    for hf_mlp, mg_mlp in mlps:
-        gate, up = torch.chunk(take(mg_mlp + "linear_fc1.weight"), 2, dim=0)
-        out.update({hf_mlp + "gate_proj.weight": gate.clone(), hf_mlp + "up_proj.weight": up.clone(),
-                    hf_mlp + "down_proj.weight": take(mg_mlp + "linear_fc2.weight")})
+        out[_hf_router(unit, spec)] = take(mp + "mlp.router.weight")
+    for hf_mlp, mg_mlp, (gate, up, down) in _mlps(unit, args, spec):
+        gate_w, up_w = torch.chunk(take(mg_mlp + "linear_fc1.weight"), 2, dim=0)
+        out.update({f"{hf_mlp}{gate}.weight": gate_w.clone(), f"{hf_mlp}{up}.weight": up_w.clone(),
+                    f"{hf_mlp}{down}.weight": take(mg_mlp + "linear_fc2.weight")})
     if spec.qk_layernorm:
         for hf_norm, mg_norm in QK_NORMS:
             out[attn + hf_norm] = take(mp + "self_attention." + mg_norm)

@@ -1,4 +1,4 @@
-"""Build megatron-core ``GPTModel`` (the Qwen2/Qwen3/Llama/Mistral layout) from Megatron-LM style arguments.
+"""Build megatron-core ``GPTModel`` (the Qwen2/Qwen3/Llama/Mistral/Mixtral layout) from Megatron-LM style arguments.
 
 ``args`` is any object with Megatron-LM's argument names (``num_layers``, ``hidden_size``,
 ``group_query_attention``, ``swiglu``, ...): the training parser's namespace, or a
