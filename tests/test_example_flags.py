@@ -40,6 +40,7 @@ EXAMPLES = sorted(p for p in (REPO / "examples").rglob("*.sh"))
 QWEN25 = REPO / "examples" / "qwen25"
 QWEN3 = REPO / "examples" / "qwen3"
 QWEN3_MOE = REPO / "examples" / "qwen3_moe"
+LLAMA31 = REPO / "examples" / "llama31"
 HEADER = "#@ "
 
 
@@ -199,6 +200,8 @@ def test_examples_exist():
             "ckpt_convert_qwen25_hf2mcore.sh", "ckpt_convert_qwen25_mcore2hf.sh"} <= names
     assert {"tune_qwen3_8b_4k_full_pack.sh", "data_convert_qwen3_instruction_pack.sh",
             "ckpt_convert_qwen3_hf2mcore.sh", "ckpt_convert_qwen3_mcore2hf.sh"} <= names
+    assert {"tune_llama31_8b_4k_full_pack.sh", "data_convert_llama31_instruction_pack.sh",
+            "ckpt_convert_llama31_hf2mcore.sh", "ckpt_convert_llama31_mcore2hf.sh"} <= names
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "examples")))
@@ -329,6 +332,94 @@ def test_qwen3_moe_training_flags_are_the_models_config():
         (tune.load, tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size,
          tune.expert_model_parallel_size)
     assert tune.expert_model_parallel_size == 2
+
+
+# Llama-3.1-8B-Instruct's config.json as published (transformers 4.43 layout)
+LLAMA31_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+LLAMA31_FAMILY_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                       "kv_channels", "qk_layernorm", "add_qkv_bias", "disable_bias_linear", "swiglu", "normalization",
+                       "norm_epsilon", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "low_freq_factor",
+                       "high_freq_factor", "original_max_position_embeddings", "untie_embeddings_and_output_weights",
+                       "padded_vocab_size", "max_position_embeddings")
+
+
+def test_llama31_training_flags_are_the_models_config_at_mindspeed_llms_layout():
+    """The tune script's model flags are what the converter derives from Llama-3.1-8B-Instruct's config.json
+    (llama3 RoPE scaling 8 / 1 / 4 / 8192, theta 500000, eps 1e-5, untied, vocabulary 128256), at the layout of
+    MindSpeed-LLM's tune_llama31_8b_4k_full_pack_ptd.sh (TP 8, PP 1, MBS 1, GBS 8)."""
+    from mindspeed_pack.convert.model_specs import args_from_hf_config
+
+    (tune,) = check_script(LLAMA31 / "tune_llama31_8b_4k_full_pack.sh")
+    expected = args_from_hf_config(LLAMA31_8B_CONFIG, tp=tune.tensor_model_parallel_size, padded_vocab_size=128256)
+    for name in LLAMA31_FAMILY_ARGS:
+        assert getattr(tune, name, None) == getattr(expected, name), name
+    assert (tune.num_layers, tune.hidden_size, tune.ffn_hidden_size, tune.num_attention_heads, tune.num_query_groups,
+            tune.rotary_base, tune.norm_epsilon, tune.padded_vocab_size) == \
+        (32, 4096, 14336, 32, 8, 500000, 1e-5, 128256)
+    assert (tune.rope_scaling_factor, tune.low_freq_factor, tune.high_freq_factor,
+            tune.original_max_position_embeddings) == (8.0, 1.0, 4.0, 8192) and tune.use_rope_scaling
+    assert tune.untie_embeddings_and_output_weights and not tune.add_qkv_bias and not tune.qk_layernorm
+    assert (tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size, tune.micro_batch_size,
+            tune.global_batch_size, tune.seq_length) == (8, 1, 1, 8, 4096)
+    assert tune.neat_pack and tune.prompt_type == "llama3" and tune.sequence_parallel and tune.bf16
+
+
+def test_llama31_scripts_agree_with_each_other():
+    (data,) = check_script(LLAMA31 / "data_convert_llama31_instruction_pack.sh")
+    (hf2mg,) = check_script(LLAMA31 / "ckpt_convert_llama31_hf2mcore.sh")
+    (tune,) = check_script(LLAMA31 / "tune_llama31_8b_4k_full_pack.sh")
+    (mg2hf,) = check_script(LLAMA31 / "ckpt_convert_llama31_mcore2hf.sh")
+    assert data.pack and data.neat_pack
+    assert (data.output_prefix, data.seq_length, data.prompt_type) == (tune.data_path[0], tune.seq_length, "llama3")
+    assert (hf2mg.model_type_hf, mg2hf.model_type_hf) == ("llama", "llama")
+    assert (hf2mg.save_dir, hf2mg.target_tensor_parallel_size, hf2mg.target_pipeline_parallel_size) == \
+        (tune.load, tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size)
+    assert mg2hf.load_dir == tune.save
+    assert data.tokenizer_name_or_path == tune.tokenizer_name_or_path == mg2hf.tokenizer_dir == hf2mg.load_dir
+    # another layout reaches the conversion and the training through the same variables
+    (hf2mg,) = check_script(LLAMA31 / "ckpt_convert_llama31_hf2mcore.sh", TP="4", PP="2")
+    (tune,) = check_script(LLAMA31 / "tune_llama31_8b_4k_full_pack.sh", TP="4", PP="2")
+    assert (hf2mg.target_tensor_parallel_size, hf2mg.target_pipeline_parallel_size) == \
+        (tune.tensor_model_parallel_size, tune.pipeline_model_parallel_size) == (4, 2)
+
+
+# the Llama-3.1-8B shape scaled down (GQA 4:1 kept); everything else is the script's own
+LLAMA31_SCALED = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "224", "--num-attention-heads": "8",
+                  "--num-query-groups": "2", "--padded-vocab-size": "256", "--seq-length": "128",
+                  "--original-max-position-embeddings": "32", "--tensor-model-parallel-size": "1",
+                  "--global-batch-size": "2", "--train-iters": "2"}
+
+
+def test_llama31_tune_flags_scaled_down_train(tmp_path):
+    """The tune script's own command (llama3 RoPE scaling, bf16, packed SFT schedule) runs two steps with the model
+    shape scaled down, on one process, from scratch on a tiny packed dataset."""
+    from tests.train_utils import run_posttrain, write_copy_task
+
+    (cmd,) = extract_commands(LLAMA31 / "tune_llama31_8b_4k_full_pack.sh")
+    argv, i = [], 0
+    while i < len(cmd.argv):
+        flag = cmd.argv[i]
+        takes_value = i + 1 < len(cmd.argv) and not cmd.argv[i + 1].startswith("--")
+        value = cmd.argv[i + 1] if takes_value else None
+        i += 2 if takes_value else 1
+        if flag in ("--load", "--save", "--finetune", "--data-path", "--tokenizer-name-or-path", "--tokenizer-type",
+                    "--tensorboard-dir", "--metrics-file", "--save-interval"):
+            continue  # no weights, data, tokenizer or log paths of the real job here
+        argv += [flag] + ([LLAMA31_SCALED.get(flag, value)] if takes_value else [])
+    assert set(LLAMA31_SCALED) <= set(argv)
+    data = write_copy_task(str(tmp_path / "data"), num_packs=8)
+    _, records = run_posttrain([*argv, "--data-path", data], model_flags=[], metrics=str(tmp_path / "m.jsonl"))
+    losses = [r["lm loss"] for r in records if r["split"] == "train"]
+    assert len(losses) == 2 and all(0 < x < 20 for x in losses), losses
 
 
 def test_qwen3_scripts_agree_with_each_other():
