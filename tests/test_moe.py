@@ -582,3 +582,26 @@ def test_mixtral_converts_at_ep2_and_trains_packed_from_its_hf_directory(tmp_pat
     assert type(exported).__name__ == "MixtralForCausalLM"
     assert not torch.equal(exported.model.layers[1].mlp.experts.down_proj,
                            transformers.AutoModelForCausalLM.from_pretrained(hf).model.layers[1].mlp.experts.down_proj)
+
+
+@pytest.mark.parametrize("extra,lost", [
+    (["--qk-layernorm", "--moe-ffn-hidden-size", "16"], None),  # Qwen3-MoE, every layer MoE as examples/qwen3_moe
+    ([], None),  # Mixtral: experts --ffn-hidden-size wide
+    (["--moe-layer-freq", "[0,1]"], r"--moe-layer-freq \[0, 1\] \(a MixtralForCausalLM has \[1, 1\]\)"),
+    (["--moe-router-pre-softmax"], r"--moe-router-pre-softmax True \(a MixtralForCausalLM has False\)"),
+], ids=["qwen3_moe", "mixtral", "mixtral-dense-layer", "mixtral-pre-softmax"])
+def test_save_hf_of_a_moe_model_given_by_flags(extra, lost, tmp_path):
+    """--save-hf of an MoE model given by flags (Megatron-LM's --moe-layer-freq 1, no --moe-ffn-hidden-size) was
+    refused before training: '--moe-layer-freq 1 (a Qwen3MoeForCausalLM has [1, 1])', the same model compared as
+    written, not as built. What the family cannot hold is still named."""
+    from mindspeed_pack.checkpoint.errors import CheckpointError
+    from mindspeed_pack.checkpoint.hf_checkpoint import check_exportable
+    from mindspeed_pack.config.arguments import parse_args
+
+    flags = [f for f in MIXTRAL_FLAGS if f != "--neat-pack"]
+    args = parse_args([*flags, *extra, "--data-path", "unused", "--save-hf", str(tmp_path / "hf")])
+    if lost is None:
+        check_exportable(args)
+    else:
+        with pytest.raises(CheckpointError, match=lost):
+            check_exportable(args)

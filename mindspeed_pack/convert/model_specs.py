@@ -695,8 +695,10 @@ def settings_lost(mine: dict, spec: ModelSpec, where: str) -> List[str]:
     # what save_pretrained writes into config.json (to_diff_dict), as the converter reads it back; a reward
     # model of a family without a sequence-classification class is refused here
     config = hf_config_from_args(argparse.Namespace(**mine), spec, "float32").to_diff_dict()
-    back = args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
-                               mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
-                               mine["padded_vocab_size"], where=where)
-    return [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in vars(back).items()
-            if k in mine and k not in (*RUN_LAYOUT_ARGS, "model_type_hf") and not same_setting(mine[k], v)]
+    back = vars(args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
+                                    mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
+                                    mine["padded_vocab_size"], where=where))
+    # compared as the model reads them: --moe-layer-freq 1 is [1, 1, ...], no --moe-ffn-hidden-size is the FFN's
+    return [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in back.items()
+            if k in mine and k not in (*RUN_LAYOUT_ARGS, "model_type_hf")
+            and not same_setting(_setting(mine, k), _setting(back, k))]
