@@ -605,3 +605,24 @@ def test_save_hf_of_a_moe_model_given_by_flags(extra, lost, tmp_path):
     else:
         with pytest.raises(CheckpointError, match=lost):
             check_exportable(args)
+
+
+def test_fused_experts_in_memory_layout_are_refused_naming_save_pretrained(tmp_path):
+    """A Mixtral whose files hold transformers' in-memory experts (mlp.experts.gate_up_proj, as a raw
+    model.state_dict() saves them; transformers loads them too) was refused as '26 tensors the config implies are
+    missing'; the error now says what the files hold and how to write the per-expert layout."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    hf = build_mixtral(tmp_path / "hf")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(os.path.join(hf, "config.json"), fused / "config.json")
+    state = transformers.AutoModelForCausalLM.from_pretrained(hf).state_dict()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(fused / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"'model.layers.0.mlp.experts.(gate_up|down)_proj' holds every expert "
+                                              r".*'model.layers.0.block_sparse_moe.experts.0.w1.weight'.*"
+                                              r"save_pretrained\(NEW_DIR\)"):
+        hf_to_megatron(str(fused), str(tmp_path / "mg"), 1, 1)

@@ -161,8 +161,22 @@ def assumed_defaults(config: Dict, args, spec: ModelSpec) -> str:
     return ""
 
 
+# transformers 5.x's in-memory MoE experts, one tensor per layer ([experts, 2 x width, hidden] and
+# [experts, hidden, width]); save_pretrained writes them back as one tensor per expert and projection
+FUSED_EXPERTS = (".experts.gate_up_proj", ".experts.down_proj")
+
+
 def check_hf_tensors(reader, args, spec: ModelSpec) -> None:
     """Every tensor of the HF files named and shaped as config.json implies, and a tied output layer really tied."""
+    fused = [n for n in reader.keys() if n.endswith(FUSED_EXPERTS)]
+    if fused and spec.moe:
+        layer = next(u for u in range(args.num_layers) if u in moe_layers(args))
+        per_expert = f"{_mlps(layer, args, spec, range(1))[0][0]}{spec.moe.projections[0]}.weight"
+        raise ConversionError(
+            f"{reader.file_of(fused[0])}: {fused[0]!r} holds every expert of a layer in one tensor (transformers' "
+            f"in-memory layout, as model.state_dict() has it); the converter reads one tensor per expert, as "
+            f"save_pretrained writes them ({per_expert!r}, ...): re-save the model with "
+            "AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(NEW_DIR) and convert NEW_DIR")
     reader.check_shapes(expected_hf_shapes(args, spec), lambda n: is_ignorable_hf_tensor(n, args),
                         assumed_defaults(reader.config, args, spec))
     check_tied_output(reader, args)
