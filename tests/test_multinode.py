@@ -191,7 +191,7 @@ def test_the_training_log_says_the_layout_every_node_joined(tmp_path, monkeypatc
     'using world size: 2, data-parallel size: 2, ...'), so a user could not see that both nodes joined as DP 2. Now
     the logging rank prints the layout once at start, with torchrun's node count."""
     from mindspeed_pack.config.arguments import parse_args
-    from mindspeed_pack.training.run_plan import layout_line
+    from mindspeed_pack.training.layout import layout_line
     from tests.train_utils import run_posttrain
 
     data = write_packed_instruction_dataset(str(tmp_path / "toy"), num_packs=8, seq_length=SEQ_LENGTH)

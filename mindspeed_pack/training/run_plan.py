@@ -28,6 +28,7 @@ from mindspeed_pack.model.vocab_cross_entropy import UNFUSED_ELEMENTS, loss_chun
 from mindspeed_pack.packing.balance import model_shape
 from mindspeed_pack.runtime.error_scope import scoped
 from mindspeed_pack.runtime.platform import cuda_usable
+from mindspeed_pack.training.layout import ROLLOUT_STAGES, layout_line, packs_at_load_time, world_size
 
 log = logging.getLogger(__name__)
 
@@ -309,30 +310,6 @@ def _data_lines(args) -> list:
     return lines
 
 
-def _world(args) -> int:
-    return args.data_parallel_size * args.tensor_model_parallel_size * args.pipeline_model_parallel_size * \
-        args.context_parallel_size
-
-
-def layout_line(args) -> str:
-    """'layout: world 4 (2 nodes x 2 processes) = TP 2 x PP 1 x CP 1 x DP 2 (EP 1); global batch 8 = micro-batch 1
-    x DP 2 x 4 micro-batches of 4096 tokens per row': the dry run's plan, and the training log's first lines (as
-    Megatron-LM's 'using world size ..., data-parallel size ...'), so a multi-node job shows that every node joined
-    and what each step runs. The node count is torchrun's (``GROUP_WORLD_SIZE``), when it started the job."""
-    world = _world(args)
-    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "0") or 0)
-    per_node = world // nodes if nodes > 1 and world % nodes == 0 else 0
-    where = f" ({nodes} nodes x {per_node} process{'es' if per_node > 1 else ''})" if per_node else ""
-    rows = (f"{args.global_batch_size} samples a step on DP {args.data_parallel_size}, packed at load time into "
-            f"rows of {getattr(args, 'max_seqlen_per_dp_cp_rank', None) or args.seq_length} tokens per rank (as many "
-            "micro-batches as they fill)" if packs_at_load_time(args) else
-            f"{args.global_batch_size} = micro-batch {args.micro_batch_size} x DP {args.data_parallel_size} x "
-            f"{args.num_micro_batches} micro-batches of {args.seq_length} tokens per row")
-    return (f"layout: world {world}{where} = TP {args.tensor_model_parallel_size} x PP "
-            f"{args.pipeline_model_parallel_size} x CP {args.context_parallel_size} x DP {args.data_parallel_size} "
-            f"(EP {args.expert_model_parallel_size}); global batch {rows}")
-
-
 def plan_lines(args) -> list:
     lines = _data_lines(args)
     try:
@@ -347,7 +324,7 @@ def plan_lines(args) -> list:
         lines.append(f"iterations: from --train-epochs {args.train_epochs} once the data is found")
     else:
         lines.append(f"iterations: {args.train_iters} (--train-iters)")
-    world = _world(args)
+    world = world_size(args)
     load_time = packs_at_load_time(args)
     lines.append(layout_line(args))
     if getattr(args, "sequence_packing_scheduler", None) == "default_dynamic_cp":
@@ -385,14 +362,6 @@ def _gpu_precision_lines(args) -> list:
             f"memory per GPU (estimate) {memory_estimate(bf16)['total']:.2f} GiB; pass --bf16 to plan that run"]
 
 
-ROLLOUT_STAGES = ("grpo", "score")  # a micro-batch is one row packed at load time (datasets/rollouts.py)
-
-
-def packs_at_load_time(args) -> bool:
-    """Whether rows are packed at load time (dp_balanced, dynamic CP, rollouts): the global batch counts samples and
-    the data decides how many micro-batches they fill, so micro-batch x DP x micro-batches does not describe it."""
-    return getattr(args, "sequence_packing_scheduler", "none") != "none" or \
-        getattr(args, "stage", None) in ROLLOUT_STAGES
 ASSUMED_DEVICE_GIB = 80.0  # an H100's memory, when --dry-run runs where no GPU is visible
 HEADROOM = 0.85  # the share of a GPU's memory the estimate may fill: allocator and communication buffers on top
 

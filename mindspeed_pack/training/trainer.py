@@ -39,7 +39,7 @@ from mindspeed_pack.runtime import faults, peers
 from mindspeed_pack.runtime.exit_signal import ExitSignal
 from mindspeed_pack.runtime.platform import cuda_usable
 from mindspeed_pack.runtime.process_groups import initialize_from_args
-from mindspeed_pack.training import run_plan, throughput
+from mindspeed_pack.training import layout, throughput
 from mindspeed_pack.training.batches import BatchSource, host_packed_batch, model_device, packed_seq_params
 from mindspeed_pack.training.fused_adam import use_fused_adam
 from mindspeed_pack.training.manual_gc import ManualGC
@@ -109,7 +109,7 @@ class Trainer:
                                      extra_metrics=self.stage.metric_names)
         self.metrics.resumed(self.iteration, loaded_from(args))
         if self.metrics.enabled:  # the world every node joined, and what a step runs on it
-            log.info(run_plan.layout_line(args))
+            log.info(layout.layout_line(args))
         self.metrics.precision(self.iteration, precision_record(args, self.model, self.optimizer))
         self.collector = ManualGC(args)  # last: the setup's garbage is collected once, then none at random
         if args.exit_signal_handler:
