@@ -18,7 +18,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import socket
 from typing import Optional
 
 import torch
@@ -30,7 +29,7 @@ from mindspeed_pack.config import finetune_defaults, resolved_config
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime import faults
-from mindspeed_pack.runtime.platform import cuda_usable
+from mindspeed_pack.runtime.platform import cuda_usable, node_and_host
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ def _check_ranks_agree(args, position: tuple) -> None:
     if torch.equal(low, high):
         return
     found = [None] * dist.get_world_size()  # only now: which rank found which, and where it runs
-    dist.all_gather_object(found, (position[0], os.environ.get("GROUP_RANK", "?"), socket.gethostname()))
+    dist.all_gather_object(found, (position[0], *node_and_host()))
     raise CheckpointError(f"the ranks found different checkpoints to resume in {loaded_from(args)}: "
                           f"{_found_by_node(found)}; it must be one directory every node sees (a shared filesystem, "
                           "or the same files copied to every node; with --no-shared-storage too: it covers the data, "

@@ -17,7 +17,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from mindspeed_pack.runtime.platform import cuda_usable
+from mindspeed_pack.runtime.platform import cuda_usable, node_and_host
 from mindspeed_pack.runtime.rendezvous import RendezvousTimeout, first_line
 
 # what gloo, NCCL and the store say when a peer is gone or late
@@ -33,13 +33,13 @@ _LOOPBACK = ("127.0.0.1", "::1")
 
 
 def this_place() -> tuple:
-    """(node, host, addresses) of this process: torchrun's node rank, the host name and its IP addresses."""
-    host = socket.gethostname()
+    """(node, host, addresses) of this process: :func:`node_and_host` and the host's IP addresses."""
+    node, host = node_and_host()
     try:
         addresses = socket.gethostbyname_ex(host)[2]
     except OSError:
         addresses = []
-    return os.environ.get("GROUP_RANK", "?"), host, sorted(set(addresses) | set(_LOOPBACK))
+    return node, host, sorted(set(addresses) | set(_LOOPBACK))
 
 
 def record_places(places: list) -> None:

@@ -240,3 +240,10 @@ def _gather_uneven_pieces() -> None:
 
 def default_backend() -> str:
     return "nccl" if cuda_usable() else "gloo"
+
+
+def node_and_host() -> tuple:
+    """(node, host) of this process, for lines that say where a rank runs: torchrun's node rank and the host name."""
+    import socket
+
+    return os.environ.get("GROUP_RANK", "?"), socket.gethostname()

@@ -117,7 +117,7 @@ def check_same_flags(flags: dict) -> None:
     if len(set(digests)) == 1:
         return
     ranks = [None] * dist.get_world_size()  # only now the whole set: one rank's, and where each rank runs
-    dist.all_gather_object(ranks, (flags, os.environ.get("GROUP_RANK", "?"), socket.gethostname()))
+    dist.all_gather_object(ranks, (flags, *platform.node_and_host()))
     reference, *_ = ranks[0]
     lines = []
     for rank, (theirs, node, host) in enumerate(ranks):

@@ -34,11 +34,12 @@ import json
 import logging
 import os
 import re
-import socket
 import time
 import uuid
 
 import torch.distributed as dist
+
+from mindspeed_pack.runtime.platform import node_and_host
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,8 @@ def announce_stop(error: str) -> None:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     if not _first_attempt() or (rank == 0 and not agent_store):  # rank 0 without torchrun: nobody hosts a store
         return
-    record = json.dumps({"rank": rank, "node": os.environ.get("GROUP_RANK", "?"), "host": socket.gethostname(),
-                         "error": error})
+    node, host = node_and_host()
+    record = json.dumps({"rank": rank, "node": node, "host": host, "error": error})
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=datetime.timedelta(seconds=ANNOUNCE_TIMEOUT_S))

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import math
 import os
-import socket
 import time
 from functools import partial
 from typing import Callable, Optional
@@ -37,7 +36,7 @@ from mindspeed_pack.model import moe
 from mindspeed_pack.packing import context_parallel as cp_view
 from mindspeed_pack.runtime import faults, peers
 from mindspeed_pack.runtime.exit_signal import ExitSignal
-from mindspeed_pack.runtime.platform import cuda_usable
+from mindspeed_pack.runtime.platform import cuda_usable, node_and_host
 from mindspeed_pack.runtime.process_groups import initialize_from_args
 from mindspeed_pack.training import layout, throughput
 from mindspeed_pack.training.batches import BatchSource, host_packed_batch, model_device, packed_seq_params
@@ -125,7 +124,7 @@ class Trainer:
             return
         mine = {docs.prefix: docs.fingerprint() for docs in getattr(self.source, "docs", None) or []}
         gathered = [None] * dist.get_world_size()  # every rank calls it: ranks that read no data bring {}
-        dist.all_gather_object(gathered, (mine, os.environ.get("GROUP_RANK", "?"), socket.gethostname()))
+        dist.all_gather_object(gathered, (mine, *node_and_host()))
         for prefix in dict.fromkeys(p for prints, _, _ in gathered for p in prints):
             seen: dict = {}
             for rank, (prints, node, host) in enumerate(gathered):
