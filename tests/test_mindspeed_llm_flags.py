@@ -64,6 +64,25 @@ QWEN25_LORA_TUNE = """--use-mcore-models --tensor-model-parallel-size 1 --pipeli
     --seed 42 --bf16 --lora-r 8 --lora-alpha 16 --lora-fusion --lora-target-modules linear_qkv linear_proj
     linear_fc1 linear_fc2 --lora-ckpt-filter --lora-register-forward-hook word_embeddings input_layernorm --split 100,0,0 --log-interval 1 --save-interval 1000
     --eval-interval 1000 --eval-iters 0 --finetune --stage sft --is-instruction-dataset --prompt-type qwen"""
+# MindSpeed-LLM's tune_mixtral_8x7B_full_ptd.sh (shapes tiny): Megatron-LM's deprecated --no-position-embedding and
+# --no-check-for-nan-in-loss-and-grad were unrecognized arguments
+MIXTRAL_TUNE = """--num-experts 4 --expert-model-parallel-size 1 --moe-router-topk 2
+    --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 0.02 --moe-permutation-async-comm
+    --moe-layer-freq -1 --first-k-dense-replace -1 --moe-token-dispatcher-type alltoall_seq --use-mcore-models
+    --disable-bias-linear --seq-length 128 --max-position-embeddings 128 --num-layers 2 --hidden-size 64
+    --ffn-hidden-size 128 --num-attention-heads 4 --init-method-std 0.02 --attention-dropout 0.0 --hidden-dropout 0.0
+    --normalization RMSNorm --prompt-type mixtral --variable-seq-lengths --use-rotary-position-embeddings
+    --position-embedding-type rope --no-check-for-nan-in-loss-and-grad --overlap-grad-reduce --overlap-param-gather
+    --use-distributed-optimizer --swiglu --untie-embeddings-and-output-weights --group-query-attention
+    --num-query-groups 2 --no-position-embedding --vocab-size 256 --rotary-base 1000000 --norm-epsilon 1e-5
+    --no-masked-softmax-fusion --use-fused-rotary-pos-emb --use-flash-attn --use-fused-swiglu --use-fused-rmsnorm
+    --make-vocab-size-divisible-by 1 --tensor-model-parallel-size 1 --pipeline-model-parallel-size 1
+    --sequence-parallel --context-parallel-size 1 --context-parallel-algo megatron_cp_algo
+    --tokenizer-type PretrainedFromHF --micro-batch-size 1 --global-batch-size 2 --adam-beta1 0.9 --adam-beta2 0.999
+    --initial-loss-scale 4096 --lr 1.0e-6 --train-iters 2 --lr-decay-style cosine --lr-decay-iters 2
+    --lr-warmup-iters 0 --weight-decay 1e1 --clip-grad 1.0 --bf16 --no-load-optim --no-load-rng --no-shared-storage
+    --vocab-size 256 --finetune --stage sft --is-instruction-dataset --split 99990,8,2 --log-interval 1
+    --save-interval 2000 --eval-interval 2000 --eval-iters 0"""
 
 
 def _parser():
@@ -72,7 +91,8 @@ def _parser():
     return parser
 
 
-@pytest.mark.parametrize("script", [QWEN3_TUNE, QWEN3_MOE_TUNE, QWEN25_LORA_TUNE], ids=["qwen3", "qwen3_moe", "lora"])
+@pytest.mark.parametrize("script", [QWEN3_TUNE, QWEN3_MOE_TUNE, QWEN25_LORA_TUNE, MIXTRAL_TUNE],
+                         ids=["qwen3", "qwen3_moe", "lora", "mixtral"])
 def test_every_flag_of_a_mindspeed_llm_tune_script_is_known(script):
     _, unknown = _parser().parse_known_args(shlex.split(script))
     assert unknown == []
@@ -148,6 +168,10 @@ def test_pad_vocab_size_to_is_the_padded_vocab_size(data):
     ([*MOE, "--moe-intermediate-size", "96", "--moe-ffn-hidden-size", "64"], "name the same size: pass one"),
     (["--calculate-per-token-loss", "--per-sample-loss"], "--calculate-per-token-loss and --per-sample-loss"),
     (["--manual-gc-interval", "5"], "--manual-gc-interval 5 schedules manual collections: pass --manual-gc"),
+    (["--no-check-for-nan-in-loss-and-grad", "--nan-policy", "stop"],
+     "--no-check-for-nan-in-loss-and-grad (here --nan-policy skip"),
+    (["--no-position-embedding", "--position-embedding-type", "learned_absolute"],
+     "--no-position-embedding turns off the learned position embedding"),
 ])
 def test_what_cannot_mean_the_same_is_refused_by_name(data, capsys, extra, message):
     args, error = _parse(data, extra, capsys)
@@ -378,3 +402,34 @@ def test_convert_refuses_a_directory_of_the_other_kind(tiny_hf, tmp_path, capsys
         assert convert_main(["--load-model-type", load_type, "--save-model-type", "hf", "--load-dir", load_dir,
                              "--save-dir", str(tmp_path / "out")]) == 2
         assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra,policy", [([], "skip"), (["--nan-policy", "skip"], "skip")])
+def test_no_check_for_nan_in_loss_and_grad_is_the_skip_policy(data, extra, policy):
+    """Megatron-LM's --no-check-for-nan-in-loss-and-grad (Mixtral's scripts) goes on past a non-finite step."""
+    args, error = _parse(data, ["--no-check-for-nan-in-loss-and-grad", *extra])
+    assert error is None and args.nan_policy == policy
+    assert _parse(data, [])[0].nan_policy == "stop"  # the default is unchanged
+
+
+def test_no_position_embedding_is_nothing_under_rope_and_turns_a_learned_one_off(data):
+    args, error = _parse(data, ["--no-position-embedding"])  # TINY_FLAGS: --position-embedding-type rope
+    assert error is None and args.position_embedding_type == "rope"
+    i = TINY_FLAGS.index("--position-embedding-type")
+    flags = [*TINY_FLAGS[:i], *TINY_FLAGS[i + 2:], "--seq-length", "128", "--global-batch-size", "2",
+             "--train-iters", "1", "--data-path", data, "--neat-pack"]
+    learned = parse_args(flags, extra_args_provider=posttrain.posttrain_args)
+    assert learned.position_embedding_type == "learned_absolute"  # Megatron-LM's default
+    args = parse_args([*flags, "--no-position-embedding"], extra_args_provider=posttrain.posttrain_args)
+    assert args.position_embedding_type == "none"
+    from mindspeed_pack.datasets.packed_dataset import PackedBatchSource
+
+    trainer = sft_trainer(args, PackedBatchSource())
+    trainer.setup()
+    try:
+        names = [n for n, _ in trainer.model[0].module.named_parameters()]
+        assert not [n for n in names if "position_embeddings" in n] and any("word_embeddings" in n for n in names)
+        loss, *_ = trainer.train_step()
+        assert loss == loss  # finite: the model trains without any position embedding
+    finally:
+        trainer.cleanup()

@@ -16,6 +16,9 @@ Each has one of four fates here, never a silent drop:
   (a LoRA run's checkpoints hold only its adapters), ``--lora-register-forward-hook`` (a LoRA run: its adapters'
   gradients cross pipeline stages without MindSpeed-LLM's hook), ``--attention-mask-type`` (packed attention follows the
   samples' boundaries, ``cu_seqlens``, whichever mask type MindSpeed would build);
+* **Megatron-LM's deprecated flags** MindSpeed-LLM's Mixtral scripts still pass: ``--no-position-embedding``
+  (no learned position embedding: nothing to drop under RoPE; otherwise ``--position-embedding-type none``, where
+  Megatron-LM refuses it) and ``--no-check-for-nan-in-loss-and-grad`` (``--nan-policy skip``);
 * **Ascend optimisations** (:data:`NPU_OPTIMISATIONS`): overlap, swapping and fused NPU kernels, which change
   speed or memory but not what is computed: accepted with one warning naming them (a job that fitted only with
   a memory option may need activation recomputation here: ``--recompute-granularity``);
@@ -117,6 +120,15 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-mask-type", default="causal", choices=["causal", "general"],
                    help="accepted no-op: packed attention is causal within each sample's boundaries (cu_seqlens) "
                         "whichever mask MindSpeed-LLM would build")
+    g.add_argument("--no-position-embedding", dest="add_position_embedding", action="store_false",
+                   help="Megatron-LM's deprecated flag: no learned position embedding. Under --position-embedding-type "
+                        "rope it changes nothing; otherwise it is --position-embedding-type none (refused with an "
+                        "explicit learned_absolute)")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_false",
+                   help="Megatron-LM: do not stop on a NaN loss or gradient. Here --nan-policy skip: the run goes on, "
+                        "and a step with a non-finite loss or gradient is skipped with a warning (weights unchanged; "
+                        "Megatron-LM would apply it); refused with --nan-policy stop")
     for flag, (kwargs, what) in NPU_OPTIMISATIONS.items():
         g.add_argument(flag, **({"action": "store_true"} if not kwargs else kwargs),
                        help=f"Ascend optimisation ({what}): accepted, no effect here")
@@ -161,6 +173,7 @@ def apply(args, given: set, loads_hf: bool) -> None:
         args.moe_ffn_hidden_size = args.moe_intermediate_size
     if args.npu_deterministic:
         args.deterministic_mode = True
+    _megatron_deprecated(args, given)
     if args.spec is not None:
         if args.spec[0] != QWEN3_SPEC:
             raise ArgumentError(f"--spec {' '.join(args.spec)}: only {QWEN3_SPEC} layer_spec is known here (the layer "
@@ -233,3 +246,22 @@ def _first_k_dense(args, loads_hf: bool) -> None:
         raise ArgumentError(f"--first-k-dense-replace {k} makes layers {', '.join(str(i) for i in range(k))} dense, "
                             f"but --load {args.load}'s config.json has MoE layers there: drop the flag")
     args.moe_layer_freq = pattern
+
+
+def _megatron_deprecated(args, given: set) -> None:
+    """Megatron-LM's ``--no-position-embedding`` and ``--no-check-for-nan-in-loss-and-grad`` (Mixtral's scripts)."""
+    if not args.add_position_embedding:
+        kind = "rope" if args.use_rotary_position_embeddings else args.position_embedding_type
+        if kind == "learned_absolute":
+            if "position_embedding_type" in given:
+                raise ArgumentError("--no-position-embedding turns off the learned position embedding that "
+                                    "--position-embedding-type learned_absolute asks for: pass one of them "
+                                    "(--position-embedding-type none or rope)")
+            log.info("--no-position-embedding: --position-embedding-type none (no position embedding)")
+            args.position_embedding_type = "none"
+        # rope / none: the model has no learned position embedding to turn off
+    if not args.check_for_nan_in_loss_and_grad:
+        if "nan_policy" in given and args.nan_policy == "stop":
+            raise ArgumentError("--no-check-for-nan-in-loss-and-grad (here --nan-policy skip: the run goes on past a "
+                                "non-finite loss or gradient) contradicts --nan-policy stop: pass one of them")
+        args.nan_policy = "skip"
