@@ -1493,3 +1493,109 @@ def test_json_qwen3_reasoning_on_a_function_call_message_is_not_told_to_pass_the
         encoder.encode_row(row, "row 0")
     assert "pass --enable-thinking true" not in str(err.value)
     assert "give the call as an assistant message with tool_calls beside its reasoning_content" in str(err.value)
+
+
+# Mixtral-8x7B-Instruct-v0.1's chat_template (its tokenizer_config.json on the Hugging Face hub; Mistral-7B-Instruct
+# has the same): the reference that --prompt-type mixtral must equal token for token
+MIXTRAL_CHAT_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}
+        {{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}
+    {%- endif %}
+    {%- if message['role'] == 'user' %}
+        {%- if loop.first and system_message is defined %}
+            {{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}
+        {%- else %}
+            {{- ' [INST] ' + message['content'] + ' [/INST]' }}
+        {%- endif %}
+    {%- elif message['role'] == 'assistant' %}
+        {{- ' ' + message['content'] + eos_token}}
+    {%- else %}
+        {{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}
+    {%- endif %}
+{%- endfor %}
+"""
+
+
+@pytest.fixture(scope="module")
+def mixtral_tokenizer_dir(tmp_path_factory, toy_tokenizer_dir):
+    """The toy tokenizer with Mixtral's <s>, </s>, [INST], [/INST] and its official chat template."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(toy_tokenizer_dir))
+    tok.add_tokens([AddedToken(t, special=True, normalized=False) for t in ("<s>", "</s>", "[INST]", "[/INST]")],
+                   special_tokens=True)
+    tok.bos_token, tok.eos_token = "<s>", "</s>"
+    tok.chat_template = MIXTRAL_CHAT_TEMPLATE
+    out = tmp_path_factory.mktemp("mixtral_tokenizer")
+    tok.save_pretrained(str(out))
+    return out
+
+
+MIXTRAL_ROWS = [
+    [("user", "U0 what is red"), ("assistant", "A0 a colour")],
+    [("system", "S1 be terse"), ("user", "U1 name a cat"), ("assistant", "A1 tom")],
+    [("user", "U2_0 hi there"), ("assistant", "A2_0 hello"), ("user", "U2_1 and then"), ("assistant", "A2_1 bye"),
+     ("user", "U2_2 last"), ("assistant", "A2_2 done now")],
+    [("system", "S3 sys"), ("user", " U3_0 spaced "), ("assistant", "A3_0\nline "), ("user", "U3_1"),
+     ("assistant", " A3_1")],
+]
+
+
+@pytest.mark.parametrize("turns", MIXTRAL_ROWS, ids=["single", "system", "multi", "system_multi_whitespace"])
+def test_json_mixtral_is_the_official_mixtral_template_token_for_token(turns, mixtral_tokenizer_dir):
+    """--prompt-type mixtral (MindSpeed-LLM's Mixtral scripts) gives the ids of Mixtral-8x7B-Instruct's own template;
+    each answer and its </s> are trained, nothing else."""
+    from transformers import AutoTokenizer
+
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    messages = [{"role": r, "content": c} for r, c in turns]
+    row = chat_corpus.as_sharegpt({"messages": messages})
+    official = _encoder(mixtral_tokenizer_dir, map_keys=None)
+    (o_ids, o_trained), = official.encode_chat_row(row, "row 0")
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    encoder = SampleEncoder(SHAREGPT, official.tokenizer, get_template("mixtral"), keys, None, False)
+    (ids, trained), _, _ = encoder.encode_row(row, "row 0")
+
+    hf = AutoTokenizer.from_pretrained(str(mixtral_tokenizer_dir))
+    expected = hf.apply_chat_template(messages, tokenize=False)
+    assert list(ids) == hf(expected, add_special_tokens=False)["input_ids"]  # the official render, token for token
+    assert np.array_equal(ids, o_ids) and np.array_equal(trained, o_trained)
+    answers = [c for r, c in turns if r == "assistant"]
+    trained_runs = "".join(hf.decode(ids[i:i + 1]) if trained[i] else "|" for i in range(len(ids)))
+    assert [run for run in trained_runs.split("|") if run] == [f" {a}</s>" for a in answers]
+
+
+def test_json_mixtral_renders_the_corpus_as_the_official_template(mixtral_tokenizer_dir):
+    """The generated corpus (whitespace edges, literal special-token text, long rows) on both paths."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    official = _encoder(mixtral_tokenizer_dir, map_keys=None)
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    encoder = SampleEncoder(SHAREGPT, official.tokenizer, get_template("mixtral"), keys, None, False)
+    compared = 0
+    for i, row in enumerate(CORPUS[:130]):
+        row = chat_corpus.as_sharegpt(row)
+        try:
+            if row is None or len(expected := official.encode_chat_row(row, f"row {i}")) != 1:
+                continue
+            sample, _, _ = encoder.encode_row(row, f"row {i}")
+        except (RowError, PreprocessError):
+            continue  # tools, roles the official template refuses
+        if sample is None:
+            continue
+        (ids, trained), (o_ids, o_trained) = sample, expected[0]
+        assert np.array_equal(ids, o_ids) and np.array_equal(trained, o_trained), f"row {i}"
+        compared += 1
+    assert compared >= 40

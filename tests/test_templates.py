@@ -59,6 +59,15 @@ def test_llama2_strips_message_text_as_llama2_chat_does():
     assert text == "<s>[INST] Reverse the words.\nred cat [/INST] cat red </s><s>[INST] Say it. [/INST] sun </s>"
 
 
+def test_mixtral_is_mistrals_official_inst_format():
+    # MindSpeed-LLM's tune_mixtral_8x7B_full_ptd.sh passes --prompt-type mixtral: it was an unknown template
+    text = render_text(get_template("mixtral"), TWO_TURNS, None, eos_token="</s>", bos_token="<s>")
+    assert text == ("<s> [INST] Reverse the words.\nred cat [/INST] cat red</s>"
+                    " [INST] Say the first word.\nsun moon [/INST] sun</s>")
+    text = render_text(get_template("mixtral"), TWO_TURNS[:2], "SYS", eos_token="</s>", bos_token="<s>")
+    assert text == "<s> [INST] SYS\n\nReverse the words.\nred cat [/INST] cat red</s>"
+
+
 def test_llama3_renders_header_blocks():
     text = render_text(get_template("llama3"), TWO_TURNS[:2], "S", eos_token="<|end_of_text|>", bos_token="<|begin_of_text|>")
     assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
@@ -66,7 +75,7 @@ def test_llama3_renders_header_blocks():
                     "<|start_header_id|>assistant<|end_header_id|>\n\ncat red<|eot_id|>")
 
 
-@pytest.mark.parametrize("name", ["qwen", "chatml", "llama3", "llama2", "alpaca", "default", "empty"])
+@pytest.mark.parametrize("name", ["qwen", "chatml", "llama3", "llama2", "mixtral", "alpaca", "default", "empty"])
 def test_required_templates_exist_and_render(name):
     assert name in template_names()
     text = render_text(get_template(name), TWO_TURNS, None, eos_token="</s>", bos_token="<s>")
