@@ -68,7 +68,8 @@ def _rank(data, hf, pairs):
         if fused:
             assert wgrad_fusion.install(probe=False, device="cpu")
         if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+            from mindspeed_pack.runtime.process_groups import release_model_parallel
+            release_model_parallel()
         torch._dynamo.reset()
         counters.clear()
         in_graph.clear()
@@ -247,7 +248,8 @@ def _parallel_rank(data, hf):
             out["mappings"] = _compare_mappings()  # (with TP2's groups initialised by the previous run)
         for mode in ("auto", "layers"):
             if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
+                from mindspeed_pack.runtime.process_groups import release_model_parallel
+                release_model_parallel()
             torch._dynamo.reset()
             counters.clear()
             records = trainer_steps([*TINY_FLAGS, *[hf if f == "hf" else f for f in flags], *COMMON, "--data-path",

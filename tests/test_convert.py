@@ -127,7 +127,8 @@ def _megatron_worker(jobs, tokens):
     results = {}
     for name, ckpt_dir, tp, pp, kind in jobs:
         if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+            from mindspeed_pack.runtime.process_groups import release_model_parallel
+            release_model_parallel()
         initialize_distributed(tp, pp)
         model, args = load_release_checkpoint(ckpt_dir)
         reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \

@@ -150,7 +150,8 @@ def _compiled_layers_training(data: str, on_cpu: bool = False) -> dict:
     out = {}
     for mode in ("regions", "layers"):  # (auto is layers on CUDA)
         if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+            from mindspeed_pack.runtime.process_groups import release_model_parallel
+            release_model_parallel()
         torch._dynamo.reset()
         records = trainer_steps([*TINY_FLAGS, *COMMON, "--data-path", data, "--bf16", "--attention-backend", "flash",
                                  "--torch-compile-kernels", mode])

@@ -95,7 +95,8 @@ def _packed_worker(jobs):
     results = {}
     for name, ckpt_dir, tp, pp, corrupt_later_stage in jobs:
         if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+            from mindspeed_pack.runtime.process_groups import release_model_parallel
+            release_model_parallel()
         initialize_distributed(tp, pp)
         model, args = load_release_checkpoint(ckpt_dir)
         seen = []

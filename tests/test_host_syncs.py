@@ -154,12 +154,12 @@ def test_dpo_and_moe_steps_read_nothing_of_ours_per_layer_or_micro_batch(data):
 
 
 def _layout_syncs(configs):
-    from megatron.core import parallel_state
 
     out = []
     for name, flags in configs:
         device, rest, _ = _step_syncs(flags)
-        parallel_state.destroy_model_parallel()  # the next layout builds its own groups
+        from mindspeed_pack.runtime.process_groups import release_model_parallel
+        release_model_parallel()  # the next layout builds its own groups
         out.append((name, device, rest))
     return out
 

@@ -65,7 +65,8 @@ def _rank(data, hf):
     try:
         for name, flags in RUNS.items():
             if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
+                from mindspeed_pack.runtime.process_groups import release_model_parallel
+                release_model_parallel()
             torch._dynamo.reset()
             saved.clear()
             flags = [hf if f == "hf" else f for f in flags]

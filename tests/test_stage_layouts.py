@@ -53,7 +53,8 @@ def _rank(runs: list) -> list:
     out = []
     for argv in runs:
         if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+            from mindspeed_pack.runtime.process_groups import release_model_parallel
+            release_model_parallel()
         out.append(trainer_steps(argv))
     return out
 

@@ -46,7 +46,8 @@ def _rank(data, hf):
             layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 = counted
         for name, (flags, _) in RUNS.items():
             if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
+                from mindspeed_pack.runtime.process_groups import release_model_parallel
+                release_model_parallel()
             records = trainer_steps([hf if f == "hf" else f for f in flags] + [*COMMON, "--data-path", data])
             out[(name, fused)] = [(r["lm loss"], r["grad norm"]) for r in records]
     out["calls"] = calls["n"]

@@ -208,6 +208,20 @@ def set_seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def release_model_parallel() -> None:
+    """megatron's groups of the last layout dropped, and released: ``destroy_model_parallel`` only forgets them,
+    while c10d keeps every group it made (a gloo group's threads too) until it is destroyed. A process that runs
+    layout after layout (the tests' jobs) gathered thousands of idle gloo threads, and its steps slowed tenfold.
+    Every group but the default one is destroyed (none of them is used across layouts)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        for group in list(c10d._world.pg_map):
+            if group is not c10d.GroupMember.WORLD:
+                dist.destroy_process_group(group)
+
+
 def destroy() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
