@@ -558,29 +558,36 @@ def test_prompt_type_hf_end_to_end_preprocess_train_inspect(tmp_path, family_tok
 @pytest.mark.parametrize("name,official,family", [("qwen2_5", "qwen2_5.jinja", "qwen2_5"), ("llama3", "llama3.jinja", "llama3_1")])
 def test_json_templates_equal_their_official_counterparts(name, official, family, family_tokenizer_dir):
     """qwen2_5 (tools included) and llama3 (content trimmed) render the corpus exactly as the official templates."""
-    from mindspeed_pack.data.handlers import SampleEncoder
-    from mindspeed_pack.data.templates import get_template
 
     tok_dir = family_tokenizer_dir(family)
     official_encoder = _encoder(tok_dir, map_keys=None, chat_template=str(chat_corpus.TEMPLATES / official))
-    keys, _ = resolve_map_keys(SHAREGPT, None)
-    json_encoder = SampleEncoder(SHAREGPT, official_encoder.tokenizer, get_template(name), keys, None, False)
     compared = 0
+    # skipped: tools on llama3 (JSON: no format_tools), parallel calls on Llama
+    for i, (ids, trained), (o_ids, o_trained) in _corpus_pairs(official_encoder, name, (RowError,)):
+        assert np.array_equal(ids, o_ids[:len(ids)]) and len(o_ids) - len(ids) <= 1, f"row {i}"
+        assert np.array_equal(trained, o_trained[:len(ids)]), f"row {i}"
+        compared += 1
+    assert compared >= 40
+
+
+def _corpus_pairs(official_encoder, name: str, skipped: tuple):
+    """(row, the named template's (ids, trained), the official template's) for the corpus rows (ShareGPT form) both
+    render as one sample; rows raising ``skipped`` are left out."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    keys, _ = resolve_map_keys(SHAREGPT, None)
+    encoder = SampleEncoder(SHAREGPT, official_encoder.tokenizer, get_template(name), keys, None, False)
     for i, row in enumerate(CORPUS[:130]):
         row = chat_corpus.as_sharegpt(row)
         try:
             if row is None or len(expected := official_encoder.encode_chat_row(row, f"row {i}")) != 1:
                 continue
-            sample, _, _ = json_encoder.encode_row(row, f"row {i}")
-        except RowError:
-            continue  # tools on llama3 (JSON: no format_tools), parallel calls on Llama
-        if sample is None:
+            sample, _, _ = encoder.encode_row(row, f"row {i}")
+        except skipped:
             continue
-        (ids, trained), (o_ids, o_trained) = sample, expected[0]
-        assert np.array_equal(ids, o_ids[:len(ids)]) and len(o_ids) - len(ids) <= 1, f"row {i}"
-        assert np.array_equal(trained, o_trained[:len(ids)]), f"row {i}"
-        compared += 1
-    assert compared >= 40
+        if sample is not None:
+            yield i, sample, expected[0]
 
 
 def test_qwen3_enable_thinking_false_leaves_the_prefilled_think_block_untrained(family_tokenizer_dir):
@@ -1578,24 +1585,11 @@ def test_json_mixtral_is_the_official_mixtral_template_token_for_token(turns, mi
 
 def test_json_mixtral_renders_the_corpus_as_the_official_template(mixtral_tokenizer_dir):
     """The generated corpus (whitespace edges, literal special-token text, long rows) on both paths."""
-    from mindspeed_pack.data.handlers import SampleEncoder
-    from mindspeed_pack.data.templates import get_template
 
     official = _encoder(mixtral_tokenizer_dir, map_keys=None)
-    keys, _ = resolve_map_keys(SHAREGPT, None)
-    encoder = SampleEncoder(SHAREGPT, official.tokenizer, get_template("mixtral"), keys, None, False)
     compared = 0
-    for i, row in enumerate(CORPUS[:130]):
-        row = chat_corpus.as_sharegpt(row)
-        try:
-            if row is None or len(expected := official.encode_chat_row(row, f"row {i}")) != 1:
-                continue
-            sample, _, _ = encoder.encode_row(row, f"row {i}")
-        except (RowError, PreprocessError):
-            continue  # tools, roles the official template refuses
-        if sample is None:
-            continue
-        (ids, trained), (o_ids, o_trained) = sample, expected[0]
+    # skipped: tools, roles the official template refuses
+    for i, (ids, trained), (o_ids, o_trained) in _corpus_pairs(official, "mixtral", (RowError, PreprocessError)):
         assert np.array_equal(ids, o_ids) and np.array_equal(trained, o_trained), f"row {i}"
         compared += 1
     assert compared >= 40
