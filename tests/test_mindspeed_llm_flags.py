@@ -314,6 +314,36 @@ def _lead_and_resume(no_shared_storage: bool, iterations: tuple):
     return {"worker": worker, "stopped": stopped}
 
 
+def _groups_alive(no_shared_storage: bool) -> list:
+    """How many process groups c10d holds: after megatron's groups were made, after raw data was prepared three
+    times, after three round trips to another layout and back."""
+    import types
+
+    from torch.distributed import distributed_c10d as c10d
+
+    from mindspeed_pack.runtime.process_groups import initialize_distributed
+    from mindspeed_pack.training import raw_data
+
+    args = types.SimpleNamespace(no_shared_storage=no_shared_storage, data_path=["raw.jsonl"])
+    initialize_distributed(1, 1)
+    counts = [len(c10d._world.pg_map)]
+    for _ in range(3):
+        raw_data.run_on_leader(args, lambda: None)
+    counts.append(len(c10d._world.pg_map))
+    for _ in range(3):
+        initialize_distributed(2, 1)
+        initialize_distributed(1, 1)
+    counts.append(len(c10d._world.pg_map))
+    return counts
+
+
+def test_a_job_releases_the_groups_it_no_longer_uses():
+    """raw data's wait group was made per call and never destroyed, and a layout change only made megatron forget
+    its groups: c10d kept each (a gloo group keeps its threads), and a long job's processes slowed down."""
+    for counts in run_distributed(_groups_alive, 2, True, env={"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "0"}):
+        assert counts[0] > 1 and counts == [counts[0]] * 3, counts
+
+
 @pytest.mark.parametrize("no_shared_storage", [False, True])
 def test_no_shared_storage_makes_each_nodes_first_rank_preprocess(no_shared_storage):
     out = run_distributed(_lead_and_resume, 2, no_shared_storage, (3, 3 if no_shared_storage else 5),

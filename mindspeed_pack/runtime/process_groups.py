@@ -92,7 +92,7 @@ def initialize_distributed(
               expert_model_parallel_size, dynamic_context_parallel)
     if parallel_state.model_parallel_is_initialized() and _LAYOUT not in (None, layout):
         # an earlier run in this process (runs one after the other in one job) made another layout's groups
-        parallel_state.destroy_model_parallel()
+        release_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size,
                                                  context_parallel_size=context_parallel_size,

@@ -259,8 +259,13 @@ def run_on_leader(args, work, what: Optional[str] = None) -> dict:
     else:
         log.info("rank %d: waiting for rank %d to preprocess %s", rank, leader,
                  what or f"--data-path {' '.join(args.data_path)}")
-    with peers.waiting_for(f"rank {leader}'s preprocessing of {what or '--data-path'}", WAIT_HOURS * 60):
-        dist.broadcast_object_list(message, src=leader, group=group)
+    try:
+        with peers.waiting_for(f"rank {leader}'s preprocessing of {what or '--data-path'}", WAIT_HOURS * 60):
+            dist.broadcast_object_list(message, src=leader, group=group)
+    finally:
+        # a gloo group keeps its threads until destroyed; this one is made per call (the other nodes' groups
+        # under --no-shared-storage hold no state on this rank)
+        dist.destroy_process_group(group)
     if error is not None:
         raise error
     status, payload = message[0]
