@@ -414,6 +414,7 @@ def test_finetune_from_its_own_save_resumes_this_run_and_refuses_another(tmp_pat
     record now decides: this run's progress is resumed, another run's (or an unrecorded one) refused."""
     from mindspeed_pack.checkpoint.errors import CheckpointError
     from mindspeed_pack.config import resolved_config
+    from mindspeed_pack.runtime import error_scope
 
     ref_train, _, ref_ckpt = reference
     ckpt = str(tmp_path / "ckpt")
@@ -423,8 +424,10 @@ def test_finetune_from_its_own_save_resumes_this_run_and_refuses_another(tmp_pat
                        "of a run's with no readable record; --finetune restarts at iteration 0 and would save over"):
         posttrain.main(base_argv(data, str(tmp_path / "none.jsonl"), *argv))
     shutil.copy(os.path.join(ref_ckpt, resolved_config.FILE_NAME), ckpt)
-    with pytest.raises(CheckpointError, match=r"holds iteration 5 of another run's \(.*--lr 0.002 here, 0.001 there"):
+    with pytest.raises(CheckpointError, match=r"holds iteration 5 of another run's \(.*--lr 0.002 here, 0.001 there") as e:
         posttrain.main(base_argv(data, str(tmp_path / "other.jsonl"), *argv, "--lr", "2e-3"))
+    # every rank reads the record alike: each node's local rank 0 prints it, not every rank (runtime.error_scope)
+    assert error_scope.scope_of(e.value) == "node"
     assert sorted(os.listdir(ckpt)) == sorted([resolved_config.FILE_NAME, "iter_0000005", layout.TRACKER])
     metrics = str(tmp_path / "m.jsonl")
     posttrain.main(base_argv(data, metrics, *argv))

@@ -761,16 +761,17 @@ def test_a_flag_error_is_printed_once_per_job_by_rank_0(neat, monkeypatch, capsy
         assert (len(errors) == 1 and message in errors[0]) if printed else errors == [], (env, errors)
 
 
-def test_an_error_a_rank_may_hit_alone_is_printed_by_that_rank(neat, tmp_path, monkeypatch, capsys):
-    """What depends on files stays printed where it is hit: a --config file (another node may hold another copy,
-    or none) by each node's local rank 0; a data prefix missing by every rank that misses it."""
+def test_an_error_about_files_is_printed_once_per_node(neat, tmp_path, monkeypatch, capsys):
+    """What depends on files is printed by each node's local rank 0 (another node may hold another copy, or none):
+    a --config file, a data prefix missing (every rank of a node checks the same path; it was printed by each)."""
     missing = ["--config", str(tmp_path / "none.yaml")]
     for env, printed in (({"RANK": "8", "LOCAL_RANK": "0"}, True), ({"RANK": "9", "LOCAL_RANK": "1"}, False)):
         code, errors = _cli_error(monkeypatch, capsys, nargv(neat, "--train-iters", "1", *missing), env)
         assert code == 2 and len(errors) == int(printed) and all("none.yaml: no such file" in e for e in errors)
     flags = argv(str(tmp_path / "gone"), "--neat-pack", "--train-iters", "1")
-    code, errors = _cli_error(monkeypatch, capsys, flags, {"RANK": "9", "LOCAL_RANK": "1"})
-    assert code == 2 and len(errors) == 1 and "gone" in errors[0], errors
+    for env, printed in (({"RANK": "8", "LOCAL_RANK": "0"}, True), ({"RANK": "9", "LOCAL_RANK": "1"}, False)):
+        code, errors = _cli_error(monkeypatch, capsys, flags, env)
+        assert code == 2 and len(errors) == int(printed) and all("gone" in e for e in errors), errors
 
 
 def test_pretrain_gpt_flag_error_is_printed_by_rank_0_only(neat, monkeypatch, capsys):

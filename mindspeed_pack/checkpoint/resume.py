@@ -28,7 +28,8 @@ from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.config import finetune_defaults, resolved_config
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.model import lora
-from mindspeed_pack.runtime import faults
+from mindspeed_pack.runtime import error_scope, faults
+from mindspeed_pack.runtime.error_scope import scoped
 from mindspeed_pack.runtime.platform import cuda_usable, node_and_host
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 def load_run_checkpoint(args, model, optimizer, scheduler, resume_save: bool = True) -> tuple:
     """(iteration, consumed samples) the run resumes at, after loading what it starts from (``resume_save``:
     its own ``--save`` when it holds this run's checkpoint)."""
-    save = _own_checkpoint(args) if resume_save else None
+    with error_scope.files_read_alike(CheckpointError):  # --save's record, read alike by every rank
+        save = _own_checkpoint(args) if resume_save else None
     args.resumed_from = save
     if lora.trains_adapters(args):
         position = lora_checkpoint.load_checkpoint(args, model, optimizer, scheduler, adapters_root=save)
@@ -62,10 +64,11 @@ def _check_ranks_agree(args, position: tuple) -> None:
         return
     found = [None] * dist.get_world_size()  # only now: which rank found which, and where it runs
     dist.all_gather_object(found, (position[0], *node_and_host()))
-    raise CheckpointError(f"the ranks found different checkpoints to resume in {loaded_from(args)}: "
-                          f"{_found_by_node(found)}; it must be one directory every node sees (a shared filesystem, "
-                          "or the same files copied to every node; with --no-shared-storage too: it covers the data, "
-                          "not the checkpoints)")
+    # every rank gathered the same: rank 0 says it for the job
+    raise scoped(CheckpointError(f"the ranks found different checkpoints to resume in {loaded_from(args)}: "
+                                 f"{_found_by_node(found)}; it must be one directory every node sees (a shared "
+                                 "filesystem, or the same files copied to every node; with --no-shared-storage too: it "
+                                 "covers the data, not the checkpoints)"), "job")
 
 
 def _found_by_node(found: list) -> str:

@@ -16,6 +16,7 @@ Every rank still exits with the same code; the launcher reports the failed ranks
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 SCOPES = ("job", "node", "rank")
 
@@ -65,3 +66,17 @@ def scoped(error: BaseException, scope: str) -> BaseException:
     assert scope in SCOPES, scope
     error.scope = scope
     return error
+
+
+@contextmanager
+def files_read_alike(*types, scope: str = "node"):
+    """Errors of ``types`` raised inside, without a scope of their own, get ``scope``: checks that every rank runs
+    on the same files (a data prefix, ``--save``'s record) fail alike on every rank of a node, and each node's local
+    rank 0 says so for its node (another node may see other files). ``scope="job"``: what the ranks exchanged."""
+    assert scope in SCOPES, scope
+    try:
+        yield
+    except types as error:
+        if getattr(error, "scope", None) not in SCOPES:
+            error.scope = scope
+        raise

@@ -17,6 +17,8 @@ import sys
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.config.arguments import parse_args, per_split_data_args
 from mindspeed_pack.datasets.packed_dataset import resolve_vocab_size
+from mindspeed_pack.datasets.packed_documents import DataError
+from mindspeed_pack.runtime import error_scope
 from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.cli import run_cli, setup_logging
 from mindspeed_pack.training.stages import check_stage_flags, data_layouts, get_stage, stage_args
@@ -42,7 +44,8 @@ def main(argv=None):
     if run_plan.dry_run(args, "posttrain.py"):
         return None
     run_plan.check_host_memory(args)  # on a CPU: a model that cannot fit stops here, not OOM-killed
-    data_layouts.check_data_paths(args, required=True)  # and a missing prefix, not after the model is built
+    with error_scope.files_read_alike(DataError):  # every rank checks the same files: one line per node
+        data_layouts.check_data_paths(args, required=True)  # and a missing prefix, not after the model is built
     if hasattr(stage, "run"):  # a pass that is not a training loop (scoring)
         return stage.run(args)
     # the resolved configuration once the run is set up (a run that fails to start overwrites nothing)

@@ -21,6 +21,7 @@ import warnings
 
 from mindspeed_pack.config import resolved_config
 from mindspeed_pack.config.arguments import parse_args, per_split_data_args
+from mindspeed_pack.config.errors import flag_scope
 from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.datasets.pretrain_dataset import (
     GPTBatchSource,
@@ -28,6 +29,8 @@ from mindspeed_pack.datasets.pretrain_dataset import (
     check_prefix_files,
     resolve_pretrain_vocab_size,
 )
+from mindspeed_pack.runtime import error_scope
+from mindspeed_pack.runtime.error_scope import scoped
 from mindspeed_pack.training import raw_data, run_plan
 from mindspeed_pack.training.cli import run_cli, setup_logging
 from mindspeed_pack.training.stages.sft import SFTStage
@@ -54,12 +57,13 @@ def main(argv=None):
         warnings.warn("--no-shuffle is ignored: GPTDataset draws Megatron-LM's seeded order", stacklevel=1)
     raw_data.prepare(args, pretrain=True)  # raw --data-path (or per-split) files -> documents, once (rank 0)
     if (args.valid_data_path or args.test_data_path) and not args.train_data_path and not args.skip_train:
-        raise DataError("--valid-data-path/--test-data-path without --train-data-path: give the training data as "
-                        "--train-data-path (or --skip-train to evaluate only)")
+        raise scoped(DataError("--valid-data-path/--test-data-path without --train-data-path: give the training "
+                               "data as --train-data-path (or --skip-train to evaluate only)"), flag_scope(args))
     resolve_pretrain_vocab_size(args)
     if run_plan.dry_run(args, "pretrain_gpt.py"):
         return None
-    check_prefix_files(all_prefixes(args))  # a typo is refused before the model is built
+    with error_scope.files_read_alike(DataError):  # every rank checks the same files: one line per node
+        check_prefix_files(all_prefixes(args))  # a typo is refused before the model is built
     run_plan.check_host_memory(args)  # on a CPU: a model that cannot fit stops here, not OOM-killed
     return run(args, GPTBatchSource(), SFTStage(args),
                before_train=lambda trainer: resolved_config.write(args, "pretrain_gpt.py"))

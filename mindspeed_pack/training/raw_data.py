@@ -35,6 +35,7 @@ from typing import Optional
 
 from mindspeed_pack.config.resolved_config import json_flag_value
 from mindspeed_pack.datasets.packed_documents import DataError, data_prefixes, dataset_paths, read_meta
+from mindspeed_pack.runtime.error_scope import scoped
 
 log = logging.getLogger(__name__)
 
@@ -266,11 +267,14 @@ def run_on_leader(args, work, what: Optional[str] = None) -> dict:
         # a gloo group keeps its threads until destroyed; this one is made per call (the other nodes' groups
         # under --no-shared-storage hold no state on this rank)
         dist.destroy_process_group(group)
+    # the leader prints its error for the ranks that waited on it: rank 0 for the job, each node's under
+    # --no-shared-storage (runtime.error_scope)
+    scope = "node" if getattr(args, "no_shared_storage", False) else "job"
     if error is not None:
-        raise error
+        raise error if getattr(error, "scope", None) else scoped(error, scope)
     status, payload = message[0]
     if status == "error":
-        raise DataError(f"rank {leader} could not preprocess {what or '--data-path'}: {payload}")
+        raise scoped(DataError(f"rank {leader} could not preprocess {what or '--data-path'}: {payload}"), scope)
     return payload
 
 

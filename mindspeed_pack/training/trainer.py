@@ -34,7 +34,7 @@ from mindspeed_pack.datasets.packed_documents import DataError
 from mindspeed_pack.datasets.sidecar_checks import check_data
 from mindspeed_pack.model import moe
 from mindspeed_pack.packing import context_parallel as cp_view
-from mindspeed_pack.runtime import faults, peers
+from mindspeed_pack.runtime import error_scope, faults, peers
 from mindspeed_pack.runtime.exit_signal import ExitSignal
 from mindspeed_pack.runtime.platform import cuda_usable, node_and_host
 from mindspeed_pack.runtime.process_groups import initialize_from_args
@@ -95,12 +95,13 @@ class Trainer:
         # its place after a resume follows from the iteration; --skip-train reads from the split's start
         eval_samples = args.eval_iters * args.global_batch_size
         self.consumed_valid_samples = 0 if args.skip_train else self.iteration // args.eval_interval * eval_samples
-        self.source.setup(args, self._samples_to_read())
+        with error_scope.files_read_alike(DataError):  # every rank reads the same files: one line per node
+            self.source.setup(args, self._samples_to_read())
+            for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
+                check_data(docs, args)
         # dynamic CP: each rank of the data x context parallel pool holds its own micro-batches, so the step's
         # counts are summed over the pool (with a fixed CP group, every CP rank counts its replica's rows)
         self.dynamic_cp = getattr(self.source, "dynamic_cp", False)
-        for docs in getattr(self.source, "docs", None) or []:  # packed data and its sidecar, per prefix
-            check_data(docs, args)
         self._same_data_on_every_rank()
         self._no_validation_warning()
         self.stage.setup(self)
