@@ -929,6 +929,38 @@ def test_json_templates_take_openai_tool_rows_with_the_docs_map_keys(prompt_type
         assert got[1] is None and np.array_equal(got[0][0], want[0][0]) and np.array_equal(got[0][1], want[0][1])
 
 
+@pytest.mark.parametrize("prompt_type", ["qwen2_5", "hf"])
+def test_a_tool_result_given_as_an_object_is_its_json_text(prompt_type, family_tokenizer_dir):
+    """Tool results are often stored as the object the tool returned ({"temperature": 21}); the row was refused
+    ("must be a string"). It is written as its JSON text, as the tool's output reaches the model."""
+    from mindspeed_pack.data.handlers import SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    tok_dir = family_tokenizer_dir("qwen2_5")
+    tokenizer = _encoder(tok_dir).tokenizer
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    result = {"city": "Zürich", "temperature": 21, "sky": ["clear", "windy"]}
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Zürich"}}}
+
+    def row(content):
+        return {"messages": [{"role": "user", "content": "Weather in Zürich?"},
+                             {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "content": content},
+                             {"role": "assistant", "content": "21 degrees, clear."}]}
+
+    if prompt_type == "hf":  # the model's own chat template
+        encoder = _encoder(tok_dir)
+        encode = (lambda row: [(ids, trained) for _, ids, trained in encode_with_plans(encoder, row)[0]][0])
+    else:
+        encoder = SampleEncoder(SHAREGPT, tokenizer, get_template(prompt_type), keys, None, False)
+        encode = (lambda row: encoder.encode_row(row, "row 0")[0])
+    got, want = encode(row(result)), encode(row(json.dumps(result, ensure_ascii=False)))
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert '"city": "Zürich", "temperature": 21' in tokenizer.decode(got[0])
+    with pytest.raises(RowError, match="'content' must be a string"):  # an object is a tool's result only
+        encode({"messages": [{"role": "user", "content": result}, {"role": "assistant", "content": "x"}]})
+
+
 @pytest.mark.parametrize("prompt_type,family", [("qwen2_5", "qwen2_5"), ("qwen3", "qwen3_2507"), ("qwen3", "qwen3")])
 def test_json_qwen_templates_write_tool_rows_as_the_official_template(prompt_type, family, family_tokenizer_dir):
     """Rows with tool schemas, with and without a system message, and rows without tools: the JSON template writes

@@ -74,14 +74,18 @@ def _openai_schema(tool: dict) -> dict:
     return tool if isinstance(tool.get("function"), dict) else {"type": "function", "function": tool}
 
 
-def content_text(content, where: str, content_tag: str, type_reason: str = REASON_FIELD):
+def content_text(content, where: str, content_tag: str, type_reason: str = REASON_FIELD, tool_result: bool = False):
     """A message's content as text: a string, None, or OpenAI's list of parts when every part is a text part
     (``{"type": "text", "text": ...}``), their texts concatenated with no separator (what a text-only chat template
-    reads of them). Another part (an image, audio) or another type is refused, naming the part."""
+    reads of them). Another part (an image, audio) or another type is refused, naming the part. ``tool_result``
+    (a tool message): any other JSON value (the object a tool returned) is its JSON text, as the tool's output
+    reaches the model."""
     if content is None or isinstance(content, str):
         return content
     if hasattr(content, "tolist"):  # a Parquet/Arrow list
         content = content.tolist()
+    if tool_result and not _text_parts(content):
+        return json.dumps(content, ensure_ascii=False, default=_json_value)
     if not isinstance(content, (list, tuple)):
         raise RowError(f"{where} field {content_tag!r} must be a string (or a list of text parts), got "
                        f"{type(content).__name__}", type_reason)
@@ -95,6 +99,18 @@ def content_text(content, where: str, content_tag: str, type_reason: str = REASO
                            REASON_PART)
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _text_parts(content) -> bool:
+    return isinstance(content, (list, tuple)) and all(
+        isinstance(part, dict) and part.get("type") == "text" for part in content)
+
+
+def _json_value(value):
+    """A Parquet/Arrow value json cannot write (a numpy array or scalar in a struct) as a plain one."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not a JSON value")
 
 
 def _arguments(args, where: str):
@@ -165,7 +181,7 @@ def sharegpt_messages(raw: list, system: Optional[str], keys: dict, column: str)
                            "(set them with --map-keys user_tag/assistant_tag/...)", REASON_ROLE)
         role = roles[tag]
         calls = message.get("tool_calls")
-        content = content_text(message.get(content_tag), where, content_tag)
+        content = content_text(message.get(content_tag), where, content_tag, tool_result=role == "tool")
         if content is None and not (role == "assistant" and calls):
             raise RowError(f"{where} has no {content_tag!r} (--map-keys content_tag)", REASON_FIELD)
         if role == "system" and n == 0:  # a leading system message wins over the system column

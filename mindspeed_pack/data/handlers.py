@@ -370,7 +370,8 @@ class SampleEncoder:
                                BAD_MISSING_FIELD)
             tag = message[role_tag]
             try:
-                content = content_text(message.get(content_tag), f"message {n}", content_tag, BAD_TYPE)
+                content = content_text(message.get(content_tag), f"message {n}", content_tag, BAD_TYPE,
+                                       tool_result=self._role_of.get(tag) == OBSERVATION)
             except RowError as exc:
                 raise exc.at(where) from None
             content, message = self._inline_reasoning(message, content, n, where, self._role_of.get(tag))
