@@ -20,6 +20,7 @@ from mindspeed_pack.data.chat_messages import REASON_ARGUMENTS, REASON_FIELD, RE
 from mindspeed_pack.data.chat_template import (
     DEFAULT_DATE_STRING,
     DEFAULT_NOW,
+    NOTE_CALL_IDS,
     REASON_DROPPED,
     REASON_NOT_PREFIX,
     REASON_REASONING,
@@ -338,9 +339,11 @@ def test_row_formats_sharegpt_tools_openai_and_alpaca_history(family_tokenizer_d
 def test_template_probe_records_what_it_renders():
     source = (chat_corpus.TEMPLATES / "gemma3.jinja").read_text()
     caps = ChatTemplate(source, {"bos_token": "<bos>"}, {}).capabilities
-    assert caps == {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": "think_tags"}
+    assert caps == {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": "think_tags",
+                    "call_ids": False}
     caps = ChatTemplate((chat_corpus.TEMPLATES / "qwen3.jinja").read_text(), {}, {}).capabilities
-    assert caps == {"tools": True, "tool_calls": "either", "tool_results": True, "reasoning": "field"}
+    assert caps == {"tools": True, "tool_calls": "either", "tool_results": True, "reasoning": "field",
+                    "call_ids": False}
     caps = ChatTemplate((chat_corpus.TEMPLATES / "qwen2_5.jinja").read_text(), {}, {}).capabilities
     assert caps["tool_calls"] == "object"  # `| tojson` only: a string would be written as an escaped JSON string
 
@@ -361,9 +364,12 @@ STRICT_TOOLS_TEMPLATE = (
 def test_templates_that_require_call_ids_and_tool_names_render_tool_rows(tmp_path, family_tokenizer_dir):
     """A template that raises on a tool call without its id or a result without its name (Mistral v3, Hermes) still
     renders tool calls: rows that give them are the template's render with the call trained, not refused as
-    'tools the template cannot render'; a row without them is refused with the template's own message."""
+    'tools the template cannot render'. Rows without them (LLaMA-Factory's ShareGPT function_call rows have no ids)
+    were refused with the template's own message: each call now gets an id drawn from it and each result the id
+    and name of the call it answers, noted and counted."""
     caps = ChatTemplate(STRICT_TOOLS_TEMPLATE, {}, {}).capabilities
-    assert caps == {"tools": True, "tool_calls": "object", "tool_results": True, "reasoning": "think_tags"}
+    assert caps == {"tools": True, "tool_calls": "object", "tool_results": True, "reasoning": "think_tags",
+                    "call_ids": True}
     path = tmp_path / "strict.jinja"
     path.write_text(STRICT_TOOLS_TEMPLATE)
     tools = [chat_corpus._schema(5, 0)]
@@ -373,15 +379,30 @@ def test_templates_that_require_call_ids_and_tool_names_render_tool_rows(tmp_pat
         {"role": "tool", "tool_call_id": "call00001", "name": "fn5_0", "content": "T5_0 sunny"},
         {"role": "assistant", "content": "A5_1 It is sunny."}]}
     encoder = _encoder(family_tokenizer_dir("qwen2_5"), chat_template=str(path))
-    ((_, ids, trained),), messages, _ = encode_with_plans(encoder, row)
+    ((plan, ids, trained),), messages, _ = encode_with_plans(encoder, row)
     hf = encoder.tokenizer.hf
     expected = _apply(hf, messages, tools, {"chat_template": STRICT_TOOLS_TEMPLATE})["input_ids"]
     assert list(ids) == list(expected)
     assert hf.decode(ids[trained.astype(bool)]) == ('<tool_call>{"name": "fn5_0", "arguments": {"q": "V5_0"}}'
                                                     '</tool_call><|im_end|>A5_1 It is sunny.<|im_end|>')
-    del row["messages"][2]["name"]
-    with pytest.raises(RowError, match="the chat template raised TemplateError: Tool response dicts require a name"):
-        encode_with_plans(encoder, row)
+    assert not plan.notes
+    # without the result's name: the call's own; without the ids: one drawn from the call, 9 letters and digits
+    del row["messages"][2]["name"], row["messages"][2]["tool_call_id"], row["messages"][1]["tool_calls"][0]["id"]
+    ((plan, ids, trained),), messages, _ = encode_with_plans(encoder, row)
+    made_up = messages[1]["tool_calls"][0]["id"]
+    assert re.fullmatch("[A-Za-z0-9]{9}", made_up) and made_up != "call00001"
+    assert messages[2]["tool_call_id"] == made_up and messages[2]["name"] == "fn5_0"
+    assert list(ids) == list(_apply(hf, messages, tools, {"chat_template": STRICT_TOOLS_TEMPLATE})["input_ids"])
+    assert plan.notes == [(NOTE_CALL_IDS, 1)]
+    assert encode_with_plans(encoder, row)[1][1]["tool_calls"][0]["id"] == made_up  # the same on every run
+    # LLaMA-Factory's ShareGPT: parallel calls, one id each, answered in order
+    sharegpt = _encoder(family_tokenizer_dir("qwen2_5"), chat_template=str(path), map_keys=None)
+    rows, messages, _ = encode_with_plans(sharegpt, dict(WHY_ROW, conversations=[
+        *WHY_ROW["conversations"][:2], {"from": "observation", "value": "T9_0 sunny"},
+        {"from": "observation", "value": "T9_0 rainy"}, WHY_ROW["conversations"][-1]]))
+    calls = [c["id"] for c in messages[1]["tool_calls"]]
+    assert len(rows) == 1 and len(set(calls)) == 2
+    assert [(m["tool_call_id"], m["name"]) for m in messages[2:4]] == [(calls[0], "fn9_0"), (calls[1], "fn9_0")]
 
 
 def test_compiled_renderer_answers_attribute_lookups_as_the_sandbox_does():

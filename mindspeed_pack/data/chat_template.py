@@ -47,6 +47,7 @@ import functools
 import hashlib
 import json
 import re
+import string
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -72,7 +73,12 @@ REASON_KEEP = "history --reasoning-history keep cannot rebuild"
 # written, but warned and counted (statistics.notes), each with what was done and how to choose otherwise
 NOTE_TEXT_DROPPED = "tool-call turns whose text the template drops"
 NOTE_REASONING_FOLDED = "assistant turns whose reasoning_content is trained inside the content as <think>...</think>"
+NOTE_CALL_IDS = "tool-call turns given call ids the rows lack"
 NOTE_HINTS = {
+    NOTE_CALL_IDS: "the template requires an id on every call and the call's id and name on its result (Mistral v3, "
+                   "Hermes); each call without one got 9 letters and digits drawn from the call itself (the same on "
+                   "every run) and each result the id and name of the call it answers, in order; give the rows "
+                   "their own ids (OpenAI tool_calls[].id, tool_call_id) to train those",
     NOTE_TEXT_DROPPED: "written as the template renders them, as apply_chat_template does",
     NOTE_REASONING_FOLDED: "the template reads no reasoning field, so apply_chat_template would leave the reasoning "
                            "out; drop reasoning_content from the rows to train the answers without it, or give a "
@@ -274,7 +280,7 @@ class ChatTemplate:
             return {"role": "assistant", "tool_calls": [{"id": "probecall", "type": "function",
                                                          "function": {"name": "probe_call_fn", "arguments": arguments}}]}
         result = {"role": "tool", "content": "probe_result_text", "tool_call_id": "probecall", "name": "probe_call_fn"}
-        caps = {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": None}
+        caps = {"tools": False, "tool_calls": None, "tool_results": False, "reasoning": None, "call_ids": False}
         text = self._renders([user, {"role": "assistant", "content": "a"}], [schema])
         caps["tools"] = bool(text and "probe_schema_fn" in text)
         # the string is spaced unlike any JSON serialisation, so only a verbatim write of it contains it
@@ -287,6 +293,12 @@ class ChatTemplate:
                 forms.append(form)
                 caps["tool_results"] = caps["tool_results"] or "probe_result_text" in text
         caps["tool_calls"] = "either" if len(forms) == 2 else forms[0] if forms else None
+        if forms:  # renders the calls only with their ids (and the results' names): rows without them get some
+            bare_call = call({"probe_arg": "probe_value"} if forms[0] == "object" else verbatim)
+            del bare_call["tool_calls"][0]["id"]
+            bare_result = {"role": "tool", "content": "probe_result_text"}
+            text = self._renders([user, bare_call, bare_result, {"role": "assistant", "content": "a"}], None)
+            caps["call_ids"] = not (text and "probe_call_fn" in text)
         text = self._renders([user, {"role": "assistant", "content": "a", "reasoning_content": "probe_reasoning"}], None)
         if text and "probe_reasoning" in text:
             caps["reasoning"] = "field"
@@ -334,6 +346,7 @@ class ChatTemplate:
             raise RowError("the row has tool schemas, which this chat template does not render (refused, not dropped)",
                            REASON_TOOLS)
         out, expected = [], {}
+        answered, results = [], 0  # (id, name) of the last calls, and how many results answered them so far
         for n, m in enumerate(messages):
             m = dict(m)
             if m["role"] == "assistant":
@@ -344,8 +357,21 @@ class ChatTemplate:
                 if caps["tool_calls"] is None:
                     raise RowError(f"message {n} has tool_calls, which this chat template does not render", REASON_TOOLS)
                 m["tool_calls"] = [_arguments_as(c, caps["tool_calls"]) for c in m["tool_calls"]]
+                if caps.get("call_ids"):
+                    for k, c in enumerate(m["tool_calls"]):
+                        if not c.get("id"):
+                            c["id"] = made_up_call_id(c, n, k)
+                    answered, results = [(c["id"], c["function"]["name"]) for c in m["tool_calls"]], 0
             if m["role"] == "tool" and not caps["tool_results"]:
                 raise RowError(f"message {n} is a tool result, which this chat template does not render", REASON_TOOLS)
+            if m["role"] == "tool" and caps.get("call_ids") and answered:
+                # the k-th result answers the k-th call (the last call, when there are more results than calls)
+                call, name = answered[min(results, len(answered) - 1)]
+                results += 1
+                if not m.get("tool_call_id"):
+                    m["tool_call_id"] = call
+                if not m.get("name"):
+                    m["name"] = name
             reasoning = m.pop("reasoning_content", None)
             if reasoning:
                 if caps["reasoning"] == "field":
@@ -362,6 +388,10 @@ class ChatTemplate:
         reasoning goes inside its content (a template without a reasoning field) is noted on its sample."""
         adapted, expected = self.adapt(messages, tools)
         samples = self.plan(adapted, tools, expected, trained)
+        if self.capabilities["call_ids"]:
+            for sample in samples:
+                sample.notes += [(NOTE_CALL_IDS, k) for k, _, _ in sample.turns
+                                 if any(not c.get("id") for c in messages[k].get("tool_calls") or [])]
         if self.capabilities["reasoning"] == "think_tags":
             for sample in samples:
                 sample.notes += [(NOTE_REASONING_FOLDED, k) for k, _, _ in sample.turns
@@ -502,6 +532,15 @@ def _text_dropped(message: dict, render: str) -> bool:
 def fold_reasoning(reasoning: str, content: str) -> str:
     """Reasoning inside the content, as templates without a reasoning field read it back (Qwen3, R1, GLM)."""
     return f"<think>\n{reasoning}\n</think>\n\n{content}"
+
+
+def made_up_call_id(call: dict, message: int, index: int) -> str:
+    """9 letters and digits (Mistral v3's form) drawn from the call and its place: the same on every run, and as
+    varied as the calls (a model trained on one fixed id would learn to write it)."""
+    text = json.dumps([message, index, call.get("function", call)], sort_keys=True, ensure_ascii=False)
+    number = int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+    alphabet = string.ascii_letters + string.digits
+    return "".join(alphabet[(number // len(alphabet) ** i) % len(alphabet)] for i in range(9))
 
 
 def _arguments_as(call: dict, form: str) -> dict:
