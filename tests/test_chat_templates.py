@@ -1359,6 +1359,28 @@ def test_turns_out_of_order_are_skipped_as_on_the_json_templates(family, family_
                                    "answer should be (turns alternate user/tool results and assistant, from a user turn)"}
 
 
+def test_parallel_tool_results_on_a_template_that_cannot_join_them_are_skipped_for_that(family_tokenizer_dir):
+    """Two tool results in a row (the results of parallel calls) on a template without observation_separator
+    (chatml, llama3, ...) were skipped as "roles out of order", which sent users looking for a fault in their data:
+    the reason now says the template cannot join them, and which templates can."""
+    from mindspeed_pack.data.handlers import SKIP_RESULTS_NOT_JOINED, SampleEncoder
+    from mindspeed_pack.data.templates import get_template
+
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    row = {"messages": [{"role": "user", "content": "U0 Paris and Rome?"},
+                        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+                        {"role": "tool", "content": "T0 sunny"}, {"role": "tool", "content": "T1 rainy"},
+                        {"role": "assistant", "content": "A1 sunny, rainy"}]}
+    tokenizer = _encoder(family_tokenizer_dir("qwen2_5")).tokenizer
+    keys, _ = resolve_map_keys(SHAREGPT, chat_corpus.MAP_KEYS)
+    for name in ("chatml", "llama3"):
+        chunk = SampleEncoder(SHAREGPT, tokenizer, get_template(name), keys, None, False).encode_rows(
+            [("f.jsonl: line 1", row)])
+        assert dict(chunk.skipped) == {SKIP_RESULTS_NOT_JOINED: 1}, chunk.skipped
+        assert f"template {name!r} does not join" in chunk.first_skipped[SKIP_RESULTS_NOT_JOINED]
+    assert SampleEncoder(SHAREGPT, tokenizer, get_template("qwen"), keys, None, False).encode_row(row, "row 0")[1] is None
+
+
 STRING_ARGUMENTS = {"messages": [
     {"role": "user", "content": "U0 weather?"},
     {"role": "assistant", "content": "", "tool_calls": [

@@ -161,6 +161,7 @@ SKIP_EMPTY = "empty text or conversation"
 SKIP_ROLE_ORDER = "roles out of order"
 SKIP_SYSTEM_NOT_FIRST = "system message after the first message"
 SKIP_NO_ANSWER = "conversation does not end with an answer"
+SKIP_RESULTS_NOT_JOINED = "consecutive tool results the template does not join"
 
 
 class SkipReason(str):
@@ -586,7 +587,14 @@ class SampleEncoder:
         if not messages:
             return None, SKIP_EMPTY
         messages = merge_observations(self.template, messages)
-        skip = turn_order_skip([role for role, _ in messages])
+        roles = [role for role, _ in messages]
+        joined = next((i for i in range(1, len(roles)) if roles[i - 1] == roles[i] == OBSERVATION), None)
+        if joined is not None:  # not "roles out of order": the template has no way to write them
+            return None, SkipReason(SKIP_RESULTS_NOT_JOINED, f"turns {joined - 1} and {joined} are tool results in a "
+                                    f"row (the results of parallel calls), which template {self.template.name!r} does "
+                                    "not join into one turn (it has no observation_separator): use a template that "
+                                    "does (qwen, qwen2_5, qwen3 join them) or --prompt-type hf")
+        skip = turn_order_skip(roles)
         if skip is not None:
             return None, skip
         if all(isinstance(content, str) and not content.strip() for role, content in messages if role in ANSWER_ROLES):
