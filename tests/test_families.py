@@ -226,7 +226,9 @@ MIXTRAL_8X7B = {
 def test_the_published_mixtral_config_is_megatron_lms_mixtral():
     """Every layer MoE with 8 experts 14336 wide, top-2 renormalised (no --moe-router-pre-softmax), and back
     to a MixtralConfig with the same fields."""
-    from mindspeed_pack.convert.model_specs import MODEL_SPECS, args_from_hf_config, hf_config_from_args
+    import argparse
+
+    from mindspeed_pack.convert.model_specs import MODEL_SPECS, args_from_hf_config, hf_config_from_args, settings_lost
 
     args = args_from_hf_config(MIXTRAL_8X7B, None, 8, 4, seq_length=4096)
     assert (args.model_type_hf, args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
@@ -237,6 +239,12 @@ def test_the_published_mixtral_config_is_megatron_lms_mixtral():
     for key in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "router_aux_loss_coef",
                 "sliding_window", "num_key_value_heads"):
         assert back[key] == MIXTRAL_8X7B[key], key
+    # every layer is MoE: --ffn-hidden-size shapes nothing, and another value than the experts' width (a script
+    # that gives both) was named a setting the export would lose, and --save-hf refused
+    assert settings_lost(vars(args), MODEL_SPECS["mixtral"], "--save-hf") == []
+    assert settings_lost({**vars(args), "ffn_hidden_size": 28672}, MODEL_SPECS["mixtral"], "--save-hf") == []
+    wide = argparse.Namespace(**{**vars(args), "ffn_hidden_size": 28672})
+    assert hf_config_from_args(wide, MODEL_SPECS["mixtral"], "bfloat16").intermediate_size == 14336  # the experts'
 
 
 def test_megatron_cores_llama3_constants_match_transformers():

@@ -698,7 +698,9 @@ def settings_lost(mine: dict, spec: ModelSpec, where: str) -> List[str]:
     back = vars(args_from_hf_config(config, spec.name, mine["tensor_model_parallel_size"],
                                     mine["pipeline_model_parallel_size"], mine["make_vocab_size_divisible_by"],
                                     mine["padded_vocab_size"], where=where))
-    # compared as the model reads them: --moe-layer-freq 1 is [1, 1, ...], no --moe-ffn-hidden-size is the FFN's
+    # compared as the model reads them: --moe-layer-freq 1 is [1, 1, ...], no --moe-ffn-hidden-size is the FFN's;
+    # the dense FFN's width, where no layer has one (every layer MoE, as in Mixtral), shapes nothing
+    unused = {"ffn_hidden_size"} if moe_layers(argparse.Namespace(**mine)) == list(range(mine["num_layers"])) else set()
     return [f"--{k.replace('_', '-')} {mine[k]} (a {spec.hf_architecture} has {v})" for k, v in back.items()
-            if k in mine and k not in (*RUN_LAYOUT_ARGS, "model_type_hf")
+            if k in mine and k not in (*RUN_LAYOUT_ARGS, "model_type_hf", *unused)
             and not same_setting(_setting(mine, k), _setting(back, k))]
