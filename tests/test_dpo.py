@@ -13,9 +13,8 @@ from mindspeed_pack.packing.segments import build_packed_batch
 from mindspeed_pack.training.batches import packed_seq_params
 from mindspeed_pack.training.stages import get_stage, stage_args
 from mindspeed_pack.training.stages.dpo import DPOStage
-from mindspeed_pack.training.stages.sequences import pair_segments
 from mindspeed_pack.training.stages.orpo import log_odds_ratio
-from mindspeed_pack.training.stages.sequences import sequence_logps
+from mindspeed_pack.training.stages.sequences import pair_segments, sequence_logps
 from tests.model_utils import assert_same_gradients, converted_model_pair, write_converted_tiny_qwen2
 from tests.pair_utils import pack_rows, random_pairs, sequence
 
@@ -110,11 +109,12 @@ def _expected(stage, hf, pairs, sums, ref, loss_type, ftx, smoothing):
     lengths = torch.tensor([[float(len(c)), float(len(r))] for _, c, r in pairs])
     means = sums / lengths
     sft = ftx * -means[:, 0]
-    if stage == "dpo":  # log-prob sums (ipo: per-token means), rewards beta x (policy - reference) sums
+    if stage == "dpo":  # log-prob sums (ipo: per-token means, in the loss and in what is logged: TRL divides
+        # concatenated_forward's logps by the trained tokens for ipo, so its rewards and logps/* are means too)
         scale = lengths if loss_type == "ipo" else 1.0
         diff = (sums - ref.float()) / scale
         loss = (_margin_losses(diff[:, 0] - diff[:, 1], BETA, loss_type, smoothing) + sft).mean()
-        rewards, logps, other = BETA * (sums - ref.float()), sums, {}
+        rewards, logps, other = BETA * diff, sums / scale, {}
     elif stage == "simpo":  # TRL: logits = mean_c - mean_r - simpo_gamma / beta (MindSpeed-LLM: its hinge and ipo too)
         z = means[:, 0] - means[:, 1] - GAMMA_BETA_RATIO
         loss = (_margin_losses(z, SIMPO_BETA, loss_type, smoothing) + sft).mean()

@@ -6,8 +6,9 @@ batch's pairs), from the per-sequence log-prob sums of the policy and of the ref
     z = (logp_c - logp_r) - (ref_c - ref_r)        (ipo: per-token means, as TRL's IPO)
     loss = margin loss of z (--dpo-loss-type, --dpo-label-smoothing) + --pref-ftx SFT term
 
-Logged as TRL logs them, whatever the loss: ``rewards/*`` = beta x (policy - reference)
-log-prob *sums*, ``logps/*`` the policy's sums.
+Logged as TRL logs them: ``rewards/*`` = beta x (policy - reference) log-prob *sums*, ``logps/*``
+the policy's sums; under ipo both of the per-token means (TRL divides the log-probs by the trained tokens
+for ipo before its loss and its reports, so its accuracies and margins are those of the means).
 
 The reference: a frozen copy run in the same job (``--ref-load DIR``: a Megatron checkpoint or a
 Hugging Face directory, loaded and checked as ``--load``; default the starting policy, read again
@@ -66,11 +67,13 @@ class DPOStage(PairStage):
         pc, pr = logps[chosen], logps[rejected]
         ref = batch.ref_logps.to(pc.dtype)
         rc, rr = ref[:, 0], ref[:, 1]
-        # IPO compares per-token means (in its loss only: the logged rewards stay sums)
-        ipo = args.dpo_loss_type == "ipo"
-        nc, nr = (counts[chosen].clamp(min=1), counts[rejected].clamp(min=1)) if ipo else (1.0, 1.0)
-        losses = preference_losses(pc / nc, pr / nr, rc / nc, rr / nr, args.dpo_beta, args.dpo_loss_type,
-                                   args.dpo_label_smoothing)
-        # TRL's rewards whatever the loss: beta x (policy - reference) log-prob sums
-        return PairTerms(losses + self.sft_term(logps, counts, chosen), (args.dpo_beta * (pc - rc)).detach(),
-                         (args.dpo_beta * (pr - rr)).detach(), pc.detach(), pr.detach())
+        sft = self.sft_term(logps, counts, chosen)  # per-token mean NLL whatever the loss
+        # IPO compares per-token means, and TRL (as LLaMA-Factory) divides the log-probs by the trained tokens
+        # before anything else: its loss, rewards and logps/* are all of the means
+        if args.dpo_loss_type == "ipo":
+            nc, nr = counts[chosen].clamp(min=1), counts[rejected].clamp(min=1)
+            pc, pr, rc, rr = pc / nc, pr / nr, rc / nc, rr / nr
+        losses = preference_losses(pc, pr, rc, rr, args.dpo_beta, args.dpo_loss_type, args.dpo_label_smoothing)
+        # TRL's rewards: beta x (policy - reference) log-probs (sums; ipo: per-token means)
+        return PairTerms(losses + sft, (args.dpo_beta * (pc - rc)).detach(), (args.dpo_beta * (pr - rr)).detach(),
+                         pc.detach(), pr.detach())
