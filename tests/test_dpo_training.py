@@ -219,3 +219,36 @@ def test_validation_of_a_preference_stage_logs_its_rewards(tmp_path):
     for r in valid:
         assert 0.0 <= r["rewards/accuracies"] <= 1.0 and math.isfinite(r["rewards/margins"])
         assert r["rewards/margins"] == pytest.approx(r["rewards/chosen"] - r["rewards/rejected"], abs=1e-5)
+
+
+def test_mindspeed_llms_ref_model_and_refer_model_iter_pick_the_reference(setup, baseline, tmp_path):
+    """MindSpeed-LLM's --ref-model is --ref-load; its --refer-model-iter N reads iteration N of the reference's
+    Megatron checkpoint (--ref-load's, else --load's) instead of the tracked one. The policy at iteration 2 against
+    the reference at iteration 2 starts at exactly log 2 (both ways); against the tracked iteration 4 it does not.
+    An iteration the checkpoint lacks, a Hugging Face reference and --ref-logps are refused by name."""
+    from mindspeed_pack.convert.megatron_layout import write_tracker
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(setup["root"] / "ckpt_dpo", ckpt)  # the baseline saved iterations 2 and 4
+    write_tracker(ckpt, 4)
+    policy = [*COMMON, *STAGE_FLAGS["dpo"], "--data-path", setup["data"], "--load", ckpt, "--ckpt-step", "2",
+              "--finetune", "--train-iters", "1"]
+    proc, records = run_posttrain_runs([
+        ([*policy, "--ref-model", ckpt, "--refer-model-iter", "2"], str(tmp_path / "ref_model_iter.jsonl")),
+        ([*policy, "--refer-model-iter", "2"], str(tmp_path / "load_iter.jsonl")),
+        ([*policy, "--ref-model", ckpt], str(tmp_path / "ref_model.jsonl"))])
+    (same,), (same_from_load,), (tracked,) = ([r for r in run if r["split"] == "train"] for run in records)
+    assert same["lm loss"] == pytest.approx(math.log(2), rel=1e-7) and same["rewards/margins"] == 0.0
+    assert same_from_load["lm loss"] == pytest.approx(math.log(2), rel=1e-7)
+    assert abs(tracked["lm loss"] - math.log(2)) > 1e-3 and tracked["rewards/margins"] != 0.0
+    assert f"reference model = iteration 2 of --ref-load {ckpt}" in proc.stderr
+    assert f"reference model = iteration 2 of --load {ckpt}" in proc.stderr
+    assert f"reference model loaded from {ckpt}" in proc.stderr
+    for flags, message in (
+            (["--ref-model", ckpt, "--refer-model-iter", "3"], "--refer-model-iter 3: "),
+            (["--ref-model", str(setup["root"] / "qwen" / "hf"), "--refer-model-iter", "2"],
+             "is a Hugging Face directory (one set of weights): drop --refer-model-iter"),
+            (["--ref-logps", "--refer-model-iter", "2"], "--refer-model-iter 2 with --ref-logps")):
+        proc, _ = run_posttrain([*policy, *flags], check=False)
+        assert proc.returncode != 0 and message in proc.stderr, (flags, proc.stderr[-2000:])
+    assert "iter_0000002, iter_0000004" in run_posttrain([*policy, "--refer-model-iter", "3"], check=False)[0].stderr

@@ -509,10 +509,12 @@ def _load_hf_weights(args, model, optimizer):
     return 0, 0
 
 
-def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
-    """The model weights of Megatron checkpoint ``root`` (its tracked iteration) into ``module``, checked
-    against this run's TP/PP layout, model flags and tokenizer; returns (iteration, its directory, rank
-    file, state). ``flag`` (``--load``, ``--ref-load``, ``--lora-load``) names the checkpoint in errors."""
+def load_weights(args, root: str, module, flag: str = "--load", step=None) -> tuple:
+    """The model weights of Megatron checkpoint ``root`` (its tracked iteration, or iteration ``step``) into
+    ``module``, checked against this run's TP/PP layout, model flags and tokenizer; returns (iteration, its
+    directory, rank file, state). ``flag`` (``--load``, ``--ref-load``, ``--lora-load``) names the checkpoint in
+    errors; ``step`` comes with the flag that picked it (``--refer-model-iter``), else ``--ckpt-step`` picks
+    ``--load``'s."""
     source = f"{flag} {root}"
     if not os.path.isdir(root):
         raise CheckpointError(f"{source}: no such directory")
@@ -526,10 +528,13 @@ def load_weights(args, root: str, module, flag: str = "--load") -> tuple:
                 if found else "; nor is it a Hugging Face model (config.json and *.safetensors)")
         hint = layout.inside_checkpoint(root) or hint
         raise CheckpointError(f"{source}: no checkpoint found ({layout.TRACKER} is missing){hint}")
-    step = getattr(args, "ckpt_step", None)
-    if step is not None and flag == "--load" and root == args.load:  # Megatron-LM's --ckpt-step: not the tracked one
+    picked_by = "--refer-model-iter" if step is not None else "--ckpt-step"
+    # Megatron-LM's --ckpt-step picks --load's iteration instead of the tracked one
+    if step is None and flag == "--load" and root == getattr(args, "load", None):
+        step = getattr(args, "ckpt_step", None)
+    if step is not None:
         if not os.path.isdir(layout.iteration_dir(root, step)):
-            raise CheckpointError(f"--ckpt-step {step}: {layout.iteration_dir(root, step)} does not exist; {root} "
+            raise CheckpointError(f"{picked_by} {step}: {layout.iteration_dir(root, step)} does not exist; {root} "
                                   f"holds {', '.join(_saved_iterations(root)) or 'no iteration'}")
         iteration = step
     else:
@@ -583,14 +588,18 @@ def load_adapter_weights(path: str, module, state: dict, fresh=()) -> None:
     module.load_state_dict(weights, strict=False)
 
 
-def load_model_weights(args, path: str, module, flag: str) -> None:
-    """A frozen model's weights (``--ref-load``): a Megatron checkpoint or a Hugging Face directory, through
-    the loaders and checks of ``--load``."""
+def load_model_weights(args, path: str, module, flag: str, step=None) -> None:
+    """A frozen model's weights (``--ref-load``): a Megatron checkpoint (its tracked iteration, or ``step``:
+    ``--refer-model-iter``) or a Hugging Face directory, through the loaders and checks of ``--load``."""
     if hf_io.looks_like_hf(path):
+        if step is not None:
+            raise CheckpointError(f"--refer-model-iter {step} picks an iteration of a Megatron checkpoint, but the "
+                                  f"reference {flag} {path} is a Hugging Face directory (one set of weights): drop "
+                                  "--refer-model-iter")
         hf_io.check_hf_dir(path, flag, CheckpointError)
         load_hf_weights(args, path, module, flag)
     else:
-        load_weights(args, path, module, flag)
+        load_weights(args, path, module, flag, step=step)
 
 
 def uncommitted_iterations(root: str, flag: str) -> list:

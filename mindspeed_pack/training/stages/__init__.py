@@ -49,10 +49,14 @@ def stage_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="--stage dpo and simpo: weight of an SFT term on the chosen answer (its per-token mean NLL, "
                         "per pair; MindSpeed-LLM's and LLaMA-Factory's pref_ftx; --dpo-ftx is the same flag). "
                         "Refused with --stage orpo, whose NLL term is its own")
-    g.add_argument("--ref-load", default=None,
+    g.add_argument("--ref-load", "--ref-model", dest="ref_load", default=None,
                    help="the frozen reference model, run in this job: a Megatron checkpoint or a Hugging Face "
                         "directory (read as --load reads it; its model and tokenizer must be the run's). Default: a "
-                        "copy of the starting policy")
+                        "copy of the starting policy. --ref-model (MindSpeed-LLM's name) is the same flag")
+    g.add_argument("--refer-model-iter", type=int, default=None, metavar="N",
+                   help="MindSpeed-LLM's: the reference is iteration N of its Megatron checkpoint (--ref-load, else "
+                        "--load) instead of the iteration its tracker names, e.g. the starting weights when a run "
+                        "resumes from the directory it started from")
     g.add_argument("--ref-logps", action="store_true",
                    help="read the reference log-probs precomputed by --stage dpo_reference beside each data prefix "
                         "(P_dpo_reference.pt): no reference model in memory")
@@ -122,6 +126,7 @@ def _loss_agg(value: str) -> str:
 # flag -> the stages that read it (a flag given to another stage is said, not dropped without a word)
 _STAGE_FLAGS = {
     ("dpo",): ("dpo_beta", "dpo_loss_type", "dpo_label_smoothing"),
+    ("dpo", "kto"): ("refer_model_iter",),
     ("dpo", "simpo", "orpo"): ("pref_ftx",),  # orpo refuses it (its NLL term is its own)
     ("simpo",): ("simpo_beta", "gamma_beta_ratio", "simpo_loss_type", "simpo_label_smoothing"),
     ("orpo",): ("orpo_beta",),
@@ -169,6 +174,18 @@ def _check_stage_flags(args) -> None:
             raise ArgumentError(f"--{dest.replace('_', '-')} {value} must be a finite number "
                                 f"{'>=' if inclusive else '>'} {low:g}")
     stage = args.stage
+    step = getattr(args, "refer_model_iter", None)
+    if step is not None and stage in _REFERENCE_STAGES:
+        from mindspeed_pack.model import lora
+
+        if args.ref_logps:
+            raise ArgumentError(f"--refer-model-iter {step} with --ref-logps: the reference log-probs are read from "
+                                "the table --stage dpo_reference wrote, no reference model is loaded; score that "
+                                "iteration with --stage dpo_reference --load CKPT --ckpt-step N, or drop one flag")
+        if lora.trains_adapters(args) and not args.ref_load:
+            raise ArgumentError(f"--refer-model-iter {step} with LoRA: the reference is the frozen base (the policy "
+                                "with its adapters switched off), the same at every iteration; drop "
+                                "--refer-model-iter, or name another reference with --ref-load")
     if stage not in (*_REFERENCE_STAGES, "simpo", "orpo"):  # simpo and orpo name themselves reference-free
         for flag, given in (("--ref-load", args.ref_load), ("--ref-logps", args.ref_logps)):
             if given:

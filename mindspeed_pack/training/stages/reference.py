@@ -101,7 +101,12 @@ def frozen_model(trainer, args, stage: str):
 
     model = build_gpt_model(lora.without_lora(args), pre_process=ps.is_pipeline_first_stage(),
                             post_process=ps.is_pipeline_last_stage())
-    if args.ref_load:
+    step = getattr(args, "refer_model_iter", None)
+    if step is not None:  # MindSpeed-LLM's: an iteration of the reference's checkpoint, --ref-load's else --load's
+        root, flag = (args.ref_load, "--ref-load") if args.ref_load else (args.load, "--load")
+        save_load.load_model_weights(args, root, model, flag, step=step)
+        log.info("%s: reference model = iteration %d of %s %s (--refer-model-iter; frozen)", stage, step, flag, root)
+    elif args.ref_load:
         save_load.load_model_weights(args, args.ref_load, model, "--ref-load")
         log.info("%s: reference model loaded from %s (frozen)", stage, args.ref_load)
     elif trainer.iteration > 0 and resume.resumed_own_save(args):  # --load still holds the starting policy
