@@ -135,6 +135,8 @@ def test_mindspeed_llm_translations(data):
     args, _ = _parse(data, [*MOE, "--moe-intermediate-size", "96", "--npu-deterministic", "--dataloader-type",
                             "cyclic"])  # MindSpeed-LLM's Qwen3 DPO scripts
     assert args.moe_ffn_hidden_size == 96 and args.deterministic_mode
+    args, _ = _parse(data, ["--stage", "rm"])  # LLaMA-Factory's name of the reward model stage
+    assert args.stage == "orm"
 
 
 def test_pad_vocab_size_to_is_the_padded_vocab_size(data):

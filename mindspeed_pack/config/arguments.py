@@ -47,6 +47,10 @@ CHECKPOINT_WITHOUT_OUTPUT_MODULES = {"layernorm", "moe_act"}
 GPU_KERNEL_FLAGS = ("use_flash_attn", "use_fused_rmsnorm", "use_fused_swiglu", "use_fused_rotary_pos_emb")
 
 
+# other frameworks' names of a stage: LLaMA-Factory's reward model stage is "rm"
+STAGE_ALIASES = {"rm": "orm"}
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, required=False)
@@ -446,14 +450,14 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                         "(drop); never truncated")
     g.add_argument("--prompt-type", default=None,
                    help="chat template used at preprocessing: checked against the data's sidecar")
-    g.add_argument("--stage", default="sft",
+    g.add_argument("--stage", default="sft", type=lambda name: STAGE_ALIASES.get(name, name),
                    choices=["sft", "dpo", "simpo", "orpo", "dpo_reference", "score", "grpo", "kto", "orm", "prm"],
                    help="post-training stage (mindspeed_pack/training/stages): sft, dpo (preference pairs), "
                         "simpo and orpo (preference pairs, no reference model), "
                         "dpo_reference (score a reference model's log-probs beside the data, once), "
                         "score (per-token log-probs of rollouts, or their rewards under a reward model), grpo "
                         "(PPO-clip on rollouts), kto (unpaired desirable/undesirable samples), orm (outcome reward "
-                        "model on pairs), prm (process reward model)")
+                        "model on pairs; LLaMA-Factory's rm), prm (process reward model)")
     g.add_argument("--variable-seq-lengths", action="store_true",
                    help="accepted no-op: packs have a fixed length and unpacked rows are padded to --seq-length")
     g.add_argument("--tokenizer-type", default=None, help="only PretrainedFromHF (with --tokenizer-name-or-path)")
