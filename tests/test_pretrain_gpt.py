@@ -553,3 +553,34 @@ def test_raw_files_as_per_split_paths_train_as_their_documents(tmp_path, toy_tok
     plan = capsys.readouterr().out
     assert f"train-data-path: ['0.3', {a}, '0.7', {b}]" in plan  # what was given, not the cache
     assert f"# data: train: 0.3 {a} -> documents " in plan and f"; valid: {c} -> documents " in plan
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_documents_rewritten_at_the_same_prefix_are_not_read_through_the_old_cached_index(tmp_path, cache):
+    """preprocess_data.py run again into the same --output-prefix (a corrected or larger corpus): megatron-core keyed
+    its cached sample indices on the prefix's path, not its content, so pretrain_gpt.py read the new documents through
+    the old run's indices: here an IndexError in megatron-core (samples cut at the old lengths); a corpus that grew by
+    appending documents trained on the old ones only, without a word. The documents' content is now in the key."""
+    init_single_process()
+    prefix = str(tmp_path / "P_text_document")
+    flags = ["--data-path", prefix, "--split", "90,10,0", "--train-iters", "2"]
+    if cache:
+        flags += ["--data-cache-path", str(tmp_path / "cache")]
+
+    def samples():
+        source = GPTBatchSource()
+        source.setup(pretrain_args(*flags), {"train": 40, "valid": 4})
+        return _tokens(source, "train")
+
+    write_pretrain_documents(prefix, random_documents(120, EOD, seed=1, max_len=40))
+    samples()  # caches the sample indices of the 120 documents
+    new = random_documents(180, EOD, seed=7, max_len=40)  # other documents, more of them
+    write_pretrain_documents(prefix, new)
+    got = samples()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    fresh_prefix = write_pretrain_documents(str(fresh / "P_text_document"), new)
+    flags[1] = fresh_prefix
+    if cache:
+        flags[-1] = str(fresh / "cache")
+    assert np.array_equal(got, samples())

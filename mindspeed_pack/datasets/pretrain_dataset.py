@@ -3,7 +3,8 @@
 ``P_text_document.{bin,idx}`` holds one document per row (int32 tokens, each ending with
 EOD). megatron-core's ``BlendedMegatronDatasetBuilder`` splits (``--split``), blends
 (``--data-path 0.3 A 0.7 B``), shuffles and cuts the token stream into samples of
-``seq_length + 1`` tokens; those indices are cached and identical to Megatron-LM's.
+``seq_length + 1`` tokens; those indices are identical to Megatron-LM's, and cached under a key that
+holds the documents' content (documents written again at the same prefix build their own).
 ``--train-data-path``/``--valid-data-path``/``--test-data-path`` give each split its own
 prefix or blend, used whole (megatron-core's ``blend_per_split``; ``--split`` is not used).
 
@@ -27,6 +28,7 @@ Megatron-LM trains s.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -213,13 +215,39 @@ def check_prefix_files(prefixes: List[str]) -> None:
             raise DataError(f"data prefix {prefix!r}: missing {', '.join(missing)}{hint}")
 
 
+@functools.lru_cache(maxsize=None)  # one class for every build (megatron-core imported only when data is built)
+def _documents_dataset_classes():
+    """megatron-core's ``GPTDataset`` and its config, with the documents' content in the cache key.
+
+    megatron-core names its cached sample indices (``--data-cache-path``, else ``P_text_document/cache/``) by a
+    hash of the prefix's *path* and the config: preprocess_data.py run again into the same ``--output-prefix``
+    (a corrected or larger corpus) had its new documents read through the old indices, a sample cut at the old
+    documents' lengths (an IndexError in the first step, or, with as many documents or more, training on the old
+    ones' spans without a word). ``data_identity`` ({absolute prefix: content identity: the ``.idx``'s sha256, the
+    ``.bin``'s size, the sidecar's record}) joins the key, so other documents build their own indices."""
+    from dataclasses import dataclass, field
+
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    @dataclass
+    class DocumentsConfig(GPTDatasetConfig):
+        data_identity: dict = field(default_factory=dict)
+
+    class DocumentsDataset(GPTDataset):
+        @staticmethod
+        def _key_config_attributes() -> List[str]:
+            return [*GPTDataset._key_config_attributes(), "data_identity"]
+
+    return DocumentsDataset, DocumentsConfig
+
+
 def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict:
     """{'train'|'valid'|'test': GPTDataset/BlendedDataset or None}, built on every rank: ``--data-path`` divided by
     ``--split``, or each split's own ``--train/--valid/--test-data-path`` blend (megatron-core's
     ``blend_per_split``, as Megatron-LM passes it)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
+    from mindspeed_pack.datasets.packed_documents import content_identity
     from mindspeed_pack.datasets.validation import validate_text_documents
 
     per_split = split_blends(args)
@@ -233,7 +261,9 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
         _refuse_empty_prefixes(per_split)
         if not any(per_split):  # megatron-core would build mock data from no blend at all
             return dict.fromkeys(SPLITS)
-    config = GPTDatasetConfig(
+    dataset_class, config_class = _documents_dataset_classes()
+    config = config_class(
+        data_identity={os.path.abspath(p): content_identity(p) for p in prefixes},
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=blend,
@@ -249,7 +279,7 @@ def build_gpt_datasets(args, num_samples: dict, tokenizer: EodTokenizer) -> dict
     )
     if per_split is None:
         _drop_or_refuse_empty_splits(config, blend, sizes)
-    datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    datasets = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
     for name, ds, n in zip(SPLITS, datasets, sizes):
         if n and ds is not None and len(ds) < n:  # else the run stops when it reaches the end, unsaved
             where = (f"--data-path {' '.join(args.data_path)}: the {name} split" if per_split is None else
