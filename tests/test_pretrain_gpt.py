@@ -584,3 +584,18 @@ def test_documents_rewritten_at_the_same_prefix_are_not_read_through_the_old_cac
     if cache:
         flags[-1] = str(fresh / "cache")
     assert np.array_equal(got, samples())
+
+
+def test_learned_positions_fewer_than_the_sequence_are_refused_by_name(capsys):
+    """Megatron-LM's default learned absolute positions with --max-position-embeddings below --seq-length: the
+    first step failed in the embedding with torch's bare 'IndexError: index out of range in self'; Megatron-LM
+    asserts it in its argument checks. RoPE has no table and keeps taking it."""
+    flags = [f if f != "rope" else "learned_absolute" for f in argv("--data-path", "x", "--train-iters", "1")]
+    with pytest.raises(SystemExit):
+        parse_args([*flags, "--max-position-embeddings", "32"], world_size=1,
+                   extra_args_provider=pretrain_gpt.pretrain_args)
+    assert (f"--max-position-embeddings 32 is below --seq-length {S}: learned absolute position embeddings have "
+            f"no row for positions 32..{S - 1}") in capsys.readouterr().err
+    assert parse_args([*flags, "--max-position-embeddings", str(S)], world_size=1,
+                      extra_args_provider=pretrain_gpt.pretrain_args).max_position_embeddings == S
+    assert pretrain_args("--data-path", "x", "--train-iters", "1", "--max-position-embeddings", "32").seq_length == S

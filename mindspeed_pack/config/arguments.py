@@ -907,6 +907,12 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
         raise ArgumentError("--seq-length must be at least 2")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if args.position_embedding_type == "learned_absolute" and args.max_position_embeddings < args.seq_length:
+        # the embedding table has a row per position: the first step failed with torch's bare IndexError
+        raise ArgumentError(f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length "
+                            f"{args.seq_length}: learned absolute position embeddings have no row for positions "
+                            f"{args.max_position_embeddings}..{args.seq_length - 1}; raise it to at least "
+                            "--seq-length (Megatron-LM refuses it too)")
     if args.neat_pack and args.no_reset_position_ids:
         warnings.warn("--no-reset-position-ids with --neat-pack: positions run across samples; megatron-core's "
                       "THD RoPE restarts them per segment anyway", stacklevel=2)
