@@ -599,3 +599,21 @@ def test_learned_positions_fewer_than_the_sequence_are_refused_by_name(capsys):
     assert parse_args([*flags, "--max-position-embeddings", str(S)], world_size=1,
                       extra_args_provider=pretrain_gpt.pretrain_args).max_position_embeddings == S
     assert pretrain_args("--data-path", "x", "--train-iters", "1", "--max-position-embeddings", "32").seq_length == S
+
+
+def test_use_checkpoint_args_takes_the_sequence_length_megatron_lm_takes(tmp_path, corpus, capsys):
+    """Megatron-LM's --use-checkpoint-args sets --seq-length from the checkpoint when it is not given (a resume
+    command of --load, the data and the schedule): here 'missing required arguments: --seq-length'. Without the
+    flag it stays required, as there; given, the run's value holds."""
+    ckpt = str(tmp_path / "ckpt")
+    pretrain_gpt.main(argv("--data-path", corpus[0], "--train-iters", "1", "--save", ckpt))
+    resume = argv("--data-path", corpus[0], "--train-iters", "2", "--load", ckpt)
+    at = resume.index("--seq-length")
+    del resume[at:at + 2]
+    args = parse_args([*resume, "--use-checkpoint-args"], world_size=1, extra_args_provider=pretrain_gpt.pretrain_args)
+    assert args.seq_length == S and args.flag_sources["seq_length"][1] == "checkpoint"
+    assert parse_args([*resume, "--use-checkpoint-args", "--seq-length", "32"], world_size=1,
+                      extra_args_provider=pretrain_gpt.pretrain_args).seq_length == 32
+    with pytest.raises(SystemExit):
+        parse_args(resume, world_size=1, extra_args_provider=pretrain_gpt.pretrain_args)
+    assert "missing required arguments: --seq-length" in capsys.readouterr().err

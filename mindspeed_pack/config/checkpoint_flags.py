@@ -123,6 +123,8 @@ def fill_model_args(args, explicit: set) -> None:
                     "; ".join(disagree))
         given = []
     filled = [k for k in keys if k not in given]
+    if getattr(args, "use_checkpoint_args", False) and args.seq_length is None and recorded.get("seq_length"):
+        filled.append("seq_length")  # Megatron-LM's load_args_from_checkpoint takes it too, when not given
     for key in filled:
         setattr(args, key, recorded[key])
     if filled:
