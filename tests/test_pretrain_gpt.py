@@ -617,3 +617,20 @@ def test_use_checkpoint_args_takes_the_sequence_length_megatron_lm_takes(tmp_pat
     with pytest.raises(SystemExit):
         parse_args(resume, world_size=1, extra_args_provider=pretrain_gpt.pretrain_args)
     assert "missing required arguments: --seq-length" in capsys.readouterr().err
+
+
+def test_a_missing_document_prefix_is_named_when_the_vocabulary_would_come_from_its_sidecar(tmp_path):
+    """Without a tokenizer or vocabulary flag the vocabulary comes from the prefix's _text_meta.json; a prefix that
+    is not there (Megatron-LM's name for --json-keys content, P_content_document, where preprocess_data.py wrote
+    P_text_document) stopped with 'cannot tell the vocabulary size', not with the missing files."""
+    from mindspeed_pack.datasets.packed_documents import DataError
+
+    flags = [f for f in TINY_FLAGS if f not in ("--padded-vocab-size", "256")]
+    with pytest.raises(DataError, match=r"data prefix .*P_content_document.*: missing .*P_content_document\.bin"):
+        pretrain_gpt.main([*flags, "--seq-length", "64", "--train-iters", "1", "--data-path",
+                           str(tmp_path / "P_content_document")])
+    write_pretrain_documents(str(tmp_path / "P_text_document"), random_documents(4, EOD))
+    with pytest.raises(DataError, match=r"P_content_document\.idx; .*P_text_document is there: preprocess_data.py "
+                                        r"names the documents _text_document whatever --json-keys reads"):
+        pretrain_gpt.main([*flags, "--seq-length", "64", "--train-iters", "1", "--data-path",
+                           str(tmp_path / "P_content_document")])

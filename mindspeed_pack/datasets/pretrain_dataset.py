@@ -140,6 +140,9 @@ def resolve_pretrain_vocab_size(args) -> None:
 
     if args.padded_vocab_size is None and args.vocab_size is None:
         args.vocab_size = _from_sidecars(args, "vocab_size")
+        if args.vocab_size is None and not args.tokenizer_name_or_path:
+            # a prefix that is not there has no sidecar either: name its missing files, not the vocabulary
+            check_prefix_files(all_prefixes(args))
     resolve_vocab_size(args)
 
 
@@ -189,6 +192,7 @@ def data_flags(args) -> str:
     return "; ".join(f"{flag} {' '.join(v)}" for flag, v in given if v)
 
 
+_JSON_KEY_PREFIX = re.compile(r"^(?P<base>.+)_(?P<key>[^_/]+)_document$")
 _PACK_PART = re.compile(r"^(?P<base>.+)_packed_(?:input_ids|attention_mask|labels)_document$")
 
 
@@ -212,6 +216,11 @@ def check_prefix_files(prefixes: List[str]) -> None:
         missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
         if missing:
             hint = "" if prefix.endswith("_document") else " (prefixes usually end with _text_document)"
+            keyed = _JSON_KEY_PREFIX.match(prefix)
+            if keyed and os.path.isfile(f"{keyed.group('base')}_text_document.idx"):
+                hint = (f"; {keyed.group('base')}_text_document is there: preprocess_data.py names the documents "
+                        f"_text_document whatever --json-keys reads (Megatron-LM's preprocessing names them after "
+                        f"the key, _{keyed.group('key')}_document): pass that prefix")
             raise DataError(f"data prefix {prefix!r}: missing {', '.join(missing)}{hint}")
 
 
