@@ -634,3 +634,39 @@ def test_a_missing_document_prefix_is_named_when_the_vocabulary_would_come_from_
                                         r"names the documents _text_document whatever --json-keys reads"):
         pretrain_gpt.main([*flags, "--seq-length", "64", "--train-iters", "1", "--data-path",
                            str(tmp_path / "P_content_document")])
+
+
+def test_megatron_lms_hugging_face_tokenizer_flags_are_pretrained_from_hf(tmp_path, toy_tokenizer_dir, capsys):
+    """Megatron-LM's scripts name a Hugging Face tokenizer --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR:
+    preprocess_data.py answered 'invalid choice', pretrain_gpt.py 'only PretrainedFromHF is supported'. Both now read
+    it as PretrainedFromHF DIR: the same documents, the same cache entry, the same run."""
+    import json
+
+    from mindspeed_pack.data import toy
+    from mindspeed_pack.datasets.preprocess import main as preprocess_main
+
+    raw = tmp_path / "corpus.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in toy.generate_pretrain_text(20, seed=4)))
+    common = ["--input", str(raw), "--json-keys", "text", "--append-eod"]
+    outputs = {}
+    for name, flags in (("hf", ["--tokenizer-name-or-path", str(toy_tokenizer_dir)]),
+                        ("megatron", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                      str(toy_tokenizer_dir)])):
+        assert preprocess_main([*common, "--output-prefix", str(tmp_path / name / "c"), *flags]) == 0
+        outputs[name] = [(tmp_path / name / f"c_text_document{ext}").read_bytes() for ext in (".bin", ".idx")]
+        meta = json.loads((tmp_path / name / "c_text_meta.json").read_text())
+        assert meta["cache_key"]["arguments"]["tokenizer_type"] == "PretrainedFromHF"
+    assert outputs["hf"] == outputs["megatron"]
+
+    flags = [f for f in TINY_FLAGS if f not in ("--padded-vocab-size", "256")]
+    args = parse_args([*flags, "--seq-length", str(S), "--train-iters", "1", "--data-path",
+                       str(tmp_path / "hf" / "c_text_document"), "--tokenizer-type", "HuggingFaceTokenizer",
+                       "--tokenizer-model", str(toy_tokenizer_dir)], world_size=1,
+                      extra_args_provider=pretrain_gpt.pretrain_args)
+    assert (args.tokenizer_type, args.tokenizer_name_or_path, args.tokenizer_model) == (
+        "PretrainedFromHF", str(toy_tokenizer_dir), None)
+    assert build_tokenizer(args).eod == meta["layout"]["eod_id"]
+    assert preprocess_main([*common, "--output-prefix", str(tmp_path / "bad" / "c"), "--tokenizer-type",
+                            "HuggingFaceTokenizer", "--tokenizer-model", str(toy_tokenizer_dir),
+                            "--tokenizer-name-or-path", str(tmp_path)]) == 2
+    assert "name two tokenizers: pass one" in capsys.readouterr().err

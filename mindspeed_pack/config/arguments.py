@@ -29,6 +29,7 @@ from mindspeed_pack.config import (
     yaml_file,
 )
 from mindspeed_pack.config.errors import ArgumentError, flag_scope
+from mindspeed_pack.data.tokenizer import fold_megatron_hf_tokenizer
 from mindspeed_pack.model import compiled_layers, lora
 from mindspeed_pack.model.gpt import attention_backend, padded_vocab_size
 from mindspeed_pack.model.moe import DISPATCHERS, LOAD_BALANCING_TYPES
@@ -460,7 +461,9 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                         "model on pairs; LLaMA-Factory's rm), prm (process reward model)")
     g.add_argument("--variable-seq-lengths", action="store_true",
                    help="accepted no-op: packs have a fixed length and unpacked rows are padded to --seq-length")
-    g.add_argument("--tokenizer-type", default=None, help="only PretrainedFromHF (with --tokenizer-name-or-path)")
+    g.add_argument("--tokenizer-type", default=None,
+                   help="PretrainedFromHF (with --tokenizer-name-or-path DIR), or Megatron-LM's HuggingFaceTokenizer "
+                        "(with --tokenizer-model DIR): the same")
     g.add_argument("--tokenizer-name-or-path", default=None)
     g.add_argument("--tokenizer-model", default=None,
                    help="refused: sentencepiece model files are not read; pass --tokenizer-name-or-path")
@@ -706,8 +709,9 @@ def _check_data_flags(args) -> None:
         raise ArgumentError(f"--num-workers {args.num_workers}: packs are memory-mapped and read in the training "
                             "process; only 0 is supported (drop the flag)")
     if args.tokenizer_type not in (None, "PretrainedFromHF"):
-        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: only PretrainedFromHF is supported "
-                            "(with --tokenizer-name-or-path DIR)")
+        raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: only PretrainedFromHF (with "
+                            "--tokenizer-name-or-path DIR) or Megatron-LM's HuggingFaceTokenizer (with "
+                            "--tokenizer-model DIR) is supported")
     if args.tokenizer_model:
         raise ArgumentError("--tokenizer-model: sentencepiece model files are not read; pass "
                             "--tokenizer-name-or-path with a Hugging Face tokenizer directory")
@@ -1001,6 +1005,7 @@ def parse_args(argv=None, world_size: int | None = None, extra_args_provider=Non
         from_peft = peft_flags.fill_lora_flags(args, given)  # a PEFT --lora-load states its LoRA settings
         if args.lora_r is None and args.lora_target_modules is not None:
             args.lora_r = LORA_DEFAULT_RANK  # LoRA is on (lora.trains_adapters) from here on
+        fold_megatron_hf_tokenizer(args, ArgumentError)  # Megatron-LM's HuggingFaceTokenizer --tokenizer-model DIR
         if args.use_checkpoint_args and not args.load:
             raise ArgumentError("--use-checkpoint-args takes the model flags from --load's checkpoint: pass --load")
         if args.ckpt_step is not None and not args.load:

@@ -31,6 +31,24 @@ from mindspeed_pack.data.digest import sha256_of_files
 from mindspeed_pack.data.errors import PreprocessError
 
 TOKENIZER_TYPES = ("PretrainedFromHF", "SentencePiece")
+# Megatron-LM's name for a Hugging Face tokenizer, whose directory (or hub name) it takes in --tokenizer-model; it
+# loads it with AutoTokenizer.from_pretrained and ends documents with its EOS, as PretrainedFromHF does here
+MEGATRON_HF_TYPE = "HuggingFaceTokenizer"
+
+
+def fold_megatron_hf_tokenizer(args, error=PreprocessError) -> None:
+    """Megatron-LM's ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` as ``--tokenizer-type
+    PretrainedFromHF --tokenizer-name-or-path DIR`` (MindSpeed-LLM's names), so its scripts' tokenizer flags
+    work unchanged; raises ``error`` when the two directory flags name different tokenizers."""
+    if getattr(args, "tokenizer_type", None) != MEGATRON_HF_TYPE:
+        return
+    model, path = args.tokenizer_model, args.tokenizer_name_or_path
+    if model and path and os.path.abspath(str(model)) != os.path.abspath(str(path)):
+        raise error(f"--tokenizer-type {MEGATRON_HF_TYPE}: --tokenizer-model {model} and --tokenizer-name-or-path "
+                    f"{path} name two tokenizers: pass one")
+    if not (model or path):
+        raise error(f"--tokenizer-type {MEGATRON_HF_TYPE} reads the tokenizer directory from --tokenizer-model DIR")
+    args.tokenizer_type, args.tokenizer_name_or_path, args.tokenizer_model = "PretrainedFromHF", model or path, None
 _NOT_READ = object()
 # files that define a tokenizer (a model dir also holds weights, which must not be hashed)
 _TOKENIZER_FILE_HINTS = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", ".model", ".tiktoken")

@@ -62,7 +62,14 @@ from mindspeed_pack.data.handlers import (
     resolve_map_keys,
 )
 from mindspeed_pack.data.templates import get_template, marker_tokens, with_thinking
-from mindspeed_pack.data.tokenizer import TOKENIZER_TYPES, TokenizerSpec, check_eos, load_tokenizer
+from mindspeed_pack.data.tokenizer import (
+    MEGATRON_HF_TYPE,
+    TOKENIZER_TYPES,
+    TokenizerSpec,
+    check_eos,
+    fold_megatron_hf_tokenizer,
+    load_tokenizer,
+)
 from mindspeed_pack.datasets import pack_writer
 from mindspeed_pack.runtime import faults, stale_files
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
@@ -101,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip malformed rows (bad JSON, missing field, wrong type, unknown role) and count them by "
                         "reason instead of stopping at the first one (default: stop, naming file, row and field)")
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="PretrainedFromHF", choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-type", default="PretrainedFromHF", choices=(*TOKENIZER_TYPES, MEGATRON_HF_TYPE),
+                   help=f"{MEGATRON_HF_TYPE} (Megatron-LM's name, with --tokenizer-model DIR) is PretrainedFromHF")
     g.add_argument("--tokenizer-name-or-path", default=None, help="HF tokenizer directory")
     g.add_argument("--tokenizer-model", default=None, help="SentencePiece .model file")
     g.add_argument("--tokenizer-not-use-fast", action="store_true",
@@ -206,6 +214,7 @@ def default_handler(args) -> str:
 
 
 def validate_args(args) -> None:
+    fold_megatron_hf_tokenizer(args)  # before the tokenizer flags are read (the cache key records PretrainedFromHF)
     defaulted = args.handler_name is None
     if defaulted:
         args.handler_name = default_handler(args)
