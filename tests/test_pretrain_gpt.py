@@ -670,3 +670,16 @@ def test_megatron_lms_hugging_face_tokenizer_flags_are_pretrained_from_hf(tmp_pa
                             "HuggingFaceTokenizer", "--tokenizer-model", str(toy_tokenizer_dir),
                             "--tokenizer-name-or-path", str(tmp_path)]) == 2
     assert "name two tokenizers: pass one" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weight", ["0", "-0.5"])
+def test_a_blend_weight_that_is_not_positive_is_refused_by_name(corpus, weight):
+    """'--data-path 1 A 0 B' (a corpus switched off by its weight) failed after the model was built with
+    megatron-core's bare AssertionError in BlendedDataset."""
+    from mindspeed_pack.datasets.packed_documents import DataError
+    from mindspeed_pack.datasets.pretrain_dataset import all_prefixes
+
+    args = pretrain_args("--data-path", "1", corpus[0], weight, corpus[1], "--train-iters", "1")
+    with pytest.raises(DataError, match=rf"--data-path 1 .*: the weight of {corpus[1]} is {weight}: blend weights "
+                                        r"must be > 0 \(leave a prefix out to read none of it\)"):
+        all_prefixes(args)

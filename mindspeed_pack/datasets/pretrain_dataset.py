@@ -163,6 +163,10 @@ def blend_from_list(paths: List[str], flag: str = "--data-path") -> tuple:
     if blend is None or (blend[1] is None and any(is_blend_weight(p) for p in blend[0])):
         raise DataError(f"{flag} {' '.join(paths)}: give prefixes, or weight-prefix pairs "
                         "'0.3 A 0.7 B' (all weighted or none)")
+    for i, (prefix, weight) in enumerate(zip(blend[0], blend[1] or ())):
+        if not weight > 0:  # megatron-core's BlendedDataset asserts it, bare, after the model is built
+            raise DataError(f"{flag} {' '.join(paths)}: the weight of {prefix} is {paths[2 * i]}: blend weights "
+                            "must be > 0 (leave a prefix out to read none of it)")
     return blend
 
 
