@@ -529,6 +529,12 @@ def test_help_lists_no_flag_the_code_ignores():
     (["--num-workers", "2"], "--num-workers 2"),
     (["--tokenizer-model", "tok.model"], "--tokenizer-model"),
     (["--tokenizer-type", "Llama2Tokenizer"], "--tokenizer-type Llama2Tokenizer"),
+    # Megatron-LM's GPT-2 BPE files: 'unrecognized arguments', with no word of what to pass instead
+    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json", "--merge-file", "m.txt"],
+     "--tokenizer-type GPT2BPETokenizer: only PretrainedFromHF"),
+    (["--vocab-file", "v.json", "--merge-file", "m.txt"],
+     "--vocab-file v.json, --merge-file m.txt: Megatron-LM's GPT-2 BPE/WordPiece files are not read; the training "
+     "scripts need no tokenizer for data preprocess_data.py wrote"),
     (["--distributed-backend", "nccl"], "--distributed-backend nccl"),
     # values no run can use: refused by name, not a ZeroDivisionError or torch's error after the model is built
     (["--micro-batch-size", "0"], "--micro-batch-size 0 must be >= 1"),

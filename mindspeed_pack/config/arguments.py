@@ -466,7 +466,11 @@ def _data_args(p: argparse.ArgumentParser) -> None:
                         "(with --tokenizer-model DIR): the same")
     g.add_argument("--tokenizer-name-or-path", default=None)
     g.add_argument("--tokenizer-model", default=None,
-                   help="refused: sentencepiece model files are not read; pass --tokenizer-name-or-path")
+                   help="with --tokenizer-type HuggingFaceTokenizer: its directory; refused otherwise "
+                        "(sentencepiece model files are not read; pass --tokenizer-name-or-path)")
+    for flag in ("--vocab-file", "--merge-file"):  # Megatron-LM's GPT2BPETokenizer/BERT files: refused by name
+        g.add_argument(flag, default=None, help="refused: Megatron-LM's GPT-2 BPE/WordPiece files are not read "
+                                                "(the data's sidecar records the EOD id and vocabulary)")
     g.add_argument("--tokenizer-not-use-fast", action="store_true",
                    help="load the slow (Python) HF tokenizer instead of the fast one")
 
@@ -708,13 +712,20 @@ def _check_data_flags(args) -> None:
     if args.num_workers:
         raise ArgumentError(f"--num-workers {args.num_workers}: packs are memory-mapped and read in the training "
                             "process; only 0 is supported (drop the flag)")
+    # training reads a tokenizer for the EOD id and the vocabulary size only, which preprocessing records
+    need_not = ("the training scripts need no tokenizer for data preprocess_data.py wrote (its _meta.json sidecar "
+                "records the EOD id and vocabulary: drop the tokenizer flags); for documents preprocessed elsewhere "
+                "pretrain_gpt.py takes --eod-id and --vocab-size (GPT-2's: --eod-id 50256 --vocab-size 50257)")
     if args.tokenizer_type not in (None, "PretrainedFromHF"):
         raise ArgumentError(f"--tokenizer-type {args.tokenizer_type}: only PretrainedFromHF (with "
                             "--tokenizer-name-or-path DIR) or Megatron-LM's HuggingFaceTokenizer (with "
-                            "--tokenizer-model DIR) is supported")
+                            f"--tokenizer-model DIR) is read; {need_not}")
+    files = [f"--{d.replace('_', '-')} {v}" for d in ("vocab_file", "merge_file") if (v := getattr(args, d))]
+    if files:
+        raise ArgumentError(f"{', '.join(files)}: Megatron-LM's GPT-2 BPE/WordPiece files are not read; {need_not}")
     if args.tokenizer_model:
         raise ArgumentError("--tokenizer-model: sentencepiece model files are not read; pass "
-                            "--tokenizer-name-or-path with a Hugging Face tokenizer directory")
+                            f"--tokenizer-name-or-path with a Hugging Face tokenizer directory; {need_not}")
     if args.distributed_backend == "nccl" and not cuda_usable():
         raise ArgumentError("--distributed-backend nccl needs CUDA: drop the flag (gloo is used without CUDA)")
     if args.eval_interval is not None and args.eval_interval < 1:
