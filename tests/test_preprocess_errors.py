@@ -303,3 +303,24 @@ def test_dry_run_checks_the_flags_and_writes_nothing(tmp_path, run_preprocess):
     code, out, err = run_preprocess(neat_pack=True, **common)
     assert code == 2 and "--neat-pack requires --pack" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_output_prefix_naming_a_directory_is_refused_before_any_work(tmp_path, run_preprocess, alpaca_file):
+    """``--output-prefix out/sft/`` (a directory, not a prefix): refused by the flag check, --dry-run included; it
+    tokenised the whole input, then stopped with a FileNotFoundError traceback from the final rename."""
+    out = tmp_path / "out"
+    for dry_run in (True, False):
+        code, _, err = run_preprocess(**_flags(alpaca_file, out, output_prefix=f"{out}/", dry_run=dry_run))
+        assert code == 2 and err.startswith(f"error: --output-prefix {out}/ names a directory"), err
+        assert f"{out}/NAME" in err and "Traceback" not in err, err
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_output_prefix_under_a_file_is_one_error_line(tmp_path, run_preprocess, alpaca_file):
+    """A prefix whose directory cannot be made (a file in its path): one ``error:`` line naming the prefix and the
+    cause, not a NotADirectoryError traceback."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a directory")
+    code, _, err = run_preprocess(**_flags(alpaca_file, blocker, output_prefix=blocker / "sub" / "p"))
+    assert code == 2 and err.startswith(f"error: --output-prefix {blocker / 'sub' / 'p'}: cannot create"), err
+    assert "Not a directory" in err and "Traceback" not in err, err

@@ -207,6 +207,27 @@ def _fold_enable_thinking(args) -> None:
     args.chat_template_kwargs = kwargs
 
 
+def _check_output_prefix(prefix: str) -> None:
+    """``--output-prefix`` is a path prefix (``out/sft`` -> ``out/sft_packed_*``): one naming a directory
+    (``out/sft/``) left the outputs no name, and failed only at the final rename, after all the work."""
+    if prefix.endswith(("/", os.sep)) or Path(prefix).name in ("", ".", ".."):
+        inside = prefix.rstrip("/" + os.sep) or "."
+        raise PreprocessError(f"--output-prefix {prefix} names a directory; give a path prefix inside it, e.g. "
+                              f"{inside}/NAME (the outputs are NAME_packed_*_document.bin/.idx and NAME's sidecar)")
+
+
+def _make_output_dir(args) -> Path:
+    """The directory of ``--output-prefix``, made when missing; one error line when it cannot be (a file in its
+    path, no permission), not a traceback."""
+    out_dir = Path(args.output_prefix).resolve().parent
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PreprocessError(f"--output-prefix {args.output_prefix}: cannot create its directory {out_dir} "
+                              f"({exc.strerror}: {exc.filename})") from None
+    return out_dir
+
+
 def default_handler(args) -> str:
     """``--handler-name`` when none is given: Megatron-LM's ``--json-keys text --append-eod`` names no handler and
     means pretraining documents; otherwise Alpaca rows."""
@@ -215,6 +236,7 @@ def default_handler(args) -> str:
 
 def validate_args(args) -> None:
     fold_megatron_hf_tokenizer(args)  # before the tokenizer flags are read (the cache key records PretrainedFromHF)
+    _check_output_prefix(str(args.output_prefix))
     defaulted = args.handler_name is None
     if defaulted:
         args.handler_name = default_handler(args)
@@ -592,11 +614,10 @@ def run_or_reuse(args) -> Tuple[dict, bool]:
                      None if template is None else {"name": template.name, "definition": template.definition}),
     }
     cache_key = json.loads(json.dumps(cache_key))  # compare in the form the sidecar stores
-    out_dir = Path(args.output_prefix).resolve().parent
+    out_dir = _make_output_dir(args)
     _remove_leftovers(args, out_dir)
     cached = _cached(args, cache_key)
     if cached is None:
-        out_dir.mkdir(parents=True, exist_ok=True)
         t_lock = time.time()
         with stale_files.exclusive(str(out_dir / f".{Path(args.output_prefix).name}.lock"),
                                    args.output_prefix) as waited:
