@@ -182,7 +182,10 @@ def test_cache_is_reused_then_rebuilt(tmp_path, toy_alpaca_rows, run_preprocess)
 
 @pytest.mark.parametrize("ext", ["json", "parquet", "arrow", "csv"])
 def test_each_input_format_gives_the_jsonl_result(tmp_path, toy_alpaca_rows, run_preprocess, ext):
-    rows = toy_alpaca_rows[:80]
+    """Rows with a ``system`` only where they have one (not on the first): toy.write_dataset's Parquet and Arrow
+    took their columns from the first row (pyarrow's from_pylist), so the system column was silently not written."""
+    rows = [row if i % 3 == 1 else {k: v for k, v in row.items() if k != "system"}
+            for i, row in enumerate(toy_alpaca_rows[:80])]
     outputs = {}
     for e in ("jsonl", ext):
         data = toy.write_dataset(tmp_path / e / f"data.{e}", rows)

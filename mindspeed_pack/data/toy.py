@@ -123,11 +123,15 @@ def generate_pretrain_text(n: int, seed: int = 0, *, max_words: int = 200) -> li
 def write_dataset(path, rows: list[dict]) -> Path:
     """Write rows in the format the extension names: .jsonl, .json, .parquet, .arrow, .csv, .txt.
 
-    CSV and TXT hold flat rows only (TXT: the ``text`` field, one row per line).
+    CSV and TXT hold flat rows only (TXT: the ``text`` field, one row per line). Parquet, Arrow and CSV take
+    the columns of every row (a ``system`` only some rows have is null, or empty in CSV, elsewhere), as
+    pandas and HF ``datasets`` write them; pyarrow's ``from_pylist`` alone took the first row's keys and
+    silently left the others out.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     ext = path.suffix.lower()
+    columns = list(dict.fromkeys(key for row in rows for key in row))  # every row's keys, in first-seen order
     if ext == ".jsonl":
         with open(path, "w", encoding="utf-8") as f:
             for row in rows:
@@ -138,7 +142,7 @@ def write_dataset(path, rows: list[dict]) -> Path:
     elif ext in (".parquet", ".arrow"):
         import pyarrow as pa
 
-        table = pa.Table.from_pylist(rows)
+        table = pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows])
         if ext == ".parquet":
             import pyarrow.parquet as pq
 
@@ -147,9 +151,8 @@ def write_dataset(path, rows: list[dict]) -> Path:
             with pa.ipc.new_stream(path, table.schema) as writer:  # HF datasets' .arrow layout
                 writer.write_table(table, max_chunksize=1000)
     elif ext == ".csv":
-        fields = list(rows[0]) if rows else []
         with open(path, "w", encoding="utf-8", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
+            writer = csv.DictWriter(f, fieldnames=columns)
             writer.writeheader()
             writer.writerows(rows)
     elif ext == ".txt":
