@@ -317,3 +317,20 @@ def test_csv_rows_after_a_malformed_one_keep_their_numbers(tmp_path, run_preproc
     first = _meta(tmp_path / "c")["statistics"]["first_skipped"]
     assert first["malformed CSV row"].startswith(f"{csv}: line 3: malformed CSV row: expected 3 columns, got 1")
     assert first["malformed JSON"].startswith(f"{csv}: row 5: field 'history' is not valid JSON"), first
+
+
+@pytest.mark.parametrize("prompt_type", ["qwen", "hf"])
+def test_an_empty_instruction_leaves_the_input_alone_as_the_prompt(tmp_path, run_preprocess, read_indexed,
+                                                                    prompt_type):
+    """Alpaca rows whose question is all in ``input`` (``instruction`` empty): the prompt is the input, as
+    LLaMA-Factory and MindSpeed-LLM join the non-empty parts with a newline; it was ``"\\n" + input``, a token the
+    same row never has in their data."""
+    flags = dict(prompt_type=prompt_type, seq_length=128, **({"chat_template": CHATML} if prompt_type == "hf" else {}))
+    documents = {}
+    for name, row in (("in_input", {"instruction": "", "input": "two plus two?", "output": "four"}),
+                      ("in_instruction", {"instruction": "two plus two?", "input": "", "output": "four"})):
+        data = toy.write_dataset(tmp_path / f"{name}.jsonl", [row])
+        code, _, err = run_preprocess(input=data, output_prefix=tmp_path / name, **flags)
+        assert code == 0, err
+        documents[name] = [d.tolist() for d in read_indexed(tmp_path / f"{name}_packed_input_ids_document")]
+    assert documents["in_input"] == documents["in_instruction"]

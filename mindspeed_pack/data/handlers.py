@@ -2,9 +2,9 @@
 
 Handlers (names as in MindSpeed-LLM's ``--handler-name``):
 
-* ``AlpacaStyleInstructionHandler``: ``instruction`` (+ ``"\\n"`` + ``input`` when non-empty)
-  is the prompt, ``output`` the answer; optional ``system`` and ``history`` (a list of
-  ``[prompt, answer]`` pairs placed before the row's own turn).
+* ``AlpacaStyleInstructionHandler``: ``instruction`` and ``input``, the non-empty ones joined by ``"\\n"``
+  (LLaMA-Factory's rule: an empty instruction leaves the input alone), are the prompt, ``output`` the answer;
+  optional ``system`` and ``history`` (a list of ``[prompt, answer]`` pairs placed before the row's own turn).
 * ``SharegptStyleInstructionHandler``: a list of messages ``{"from", "value"}`` with roles
   human/gpt/observation/function_call and an optional leading system message (or a
   ``system`` column). OpenAI-style ``{"role", "content"}`` with user/assistant works with
@@ -350,7 +350,9 @@ class SampleEncoder:
                 raise RowError(f"{where}: field {self.keys['history']!r} item {n} must be a "
                                f"[prompt, answer] pair of strings, got {pair!r}", BAD_TYPE)
             messages += [(USER, pair[0]), (ASSISTANT, pair[1])]
-        messages.append((USER, f"{prompt}\n{query}" if query else prompt))
+        # the non-empty parts, newline-joined as LLaMA-Factory and MindSpeed-LLM join them (an empty instruction
+        # leaves the input alone, with no newline before it)
+        messages.append((USER, "\n".join(part for part in (prompt, query) if part)))
         return messages, system
 
     def _sharegpt_messages(self, row, where):

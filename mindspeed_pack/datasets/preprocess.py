@@ -75,10 +75,11 @@ from mindspeed_pack.runtime import faults, stale_files
 from mindspeed_pack.runtime.disk import disk_full_message, is_disk_full, tree_bytes
 
 HF_PROMPT_TYPE = "hf"  # --prompt-type hf: the model's own chat template (chat_template.py)
-FORMAT_VERSION = 5  # 2: packs in a seeded random order; template tokens added when missing; 3: reasoning in a
+FORMAT_VERSION = 6  # 2: packs in a seeded random order; template tokens added when missing; 3: reasoning in a
 # "thinking" field, bare tool schemas in OpenAI's form, thoughts without newlines, TRL's and the hub's pair and KTO rows;
 # 4: --prompt-type hf turns of templates without an end-of-turn token (GLM-4) train the token that stops them;
-# 5: a JSON template's tool calls follow a thought alone without the separator (qwen3 --enable-thinking)
+# 5: a JSON template's tool calls follow a thought alone without the separator (qwen3 --enable-thinking);
+# 6: an Alpaca row with an empty instruction has its input alone as the prompt (it was "\n" + input)
 CHUNK_ROWS = 1000
 # arguments that change the output bytes (the cache compares these; --workers does not)
 _OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack", "append_eod", "tokenizer_type", "seed",
