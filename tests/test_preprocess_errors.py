@@ -324,3 +324,21 @@ def test_output_prefix_under_a_file_is_one_error_line(tmp_path, run_preprocess, 
     code, _, err = run_preprocess(**_flags(alpaca_file, blocker, output_prefix=blocker / "sub" / "p"))
     assert code == 2 and err.startswith(f"error: --output-prefix {blocker / 'sub' / 'p'}: cannot create"), err
     assert "Not a directory" in err and "Traceback" not in err, err
+
+
+def test_unknown_template_points_at_the_models_own(tmp_path, run_preprocess, alpaca_file):
+    """A MindSpeed-LLM --prompt-type this templates.json lacks (deepseek3, chatglm3, mistral): the error says how to
+    train with it anyway (--prompt-type hf, or an entry in a --prompt-type-path file), not only what is known."""
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(alpaca_file, out, prompt_type="deepseek3")), out,
+                           "unknown --prompt-type 'deepseek3'", "--prompt-type hf", "--prompt-type-path")
+
+
+def test_openai_rows_under_the_sharegpt_handler_name_the_openai_handler(tmp_path, run_preprocess):
+    """OpenAI rows (``messages`` of role/content) read with SharegptStyleInstructionHandler's default keys: the
+    missing 'conversations' column names MindSpeed-LLM's OpenAIInstructionHandler, which reads them."""
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}]
+    data = toy.write_dataset(tmp_path / "in" / "m.jsonl", rows)
+    out = tmp_path / "out"
+    _assert_failed_cleanly(run_preprocess(**_flags(data, out, handler_name="SharegptStyleInstructionHandler")), out,
+                           "column 'conversations'", "--handler-name OpenAIInstructionHandler")

@@ -154,7 +154,10 @@ def get_template(name: str, path=None) -> Template:
     """The template ``name``; PreprocessError lists the known ones when it does not exist."""
     defs = load_template_definitions(path)
     if name not in defs:
-        raise PreprocessError(f"unknown --prompt-type {name!r}; known templates: {', '.join(sorted(defs))}")
+        raise PreprocessError(f"unknown --prompt-type {name!r}; known templates: {', '.join(sorted(defs))}. For "
+                              "another model family: --prompt-type hf renders with the tokenizer's own chat template "
+                              "(or --chat-template FILE.jinja), or add an entry to a copy of templates.json and pass "
+                              "it with --prompt-type-path")
     spec = _resolve(name, defs)
     unknown = set(spec) - set(_FIELDS) - {"default_system", "stop_words", "replace_eos", "system_in_first_user",
                                           "trim_content", "thought_words", *_TOOL_FIELDS}

@@ -53,10 +53,12 @@ from mindspeed_pack.data.handlers import (
     COLUMN_KEYS,
     CONVERSATION_ELSEWHERE,
     HANDLER_NAMES,
+    OPENAI,
     PRETRAIN,
     PROCESS_REWARD,
     REQUIRED_COLUMNS,
     SAMPLE_SKIPS,
+    SHAREGPT,
     SampleEncoder,
     canonical_handler,
     resolve_map_keys,
@@ -429,7 +431,8 @@ def check_columns(files, handler: str, keys: dict, explicit: set, skip_bad_rows:
             elsewhere = () if key in explicit else CONVERSATION_ELSEWHERE.get(handler, {}).get(key, ())
             if keys[key] not in columns and not (elsewhere and all(keys[k] in columns for k in elsewhere)):
                 raise PreprocessError(f"{f}: column {keys[key]!r} (--map-keys {key}) not found; "
-                                      f"columns: {', '.join(map(str, columns))}{_known_column(key, columns)}")
+                                      f"columns: {', '.join(map(str, columns))}{_known_column(key, columns)}"
+                                      f"{_openai_rows(handler, key, keys, columns)}")
     if len(empty) < len(files):  # all empty: the empty-input error says so
         for f in empty:
             print(f"warning: {f}: no rows (an empty file); skipped", file=sys.stderr)
@@ -445,6 +448,15 @@ def _known_column(key: str, columns) -> str:
     other = KNOWN_COLUMNS.get(key)
     return f"; pass --map-keys '{{\"{key}\": \"{other}\"}}' to read column {other!r} as it" if other in columns \
         else ""
+
+
+def _openai_rows(handler: str, key: str, keys: dict, columns) -> str:
+    """The handler that reads OpenAI rows, when ShareGPT's conversation column is missing and a ``messages`` one
+    is there (MindSpeed-LLM reads those with OpenAIInstructionHandler)."""
+    if handler != SHAREGPT or key != "messages" or keys[key] == "messages" or "messages" not in columns:
+        return ""
+    return (f"; OpenAI rows (messages of role/content) are read with --handler-name {OPENAI} (or --map-keys "
+            "'{\"messages\": \"messages\", \"role\": \"role\", \"content\": \"content\"}')")
 
 
 def warn_struct_key_order(files, handler: str, keys: dict) -> None:
