@@ -328,3 +328,35 @@ def test_hf_dataset_dict_directory_names_its_splits(tmp_path, toy_alpaca_rows, r
     code, _, err = run_preprocess(input=d, output_prefix=tmp_path / "dd_out", prompt_type="qwen", seq_length=128)
     assert code == 2 and f"{d}: a saved HF DatasetDict" in err and str(d / "train") in err, err
     assert not list(tmp_path.glob("dd_out*"))
+
+
+def test_tokenize_bar_knows_its_total_on_a_terminal(tmp_path, toy_alpaca_rows, run_preprocess, monkeypatch):
+    """On a terminal the tokenize bar has the row count as its total (an ETA for a 300k-row corpus), from Parquet's
+    metadata and the JSON lines' non-blank lines; it showed a bare counter. Not known without parsing (a JSON
+    array, CSV): no total, as before."""
+    from mindspeed_pack.data import readers
+    from mindspeed_pack.datasets import preprocess
+
+    shards = tmp_path / "shards"
+    toy.write_dataset(shards / "part-0.parquet", toy_alpaca_rows[:30])
+    toy.write_dataset(shards / "part-1.parquet", toy_alpaca_rows[30:55])
+    lines = toy.write_dataset(tmp_path / "a.jsonl", toy_alpaca_rows[:20])
+    lines.write_text(lines.read_text().replace("\n", "\n\n", 3))  # blank lines are not rows
+    assert readers.count_rows(readers.resolve_input_files(shards)) == 55
+    assert readers.count_rows([lines]) == 20
+    assert readers.count_rows([toy.write_dataset(tmp_path / "a.json", toy_alpaca_rows[:5])]) is None
+
+    totals = {}
+    real = preprocess._Progress
+
+    class Recorded(real):
+        def __init__(self, desc, unit, log_interval, total=None):
+            totals[desc] = total
+            super().__init__(desc, unit, log_interval, total)
+
+    monkeypatch.setattr(preprocess, "_Progress", Recorded)
+    monkeypatch.setattr(preprocess.sys.stderr, "isatty", lambda: True, raising=False)
+    code, out, err = run_preprocess(input=shards, output_prefix=tmp_path / "out" / "p", prompt_type="qwen",
+                                    seq_length=128, pack=True, neat_pack=True)
+    assert code == 0, err
+    assert totals["tokenize"] == 55 and "rows read 55" in out

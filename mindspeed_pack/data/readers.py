@@ -106,6 +106,30 @@ def fingerprint(files) -> list[dict]:
             for f in files]
 
 
+def count_rows(files) -> Optional[int]:
+    """The rows :func:`iter_chunks` will give, where knowing costs no parsing (the tokenize bar's total): Parquet's
+    metadata, the non-blank lines of JSON lines and text files (about 0.5 s per 100 MB); None when a file must be
+    parsed to tell (a ``.json`` array or object, CSV with its quoted newlines, Arrow streams) or cannot be read
+    (the reading pass reports why)."""
+    total = 0
+    for path in files:
+        p = Path(path)
+        fmt = FORMATS[p.suffix.lower()]
+        if p.stat().st_size == 0:
+            continue
+        if fmt == "parquet":
+            try:
+                total += _parquet_file(p).metadata.num_rows
+            except PreprocessError:
+                return None
+        elif fmt in ("jsonl", "txt"):
+            with open(p, "rb") as f:
+                total += sum(1 for line in f if fmt == "txt" or not line.isspace())
+        else:
+            return None
+    return total
+
+
 CSV_BLOCK_BYTES = 64 << 20  # the CSV reader's block: the longest quoted value it reads (multi-line answers)
 TEXT_ENCODING = "utf-8-sig"  # UTF-8, without the byte-order mark some editors put first
 
@@ -248,6 +272,16 @@ def _parquet_schema(path: Path):
         raise _not_parquet(path, exc) from None
 
 
+def _parquet_file(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise _not_parquet(path, exc) from None
+
+
 def _open_arrow(path: Path):
     import pyarrow as pa
 
@@ -326,13 +360,7 @@ def _record_batches(path: Path, fmt: str, chunk_rows: int):
     import pyarrow as pa
 
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        try:
-            parquet = pq.ParquetFile(path)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise _not_parquet(path, exc) from None
-        yield from parquet.iter_batches(batch_size=chunk_rows)
+        yield from _parquet_file(path).iter_batches(batch_size=chunk_rows)
     elif fmt == "arrow":
         yield from _arrow_batches(path)
     else:  # csv: stream, every column a string so types cannot change between blocks

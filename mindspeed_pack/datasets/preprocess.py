@@ -771,7 +771,9 @@ def _encode_all(args, files, config: EncoderConfig, tmp_store: Path, pad_id: int
     store = pack_writer.TokenStore(tmp_store, args.pad_to_multiple_of, pad_id)
     rows = truncated = trained = max_len = 0
     skipped, first_skipped, notes, first_notes = Counter(), {}, Counter(), {}
-    progress = _Progress("tokenize", "rows", args.log_interval)
+    # a bar's total on a terminal (counting JSON lines reads the file once more: not for logs)
+    progress = _Progress("tokenize", "rows", args.log_interval,
+                         total=readers.count_rows(files) if sys.stderr.isatty() else None)
     where = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
     couples = kto.KLCouples(args.seq_length, args.pad_to_multiple_of) if kto.is_kto(args.handler_name) else None
     try:
