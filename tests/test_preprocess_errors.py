@@ -334,6 +334,16 @@ def test_unknown_template_points_at_the_models_own(tmp_path, run_preprocess, alp
                            "unknown --prompt-type 'deepseek3'", "--prompt-type hf", "--prompt-type-path")
 
 
+def test_an_older_mindspeed_llm_handler_name_names_the_handler_that_reads_its_rows(tmp_path, run_preprocess,
+                                                                                     alpaca_file, capsys):
+    """argparse's 'invalid choice' listed the names without saying which one reads the rows."""
+    with pytest.raises(SystemExit) as exit_:
+        run_preprocess(**_flags(alpaca_file, tmp_path / "out", handler_name="GeneralInstructionHandler"))
+    assert exit_.value.code == 2
+    assert ("argument --handler-name: GeneralInstructionHandler is an older MindSpeed-LLM handler: use "
+            "AlpacaStyleInstructionHandler") in capsys.readouterr().err
+
+
 def test_openai_rows_under_the_sharegpt_handler_name_the_openai_handler(tmp_path, run_preprocess):
     """OpenAI rows (``messages`` of role/content) read with SharegptStyleInstructionHandler's default keys: the
     missing 'conversations' column names MindSpeed-LLM's OpenAIInstructionHandler, which reads them."""

@@ -102,6 +102,20 @@ def test_empty_file_in_a_directory_is_skipped_with_a_warning(tmp_path, run_prepr
     assert _meta(tmp_path / "o")["statistics"]["samples_written"] == 10
 
 
+def test_data_files_in_a_subdirectory_are_named_not_left_out_silently(tmp_path, run_preprocess, toy_alpaca_rows):
+    """--input DIR reads DIR's own files: shards in DIR/part2/ were left out without a word (walk 37)."""
+    toy.write_dataset(tmp_path / "d" / "a.jsonl", toy_alpaca_rows[:10])
+    toy.write_dataset(tmp_path / "d" / "part2" / "b.jsonl", toy_alpaca_rows[10:20])
+    (tmp_path / "d" / ".cache").mkdir()
+    toy.write_dataset(tmp_path / "d" / ".cache" / "c.jsonl", toy_alpaca_rows[:2])
+    code, _, err = run_preprocess(input=tmp_path / "d", output_prefix=tmp_path / "o", prompt_type="qwen", seq_length=128)
+    assert code == 0, err
+    warned = [line for line in err.splitlines() if "subdirectory" in line]
+    assert warned == [f"warning: {tmp_path / 'd' / 'part2'}: 1 data file(s) in a subdirectory, not read (only "
+                      f"{tmp_path / 'd'}'s own files are): pass it as another --input, or move its files up"], err
+    assert _meta(tmp_path / "o")["statistics"]["samples_written"] == 10
+
+
 @pytest.mark.parametrize("ext", ["csv", "jsonl", "json", "txt"])
 def test_utf8_with_byte_order_mark_is_read(tmp_path, run_preprocess, toy_alpaca_rows, ext):
     """Excel's "CSV UTF-8" (and some editors) put U+FEFF first: the output equals the file's without it."""

@@ -85,6 +85,22 @@ def resolve_input_files(path, flag: str = "--input") -> list[Path]:
     raise PreprocessError(f"{flag} {str(path)!r} does not exist")
 
 
+def unread_subdirectories(path) -> list[tuple[Path, int]]:
+    """(subdirectory, data files under it) of an input directory: only the directory's own files are read, so a
+    shard set split into folders (``DIR/part2/*.parquet``) would be left out without a word. A saved HF dataset's
+    split folders and hidden folders are not counted."""
+    p = Path(path)
+    if not p.is_dir() or (p / "dataset_dict.json").is_file():
+        return []
+    found = []
+    for d in sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith((".", "__"))):
+        n = sum(1 for f in d.rglob("*") if f.is_file() and f.suffix.lower() in FORMATS
+                and not any(part.startswith(".") for part in f.relative_to(d).parts))
+        if n:
+            found.append((d, n))
+    return found
+
+
 def _refuse_compressed(files) -> None:
     """A compressed data file (``train-0.jsonl.gz``): this reader does not decompress, and in a directory it
     would otherwise be left out without a word while the other files are read."""

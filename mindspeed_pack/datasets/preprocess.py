@@ -89,6 +89,22 @@ _OUTPUT_ARGS = ("handler_name", "prompt_type", "seq_length", "pack", "neat_pack"
 TOKENIZER_SUFFIX = "tokenizer"  # P_tokenizer/: the tokenizer extended with a template's tokens
 
 
+# MindSpeed-LLM's older handler names, and what reads their rows here
+RENAMED_HANDLERS = {
+    "GeneralInstructionHandler": "AlpacaStyleInstructionHandler (instruction/input/output rows)",
+    "R1AlpacaStyleInstructionHandler": "AlpacaStyleInstructionHandler (a <think> block inside the output is written "
+                                       "as given) or SharegptStyleInstructionHandler with reasoning_content",
+}
+
+
+def _handler_name(name: str) -> str:
+    """``--handler-name`` as given; an older MindSpeed-LLM name is refused naming the handler that reads its rows
+    (argparse's 'invalid choice' listed the names without saying which one)."""
+    if name in RENAMED_HANDLERS:
+        raise argparse.ArgumentTypeError(f"{name} is an older MindSpeed-LLM handler: use {RENAMED_HANDLERS[name]}")
+    return name
+
+
 def _true_false_none(text: str):
     """MindSpeed-LLM's --enable-thinking values: true, false, none (case-insensitive)."""
     try:
@@ -118,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-not-use-fast", action="store_true",
                    help="refused: preprocessing encodes with the tokenizer's fast (Rust) backend, in batches")
     g = p.add_argument_group("handler")
-    g.add_argument("--handler-name", default=None, choices=HANDLER_NAMES,
+    g.add_argument("--handler-name", default=None, choices=HANDLER_NAMES, type=_handler_name,
                    help="how rows are read (default: AlpacaStyleInstructionHandler; GeneralPretrainHandler with "
                         "--json-keys, as Megatron-LM's preprocessing passes it. OpenAIInstructionHandler: "
                         "MindSpeed-LLM's name for SharegptStyleInstructionHandler with OpenAI's keys: messages, role, "
@@ -593,6 +609,10 @@ def run_or_reuse(args) -> Tuple[dict, bool]:
     validate_args(args)
     inputs = args.input if isinstance(args.input, list) else [args.input]
     files = [f for path in inputs for f in readers.resolve_input_files(path)]
+    for path in inputs:
+        for folder, n in readers.unread_subdirectories(path):
+            print(f"warning: {folder}: {n} data file(s) in a subdirectory, not read (only {path}'s own files are): "
+                  "pass it as another --input, or move its files up", file=sys.stderr)
     tokenizer_spec = TokenizerSpec(args.tokenizer_type, args.tokenizer_path)
     tokenizer = load_tokenizer(tokenizer_spec, require_eos=False)
     template = None
