@@ -276,9 +276,10 @@ def test_the_same_command_again_after_its_export_writes_none_over_it(saved, tmp_
     other = str(tmp_path / "other")
     shutil.copytree(save, other)
     with pytest.raises(CheckpointError, match=f"--save-hf {export} holds the export of another run \\(--save {save}\\), "
-                                              "and this run trains iterations 3..4: choose a new directory"):
+                                              "and this run trains iterations 3..4: choose a new directory") as e:
         posttrain.main(argv(saved[0], "--save", other, "--load", other, "--save-hf", export, "--train-iters", "4",
                             "--override-opt_param-scheduler"))
+    assert e.value.scope == "node"  # every rank reads the record alike: each node's local rank 0 prints it
     trainer = posttrain.main(argv(saved[0], "--save", save, "--load", save, "--save-hf", export, "--train-iters", "4",
                                   "--override-opt_param-scheduler"))
     assert trainer.iteration == 4 and hf_checkpoint.export_record(export) == {"iteration": 4, "save": save}
@@ -436,8 +437,10 @@ def test_a_save_dir_that_cannot_be_written_is_one_error_before_training(saved, t
                                               r"--save this job can write"):
         posttrain.main(argv(saved[0], "--save", str(save)))
     file = str(tmp_path / "file")  # the --save itself a file: makedirs said only "File exists"
-    with pytest.raises(CheckpointError, match=rf"^--save {file} is a file, not a directory: pass a directory"):
+    with pytest.raises(CheckpointError, match=rf"^--save {file} is a file, not a directory: pass a directory") as e:
         posttrain.main(argv(saved[0], "--save", file))
+    # rank 0 found it and told every rank: rank 0 prints it, not each of them (runtime.error_scope)
+    assert getattr(e.value, "scope", None) == "job"
 
 
 def test_overwrite_output_dir_refuses_to_remove_the_checkpoint_it_loads(saved, tmp_path):

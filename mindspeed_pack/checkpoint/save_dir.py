@@ -20,6 +20,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from mindspeed_pack.checkpoint.errors import CheckpointError
+from mindspeed_pack.runtime.error_scope import scoped
 from mindspeed_pack.runtime.stale_files import HOST
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ def claim(args) -> None:
     message = [_claim(args.save) if dist.get_rank() == 0 else None]
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(message, src=0)
-    if message[0] is not None:
-        raise CheckpointError(message[0])
+    if message[0] is not None:  # rank 0's finding, on every rank: rank 0 prints it for the job
+        raise scoped(CheckpointError(message[0]), "job")
 
 
 def release(save: Optional[str]) -> None:

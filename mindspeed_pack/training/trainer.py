@@ -524,9 +524,10 @@ def run(args, batch_source: BatchSource, stage, before_train: Optional[Callable]
             trainer.setup()
             if args.save_hf:
                 hf_checkpoint.remove_killed_exports(args)  # first: a replacement killed midway is undone
-            replace = bool(args.save_hf) and _existing_export(args, trainer.iteration)
-            if args.save_hf:
-                hf_checkpoint.check_exportable(args)  # before training, not after it
+            with error_scope.files_read_alike(CheckpointError):  # what every rank reads alike: one line per node
+                replace = bool(args.save_hf) and _existing_export(args, trainer.iteration)
+                if args.save_hf:
+                    hf_checkpoint.check_exportable(args)  # before training, not after it
             if before_train:
                 before_train(trainer)
             trainer.train()
