@@ -163,3 +163,45 @@ def test_step_views_pad_every_micro_batch_to_one_length_for_pipelines():
     assert longest == 24 and [v.tokens.shape[1] for v in views] == [12, 12]
     views, longest = step_views([_pack(), short], 2, 0, 4, same_length=False)
     assert longest == 24 and [v.tokens.shape[1] for v in views] == [12, 4]
+
+
+def _parse_cp(*extra, capsys):
+    """posttrain's arguments at CP 2 on 2 ranks; (args, None) or (None, the parser's error)."""
+    from mindspeed_pack.config.arguments import parse_args
+    from tests.model_utils import TINY_FLAGS
+
+    try:
+        return parse_args([*TINY_FLAGS, "--seq-length", "128", "--global-batch-size", "2", "--train-iters", "2",
+                           "--data-path", "x", "--context-parallel-size", "2", *extra], world_size=2), None
+    except SystemExit:
+        return None, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    # megatron-core hands Transformer Engine the hierarchical CP groups for a2a+p2p, which are made only from
+    # Megatron-LM's --hierarchical-context-parallel-sizes: without them TE got no CP group (None) and ran its
+    # attention as if unsplit, each rank on its own share. It was accepted.
+    (["--cp-comm-type", "a2a+p2p"], "--cp-comm-type a2a+p2p: Transformer Engine's hierarchical CP (all-to-all "
+     "inside, ring across) needs megatron-core's hierarchical CP groups"),
+    # MindSpeed-LLM's other --context-parallel-algo values: named, with what runs here (it was argparse's
+    # 'invalid choice'); --ulysses-degree-in-cp (hybrid_cp_algo's) was an unknown argument
+    (["--context-parallel-algo", "hybrid_cp_algo", "--ulysses-degree-in-cp", "2"],
+     "--context-parallel-algo hybrid_cp_algo: MindSpeed's Ulysses-inside-ring CP is not built here"),
+    (["--context-parallel-algo", "adaptive_cp_algo"],
+     "--context-parallel-algo adaptive_cp_algo: MindSpeed's adaptive CP"),
+    (["--context-parallel-algo", "hybrid_adaptive_cp_algo"],
+     "--context-parallel-algo hybrid_adaptive_cp_algo: MindSpeed's adaptive CP"),
+    (["--ulysses-degree-in-cp", "2"], "--ulysses-degree-in-cp 2 goes with MindSpeed's --context-parallel-algo "
+     "hybrid_cp_algo"),
+])
+def test_cp_algorithms_not_built_here_are_refused_by_name(extra, message, capsys):
+    args, error = _parse_cp(*extra, capsys=capsys)
+    assert args is None and message in error, error
+
+
+@pytest.mark.parametrize("extra, comm", [([], "p2p"), (["--context-parallel-algo", "megatron_cp_algo"], "p2p"),
+                                         (["--context-parallel-algo", "ulysses_cp_algo"], "a2a"),
+                                         (["--cp-comm-type", "all_gather"], "all_gather")])
+def test_cp_algorithms_built_here_set_transformer_engines_comm_type(extra, comm, capsys):
+    args, error = _parse_cp(*extra, capsys=capsys)
+    assert error is None and args.cp_comm_type == comm

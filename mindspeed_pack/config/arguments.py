@@ -268,11 +268,14 @@ def _parallel_args(p: argparse.ArgumentParser) -> None:
                         "or at preprocessing with --pad-to-multiple-of")
     g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a", "a2a+p2p"],
                    help="Transformer Engine's CP attention communication (GPU); the CPU attention all-gathers "
-                        "keys/values whatever this says")
-    g.add_argument("--context-parallel-algo", default="megatron_cp_algo",
-                   choices=["megatron_cp_algo", "ulysses_cp_algo"],
+                        "keys/values whatever this says. a2a+p2p is refused: it needs megatron-core's hierarchical "
+                        "CP groups, which are not made here")
+    g.add_argument("--context-parallel-algo", default="megatron_cp_algo", choices=[*CP_ALGOS, *CP_ALGOS_REFUSED],
                    help="MindSpeed-LLM name: megatron_cp_algo = --cp-comm-type as given (ring, p2p by default); "
-                        "ulysses_cp_algo = --cp-comm-type a2a")
+                        "ulysses_cp_algo = --cp-comm-type a2a; hybrid_cp_algo, adaptive_cp_algo and "
+                        "hybrid_adaptive_cp_algo are refused by name")
+    g.add_argument("--ulysses-degree-in-cp", type=int, default=None,
+                   help="MindSpeed-LLM's hybrid_cp_algo (Ulysses inside ring): refused, as that algorithm is")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
@@ -787,6 +790,45 @@ DYNAMIC_CP_REFUSED_STAGES = {
 }
 
 
+# MindSpeed-LLM's --context-parallel-algo values: those built here (as Transformer Engine's --cp-comm-type), and
+# those refused, with why
+CP_ALGOS = {"megatron_cp_algo": None, "ulysses_cp_algo": "a2a"}
+CP_ALGOS_REFUSED = {
+    "hybrid_cp_algo": "MindSpeed's Ulysses-inside-ring CP is not built here (Transformer Engine's equivalent, "
+                      "--cp-comm-type a2a+p2p, needs megatron-core's hierarchical CP groups, which are not made here)",
+    "adaptive_cp_algo": "MindSpeed's adaptive CP (ring communication planned for a general attention mask) is not "
+                        "built here: packed samples are causal within their boundaries, which the ring runs",
+    "hybrid_adaptive_cp_algo": "MindSpeed's adaptive CP (ring communication planned for a general attention mask) "
+                               "is not built here: packed samples are causal within their boundaries, which the "
+                               "ring runs",
+}
+_CP_ALGO_HINT = ("use megatron_cp_algo (ring, --cp-comm-type p2p) or ulysses_cp_algo (all-to-all over the CP group, "
+                 "--cp-comm-type a2a)")
+
+
+def _check_cp_algorithm(args) -> None:
+    """MindSpeed-LLM's ``--context-parallel-algo`` as Transformer Engine's ``--cp-comm-type``; what neither builds
+    is refused by name. ``a2a+p2p``: megatron-core gives Transformer Engine the hierarchical CP groups for it
+    (``get_hierarchical_context_parallel_groups``), made only from Megatron-LM's
+    ``--hierarchical-context-parallel-sizes``; without them TE's attention gets no CP group and runs unsplit on
+    each rank's share, so it is refused rather than trained wrong."""
+    algo = args.context_parallel_algo
+    if algo in CP_ALGOS_REFUSED:
+        raise ArgumentError(f"--context-parallel-algo {algo}: {CP_ALGOS_REFUSED[algo]}; {_CP_ALGO_HINT}")
+    if args.ulysses_degree_in_cp is not None:
+        raise ArgumentError(f"--ulysses-degree-in-cp {args.ulysses_degree_in_cp} goes with MindSpeed's "
+                            f"--context-parallel-algo hybrid_cp_algo, which is not built here: drop it and "
+                            f"{_CP_ALGO_HINT}")
+    if CP_ALGOS[algo]:
+        args.cp_comm_type = CP_ALGOS[algo]
+    if args.context_parallel_size > 1 and args.cp_comm_type == "a2a+p2p":
+        raise ArgumentError("--cp-comm-type a2a+p2p: Transformer Engine's hierarchical CP (all-to-all inside, ring "
+                            "across) needs megatron-core's hierarchical CP groups (Megatron-LM's "
+                            "--hierarchical-context-parallel-sizes), which are not made here; without them its "
+                            "attention would run unsplit on each rank's share. Use --cp-comm-type p2p (ring), a2a "
+                            "(all-to-all over the CP group) or all_gather")
+
+
 def _check_dynamic_cp_flags(args) -> None:
     """``--sequence-packing-scheduler default_dynamic_cp``: group sizes that the sub-groups and the zigzag
     padding rule can serve, and the combinations it trains exactly (packing/dynamic_cp.py)."""
@@ -895,8 +937,7 @@ def validate_args(args, world_size: int = 1) -> argparse.Namespace:
     cp = args.context_parallel_size
     if cp < 1:
         raise ArgumentError(f"--context-parallel-size {cp} must be >= 1")
-    if args.context_parallel_algo == "ulysses_cp_algo":
-        args.cp_comm_type = "a2a"
+    _check_cp_algorithm(args)
     if cp > 1 and args.cp_comm_type in ("a2a", "a2a+p2p") and args.num_attention_heads // tp % cp:
         raise ArgumentError(f"--cp-comm-type {args.cp_comm_type} splits heads over CP: heads per TP rank "
                             f"({args.num_attention_heads // tp}) must be a multiple of --context-parallel-size {cp}")
