@@ -723,3 +723,24 @@ def test_a_unit_over_c_times_n_once_padded_is_refused_naming_it(tmp_path, monkey
                                         r"x --max-seqlen-per-dp-cp-rank 64 = 128 \(1 such samples\): raise either "
                                         r"flag; they are never truncated"):
         _unit_source(data, 0, monkeypatch, "dp_balanced", 2, 64)
+
+
+def test_a_step_that_leaves_ranks_empty_splits_single_rank_rows_onto_them():
+    """Eight short samples fit one row of N: the plan put them all on rank 0 and gave rank 1 an empty row (rank
+    imbalance 2.0, the step as slow as one rank doing everything; seen on the first steps of a long-tail run).
+    A row of several samples is split onto the empty rank, in the same number of micro-batches."""
+    lengths = [40, 35, 38, 52, 61, 44, 70, 30]
+    plan = _plan(lengths, ranks=2, per_rank=512, max_cp=2)
+    assert plan.slots == 1
+    assert sorted(j.first_rank for j in plan.jobs) == [0, 1]  # both ranks run a row
+    assert sorted(np.concatenate([j.samples for j in plan.jobs]).tolist()) == list(range(8))
+    assert all(list(j.samples) == sorted(j.samples) for j in plan.jobs)  # data order within a row
+    stats = plan.stats(lengths)
+    assert stats["rank imbalance"] < 1.1 and stats["tokens per rank max/mean"] < 1.1
+    # beside a row over both ranks: a second micro-batch of single-rank rows uses both ranks too
+    plan = _plan([1000, 100, 90, 80], ranks=2, per_rank=512, max_cp=2)  # 24 tokens of room beside 1000
+    assert plan.slots == 2 and sorted((j.slot, j.first_rank, j.size) for j in plan.jobs) == \
+        [(0, 0, 2), (1, 0, 1), (1, 1, 1)]
+    # a single sample cannot be split: its step keeps an empty row
+    plan = _plan([40], ranks=2, per_rank=512, max_cp=2)
+    assert [j.samples.tolist() for j in plan.jobs] == [[0]] and plan.rank_jobs(1) == [None]

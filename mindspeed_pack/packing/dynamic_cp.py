@@ -20,7 +20,8 @@ is ``M`` slots (micro-batches); in each slot the pool is split into blocks, each
     slot 1:  ranks 0-1  [s0 s3]     rank 2  [s2 s5]     rank 3  [s1]
 
 ``M = ceil(sum of job widths / W)``, the fewest slots: power-of-two widths that divide ``W`` fill the slots
-exactly when placed widest first. Every rank runs ``M`` micro-batches of ``N`` tokens (one shape for the
+exactly when placed widest first. Where the rows leave rank-slots empty, single-rank rows of several samples are
+split onto them (:func:`_fill_empty_rows`), so a step of short samples runs on every rank. Every rank runs ``M`` micro-batches of ``N`` tokens (one shape for the
 pipeline stages; a slot where a rank has no job is an empty row). Jobs go widest first, costliest first, to
 the block with the least load so far among those with a free slot (a job's load on each of its ranks is its
 samples' cost / ``g``, :class:`~.balance.CostModel`, the cost model of ``dp_balanced``). Since every job
@@ -203,6 +204,30 @@ def _repack_narrowest(rows: List[tuple], width: int, planned: np.ndarray, per_ra
     return [row for row in rows if row[0] != width] + [(width, np.sort(items[b])) for b in plan.bins()]
 
 
+def _fill_empty_rows(jobs: List[Job], empty: int, costs: np.ndarray) -> List[Job]:
+    """``jobs`` with single-rank rows of several samples split in two while the step has ``empty`` rank-slots
+    (rows no job would fill): the costliest such row first, its samples dealt costliest first to the lighter
+    half. The fewest slots leave ranks idle when the rows do not fill the last one (8 short samples of a step
+    fit one row: one rank ran them all, the other an empty row, rank imbalance 2.0); a split row takes one of
+    those slots, so the step keeps its micro-batches and its ranks share the work (as ``dp_balanced`` splits a
+    row for a rank short of rows). Wider rows stay whole: their group exchanges whole shares anyway."""
+    jobs = list(jobs)
+    while empty > 0:
+        narrow = [j for j in jobs if j.size == 1 and len(j.samples) > 1]
+        if not narrow:
+            break
+        job = max(narrow, key=lambda j: (j.cost, -int(j.samples[0])))  # ties: the earliest row
+        halves, loads = ([], []), [0.0, 0.0]
+        for i in sorted(job.samples.tolist(), key=lambda i: (-costs[i], i)):
+            h = int(loads[1] < loads[0])
+            halves[h].append(i)
+            loads[h] += float(costs[i])
+        jobs = [j for j in jobs if j is not job]
+        jobs += [Job(1, np.array(sorted(h), np.int64), load) for h, load in zip(halves, loads)]
+        empty -= 1
+    return jobs
+
+
 def plan_dynamic_cp(lengths, num_ranks: int, per_rank: int, max_cp: int, model: CostModel, min_cp: int = 1,
                     tp: int = 1, sequence_parallel: bool = False) -> DynamicCPPlan:
     """Group sizes, rows and their placement for one global batch's samples (see the module docstring).
@@ -219,6 +244,7 @@ def plan_dynamic_cp(lengths, num_ranks: int, per_rank: int, max_cp: int, model: 
     jobs = [Job(g, samples, float(costs[samples].sum()) / g)
             for g, samples in pack_rows(lengths, sizes, per_rank, tp, sequence_parallel)]
     slots = max(1, -(-sum(j.size for j in jobs) // num_ranks))
+    jobs = _fill_empty_rows(jobs, slots * num_ranks - sum(j.size for j in jobs), costs)
     used = np.zeros(num_ranks, np.int64)  # slots taken on every rank
     load = np.zeros(num_ranks)
     # widest first, then costliest, then data order
