@@ -424,7 +424,7 @@ def preview_lines(args, batches, naming: str) -> List[str]:
         plan = step_plan(lengths, args, pool, cost_model(args))
         figures = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in plan.stats(lengths).items())
-        lines.append(f"step {step + 1}: {plan.slots} micro-batches; {figures}; "
+        lines.append(f"step {step + 1}: {plan.slots} micro-batch{'' if plan.slots == 1 else 'es'}; {figures}; "
                      f"padding {plan.padding_ratio(lengths):.3f}"
                      + (f"; {dropped} samples dropped" if dropped else ""))
         lines += [f"  {line}" for line in plan.describe(names=names)]

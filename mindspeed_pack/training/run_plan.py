@@ -75,7 +75,7 @@ def resolve_epochs(args) -> None:
     batch = (f"{gbs} samples on data-parallel {args.data_parallel_size}, packed at load time into as many "
              "micro-batches as they fill" if packs_at_load_time(args) else
              f"micro-batch {args.micro_batch_size} x data-parallel {args.data_parallel_size} x "
-             f"{args.num_micro_batches} micro-batches")
+             f"{args.num_micro_batches} micro-batch{'' if args.num_micro_batches == 1 else 'es'}")
     note = (f"--train-epochs {epochs}: {docs} training documents"
             + (f" (+{epoch - docs} repeats, --padded-samples)" if epoch != docs else "")
             + f" x {epochs} = {epochs * epoch} samples / global batch {gbs} ({batch}) = {args.train_iters} iterations")
