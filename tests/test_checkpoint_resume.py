@@ -268,6 +268,10 @@ def test_the_same_data_moved_to_another_directory_resumes_without_the_other_data
         assert "other data" not in text, text
         assert f"the data moved (--{key.replace('_', '-')} {' '.join(here)} here, {' '.join(saved)} there): the same " \
                "contents" in text
+    # per-split paths are used whole: --split orders nothing there, and another one is no other data
+    text = _resume_messages(caplog, _order(train_data_path=[a], seed=1, split="98,2,0"),
+                            {"train_data_path": [a], "seed": 1, "split": "90,10,0"})
+    assert "other data" not in text, text
     # another dataset moved in under the first one's name is other data
     text = _resume_messages(caplog, _order(data_path=["0.3", a, "0.7", b], seed=1),
                             {"data_path": ["0.3", a2, "0.7", a2], "seed": 1})

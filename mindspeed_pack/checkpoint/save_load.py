@@ -183,8 +183,11 @@ def _warn_other_data(args, source: str, state: dict, consumed: int) -> None:
         return " ".join(map(str, v)) if isinstance(v, list) else v
     by_content = isinstance(saved.get(DATA_IDENTITY), dict)
     differing, moved = [], []
+    per_split = bool(mine.get("train_data_path")) and bool(saved.get("train_data_path"))
     for k in DATA_ORDER_ARGS:
         if k not in saved or (saved[k] == mine[k] and not (by_content and k in DATA_PATH_ARGS)):
+            continue
+        if k == "split" and per_split:  # per-split paths are used whole: --split orders nothing
             continue
         flag = f"--{k.replace('_', '-')}"
         if by_content and k in DATA_PATH_ARGS:
