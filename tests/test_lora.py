@@ -695,6 +695,50 @@ def test_a_peft_adapter_of_the_embedding_is_refused_by_name():
             adapters.canonical_name(key)
 
 
+def _plain_peft_dir(path, **config):
+    """A PEFT directory of q_proj adapters on two layers (r 2), adapter_config.json updated with ``config``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path)
+    tensors = {f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{ab}.weight": torch.zeros(shape)
+               for i in range(2) for ab, shape in (("A", (2, 64)), ("B", (64, 2)))}
+    save_file(tensors, os.path.join(path, adapters.ADAPTER_WEIGHTS))
+    json.dump({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"], "bias": "none",
+               "init_lora_weights": True, **config}, open(os.path.join(path, adapters.ADAPTER_CONFIG), "w"))
+    return str(path)
+
+
+@pytest.mark.parametrize("config, message", [
+    # PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA subtract the adapters' start from the base weights: PEFT saves the
+    # adapters of that residual base. Read as plain LoRA on the original base, a freshly initialised PiSSA adapter
+    # (q/v, r 4, on the tiny Qwen2) moved the logits by 2.6 where PEFT's model equals the base (measured); it loaded
+    ({"init_lora_weights": "pissa"}, "init_lora_weights 'pissa': PiSSA"),
+    ({"init_lora_weights": "pissa_niter_4"}, "init_lora_weights 'pissa_niter_4': PiSSA"),
+    ({"init_lora_weights": "olora"}, "init_lora_weights 'olora': OLoRA"),
+    ({"init_lora_weights": "corda"}, "init_lora_weights 'corda': CorDA"),
+    ({"init_lora_weights": "loftq"}, "init_lora_weights 'loftq': LoftQ"),
+    ({"init_lora_weights": "lora_ga"}, "init_lora_weights 'lora_ga': LoRA-GA"),
+    # PEFT's LoRA variants whose forward is not B A x: KaSA (a learned diagonal between A and B, on a truncated
+    # base; its lora_diag tensors were blamed as 'not a LoRA adapter of a projection') and Arrow (routing among
+    # several LoRAs; it loaded as one plain LoRA)
+    ({"kasa_config": {"svd_rank": None}}, "kasa_config {\"svd_rank\": null} (KaSA"),
+    ({"arrow_config": {"top_k": 3}}, "arrow_config {\"top_k\": 3} (Arrow"),
+])
+def test_peft_adapters_that_are_not_plain_lora_on_the_base_are_refused_by_name(tmp_path, config, message):
+    from mindspeed_pack.convert.model_specs import ConversionError
+
+    path = _plain_peft_dir(tmp_path / "peft", **config)
+    with pytest.raises(ConversionError) as e:
+        adapters.read_peft_settings(path)
+    assert message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "eva", "orthogonal", "mica"])
+def test_peft_adapters_of_plain_lora_inits_on_the_base_load(tmp_path, init):
+    """Inits that leave the base as it is (B A x on the same weights) still load."""
+    assert adapters.read_peft_settings(_plain_peft_dir(tmp_path / "peft", init_lora_weights=init))["r"] == 2
+
+
 @pytest.mark.parametrize("model_flags, targets, message", [
     ([f for f in TINY_FLAGS if f != "--swiglu"], ["linear_fc1"], "LoRA on linear_fc1 of a model without a gated MLP"),
     ([*TINY_FLAGS, "--num-experts", "4", "--moe-router-topk", "2"], ["linear_fc1", "linear_fc2"],

@@ -382,7 +382,15 @@ _PEFT_UNSUPPORTED = {
     "layers_to_transform": "adapters on some layers only", "layer_replication": "replicated layers",
     "target_parameters": "adapters on parameters", "use_qalora": "QA-LoRA", "use_bdlora": "BD-LoRA",
     "alora_invocation_tokens": "activated LoRA",
+    # PEFT's LoRA variants whose forward is not scale x B A x (each refused, not read as the plain LoRA it is not)
+    "kasa_config": "KaSA: a learned singular-value diagonal between A and B, over a truncated base",
+    "arrow_config": "Arrow: per-token routing among several LoRAs",
 }
+# init_lora_weights (its prefix) -> the method that subtracts the adapters' initial product from the base weights:
+# PEFT saves such adapters for that residual base (PeftModel.from_pretrained redoes the subtraction), so on the
+# original base they would give another model. PEFT's save_pretrained(path_initial_model_for_weight_conversion=...)
+# writes them as plain LoRA of the original base (init_lora_weights true), which loads.
+_RESIDUAL_INITS = {"pissa": "PiSSA", "olora": "OLoRA", "corda": "CorDA", "loftq": "LoftQ", "lora_ga": "LoRA-GA"}
 
 
 def is_peft_dir(path: str) -> bool:
@@ -431,6 +439,14 @@ def read_peft_settings(path: str) -> dict:
         if config.get(key):
             raise ConversionError(f"{where}: {key} {json.dumps(config[key])} ({what}): this trainer's adapters are "
                                   "plain LoRA, one A and B per adapted projection on every layer")
+    init = config.get("init_lora_weights", True)
+    residual = next((name for key, name in _RESIDUAL_INITS.items()
+                     if isinstance(init, str) and init.lower().startswith(key)), None)
+    if residual:
+        raise ConversionError(f"{where}: init_lora_weights {init!r}: {residual} subtracts the adapters' starting "
+                              "product from the base weights, so these adapters belong to that residual base, not "
+                              "to --load's: save them with PEFT's save_pretrained(DIR, path_initial_model_for_weight_"
+                              "conversion=INITIAL_ADAPTER_DIR) (plain LoRA of the original base), or merge them")
     modules = _modules_to_save(config, where) if config.get("modules_to_save") else []
     if config.get("bias", "none") != "none":
         raise ConversionError(f"{where}: bias {config['bias']!r}: the adapters train no biases (bias \"none\")")
