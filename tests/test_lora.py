@@ -753,6 +753,29 @@ def test_adapters_the_model_has_no_linear_for_are_refused_by_the_parser(model_fl
     assert f"error: --lora-target-modules: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("targets, idle", [(["q_proj", "gate_proj"], "gate_proj"),
+                                           (["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                                            "linear_fc1 linear_fc2")])
+def test_named_mlp_targets_of_a_model_whose_every_mlp_is_moe_are_warned(targets, idle, caplog):
+    """Every layer MoE: the experts get no adapter, so a named MLP target adapts nothing. The run trained the others
+    and its LoRA line still said 'on q_proj gate_proj' (MindSpeed-LLM's Qwen3-30B-A3B script names linear_fc1 and
+    linear_fc2): the parser says which names adapt nothing."""
+    import logging
+
+    argv = [*TINY_FLAGS, "--num-experts", "4", "--moe-router-topk", "2", "--data-path", "d", "--seq-length", "128",
+            "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-4", "--lora-target-modules", *targets,
+            "--dry-run"]
+    with caplog.at_level(logging.WARNING, logger="mindspeed_pack"):
+        with pytest.raises(SystemExit):  # --dry-run has no base to plan LoRA on: the check ran before
+            parse_args(argv, world_size=1)
+    assert (f"--lora-target-modules {idle}: every layer of this model is MoE, and experts get no adapter: "
+            f"{'they adapt' if ' ' in idle else 'it adapts'} nothing; the adapters train on ") in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mindspeed_pack"), pytest.raises(SystemExit):
+        parse_args([*argv[:argv.index("--lora-target-modules") + 1], "all-linear", "--dry-run"], world_size=1)
+    assert "adapts nothing" not in caplog.text and "adapt nothing" not in caplog.text  # all-linear: as documented
+
+
 @pytest.mark.parametrize("rslora,shown", [(False, "scale 2 (alpha / r)"), (True, "scale 4 (rsLoRA: alpha / sqrt(r))")])
 def test_the_lora_log_line_states_the_scale_and_rslora(rslora, shown, caplog):
     """rsLoRA doubles the update at r=4 (alpha / sqrt(r) instead of alpha / r): the run's LoRA line says which."""

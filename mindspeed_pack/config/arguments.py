@@ -248,6 +248,12 @@ def _check_lora_flags(args) -> None:
     problem = lora.target_problem(args)  # what building the model would refuse, refused by --dry-run too
     if problem:
         raise ArgumentError(problem)
+    idle = lora.idle_targets(args)
+    if idle:
+        rest = [n for n in args.lora_target_modules if n not in idle]
+        log.warning("--lora-target-modules %s: every layer of this model is MoE, and experts get no adapter: %s "
+                    "nothing; the adapters train on %s only",
+                    " ".join(idle), "they adapt" if len(idle) > 1 else "it adapts", " ".join(rest))
     if not args.load:
         raise ArgumentError("--lora-r: LoRA adapts a model: pass it (the base, a Hugging Face directory or a Megatron "
                             "checkpoint) with --load")

@@ -170,6 +170,20 @@ def target_problem(args) -> Optional[str]:
     return None
 
 
+def idle_targets(args) -> list:
+    """The ``--lora-target-modules`` names that adapt nothing in the model the flags describe: MLP names (megatron's or
+    Hugging Face's) when every layer is MoE, whose experts get no adapter (``all-linear`` means what exists)."""
+    settings = settings_from_args(args)
+    if settings is None or not getattr(args, "num_experts", None):
+        return []
+    freq = getattr(args, "moe_layer_freq", 1)
+    moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
+    if moe_layers < args.num_layers:
+        return []
+    return [name for name in args.lora_target_modules or [] if name != ALL_LINEAR
+            and all(linear.startswith("mlp.") for linear, _ in resolve_targets([name]))]
+
+
 def without_lora(args):
     """A copy of ``args`` that builds the model without adapters (a DPO ``--ref-load`` reference)."""
     plain = copy.copy(args)
