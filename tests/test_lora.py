@@ -753,6 +753,24 @@ def test_adapters_the_model_has_no_linear_for_are_refused_by_the_parser(model_fl
     assert f"error: --lora-target-modules: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("given, same_as", [
+    (["q_proj,v_proj"], ["q_proj", "v_proj"]),  # LLaMA-Factory's lora_target: q_proj,v_proj
+    (["linear_qkv,linear_proj", "linear_fc1"], ["linear_qkv", "linear_proj", "linear_fc1"]),
+    (["q_proj,", "v_proj"], ["q_proj", "v_proj"]),
+    (["all"], ["all-linear"]),  # LLaMA-Factory's lora_target: all
+])
+def test_target_modules_in_the_forms_other_trainers_write_are_read(given, same_as):
+    """--lora-target-modules q_proj,v_proj (LLaMA-Factory's comma list, a config file's one string) and 'all' were
+    'unknown module' errors; they name the same adapters as the space-separated list and all-linear."""
+    from mindspeed_pack.model import lora
+
+    assert lora.resolve_targets(given) == lora.resolve_targets(same_as)
+    args = parse_args([*TINY_FLAGS, "--data-path", "d", "--seq-length", "128", "--micro-batch-size", "1",
+                       "--train-iters", "1", "--lr", "1e-4", "--load", "base", "--lora-r", "4",
+                       "--lora-target-modules", *given], world_size=1)
+    assert args.lora_target_modules == same_as  # what the LoRA line, the record and run_config.yaml show
+
+
 @pytest.mark.parametrize("targets, idle", [(["q_proj", "gate_proj"], "gate_proj"),
                                            (["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
                                             "linear_fc1 linear_fc2")])

@@ -209,7 +209,7 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-target-modules", nargs="+", default=None,
                    help="linears that get adapters: linear_qkv linear_proj linear_fc1 linear_fc2, or the Hugging "
                         "Face projections q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all-linear "
-                        "(the default)")
+                        "(the default; also 'all'); a comma list (q_proj,v_proj) reads as the names it lists")
     g.add_argument("--lora-use-rslora", action="store_true", help="rank-stabilised scale alpha / sqrt(r)")
     g.add_argument("--lora-load", default=None, metavar="DIR",
                    help="a LoRA run's checkpoint (its --save: adapters, optimizer, the base's fingerprint) to resume "
@@ -241,6 +241,8 @@ def _check_lora_flags(args) -> None:
         raise ArgumentError(f"--lora-alpha {args.lora_alpha} must be positive")
     if not 0.0 <= args.lora_dropout < 1.0:
         raise ArgumentError(f"--lora-dropout {args.lora_dropout} must be in [0, 1)")
+    if args.lora_target_modules is not None:  # one spelling for the LoRA line, the record and run_config.yaml
+        args.lora_target_modules = lora.target_names(args.lora_target_modules)
     try:
         lora.resolve_targets(args.lora_target_modules or [lora.ALL_LINEAR])
     except ValueError as e:

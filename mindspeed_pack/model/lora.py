@@ -75,10 +75,17 @@ def valid_target_names() -> str:
     return f"{megatron} (megatron), {hf} (Hugging Face), {ALL_LINEAR}"
 
 
+def target_names(names) -> list:
+    """``--lora-target-modules`` as given -> its names: a comma list split (LLaMA-Factory's ``lora_target:
+    q_proj,v_proj``, a config file's one string) and its ``all`` read as :data:`ALL_LINEAR`."""
+    out = [part.strip() for name in names for part in str(name).split(",") if part.strip()]
+    return [ALL_LINEAR if name == "all" else name for name in out]
+
+
 def resolve_targets(names) -> Tuple[Tuple[str, str], ...]:
     """``--lora-target-modules`` names -> sorted ``(linear, projection)`` pairs; ValueError names the valid ones."""
     out = set()
-    for name in names:
+    for name in target_names(names):
         if name == ALL_LINEAR:
             out |= {(linear, p) for linear, parts in ADAPTED_LINEARS.items() for p in parts}
             continue
@@ -180,7 +187,7 @@ def idle_targets(args) -> list:
     moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
     if moe_layers < args.num_layers:
         return []
-    return [name for name in args.lora_target_modules or [] if name != ALL_LINEAR
+    return [name for name in target_names(args.lora_target_modules or []) if name != ALL_LINEAR
             and all(linear.startswith("mlp.") for linear, _ in resolve_targets([name]))]
 
 
