@@ -566,6 +566,24 @@ def test_finetune_from_a_lora_runs_own_save_resumes_it(qwen, tmp_path, caplog):
     assert "nothing to train" in caplog.text  # the run had ended: its iteration, not a restart at 0
 
 
+def test_the_same_command_from_a_peft_dir_resumes_its_own_save(qwen, trained, tmp_path, caplog):
+    """--lora-load PEFT_DIR --save S run again (torchrun's restart, or by hand) started over from the PEFT adapters at
+    iteration 0 and saved over S's iterations (measured: iterations 1-4 trained again, the same losses); a PEFT
+    directory is weights, like --finetune: S holding this run's checkpoint is resumed."""
+    import logging
+
+    peft_dir = _peft_export(qwen, trained, tmp_path / "peft")
+    save = str(tmp_path / "run")
+    argv = [*TINY_FLAGS, *RUN[:-4], "--train-iters", "1", "--data-path", qwen["data"], "--load", qwen["mg"],
+            "--lora-load", peft_dir, "--save", save]
+    posttrain.main(argv)
+    with caplog.at_level(logging.INFO):
+        posttrain.main(argv)
+    assert "holds iteration 1 of this run" in caplog.text and "resuming from it" in caplog.text, caplog.text
+    assert "nothing to train" in caplog.text  # the run had ended: its iteration, not a restart at 0
+    assert "loaded the PEFT adapters" not in caplog.text
+
+
 def test_dry_run_memory_counts_adapters_not_the_frozen_base():
     """--dry-run's plan under LoRA: Qwen2.5-7B r=8 on all linears has 20.2M adapter parameters (the README's
     table), and only they get gradients and optimizer state."""

@@ -2,7 +2,7 @@
 adapters, or the run's own ``--save``. The trainer calls :func:`load_run_checkpoint` and never asks which.
 
 A run that starts from weights at iteration 0 (``--load HF_DIR``, ``--finetune``, a release checkpoint; under
-LoRA fresh adapters or ``--lora-load D --finetune``) and saves elsewhere (``--save S``) repeats that start when
+LoRA fresh adapters, ``--lora-load D --finetune`` or a PEFT directory's adapters) and saves elsewhere (``--save S``) repeats that start when
 it is run again: torchrun's restart after a crash, or the same command by hand. It resumes from S instead when
 S holds *this run's* checkpoint (HF Trainer's ``resume_from_checkpoint``, LLaMA-Factory and ms-swift do the
 same): ``S/run_config.yaml`` records the same value of every flag that defines the run (model, data, schedule,
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from mindspeed_pack.checkpoint import hf_checkpoint, lora_checkpoint, save_load
 from mindspeed_pack.checkpoint.errors import CheckpointError
 from mindspeed_pack.config import finetune_defaults, resolved_config
+from mindspeed_pack.convert import adapters
 from mindspeed_pack.convert import megatron_layout as layout
 from mindspeed_pack.model import lora
 from mindspeed_pack.runtime import error_scope, faults
@@ -111,8 +112,9 @@ def _is_release(path: str) -> bool:
 def starts_from_weights(args) -> bool:
     """Whether the run starts at iteration 0 from weights it does not save over: its ``--save`` is then the
     only place its progress is (the case :func:`_own_checkpoint` resumes)."""
-    if lora.trains_adapters(args):
-        source, fresh = args.lora_load, not args.lora_load or args.finetune
+    if lora.trains_adapters(args):  # a PEFT directory's adapters are weights, loaded at iteration 0
+        source = args.lora_load
+        fresh = not source or args.finetune or adapters.is_peft_dir(source)
     else:
         source = args.load
         fresh = args.finetune or hf_checkpoint.loads_hf(args) or bool(args.load and _is_release(args.load))
