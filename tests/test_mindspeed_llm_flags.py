@@ -165,6 +165,7 @@ def test_pad_vocab_size_to_is_the_padded_vocab_size(data):
     (["--noop-layers", "0,1"], "--noop-layers 0,1: no-op padding layers"),
     (["--num-layer-list", "1,1"], "--num-layer-list 1,1: uneven pipeline stages"),
     (["--no-pad-to-seq-lengths"], "--no-pad-to-seq-lengths: unpacked samples are padded to --seq-length here"),
+    (["--qlora"], "--qlora: a 4-bit quantised base (QLoRA) is not built here"),  # was 'unrecognized arguments'
     ([*MOE, "--first-k-dense-replace", "2"], "--first-k-dense-replace 2 must be below --num-layers 2"),
     (["--first-k-dense-replace", "1"], "needs --num-experts"),
     ([*MOE, "--moe-intermediate-size", "96", "--moe-ffn-hidden-size", "64"], "name the same size: pass one"),

@@ -78,6 +78,13 @@ REFUSED = {
         "modules trained in full beside the adapters (MindSpeed-LLM's word_embeddings / output_layer, for an "
         "extended vocabulary) are not trained here: drop it (a LoRA run trains its adapters only; a full "
         "fine-tune, without --lora-r, trains every weight)"),
+    "--qlora": (
+        {"action": "store_true"},
+        "a 4-bit quantised base (QLoRA) is not built here: LoRA trains on the base in --bf16 (the adapters and the "
+        "export are the same kind), or drop it"),
+    "--qlora-save-dequantize": (
+        {"action": "store_true"},
+        "goes with --qlora, which is not built here: drop both (LoRA trains on the --bf16 base)"),
 }
 
 QWEN3_SPEC = "mindspeed_llm.tasks.models.spec.qwen3_spec"
