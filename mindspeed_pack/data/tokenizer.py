@@ -49,6 +49,8 @@ def fold_megatron_hf_tokenizer(args, error=PreprocessError) -> None:
     if not (model or path):
         raise error(f"--tokenizer-type {MEGATRON_HF_TYPE} reads the tokenizer directory from --tokenizer-model DIR")
     args.tokenizer_type, args.tokenizer_name_or_path, args.tokenizer_model = "PretrainedFromHF", model or path, None
+
+
 _NOT_READ = object()
 # files that define a tokenizer (a model dir also holds weights, which must not be hashed)
 _TOKENIZER_FILE_HINTS = ("tokenizer", "vocab", "merges", "special_tokens", "added_tokens", "chat_template", ".model", ".tiktoken")

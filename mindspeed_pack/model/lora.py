@@ -183,9 +183,9 @@ def idle_targets(args) -> list:
     settings = settings_from_args(args)
     if settings is None or not getattr(args, "num_experts", None):
         return []
-    freq = getattr(args, "moe_layer_freq", 1)
-    moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, args.num_layers, freq))
-    if moe_layers < args.num_layers:
+    from mindspeed_pack.model.moe import moe_layer_pattern
+
+    if not all(moe_layer_pattern(args)):
         return []
     return [name for name in target_names(args.lora_target_modules or []) if name != ALL_LINEAR
             and all(linear.startswith("mlp.") for linear, _ in resolve_targets([name]))]
