@@ -21,8 +21,8 @@ is ``M`` slots (micro-batches); in each slot the pool is split into blocks, each
 
 ``M = ceil(sum of job widths / W)``, the fewest slots: power-of-two widths that divide ``W`` fill the slots
 exactly when placed widest first. Where the rows leave rank-slots empty, single-rank rows of several samples are
-split onto them (:func:`_fill_empty_rows`), so a step of short samples runs on every rank. Every rank runs ``M`` micro-batches of ``N`` tokens (one shape for the
-pipeline stages; a slot where a rank has no job is an empty row). Jobs go widest first, costliest first, to
+split onto them (:func:`_fill_empty_rows`), so a step of short samples runs on every rank. Every rank runs ``M``
+micro-batches of ``N`` tokens (one shape for the pipeline stages; a slot where a rank has no job is an empty row). Jobs go widest first, costliest first, to
 the block with the least load so far among those with a free slot (a job's load on each of its ranks is its
 samples' cost / ``g``, :class:`~.balance.CostModel`, the cost model of ``dp_balanced``). Since every job
 placed before one of width ``g`` covers whole ``g``-blocks, the ranks of a block always have the same load
